@@ -1,0 +1,206 @@
+"""Statistical exactness: emitted tokens are distributed as the target's, for every exact mode.
+
+Each test runs the whole speculative step (draw from q, accept/reject at the verifier, recover at
+the edge) many times with a fixed seed on a small vocabulary and compares the emitted tokens with p
+by a chi-square test. A deliberately broken variant (q not transformed like p) must be rejected
+by the same test: proof that it has power. The lossy top-K mode is held to its TV bound instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from shared import compression as C
+from shared.protocol import CorrectionMode
+from shared.rejection import Decision, draw_candidates, one_hot, recover, verify_batch
+from shared.sampling import SamplingParams, sample, total_variation, transform
+
+N = 20_000
+# Per-case size of the test. ~50 cases run, so Bonferroni at a family-wise 0.5% gives 1e-4; the
+# negative control must fall below 1e-6, so the test keeps its power. Seeds are fixed: every run
+# is identical, and a failure is a reproducible one.
+ALPHA = 1e-4
+
+SETTINGS = [
+    SamplingParams(0.7),
+    SamplingParams(1.0),
+    SamplingParams(1.3),
+    SamplingParams(1.0, top_k=6),
+    SamplingParams(0.7, top_p=0.8),
+    SamplingParams(1.3, top_k=10, top_p=0.9),
+]
+EXACT_MODES = [CorrectionMode.CANDIDATES, CorrectionMode.GREEDY_DRAFT, "topk_full"]
+
+
+def chi_square_pvalue(samples: np.ndarray, p: np.ndarray) -> float:
+    """Pearson chi-square of sample counts against p; bins expected < 5 are pooled."""
+    n = len(samples)
+    observed = np.bincount(samples, minlength=len(p)).astype(np.float64)
+    assert observed[p == 0].sum() == 0, "emitted a token the target can never produce"
+    expected = p * n
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    exp *= obs.sum() / exp.sum()
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def _logits(seed: int, v: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    target = rng.normal(0, 1.5, v)
+    draft = target + rng.normal(0, 1.0, v)  # a correlated, imperfect draft
+    return target, draft
+
+
+def speculative_step(
+    p: np.ndarray,
+    q: np.ndarray,
+    mode: str,
+    rng: np.random.Generator,
+    *,
+    k: int,
+    q_sampled: np.ndarray | None = None,
+) -> int:
+    """One position: draft x, verifier decides, edge recovers. Returns the emitted token.
+
+    ``q_sampled`` (negative control only) is the distribution x is really drawn from, while q is
+    what the edge reports and uses.
+    """
+    v = len(p)
+    if mode == CorrectionMode.GREEDY_DRAFT:
+        x = int(np.argmax(q))
+        q = one_hot(x, v)
+    else:
+        x = sample(q if q_sampled is None else q_sampled, rng)
+    correction = CorrectionMode.TOPK if mode == "topk_full" else mode
+    rows = np.stack([p, p])  # row 1 is the (unused) bonus position
+    d = verify_batch(rows, [x], [q[x]], greedy=False, correction=correction, rng=rng, k=k)
+    if d.accepted == 1:
+        return x
+    tok = recover(d, q, rng)
+    while tok is None:  # all candidates failed: the edge sends Resample for more
+        more = draw_candidates(p, x, 8, rng)
+        tok = recover(Decision(0, candidates=more), q, rng)
+    return tok
+
+
+def run_steps(step: Callable[[np.random.Generator], int], seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.array([step(rng) for _ in range(N)])
+
+
+@pytest.mark.parametrize("v", [8, 64])
+@pytest.mark.parametrize("mode", EXACT_MODES)
+@pytest.mark.parametrize("params", SETTINGS, ids=str)
+def test_exact_modes_match_target(v: int, mode: str, params: SamplingParams) -> None:
+    tl, dl = _logits(v * 7 + 1, v)
+    p, q = transform(tl, params), transform(dl, params)
+    out = run_steps(lambda rng: speculative_step(p, q, mode, rng, k=v), seed=v)
+    pv = chi_square_pvalue(out, p)
+    assert pv > ALPHA, f"{mode} at {params}: chi-square p-value {pv:.2e}"
+
+
+def test_negative_control_q_not_transformed_like_p() -> None:
+    """The known bug class: the draft samples from untransformed q but reports transformed q."""
+    v = 16
+    params = SamplingParams(0.5)
+    tl, dl = _logits(3, v)
+    p, q = transform(tl, params), transform(dl, params)
+    q_raw = transform(dl, SamplingParams(1.0))  # what x is really drawn from
+    out = run_steps(
+        lambda rng: speculative_step(p, q, CorrectionMode.CANDIDATES, rng, k=v, q_sampled=q_raw),
+        seed=5,
+    )
+    pv = chi_square_pvalue(out, p)
+    assert pv < 1e-6, f"the broken variant passed (p-value {pv:.2e}): the test has no power"
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("params", SETTINGS[:3], ids=str)
+def test_lossy_topk_within_tv_bound(k: int, params: SamplingParams) -> None:
+    v = 32
+    tl, dl = _logits(11, v)
+    p, q = transform(tl, params), transform(dl, params)
+    eps = C.top_k(p, k).eps
+    bound = C.lossy_correction_tv_bound(eps)
+    # the exact emitted distribution of a top-K step, and the sampled one
+    p_hat = C.reconstruct(C.top_k(p, k), v)
+    beta = 1.0 - np.minimum(p, q).sum()
+    from shared.sampling import residual
+
+    analytic = np.minimum(p, q) + beta * residual(p_hat, q)
+    assert total_variation(analytic, p) <= bound + 1e-9
+    out = run_steps(lambda rng: speculative_step(p, q, CorrectionMode.TOPK, rng, k=k), seed=k)
+    empirical = np.bincount(out, minlength=v) / N
+    # sampling noise of an empirical distribution: E[TV] <= ½ Σ sqrt(p(1−p)/N)
+    noise = 0.5 * np.sqrt(analytic * (1 - analytic) / N).sum()
+    assert total_variation(empirical, p) <= bound + 4 * noise
+    # and the sampler really draws from the analytic distribution
+    assert chi_square_pvalue(out, analytic) > ALPHA
+
+
+# ------------------------------------------------------------------ multi-position rounds
+
+
+def _bigram(v: int, seed: int, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    tl = rng.normal(0, 1.5, (v, v))
+    dl = tl + rng.normal(0, 0.8, (v, v))
+    return transform(tl, params), transform(dl, params)
+
+
+def _generate(
+    P: np.ndarray, Q: np.ndarray, gamma: int, mode: str, rng: np.random.Generator, n: int
+) -> list[int]:
+    """Speculative rounds over a bigram 'model' until n tokens are emitted (start token 0)."""
+    v = P.shape[0]
+    out: list[int] = []
+    prev = 0
+    while len(out) < n:
+        xs, qx, qrows = [], [], []
+        t = prev
+        for _ in range(gamma):
+            qrow = Q[t]
+            if mode == CorrectionMode.GREEDY_DRAFT:
+                x = int(np.argmax(qrow))
+                qrow = one_hot(x, v)
+            else:
+                x = sample(qrow, rng)
+            xs.append(x)
+            qx.append(qrow[x])
+            qrows.append(qrow)
+            t = x
+        rows = np.stack([P[prev]] + [P[x] for x in xs])
+        d = verify_batch(rows, xs, qx, greedy=False, correction=mode, rng=rng, want_bonus=True)
+        out += xs[: d.accepted]
+        if d.rejected:
+            tok = recover(d, qrows[d.accepted], rng)
+            while tok is None:
+                more = draw_candidates(rows[d.accepted], xs[d.accepted], 8, rng)
+                tok = recover(Decision(0, candidates=more), qrows[d.accepted], rng)
+            out.append(tok)
+        else:
+            assert d.bonus is not None
+            out.append(d.bonus)
+        prev = out[-1]
+    return out
+
+
+@pytest.mark.parametrize("mode", [CorrectionMode.CANDIDATES, CorrectionMode.GREEDY_DRAFT])
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_multi_position_rounds_match_target_joint(mode: str, gamma: int) -> None:
+    """The joint law of the first three tokens equals P(t1|0) P(t2|t1) P(t3|t2)."""
+    v = 5
+    P, Q = _bigram(v, 2, SamplingParams(1.0))
+    rng = np.random.default_rng(gamma)
+    seqs = np.array([_generate(P, Q, gamma, mode, rng, 3)[:3] for _ in range(N)])
+    cells = seqs[:, 0] * v * v + seqs[:, 1] * v + seqs[:, 2]
+    joint = (P[0][:, None, None] * P[:, :, None] * P[None, :, :]).reshape(-1)
+    pv = chi_square_pvalue(cells, joint)
+    assert pv > ALPHA, f"{mode}, γ={gamma}: p-value {pv:.2e}"
