@@ -43,10 +43,11 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from shared.protocol import Fingerprint
+
 __all__ = [
     "DEFAULT_GGUF_FILE",
     "LoadedModel",
-    "ModelFingerprint",
     "ModelSpec",
     "ModelSpecError",
     "build_tiny_model",
@@ -90,15 +91,6 @@ class ModelSpec:
     keep: int | None = None
 
 
-@dataclass(frozen=True)
-class ModelFingerprint:
-    """What two peers compare before speculating together: same tokenizer hash and vocab width."""
-
-    tokenizer_hash: str
-    vocab_size: int
-    model_name: str
-
-
 @dataclass
 class LoadedModel:
     """A model ready for inference: eval mode, no parameter requires grad."""
@@ -107,7 +99,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     name: str
     vocab_size: int  # logits width (config.vocab_size), may exceed len(tokenizer)
-    fingerprint: ModelFingerprint
+    fingerprint: Fingerprint
 
     @property
     def device(self) -> torch.device:
@@ -313,7 +305,7 @@ def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: st
     model.eval()  # type: ignore[no-untyped-call]
     model.requires_grad_(False)
     vocab_size = int(_text_config(model).vocab_size)
-    fingerprint = ModelFingerprint(
+    fingerprint = Fingerprint(
         tokenizer_hash=tokenizer_hash(tokenizer), vocab_size=vocab_size, model_name=name
     )
     return LoadedModel(
