@@ -1,0 +1,197 @@
+"""The edge agent: one draft model, one verifier link, generations that survive lost connections.
+
+:meth:`EdgeAgent.generate` runs one generation: it connects (Hello/Welcome with the fingerprint
+check), runs the pipeline (:class:`~edge_agent.pipeline.SpeculativeSession`) and, when the link
+drops or desynchronises, reconnects with exponential backoff and resumes from the committed ids
+(the new session's first Propose carries them all as fixed tokens, so the verifier re-prefills).
+Committed text is never lost or duplicated: only :class:`Generation` holds it, and a session only
+ever appends to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_agent.drafter import Drafter
+from edge_agent.pipeline import (
+    STOP_AND_WAIT,
+    DesyncError,
+    Generation,
+    PipelineConfig,
+    SpeculativeSession,
+    VerifierError,
+)
+from edge_agent.tasks import ModelWorker
+from edge_agent.transport import LinkClosed, Transport
+from shared.protocol import (
+    CorrectionMode,
+    Error,
+    Fingerprint,
+    Hello,
+    ProtocolError,
+    ReplyMode,
+    Welcome,
+    WireContext,
+    decode,
+    encode,
+)
+
+log = logging.getLogger("wanspec.edge")
+
+Connect = Callable[[], Awaitable[Transport]]
+
+#: Error codes after which reconnecting cannot help.
+FATAL_CODES = frozenset({"fingerprint_mismatch", "unauthorized", "bad_hello", "unsupported"})
+
+
+class HandshakeError(RuntimeError):
+    """The verifier refused the session (e.g. a different tokenizer). Not retried."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 8  # consecutive failed sessions before giving up
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 5.0
+    handshake_timeout_s: float = 30.0
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        """Exponential backoff with full jitter."""
+        cap = min(self.backoff_max_s, self.backoff_initial_s * 2 ** max(0, attempt - 1))
+        return rng.uniform(cap / 2, cap)
+
+
+async def handshake(transport: Transport, hello: Hello, timeout_s: float) -> Welcome:
+    """Send Hello, await Welcome. Raises HandshakeError for a refusal the user must act on."""
+    await transport.send(encode(hello))
+    data = await asyncio.wait_for(transport.recv(), timeout_s)
+    try:
+        msg = decode(data)
+    except ProtocolError as e:
+        raise DesyncError(f"bad handshake reply: {e}") from e
+    if isinstance(msg, Error):
+        if msg.code in FATAL_CODES:
+            raise HandshakeError(f"verifier refused the session: {msg.message}")
+        raise VerifierError(msg.code, msg.message, msg.fatal)
+    if not isinstance(msg, Welcome):
+        raise DesyncError(f"expected Welcome, got {type(msg).__name__}")
+    reason = hello.fingerprint.compatible_with(msg.fingerprint)
+    if reason is not None:
+        raise HandshakeError(f"verifier model is incompatible: {reason}")
+    return msg
+
+
+class EdgeAgent:
+    """Holds the draft model and its worker; runs generations against a verifier."""
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        fingerprint: Fingerprint,
+        connect: Connect,
+        *,
+        retry: RetryPolicy | None = None,
+        worker: ModelWorker | None = None,
+    ) -> None:
+        self.drafter = drafter
+        self.fingerprint = fingerprint
+        self.connect = connect
+        self.retry = retry or RetryPolicy()
+        self.worker = worker or ModelWorker("draft-model")
+        self._owns_worker = worker is None
+
+    def close(self) -> None:
+        if self._owns_worker:
+            self.worker.close()
+
+    def hello(self, cfg: PipelineConfig, seed: int | None) -> Hello:
+        return Hello(
+            fingerprint=self.fingerprint,
+            sampling=cfg.sampling,
+            reply_mode=ReplyMode.VERDICT,
+            correction=cfg.wire_correction,
+            bonus=cfg.mode == STOP_AND_WAIT,
+            seed=seed,
+        )
+
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        cfg: PipelineConfig,
+        *,
+        max_new_tokens: int,
+        eos_ids: Sequence[int] = (),
+        seed: int | None = None,
+        on_commit: Callable[[list[int]], None] | None = None,
+    ) -> Generation:
+        """Generate until an end-of-sequence id or ``max_new_tokens``; returns the Generation."""
+        gen = Generation(prompt, max_new_tokens, eos_ids, on_commit)
+        rng = np.random.default_rng(seed)
+        jitter = random.Random(seed)
+        failures = 0
+        session_no = 0
+        while not gen.done:
+            # Each session gets its own verifier seed, derived from the generation's seed, so a
+            # seeded run is reproducible whatever the reconnects.
+            vseed = None if seed is None else (seed * 1_000_003 + session_no) % 2**63
+            session_no += 1
+            committed_before = len(gen.committed)
+            transport: Transport | None = None
+            try:
+                transport = await self.connect()
+                hello = self.hello(cfg, vseed)
+                welcome = await handshake(transport, hello, self.retry.handshake_timeout_s)
+                ctx = WireContext(
+                    vocab_size=self.fingerprint.vocab_size,
+                    max_gamma=welcome.max_gamma,
+                    max_fixed=welcome.max_fixed,
+                    max_frame=welcome.max_frame,
+                    draft_probs=hello.correction != CorrectionMode.GREEDY_DRAFT,
+                )
+                if len(gen.committed) > welcome.max_fixed:
+                    raise HandshakeError(
+                        f"{len(gen.committed)} committed tokens exceed the verifier's limit of "
+                        f"{welcome.max_fixed} fixed tokens per Propose"
+                    )
+                session = SpeculativeSession(
+                    gen,
+                    self.drafter,
+                    self.worker,
+                    transport,
+                    ctx,
+                    cfg,
+                    rng,
+                    max_gamma=welcome.max_gamma,
+                )
+                await session.run()
+            except (LinkClosed, DesyncError, ProtocolError, TimeoutError, OSError) as e:
+                failures = self._failed(gen, failures, e, committed_before)
+                await asyncio.sleep(self.retry.delay(failures, jitter))
+            except VerifierError as e:
+                if e.fatal and e.code in FATAL_CODES:
+                    raise
+                failures = self._failed(gen, failures, e, committed_before)
+                await asyncio.sleep(self.retry.delay(failures, jitter))
+            finally:
+                if transport is not None:
+                    await transport.close()
+        return gen
+
+    def _failed(
+        self, gen: Generation, failures: int, err: BaseException, committed_before: int
+    ) -> int:
+        # A session that committed something resets the failure count: progress is being made.
+        if len(gen.committed) > committed_before:
+            failures = 0
+        failures += 1
+        gen.stats.reconnects += 1
+        log.warning("verifier session lost (%s); reconnecting (attempt %d)", err, failures)
+        if failures > self.retry.max_attempts:
+            raise LinkClosed(f"gave up after {failures - 1} failed sessions: {err}") from err
+        return failures

@@ -1,0 +1,72 @@
+"""The draft model: the next-token distribution q after any token sequence.
+
+The drafter owns the draft model's KV cache and *derives* its state from the sequence it is asked
+about: the cache is cropped to the longest common prefix with that sequence and extended with the
+rest. Rolling back after a rejection is therefore a crop (O(1)), never a copy; committing needs
+nothing at all.
+
+Every method here blocks (model forwards): call them on the agent's single model worker, never on
+the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from shared.lm import CausalLM, SupportsCausalLM
+from shared.sampling import Probs, SamplingParams, sample, transform
+
+
+class Drafter:
+    """q(· | seq) for the draft model, with the request's sampling transform applied."""
+
+    def __init__(self, loaded: SupportsCausalLM) -> None:
+        self.lm = CausalLM(loaded)
+        self.vocab_size = self.lm.vocab_size
+        self.forwards = 0  # forwards run (for tests and stats)
+
+    def _sync(self, seq: Sequence[int]) -> None:
+        """Make the cache hold exactly ``seq`` (crop to the common prefix, extend the rest)."""
+        cached = self.lm.tokens
+        n = min(len(cached), len(seq))
+        common = 0
+        # Divergence is almost always near the end (a rollback): compare from there first.
+        if n and tuple(seq[:n]) == cached[:n]:
+            common = n
+        else:
+            while common < n and cached[common] == seq[common]:
+                common += 1
+        self.lm.crop(common)
+        if common < len(seq):
+            self.forwards += 1
+            self.lm.extend(seq[common:], last_rows=1)
+
+    def next_dist(self, seq: Sequence[int], params: SamplingParams) -> Probs:
+        """The draft distribution q: [V] float64 for the token after ``seq`` (non-empty)."""
+        if not seq:
+            raise ValueError("the draft needs at least one token of context")
+        self._sync(seq)
+        logits = self.lm.last_logits.numpy()  # [V]
+        out: Probs = transform(logits, params)
+        return out
+
+    def draft(
+        self,
+        seq: Sequence[int],
+        params: SamplingParams,
+        rng: np.random.Generator,
+        *,
+        deterministic: bool,
+    ) -> tuple[int, Probs]:
+        """Draw the next draft token after ``seq``; returns (x, q) with q the distribution x was
+        drawn from: the transformed draft distribution, or its one-hot argmax when
+        ``deterministic`` (greedy decoding and the greedy-draft correction mode)."""
+        q = self.next_dist(seq, params)
+        if deterministic:
+            x = int(np.argmax(q))
+            onehot = np.zeros_like(q)
+            onehot[x] = 1.0
+            return x, onehot
+        return sample(q, rng), q

@@ -1,0 +1,94 @@
+"""The WebSocket link to a verifier (aiohttp client), as a Transport."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+
+import aiohttp
+
+from edge_agent.transport import LinkClosed
+from shared.protocol import SUBPROTOCOL
+
+
+class AuthError(PermissionError):
+    """The verifier refused the token (HTTP 401/403): reconnecting will not help."""
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    url: str  # ws://host:port/v1/session or wss://...
+    token: str
+    heartbeat_s: float = 10.0  # ping interval; no pong within half of it closes the link
+    connect_timeout_s: float = 10.0
+    max_frame: int = 4 << 20
+    ssl: ssl.SSLContext | bool = True  # True: verify the server certificate (default)
+
+
+class WebSocketTransport:
+    """One verifier session over one WebSocket."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, ws: aiohttp.ClientWebSocketResponse[bool]
+    ) -> None:
+        self._session = session
+        self._ws = ws
+
+    @classmethod
+    async def connect(cls, settings: LinkSettings) -> WebSocketTransport:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
+        session = aiohttp.ClientSession(timeout=timeout)
+        try:
+            ws = await session.ws_connect(
+                settings.url,
+                protocols=(SUBPROTOCOL,),
+                headers={"Authorization": f"Bearer {settings.token}"},
+                heartbeat=settings.heartbeat_s,
+                max_msg_size=settings.max_frame,
+                ssl=settings.ssl,
+                compress=0,
+            )
+        except aiohttp.WSServerHandshakeError as e:
+            await session.close()
+            if e.status in (401, 403):
+                raise AuthError(f"verifier at {settings.url} refused the token ({e.status})") from e
+            raise LinkClosed(f"handshake with {settings.url} failed: {e.status} {e.message}") from e
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            await session.close()
+            raise LinkClosed(f"cannot reach verifier at {settings.url}: {e}") from e
+        except BaseException:
+            await session.close()
+            raise
+        if ws.protocol != SUBPROTOCOL:
+            await ws.close()
+            await session.close()
+            raise LinkClosed(f"verifier at {settings.url} does not speak {SUBPROTOCOL}")
+        return cls(session, ws)
+
+    async def send(self, data: bytes) -> None:
+        if self._ws.closed:
+            raise LinkClosed("connection closed")
+        try:
+            await self._ws.send_bytes(data)
+        except (aiohttp.ClientError, ConnectionError, RuntimeError) as e:
+            raise LinkClosed(f"send failed: {e}") from e
+
+    async def recv(self) -> bytes:
+        try:
+            msg = await self._ws.receive()
+        except (aiohttp.ClientError, ConnectionError, RuntimeError) as e:
+            raise LinkClosed(f"receive failed: {e}") from e
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            data: bytes = msg.data
+            return data
+        if msg.type == aiohttp.WSMsgType.TEXT:
+            raise LinkClosed("verifier sent a text frame; wanspec frames are binary")
+        reason = f" ({msg.extra})" if msg.extra else ""
+        code = self._ws.close_code
+        raise LinkClosed(f"connection closed: {msg.type.name}{reason} code={code}")
+
+    async def close(self) -> None:
+        try:
+            await self._ws.close()
+        finally:
+            await self._session.close()

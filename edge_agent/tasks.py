@@ -1,0 +1,47 @@
+"""Task ownership helpers (Python 3.10 has no TaskGroup) and the single model worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+async def run_until_first_done(*coros: Coroutine[Any, Any, None]) -> None:
+    """Run the coroutines as tasks owned here until the first finishes or fails.
+
+    The others are then cancelled and awaited; the first exception (if any) propagates. If this
+    coroutine is itself cancelled, every task is cancelled and awaited before it returns.
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+
+class ModelWorker:
+    """One dedicated thread for model forwards, so the event loop (heartbeats, verdicts) never
+    blocks on one. Calls run one at a time, in submission order."""
+
+    def __init__(self, name: str = "model") -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
