@@ -1,18 +1,287 @@
-"""``edge-agent`` command line."""
+"""``edge-agent`` command line: ``generate`` against a verifier, ``demo`` with a local one."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from shared.protocol import CorrectionMode
+
+DEFAULT_TARGET = "default"
+DEFAULT_DRAFT = "self:skip=4"
+DEMO_PROMPT = "Explain in two sentences why the sky is blue."
+
+
+def _positive_int(name: str, hi: int) -> Any:
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {v!r}") from None
+        if not 1 <= n <= hi:
+            raise argparse.ArgumentTypeError(f"{name} must be in 1..{hi}, got {n}")
+        return n
+
+    return parse
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("drafting and sampling")
+    g.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model spec (default %(default)s)")
+    g.add_argument(
+        "--draft-base",
+        default=DEFAULT_TARGET,
+        help="model whose weights a self:... draft shares (default %(default)s)",
+    )
+    g.add_argument("--gamma", type=_positive_int("--gamma", 64), default=4, help="draft length γ")
+    g.add_argument(
+        "--depth", type=_positive_int("--depth", 127), default=2, help="in-flight batches D"
+    )
+    g.add_argument("--mode", choices=["pipelined", "stop-and-wait"], default="pipelined")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument(
+        "--correction",
+        choices=list(CorrectionMode.ALL),
+        default=CorrectionMode.CANDIDATES,
+        help="how a rejection is corrected at T > 0: candidates (exact, default), "
+        "greedy_draft (exact, ids only), topk (PicoSpec, lossy)",
+    )
+    g.add_argument("--max-tokens", type=_positive_int("--max-tokens", 1 << 20), default=128)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--json", action="store_true", help="last stdout line: one JSON summary")
+
+
+def _add_link_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("verifier link")
+    g.add_argument(
+        "--verifier",
+        default=os.environ.get("WANSPEC_VERIFIER", "ws://127.0.0.1:8700/v1/session"),
+        help="verifier WebSocket URL (env WANSPEC_VERIFIER)",
+    )
+    g.add_argument(
+        "--token-file",
+        default=os.environ.get("WANSPEC_TOKEN_FILE"),
+        help="file holding the bearer token (env WANSPEC_TOKEN_FILE)",
+    )
+    g.add_argument("--ca-file", default=None, help="CA bundle to verify a wss:// verifier")
+    g.add_argument(
+        "--insecure-skip-verify", action="store_true", help="do not verify the TLS certificate"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edge-agent",
+        description="wanspec edge agent: drafts locally, verified in the cloud over a WAN.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for PROMPT against a verifier")
+    gen.add_argument("prompt")
+    _add_generation_args(gen)
+    _add_link_args(gen)
+    demo = sub.add_parser(
+        "demo", help="start a local verifier with the default target and generate against it"
+    )
+    demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT)
+    _add_generation_args(demo)
+    demo.add_argument("--target", default=DEFAULT_TARGET, help="verifier model spec")
+    demo.set_defaults(chat=True)
+    return parser
+
+
+def _pipeline_config(args: argparse.Namespace) -> Any:
+    from edge_agent.pipeline import PipelineConfig
+    from shared.sampling import SamplingParams
+
+    return PipelineConfig(
+        gamma=args.gamma,
+        depth=args.depth,
+        mode=args.mode,
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
+        correction=args.correction,
+    )
+
+
+def _write(s: str) -> None:
+    sys.stdout.write(s)
+    sys.stdout.flush()
+
+
+def _summary(r: dict[str, Any]) -> str:
+    acc = r["acceptance_rate"]
+    return (
+        f"{r['tokens']} tokens in {r['wall_s']:.2f} s ({r['tokens_per_s']} tok/s) · "
+        f"{r['mode']} γ={r['gamma']} D={r['depth']} · acceptance "
+        f"{'n/a' if acc is None else f'{acc:.0%}'}, {r['mean_accepted_per_round']} accepted/round"
+        f" over {r['rounds']} rounds · {r['rejections']} rejections, "
+        f"{r['discarded_batches']} discarded batches · up {r['uplink_bytes']} B "
+        f"({r['uplink_bytes_per_round']} B/round), down {r['downlink_bytes']} B "
+        f"({r['downlink_bytes_per_rejection']} B/rejection)"
+    )
+
+
+async def _generate(args: argparse.Namespace, url: str, token: str) -> dict[str, Any]:
+    from edge_agent.generate import (
+        RunSettings,
+        build_agent,
+        encode_prompt,
+        load_draft,
+        run_generation,
+        ssl_context,
+    )
+
+    settings = RunSettings(
+        verifier_url=url,
+        token=token,
+        pipeline=_pipeline_config(args),
+        max_new_tokens=args.max_tokens,
+        seed=args.seed,
+        ssl=ssl_context(
+            getattr(args, "ca_file", None), getattr(args, "insecure_skip_verify", False)
+        ),
+    )
+    loaded = await asyncio.to_thread(load_draft, args.draft, args.draft_base)
+    prompt_ids = encode_prompt(loaded, args.prompt, chat=args.chat)
+    agent = build_agent(loaded, settings)
+    try:
+        return await run_generation(agent, loaded, prompt_ids, settings, _write)
+    finally:
+        agent.close()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    url = f"http://127.0.0.1:{port}/health"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the local verifier exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the local verifier was not ready within {timeout_s:.0f} s")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="wanspec-demo-") as tmp:
+        token_file = Path(tmp) / "token"
+        token = secrets.token_urlsafe(24)
+        token_file.write_text(token + "\n")
+        token_file.chmod(0o600)
+        env = dict(os.environ)
+        # Two processes share this machine's cores: one torch thread each.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys; from cloud_verifier.cli import main; sys.exit(main())",
+            "serve",
+            "--model",
+            args.target,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--token-file",
+            str(token_file),
+        ]
+        print(
+            f"[demo] starting a local verifier ({args.target}) on 127.0.0.1:{port} …",
+            file=sys.stderr,
+        )
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+        try:
+            _wait_healthy(proc, port, timeout_s=600)
+            print(f"[demo] verifier ready; drafting with {args.draft}\n", file=sys.stderr)
+            if args.threads is None:
+                args.threads = 1
+            _set_threads(args.threads)
+            result = asyncio.run(_generate(args, f"ws://127.0.0.1:{port}/v1/session", token))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    _finish(args, result)
+    return 0
+
+
+def _set_threads(n: int | None) -> None:
+    if n is not None:
+        import torch
+
+        torch.set_num_threads(max(1, n))
+
+
+def _finish(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    sys.stdout.write("\n")
+    print(f"[stats] {_summary(result)}", file=sys.stderr)
+    if args.json:
+        sys.stdout.write(orjson.dumps(result).decode() + "\n")
+    sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="edge-agent", description="wanspec edge agent: drafts locally, verified in the cloud."
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    from edge_agent.agent import HandshakeError
+    from edge_agent.link import AuthError
+    from edge_agent.transport import LinkClosed
+    from shared.models import ModelSpecError
+
+    try:
+        if args.command == "demo":
+            return _demo(args)
+        if not args.token_file:
+            raise ValueError("--token-file (or WANSPEC_TOKEN_FILE) is required")
+        from edge_agent.generate import read_token_file
+
+        token = read_token_file(args.token_file)
+        _set_threads(args.threads)
+        result = asyncio.run(_generate(args, args.verifier, token))
+        _finish(args, result)
+        return 0
+    except (HandshakeError, AuthError, LinkClosed, ModelSpecError, ValueError, RuntimeError) as e:
+        print(f"edge-agent: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,202 @@
+"""One generation from text to text: load the draft, connect, stream, report.
+
+Used by ``edge-agent generate`` and ``edge-agent demo``; the daemon reuses :class:`TextStreamer`
+and :func:`result_json`.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edge_agent.agent import EdgeAgent, RetryPolicy
+from edge_agent.drafter import Drafter
+from edge_agent.link import LinkSettings, WebSocketTransport
+from edge_agent.pipeline import Generation, PipelineConfig
+from edge_agent.transport import Transport
+from shared.models import LoadedModel, load_model, parse_model_spec
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The first non-empty, non-comment line of a token file."""
+    p = Path(path)
+    try:
+        lines = p.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read token file {p}: {e.strerror}") from e
+    for line in lines:
+        line = line.strip()
+        if line and not line.startswith("#"):
+            return line
+    raise ValueError(f"token file {p} holds no token")
+
+
+def load_draft(spec: str, base_spec: str, *, device: str = "cpu") -> LoadedModel:
+    """The draft model; a ``self:...`` draft is derived from ``base_spec``'s weights (shared)."""
+    parsed = parse_model_spec(spec)
+    if parsed.kind == "self":
+        base = load_model(base_spec, device=device)
+        return load_model(parsed, base=base)
+    return load_model(parsed, device=device)
+
+
+def eos_ids(loaded: LoadedModel) -> list[int]:
+    ids: set[int] = set()
+    tok_eos = loaded.tokenizer.eos_token_id
+    if isinstance(tok_eos, int):
+        ids.add(tok_eos)
+    gen_cfg = getattr(loaded.model, "generation_config", None)
+    cfg_eos = getattr(gen_cfg, "eos_token_id", None)
+    if isinstance(cfg_eos, int):
+        ids.add(cfg_eos)
+    elif isinstance(cfg_eos, list):
+        ids.update(int(t) for t in cfg_eos)
+    return sorted(ids)
+
+
+def encode_prompt(loaded: LoadedModel, prompt: str, *, chat: bool) -> list[int]:
+    tok: Any = loaded.tokenizer
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"{loaded.name} has no chat template; drop --chat")
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    ids = tok(prompt, add_special_tokens=True)["input_ids"]
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens")
+    return [int(t) for t in ids]
+
+
+class TextStreamer:
+    """Turns committed token ids into text increments (whole characters only)."""
+
+    def __init__(self, tokenizer: Any, write: Callable[[str], None]) -> None:
+        self.tok = tokenizer
+        self.write = write
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def __call__(self, new_ids: list[int]) -> None:
+        self.ids += new_ids
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        # Hold back a trailing partial UTF-8 sequence until its next token arrives.
+        if text.endswith("\ufffd"):
+            return
+        if len(text) > self.emitted:
+            self.write(text[self.emitted :])
+            self.emitted = len(text)
+
+    def text(self) -> str:
+        out: str = self.tok.decode(self.ids, skip_special_tokens=True)
+        return out
+
+
+def ssl_context(ca_file: str | None, insecure: bool) -> ssl.SSLContext | bool:
+    if insecure:
+        return False
+    if ca_file:
+        return ssl.create_default_context(cafile=ca_file)
+    return True
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    verifier_url: str
+    token: str
+    pipeline: PipelineConfig
+    max_new_tokens: int = 128
+    seed: int | None = None
+    ssl: ssl.SSLContext | bool = True
+    heartbeat_s: float = 10.0
+
+
+def make_connect(settings: RunSettings) -> Callable[[], Any]:
+    link = LinkSettings(
+        url=settings.verifier_url,
+        token=settings.token,
+        heartbeat_s=settings.heartbeat_s,
+        ssl=settings.ssl,
+    )
+
+    async def connect() -> Transport:
+        return await WebSocketTransport.connect(link)
+
+    return connect
+
+
+def result_json(gen: Generation, text: str, wall_s: float, cfg: PipelineConfig) -> dict[str, Any]:
+    """The ``--json`` summary of one generation."""
+    st = gen.stats
+    n = len(gen.generated)
+    return {
+        "text": text,
+        "tokens": n,
+        "finish_reason": gen.finish_reason,
+        "wall_s": round(wall_s, 4),
+        "tokens_per_s": round(n / wall_s, 3) if wall_s > 0 else None,
+        "rounds": st.rounds,
+        "draft_tokens": st.draft_tokens,
+        "accepted_tokens": st.accepted_tokens,
+        "acceptance_rate": round(st.accepted_tokens / st.draft_tokens, 4)
+        if st.draft_tokens
+        else None,
+        "mean_accepted_per_round": round(st.accepted_tokens / st.rounds, 4) if st.rounds else None,
+        "accepted_per_position": st.accepted_per_position,
+        "rejections": st.rejections,
+        "bonus_tokens": st.bonus_tokens,
+        "discarded_batches": st.discarded_batches,
+        "discarded_tokens": st.discarded_tokens,
+        "resamples": st.resamples,
+        "reconnects": st.reconnects,
+        "uplink_bytes": st.uplink_bytes,
+        "downlink_bytes": st.downlink_bytes,
+        "uplink_bytes_per_round": round(st.uplink_bytes / st.proposes_sent, 2)
+        if st.proposes_sent
+        else None,
+        "downlink_bytes_per_rejection": round(st.downlink_rejection_bytes / st.rejections, 2)
+        if st.rejections
+        else None,
+        "bytes_per_token": round((st.uplink_bytes + st.downlink_bytes) / n, 2) if n else None,
+        "drafter_idle_s": round(st.drafter_wait_s, 4),
+        "mode": cfg.mode,
+        "gamma": cfg.gamma,
+        "depth": cfg.effective_depth,
+        "correction": cfg.wire_correction,
+        "temperature": cfg.sampling.temperature,
+    }
+
+
+async def run_generation(
+    agent: EdgeAgent,
+    loaded: LoadedModel,
+    prompt_ids: list[int],
+    settings: RunSettings,
+    write: Callable[[str], None],
+) -> dict[str, Any]:
+    streamer = TextStreamer(loaded.tokenizer, write)
+    t0 = time.perf_counter()
+    gen = await agent.generate(
+        prompt_ids,
+        settings.pipeline,
+        max_new_tokens=settings.max_new_tokens,
+        eos_ids=eos_ids(loaded),
+        seed=settings.seed,
+        on_commit=streamer,
+    )
+    wall = time.perf_counter() - t0
+    return result_json(gen, streamer.text(), wall, settings.pipeline)
+
+
+def build_agent(
+    loaded: LoadedModel, settings: RunSettings, retry: RetryPolicy | None = None
+) -> EdgeAgent:
+    return EdgeAgent(Drafter(loaded), loaded.fingerprint, make_connect(settings), retry=retry)
