@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edge_agent.drafter import Drafter
+from edge_agent.link import AuthError
 from edge_agent.pipeline import (
     STOP_AND_WAIT,
     DesyncError,
@@ -132,6 +133,13 @@ class EdgeAgent:
     ) -> Generation:
         """Generate until an end-of-sequence id or ``max_new_tokens``; returns the Generation."""
         gen = Generation(prompt, max_new_tokens, eos_ids, on_commit)
+        await self.run(gen, cfg, seed=seed)
+        return gen
+
+    async def run(self, gen: Generation, cfg: PipelineConfig, *, seed: int | None = None) -> None:
+        """Run ``gen`` until it is done. The caller keeps ``gen``: its committed ids and stats
+        survive a cancellation, and ``gen.finish(reason)`` (e.g. from ``on_commit``, on a stop
+        string) ends the run cleanly after the current verdict."""
         rng = np.random.default_rng(seed)
         jitter = random.Random(seed)
         failures = 0
@@ -170,7 +178,9 @@ class EdgeAgent:
                     max_gamma=welcome.max_gamma,
                 )
                 await session.run()
-            except (LinkClosed, DesyncError, ProtocolError, TimeoutError, OSError) as e:
+            except AuthError:
+                raise  # PermissionError is an OSError, but retrying a refused token is pointless
+            except (LinkClosed, DesyncError, ProtocolError, asyncio.TimeoutError, OSError) as e:
                 failures = self._failed(gen, failures, e, committed_before)
                 await asyncio.sleep(self.retry.delay(failures, jitter))
             except VerifierError as e:
@@ -181,7 +191,6 @@ class EdgeAgent:
             finally:
                 if transport is not None:
                     await transport.close()
-        return gen
 
     def _failed(
         self, gen: Generation, failures: int, err: BaseException, committed_before: int

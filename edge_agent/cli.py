@@ -1,9 +1,16 @@
-"""``edge-agent`` command line: ``generate`` against a verifier, ``demo`` with a local one."""
+"""``edge-agent`` command line: ``serve`` (the local OpenAI-compatible daemon), ``chat`` (a REPL),
+``generate`` against a verifier, ``demo`` with a local one.
+
+``serve`` and ``chat`` read :class:`~edge_agent.config.EdgeSettings`: flags > ``WANSPEC_EDGE_*``
+environment variables > the TOML file (``--config``, default ``~/.config/wanspec/edge.toml``) >
+defaults.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -13,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -88,6 +96,69 @@ def _add_link_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+_SETTINGS_HELP: dict[str, str] = {
+    "verifier": "verifier WebSocket URL; several, comma-separated, fail over in order",
+    "token_file": "file holding the verifier's bearer token",
+    "ca_file": "CA bundle to verify a wss:// verifier",
+    "insecure_skip_verify": "do not verify the verifier's TLS certificate",
+    "heartbeat": "WebSocket ping interval to the verifier, seconds",
+    "retry_attempts": "failed verifier sessions per request before giving up",
+    "probe_interval": "seconds between probes of the verifier's /health",
+    "fallback": "no verifier reachable: none (HTTP 503) or draft (unverified draft-only text)",
+    "draft": "draft model spec (self:skip=..., a folder, a .gguf, a cached hub id)",
+    "draft_base": "model whose weights a self:... draft shares",
+    "device": "where the draft runs",
+    "dtype": "draft weights' dtype (auto: float16 on cuda, float32 on the CPU)",
+    "threads": "torch CPU threads",
+    "gamma": "draft length γ",
+    "depth": "batches in flight D",
+    "mode": "pipelined or stop-and-wait",
+    "correction": "how a rejection is corrected at T > 0",
+    "temperature": "default temperature (0 = greedy)",
+    "top_p": "default top-p",
+    "top_k": "default top-k (0 = off)",
+    "max_tokens": "default completion length",
+    "seed": "default seed",
+    "host": "address the API listens on (loopback by default)",
+    "port": "TCP port of the API",
+    "api_key_file": "file holding the API key clients must send as a Bearer token",
+    "model_id": "model id the API offers",
+    "max_queue": "requests allowed to wait before 429",
+    "max_body": "largest request body, bytes",
+    "log_level": "logging level",
+}
+
+
+def _add_settings_args(p: argparse.ArgumentParser) -> None:
+    """``--config`` and one flag per EdgeSettings field (None = not given)."""
+    from edge_agent.config import CONFIG_ENV, ENV_PREFIX, EdgeSettings, default_config_path
+
+    p.add_argument(
+        "--config",
+        default=None,
+        help=f"TOML settings file (env {CONFIG_ENV}; default {default_config_path()} if present)",
+    )
+    hints = typing.get_type_hints(EdgeSettings)
+    g = p.add_argument_group("settings (also WANSPEC_EDGE_<NAME> or the TOML file)")
+    for f in dataclasses.fields(EdgeSettings):
+        flag = "--" + f.name.replace("_", "-")
+        text = f"{_SETTINGS_HELP.get(f.name, '')} (default {f.default}; env {ENV_PREFIX}"
+        text += f"{f.name.upper()})"
+        tp = hints[f.name]
+        if tp is bool:
+            g.add_argument(flag, action="store_true", default=None, help=text)
+            continue
+        choices = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
+        g.add_argument(flag, default=None, choices=choices, help=text)
+
+
+def load_cli_settings(args: argparse.Namespace, env: dict[str, str] | None = None) -> Any:
+    from edge_agent.config import EdgeSettings, load_edge_settings
+
+    cli = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EdgeSettings)}
+    return load_edge_settings(config=args.config, env=env, cli=cli)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edge-agent",
@@ -106,6 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_args(demo)
     demo.add_argument("--target", default=DEFAULT_TARGET, help="verifier model spec")
     demo.set_defaults(chat=True)
+    serve = sub.add_parser(
+        "serve",
+        help="run the local OpenAI-compatible API (/v1/chat/completions, /v1/completions, ...)",
+    )
+    _add_settings_args(serve)
+    chat = sub.add_parser(
+        "chat",
+        help="interactive chat; uses a running `edge-agent serve`, else runs the agent here",
+    )
+    _add_settings_args(chat)
     return parser
 
 
@@ -265,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     from edge_agent.transport import LinkClosed
     from shared.models import ModelSpecError
 
+    if args.command in ("serve", "chat"):
+        return _daemon_command(args)
     try:
         if args.command == "demo":
             return _demo(args)
@@ -278,6 +361,33 @@ def main(argv: list[str] | None = None) -> int:
         _finish(args, result)
         return 0
     except (HandshakeError, AuthError, LinkClosed, ModelSpecError, ValueError, RuntimeError) as e:
+        print(f"edge-agent: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _daemon_command(args: argparse.Namespace) -> int:
+    from shared.config import ConfigError
+    from shared.models import ModelSpecError
+
+    try:
+        settings = load_cli_settings(args)
+    except ConfigError as e:
+        print(f"edge-agent: error: {e}", file=sys.stderr)
+        return 2
+    level = logging.DEBUG if args.verbose else getattr(logging, settings.log_level.upper())
+    logging.getLogger().setLevel(level if args.command == "serve" else max(level, logging.WARNING))
+    _set_threads(settings.threads)
+    try:
+        if args.command == "serve":
+            from edge_agent.server import serve
+
+            return asyncio.run(serve(settings))
+        from edge_agent.chat import run_chat
+
+        return run_chat(settings)
+    except (ConfigError, ModelSpecError) as e:
         print(f"edge-agent: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

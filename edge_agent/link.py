@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ class WebSocketTransport:
                 settings.url,
                 protocols=(SUBPROTOCOL,),
                 headers={"Authorization": f"Bearer {settings.token}"},
-                heartbeat=settings.heartbeat_s,
+                heartbeat=settings.heartbeat_s or None,  # 0 = no heartbeat
                 max_msg_size=settings.max_frame,
                 ssl=settings.ssl,
                 compress=0,
@@ -53,7 +54,7 @@ class WebSocketTransport:
             if e.status in (401, 403):
                 raise AuthError(f"verifier at {settings.url} refused the token ({e.status})") from e
             raise LinkClosed(f"handshake with {settings.url} failed: {e.status} {e.message}") from e
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             await session.close()
             raise LinkClosed(f"cannot reach verifier at {settings.url}: {e}") from e
         except BaseException:
@@ -83,7 +84,7 @@ class WebSocketTransport:
             return data
         if msg.type == aiohttp.WSMsgType.TEXT:
             raise LinkClosed("verifier sent a text frame; wanspec frames are binary")
-        reason = f" ({msg.extra})" if msg.extra else ""
+        reason = f" ({msg.extra or msg.data})" if (msg.extra or msg.data) else ""
         code = self._ws.close_code
         raise LinkClosed(f"connection closed: {msg.type.name}{reason} code={code}")
 

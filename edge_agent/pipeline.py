@@ -231,6 +231,11 @@ class SpeculativeSession:
     # ---------------------------------------------------------------- derived state
 
     @property
+    def deterministic_draft(self) -> bool:
+        """Draft the argmax (q one-hot) instead of sampling q."""
+        return self.cfg.deterministic_draft
+
+    @property
     def tail(self) -> list[int]:
         """Draft tokens in flight, in order (they extend ``committed``)."""
         return [x for b in self.inflight for x in b.draft]
@@ -287,7 +292,7 @@ class SpeculativeSession:
                     seq,
                     cfg.sampling,
                     self.rng,
-                    deterministic=cfg.deterministic_draft,
+                    deterministic=self.deterministic_draft,
                 )
                 if self.epoch != epoch or self.gen.done:
                     break  # a rejection arrived meanwhile: this partial batch is void

@@ -1,0 +1,473 @@
+"""``edge-agent chat``: an interactive REPL in the manner of ``ollama run``.
+
+``>>>`` prompt; ``\"\"\"`` starts and ends multi-line input; ``/set KEY VALUE`` changes a sampling
+or speculation setting, ``/set`` alone shows them; ``/clear`` forgets the conversation; ``/stats``
+shows the last answer's speculative statistics; ``/bye`` (or Ctrl-D) leaves. Ctrl-C interrupts a
+generation, not the REPL.
+
+Backends: a running ``edge-agent serve`` on the configured address (over its OpenAI API), else an
+:class:`~edge_agent.service.EdgeService` in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any, Protocol, TextIO
+
+import aiohttp
+
+from edge_agent.config import EdgeSettings, read_secret_file
+from edge_agent.pipeline import MODES
+from edge_agent.service import EdgeService, Finished, GenRequest
+from shared.protocol import CorrectionMode
+
+HELP = """Available commands:
+  /set               Show the current settings
+  /set KEY VALUE     Change a setting: temperature, top_p, top_k, max_tokens, seed (none to
+                     unset), gamma, depth, mode (pipelined|stop-and-wait),
+                     correction (candidates|greedy_draft|topk), system (a system prompt)
+  /stats             Statistics of the last answer (and of this session)
+  /clear             Clear the conversation
+  /bye               Exit
+  /?, /help          This help
+
+Use \"\"\" to begin and end a multi-line message. Ctrl-C stops an answer."""
+
+
+class ChatError(RuntimeError):
+    """A generation failed (the message says why); the REPL goes on."""
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    seed: int | None
+    gamma: int
+    depth: int
+    mode: str
+    correction: str
+    system: str = ""
+
+    @classmethod
+    def from_settings(cls, s: EdgeSettings) -> ChatOptions:
+        return cls(
+            s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed, s.gamma, s.depth, s.mode,
+            s.correction,
+        )  # fmt: skip
+
+    def with_setting(self, key: str, value: str) -> ChatOptions:
+        """A copy with ``key`` set from text; ValueError with a message for the user."""
+        names = {f.name for f in fields(self)}
+        if key not in names:
+            raise ValueError(f"unknown setting {key!r}; one of {', '.join(sorted(names))}")
+        if key == "system":
+            return replace(self, system=value)
+        if key == "mode":
+            if value not in MODES:
+                raise ValueError(f"mode must be one of {', '.join(MODES)}")
+            return replace(self, mode=value)
+        if key == "correction":
+            if value not in CorrectionMode.ALL:
+                raise ValueError(f"correction must be one of {', '.join(CorrectionMode.ALL)}")
+            return replace(self, correction=value)
+        if key == "seed" and value.lower() in ("none", "off", ""):
+            return replace(self, seed=None)
+        try:
+            num: float | int = float(value) if key in ("temperature", "top_p") else int(value)
+        except ValueError:
+            raise ValueError(f"{key} needs a number, got {value!r}") from None
+        bounds: dict[str, tuple[float, float]] = {
+            "temperature": (0.0, 100.0),
+            "top_p": (1e-9, 1.0),
+            "top_k": (0, 2**24),
+            "max_tokens": (1, 1 << 20),
+            "gamma": (1, 64),
+            "depth": (1, 127),
+            "seed": (-(2**63), 2**64 - 1),
+        }
+        lo, hi = bounds[key]
+        if not lo <= num <= hi:
+            raise ValueError(f"{key} must be in [{lo:g}, {hi:g}], got {value}")
+        changes: dict[str, Any] = {key: num}
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        return "\n".join(f"  {f.name:<12} {getattr(self, f.name)!r}" for f in fields(self))
+
+
+Event = str | Finished
+
+
+class Backend(Protocol):
+    description: str
+
+    def chat(self, messages: list[dict[str, str]], opts: ChatOptions) -> AsyncIterator[Event]: ...
+
+    async def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------- backends
+
+
+class RemoteBackend:
+    """A running ``edge-agent serve``, over its OpenAI-compatible API (SSE streaming)."""
+
+    def __init__(self, base_url: str, api_key: str | None, model: str) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.session = aiohttp.ClientSession(
+            headers=headers, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)
+        )
+        self.description = f"edge-agent serve at {self.base_url}"
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def chat(self, messages: list[dict[str, str]], opts: ChatOptions) -> AsyncIterator[Event]:
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": opts.temperature,
+            "top_p": opts.top_p,
+            "top_k": opts.top_k,
+            "max_tokens": opts.max_tokens,
+            "seed": opts.seed,
+            "wanspec": {
+                "gamma": opts.gamma,
+                "depth": opts.depth,
+                "mode": opts.mode,
+                "correction": opts.correction,
+            },
+        }
+        parts: list[str] = []
+        finish = "stop"
+        stats: dict[str, Any] = {}
+        usage: dict[str, Any] = {}
+        async with self.session.post(f"{self.base_url}/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:
+                raise ChatError(_error_text(resp.status, await resp.text()))
+            async for raw in resp.content:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise ChatError(chunk["error"].get("message", "error"))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if "wanspec" in chunk:
+                    stats = chunk["wanspec"]
+                for choice in chunk.get("choices", []):
+                    text = choice.get("delta", {}).get("content")
+                    if text:
+                        parts.append(text)
+                        yield text
+                    if choice.get("finish_reason"):
+                        finish = choice["finish_reason"]
+        yield Finished(
+            text="".join(parts),
+            finish_reason=finish,
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens") or stats.get("tokens") or 0),
+            stats=stats,
+        )
+
+
+def _error_text(status: int, text: str) -> str:
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        return f"{status}: {json.loads(text)['error']['message']}"
+    return f"{status}: {text.strip()[:200]}"
+
+
+class LocalBackend:
+    """The agent in this process (nothing answered on the configured address)."""
+
+    def __init__(self, service: EdgeService) -> None:
+        self.service = service
+        urls = ", ".join(service.settings.verifier_urls)
+        self.description = f"in-process agent ({service.settings.draft}) → {urls}"
+
+    async def close(self) -> None:
+        self.service.close()
+
+    async def chat(self, messages: list[dict[str, str]], opts: ChatOptions) -> AsyncIterator[Event]:
+        loaded, _ = self.service.require()
+        tok: Any = loaded.tokenizer
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        prompt = [int(t) for t in ids]
+        try:
+            pipeline = self.service.settings.pipeline(
+                temperature=opts.temperature,
+                top_p=opts.top_p,
+                top_k=opts.top_k,
+                gamma=opts.gamma,
+                depth=opts.depth,
+                mode=opts.mode,
+                correction=opts.correction,
+            )
+        except ValueError as e:
+            raise ChatError(str(e)) from None
+        limit = self.service.max_context
+        max_tokens = opts.max_tokens
+        if limit is not None:
+            if len(prompt) >= limit:
+                raise ChatError(
+                    f"the conversation ({len(prompt)} tokens) fills the context; /clear"
+                )
+            max_tokens = min(max_tokens, limit - len(prompt))
+        req = GenRequest(prompt, pipeline, max_tokens, seed=opts.seed)
+        async with contextlib.aclosing(self.service.stream(req)) as events:
+            try:
+                async for ev in events:
+                    yield ev
+            except (RuntimeError, OSError) as e:
+                raise ChatError(str(e)) from e
+
+
+async def probe_server(base_url: str, api_key: str | None) -> str | None:
+    """``"ready"``, ``"loading"``, ``"unavailable"`` if an edge-agent answers; None if nothing."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = aiohttp.ClientTimeout(total=3)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout, headers=headers) as s,
+            s.get(f"{base_url}/health") as resp,
+        ):
+            body = await resp.json(content_type=None)
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+        return None
+    if not isinstance(body, dict) or "link" not in body:
+        return None  # something else listens there
+    status = body.get("status")
+    if resp.status == 200:
+        return "ready"
+    return "loading" if status == "loading" else "unavailable"
+
+
+def server_url(s: EdgeSettings) -> str:
+    host = s.host
+    if host in ("0.0.0.0", "", "::"):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{s.port}"
+
+
+async def open_backend(s: EdgeSettings, say: Callable[[str], None]) -> Backend:
+    from edge_agent.progress import Progress, quiet_hub_progress
+
+    api_key = read_secret_file(s.api_key_file, "api_key_file") if s.api_key_file else None
+    url = server_url(s)
+    state = await probe_server(url, api_key)
+    while state == "loading":
+        say(f"waiting for edge-agent serve at {url} to load its model …")
+        await asyncio.sleep(2)
+        state = await probe_server(url, api_key)
+    if state is not None:
+        if state == "unavailable":
+            say(f"warning: edge-agent serve at {url} reaches no verifier")
+        return RemoteBackend(url, api_key, s.model_id)
+    quiet_hub_progress()
+    service = EdgeService(s)
+    progress = Progress()
+    try:
+        async with progress.spinner():
+            await service.load(progress.report)
+    except BaseException:
+        service.close()
+        raise
+    return LocalBackend(service)
+
+
+# ---------------------------------------------------------------------------- the REPL
+
+
+def stats_line(st: dict[str, Any]) -> str:
+    def fmt(v: Any, spec: str, unit: str = "") -> str:
+        return "n/a" if v is None else f"{v:{spec}}{unit}"
+
+    parts = [
+        f"{fmt(st.get('tokens_per_s'), '.1f')} tok/s",
+        f"acceptance {fmt(st.get('acceptance_rate'), '.0%')}",
+        f"{fmt(st.get('mean_accepted_per_round'), '.2f')} accepted/round",
+        f"{fmt(st.get('bytes_per_token'), '.1f')} B/token",
+        f"RTT {fmt(st.get('rtt_ms'), '.1f', ' ms')}",
+    ]
+    if st.get("verified") is False:
+        parts.append("UNVERIFIED (draft only)")
+    return " · ".join(parts)
+
+
+class Repl:
+    def __init__(
+        self,
+        backend: Backend,
+        opts: ChatOptions,
+        out: TextIO,
+        read: Callable[[str], str] = input,
+    ) -> None:
+        self.backend = backend
+        self.opts = opts
+        self.out = out
+        self.read = read
+        self.history: list[dict[str, str]] = []
+        self.last: dict[str, Any] | None = None
+        self.totals = {"answers": 0, "tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        self.dim = out.isatty()
+
+    def say(self, text: str = "") -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def _dim(self, text: str) -> str:
+        return f"\x1b[2m{text}\x1b[0m" if self.dim else text
+
+    def read_message(self) -> str:
+        """One message; ``\"\"\"`` begins and ends a multi-line one."""
+        line = self.read(">>> ")
+        if not line.lstrip().startswith('"""'):
+            return line
+        body = line.lstrip()[3:]
+        if body.rstrip().endswith('"""') and body.strip():
+            return body.rstrip()[:-3]
+        lines = [body] if body else []
+        while True:
+            more = self.read("... ")
+            if more.rstrip().endswith('"""'):
+                lines.append(more.rstrip()[:-3])
+                return "\n".join(lines).strip("\n")
+            lines.append(more)
+
+    def command(self, line: str) -> bool:
+        """Run a /command; False means leave."""
+        cmd, _, rest = line.strip().partition(" ")
+        rest = rest.strip()
+        if cmd in ("/bye", "/exit", "/quit"):
+            return False
+        if cmd in ("/?", "/help"):
+            self.say(HELP)
+        elif cmd == "/clear":
+            self.history.clear()
+            self.say("Cleared session context")
+        elif cmd in ("/set", "/show"):
+            if not rest:
+                self.say(self.opts.describe())
+            else:
+                key, _, value = rest.partition(" ")
+                try:
+                    self.opts = self.opts.with_setting(key, value.strip())
+                except ValueError as e:
+                    self.say(f"error: {e}")
+                else:
+                    self.say(f"Set {key} to {getattr(self.opts, key)!r}.")
+        elif cmd == "/stats":
+            self.show_stats()
+        else:
+            self.say(f"Unknown command {cmd!r}. Type /? for help.")
+        return True
+
+    def show_stats(self) -> None:
+        if self.last is None:
+            self.say("No answer yet.")
+            return
+        for k, v in self.last.items():
+            self.say(f"  {k:<30} {v}")
+        t = self.totals
+        acc = t["accepted_tokens"] / t["draft_tokens"] if t["draft_tokens"] else None
+        self.say(
+            f"  session: {t['answers']} answers, {t['tokens']} tokens, acceptance "
+            + ("n/a" if acc is None else f"{acc:.0%}")
+        )
+
+    def messages(self, text: str) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.opts.system}] if self.opts.system else []
+        return [*system, *self.history, {"role": "user", "content": text}]
+
+    async def answer(self, text: str) -> None:
+        parts: list[str] = []
+        try:
+            async for ev in self.backend.chat(self.messages(text), self.opts):
+                if isinstance(ev, Finished):
+                    self.say()
+                    self.last = ev.stats
+                    t = self.totals
+                    t["answers"] += 1
+                    t["tokens"] += ev.completion_tokens
+                    t["draft_tokens"] += int(ev.stats.get("draft_tokens") or 0)
+                    t["accepted_tokens"] += int(ev.stats.get("accepted_tokens") or 0)
+                    self.say(self._dim(stats_line(ev.stats)))
+                else:
+                    parts.append(ev)
+                    self.out.write(ev)
+                    self.out.flush()
+        finally:
+            # What the user saw stays in the conversation, even when interrupted.
+            self.history.append({"role": "user", "content": text})
+            self.history.append({"role": "assistant", "content": "".join(parts)})
+
+    def run(self, loop: asyncio.AbstractEventLoop) -> int:
+        self.say(self._dim(f"edge-agent chat · {self.backend.description} · /? for help"))
+        while True:
+            try:
+                text = self.read_message()
+            except EOFError:
+                self.say()
+                return 0
+            except KeyboardInterrupt:
+                self.say("\nUse Ctrl + d or /bye to exit.")
+                continue
+            if not text.strip():
+                continue
+            if text.startswith("/"):
+                if not self.command(text):
+                    return 0
+                continue
+            task = loop.create_task(self.answer(text))
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(signal.SIGINT, task.cancel)
+            try:
+                loop.run_until_complete(task)
+            except asyncio.CancelledError:
+                self.say("\n" + self._dim("(interrupted)"))
+            except ChatError as e:
+                self.say(f"\nerror: {e}")
+            finally:
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.remove_signal_handler(signal.SIGINT)
+
+
+def run_chat(settings: EdgeSettings, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    if sys.stdin.isatty():
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401  (line editing and history for input())
+    loop = asyncio.new_event_loop()
+    try:
+
+        def say(text: str) -> None:
+            print(text, file=sys.stderr, flush=True)
+
+        backend = loop.run_until_complete(open_backend(settings, say))
+        try:
+            return Repl(backend, ChatOptions.from_settings(settings), out).run(loop)
+        finally:
+            loop.run_until_complete(backend.close())
+    finally:
+        loop.close()

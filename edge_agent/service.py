@@ -1,0 +1,348 @@
+"""The daemon's core, shared by ``edge-agent serve`` (HTTP) and ``edge-agent chat`` (in-process):
+one draft model, one :class:`~edge_agent.agent.EdgeAgent`, requests run one at a time in
+arrival order, text streamed as it is committed, stop strings, metrics.
+
+:meth:`EdgeService.stream` is the whole interface: an async iterator of text pieces ending with
+one :class:`Finished`. Leaving the iteration early (a client that disconnects) or cancelling the
+consuming task cancels the generation and frees the request's place in the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
+from edge_agent.config import EdgeSettings, read_secret_file
+from edge_agent.drafter import Drafter
+from edge_agent.generate import TextStreamer, eos_ids, result_json, ssl_context
+from edge_agent.link import AuthError, LinkSettings, WebSocketTransport
+from edge_agent.monitor import EdgeMetrics, LinkMonitor, TimedTransport
+from edge_agent.pipeline import Generation, PipelineConfig, VerifierError
+from edge_agent.tasks import ModelWorker
+from edge_agent.transport import LinkClosed, Transport
+from shared.models import LoadedModel, load_model, parse_model_spec
+
+log = logging.getLogger("wanspec.edge.service")
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are waiting (HTTP 429)."""
+
+
+class VerifierUnavailable(RuntimeError):
+    """No verifier could be used and no fallback is configured (HTTP 503)."""
+
+
+class FairQueue:
+    """One holder at a time, the others served first come, first served.
+
+    A waiter that is cancelled leaves the queue; a slot handed to a waiter that is cancelled at
+    that very moment is passed on, never lost."""
+
+    def __init__(self, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self.busy = False
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for f in self._waiters if not f.done())
+
+    def _release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # handed over: busy stays True
+                return
+        self.busy = False
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self.busy or self._waiters:
+            if self.waiting >= self.max_waiting:
+                raise QueueFull(f"{self.waiting} requests are already waiting; try again later")
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            except BaseException:
+                if fut.done() and not fut.cancelled():
+                    self._release()  # the slot was ours already: pass it on
+                else:
+                    with contextlib.suppress(ValueError):
+                        self._waiters.remove(fut)
+                raise
+        else:
+            self.busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+
+class StopScanner:
+    """Cuts streamed text at the first stop string, holding back text that might begin one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.keep = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+        self.hit = False
+
+    def feed(self, text: str) -> str:
+        """Text safe to emit now; sets ``hit`` (and drops the rest) when a stop string appears."""
+        if self.hit:
+            return ""
+        self.pending += text
+        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.pending, self.hit = self.pending[:cut], "", True
+            return out
+        n = max(0, len(self.pending) - self.keep)
+        out, self.pending = self.pending[:n], self.pending[n:]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.hit else self.pending), ""
+        return out
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    prompt_ids: list[int]
+    pipeline: PipelineConfig
+    max_tokens: int
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end of a stream: what OpenAI's ``usage``/``finish_reason`` and our extension need."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: dict[str, Any] = field(default_factory=dict)  # the "wanspec" extension
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_draft_model(s: EdgeSettings, report: Callable[[str], None]) -> LoadedModel:
+    """The draft (blocking): ``self:`` drafts share the weights of ``draft_base``."""
+    import torch
+
+    device = resolve_device(s.device)
+    name = s.dtype if s.dtype != "auto" else ("float16" if device == "cuda" else "float32")
+    dtype = getattr(torch, name)
+    spec = parse_model_spec(s.draft)
+    if spec.kind == "self":
+        report(f"loading {s.draft_base} ({device}, {name}) for the self-draft {s.draft}")
+        base = load_model(s.draft_base, device=device, dtype=dtype)
+        report(f"deriving the self-draft {s.draft} (weights shared)")
+        return load_model(spec, base=base)
+    report(f"loading draft {s.draft} ({device}, {name})")
+    return load_model(spec, device=device, dtype=dtype)
+
+
+class EdgeService:
+    """The draft model, the agent, the request queue and the metrics of one process."""
+
+    def __init__(self, settings: EdgeSettings, metrics: EdgeMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or EdgeMetrics()
+        self.link = LinkMonitor(settings, self.metrics)
+        self.queue = FairQueue(settings.max_queue)
+        self.worker = ModelWorker("draft-model")
+        self.loaded: LoadedModel | None = None
+        self.agent: EdgeAgent | None = None
+        self.drafter: Drafter | None = None
+        self.eos: list[int] = []
+        self.max_context: int | None = None
+        self._rtts: list[float] = []
+        token_file = settings.token_file
+        self._token = read_secret_file(token_file, "token_file") if token_file else ""
+        self._ssl = ssl_context(
+            str(settings.ca_file) if settings.ca_file else None, settings.insecure_skip_verify
+        )
+        self._preferred = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.agent is not None
+
+    async def load(self, report: Callable[[str], None] = lambda _: None) -> None:
+        """Load the draft on the model worker (the event loop stays free)."""
+        t0 = time.perf_counter()
+        loaded = await self.worker.run(load_draft_model, self.settings, report)
+        drafter = await self.worker.run(Drafter, loaded)
+        self.loaded, self.drafter = loaded, drafter
+        self.eos = eos_ids(loaded)
+        self.max_context = drafter.lm.max_length
+        retry = RetryPolicy(max_attempts=self.settings.retry_attempts)
+        self.agent = EdgeAgent(
+            drafter, loaded.fingerprint, self._connect, retry=retry, worker=self.worker
+        )
+        self.metrics.model_ready.set(1)
+        report(f"draft {loaded.name} ready in {time.perf_counter() - t0:.1f} s")
+
+    def close(self) -> None:
+        self.worker.close()
+
+    # ------------------------------------------------------------------ the verifier link
+
+    async def _connect(self) -> Transport:
+        """A session with the first verifier that answers, starting with the last good one."""
+        urls = self.settings.verifier_urls
+        errors: list[str] = []
+        for k in range(len(urls)):
+            i = (self._preferred + k) % len(urls)
+            link = LinkSettings(
+                url=urls[i], token=self._token, heartbeat_s=self.settings.heartbeat, ssl=self._ssl
+            )
+            try:
+                transport = await WebSocketTransport.connect(link)
+            except AuthError as e:
+                raise HandshakeError(str(e)) from e  # reconnecting cannot help
+            except LinkClosed as e:
+                self.link.mark(urls[i], False, str(e))
+                errors.append(str(e))
+                continue
+            self._preferred = i
+            return TimedTransport(transport, self._on_rtt)
+        raise LinkClosed("; ".join(errors))
+
+    def _on_rtt(self, seconds: float) -> None:
+        self._rtts.append(seconds)
+        self.metrics.rtt.observe(seconds, kind="handshake")
+
+    # ------------------------------------------------------------------ generation
+
+    def require(self) -> tuple[LoadedModel, EdgeAgent]:
+        if self.loaded is None or self.agent is None:
+            raise RuntimeError("the draft model is still loading")
+        return self.loaded, self.agent
+
+    async def _draft_only(self, gen: Generation, cfg: PipelineConfig, seed: int | None) -> None:
+        """The fallback: the draft alone (the text is *not* the target's)."""
+        assert self.drafter is not None
+        rng = np.random.default_rng(seed)
+        while not gen.done:
+            x, _ = await self.worker.run(
+                self.drafter.draft, gen.committed, cfg.sampling, rng, deterministic=False
+            )
+            gen.commit([x])
+
+    async def _run(self, gen: Generation, req: GenRequest, info: dict[str, Any]) -> None:
+        _, agent = self.require()
+        fallback = self.settings.fallback == "draft"
+        if not (fallback and self.link.state == "down"):
+            try:
+                await agent.run(gen, req.pipeline, seed=req.seed)
+                self.link.mark(None, True)
+                return
+            except (LinkClosed, OSError, HandshakeError, asyncio.TimeoutError) as e:
+                self.link.mark(None, False, str(e))
+                if not fallback:
+                    raise VerifierUnavailable(f"no verifier could be used: {e}") from e
+                log.warning("verifier unavailable (%s): continuing with the draft alone", e)
+            except VerifierError as e:
+                if not fallback:
+                    raise
+                log.warning("verifier error (%s): continuing with the draft alone", e)
+        info["verified"] = False
+        info["verified_tokens"] = len(gen.generated)
+        await self._draft_only(gen, req.pipeline, req.seed)
+
+    async def stream(self, req: GenRequest) -> AsyncGenerator[str | Finished, None]:
+        """Text pieces as they are committed, then one :class:`Finished`.
+
+        Raises QueueFull, VerifierUnavailable, VerifierError; the first two before any text.
+        """
+        loaded, _ = self.require()
+        self.metrics.queue_waiting.set(self.queue.waiting + 1)
+        async with self.queue.slot():
+            self.metrics.queue_waiting.set(self.queue.waiting)
+            self.metrics.busy.set(1)
+            pieces: asyncio.Queue[str | None] = asyncio.Queue()
+            scanner = StopScanner(req.stop)
+            eos = () if req.ignore_eos else self.eos
+            gen: Generation | None = None
+
+            def on_text(text: str) -> None:
+                out = scanner.feed(text)
+                if out:
+                    pieces.put_nowait(out)
+                if scanner.hit and gen is not None and not gen.done:
+                    gen.finish("stop")
+
+            streamer = TextStreamer(loaded.tokenizer, on_text)
+            gen = Generation(req.prompt_ids, req.max_tokens, eos, streamer)
+            info: dict[str, Any] = {"verified": True}
+            self._rtts = []
+            t0 = time.perf_counter()
+            task = asyncio.create_task(self._run(gen, req, info), name="wanspec-generation")
+            task.add_done_callback(lambda _: pieces.put_nowait(None))
+            outcome = "cancelled"
+            sent: list[str] = []
+            try:
+                while (piece := await pieces.get()) is not None:
+                    sent.append(piece)
+                    yield piece
+                await task  # raises what the generation raised
+                outcome = gen.finish_reason or "stop"
+                rest = streamer.text()[streamer.emitted :]
+                tail = scanner.feed(rest) + scanner.flush()
+                if tail:
+                    sent.append(tail)
+                    yield tail
+                wall = time.perf_counter() - t0
+                stats = self._stats(gen, wall, req, info)
+                yield Finished(
+                    text="".join(sent),
+                    finish_reason="stop" if scanner.hit else (gen.finish_reason or "stop"),
+                    prompt_tokens=len(req.prompt_ids),
+                    completion_tokens=len(gen.generated),
+                    stats=stats,
+                )
+            except (QueueFull, VerifierUnavailable, VerifierError, HandshakeError):
+                outcome = "error"
+                raise
+            except Exception:
+                outcome = "error"
+                log.exception("generation failed")
+                raise
+            finally:
+                if not task.done():
+                    task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                self.metrics.busy.set(0)
+                self.metrics.record(gen, time.perf_counter() - t0, outcome, info)
+
+    def _stats(
+        self, gen: Generation, wall: float, req: GenRequest, info: dict[str, Any]
+    ) -> dict[str, Any]:
+        out = result_json(gen, "", wall, req.pipeline)
+        del out["text"]
+        out["prompt_tokens"] = len(req.prompt_ids)
+        out["rtt_ms"] = round(1000 * min(self._rtts), 2) if self._rtts else None
+        out.update(info)
+        return out

@@ -1,0 +1,324 @@
+"""Edge agent against a live verifier over real WebSockets, with tiny random models.
+
+* greedy output equals target-only greedy output token for token, for every γ, D and mode;
+* at T = 1 the emitted tokens are distributed as the target's: each x_t must be a draw from the
+  target's p_t given the text before it, so the count O_j of each id j has mean E_j = Σ_t p_t(j)
+  and variance Σ_t p_t(j)(1 − p_t(j)) <= E_j; Pearson's Σ (O_j − E_j)²/E_j is then (slightly
+  conservatively) chi-square with |V| − 1 degrees of freedom. The draft's own samples must fail
+  the same test (negative control);
+* killing the connection mid-generation (twice) changes nothing in the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+import torch
+from aiohttp import web
+from scipy import stats
+
+from cloud_verifier.app import build_app
+from cloud_verifier.auth import Authenticator
+from cloud_verifier.engine import TorchTarget
+from cloud_verifier.settings import VerifierSettings
+from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
+from edge_agent.drafter import Drafter
+from edge_agent.link import AuthError, LinkSettings, WebSocketTransport
+from edge_agent.pipeline import PIPELINED, STOP_AND_WAIT, PipelineConfig
+from edge_agent.transport import LinkClosed, Transport
+from shared.lm import CausalLM
+from shared.models import LoadedModel, build_tiny_model, load_model
+from shared.protocol import CorrectionMode
+from shared.sampling import SamplingParams, transform
+
+TOKEN = "e2e-token-abcdef0123456789"
+PROMPT = [1, 10, 20, 30, 40]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_draft_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_draft_dir))
+
+
+async def serve(aiohttp_server: Any, target: LoadedModel, **overrides: Any) -> str:
+    settings = VerifierSettings(model="tiny", heartbeat=0.0, **overrides)
+    app = build_app(settings, auth=Authenticator([TOKEN]), loader=lambda: TorchTarget(target))
+    server = await aiohttp_server(app)
+    url = str(server.make_url("/v1/session")).replace("http://", "ws://")
+    for _ in range(500):  # the model loads in the background
+        async with __import__("aiohttp").ClientSession() as s:
+            async with s.get(str(server.make_url("/health"))) as r:
+                if r.status == 200:
+                    return url
+        await asyncio.sleep(0.01)
+    raise AssertionError("verifier never became healthy")
+
+
+def agent_for(draft: LoadedModel, url: str, token: str = TOKEN) -> EdgeAgent:
+    link = LinkSettings(url=url, token=token, heartbeat_s=0)
+
+    async def connect() -> Transport:
+        return await WebSocketTransport.connect(link)
+
+    retry = RetryPolicy(max_attempts=3, backoff_initial_s=0.01, backoff_max_s=0.05)
+    return EdgeAgent(Drafter(draft), draft.fingerprint, connect, retry=retry)
+
+
+def target_greedy(target: LoadedModel, prompt: list[int], n: int) -> list[int]:
+    """Target-only greedy decoding, one token per forward."""
+    lm = CausalLM(target)
+    logits = lm.extend(prompt)[-1]
+    out: list[int] = []
+    for _ in range(n):
+        t = int(torch.argmax(logits))
+        out.append(t)
+        logits = lm.extend([t])[0]
+    return out
+
+
+GREEDY_CASES = [(g, d, PIPELINED) for g in (1, 3, 6) for d in (1, 2, 4)] + [
+    (g, 1, STOP_AND_WAIT) for g in (1, 3, 6)
+]
+
+
+async def test_greedy_equals_target_only(
+    aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
+) -> None:
+    url = await serve(aiohttp_server, target)
+    n = 40
+    expected = target_greedy(target, PROMPT, n)
+    agent = agent_for(draft, url)
+    try:
+        for gamma, depth, mode in GREEDY_CASES:
+            cfg = PipelineConfig(gamma=gamma, depth=depth, mode=mode, sampling=SamplingParams(0.0))
+            gen = await agent.generate(PROMPT, cfg, max_new_tokens=n, seed=1)
+            assert gen.generated == expected, (gamma, depth, mode)
+            st = gen.stats
+            assert st.rejections > 0  # a random draft: the rollback path really ran
+            if mode == STOP_AND_WAIT:
+                assert st.discarded_batches == 0
+    finally:
+        agent.close()
+
+
+async def test_greedy_with_the_target_as_its_own_draft_accepts_everything(
+    aiohttp_server: Any, target: LoadedModel
+) -> None:
+    url = await serve(aiohttp_server, target)
+    agent = agent_for(target, url)
+    try:
+        cfg = PipelineConfig(gamma=4, depth=2, sampling=SamplingParams(0.0))
+        gen = await agent.generate(PROMPT, cfg, max_new_tokens=32)
+    finally:
+        agent.close()
+    assert gen.generated == target_greedy(target, PROMPT, 32)
+    assert gen.stats.rejections == 0 and gen.stats.accepted_tokens == gen.stats.draft_tokens
+
+
+def target_rows(
+    target: LoadedModel, prompt: list[int], tokens: list[int], params: SamplingParams
+) -> np.ndarray:
+    """The target's p_t for every emitted token, given the text before it: [n, V]."""
+    lm = CausalLM(target, logits_window=None)
+    logits = lm.extend(prompt + tokens)  # [P + n, V] (teacher forcing)
+    return transform(logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].numpy(), params)
+
+
+def sequential_chi_square(tokens: np.ndarray, rows: np.ndarray) -> float:
+    """p-value of Pearson's statistic with E_j = Σ_t p_t(j) (ids with E_j < 5 pooled)."""
+    observed = np.bincount(tokens, minlength=rows.shape[1]).astype(np.float64)
+    expected = rows.sum(axis=0)
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    return float(stats.chi2.sf(stat, len(obs) - 1))
+
+
+@pytest.mark.parametrize("correction", [CorrectionMode.CANDIDATES, CorrectionMode.GREEDY_DRAFT])
+async def test_sampled_output_is_distributed_as_the_target(
+    aiohttp_server: Any, target: LoadedModel, draft: LoadedModel, correction: str
+) -> None:
+    url = await serve(aiohttp_server, target)
+    params = SamplingParams(1.0)
+    agent = agent_for(draft, url)
+    toks, rows = [], []
+    try:
+        for i in range(4):
+            prompt = [1, 5 + i, 9 + 2 * i]
+            cfg = PipelineConfig(gamma=3, depth=2, sampling=params, correction=correction)
+            gen = await agent.generate(prompt, cfg, max_new_tokens=300, seed=100 + i)
+            assert gen.stats.rejections > 0
+            toks += gen.generated
+            rows.append(target_rows(target, prompt, gen.generated, params))
+    finally:
+        agent.close()
+    pv = sequential_chi_square(np.array(toks), np.concatenate(rows))
+    assert pv > 1e-4, f"{correction}: chi-square p-value {pv:.2e} over {len(toks)} tokens"
+
+
+def test_chi_square_has_power_negative_control(target: LoadedModel, draft: LoadedModel) -> None:
+    """The draft's own samples (not the target's) must fail the same test."""
+    params = SamplingParams(1.0)
+    rng = np.random.default_rng(0)
+    lm = CausalLM(draft)
+    all_toks, rows = [], []
+    for i in range(4):
+        prompt = [1, 5 + i, 9 + 2 * i]
+        lm.reset()
+        logits = lm.extend(prompt)[-1]
+        toks = []
+        for _ in range(300):
+            q = transform(logits.numpy(), params)
+            t = int(rng.choice(len(q), p=q))
+            toks.append(t)
+            logits = lm.extend([t])[0]
+        all_toks += toks
+        rows.append(target_rows(target, prompt, toks, params))
+    assert sequential_chi_square(np.array(all_toks), np.concatenate(rows)) < 1e-6
+
+
+class KillAfter:
+    """Wraps connect(): the k-th session's link dies after ``after[k]`` received frames."""
+
+    def __init__(self, connect: Any, after: list[int]) -> None:
+        self.connect = connect
+        self.after = list(after)
+        self.kills = 0
+
+    async def __call__(self) -> Transport:
+        inner = await self.connect()
+        budget = self.after.pop(0) if self.after else None
+        outer = self
+
+        class Dying:
+            received = 0
+
+            async def send(self, data: bytes) -> None:
+                await inner.send(data)
+
+            async def recv(self) -> bytes:
+                if budget is not None and self.received >= budget:
+                    outer.kills += 1
+                    await inner.close()  # the real socket goes down
+                    raise LinkClosed("killed by the test")
+                self.received += 1
+                return await inner.recv()
+
+            async def close(self) -> None:
+                await inner.close()
+
+        return Dying()
+
+
+@pytest.mark.parametrize("mode", [PIPELINED, STOP_AND_WAIT])
+async def test_connection_killed_twice_text_unchanged(
+    aiohttp_server: Any, target: LoadedModel, draft: LoadedModel, mode: str
+) -> None:
+    url = await serve(aiohttp_server, target)
+    n = 48
+    expected = target_greedy(target, PROMPT, n)
+    agent = agent_for(draft, url)
+    killer = KillAfter(agent.connect, [5, 7])  # frames incl. Welcome
+    agent.connect = killer
+    try:
+        cfg = PipelineConfig(gamma=3, depth=3, mode=mode, sampling=SamplingParams(0.0))
+        gen = await agent.generate(PROMPT, cfg, max_new_tokens=n)
+    finally:
+        agent.close()
+    assert killer.kills == 2
+    assert gen.stats.reconnects == 2
+    assert gen.generated == expected
+
+
+async def test_verifier_restart_mid_generation(
+    aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
+) -> None:
+    """The verifier's process state is lost (a new app on the same port): text unchanged."""
+    url = await serve(aiohttp_server, target)
+    expected = target_greedy(target, PROMPT, 40)
+    agent = agent_for(draft, url)
+    inner = agent.connect
+    calls = 0
+
+    async def connect() -> Transport:
+        nonlocal calls
+        calls += 1
+        return await inner()
+
+    agent.connect = KillAfter(connect, [4])
+    try:
+        gen = await agent.generate(
+            PROMPT, PipelineConfig(gamma=2, sampling=SamplingParams(0.0)), max_new_tokens=40
+        )
+    finally:
+        agent.close()
+    assert calls == 2 and gen.generated == expected
+
+
+async def test_wrong_token_and_wrong_tokenizer_are_clear_errors(
+    aiohttp_server: Any, target: LoadedModel, tmp_path: Path
+) -> None:
+    url = await serve(aiohttp_server, target)
+    other = load_model(str(build_tiny_model(tmp_path / "v80", vocab_size=80, seed=2)))
+    cfg = PipelineConfig(sampling=SamplingParams(0.0))
+    agent = agent_for(other, url)
+    try:
+        with pytest.raises(HandshakeError, match="vocabulary size differs"):
+            await agent.generate(PROMPT, cfg, max_new_tokens=4)
+    finally:
+        agent.close()
+    bad = agent_for(target, url, token="wrong")
+    try:
+        with pytest.raises(AuthError, match="refused the token"):
+            await bad.generate(PROMPT, cfg, max_new_tokens=4)
+    finally:
+        bad.close()
+
+
+async def test_unreachable_verifier_gives_up(draft: LoadedModel) -> None:
+    agent = agent_for(draft, "ws://127.0.0.1:9/v1/session")
+    try:
+        with pytest.raises(LinkClosed, match="gave up"):
+            await agent.generate(
+                PROMPT, PipelineConfig(sampling=SamplingParams(0.0)), max_new_tokens=4
+            )
+    finally:
+        agent.close()
+
+
+@pytest.mark.slow
+def test_demo_with_default_models() -> None:
+    """README command #1, for a few dozen tokens, with the real default models."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "edge_agent.cli", "demo", "--max-tokens", "24", "--json"],
+        capture_output=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    result = orjson.loads(out.stdout.decode().strip().splitlines()[-1])
+    assert result["tokens"] > 0 and result["text"].strip()
+    assert result["rounds"] > 0 and 0 < result["acceptance_rate"] <= 1
+    assert result["uplink_bytes_per_round"] <= 60
+    assert "[stats]" in out.stderr.decode()
+
+
+_ = web
