@@ -1,0 +1,1 @@
+"""Benchmark tooling for wanspec (WAN emulation, sweeps). Not imported by the runtime packages."""
