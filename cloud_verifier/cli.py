@@ -1,18 +1,228 @@
-"""``cloud-verifier`` command line."""
+"""``cloud-verifier`` command line: ``serve``, ``overhead``, ``gen-token``.
+
+Every ``serve`` setting can also come from ``WANSPEC_<NAME>`` environment variables or the
+``[verifier]`` table of a TOML file (``--config F`` or ``$WANSPEC_CONFIG``); the command line wins,
+then the environment, then the file, then the defaults.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
 import sys
+import threading
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cloud_verifier.settings import ENV_PREFIX, TOML_SECTION, VerifierSettings
+from shared.config import ConfigError, load_settings
+
+log = logging.getLogger("cloud_verifier")
+
+_HELP: dict[str, str] = {
+    "model": "target model: default, a HF folder, a .gguf file, a cached hub id, or null:VOCAB",
+    "host": "address to listen on",
+    "port": "TCP port (0: any free port)",
+    "token_file": "file of bearer tokens, one per line (# comments and blank lines ignored)",
+    "insecure_no_auth": "serve without authentication (trusted networks only)",
+    "device": "where the model runs",
+    "dtype": "model weights' dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    "max_sessions": "concurrent sessions",
+    "max_context": "tokens per session (also capped by the model)",
+    "max_gamma": "draft tokens per Propose",
+    "max_fixed": "fixed (prompt/correction) tokens per Propose",
+    "max_k": "entries of a sparse distribution (Hello.k and Hello.m)",
+    "max_frame": "bytes per WebSocket frame (larger frames close the session)",
+    "max_bad_frames": "refused frames per session before it is closed",
+    "max_resamples": "Resample requests per rejection",
+    "handshake_timeout": "seconds a client has to send Hello",
+    "heartbeat": "WebSocket ping interval in seconds (0: off)",
+    "close_timeout": "seconds to wait for a client's close reply",
+    "shutdown_timeout": "seconds to let sessions finish on SIGTERM",
+    "log_level": "logging level",
+}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _add_settings_args(p: argparse.ArgumentParser) -> None:
+    """One option per settings field; None = not given (so lower sources can fill it)."""
+    hints = typing.get_type_hints(VerifierSettings)
+    for f in dataclasses.fields(VerifierSettings):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{_HELP.get(f.name, '')} (default: {f.default}; env {ENV_PREFIX}"
+        help_text += f"{f.name.upper()})"
+        tp = hints[f.name]
+        if tp is bool:
+            p.add_argument(flag, action="store_true", default=None, help=help_text)
+            continue
+        choices = None
+        if typing.get_origin(tp) is typing.Literal:
+            choices = typing.get_args(tp)
+        p.add_argument(flag, default=None, choices=choices, metavar=None, help=help_text)
+
+
+def load_cli_settings(args: argparse.Namespace, env: dict[str, str]) -> VerifierSettings:
+    cli = {f.name: getattr(args, f.name) for f in dataclasses.fields(VerifierSettings)}
+    config = args.config or env.get(ENV_PREFIX + "CONFIG")
+    return load_settings(
+        VerifierSettings,
+        toml_path=Path(config).expanduser() if config else None,
+        env=env,
+        env_prefix=ENV_PREFIX,
+        cli=cli,
+        section=TOML_SECTION,
+    )
+
+
+def _check_model_spec(spec: str) -> None:
+    from cloud_verifier.engine import parse_null_spec
+
+    if parse_null_spec(spec) is not None:
+        return
+    from shared.models import ModelSpecError, parse_model_spec
+
+    try:
+        parse_model_spec(spec)
+    except ModelSpecError as e:
+        raise ConfigError("model", str(e)) from None
+
+
+async def serve(settings: VerifierSettings, auth: Any) -> int:
+    """Run until SIGTERM/SIGINT. Returns the exit status (1 if the model failed to load)."""
+    from aiohttp import web
+
+    from cloud_verifier.app import STATE, build_app
+    from shared.sdnotify import Notifier
+
+    notifier = Notifier.from_env()
+    app = build_app(settings, auth=auth, notifier=notifier)
+    state = app[STATE]
+    runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout, access_log=None)
+    loop = asyncio.get_running_loop()
+    stopping = False
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal stopping
+        log.info("%s: shutting down", sig.name)
+        stopping = True
+        state.changed.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    rc = 0
+    await runner.setup()  # starts the model load in the background
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        for addr in runner.addresses:
+            log.info("listening on %s port %d", addr[0], addr[1])
+        announced = False
+        while True:
+            await state.changed.wait()
+            state.changed.clear()
+            if stopping:
+                break
+            if state.status == "failed":
+                log.error("%s", state.reason)
+                rc = 1
+                break
+            if state.status == "ready" and not announced:
+                # Port listening and model loaded: only now is the service up.
+                notifier.notify(f"READY=1\nSTATUS={state.reason}")
+                announced = True
+    finally:
+        notifier.notify("STOPPING=1\nSTATUS=stopping")
+        await runner.cleanup()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info("stopped")
+    return rc
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from cloud_verifier.auth import Authenticator, AuthError
+
+    try:
+        settings = load_cli_settings(args, dict(os.environ))
+        _check_model_spec(settings.model)
+        if settings.token_file is not None:
+            try:
+                auth = Authenticator(token_file=settings.token_file)
+            except AuthError as e:
+                raise ConfigError("token_file", str(e)) from None
+        elif settings.insecure_no_auth:
+            auth = Authenticator.insecure()
+        else:
+            raise ConfigError(
+                "token_file",
+                "no token file configured: pass --token-file F (see `cloud-verifier gen-token`) "
+                "or, on a trusted network only, --insecure-no-auth",
+            )
+    except ConfigError as e:
+        print(f"cloud-verifier: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not auth.enabled:
+        log.warning("authentication is OFF (--insecure-no-auth): anyone can open sessions")
+    rc = asyncio.run(serve(settings, auth))
+    if threading.active_count() > 1:
+        # The model worker is still inside a load or a forward that cannot be interrupted;
+        # Python would join it at exit and overrun the stop timeout. Everything else is closed.
+        log.warning("model worker still busy: exiting without waiting for it")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
+
+
+def _cmd_gen_token(args: argparse.Namespace) -> int:
+    from cloud_verifier.auth import generate_token
+
+    print(generate_token())
+    return 0
+
+
+def _cmd_overhead(args: argparse.Namespace) -> int:
+    from cloud_verifier.overhead import main as overhead_main
+
+    return overhead_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cloud-verifier", description="wanspec cloud verifier: verifies edge drafts."
     )
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_serve = sub.add_parser("serve", help="run the verifier service")
+    p_serve.add_argument("--config", help=f"TOML file with a [{TOML_SECTION}] table")
+    _add_settings_args(p_serve)
+    p_serve.set_defaults(func=_cmd_serve)
+
+    from cloud_verifier.overhead import add_arguments
+
+    p_over = sub.add_parser(
+        "overhead", help="measure the per-round overhead over a loopback WebSocket"
+    )
+    add_arguments(p_over)
+    p_over.set_defaults(func=_cmd_overhead)
+
+    p_tok = sub.add_parser("gen-token", help="print a new random bearer token")
+    p_tok.set_defaults(func=_cmd_gen_token)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rc: int = args.func(args)
+    return rc
 
 
 if __name__ == "__main__":

@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import orjson
 import pytest
 import torch
-from aiohttp import web
 from scipy import stats
 
 from cloud_verifier.app import build_app
@@ -58,12 +58,12 @@ async def serve(aiohttp_server: Any, target: LoadedModel, **overrides: Any) -> s
     app = build_app(settings, auth=Authenticator([TOKEN]), loader=lambda: TorchTarget(target))
     server = await aiohttp_server(app)
     url = str(server.make_url("/v1/session")).replace("http://", "ws://")
-    for _ in range(500):  # the model loads in the background
-        async with __import__("aiohttp").ClientSession() as s:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(500):  # the model loads in the background
             async with s.get(str(server.make_url("/health"))) as r:
                 if r.status == 200:
                     return url
-        await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)
     raise AssertionError("verifier never became healthy")
 
 
@@ -320,5 +320,3 @@ def test_demo_with_default_models() -> None:
     assert result["uplink_bytes_per_round"] <= 60
     assert "[stats]" in out.stderr.decode()
 
-
-_ = web

@@ -1,0 +1,375 @@
+"""The aiohttp application: ``/v1/session`` (WebSocket), ``/health``, ``/metrics``.
+
+Tasks and their owners: the model load and the systemd watchdog each run in a task created and
+cancelled-and-awaited by a cleanup context; session handlers are aiohttp's request tasks, and
+``on_shutdown`` closes their WebSockets with GOING_AWAY so they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from aiohttp import WSCloseCode, WSMsgType, hdrs, web
+
+from cloud_verifier.auth import Authenticator
+from cloud_verifier.engine import Engine, Target, load_target
+from cloud_verifier.session import (
+    Session,
+    SessionFatal,
+    SessionLimits,
+    handshake,
+)
+from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.stats import VerifierMetrics
+from shared.metrics import CONTENT_TYPE
+from shared.protocol import SUBPROTOCOL, Error, FederatedReply, Message, Verdict, encode
+from shared.sdnotify import Notifier
+
+log = logging.getLogger(__name__)
+
+Status = Literal["loading", "ready", "failed", "stopping"]
+
+
+@dataclass
+class VerifierState:
+    """Everything the handlers share (one per app)."""
+
+    settings: VerifierSettings
+    engine: Engine
+    auth: Authenticator
+    metrics: VerifierMetrics
+    limits: SessionLimits
+    loader: Callable[[], Target]
+    notifier: Notifier
+    status: Status = "loading"
+    reason: str = "loading the model"
+    sessions: dict[str, Session] = field(default_factory=dict)
+    websockets: set[web.WebSocketResponse] = field(default_factory=set)
+    connections: int = 0  # upgraded or upgrading: counted against max_sessions
+    #: Set whenever ``status`` changes (serve() waits on it).
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def set_status(self, status: Status, reason: str) -> None:
+        self.status, self.reason = status, reason
+        self.changed.set()
+
+
+STATE = web.AppKey("wanspec_state", VerifierState)
+
+
+def limits_from(settings: VerifierSettings) -> SessionLimits:
+    return SessionLimits(
+        max_gamma=settings.max_gamma,
+        max_fixed=settings.max_fixed,
+        max_context=settings.max_context,
+        max_frame=settings.max_frame,
+        max_k=settings.max_k,
+        max_bad_frames=settings.max_bad_frames,
+        max_resamples=settings.max_resamples,
+    )
+
+
+def build_app(
+    settings: VerifierSettings,
+    *,
+    auth: Authenticator,
+    engine: Engine | None = None,
+    loader: Callable[[], Target] | None = None,
+    notifier: Notifier | None = None,
+    metrics: VerifierMetrics | None = None,
+) -> web.Application:
+    """The verifier app. ``loader`` (run on the model worker) defaults to loading
+    ``settings.model``; pass ``engine`` to observe it (tests count its forwards)."""
+    if loader is None:
+
+        def loader() -> Target:
+            return load_target(settings.model, device=settings.device, dtype=settings.dtype)
+
+    app = web.Application()
+    app[STATE] = VerifierState(
+        settings=settings,
+        engine=engine or Engine(),
+        auth=auth,
+        metrics=metrics or VerifierMetrics(),
+        limits=limits_from(settings),
+        loader=loader,
+        notifier=notifier or Notifier(None),
+    )
+    app.router.add_get("/v1/session", session_handler)
+    app.router.add_get("/health", health_handler)
+    app.router.add_get("/metrics", metrics_handler)
+    app.cleanup_ctx.append(_engine_ctx)
+    app.cleanup_ctx.append(_watchdog_ctx)
+    app.on_shutdown.append(_close_sessions)
+    return app
+
+
+# ---------------------------------------------------------------------------- background tasks
+
+
+async def _load_model(state: VerifierState) -> None:
+    spec = state.settings.model
+    state.notifier.notify(f"STATUS=loading model {spec}")
+    log.info("loading model %s", spec)
+    t0 = time.perf_counter()
+    try:
+        target = await state.engine.load(state.loader)
+    except Exception as e:
+        log.error("model %s failed to load", spec, exc_info=e)
+        state.notifier.notify(f"STATUS=model failed to load: {e}")
+        state.set_status("failed", f"model {spec} failed to load: {e}")
+        return
+    state.metrics.model_ready.set(1)
+    log.info("model ready: %s (%.1f s)", target.description, time.perf_counter() - t0)
+    state.set_status("ready", f"serving {target.description}")
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Owns the model worker and the background load (the port listens while it runs)."""
+    state = app[STATE]
+    task = asyncio.create_task(_load_model(state), name="wanspec-load-model")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        state.engine.shutdown()
+
+
+async def _watchdog(state: VerifierState, interval: float) -> None:
+    """WATCHDOG=1 every ``interval`` s while the loop runs and the model worker answers."""
+    while True:
+        if state.status == "loading":
+            ok = True  # the worker is busy loading by design; the loop is alive
+        else:
+            ok = await state.engine.ping(timeout=interval * 1.5)
+        if ok:
+            state.notifier.notify("WATCHDOG=1")
+        else:
+            log.error("model worker did not answer within %.1f s: no watchdog ping", interval * 1.5)
+        await asyncio.sleep(interval)
+
+
+async def _watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    interval = state.notifier.watchdog_interval
+    task = None
+    if interval is not None:
+        task = asyncio.create_task(_watchdog(state, interval), name="wanspec-watchdog")
+    try:
+        yield
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _close_sessions(app: web.Application) -> None:
+    state = app[STATE]
+    state.set_status("stopping", "shutting down")
+    sockets = list(state.websockets)
+    if sockets:
+        log.info("closing %d session(s)", len(sockets))
+    await asyncio.gather(
+        *(ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown") for ws in sockets),
+        return_exceptions=True,
+    )
+
+
+# ---------------------------------------------------------------------------- HTTP handlers
+
+
+def _json(status: int, body: dict[str, object], **headers: str) -> web.Response:
+    return web.Response(
+        status=status, text=json.dumps(body), content_type="application/json", headers=headers
+    )
+
+
+async def health_handler(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body: dict[str, object] = {"status": state.status, "reason": state.reason}
+    if state.status != "ready":
+        return _json(503, body)
+    target = state.engine.require_target()
+    body.update(
+        model=target.fingerprint.model_name,
+        vocab_size=target.vocab_size,
+        sessions=len(state.sessions),
+    )
+    return _json(200, body)
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.metrics.sessions_active.set(len(state.sessions))
+    body = state.metrics.render().encode()
+    return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE})
+
+
+def _refuse(state: VerifierState, reason: str, exc: web.HTTPException) -> web.HTTPException:
+    state.metrics.sessions_refused.inc(reason=reason)
+    return exc
+
+
+async def session_handler(request: web.Request) -> web.StreamResponse:
+    """Authenticate, check capacity and subprotocol, then upgrade and run one session."""
+    state = request.app[STATE]
+    s = state.settings
+    # Nothing is created before the token checks out.
+    if not state.auth.check(request.headers.get(hdrs.AUTHORIZATION)):
+        raise _refuse(
+            state,
+            "auth",
+            web.HTTPUnauthorized(
+                text="missing or wrong bearer token\n",
+                headers={hdrs.WWW_AUTHENTICATE: 'Bearer realm="wanspec"'},
+            ),
+        )
+    if state.status != "ready":
+        raise _refuse(
+            state,
+            "loading",
+            web.HTTPServiceUnavailable(
+                text=json.dumps({"status": state.status, "reason": state.reason}),
+                content_type="application/json",
+                headers={hdrs.RETRY_AFTER: "5"},
+            ),
+        )
+    if state.connections >= s.max_sessions:
+        raise _refuse(
+            state,
+            "busy",
+            web.HTTPServiceUnavailable(
+                text=f"session limit {s.max_sessions} reached\n", headers={hdrs.RETRY_AFTER: "1"}
+            ),
+        )
+    ws = web.WebSocketResponse(
+        protocols=(SUBPROTOCOL,),
+        max_msg_size=s.max_frame,
+        timeout=s.close_timeout,
+        heartbeat=s.heartbeat or None,
+        compress=False,  # frames are tens of bytes; deflate would only add latency
+    )
+    ready = ws.can_prepare(request)
+    if not ready.ok:
+        raise _refuse(state, "subprotocol", web.HTTPBadRequest(text="not a WebSocket upgrade\n"))
+    if ready.protocol != SUBPROTOCOL:
+        raise _refuse(
+            state,
+            "subprotocol",
+            web.HTTPBadRequest(text=f"the WebSocket subprotocol {SUBPROTOCOL} is required\n"),
+        )
+    state.connections += 1
+    try:
+        await ws.prepare(request)
+        state.websockets.add(ws)
+        await _run_session(ws, state)
+    finally:
+        state.connections -= 1
+        state.websockets.discard(ws)
+    return ws
+
+
+# ---------------------------------------------------------------------------- the session loop
+
+
+def _close_reason(text: str) -> bytes:
+    """A close reason fits in 123 bytes (RFC 6455); cut on a character boundary."""
+    raw = text.encode("utf-8")
+    return raw if len(raw) <= 123 else raw[:120].decode("utf-8", "ignore").encode() + b"..."
+
+
+async def _send(ws: web.WebSocketResponse, state: VerifierState, data: bytes) -> None:
+    await ws.send_bytes(data)
+    state.metrics.bytes_sent.inc(len(data))
+    state.metrics.frames_sent.inc()
+
+
+async def _send_msg(
+    ws: web.WebSocketResponse, state: VerifierState, msg: Message, session: Session | None
+) -> None:
+    if isinstance(msg, Error):
+        state.metrics.errors_sent.inc(code=msg.code)
+    await _send(ws, state, encode(msg) if session is None else session.encode(msg))
+
+
+async def _fatal(ws: web.WebSocketResponse, state: VerifierState, f: SessionFatal) -> None:
+    with contextlib.suppress(ConnectionError):
+        if f.close_code != WSCloseCode.OK:
+            await _send_msg(ws, state, f.error, None)
+    await ws.close(code=f.close_code, message=_close_reason(f"{f.error.code}: {f.error.message}"))
+
+
+def _count_in(state: VerifierState, data: bytes | str) -> None:
+    state.metrics.frames_received.inc()
+    state.metrics.bytes_received.inc(len(data) if isinstance(data, bytes) else len(data.encode()))
+
+
+async def _run_session(ws: web.WebSocketResponse, state: VerifierState) -> None:
+    s = state.settings
+    try:
+        first = await ws.receive(timeout=s.handshake_timeout)
+    except asyncio.TimeoutError:
+        state.metrics.sessions_refused.inc(reason="handshake")
+        err = Error("bad_handshake", f"no Hello within {s.handshake_timeout} s", fatal=True)
+        await _fatal(ws, state, SessionFatal(err))
+        return
+    if first.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
+        return  # closed before saying anything
+    _count_in(state, first.data)
+    try:
+        session = handshake(first.data, state.engine, state.limits, state.metrics)
+    except SessionFatal as f:
+        await _fatal(ws, state, f)
+        return
+    state.sessions[session.session_id] = session
+    state.metrics.sessions.inc()
+    state.metrics.sessions_active.set(len(state.sessions))
+    log.info(
+        "session %s open (%s, %s, %s)",
+        session.session_id,
+        session.hello.reply_mode,
+        session.hello.correction,
+        session.hello.sampling,
+    )
+    try:
+        await _send(ws, state, encode(session.welcome))
+        async for msg in ws:
+            if msg.type == WSMsgType.ERROR:
+                # e.g. a frame over max_frame: aiohttp has closed the socket with a code already.
+                state.metrics.bad_frames.inc()
+                log.info("session %s: transport error %s", session.session_id, ws.exception())
+                break
+            if msg.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
+                continue
+            t0 = time.perf_counter()
+            _count_in(state, msg.data)
+            replies = await session.handle(msg.data)
+            for r in replies:
+                await _send_msg(ws, state, r, session)
+            if any(isinstance(r, (Verdict, FederatedReply)) for r in replies):
+                state.metrics.round_seconds.observe(time.perf_counter() - t0)
+    except SessionFatal as f:
+        log.info("session %s closed: %s", session.session_id, f)
+        await _fatal(ws, state, f)
+    except ConnectionError:
+        log.info("session %s: connection lost", session.session_id)
+    except Exception as e:
+        log.exception("session %s: internal error", session.session_id)
+        err = Error(
+            "internal", f"internal error ({type(e).__name__}); see the verifier's log", fatal=True
+        )
+        await _fatal(ws, state, SessionFatal(err, WSCloseCode.INTERNAL_ERROR))
+    finally:
+        del state.sessions[session.session_id]
+        state.metrics.sessions_active.set(len(state.sessions))
+        log.info("session %s ended", session.session_id)

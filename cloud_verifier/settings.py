@@ -1,0 +1,55 @@
+"""The verifier's settings (``cloud-verifier serve``), read by ``shared.config.load_settings``.
+
+Sources, highest first: command line, ``WANSPEC_*`` environment variables, a TOML file
+(``--config F``: top-level keys, or a ``[verifier]`` table), these defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from shared.config import ConfigError
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+#: Environment prefix and TOML table of the verifier's settings.
+ENV_PREFIX = "WANSPEC_"
+TOML_SECTION = "verifier"
+
+
+def _b(lo: float, hi: float | None = None) -> dict[str, float]:
+    return {"min": lo} if hi is None else {"min": lo, "max": hi}
+
+
+@dataclass(frozen=True)
+class VerifierSettings:
+    """Everything ``serve`` needs. Limits are per process unless they say per session."""
+
+    model: str = "default"  # a spec for shared.models.load_model, or null:VOCAB
+    host: str = "127.0.0.1"
+    port: int = field(default=8765, metadata=_b(0, 65535))
+    token_file: Path | None = None  # one bearer token per line; # comments, blank lines ignored
+    insecure_no_auth: bool = False  # serve without a token file (nobody is authenticated)
+    device: Device = "auto"
+    dtype: DType = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
+    max_sessions: int = field(default=64, metadata=_b(1))
+    max_context: int = field(default=8192, metadata=_b(2))  # tokens per session (capped by model)
+    max_gamma: int = field(default=16, metadata=_b(1, 4096))  # draft tokens per Propose
+    max_fixed: int = field(default=8192, metadata=_b(1))  # fixed tokens per Propose (prompt)
+    max_k: int = field(default=1024, metadata=_b(1))  # top-K entries per sparse distribution
+    max_frame: int = field(default=1 << 20, metadata=_b(4096, 1 << 30))  # bytes per frame
+    max_bad_frames: int = field(default=16, metadata=_b(1))  # per session, then it is closed
+    max_resamples: int = field(default=64, metadata=_b(0))  # Resample requests per rejection
+    handshake_timeout: float = field(default=10.0, metadata=_b(0.1))  # seconds to send Hello
+    heartbeat: float = field(default=20.0, metadata=_b(0))  # WebSocket ping interval, 0 = off
+    close_timeout: float = field(default=2.0, metadata=_b(0.1))  # wait for the peer's close
+    shutdown_timeout: float = field(default=10.0, metadata=_b(0.1))  # for handlers on SIGTERM
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def __post_init__(self) -> None:
+        # Neither set is refused by `serve` only: tests and the demo pass a generated token.
+        if self.token_file is not None and self.insecure_no_auth:
+            raise ConfigError("insecure_no_auth", "cannot be combined with a token_file (pick one)")

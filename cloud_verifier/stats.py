@@ -1,0 +1,103 @@
+"""The verifier's Prometheus metrics (names are stable; the README documents each with a query).
+
+Spec-decode names follow vLLM's (``vllm:spec_decode_num_drafts`` → ``wanspec_spec_decode_...``).
+Only verdict-mode rounds count as drafts: in federated mode the edge decides acceptance.
+"""
+
+from __future__ import annotations
+
+from shared.metrics import Registry
+
+#: Buckets for per-round and per-forward times (seconds).
+_TIME_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+class VerifierMetrics:
+    def __init__(self) -> None:
+        r = self.registry = Registry()
+        self.num_drafts = r.counter(
+            "wanspec_spec_decode_num_drafts_total", "Draft batches verified (verdict mode)."
+        )
+        self.num_draft_tokens = r.counter(
+            "wanspec_spec_decode_num_draft_tokens_total", "Draft tokens verified (verdict mode)."
+        )
+        self.num_accepted_tokens = r.counter(
+            "wanspec_spec_decode_num_accepted_tokens_total", "Draft tokens accepted."
+        )
+        self.accepted_per_pos = r.counter(
+            "wanspec_spec_decode_num_accepted_tokens_per_pos_total",
+            "Draft tokens accepted, by position in the batch (0 = first draft token).",
+            labels=("position",),
+        )
+        self.corrections = r.counter(
+            "wanspec_corrections_total",
+            "Rejections answered, by correction kind (sparse, candidates, token).",
+            labels=("kind",),
+        )
+        self.bonus_tokens = r.counter("wanspec_bonus_tokens_total", "Bonus tokens sent.")
+        self.resamples = r.counter("wanspec_resamples_total", "Resample requests answered.")
+        self.federated_rounds = r.counter(
+            "wanspec_federated_rounds_total", "Proposes answered with a FederatedReply."
+        )
+        self.fixed_tokens = r.counter(
+            "wanspec_fixed_tokens_total",
+            "Fixed tokens (prompt, corrections) run through the model.",
+        )
+        self.rollbacks = r.counter("wanspec_rollbacks_total", "Rollback frames applied.")
+        self.stale_dropped = r.counter(
+            "wanspec_stale_proposes_dropped_total",
+            "Proposes of an old epoch dropped without model work.",
+        )
+        self.bytes_received = r.counter(
+            "wanspec_bytes_received_total", "WebSocket payload bytes received."
+        )
+        self.bytes_sent = r.counter("wanspec_bytes_sent_total", "WebSocket payload bytes sent.")
+        self.frames_received = r.counter(
+            "wanspec_frames_received_total", "WebSocket data frames received."
+        )
+        self.frames_sent = r.counter("wanspec_frames_sent_total", "WebSocket data frames sent.")
+        self.bad_frames = r.counter(
+            "wanspec_bad_frames_total",
+            "Frames refused with a non-fatal error (bad_frame, bad_seq, bad_pos, ...).",
+        )
+        self.errors_sent = r.counter(
+            "wanspec_errors_sent_total", "Error frames sent, by code.", labels=("code",)
+        )
+        self.sessions_active = r.gauge("wanspec_sessions_active", "Open sessions.")
+        self.sessions = r.counter("wanspec_sessions_total", "Sessions established (Welcome sent).")
+        self.sessions_refused = r.counter(
+            "wanspec_sessions_refused_total",
+            "Connections refused, by reason (auth, loading, busy, subprotocol, handshake, "
+            "fingerprint).",
+            labels=("reason",),
+        )
+        self.model_forwards = r.counter(
+            "wanspec_model_forwards_total", "Target forwards (one per verified Propose)."
+        )
+        self.model_ready = r.gauge("wanspec_model_ready", "1 once the target model is loaded.")
+        self.verify_seconds = r.histogram(
+            "wanspec_verify_seconds",
+            "Worker time of one Propose: forward, sampling transform and decision.",
+            buckets=_TIME_BUCKETS,
+        )
+        self.forward_seconds = r.histogram(
+            "wanspec_forward_seconds",
+            "Worker time of the model forward alone.",
+            buckets=_TIME_BUCKETS,
+        )
+        self.queue_seconds = r.histogram(
+            "wanspec_worker_queue_seconds",
+            "Time a job waited for the model worker (other sessions' work ahead of it).",
+            buckets=_TIME_BUCKETS,
+        )
+        self.round_seconds = r.histogram(
+            "wanspec_round_seconds",
+            "Propose frame received → reply sent, in the session handler.",
+            buckets=_TIME_BUCKETS,
+        )
+
+    def render(self) -> str:
+        return self.registry.render()

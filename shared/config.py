@@ -1,0 +1,245 @@
+"""Settings from defaults, a TOML file, environment variables and the command line.
+
+A program describes its settings as one frozen dataclass; :func:`load_settings` fills it from four
+sources, highest precedence first:
+
+1. the command line (a dict of field name → value; ``None`` means "not given"),
+2. environment variables ``<PREFIX><FIELD NAME IN UPPER CASE>`` (e.g. ``WANSPEC_PORT``),
+3. a TOML file (top-level keys, or one table of it with ``section=``; tables of other programs
+   are then ignored),
+4. the dataclass defaults.
+
+Values are checked against the field's type annotation: ``int``, ``float``, ``bool``, ``str``,
+``pathlib.Path``, ``typing.Literal[...]`` choices, and ``X | None`` of those. Strings (environment,
+command line) are parsed; TOML values must already have the right type. Bounds go in the field's
+metadata (``field(default=..., metadata={"min": 1, "max": 65535})``); a ``__post_init__`` may raise
+:class:`ConfigError` (source left empty) for checks across fields, and the source of the offending
+key is filled in.
+
+Every fault raises :class:`ConfigError` naming the key and where its value came from. Unknown keys
+in the TOML file or the command-line dict are errors. Environment variables that carry the prefix
+but name no field are ignored: several programs share one prefix and one environment.
+
+Pure: no I/O except reading the TOML file; no asyncio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 (the Jetson)
+    import tomli as tomllib
+
+__all__ = ["ConfigError", "Source", "load_settings", "parse_bool"]
+
+T = TypeVar("T")
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used. ``key`` names it, ``source`` says where it came from."""
+
+    def __init__(self, key: str, message: str, source: str = "") -> None:
+        self.key = key
+        self.message = message
+        self.source = source
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        where = f" (from {self.source})" if self.source else ""
+        return f"setting {self.key!r}{where}: {self.message}"
+
+    def with_source(self, source: str) -> ConfigError:
+        return ConfigError(self.key, self.message, source)
+
+
+class Source:
+    """Human-readable names of the places a value can come from."""
+
+    DEFAULT = "default"
+
+    @staticmethod
+    def cli(key: str) -> str:
+        return f"command line --{key.replace('_', '-')}"
+
+    @staticmethod
+    def env(name: str) -> str:
+        return f"environment variable {name}"
+
+    @staticmethod
+    def file(path: Path, section: str | None, key: str) -> str:
+        dotted = f"{section}.{key}" if section else key
+        return f"config file {path} [{dotted}]"
+
+
+def parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"expected a boolean (true/false, yes/no, on/off, 1/0), got {text!r}")
+
+
+def _split_optional(tp: Any) -> tuple[Any, bool]:
+    """(inner type, allows None) for ``X | None`` / ``Optional[X]``; else (tp, False)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+        raise TypeError(f"unsupported union type {tp!r}")
+    return tp, False
+
+
+def _coerce(value: Any, tp: Any, *, from_text: bool) -> Any:
+    """Convert/check ``value`` for annotation ``tp``; raise ValueError with a readable message.
+
+    ``from_text``: the value came from the environment or the command line, so strings are parsed
+    (an empty string means None for optional fields).
+    """
+    inner, optional = _split_optional(tp)
+    if value is None or (optional and from_text and value == ""):
+        if optional:
+            return None
+        raise ValueError("a value is required")
+    if typing.get_origin(inner) is typing.Literal:
+        choices = typing.get_args(inner)
+        if value in choices:
+            return value
+        shown = ", ".join(str(c) for c in choices)
+        raise ValueError(f"{value!r} is not one of {shown}")
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and isinstance(value, str):
+            return parse_bool(value)
+        raise ValueError(f"expected a boolean, got {type(value).__name__}")
+    if inner is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_text and isinstance(value, str):
+            try:
+                return int(value.strip().replace("_", ""), 0)
+            except ValueError:
+                raise ValueError(f"expected an integer, got {value!r}") from None
+        raise ValueError(f"expected an integer, got {type(value).__name__}")
+    if inner is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_text and isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise ValueError(f"expected a number, got {value!r}") from None
+        raise ValueError(f"expected a number, got {type(value).__name__}")
+    if inner is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"expected a string, got {type(value).__name__}")
+    if inner is Path:
+        if isinstance(value, Path):
+            return value
+        if isinstance(value, str) and value:
+            return Path(value).expanduser()
+        raise ValueError(f"expected a path, got {value!r}")
+    raise TypeError(f"unsupported settings type {tp!r}")
+
+
+def _check_bounds(value: Any, meta: Mapping[str, Any]) -> None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and value < lo:
+        raise ValueError(f"{value} is below the minimum {lo}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{value} is above the maximum {hi}")
+
+
+def _read_toml(path: Path, section: str | None) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as e:
+        raise ConfigError("config", f"cannot read {path}: {e.strerror or e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("config", f"{path} is not valid TOML: {e}") from e
+    if section is None:
+        return dict(data)
+    table = data.get(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(section, "expected a table", str(path))
+    return dict(table)
+
+
+def load_settings(
+    cls: type[T],
+    *,
+    toml_path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    env_prefix: str = "WANSPEC_",
+    cli: Mapping[str, Any] | None = None,
+    section: str | None = None,
+) -> T:
+    """Build ``cls`` (a frozen dataclass) from CLI > environment > TOML file > defaults.
+
+    ``section``: read the TOML table ``[section]`` instead of the top level (other tables of the
+    file are then ignored, so one file can configure several programs).
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    def put(key: str, raw: Any, source: str, *, from_text: bool) -> None:
+        f = fields[key]
+        try:
+            value = _coerce(raw, hints[key], from_text=from_text)
+            _check_bounds(value, f.metadata)
+        except ValueError as e:
+            raise ConfigError(key, str(e), source) from None
+        values[key] = value
+        sources[key] = source
+
+    if toml_path is not None:
+        table = _read_toml(toml_path, section)
+        for key, raw in table.items():
+            name = key.replace("-", "_")
+            if name not in fields:
+                raise ConfigError(key, "unknown setting", Source.file(toml_path, section, key))
+            put(name, raw, Source.file(toml_path, section, key), from_text=False)
+    for name in fields:
+        var = env_prefix + name.upper()
+        if env is not None and var in env:
+            put(name, env[var], Source.env(var), from_text=True)
+    for key, raw in (cli or {}).items():
+        if key not in fields:
+            raise ConfigError(key, "unknown setting", Source.cli(key))
+        if raw is not None:
+            put(key, raw, Source.cli(key), from_text=isinstance(raw, str))
+
+    for name, f in fields.items():
+        if (
+            name not in values
+            and f.default is dataclasses.MISSING
+            and (f.default_factory is dataclasses.MISSING)
+        ):
+            raise ConfigError(name, "is required (no default)", Source.DEFAULT)
+    try:
+        return cls(**values)
+    except ConfigError as e:
+        if e.source:
+            raise
+        raise e.with_source(sources.get(e.key, Source.DEFAULT)) from None

@@ -1,0 +1,107 @@
+"""shared.config: precedence CLI > environment > TOML file > defaults, and error messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from cloud_verifier.settings import VerifierSettings
+from shared.config import ConfigError, load_settings, parse_bool
+
+
+@dataclass(frozen=True)
+class S:
+    name: str = "x"
+    port: int = field(default=80, metadata={"min": 1, "max": 65535})
+    ratio: float = 0.5
+    fast: bool = False
+    mode: Literal["a", "b"] = "a"
+    path: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode == "b" and self.fast:
+            raise ConfigError("fast", "cannot be combined with mode b")
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults() -> None:
+    assert load_settings(S) == S()
+
+
+def test_precedence_cli_env_file_default(tmp_path: Path) -> None:
+    toml = write(tmp_path, '[svc]\nname = "file"\nport = 1\nratio = 2\nmode = "b"\n')
+    env = {"W_PORT": "2", "W_NAME": "env", "W_UNRELATED": "ignored", "OTHER_PORT": "9"}
+    s = load_settings(
+        S, toml_path=toml, env=env, env_prefix="W_", cli={"port": "3", "name": None}, section="svc"
+    )
+    assert (s.name, s.port, s.ratio, s.mode, s.fast, s.path) == ("env", 3, 2.0, "b", False, None)
+    s = load_settings(S, toml_path=toml, env={}, env_prefix="W_", section="svc")
+    assert (s.name, s.port) == ("file", 1)
+
+
+def test_text_parsing() -> None:
+    env = {"W_FAST": "yes", "W_PORT": "0x50", "W_RATIO": "1e-3", "W_PATH": "~/t"}
+    s = load_settings(S, env=env, env_prefix="W_")
+    assert s.fast and s.port == 80 and s.ratio == 1e-3 and s.path == Path("~/t").expanduser()
+    assert load_settings(S, env={"W_PATH": ""}, env_prefix="W_").path is None
+    assert load_settings(S, cli={"fast": True, "port": 8080}).port == 8080
+    assert parse_bool(" Off ") is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key", "where", "what"),
+    [
+        ({"env": {"W_PORT": "eighty"}}, "port", "environment variable W_PORT", "integer"),
+        ({"env": {"W_PORT": "70000"}}, "port", "W_PORT", "maximum 65535"),
+        ({"env": {"W_FAST": "maybe"}}, "fast", "W_FAST", "boolean"),
+        ({"cli": {"mode": "c"}}, "mode", "command line --mode", "not one of a, b"),
+        ({"cli": {"colour": "red"}}, "colour", "command line --colour", "unknown setting"),
+        ({"cli": {"fast": True, "mode": "b"}}, "fast", "command line --fast", "mode b"),
+        ({"toml": "port = true\n"}, "port", "c.toml [port]", "expected an integer"),
+        ({"toml": 'ratio = "1"\n'}, "ratio", "[ratio]", "expected a number"),
+        ({"toml": "colour = 1\n"}, "colour", "[colour]", "unknown setting"),
+        ({"toml": "port = \n"}, "config", "not valid TOML", ""),
+    ],
+)
+def test_errors_name_key_and_source(
+    tmp_path: Path, kwargs: dict[str, object], key: str, where: str, what: str
+) -> None:
+    toml = kwargs.pop("toml", None)
+    path = write(tmp_path, str(toml)) if toml is not None else None
+    with pytest.raises(ConfigError) as e:
+        load_settings(S, toml_path=path, env_prefix="W_", **kwargs)  # type: ignore[arg-type]
+    assert e.value.key == key
+    assert where in str(e.value) and what in str(e.value)
+    assert f"'{key}'" in str(e.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(S, toml_path=tmp_path / "absent.toml")
+
+
+def test_section_of_shared_file(tmp_path: Path) -> None:
+    toml = write(tmp_path, '[edge]\nwhatever = 1\n[verifier]\nport = 9000\nmodel = "null:64"\n')
+    s = load_settings(VerifierSettings, toml_path=toml, env={}, section="verifier")
+    assert (s.port, s.model) == (9000, "null:64")
+    with pytest.raises(ConfigError, match="expected a table"):
+        bad = write(tmp_path, "verifier = 1\n")
+        load_settings(VerifierSettings, toml_path=bad, section="verifier")
+
+
+def test_verifier_settings_cross_check(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(
+            VerifierSettings,
+            env={"WANSPEC_INSECURE_NO_AUTH": "1"},
+            cli={"token_file": str(tmp_path / "t")},
+        )
+    assert e.value.key == "insecure_no_auth" and "WANSPEC_INSECURE_NO_AUTH" in str(e.value)

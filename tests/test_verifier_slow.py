@@ -1,0 +1,59 @@
+"""The real default model (SmolLM2-135M, converted GGUF) loaded offline and served for real."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from cloud_verifier.app import STATE, build_app
+from cloud_verifier.auth import Authenticator
+from cloud_verifier.engine import TorchTarget
+from cloud_verifier.probe import ProbeClient, auth_headers
+from cloud_verifier.settings import VerifierSettings
+from shared.protocol import SUBPROTOCOL, Hello, Propose, Verdict
+from shared.sampling import SamplingParams
+
+
+@pytest.mark.slow
+async def test_default_model_verifies_through_the_service(aiohttp_client: Any) -> None:
+    settings = VerifierSettings(model="default", device="cpu", heartbeat=0.0)
+    app = build_app(settings, auth=Authenticator(["slow-token"]))
+    client = await aiohttp_client(app)
+    state = app[STATE]
+    while state.status == "loading":
+        await asyncio.sleep(0.1)
+    assert state.status == "ready", state.reason
+    target = state.engine.require_target()
+    assert isinstance(target, TorchTarget)
+    assert target.vocab_size == 49152 and "SmolLM2" in target.fingerprint.model_name
+    assert (await client.get("/health")).status == 200
+
+    tok = target.loaded.tokenizer
+    prompt = tok("The capital of France is", add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():  # reference: greedy continuation by full forwards
+        ids = list(prompt)
+        for _ in range(6):
+            logits = target.loaded.model(input_ids=torch.tensor([ids]), use_cache=False).logits
+            ids.append(int(logits[0, -1].argmax()))
+    cont = ids[len(prompt) :]
+
+    ws = await client.ws_connect(
+        "/v1/session", headers=auth_headers("slow-token"), protocols=(SUBPROTOCOL,)
+    )
+    pc = ProbeClient(ws)
+    await pc.hello(Hello(fingerprint=target.fingerprint, sampling=SamplingParams(0.0)))
+    draft = [*cont[:3], (cont[3] + 1) % 49152]
+    await pc.send(Propose(0, 0, 0, np.array(draft), np.ones(4, np.float32), fixed=np.array(prompt)))
+    v = await pc.recv_as(Verdict)
+    assert (v.accepted, v.token) == (3, cont[3])
+    await pc.send(
+        Propose(1, 1, len(prompt) + 3, np.array(cont[4:6]), np.ones(2, np.float32),
+                fixed=np.array([v.token]), want_bonus=True)
+    )  # fmt: skip
+    v2 = await pc.recv_as(Verdict)
+    assert v2.accepted == 2 and v2.bonus is not None
+    assert "Paris" in tok.decode(cont)

@@ -1,0 +1,102 @@
+"""Small pure pieces of the verifier: metrics exposition, bearer tokens, the null target."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cloud_verifier.auth import Authenticator, AuthError, parse_tokens
+from cloud_verifier.engine import NullTarget, parse_null_spec
+from cloud_verifier.stats import VerifierMetrics
+from shared.metrics import Registry
+
+
+def test_metrics_render() -> None:
+    reg = Registry()
+    c = reg.counter("a_total", "A count.")
+    lab = reg.counter("b_total", "Per thing.", labels=("thing",))
+    g = reg.gauge("c", "A gauge.")
+    h = reg.histogram("d_seconds", "Times.", buckets=(0.1, 1.0))
+    c.inc()
+    c.inc(2)
+    lab.labels(thing='x"y\\z\n').inc()
+    lab.inc(thing="b")
+    g.set(3)
+    g.dec(0.5)
+    for v in (0.05, 0.5, 5.0):
+        h.observe(v)
+    text = reg.render()
+    assert text.endswith("\n")
+    assert "# HELP a_total A count.\n# TYPE a_total counter\na_total 3\n" in text
+    assert 'b_total{thing="b"} 1\nb_total{thing="x\\"y\\\\z\\n"} 1' in text
+    assert "c 2.5\n" in text
+    assert 'd_seconds_bucket{le="0.1"} 1\nd_seconds_bucket{le="1"} 2\n' in text
+    assert 'd_seconds_bucket{le="+Inf"} 3\nd_seconds_sum 5.55\nd_seconds_count 3\n' in text
+    assert h.count() == 3 and h.sum() == pytest.approx(5.55)
+    with pytest.raises(ValueError, match="decrease"):
+        c.inc(-1)
+    with pytest.raises(ValueError, match="labels"):
+        lab.inc(other="x")
+    with pytest.raises(ValueError, match="already"):
+        reg.counter("a_total", "again")
+    with pytest.raises(ValueError, match="invalid metric name"):
+        reg.gauge("bad-name", "x")
+
+
+def test_verifier_metric_names_are_stable() -> None:
+    names = VerifierMetrics().registry.names()
+    for required in (
+        "wanspec_spec_decode_num_drafts_total",
+        "wanspec_spec_decode_num_draft_tokens_total",
+        "wanspec_spec_decode_num_accepted_tokens_total",
+        "wanspec_spec_decode_num_accepted_tokens_per_pos_total",
+        "wanspec_stale_proposes_dropped_total",
+        "wanspec_bytes_received_total",
+        "wanspec_bytes_sent_total",
+        "wanspec_bad_frames_total",
+        "wanspec_sessions_active",
+        "wanspec_verify_seconds",
+    ):
+        assert required in names
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    undocumented = [n for n in names if f"`{n}`" not in readme and f"`{n}{{" not in readme]
+    assert not undocumented, f"document these in README.md: {undocumented}"
+
+
+def test_tokens(tmp_path: Path) -> None:
+    assert parse_tokens("# c\n\n  a1 \nb2\n") == ("a1", "b2")
+    with pytest.raises(AuthError, match="line 1"):
+        parse_tokens("a b\n")
+    f = tmp_path / "tokens"
+    f.write_text("old\n")
+    auth = Authenticator(token_file=f)
+    assert auth.check("Bearer old") and auth.check("bearer old")
+    assert not auth.check(None) and not auth.check("Bearer") and not auth.check("Basic old")
+    assert not auth.check("Bearer new")
+    f.write_text("old\nnew\n")  # rotation without a restart
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert auth.check("Bearer new") and auth.check("Bearer old")
+    (tmp_path / "empty").write_text("# empty\n")
+    with pytest.raises(AuthError, match="no bearer token"):
+        Authenticator(token_file=tmp_path / "empty")
+    with pytest.raises(AuthError, match="cannot read"):
+        Authenticator(token_file=tmp_path / "absent")
+    assert Authenticator.insecure().check(None)
+
+
+def test_null_target_is_deterministic_and_fast() -> None:
+    assert parse_null_spec("null:49152") == 49152 and parse_null_spec("default") is None
+    t = NullTarget(49152)
+    a, b = t.new_sequence(), t.new_sequence()
+    t0 = time.perf_counter()
+    la = a.extend([1, 2, 3, 4, 5, 6])
+    assert time.perf_counter() - t0 < 0.05
+    np.testing.assert_array_equal(la, b.extend([1, 2, 3, 4, 5, 6]))
+    assert la.shape == (6, 49152) and a.extend([7], last_rows=1).shape == (1, 49152)
+    a.crop(6)
+    np.testing.assert_array_equal(a.last_logits(), la[-1])
