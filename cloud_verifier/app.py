@@ -19,7 +19,7 @@ from typing import Literal
 from aiohttp import WSCloseCode, WSMsgType, hdrs, web
 
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import Engine, Target, load_target
+from cloud_verifier.engine import Engine, PaddedTarget, Target, load_target
 from cloud_verifier.session import (
     Session,
     SessionFatal,
@@ -90,7 +90,10 @@ def build_app(
     if loader is None:
 
         def loader() -> Target:
-            return load_target(settings.model, device=settings.device, dtype=settings.dtype)
+            target = load_target(settings.model, device=settings.device, dtype=settings.dtype)
+            if settings.emulate_verify_ms > 0:
+                return PaddedTarget(target, settings.emulate_verify_ms)
+            return target
 
     app = web.Application()
     app[STATE] = VerifierState(

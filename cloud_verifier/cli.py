@@ -46,6 +46,7 @@ _HELP: dict[str, str] = {
     "close_timeout": "seconds to wait for a client's close reply",
     "shutdown_timeout": "seconds to let sessions finish on SIGTERM",
     "log_level": "logging level",
+    "emulate_verify_ms": "benchmarks only: pad every forward to this many ms (0: off)",
 }
 
 

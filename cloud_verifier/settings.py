@@ -48,6 +48,8 @@ class VerifierSettings:
     close_timeout: float = field(default=2.0, metadata=_b(0.1))  # wait for the peer's close
     shutdown_timeout: float = field(default=10.0, metadata=_b(0.1))  # for handlers on SIGTERM
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Benchmark only: pad every target forward to this many ms (device-regime emulation).
+    emulate_verify_ms: float = field(default=0.0, metadata=_b(0, 600_000))
 
     def __post_init__(self) -> None:
         # Neither set is refused by `serve` only: tests and the demo pass a generated token.

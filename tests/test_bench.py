@@ -1,0 +1,69 @@
+"""The benchmark: its analytical ceiling, the verifier's timing pad, and a smoke run end to end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from bench.run import ceiling
+from cloud_verifier.engine import NullTarget, PaddedTarget
+from edge_agent.pipeline import PIPELINED, STOP_AND_WAIT
+
+
+def test_ceiling_formula() -> None:
+    # stop-and-wait: one round = γ t_d + RTT + T_v
+    assert ceiling(STOP_AND_WAIT, 4, 1, 0.024, 0.166, 0.1, 3.0, 0.5) == pytest.approx(
+        3.0 / (4 * 0.024 + 0.1 + 0.166)
+    )
+    # pipelined, no rejections, deep enough queue: the drafter is the bottleneck
+    assert ceiling(PIPELINED, 4, 4, 0.1, 0.1, 0.2, 4.0, 0.0) == pytest.approx(4.0 / 0.4)
+    # pipelined, D = 1: bounded by RTT + verify per batch
+    assert ceiling(PIPELINED, 4, 1, 0.01, 0.1, 0.2, 4.0, 0.0) == pytest.approx(4.0 / 0.3)
+    # every round rejected: pipelining cannot beat stop-and-wait
+    assert ceiling(PIPELINED, 4, 4, 0.02, 0.1, 0.2, 2.0, 1.0) == pytest.approx(
+        ceiling(STOP_AND_WAIT, 4, 1, 0.02, 0.1, 0.2, 2.0, 1.0)
+    )
+
+
+def test_padded_target_pads_and_keeps_logits() -> None:
+    inner = NullTarget(100)
+    padded = PaddedTarget(inner, 60.0)
+    a, b = inner.new_sequence(), padded.new_sequence()
+    t0 = time.perf_counter()
+    out = b.extend([1, 2, 3])
+    assert time.perf_counter() - t0 >= 0.058
+    np.testing.assert_array_equal(out, a.extend([1, 2, 3]))
+    assert padded.fingerprint == inner.fingerprint
+
+
+@pytest.mark.slow
+def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--out", str(tmp_path)],
+        capture_output=True, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    doc = orjson.loads((tmp_path / "results.json").read_bytes())
+    assert {"machine", "settings", "regimes", "summary", "runs", "plots"} <= set(doc)
+    modes = {r["mode"] for r in doc["summary"]}
+    assert {"ar", "assisted", "stop-and-wait", "pipelined D=1", "pipelined D=2"} <= modes
+    assert {r["rtt_ms"] for r in doc["summary"]} == {0.0, 50.0}
+    for row in doc["summary"]:
+        assert row["tokens_per_s"] > 0
+        if row["mode"] in ("stop-and-wait", "pipelined D=1", "pipelined D=2"):
+            for key in ("acceptance", "mean_accepted_per_round", "uplink_bytes_per_round",
+                        "bytes_per_token", "ceiling_tokens_per_s", "fraction_of_ceiling"):
+                assert row[key] is not None, key
+            assert row["uplink_bytes_per_round"] < 100  # ids + q, not distributions
+    md = (tmp_path / "results.md").read_text()
+    assert "PicoSpec regime" in md and "| RTT ms | mode |" in md
+    for png in doc["plots"]:
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
