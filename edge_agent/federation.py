@@ -449,3 +449,36 @@ class _NoTransport:
 
     async def close(self) -> None:
         return None
+
+
+async def generate_federated(
+    drafter: Drafter,
+    model_worker: ModelWorker,
+    fingerprint: Fingerprint,
+    workers: list[WorkerSpec],
+    prompt: list[int],
+    cfg: PipelineConfig,
+    *,
+    max_new_tokens: int,
+    eos_ids: list[int] | tuple[int, ...] = (),
+    seed: int | None = None,
+    on_commit: Callable[[list[int]], None] | None = None,
+    deadline_s: float = 5.0,
+    no_worker_timeout_s: float = 30.0,
+) -> tuple[Generation, FederationStats]:
+    """One federated generation; raises LinkClosed when no worker is reachable for too long."""
+    gen = Generation(prompt, max_new_tokens, eos_ids, on_commit)
+    session = FederatedSession(
+        gen,
+        drafter,
+        model_worker,
+        workers,
+        fingerprint,
+        cfg,
+        np.random.default_rng(seed),
+        deadline_s=deadline_s,
+        no_worker_timeout_s=no_worker_timeout_s,
+        seed=seed,
+    )
+    await session.run()
+    return gen, session.fed

@@ -1,0 +1,240 @@
+"""Federated verification over real WebSockets with 2–3 tiny target workers of one tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+
+from cloud_verifier.app import build_app
+from cloud_verifier.auth import Authenticator
+from cloud_verifier.engine import TorchTarget
+from cloud_verifier.settings import VerifierSettings
+from edge_agent.drafter import Drafter
+from edge_agent.federation import WorkerSpec, generate_federated
+from edge_agent.link import LinkSettings, WebSocketTransport
+from edge_agent.pipeline import PipelineConfig
+from edge_agent.tasks import ModelWorker
+from edge_agent.transport import Transport
+from shared import compression as C
+from shared.lm import CausalLM
+from shared.models import LoadedModel, build_tiny_model, load_model
+from shared.sampling import SamplingParams, transform
+from tests.test_edge_e2e import KillAfter, sequential_chi_square
+
+TOKEN = "fed-token-0123456789abcdef"
+PROMPT = [1, 12, 7, 33]
+V = 64
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[LoadedModel]:
+    """Three heterogeneous targets sharing the tiny tokenizer."""
+    extra = [
+        build_tiny_model(tmp_path_factory.mktemp(f"w{s}"), vocab_size=V, seed=s) for s in (5, 6)
+    ]
+    return [load_model(str(tiny_model_dir))] + [load_model(str(p)) for p in extra]
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_draft_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_draft_dir))
+
+
+async def serve(aiohttp_server: Any, target: LoadedModel) -> str:
+    app = build_app(
+        VerifierSettings(model="tiny", heartbeat=0.0),
+        auth=Authenticator([TOKEN]),
+        loader=lambda: TorchTarget(target),
+    )
+    server = await aiohttp_server(app)
+    async with aiohttp.ClientSession() as s:
+        for _ in range(500):
+            async with s.get(str(server.make_url("/health"))) as r:
+                if r.status == 200:
+                    break
+            await asyncio.sleep(0.01)
+    return str(server.make_url("/v1/session")).replace("http://", "ws://")
+
+
+def spec(url: str, name: str, weight: float, k: int) -> WorkerSpec:
+    link = LinkSettings(url=url, token=TOKEN, heartbeat_s=0)
+
+    async def connect() -> Transport:
+        return await WebSocketTransport.connect(link)
+
+    return WorkerSpec(name, connect, weight=weight, k=k)
+
+
+def aggregate_rows(
+    targets: list[LoadedModel],
+    weights: list[float],
+    prompt: list[int],
+    toks: list[int],
+    params: SamplingParams,
+) -> np.ndarray:
+    """p̄_t for every emitted token given the text before it: [n, V] (teacher forcing)."""
+    rows = []
+    for t in targets:
+        logits = CausalLM(t, logits_window=None).extend(prompt + toks)
+        rows.append(
+            transform(logits[len(prompt) - 1 : len(prompt) - 1 + len(toks)].numpy(), params)
+        )
+    w = C.normalise_weights(weights)
+    return np.einsum("m,mnv->nv", w, np.stack(rows))
+
+
+def aggregate_greedy(targets: list[LoadedModel], weights: list[float], n: int) -> list[int]:
+    lms = [CausalLM(t) for t in targets]
+    w = C.normalise_weights(weights)
+    logits = [lm.extend(PROMPT)[-1] for lm in lms]
+    out = []
+    for _ in range(n):
+        p_bar = sum(wi * torch.softmax(lg, -1).numpy() for wi, lg in zip(w, logits, strict=True))
+        tok = int(np.argmax(p_bar))
+        out.append(tok)
+        logits = [lm.extend([tok])[0] for lm in lms]
+    return out
+
+
+async def test_greedy_equals_argmax_of_the_aggregate(
+    aiohttp_server: Any, targets: list[LoadedModel], draft: LoadedModel
+) -> None:
+    urls = [await serve(aiohttp_server, t) for t in targets]
+    weights = [0.5, 0.3, 0.2]
+    workers = [spec(u, f"w{i}", w, V) for i, (u, w) in enumerate(zip(urls, weights, strict=True))]
+    mw = ModelWorker("draft")
+    try:
+        for depth in (1, 3):
+            cfg = PipelineConfig(gamma=3, depth=depth, sampling=SamplingParams(0.0))
+            gen, fed = await generate_federated(
+                Drafter(draft), mw, draft.fingerprint, workers, PROMPT, cfg, max_new_tokens=40
+            )
+            assert gen.generated == aggregate_greedy(targets, weights, 40), depth
+            assert gen.stats.rejections > 0 and fed.worker_drops == 0
+    finally:
+        mw.close()
+
+
+async def test_uncompressed_sampling_matches_the_aggregate(
+    aiohttp_server: Any, targets: list[LoadedModel], draft: LoadedModel
+) -> None:
+    """k_i = |V|: the federated output at T = 1 passes a chi-square test against p̄."""
+    urls = [await serve(aiohttp_server, t) for t in targets[:2]]
+    weights = [0.6, 0.4]
+    workers = [spec(u, f"w{i}", w, V) for i, (u, w) in enumerate(zip(urls, weights, strict=True))]
+    params = SamplingParams(1.0)
+    mw = ModelWorker("draft")
+    toks, rows = [], []
+    try:
+        for i in range(4):
+            prompt = [1, 3 + i, 20 + i]
+            cfg = PipelineConfig(gamma=3, depth=2, sampling=params)
+            gen, fed = await generate_federated(
+                Drafter(draft), mw, draft.fingerprint, workers, prompt, cfg,
+                max_new_tokens=300, seed=i,
+            )  # fmt: skip
+            toks += gen.generated
+            rows.append(aggregate_rows(targets[:2], weights, prompt, gen.generated, params))
+            assert fed.bound_violations == 0
+    finally:
+        mw.close()
+    pv = sequential_chi_square(np.array(toks), np.concatenate(rows))
+    assert pv > 1e-4, f"p-value {pv:.2e}"
+    # the same test rejects the first worker alone as the law of this output: it has power
+    rows_alone = [
+        aggregate_rows(
+            targets[:1], [1.0], [1, 3 + i, 20 + i], toks[300 * i : 300 * (i + 1)], params
+        )
+        for i in range(4)
+    ]
+    assert sequential_chi_square(np.array(toks), np.concatenate(rows_alone)) < 1e-6
+
+
+async def test_compressed_bias_never_exceeds_bound(
+    aiohttp_server: Any, targets: list[LoadedModel], draft: LoadedModel
+) -> None:
+    """Top-4 of 64 ids, both reconstructions, thousands of rounds: no bound is ever violated,
+    and the true aggregation bias (recomputed here from the full distributions) stays under
+    2 Σ w_i ε_i at every position the edge decided."""
+    urls = [await serve(aiohttp_server, t) for t in targets[:2]]
+    weights = [0.5, 0.5]
+    k = 4
+    workers = [spec(u, f"w{i}", w, k) for i, (u, w) in enumerate(zip(urls, weights, strict=True))]
+    params = SamplingParams(1.0)
+    mw = ModelWorker("draft")
+    measured = 0
+    try:
+        for how in C.RECONSTRUCTIONS:
+            for i in range(3):
+                prompt = [1, 40 + i]
+                cfg = PipelineConfig(gamma=1, depth=2, sampling=params, reconstruction=how)
+                gen, fed = await generate_federated(
+                    Drafter(draft), mw, draft.fingerprint, workers, prompt, cfg,
+                    max_new_tokens=400, seed=10 + i,
+                )  # fmt: skip
+                assert fed.bound_violations == 0
+                measured += fed.positions_measured
+                assert fed.bias_upper_count == fed.positions_measured
+                assert fed.bias_upper_sum <= fed.bias_bound_sum + 1e-3
+                # the true bias at each emitted position, from the full distributions
+                per_worker = []
+                for t in targets[:2]:
+                    lg = CausalLM(t, logits_window=None).extend(prompt + gen.generated)
+                    per_worker.append(transform(lg[len(prompt) - 1 : -1].numpy(), params))
+                for j in range(len(gen.generated)):
+                    ps = [pw[j] for pw in per_worker]
+                    sparse = [C.compress(p, k) for p in ps]
+                    bias = C.l1(
+                        C.aggregate([C.reconstruct(d, V, how) for d in sparse], weights),
+                        C.aggregate(ps, weights),
+                    )
+                    bound = C.aggregation_bias_bound(weights, [d.eps for d in sparse])
+                    assert bias <= bound + 1e-4
+    finally:
+        mw.close()
+    assert measured >= 2000
+
+
+async def test_worker_dropped_mid_generation_is_resynced(
+    aiohttp_server: Any, targets: list[LoadedModel], draft: LoadedModel
+) -> None:
+    """Two identical workers: losing one changes no aggregate, so the text must equal the
+    target's greedy text; the dropped worker reconnects, re-prefills and rejoins."""
+    url = await serve(aiohttp_server, targets[0])
+    a = spec(url, "a", 1.0, V)
+    b = spec(url, "b", 1.0, V)
+    killer = KillAfter(b.connect, [6])
+    b = WorkerSpec("b", killer, weight=1.0, k=V)
+    mw = ModelWorker("draft")
+    try:
+        cfg = PipelineConfig(gamma=2, depth=2, sampling=SamplingParams(0.0))
+        gen, fed = await generate_federated(
+            Drafter(draft), mw, draft.fingerprint, [a, b], PROMPT, cfg, max_new_tokens=60
+        )
+    finally:
+        mw.close()
+    assert killer.kills == 1
+    assert fed.worker_drops == 1 and fed.worker_rejoins >= 1
+    assert gen.generated == aggregate_greedy(targets[:1], [1.0], 60)
+
+
+async def test_all_workers_down_fails_clearly(draft: LoadedModel) -> None:
+    from edge_agent.transport import LinkClosed
+
+    w = spec("ws://127.0.0.1:9/v1/session", "gone", 1.0, 4)
+    mw = ModelWorker("draft")
+    try:
+        with pytest.raises(LinkClosed, match="no verifier reachable"):
+            await generate_federated(
+                Drafter(draft), mw, draft.fingerprint, [w], PROMPT,
+                PipelineConfig(sampling=SamplingParams(0.0)), max_new_tokens=4,
+                no_worker_timeout_s=0.5,
+            )  # fmt: skip
+    finally:
+        mw.close()
