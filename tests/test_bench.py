@@ -67,3 +67,27 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
     assert "PicoSpec regime" in md and "| RTT ms | mode |" in md
     for png in doc["plots"]:
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_federate_eval_smoke(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.federate_eval", "--smoke", "--prompts", "1",
+         "--tokens", "16", "--out", str(tmp_path)],
+        capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=600,
+        check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    doc = orjson.loads((tmp_path / "federated.json").read_bytes())
+    for block in doc["results"].values():
+        for row in block["rows"]:
+            # the measured bias never exceeds its bound at any position
+            assert row["bias_max_over_bound"] <= 1e-4
+            assert row["bias_bar"] <= row["two_eps_bar"] + 1e-6
+            assert row["d_alpha_bar"] <= row["eps_bar"] + 1e-6
+        by = {(r["K"], r["reconstruction"]): r for r in block["rows"]}
+        for (k, how), r in by.items():
+            if how == "B":
+                assert r["bias_bar"] <= by[(k, "A")]["bias_bar"] + 1e-9  # B never above A
+    assert (tmp_path / "federated.md").exists()
+    assert (tmp_path / "federated.png").read_bytes()[:4] == b"\x89PNG"
