@@ -227,6 +227,9 @@ class SpeculativeSession:
         self.verifier_len = 0  # a new session's verifier cache is empty
         self.inflight: deque[Batch] = deque()
         self._changed = asyncio.Condition()
+        # True while a rejection's recovered token is not yet known (a Resample round trip):
+        # drafting must wait, since it would draft from a text without that token.
+        self._recovering = False
 
     # ---------------------------------------------------------------- derived state
 
@@ -265,6 +268,8 @@ class SpeculativeSession:
         def ready() -> bool:
             if self.gen.done:
                 return True
+            if self._recovering:
+                return False
             if stop_and_wait and self.inflight:
                 return False
             return len(self.inflight) < depth and self._can_draft(0)
@@ -372,7 +377,11 @@ class SpeculativeSession:
             self.inflight.clear()
             self.epoch += 1
             self.verifier_len = len(self.gen.committed)
-            token = await self._recover(decision, b.q_rows[v.accepted])
+            self._recovering = True
+            try:
+                token = await self._recover(decision, b.q_rows[v.accepted])
+            finally:
+                self._recovering = False
             st.recovered_tokens += 1
             self.gen.commit([token])
         elif v.bonus is not None:

@@ -86,6 +86,7 @@ class ScriptedVerifier:
     resamples: list[Resample] = field(default_factory=list)
     resample_reply: SparseDist | None = None
     _rejected: bool = False
+    resample_delay_s: float = 0.0
 
     async def run(self) -> None:
         epoch = 0
@@ -106,6 +107,7 @@ class ScriptedVerifier:
             if isinstance(msg, Resample):
                 self.resamples.append(msg)
                 assert self.resample_reply is not None
+                await asyncio.sleep(self.resample_delay_s)  # a slow round trip
                 await self.end.send(
                     encode(Candidates(msg.epoch, msg.pos, self.resample_reply), self.ctx)
                 )
@@ -126,8 +128,9 @@ class ScriptedVerifier:
 
     async def _reply(self, head: Propose) -> None:
         r = self.script.pop(0)
-        v = Verdict(head.epoch, head.seq, r.accepted, r.sparse, r.candidates, r.token, r.bonus)
-        self._rejected = r.accepted < len(head.draft)
+        accepted = min(r.accepted, len(head.draft))  # a short last batch
+        v = Verdict(head.epoch, head.seq, accepted, r.sparse, r.candidates, r.token, r.bonus)
+        self._rejected = accepted < len(head.draft)
         await self.end.send(encode(v, self.ctx))
 
 
@@ -137,6 +140,8 @@ async def _run(
     max_new: int,
     *,
     resample_reply: SparseDist | None = None,
+    resample_delay_s: float = 0.0,
+    server_depth: int | None = None,
 ) -> tuple[Generation, ScriptedVerifier, SpeculativeSession]:
     edge, server = memory_pair()
     ctx = WireContext(vocab_size=V, draft_probs=cfg.wire_correction != CorrectionMode.GREEDY_DRAFT)
@@ -151,7 +156,10 @@ async def _run(
         cfg,
         np.random.default_rng(0),  # type: ignore[arg-type]
     )
-    fake = ScriptedVerifier(server, ctx, script, cfg.effective_depth, resample_reply=resample_reply)
+    fake = ScriptedVerifier(
+        server, ctx, script, server_depth or cfg.effective_depth, resample_reply=resample_reply,
+        resample_delay_s=resample_delay_s,
+    )
     task = asyncio.ensure_future(fake.run())
     try:
         await asyncio.wait_for(sess.run(), 10)
@@ -266,6 +274,27 @@ async def test_candidates_resample_when_all_fail() -> None:
     assert fake.resamples[0].epoch == 1 and fake.resamples[0].pos == 1
     assert gen.generated == [6]
     assert gen.stats.resamples == len(fake.resamples)
+
+
+async def test_no_drafting_while_a_recovery_waits_for_candidates() -> None:
+    """While the Resample round trip is pending, the drafter must not draft from a text that
+    lacks the recovered token: the next Propose carries it as its fixed token."""
+    cfg = PipelineConfig(
+        gamma=2, depth=4, sampling=SamplingParams(1.0), correction=CorrectionMode.CANDIDATES
+    )
+    hopeless = SparseDist(np.array([5]), np.array([0.01], np.float32))
+    sure = SparseDist(np.array([6]), np.array([1.0], np.float32))
+    gen, fake, _ = await _run(
+        cfg,
+        [Reply(0, candidates=hopeless)] + [Reply(2)] * 8,
+        max_new=12,
+        resample_reply=sure,
+        resample_delay_s=0.3,
+        server_depth=1,  # answers at once: the drafter is busy when the rejection arrives
+    )
+    after = [e for e in fake.log if e[0] == 1]  # Proposes of the epoch after the rejection
+    assert after and after[0][3] == [6], fake.log
+    assert gen.generated[0] == 6
 
 
 async def test_verdict_for_wrong_batch_is_a_desync() -> None:
