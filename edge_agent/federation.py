@@ -358,7 +358,15 @@ class FederatedSession(SpeculativeSession):
             else:
                 self._decide(b)
             if self.epoch != b.epoch:  # a rejection (or a void round): crop every worker
-                await self._rollback_all(len(self.gen.committed) - (0 if not b.replies else 1))
+                # The drafter waits meanwhile: each worker must see its Rollback before any
+                # Propose of the new epoch.
+                self._recovering = True
+                try:
+                    await self._rollback_all(
+                        len(self.gen.committed) - (0 if not b.replies else 1)
+                    )
+                finally:
+                    self._recovering = False
             await self._notify()
 
     async def _await_round(self, b: FedBatch, timeout_s: float) -> None:
