@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -47,8 +48,18 @@ log = logging.getLogger("wanspec.edge")
 
 Connect = Callable[[], Awaitable[Transport]]
 
+LINK_DOWN_POLICIES = ("wait", "draft_only")
+
 #: Error codes after which reconnecting cannot help.
 FATAL_CODES = frozenset({"fingerprint_mismatch", "unauthorized", "bad_hello", "unsupported"})
+
+
+@dataclass
+class _Outage:
+    """Consecutive failed sessions of one generation, and since when."""
+
+    failures: int = 0
+    since: float | None = None
 
 
 class HandshakeError(RuntimeError):
@@ -57,10 +68,24 @@ class HandshakeError(RuntimeError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    max_attempts: int = 8  # consecutive failed sessions before giving up
+    max_attempts: int = 1000  # consecutive failed sessions before giving up
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
     handshake_timeout_s: float = 30.0
+    #: Link-down policy: "wait" retries with backoff, and fails the generation once no session
+    #: has made progress for ``deadline_s``; "draft_only" keeps generating with the draft alone
+    #: between reconnection attempts (those tokens are flagged unverified) and re-syncs the
+    #: verifier from the committed text when it is back.
+    link_down: str = "wait"
+    deadline_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.link_down not in LINK_DOWN_POLICIES:
+            raise ValueError(
+                f"link_down must be one of {', '.join(LINK_DOWN_POLICIES)}, got {self.link_down!r}"
+            )
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s must be positive, got {self.deadline_s}")
 
     def delay(self, attempt: int, rng: random.Random) -> float:
         """Exponential backoff with full jitter."""
@@ -142,7 +167,7 @@ class EdgeAgent:
         string) ends the run cleanly after the current verdict."""
         rng = np.random.default_rng(seed)
         jitter = random.Random(seed)
-        failures = 0
+        outage = _Outage()
         session_no = 0
         while not gen.done:
             # Each session gets its own verifier seed, derived from the generation's seed, so a
@@ -181,26 +206,54 @@ class EdgeAgent:
             except AuthError:
                 raise  # PermissionError is an OSError, but retrying a refused token is pointless
             except (LinkClosed, DesyncError, ProtocolError, asyncio.TimeoutError, OSError) as e:
-                failures = self._failed(gen, failures, e, committed_before)
-                await asyncio.sleep(self.retry.delay(failures, jitter))
+                self._failed(gen, outage, e, committed_before)
+                await self._pause(gen, cfg, rng, self.retry.delay(outage.failures, jitter))
             except VerifierError as e:
                 if e.fatal and e.code in FATAL_CODES:
                     raise
-                failures = self._failed(gen, failures, e, committed_before)
-                await asyncio.sleep(self.retry.delay(failures, jitter))
+                self._failed(gen, outage, e, committed_before)
+                await self._pause(gen, cfg, rng, self.retry.delay(outage.failures, jitter))
             finally:
                 if transport is not None:
                     await transport.close()
 
+    async def _pause(
+        self, gen: Generation, cfg: PipelineConfig, rng: np.random.Generator, delay: float
+    ) -> None:
+        """Between reconnection attempts: wait, or (draft_only) generate with the draft alone."""
+        if self.retry.link_down != "draft_only":
+            await asyncio.sleep(delay)
+            return
+        deadline = time.monotonic() + delay
+        deterministic = cfg.sampling.greedy
+        while not gen.done:
+            # The drafter's q is the best local guess; these tokens are flagged unverified.
+            x, _ = await self.worker.run(
+                self.drafter.draft, gen.committed, cfg.sampling, rng, deterministic=deterministic
+            )
+            gen.commit([x], verified=False)
+            if time.monotonic() >= deadline:
+                break
+
     def _failed(
-        self, gen: Generation, failures: int, err: BaseException, committed_before: int
-    ) -> int:
-        # A session that committed something resets the failure count: progress is being made.
-        if len(gen.committed) > committed_before:
-            failures = 0
-        failures += 1
+        self, gen: Generation, outage: _Outage, err: BaseException, committed_before: int
+    ) -> None:
+        # A session that committed something ends the outage: progress is being made.
+        now = time.monotonic()
+        if len(gen.committed) > committed_before or outage.since is None:
+            outage.failures, outage.since = 0, now
+        outage.failures += 1
         gen.stats.reconnects += 1
-        log.warning("verifier session lost (%s); reconnecting (attempt %d)", err, failures)
-        if failures > self.retry.max_attempts:
-            raise LinkClosed(f"gave up after {failures - 1} failed sessions: {err}") from err
-        return failures
+        log.warning(
+            "verifier session lost (%s); reconnecting (attempt %d)", err, outage.failures
+        )
+        if outage.failures > self.retry.max_attempts:
+            raise LinkClosed(
+                f"gave up after {outage.failures - 1} failed sessions: {err}"
+            ) from err
+        down_for = now - outage.since
+        if self.retry.link_down == "wait" and down_for > self.retry.deadline_s:
+            raise LinkClosed(
+                f"no verifier reachable for {down_for:.0f} s (deadline {self.retry.deadline_s:g}"
+                f" s); gave up: {err}"
+            ) from err

@@ -156,6 +156,10 @@ def result_json(gen: Generation, text: str, wall_s: float, cfg: PipelineConfig) 
         "discarded_batches": st.discarded_batches,
         "discarded_tokens": st.discarded_tokens,
         "resamples": st.resamples,
+        # Link-down fallback: tokens the draft produced alone, never checked by a verifier.
+        "verified": gen.unverified_tokens == 0,
+        "unverified_tokens": gen.unverified_tokens,
+        "unverified_spans": [list(span) for span in gen.unverified],
         "reconnects": st.reconnects,
         "uplink_bytes": st.uplink_bytes,
         "downlink_bytes": st.downlink_bytes,

@@ -123,6 +123,8 @@ class Generation:
         self.done = False
         self.finish_reason: str | None = None
         self.stats = Stats()
+        #: [start, end) spans of ``generated`` that no verifier checked (draft-only fallback).
+        self.unverified: list[tuple[int, int]] = []
 
     @property
     def generated(self) -> list[int]:
@@ -133,8 +135,17 @@ class Generation:
         """How many more tokens may be generated."""
         return self.max_new_tokens - (len(self.committed) - self.prompt_len)
 
-    def commit(self, ids: Sequence[int]) -> None:
-        """Append ids, stopping at an end-of-sequence id or the token limit."""
+    @property
+    def unverified_tokens(self) -> int:
+        return sum(b - a for a, b in self.unverified)
+
+    def commit(self, ids: Sequence[int], *, verified: bool = True) -> None:
+        """Append ids, stopping at an end-of-sequence id or the token limit.
+
+        ``verified=False`` marks them as the draft's own (link-down fallback): they are
+        committed like any other, and recorded in :attr:`unverified`.
+        """
+        start = len(self.generated)
         new: list[int] = []
         for t in ids:
             if self.done:
@@ -145,6 +156,12 @@ class Generation:
                 self.done, self.finish_reason = True, "stop"
             elif self.room <= 0:
                 self.done, self.finish_reason = True, "length"
+        if new and not verified:
+            end = start + len(new)
+            if self.unverified and self.unverified[-1][1] == start:
+                self.unverified[-1] = (self.unverified[-1][0], end)
+            else:
+                self.unverified.append((start, end))
         if new and self.on_commit is not None:
             self.on_commit(new)
 

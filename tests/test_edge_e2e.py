@@ -320,3 +320,79 @@ def test_demo_with_default_models() -> None:
     assert result["uplink_bytes_per_round"] <= 60
     assert "[stats]" in out.stderr.decode()
 
+
+class Outage:
+    """connect() that works, then (after the first session dies) refuses until told otherwise."""
+
+    def __init__(self, inner: Any, kill_after_frames: int) -> None:
+        self.killer = KillAfter(inner, [kill_after_frames])
+        self.inner = inner
+        self.phase = 0  # 0: up; 1: down; 2: up again
+        self.while_down = 0
+
+    async def __call__(self) -> Transport:
+        if self.phase == 1 or (self.phase == 0 and self.killer.kills):
+            self.phase = 1
+            raise LinkClosed("test: verifier unreachable")
+        if self.phase == 0:
+            return await self.killer()
+        return await self.inner()
+
+    def on_commit(self, ids: list[int]) -> None:
+        if self.phase == 1:
+            self.while_down += len(ids)
+            if self.while_down >= 6:
+                self.phase = 2  # the verifier is back
+
+
+async def test_link_down_wait_policy_fails_clearly(
+    aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
+) -> None:
+    url = await serve(aiohttp_server, target)
+    agent = agent_for(draft, url)
+    outage = Outage(agent.connect, 4)
+    agent.connect = outage
+    agent.retry = RetryPolicy(backoff_initial_s=0.05, backoff_max_s=0.1, deadline_s=0.5)
+    try:
+        with pytest.raises(LinkClosed, match="no verifier reachable"):
+            await agent.generate(
+                PROMPT, PipelineConfig(sampling=SamplingParams(0.0)), max_new_tokens=60
+            )
+    finally:
+        agent.close()
+    assert outage.phase == 1
+
+
+async def test_link_down_draft_only_policy_flags_and_resyncs(
+    aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
+) -> None:
+    url = await serve(aiohttp_server, target)
+    agent = agent_for(draft, url)
+    outage = Outage(agent.connect, 4)
+    agent.connect = outage
+    agent.retry = RetryPolicy(
+        backoff_initial_s=0.05, backoff_max_s=0.1, link_down="draft_only", deadline_s=0.5
+    )
+    # A draft step of 20 ms, like a real one: each pause between attempts drafts a few tokens.
+    from bench.run import TimedDrafter
+
+    agent.drafter = TimedDrafter(draft, 0.02)
+    n = 40
+    try:
+        gen = await agent.generate(
+            PROMPT,
+            PipelineConfig(gamma=2, sampling=SamplingParams(0.0)),
+            max_new_tokens=n,
+            on_commit=outage.on_commit,
+        )
+    finally:
+        agent.close()
+    assert outage.phase == 2 and len(gen.generated) == n
+    assert gen.unverified_tokens >= 6
+    (start, end), *_ = gen.unverified
+    assert start > 0 and end < n  # verified before, draft-only during, verified again after
+    # before the outage: the target's greedy text; after: the target's greedy continuation of
+    # the committed text (the verifier was re-synced from it, unverified tokens included)
+    assert gen.generated[:start] == target_greedy(target, PROMPT, start)
+    last = gen.unverified[-1][1]
+    assert gen.generated[last:] == target_greedy(target, PROMPT + gen.generated[:last], n - last)
