@@ -446,7 +446,7 @@ class Repl:
                 loop.run_until_complete(task)
             except asyncio.CancelledError:
                 self.say("\n" + self._dim("(interrupted)"))
-            except ChatError as e:
+            except (ChatError, aiohttp.ClientError, OSError) as e:
                 self.say(f"\nerror: {e}")
             finally:
                 with contextlib.suppress(NotImplementedError, RuntimeError):

@@ -94,9 +94,7 @@ class EdgeMetrics:
         )
         self.model_ready = r.gauge("wanspec_edge_model_ready", "1 once the draft is loaded.")
 
-    def record(
-        self, gen: Generation | None, wall: float, outcome: str, info: dict[str, Any]
-    ) -> None:
+    def record(self, gen: Generation | None, wall: float, outcome: str) -> None:
         self.generations.inc(outcome=outcome)
         if gen is None:
             return
@@ -104,8 +102,7 @@ class EdgeMetrics:
         n = len(gen.generated)
         self.prompt_tokens.inc(gen.prompt_len)
         self.generated.inc(n)
-        if info.get("verified") is False:
-            self.unverified.inc(n - int(info.get("verified_tokens", 0)))
+        self.unverified.inc(gen.unverified_tokens)
         self.draft_tokens.inc(st.draft_tokens)
         self.accepted.inc(st.accepted_tokens)
         self.rounds.inc(st.rounds)

@@ -453,25 +453,40 @@ async def _generate(
             }
         )
         await resp.prepare(request)
-        if chat:
-            await resp.write(_sse({**head, **_role()}))
-        ev = first
-        while True:
-            if isinstance(ev, Finished):
-                last = {**head, **_final_chunk(chat, ev), "wanspec": ev.stats}
-                await resp.write(_sse(last))
-                if parsed.include_usage:
-                    await resp.write(_sse({**head, "choices": [], "usage": _usage(ev)}))
-                break
-            await resp.write(_sse({**head, **chunk(ev)}))
-            try:
-                ev = await events.__anext__()
-            except _GEN_ERRORS as e:
-                await resp.write(_sse(_gen_error(e).body()))
-                break
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            await _stream_events(resp, events, first, head, chat, chunk, parsed.include_usage)
+        except ConnectionError:  # the client is gone; leaving cancels the generation
+            log.info("client disconnected from %s", rid)
         return resp
+
+
+async def _stream_events(
+    resp: web.StreamResponse,
+    events: AsyncIterator[str | Finished],
+    first: str | Finished,
+    head: dict[str, Any],
+    chat: bool,
+    chunk: Callable[[str], dict[str, Any]],
+    include_usage: bool,
+) -> None:
+    if chat:
+        await resp.write(_sse({**head, **_role()}))
+    ev = first
+    while True:
+        if isinstance(ev, Finished):
+            last = {**head, **_final_chunk(chat, ev), "wanspec": ev.stats}
+            await resp.write(_sse(last))
+            if include_usage:
+                await resp.write(_sse({**head, "choices": [], "usage": _usage(ev)}))
+            break
+        await resp.write(_sse({**head, **chunk(ev)}))
+        try:
+            ev = await events.__anext__()
+        except _GEN_ERRORS as e:
+            await resp.write(_sse(_gen_error(e).body()))
+            break
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
 
 
 def _role() -> dict[str, Any]:

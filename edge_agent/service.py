@@ -18,8 +18,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.config import EdgeSettings, read_secret_file
 from edge_agent.drafter import Drafter
@@ -137,6 +135,14 @@ class Finished:
     stats: dict[str, Any] = field(default_factory=dict)  # the "wanspec" extension
 
 
+def retry_policy(s: EdgeSettings) -> RetryPolicy:
+    """fallback "none": a request fails (503) after ``retry_attempts`` failed sessions;
+    "draft": the agent's draft-only link-down policy, reconnecting in the background."""
+    if s.fallback == "draft":
+        return RetryPolicy(link_down="draft_only")
+    return RetryPolicy(max_attempts=s.retry_attempts, link_down="wait")
+
+
 def resolve_device(device: str) -> str:
     if device != "auto":
         return device
@@ -196,7 +202,7 @@ class EdgeService:
         self.loaded, self.drafter = loaded, drafter
         self.eos = eos_ids(loaded)
         self.max_context = drafter.lm.max_length
-        retry = RetryPolicy(max_attempts=self.settings.retry_attempts)
+        retry = retry_policy(self.settings)
         self.agent = EdgeAgent(
             drafter, loaded.fingerprint, self._connect, retry=retry, worker=self.worker
         )
@@ -240,36 +246,17 @@ class EdgeService:
             raise RuntimeError("the draft model is still loading")
         return self.loaded, self.agent
 
-    async def _draft_only(self, gen: Generation, cfg: PipelineConfig, seed: int | None) -> None:
-        """The fallback: the draft alone (the text is *not* the target's)."""
-        assert self.drafter is not None
-        rng = np.random.default_rng(seed)
-        while not gen.done:
-            x, _ = await self.worker.run(
-                self.drafter.draft, gen.committed, cfg.sampling, rng, deterministic=False
-            )
-            gen.commit([x])
-
-    async def _run(self, gen: Generation, req: GenRequest, info: dict[str, Any]) -> None:
+    async def _run(self, gen: Generation, req: GenRequest) -> None:
+        """The agent's run; with ``fallback = "draft"`` the agent itself keeps generating with
+        the draft alone while no verifier answers (those tokens are flagged unverified)."""
         _, agent = self.require()
-        fallback = self.settings.fallback == "draft"
-        if not (fallback and self.link.state == "down"):
-            try:
-                await agent.run(gen, req.pipeline, seed=req.seed)
-                self.link.mark(None, True)
-                return
-            except (LinkClosed, OSError, HandshakeError, asyncio.TimeoutError) as e:
-                self.link.mark(None, False, str(e))
-                if not fallback:
-                    raise VerifierUnavailable(f"no verifier could be used: {e}") from e
-                log.warning("verifier unavailable (%s): continuing with the draft alone", e)
-            except VerifierError as e:
-                if not fallback:
-                    raise
-                log.warning("verifier error (%s): continuing with the draft alone", e)
-        info["verified"] = False
-        info["verified_tokens"] = len(gen.generated)
-        await self._draft_only(gen, req.pipeline, req.seed)
+        try:
+            await agent.run(gen, req.pipeline, seed=req.seed)
+        except (LinkClosed, OSError, HandshakeError, asyncio.TimeoutError) as e:
+            self.link.mark(None, False, str(e))
+            raise VerifierUnavailable(f"no verifier could be used: {e}") from e
+        if gen.unverified_tokens == 0:
+            self.link.mark(None, True)
 
     async def stream(self, req: GenRequest) -> AsyncGenerator[str | Finished, None]:
         """Text pieces as they are committed, then one :class:`Finished`.
@@ -295,10 +282,9 @@ class EdgeService:
 
             streamer = TextStreamer(loaded.tokenizer, on_text)
             gen = Generation(req.prompt_ids, req.max_tokens, eos, streamer)
-            info: dict[str, Any] = {"verified": True}
             self._rtts = []
             t0 = time.perf_counter()
-            task = asyncio.create_task(self._run(gen, req, info), name="wanspec-generation")
+            task = asyncio.create_task(self._run(gen, req), name="wanspec-generation")
             task.add_done_callback(lambda _: pieces.put_nowait(None))
             outcome = "cancelled"
             sent: list[str] = []
@@ -314,7 +300,7 @@ class EdgeService:
                     sent.append(tail)
                     yield tail
                 wall = time.perf_counter() - t0
-                stats = self._stats(gen, wall, req, info)
+                stats = self._stats(gen, wall, req)
                 yield Finished(
                     text="".join(sent),
                     finish_reason="stop" if scanner.hit else (gen.finish_reason or "stop"),
@@ -335,14 +321,11 @@ class EdgeService:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
                 self.metrics.busy.set(0)
-                self.metrics.record(gen, time.perf_counter() - t0, outcome, info)
+                self.metrics.record(gen, time.perf_counter() - t0, outcome)
 
-    def _stats(
-        self, gen: Generation, wall: float, req: GenRequest, info: dict[str, Any]
-    ) -> dict[str, Any]:
+    def _stats(self, gen: Generation, wall: float, req: GenRequest) -> dict[str, Any]:
         out = result_json(gen, "", wall, req.pipeline)
         del out["text"]
         out["prompt_tokens"] = len(req.prompt_ids)
         out["rtt_ms"] = round(1000 * min(self._rtts), 2) if self._rtts else None
-        out.update(info)
         return out

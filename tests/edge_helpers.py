@@ -1,0 +1,176 @@
+"""Live servers for the edge daemon tests: a verifier and an edge API on loopback ports, run by
+an event loop in a background thread (so blocking clients — the ``openai`` package, pexpect,
+raw sockets — can drive them from the test)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from cloud_verifier.app import build_app as build_verifier_app
+from cloud_verifier.auth import Authenticator
+from cloud_verifier.engine import TorchTarget
+from cloud_verifier.settings import VerifierSettings
+from edge_agent.config import EdgeSettings
+from edge_agent.server import build_app as build_edge_app
+from edge_agent.server import make_runner
+from edge_agent.service import EdgeService
+from shared.models import LoadedModel
+
+T = TypeVar("T")
+TOKEN = "edge-test-token-0123456789"
+
+
+class LoopThread:
+    """An event loop running in a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class _SlowSequence:
+    def __init__(self, inner: Any, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+
+    @property
+    def length(self) -> int:
+        n: int = self.inner.length
+        return n
+
+    def extend(self, ids: Sequence[int], *, last_rows: int | None = None) -> Any:
+        time.sleep(self.delay)  # runs on the verifier's model worker
+        return self.inner.extend(ids, last_rows=last_rows)
+
+    def last_logits(self) -> Any:
+        return self.inner.last_logits()
+
+    def crop(self, n: int) -> None:
+        self.inner.crop(n)
+
+
+class SlowTarget:
+    """A target whose every forward takes ``delay`` seconds more (a far-away verifier)."""
+
+    def __init__(self, inner: TorchTarget, delay: float) -> None:
+        self.inner, self.delay = inner, delay
+        self.fingerprint = inner.fingerprint
+        self.vocab_size = inner.vocab_size
+        self.max_length = inner.max_length
+        self.description = inner.description + f" (+{delay * 1000:.0f} ms)"
+
+    def new_sequence(self) -> _SlowSequence:
+        return _SlowSequence(self.inner.new_sequence(), self.delay)
+
+
+def wait_http(url: str, timeout: float = 60.0, status: int = 200) -> None:
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == status:
+                    return
+                last = resp.status
+        except urllib.error.HTTPError as e:
+            last = e.code
+            if e.code == status:
+                return
+        except OSError as e:
+            last = e
+        time.sleep(0.05)
+    raise AssertionError(f"{url} did not answer {status} within {timeout} s (last: {last})")
+
+
+class Servers:
+    """Start verifiers and edge APIs on loopback; stop them all at the end."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.lt = LoopThread()
+        self.runners: list[web.AppRunner] = []
+        self.token_file = tmp / "verifier.token"
+        self.token_file.write_text("# the edge's bearer token\n" + TOKEN + "\n")
+
+    async def _start(self, runner: web.AppRunner) -> str:
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.runners.append(runner)
+        host, port = runner.addresses[0][:2]
+        return f"http://{host}:{port}"
+
+    def verifier(self, target: LoadedModel, delay: float = 0.0) -> str:
+        """A live verifier; returns its ws:// URL once healthy."""
+
+        async def start() -> str:
+            base: Any = TorchTarget(target)
+            loaded = base if delay <= 0 else SlowTarget(base, delay)
+            app = build_verifier_app(
+                VerifierSettings(model="tiny", heartbeat=0.0),
+                auth=Authenticator([TOKEN]),
+                loader=lambda: loaded,
+            )
+            return await self._start(web.AppRunner(app, access_log=None))
+
+        http = self.lt.run(start())
+        wait_http(http + "/health")
+        return http.replace("http://", "ws://") + "/v1/session"
+
+    def edge(
+        self, settings: EdgeSettings, *, api_key: str | None = None, wait: bool = True
+    ) -> tuple[str, EdgeService]:
+        """A live edge API; returns its base URL (and service) once healthy."""
+        service = EdgeService(settings)
+
+        async def start() -> str:
+            app = build_edge_app(service, api_key=api_key)
+            return await self._start(make_runner(app, access_log=None))
+
+        base = self.lt.run(start())
+        if wait:
+            wait_http(base + "/health")
+        return base, service
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for r in reversed(self.runners):
+                await r.cleanup()
+
+        try:
+            self.lt.run(stop(), timeout=30)
+        finally:
+            self.lt.close()
+
+
+def edge_settings(
+    draft_dir: Path, verifier: str, token_file: Path | None, **overrides: Any
+) -> EdgeSettings:
+    base: dict[str, Any] = {
+        "verifier": verifier,
+        "token_file": token_file,
+        "draft": str(draft_dir),
+        "device": "cpu",
+        "model_id": "tiny",
+        "probe_interval": 0.3,
+        "retry_attempts": 2,
+        "max_tokens": 24,
+        "heartbeat": 5.0,
+    }
+    base.update(overrides)
+    return EdgeSettings(**base)

@@ -1,0 +1,185 @@
+"""``edge-agent chat`` driven through a pseudo-terminal (pexpect), against a live verifier."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pexpect
+import pytest
+
+from edge_agent.chat import ChatOptions, Repl, stats_line
+from edge_agent.config import EdgeSettings
+from shared.models import LoadedModel, load_model
+from tests.edge_helpers import Servers, edge_settings
+
+TOKEN_RE = r"\bt\d+"
+STATS_RE = r"tok/s · acceptance [^\r\n]* accepted/round · [^\r\n]* B/token · RTT [^\r\n]*"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    s = Servers(tmp_path_factory.mktemp("chat_servers"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def slow_verifier(servers: Servers, tiny_model_dir: Path) -> str:
+    target: LoadedModel = load_model(str(tiny_model_dir))
+    return servers.verifier(target, delay=0.02)  # answers take a while: streaming is visible
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def write_config(path: Path, verifier: str, servers: Servers, draft: Path, port: int) -> Path:
+    path.write_text(
+        f'verifier = "{verifier}"\ntoken_file = "{servers.token_file}"\ndraft = "{draft}"\n'
+        f'device = "cpu"\nmodel_id = "tiny"\nport = {port}\nmax_tokens = 40\nthreads = 1\n'
+    )
+    return path
+
+
+def spawn_chat(config: Path) -> pexpect.spawn:
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "edge_agent.cli", "chat", "--config", str(config)],
+        encoding="utf-8",
+        timeout=60,
+        dimensions=(40, 200),
+    )
+    return child
+
+
+def ask(child: pexpect.spawn, text: str) -> tuple[float, float]:
+    """Send a message; returns (seconds to the first streamed token, seconds to the stats)."""
+    child.expect_exact(">>> ")
+    t0 = time.monotonic()
+    child.sendline(text)
+    child.expect_exact(text.splitlines()[-1])  # the terminal's echo
+    child.expect(TOKEN_RE)
+    first = time.monotonic() - t0
+    child.expect(STATS_RE)
+    return first, time.monotonic() - t0
+
+
+def test_repl_in_process(
+    tmp_path: Path, servers: Servers, slow_verifier: str, tiny_draft_dir: Path
+) -> None:
+    # Nothing listens on the configured port: the REPL runs the agent itself.
+    config = write_config(
+        tmp_path / "edge.toml", slow_verifier, servers, tiny_draft_dir, free_port()
+    )
+    child = spawn_chat(config)
+    try:
+        child.expect("in-process agent")
+        first, done = ask(child, "hello there")
+        # Tokens appear as they are committed, well before the answer ends.
+        assert done - first > 0.3, (first, done)
+
+        child.expect_exact(">>> ")
+        child.sendline("/set temperature 0.7")
+        child.expect_exact("Set temperature to 0.7.")
+        child.expect_exact(">>> ")
+        child.sendline("/set gamma 0")
+        child.expect_exact("error: gamma must be in [1, 64], got 0")
+        child.expect_exact(">>> ")
+        child.sendline("/set mode stop-and-wait")
+        child.expect_exact("Set mode to 'stop-and-wait'.")
+        child.expect_exact(">>> ")
+        child.sendline("/set seed 3")
+        child.expect_exact("Set seed to 3.")
+
+        # Multi-line input, sampled at the new settings.
+        child.expect_exact(">>> ")
+        child.sendline('"""')
+        child.expect_exact("... ")
+        child.sendline("first line")
+        child.expect_exact("... ")
+        child.sendline('second line"""')
+        child.expect(TOKEN_RE)
+        child.expect(STATS_RE)
+
+        child.expect_exact(">>> ")
+        child.sendline("/stats")
+        child.expect(r"mode\s+stop-and-wait")
+        child.expect(r"temperature\s+0\.7")
+        child.expect(r"session: 2 answers")
+
+        # Ctrl-C stops an answer, not the REPL.
+        child.expect_exact(">>> ")
+        child.sendline("/set max_tokens 400")
+        child.expect_exact(">>> ")
+        child.sendline("tell me more")
+        child.expect(TOKEN_RE)
+        child.sendintr()
+        child.expect_exact("(interrupted)")
+        child.expect_exact(">>> ")
+        child.sendline("/clear")
+        child.expect_exact("Cleared session context")
+        child.expect_exact(">>> ")
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, child.before
+
+
+def test_repl_uses_a_running_daemon(
+    tmp_path: Path, servers: Servers, slow_verifier: str, tiny_draft_dir: Path
+) -> None:
+    settings = edge_settings(tiny_draft_dir, slow_verifier, servers.token_file, max_tokens=20)
+    base, service = servers.edge(settings)
+    port = int(base.rsplit(":", 1)[1])
+    config = write_config(tmp_path / "edge.toml", slow_verifier, servers, tiny_draft_dir, port)
+    child = spawn_chat(config)
+    try:
+        child.expect_exact(f"edge-agent serve at http://127.0.0.1:{port}")
+        ask(child, "hello")
+        child.expect_exact(">>> ")
+        child.sendline("/bye")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+    assert (
+        service.metrics.generations.get(outcome="length")
+        + service.metrics.generations.get(outcome="stop")
+        == 1
+    )
+
+
+def test_options_and_stats_line() -> None:
+    opts = ChatOptions.from_settings(EdgeSettings())
+    assert opts.with_setting("top_p", "0.5").top_p == 0.5
+    assert opts.with_setting("seed", "none").seed is None
+    for key, value in [("top_k", "-1"), ("temperature", "hot"), ("nope", "1"), ("mode", "x")]:
+        with pytest.raises(ValueError):
+            opts.with_setting(key, value)
+    line = stats_line(
+        {
+            "tokens_per_s": 12.345,
+            "acceptance_rate": 0.75,
+            "mean_accepted_per_round": 3.1,
+            "bytes_per_token": 4.25,
+            "rtt_ms": 12.0,
+        }
+    )
+    assert line == "12.3 tok/s · acceptance 75% · 3.10 accepted/round · 4.2 B/token · RTT 12.0 ms"
+
+
+def test_multi_line_reading() -> None:
+    lines = iter(['"""one', "two", 'three"""'])
+    repl = Repl.__new__(Repl)
+    repl.read = lambda prompt: next(lines)
+    assert repl.read_message() == "one\ntwo\nthree"
+    lines = iter(['"""single"""'])
+    assert repl.read_message() == "single"

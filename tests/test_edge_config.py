@@ -1,0 +1,95 @@
+"""EdgeSettings: CLI > WANSPEC_EDGE_* environment > TOML file > defaults; errors name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edge_agent.cli import build_parser, load_cli_settings, main
+from edge_agent.config import EdgeSettings, default_config_path, load_edge_settings
+from shared.config import ConfigError
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_precedence_cli_over_env_over_file_over_defaults(tmp_path: Path) -> None:
+    cfg = write(
+        tmp_path / "edge.toml",
+        'port = 9001\ngamma = 6\ntemperature = 0.5\nverifier = "ws://file:1/v1/session"\n'
+        'token-file = "~/tok"\n',
+    )
+    env = {"WANSPEC_EDGE_PORT": "9002", "WANSPEC_EDGE_GAMMA": "7", "WANSPEC_PORT": "1"}
+    args = build_parser().parse_args(["serve", "--config", str(cfg), "--port", "9003"])
+    s = load_cli_settings(args, env)
+    assert s.port == 9003  # CLI
+    assert s.gamma == 7  # env
+    assert s.temperature == 0.5 and s.verifier == "ws://file:1/v1/session"  # file
+    assert s.token_file == Path("~/tok").expanduser()
+    assert s.depth == EdgeSettings().depth == 2  # default
+    assert s.host == "127.0.0.1"  # loopback unless told otherwise
+
+
+def test_defaults_and_default_location(tmp_path: Path) -> None:
+    env = {"XDG_CONFIG_HOME": str(tmp_path)}
+    assert default_config_path(env) == tmp_path / "wanspec" / "edge.toml"
+    assert load_edge_settings(env=env) == EdgeSettings()  # no file there: defaults
+    (tmp_path / "wanspec").mkdir()
+    write(tmp_path / "wanspec" / "edge.toml", "depth = 5\n")
+    assert load_edge_settings(env=env).depth == 5
+    assert default_config_path({"HOME": "/x"}).name == "edge.toml"
+    # $WANSPEC_EDGE_CONFIG points elsewhere.
+    other = write(tmp_path / "other.toml", "depth = 3\n")
+    assert load_edge_settings(env={**env, "WANSPEC_EDGE_CONFIG": str(other)}).depth == 3
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "cli", "key", "fragment"),
+    [
+        ("colour = 1\n", {}, {}, "colour", "unknown setting"),
+        ("gamma = 0\n", {}, {}, "gamma", "below the minimum 1"),
+        ('gamma = "4"\n', {}, {}, "gamma", "expected an integer"),
+        ('mode = "fast"\n', {}, {}, "mode", "not one of pipelined, stop-and-wait"),
+        ("", {"WANSPEC_EDGE_PORT": "http"}, {}, "port", "WANSPEC_EDGE_PORT"),
+        ("", {"WANSPEC_EDGE_TOP_P": "0"}, {}, "top_p", "(0, 1]"),
+        ("", {}, {"verifier": "http://x/v1/session"}, "verifier", "not a ws:// or wss:// URL"),
+        ("", {}, {"correction": "magic"}, "correction", "not one of"),
+        ("", {}, {"depth": "200"}, "depth", "command line --depth"),
+    ],
+)
+def test_errors_name_the_key_and_its_source(
+    tmp_path: Path, toml: str, env: dict[str, str], cli: dict[str, str], key: str, fragment: str
+) -> None:
+    cfg = write(tmp_path / "edge.toml", toml)
+    with pytest.raises(ConfigError) as e:
+        load_edge_settings(config=cfg, env=env, cli=cli)
+    assert e.value.key == key
+    assert fragment in str(e.value)
+    if toml:
+        assert str(cfg) in str(e.value)
+
+
+def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_edge_settings(config=tmp_path / "missing.toml", env={})
+    bad = write(tmp_path / "bad.toml", "port = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_edge_settings(config=bad, env={})
+
+
+def test_several_verifiers_and_pipeline_overrides() -> None:
+    s = EdgeSettings(verifier="ws://a:1/v1/session, wss://b:2/v1/session", temperature=0.8)
+    assert s.verifier_urls == ("ws://a:1/v1/session", "wss://b:2/v1/session")
+    p = s.pipeline(gamma=8, top_k=5)
+    assert (p.gamma, p.depth, p.sampling.temperature, p.sampling.top_k) == (8, 2, 0.8, 5)
+    assert s.pipeline(temperature=0.0).sampling.greedy
+
+
+def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write(tmp_path / "edge.toml", "gama = 4\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "setting 'gama'" in err and "unknown setting" in err and str(cfg) in err

@@ -1,0 +1,520 @@
+"""``edge-agent serve``: the OpenAI-compatible API against a live verifier (tiny random models).
+
+The client is the official ``openai`` package; raw sockets where it cannot go (bad JSON, a
+client that disconnects mid-stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from edge_agent.pipeline import PipelineConfig
+from edge_agent.service import EdgeService, FairQueue, QueueFull, StopScanner
+from shared.lm import CausalLM
+from shared.models import LoadedModel, load_model
+from shared.sampling import SamplingParams
+from tests.edge_helpers import TOKEN, Servers, edge_settings, wait_http
+
+PROMPT_IDS = [1, 10, 20, 30, 40]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    s = Servers(tmp_path_factory.mktemp("edge_servers"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def verifier_url(servers: Servers, target: LoadedModel) -> str:
+    return servers.verifier(target)
+
+
+@pytest.fixture(scope="module")
+def edge(servers: Servers, verifier_url: str, tiny_draft_dir: Path) -> tuple[str, EdgeService]:
+    return servers.edge(edge_settings(tiny_draft_dir, verifier_url, servers.token_file))
+
+
+@pytest.fixture(scope="module")
+def client(edge: tuple[str, EdgeService]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=edge[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def target_greedy(target: LoadedModel, prompt: list[int], n: int) -> list[int]:
+    lm = CausalLM(target)
+    logits = lm.extend(prompt)[-1]
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(torch.argmax(logits)))
+        logits = lm.extend([out[-1]])[0]
+    return out
+
+
+def post_raw(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    req = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get_json(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def metric(base: str, name: str) -> float:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+# ---------------------------------------------------------------------------- pure pieces
+
+
+def test_stop_scanner_holds_back_a_possible_stop_and_cuts_at_it() -> None:
+    s = StopScanner(["END", "xy"])
+    out = [s.feed(p) for p in ["ab", "cE", "N", "D more"]]
+    assert out[:2] == ["", "ab"]  # "E" and "cE" might begin "END": held back
+    assert "".join(out) == "abc" and s.hit
+    assert s.feed("late") == "" and s.flush() == ""
+    s = StopScanner(["zz"])
+    assert s.feed("abz") == "ab" and s.flush() == "z" and not s.hit
+
+
+async def test_fair_queue_is_fifo_and_a_cancelled_waiter_frees_its_place() -> None:
+    q = FairQueue(max_waiting=2)
+    order: list[str] = []
+    gate = asyncio.Event()
+
+    async def job(name: str) -> None:
+        async with q.slot():
+            order.append(name)
+            await gate.wait()
+
+    a = asyncio.create_task(job("a"))
+    await asyncio.sleep(0)
+    b = asyncio.create_task(job("b"))
+    c = asyncio.create_task(job("c"))
+    await asyncio.sleep(0)
+    assert q.waiting == 2
+    with pytest.raises(QueueFull):
+        async with q.slot():
+            pass
+    b.cancel()
+    await asyncio.sleep(0)
+    assert q.waiting == 1
+    gate.set()
+    await asyncio.gather(a, c)
+    assert order == ["a", "c"] and not q.busy
+    assert b.cancelled()
+
+
+# ---------------------------------------------------------------------------- the API
+
+
+def test_models_and_health(edge: tuple[str, EdgeService], client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    status, body = get_json(edge[0] + "/health")
+    assert status == 200 and body["status"] == "ready"
+    assert body["link"]["state"] == "up" and body["link"]["verifiers"][0]["rtt_ms"] is not None
+
+
+def test_greedy_completion_is_the_targets_text(client: openai.OpenAI, target: LoadedModel) -> None:
+    """Through the whole stack (HTTP, queue, agent, WebSocket, verifier): greedy text equals
+    target-only greedy decoding."""
+    n = 30
+    r = client.completions.create(
+        model="tiny",
+        prompt=PROMPT_IDS,
+        max_tokens=n,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    expected = target.tokenizer.decode(
+        target_greedy(target, PROMPT_IDS, n), skip_special_tokens=True
+    )
+    assert r.choices[0].text == expected
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(PROMPT_IDS), n)
+    ws = r.model_extra["wanspec"]  # type: ignore[index]
+    assert ws["tokens"] == n and ws["verified"] is True and ws["rounds"] > 0
+    assert ws["uplink_bytes"] > 0 and ws["downlink_bytes"] > 0 and ws["rtt_ms"] is not None
+
+
+def test_chat_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "system", "content": "t3"}, {"role": "user", "content": "t1 t2"}],
+        "max_tokens": 20,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    full = client.chat.completions.create(**kw)
+    text = full.choices[0].message.content
+    assert text and full.choices[0].message.role == "assistant"
+    assert full.usage is not None and full.usage.completion_tokens == 20
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(pieces) == text
+    assert sum(1 for p in pieces if p) > 3  # streamed, not one lump
+    last = [c for c in chunks if c.choices][-1]
+    assert last.choices[0].finish_reason == "length"
+    assert last.model_extra["wanspec"]["tokens"] == 20  # type: ignore[index]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+
+
+def test_sampling_with_a_seed_is_reproducible(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": "t5 t6",
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "seed": 7,
+        "extra_body": {"top_k": 20, "ignore_eos": True, "wanspec": {"gamma": 3, "depth": 1}},
+    }
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    ws = a.model_extra["wanspec"]  # type: ignore[index]
+    assert (ws["gamma"], ws["depth"], ws["temperature"]) == (3, 1, 1.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_sequences_cut_the_text(client: openai.OpenAI, stream: bool) -> None:
+    kw: dict[str, Any] = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 30, "temperature": 0}
+    kw["extra_body"] = {"ignore_eos": True}
+    full = client.completions.create(**kw).choices[0].text
+    words = full.split(" ")
+    stop = " " + words[5] + " "
+    expected = full[: full.index(stop)]
+    if stream:
+        chunks = list(client.completions.create(stop=[stop, "never-seen"], stream=True, **kw))
+        text = "".join(c.choices[0].text for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+        tokens = chunks[-1].model_extra["wanspec"]["tokens"]  # type: ignore[index]
+    else:
+        r = client.completions.create(stop=stop, **kw)
+        text, finish = r.choices[0].text, r.choices[0].finish_reason
+        tokens = r.model_extra["wanspec"]["tokens"]  # type: ignore[index]
+    assert text == expected and finish == "stop"
+    assert tokens < 30  # the generation itself stopped, not just the text
+
+
+def test_bad_requests_get_openai_errors(
+    edge: tuple[str, EdgeService], client: openai.OpenAI
+) -> None:
+    base = edge[0]
+    msgs = [{"role": "user", "content": "t1"}]
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.chat.completions.create(model="gpt-4o", messages=msgs)  # type: ignore[arg-type]
+    assert nf.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as br:
+        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=-3)  # type: ignore[arg-type]
+    assert br.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as br:
+        client.chat.completions.create(model="tiny", messages=msgs, n=2)  # type: ignore[arg-type]
+    assert br.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as br:
+        client.completions.create(model="tiny", prompt="t1", temperature=5)
+    assert br.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as br:
+        client.completions.create(model="tiny", prompt="t1", max_tokens=10_000)
+    assert br.value.code == "context_length_exceeded"
+
+    status, body = post_raw(base + "/v1/chat/completions", b'{"model": "tiny", "messages": [')
+    assert status == 400 and body["error"]["code"] == "invalid_json"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    status, body = post_raw(base + "/v1/completions", b"[1, 2]")
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    huge = json.dumps({"model": "tiny", "prompt": "t1 " * 400_000}).encode()
+    status, body = post_raw(base + "/v1/completions", huge)
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    status, body = post_raw(base + "/v1/nothing", b"{}")
+    assert status == 404 and body["error"]["type"] == "invalid_request_error"
+    status, body = get_json(base + "/v1/models/gpt-4o")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    # The daemon is still fine.
+    ok = client.completions.create(model="tiny", prompt="t1", max_tokens=3)
+    assert ok.usage is not None and ok.usage.completion_tokens >= 1
+
+
+def test_metrics_count_requests_and_speculation(
+    edge: tuple[str, EdgeService], client: openai.OpenAI
+) -> None:
+    base = edge[0]
+    before = metric(base, "wanspec_edge_generated_tokens_total")
+    client.completions.create(
+        model="tiny", prompt="t1 t2", max_tokens=8, extra_body={"ignore_eos": True}
+    )
+    assert metric(base, "wanspec_edge_generated_tokens_total") == before + 8
+    for name in (
+        "wanspec_edge_draft_tokens_total",
+        "wanspec_edge_rounds_total",
+        "wanspec_edge_rollbacks_total",
+        "wanspec_edge_uplink_bytes_total",
+        "wanspec_edge_downlink_bytes_total",
+        "wanspec_edge_accepted_per_round_count",
+        'wanspec_edge_rtt_seconds_count{kind="handshake"}',
+        'wanspec_edge_rtt_seconds_count{kind="probe"}',
+        "wanspec_edge_tokens_per_second",
+        'wanspec_edge_requests_total{endpoint="/v1/completions",code="200"}',
+    ):
+        assert metric(base, name) > 0, name
+    assert metric(base, "wanspec_edge_accepted_tokens_total") >= 0
+
+
+def test_api_key_is_required_when_configured(
+    servers: Servers, verifier_url: str, tiny_draft_dir: Path
+) -> None:
+    base, _ = servers.edge(
+        edge_settings(tiny_draft_dir, verifier_url, servers.token_file), api_key="s3cret"
+    )
+    bad = openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    good = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0)
+    assert good.completions.create(model="tiny", prompt="t1", max_tokens=2).choices
+    assert get_json(base + "/health")[0] == 200  # health stays open for probes
+
+
+# ---------------------------------------------------------------------------- disconnects
+
+
+def open_stream(base: str, body: dict[str, Any]) -> socket.socket:
+    host, port = base.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes) -> bytes:
+    data = b""
+    while marker not in data:
+        chunk = sock.recv(4096)
+        assert chunk, f"connection closed before {marker!r}: {data!r}"
+        data += chunk
+    return data
+
+
+def poll(fn: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not fn():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_client_disconnect_cancels_its_generation_and_frees_its_place(
+    servers: Servers, target: LoadedModel, tiny_draft_dir: Path
+) -> None:
+    slow = servers.verifier(target, delay=0.02)  # ~20 ms per verification: a long answer
+    base, service = servers.edge(edge_settings(tiny_draft_dir, slow, servers.token_file))
+    long_body = {
+        "model": "tiny",
+        "prompt": "t1",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
+
+    a = open_stream(base, long_body)
+    read_until(a, b'"text": "t')  # A is generating
+    b = open_stream(base, long_body)  # B waits behind A
+    poll(lambda: metric(base, "wanspec_edge_queue_waiting") == 1)
+    b.close()  # B leaves the queue
+    poll(lambda: service.queue.waiting == 0)
+    a.close()  # A disconnects mid-stream: its generation is cancelled
+    poll(lambda: metric(base, 'wanspec_edge_generations_total{outcome="cancelled"}') == 1)
+    assert not service.queue.busy
+    assert metric(base, "wanspec_edge_generated_tokens_total") < 400
+    # The verifier session closed too.
+    vbase = slow.replace("ws://", "http://").removesuffix("/v1/session")
+    poll(lambda: get_json(vbase + "/health")[1]["sessions"] == 0)
+    # And the daemon goes on serving.
+    c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    r = c.completions.create(
+        model="tiny", prompt="t1", max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 5
+
+
+async def test_cancelling_a_generation_is_clean(
+    aiohttp_server: Any, target: LoadedModel, tiny_draft_dir: Path
+) -> None:
+    """EdgeAgent.run cancelled mid-generation: no task left behind, the model worker and the
+    draft cache still right (the next greedy generation equals a fresh agent's)."""
+    import aiohttp
+
+    from cloud_verifier.app import STATE, build_app
+    from cloud_verifier.auth import Authenticator
+    from cloud_verifier.engine import TorchTarget
+    from cloud_verifier.settings import VerifierSettings
+    from edge_agent.agent import EdgeAgent, RetryPolicy
+    from edge_agent.drafter import Drafter
+    from edge_agent.link import LinkSettings, WebSocketTransport
+    from edge_agent.pipeline import Generation
+    from tests.edge_helpers import SlowTarget
+
+    app = build_app(
+        VerifierSettings(model="tiny", heartbeat=0.0),
+        auth=Authenticator([TOKEN]),
+        loader=lambda: SlowTarget(TorchTarget(target), 0.01),
+    )
+    server = await aiohttp_server(app)
+    url = str(server.make_url("/v1/session")).replace("http://", "ws://")
+    while True:
+        async with aiohttp.ClientSession() as s, s.get(str(server.make_url("/health"))) as r:
+            if r.status == 200:
+                break
+        await asyncio.sleep(0.01)
+    draft = load_model(str(tiny_draft_dir))
+
+    async def connect() -> Any:
+        return await WebSocketTransport.connect(LinkSettings(url=url, token=TOKEN, heartbeat_s=0))
+
+    agent = EdgeAgent(Drafter(draft), draft.fingerprint, connect, retry=RetryPolicy(max_attempts=1))
+    cfg = PipelineConfig(sampling=SamplingParams(0.0))
+    started = asyncio.Event()
+    gen = Generation(PROMPT_IDS, 300, (), lambda ids: started.set())
+    before = asyncio.all_tasks()
+    task = asyncio.create_task(agent.run(gen, cfg))
+    await asyncio.wait_for(started.wait(), 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert 0 < len(gen.generated) < 300
+    await asyncio.sleep(0.05)
+    leftover = [t for t in asyncio.all_tasks() - before if t is not asyncio.current_task()]
+    assert not [t for t in leftover if "_loop" in repr(t.get_coro())], leftover
+    sessions = app[STATE].sessions
+    for _ in range(100):
+        if not sessions:
+            break
+        await asyncio.sleep(0.02)
+    assert not sessions  # the WebSocket was closed
+    again = await agent.generate(PROMPT_IDS, cfg, max_new_tokens=20)
+    fresh = EdgeAgent(Drafter(load_model(str(tiny_draft_dir))), draft.fingerprint, connect)
+    try:
+        expected = await fresh.generate(PROMPT_IDS, cfg, max_new_tokens=20)
+    finally:
+        fresh.close()
+        agent.close()
+    assert again.generated == expected.generated == target_greedy(target, PROMPT_IDS, 20)
+
+
+# ---------------------------------------------------------------------------- no verifier
+
+
+def test_health_503_without_verifier_and_fallback_to_the_draft(
+    servers: Servers, tiny_draft_dir: Path
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"ws://127.0.0.1:{s.getsockname()[1]}/v1/session"  # nothing listens there
+    base, _ = servers.edge(
+        edge_settings(tiny_draft_dir, dead, servers.token_file, retry_attempts=1), wait=False
+    )
+    wait_http(base + "/health", status=503)
+    poll(lambda: get_json(base + "/health")[1]["status"] == "unavailable")
+    c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as e:
+        c.completions.create(model="tiny", prompt="t1", max_tokens=4)
+    assert e.value.status_code == 503 and e.value.code == "verifier_unavailable"
+
+    base, _ = servers.edge(
+        edge_settings(tiny_draft_dir, dead, servers.token_file, fallback="draft"), wait=False
+    )
+    wait_http(base + "/health")  # 200: degraded, but answering
+    assert get_json(base + "/health")[1]["status"] == "degraded"
+    c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    r = c.completions.create(
+        model="tiny", prompt="t1", max_tokens=4, extra_body={"ignore_eos": True}
+    )
+    assert r.model_extra["wanspec"]["verified"] is False  # type: ignore[index]
+    assert r.usage is not None and r.usage.completion_tokens == 4
+
+
+# ---------------------------------------------------------------------------- the real command
+
+
+def test_serve_command_listens_notifies_systemd_and_stops(
+    tmp_path: Path, servers: Servers, verifier_url: str, tiny_draft_dir: Path
+) -> None:
+    """``edge-agent serve`` as a process: STATUS while loading, READY=1 once the API listens
+    with the model loaded, answers the openai client, exits 0 on SIGTERM."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "edge.toml"
+    config.write_text(
+        f'verifier = "{verifier_url}"\ntoken_file = "{servers.token_file}"\n'
+        f'draft = "{tiny_draft_dir}"\nmodel_id = "tiny"\ndevice = "cpu"\n'
+    )
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind("\0wanspec-test-" + str(os.getpid()))
+    notify.settimeout(60)
+    env = {**os.environ, "NOTIFY_SOCKET": "@wanspec-test-" + str(os.getpid())}
+    env["WATCHDOG_USEC"] = "3000000"
+    env["WANSPEC_EDGE_PORT"] = str(port)  # env beats the file
+    cmd = [sys.executable, "-m", "edge_agent.cli", "serve", "--config", str(config)]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        messages: list[str] = []
+        while not any("READY=1" in m for m in messages):
+            messages.append(notify.recv(4096).decode())
+        assert any(m.startswith("STATUS=load") for m in messages), messages
+        # READY means: the port answers and the model is loaded.
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "t1"}], max_tokens=4
+        )
+        assert r.choices[0].message.content is not None
+        while not any("WATCHDOG=1" in m for m in messages):
+            messages.append(notify.recv(4096).decode())
+        proc.terminate()
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        notify.close()
