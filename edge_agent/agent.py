@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from edge_agent.pipeline import (
 )
 from edge_agent.tasks import ModelWorker
 from edge_agent.transport import LinkClosed, Transport
+
+if TYPE_CHECKING:
+    from edge_agent.federation import WorkerSpec
 from shared.protocol import (
     CorrectionMode,
     Error,
@@ -124,13 +128,19 @@ class EdgeAgent:
         *,
         retry: RetryPolicy | None = None,
         worker: ModelWorker | None = None,
+        federation: Sequence[WorkerSpec] = (),
+        round_deadline_s: float = 5.0,
     ) -> None:
+        """``federation``: two or more verifiers that all verify every draft (SpecFed mode,
+        :mod:`edge_agent.federation`); ``connect`` is then unused."""
         self.drafter = drafter
         self.fingerprint = fingerprint
         self.connect = connect
         self.retry = retry or RetryPolicy()
         self.worker = worker or ModelWorker("draft-model")
         self._owns_worker = worker is None
+        self.federation = list(federation)
+        self.round_deadline_s = round_deadline_s
 
     def close(self) -> None:
         if self._owns_worker:
@@ -166,6 +176,9 @@ class EdgeAgent:
         survive a cancellation, and ``gen.finish(reason)`` (e.g. from ``on_commit``, on a stop
         string) ends the run cleanly after the current verdict."""
         rng = np.random.default_rng(seed)
+        if self.federation:
+            await self._run_federated(gen, cfg, rng, seed)
+            return
         jitter = random.Random(seed)
         outage = _Outage()
         session_no = 0
@@ -216,6 +229,28 @@ class EdgeAgent:
             finally:
                 if transport is not None:
                     await transport.close()
+
+    async def _run_federated(
+        self, gen: Generation, cfg: PipelineConfig, rng: np.random.Generator, seed: int | None
+    ) -> None:
+        """SpecFed mode: the federated session reconnects workers itself; it gives up (raises
+        LinkClosed) when none has been reachable for the retry deadline."""
+        from edge_agent.federation import FederatedSession  # it imports this module
+
+        session = FederatedSession(
+            gen,
+            self.drafter,
+            self.worker,
+            self.federation,
+            self.fingerprint,
+            cfg,
+            rng,
+            deadline_s=self.round_deadline_s,
+            no_worker_timeout_s=self.retry.deadline_s,
+            seed=seed,
+        )
+        gen.federation = session.fed
+        await session.run()
 
     async def _pause(
         self, gen: Generation, cfg: PipelineConfig, rng: np.random.Generator, delay: float

@@ -83,7 +83,16 @@ def _add_link_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--verifier",
         default=os.environ.get("WANSPEC_VERIFIER", "ws://127.0.0.1:8700/v1/session"),
-        help="verifier WebSocket URL (env WANSPEC_VERIFIER)",
+        help="verifier WebSocket URL (env WANSPEC_VERIFIER); several, comma-separated, for "
+        "federated verification (SpecFed)",
+    )
+    g.add_argument("--weights", default="", help="federation: weight per verifier, e.g. 0.5,0.5")
+    g.add_argument("--k", default="64", help="federation: top-k size (one, or one per verifier)")
+    g.add_argument(
+        "--reconstruction",
+        choices=["A", "B"],
+        default="A",
+        help="federation: A renormalised top-K, B residual redistributed",
     )
     g.add_argument(
         "--token-file",
@@ -97,7 +106,14 @@ def _add_link_args(p: argparse.ArgumentParser) -> None:
 
 
 _SETTINGS_HELP: dict[str, str] = {
-    "verifier": "verifier WebSocket URL; several, comma-separated, fail over in order",
+    "verifier": "verifier WebSocket URL; several, comma-separated: federated verification "
+    "(SpecFed), or fail-over in order with --failover",
+    "failover": "several verifiers are fail-over targets instead of a federation",
+    "weights": "federation: comma-separated positive weight per verifier (default equal)",
+    "k": "federation: top-k size of each verifier's distributions (one, or one per verifier)",
+    "eps_target": "federation: adaptive K, smallest K whose kept mass is >= 1 - eps (k caps it)",
+    "reconstruction": "federation: A (renormalised top-K) or B (residual redistributed)",
+    "round_deadline": "federation: seconds to wait for a slow worker before leaving it out",
     "token_file": "file holding the verifier's bearer token",
     "ca_file": "CA bundle to verify a wss:// verifier",
     "insecure_skip_verify": "do not verify the verifier's TLS certificate",
@@ -200,6 +216,7 @@ def _pipeline_config(args: argparse.Namespace) -> Any:
         mode=args.mode,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
         correction=args.correction,
+        reconstruction=getattr(args, "reconstruction", "A"),
     )
 
 
@@ -244,10 +261,32 @@ async def _generate(args: argparse.Namespace, url: str, token: str) -> dict[str,
     loaded = await asyncio.to_thread(load_draft, args.draft, args.draft_base)
     prompt_ids = encode_prompt(loaded, args.prompt, chat=args.chat)
     agent = build_agent(loaded, settings)
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if len(urls) > 1:
+        agent.federation = _workers(args, urls, token, settings.ssl)
     try:
         return await run_generation(agent, loaded, prompt_ids, settings, _write)
     finally:
         agent.close()
+
+
+def _workers(args: argparse.Namespace, urls: list[str], token: str, ssl: Any) -> list[Any]:
+    """SpecFed mode for ``generate``: one worker per URL (same token, weights and k from flags)."""
+    from edge_agent.config import EdgeSettings
+    from edge_agent.federation import WorkerSpec
+    from edge_agent.link import LinkSettings, WebSocketTransport
+    from edge_agent.transport import Transport
+
+    checked = EdgeSettings(verifier=",".join(urls), weights=args.weights, k=args.k)
+    out = []
+    for u, w, k in zip(urls, checked.verifier_weights, checked.verifier_k, strict=True):
+        link = LinkSettings(url=u, token=token, ssl=ssl)
+
+        async def connect(link: LinkSettings = link) -> Transport:
+            return await WebSocketTransport.connect(link)
+
+        out.append(WorkerSpec(u, connect, weight=w, k=k))
+    return out
 
 
 def _free_port() -> int:

@@ -51,9 +51,18 @@ class EdgeSettings:
     """Everything the daemon and the REPL need (see the README section "Edge daemon")."""
 
     # --- verifier link(s)
-    #: One WebSocket URL, or several separated by commas: the first is used, the others are
-    #: fail-over targets tried in order when it cannot be reached.
+    #: One WebSocket URL (PicoSpec mode), or several separated by commas: then every draft is
+    #: verified by all of them (SpecFed mode) — or, with ``failover = true``, the first is used
+    #: and the others are fail-over targets tried in order when it cannot be reached.
     verifier: str = "ws://127.0.0.1:8765/v1/session"
+    failover: bool = False
+    #: SpecFed mode: one positive weight per verifier (normalised; default equal), one top-k
+    #: size per verifier (or one for all), or an ε target for adaptive K (then k is the cap).
+    weights: str = ""
+    k: str = "64"
+    eps_target: float = field(default=0.0, metadata=_b(0.0, 0.999))
+    reconstruction: Literal["A", "B"] = "A"  # A renormalised top-K, B residual redistributed
+    round_deadline: float = field(default=5.0, metadata=_b(0.01))  # s to wait for a worker
     token_file: Path | None = None  # bearer token for the verifier (first non-comment line)
     ca_file: Path | None = None  # CA bundle for a wss:// verifier
     insecure_skip_verify: bool = False
@@ -97,6 +106,15 @@ class EdgeSettings:
             parts = urlsplit(url)
             if parts.scheme not in ("ws", "wss") or not parts.hostname:
                 raise ConfigError("verifier", f"{url!r} is not a ws:// or wss:// URL")
+        n = len(urls)
+        weights = self.verifier_weights
+        if len(weights) != n:
+            raise ConfigError("weights", f"needs {n} comma-separated values (one per verifier)")
+        if any(not w > 0 for w in weights):
+            raise ConfigError("weights", f"must all be positive, got {self.weights!r}")
+        ks = self.verifier_k
+        if len(ks) != n or any(k < 1 for k in ks):
+            raise ConfigError("k", f"needs one positive integer, or {n} (one per verifier)")
         if self.top_p <= 0.0:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not self.model_id.strip():
@@ -105,6 +123,29 @@ class EdgeSettings:
     @property
     def verifier_urls(self) -> tuple[str, ...]:
         return tuple(u.strip() for u in self.verifier.split(",") if u.strip())
+
+    @property
+    def federated(self) -> bool:
+        return len(self.verifier_urls) > 1 and not self.failover
+
+    @property
+    def verifier_weights(self) -> tuple[float, ...]:
+        n = len(self.verifier_urls)
+        if not self.weights.strip():
+            return (1.0,) * n
+        try:
+            return tuple(float(w) for w in self.weights.split(","))
+        except ValueError:
+            raise ConfigError("weights", f"not numbers: {self.weights!r}") from None
+
+    @property
+    def verifier_k(self) -> tuple[int, ...]:
+        n = len(self.verifier_urls)
+        try:
+            ks = tuple(int(k) for k in self.k.split(","))
+        except ValueError:
+            raise ConfigError("k", f"not integers: {self.k!r}") from None
+        return ks * n if len(ks) == 1 else ks
 
     @property
     def sampling(self) -> SamplingParams:
@@ -132,6 +173,7 @@ class EdgeSettings:
             depth=pick(depth, self.depth),
             mode=pick(mode, self.mode),
             correction=pick(correction, self.correction),
+            reconstruction=self.reconstruction,
             sampling=SamplingParams(
                 pick(temperature, self.temperature),
                 pick(top_k, self.top_k),

@@ -109,6 +109,7 @@ class WorkerLink:
     epoch: int = 0
     next_seq: int = 0
     verifier_len: int = 0
+    joins: int = 0  # times it became live (more than one: it was re-synced)
 
 
 @dataclass
@@ -256,6 +257,16 @@ class FederatedSession(SpeculativeSession):
         for link in self.links:
             self._tasks[link.index] = asyncio.ensure_future(self._link_loop(link))
         try:
+            # Start with every worker that connects within a round deadline, so the first
+            # rounds are not decided by whichever worker happened to answer first.
+            async with self._changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        self._changed.wait_for(
+                            lambda: all(x.state != DOWN for x in self.links)
+                        ),
+                        self.deadline_s,
+                    )
             await run_until_first_done(self._draft_loop(), self._decide_loop())
         finally:
             for t in self._tasks.values():
@@ -277,8 +288,7 @@ class FederatedSession(SpeculativeSession):
         if not self.inflight:
             for link in self.links:
                 if link.state == READY:
-                    link.state = LIVE
-                    self.fed.worker_rejoins += 1
+                    self._join(link)
         if not self._live():
             t0 = time.monotonic()
 
@@ -296,8 +306,15 @@ class FederatedSession(SpeculativeSession):
                     ) from None
             for link in self.links:
                 if link.state == READY and not self.inflight:
-                    link.state = LIVE
+                    self._join(link)
         await super()._wait_for_room()
+
+    def _join(self, link: WorkerLink) -> None:
+        """A connected worker becomes live (only at a boundary: nothing in flight)."""
+        link.state = LIVE
+        link.joins += 1
+        if link.joins > 1:
+            self.fed.worker_rejoins += 1
 
     async def _send_batch(self, draft: list[int], q_rows: list[Probs]) -> None:
         live = self._live()

@@ -166,16 +166,36 @@ def result_json(gen: Generation, text: str, wall_s: float, cfg: PipelineConfig) 
         "uplink_bytes_per_round": round(st.uplink_bytes / st.proposes_sent, 2)
         if st.proposes_sent
         else None,
+        # (federated rounds carry distributions in every reply, not corrections on rejection)
         "downlink_bytes_per_rejection": round(st.downlink_rejection_bytes / st.rejections, 2)
-        if st.rejections
+        if st.rejections and gen.federation is None
         else None,
         "bytes_per_token": round((st.uplink_bytes + st.downlink_bytes) / n, 2) if n else None,
         "drafter_idle_s": round(st.drafter_wait_s, 4),
+        "federation": federation_json(gen),
         "mode": cfg.mode,
         "gamma": cfg.gamma,
         "depth": cfg.effective_depth,
         "correction": cfg.wire_correction,
         "temperature": cfg.sampling.temperature,
+    }
+
+
+def federation_json(gen: Generation) -> dict[str, Any] | None:
+    """The SpecFed measurements of a federated generation (None in single-verifier mode)."""
+    fed = gen.federation
+    if fed is None:
+        return None
+    n = max(1, fed.positions_measured)
+    return {
+        "positions_measured": fed.positions_measured,
+        "mean_eps_per_worker": [round(e, 6) for e in fed.mean_eps()],
+        "mean_bias_bound": round(fed.bias_bound_sum / n, 6),
+        "mean_bias_upper": round(fed.bias_upper_sum / max(1, fed.bias_upper_count), 6),
+        "bound_violations": fed.bound_violations,
+        "rounds_with_missing_workers": fed.rounds_with_missing_workers,
+        "worker_drops": fed.worker_drops,
+        "worker_rejoins": fed.worker_rejoins,
     }
 
 

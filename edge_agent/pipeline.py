@@ -52,6 +52,13 @@ from shared.protocol import (
 from shared.rejection import Decision, recover, try_candidates
 from shared.sampling import Probs, SamplingParams
 
+#: The Verdict field that carries a correction, per negotiated (wire) correction mode.
+_CORRECTION_FIELD = {
+    CorrectionMode.TOPK: "sparse",
+    CorrectionMode.CANDIDATES: "candidates",
+    CorrectionMode.GREEDY_DRAFT: "token",
+}
+
 PIPELINED = "pipelined"
 STOP_AND_WAIT = "stop-and-wait"
 MODES = (PIPELINED, STOP_AND_WAIT)
@@ -125,6 +132,8 @@ class Generation:
         self.stats = Stats()
         #: [start, end) spans of ``generated`` that no verifier checked (draft-only fallback).
         self.unverified: list[tuple[int, int]] = []
+        #: Federated mode only: the federation's measurements (edge_agent.federation).
+        self.federation: Any = None
 
     @property
     def generated(self) -> list[int]:
@@ -376,16 +385,24 @@ class SpeculativeSession:
         gamma = len(b.draft)
         if v.accepted > gamma:
             raise DesyncError(f"Verdict accepts {v.accepted} of {gamma} draft tokens")
+        decision = Decision(v.accepted, v.sparse, v.candidates, v.token, v.bonus)
+        # Checked before anything is committed: a rejection carries exactly one correction, of
+        # the kind this session negotiated; a full acceptance carries none.
+        if decision.rejected != (v.accepted < gamma):
+            raise DesyncError(
+                f"Verdict accepts {v.accepted} of {gamma} "
+                + ("with a correction" if decision.rejected else "without a correction")
+            )
+        kind = _CORRECTION_FIELD[self.cfg.wire_correction]
+        if decision.rejected and getattr(v, kind) is None:
+            raise DesyncError(f"a correction other than {kind!r}, which this session uses")
         self.inflight.popleft()
         st.rounds += 1
         st.draft_tokens += gamma
         st.accepted_tokens += v.accepted
         st.count_accepted(v.accepted, gamma)
         self.gen.commit(b.draft[: v.accepted])
-        decision = Decision(v.accepted, v.sparse, v.candidates, v.token, v.bonus)
         if decision.rejected:
-            if v.accepted == gamma:
-                raise DesyncError("a correction after full acceptance")
             st.rejections += 1
             st.downlink_rejection_bytes += size
             # Every batch behind the rejected one was drafted from a token that is now void.

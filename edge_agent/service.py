@@ -21,6 +21,7 @@ from typing import Any
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.config import EdgeSettings, read_secret_file
 from edge_agent.drafter import Drafter
+from edge_agent.federation import WorkerSpec
 from edge_agent.generate import TextStreamer, eos_ids, result_json, ssl_context
 from edge_agent.link import AuthError, LinkSettings, WebSocketTransport
 from edge_agent.monitor import EdgeMetrics, LinkMonitor, TimedTransport
@@ -204,7 +205,13 @@ class EdgeService:
         self.max_context = drafter.lm.max_length
         retry = retry_policy(self.settings)
         self.agent = EdgeAgent(
-            drafter, loaded.fingerprint, self._connect, retry=retry, worker=self.worker
+            drafter,
+            loaded.fingerprint,
+            self._connect,
+            retry=retry,
+            worker=self.worker,
+            federation=self._workers() if self.settings.federated else (),
+            round_deadline_s=self.settings.round_deadline,
         )
         self.metrics.model_ready.set(1)
         report(f"draft {loaded.name} ready in {time.perf_counter() - t0:.1f} s")
@@ -234,6 +241,19 @@ class EdgeService:
             self._preferred = i
             return TimedTransport(transport, self._on_rtt)
         raise LinkClosed("; ".join(errors))
+
+    def _workers(self) -> list[WorkerSpec]:
+        """SpecFed mode: one worker per configured verifier, with its weight and top-k size."""
+        s = self.settings
+        out = []
+        for url, weight, k in zip(s.verifier_urls, s.verifier_weights, s.verifier_k, strict=True):
+            link = LinkSettings(url=url, token=self._token, heartbeat_s=s.heartbeat, ssl=self._ssl)
+
+            async def connect(link: LinkSettings = link) -> Transport:
+                return TimedTransport(await WebSocketTransport.connect(link), self._on_rtt)
+
+            out.append(WorkerSpec(url, connect, weight=weight, k=k, eps_target=s.eps_target))
+        return out
 
     def _on_rtt(self, seconds: float) -> None:
         self._rtts.append(seconds)

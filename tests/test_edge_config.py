@@ -93,3 +93,18 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["serve", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "setting 'gama'" in err and "unknown setting" in err and str(cfg) in err
+
+
+def test_several_verifiers_federate_unless_failover() -> None:
+    urls = "ws://a:1/v1/session,ws://b:2/v1/session"
+    s = EdgeSettings(verifier=urls, weights="3,1", k="16,32", eps_target=0.01)
+    assert s.federated
+    assert s.verifier_weights == (3.0, 1.0) and s.verifier_k == (16, 32)
+    assert EdgeSettings(verifier=urls).verifier_k == (64, 64)  # one k for all
+    assert not EdgeSettings(verifier=urls, failover=True).federated
+    assert not EdgeSettings(verifier="ws://a:1/v1/session").federated
+    for bad, key in [({"weights": "1"}, "weights"), ({"weights": "1,0"}, "weights"),
+                     ({"weights": "1,x"}, "weights"), ({"k": "1,2,3"}, "'k'"),
+                     ({"k": "0"}, "'k'")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=key):
+            EdgeSettings(verifier=urls, **bad)  # type: ignore[arg-type]

@@ -146,10 +146,10 @@ async def test_uncompressed_sampling_matches_the_aggregate(
         mw.close()
     pv = sequential_chi_square(np.array(toks), np.concatenate(rows))
     assert pv > 1e-4, f"p-value {pv:.2e}"
-    # the same test rejects the first worker alone as the law of this output: it has power
+    # the same test rejects the second worker alone as the law of this output: it has power
     rows_alone = [
         aggregate_rows(
-            targets[:1], [1.0], [1, 3 + i, 20 + i], toks[300 * i : 300 * (i + 1)], params
+            targets[1:2], [1.0], [1, 3 + i, 20 + i], toks[300 * i : 300 * (i + 1)], params
         )
         for i in range(4)
     ]
@@ -238,3 +238,37 @@ async def test_all_workers_down_fails_clearly(draft: LoadedModel) -> None:
             )  # fmt: skip
     finally:
         mw.close()
+
+
+async def test_daemon_service_runs_the_federation(
+    aiohttp_server: Any, targets: list[LoadedModel], tiny_draft_dir: Path, tmp_path: Path
+) -> None:
+    """`edge-agent serve` with two verifiers configured: every draft goes to both, and the
+    greedy answer is the argmax of their weighted aggregate."""
+    from edge_agent.config import EdgeSettings
+    from edge_agent.service import EdgeService, Finished, GenRequest
+
+    urls = [await serve(aiohttp_server, t) for t in targets[:2]]
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    settings = EdgeSettings(
+        verifier=",".join(urls), weights="0.7,0.3", k=str(V), token_file=token_file,
+        draft=str(tiny_draft_dir), device="cpu",
+    )  # fmt: skip
+    service = EdgeService(settings)
+    await service.load()
+    try:
+        req = GenRequest(PROMPT, settings.pipeline(gamma=3), max_tokens=30, ignore_eos=True)
+        finished = None
+        async for piece in service.stream(req):
+            if isinstance(piece, Finished):
+                finished = piece
+    finally:
+        service.close()
+    assert finished is not None and finished.completion_tokens == 30
+    fed = finished.stats["federation"]
+    assert fed is not None and fed["bound_violations"] == 0 and fed["worker_drops"] == 0
+    expected = aggregate_greedy(targets[:2], [0.7, 0.3], 30)
+    assert finished.stats["tokens"] == 30
+    tok = service.loaded.tokenizer  # type: ignore[union-attr]
+    assert finished.text == tok.decode(expected, skip_special_tokens=True)
