@@ -31,7 +31,7 @@ import orjson
 from shared.protocol import CorrectionMode
 
 DEFAULT_TARGET = "default"
-DEFAULT_DRAFT = "self:skip=4"
+DEFAULT_DRAFT = "self:skip=12"
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
 
 

@@ -73,7 +73,7 @@ class EdgeSettings:
     #: (generate with the draft alone; the answer is marked unverified).
     fallback: Fallback = "none"
     # --- the draft model
-    draft: str = "self:skip=4"  # model spec; self:... shares the weights of draft_base
+    draft: str = "self:skip=12"  # model spec; self:... shares the weights of draft_base
     draft_base: str = "default"
     device: Device = "auto"  # auto: cuda when available
     dtype: DType = "auto"  # auto: float16 on cuda, float32 on the CPU
