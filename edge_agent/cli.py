@@ -322,6 +322,9 @@ def _demo(args: argparse.Namespace) -> int:
         env = dict(os.environ)
         # Two processes share this machine's cores: one torch thread each.
         env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no progress bars in the demo
+        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        _quiet_transformers()
         cmd = [
             sys.executable,
             "-c",
@@ -335,6 +338,8 @@ def _demo(args: argparse.Namespace) -> int:
             str(port),
             "--token-file",
             str(token_file),
+            "--log-level",
+            "warning",
         ]
         print(
             f"[demo] starting a local verifier ({args.target}) on 127.0.0.1:{port} …",
@@ -357,6 +362,13 @@ def _demo(args: argparse.Namespace) -> int:
                 proc.wait()
     _finish(args, result)
     return 0
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def _set_threads(n: int | None) -> None:
