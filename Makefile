@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 lint: install
-	$(PY) -m ruff check shared edge_agent cloud_verifier tests
+	$(PY) -m ruff check shared edge_agent cloud_verifier tests bench
 	$(PY) -m mypy shared
 
 test: lint

@@ -51,8 +51,12 @@ class VerifierState:
     status: Status = "loading"
     reason: str = "loading the model"
     sessions: dict[str, Session] = field(default_factory=dict)
-    websockets: set[web.WebSocketResponse] = field(default_factory=set)
+    websockets: dict[web.WebSocketResponse, asyncio.BaseTransport | None] = field(
+        default_factory=dict
+    )
     connections: int = 0  # upgraded or upgrading: counted against max_sessions
+    #: Connections per token key (``Authenticator.identify``), against max_sessions_per_token.
+    per_token: dict[str, int] = field(default_factory=dict)
     #: Set whenever ``status`` changes (serve() waits on it).
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -179,11 +183,14 @@ async def _watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _close_sessions(app: web.Application) -> None:
     state = app[STATE]
     state.set_status("stopping", "shutting down")
-    sockets = list(state.websockets)
+    sockets = list(state.websockets.items())
     if sockets:
         log.info("closing %d session(s)", len(sockets))
     await asyncio.gather(
-        *(ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown") for ws in sockets),
+        *(
+            _close(ws, transport, state, WSCloseCode.GOING_AWAY, b"server shutdown")
+            for ws, transport in sockets
+        ),
         return_exceptions=True,
     )
 
@@ -228,7 +235,8 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     s = state.settings
     # Nothing is created before the token checks out.
-    if not state.auth.check(request.headers.get(hdrs.AUTHORIZATION)):
+    key = state.auth.identify(request.headers.get(hdrs.AUTHORIZATION))
+    if key is None:
         raise _refuse(
             state,
             "auth",
@@ -247,6 +255,16 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
                 headers={hdrs.RETRY_AFTER: "5"},
             ),
         )
+    if s.max_sessions_per_token and state.per_token.get(key, 0) >= s.max_sessions_per_token:
+        raise _refuse(
+            state,
+            "token_limit",
+            web.HTTPTooManyRequests(
+                text=f"this token already holds {s.max_sessions_per_token} sessions "
+                "(max_sessions_per_token)\n",
+                headers={hdrs.RETRY_AFTER: "1"},
+            ),
+        )
     if state.connections >= s.max_sessions:
         raise _refuse(
             state,
@@ -262,7 +280,12 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
         heartbeat=s.heartbeat or None,
         compress=False,  # frames are tens of bytes; deflate would only add latency
     )
-    ready = ws.can_prepare(request)
+    try:
+        ready = ws.can_prepare(request)
+    except UnicodeError:  # aiohttp cannot even quote a non-ASCII Upgrade header in its 400
+        raise _refuse(
+            state, "subprotocol", web.HTTPBadRequest(text="malformed WebSocket upgrade headers\n")
+        ) from None
     if not ready.ok:
         raise _refuse(state, "subprotocol", web.HTTPBadRequest(text="not a WebSocket upgrade\n"))
     if ready.protocol != SUBPROTOCOL:
@@ -272,13 +295,17 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
             web.HTTPBadRequest(text=f"the WebSocket subprotocol {SUBPROTOCOL} is required\n"),
         )
     state.connections += 1
+    state.per_token[key] = state.per_token.get(key, 0) + 1
     try:
         await ws.prepare(request)
-        state.websockets.add(ws)
-        await _run_session(ws, state)
+        state.websockets[ws] = request.transport
+        await _run_session(_Peer(ws, request.transport), state)
     finally:
         state.connections -= 1
-        state.websockets.discard(ws)
+        state.per_token[key] -= 1
+        if not state.per_token[key]:
+            del state.per_token[key]
+        state.websockets.pop(ws, None)
     return ws
 
 
@@ -291,25 +318,101 @@ def _close_reason(text: str) -> bytes:
     return raw if len(raw) <= 123 else raw[:120].decode("utf-8", "ignore").encode() + b"..."
 
 
-async def _send(ws: web.WebSocketResponse, state: VerifierState, data: bytes) -> None:
-    await ws.send_bytes(data)
+@dataclass(frozen=True)
+class _Peer:
+    """One upgraded connection: the WebSocket and the TCP transport under it (for its send
+    buffer)."""
+
+    ws: web.WebSocketResponse
+    transport: asyncio.BaseTransport | None
+
+
+class SlowReader(Exception):
+    """The peer does not read what it is sent: its session is closed to keep memory bounded."""
+
+
+def _buffered(transport: asyncio.BaseTransport | None) -> int:
+    """Bytes queued for the peer (a closing transport still holds them until they are sent)."""
+    if isinstance(transport, asyncio.WriteTransport):
+        return transport.get_write_buffer_size()
+    return 0
+
+
+def _abort(transport: asyncio.BaseTransport | None) -> None:
+    if isinstance(transport, asyncio.WriteTransport):
+        transport.abort()
+
+
+async def _close(
+    ws: web.WebSocketResponse,
+    transport: asyncio.BaseTransport | None,
+    state: VerifierState,
+    code: int,
+    reason: bytes,
+) -> None:
+    """Close with ``code``/``reason``, bounded in time whatever the peer does: the close frame is
+    queued without waiting for the send buffer to drain, the peer's close reply is awaited for
+    ``close_timeout``; a peer that has not read its buffer by then is cut (abort)."""
+    try:
+        await asyncio.wait_for(
+            ws.close(code=code, message=reason, drain=False), state.settings.close_timeout + 1.0
+        )
+    except (asyncio.TimeoutError, ConnectionError) as e:
+        log.info("close (%d) did not complete: %s", code, type(e).__name__)
+    if _buffered(transport):
+        _abort(transport)  # unread bytes would otherwise be held until TCP gives up
+
+
+async def _send(peer: _Peer, state: VerifierState, data: bytes) -> None:
+    s = state.settings
+    try:
+        await asyncio.wait_for(peer.ws.send_bytes(data), s.send_timeout)
+    except asyncio.TimeoutError:
+        raise SlowReader(f"the peer read nothing for {s.send_timeout:g} s") from None
+    buffered = _buffered(peer.transport)
+    if buffered > s.max_send_buffer:
+        raise SlowReader(f"{buffered} unread bytes queued (max_send_buffer {s.max_send_buffer})")
     state.metrics.bytes_sent.inc(len(data))
     state.metrics.frames_sent.inc()
 
 
 async def _send_msg(
-    ws: web.WebSocketResponse, state: VerifierState, msg: Message, session: Session | None
+    peer: _Peer, state: VerifierState, msg: Message, session: Session | None
 ) -> None:
     if isinstance(msg, Error):
         state.metrics.errors_sent.inc(code=msg.code)
-    await _send(ws, state, encode(msg) if session is None else session.encode(msg))
+    await _send(peer, state, encode(msg) if session is None else session.encode(msg))
 
 
-async def _fatal(ws: web.WebSocketResponse, state: VerifierState, f: SessionFatal) -> None:
-    with contextlib.suppress(ConnectionError):
+async def _fatal(peer: _Peer, state: VerifierState, f: SessionFatal) -> None:
+    try:
         if f.close_code != WSCloseCode.OK:
-            await _send_msg(ws, state, f.error, None)
-    await ws.close(code=f.close_code, message=_close_reason(f"{f.error.code}: {f.error.message}"))
+            await _send_msg(peer, state, f.error, None)
+    except ConnectionError:
+        pass  # the peer is gone: nobody to tell
+    except SlowReader as e:
+        await _slow_reader(peer, state, e)
+        return
+    await _close(
+        peer.ws,
+        peer.transport,
+        state,
+        f.close_code,
+        _close_reason(f"{f.error.code}: {f.error.message}"),
+    )
+
+
+async def _slow_reader(peer: _Peer, state: VerifierState, e: SlowReader) -> None:
+    state.metrics.slow_readers.inc()
+    log.warning("closing a session that does not read: %s", e)
+    await _close(
+        peer.ws,
+        peer.transport,
+        state,
+        WSCloseCode.POLICY_VIOLATION,
+        _close_reason(f"slow_reader: {e}"),
+    )
+    _abort(peer.transport)
 
 
 def _count_in(state: VerifierState, data: bytes | str) -> None:
@@ -317,14 +420,15 @@ def _count_in(state: VerifierState, data: bytes | str) -> None:
     state.metrics.bytes_received.inc(len(data) if isinstance(data, bytes) else len(data.encode()))
 
 
-async def _run_session(ws: web.WebSocketResponse, state: VerifierState) -> None:
+async def _run_session(peer: _Peer, state: VerifierState) -> None:
     s = state.settings
+    ws = peer.ws
     try:
         first = await ws.receive(timeout=s.handshake_timeout)
     except asyncio.TimeoutError:
         state.metrics.sessions_refused.inc(reason="handshake")
         err = Error("bad_handshake", f"no Hello within {s.handshake_timeout} s", fatal=True)
-        await _fatal(ws, state, SessionFatal(err))
+        await _fatal(peer, state, SessionFatal(err))
         return
     if first.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
         return  # closed before saying anything
@@ -332,7 +436,7 @@ async def _run_session(ws: web.WebSocketResponse, state: VerifierState) -> None:
     try:
         session = handshake(first.data, state.engine, state.limits, state.metrics)
     except SessionFatal as f:
-        await _fatal(ws, state, f)
+        await _fatal(peer, state, f)
         return
     state.sessions[session.session_id] = session
     state.metrics.sessions.inc()
@@ -345,7 +449,7 @@ async def _run_session(ws: web.WebSocketResponse, state: VerifierState) -> None:
         session.hello.sampling,
     )
     try:
-        await _send(ws, state, encode(session.welcome))
+        await _send(peer, state, encode(session.welcome))
         async for msg in ws:
             if msg.type == WSMsgType.ERROR:
                 # e.g. a frame over max_frame: aiohttp has closed the socket with a code already.
@@ -358,12 +462,14 @@ async def _run_session(ws: web.WebSocketResponse, state: VerifierState) -> None:
             _count_in(state, msg.data)
             replies = await session.handle(msg.data)
             for r in replies:
-                await _send_msg(ws, state, r, session)
+                await _send_msg(peer, state, r, session)
             if any(isinstance(r, (Verdict, FederatedReply)) for r in replies):
                 state.metrics.round_seconds.observe(time.perf_counter() - t0)
     except SessionFatal as f:
         log.info("session %s closed: %s", session.session_id, f)
-        await _fatal(ws, state, f)
+        await _fatal(peer, state, f)
+    except SlowReader as e:
+        await _slow_reader(peer, state, e)
     except ConnectionError:
         log.info("session %s: connection lost", session.session_id)
     except Exception as e:
@@ -371,7 +477,7 @@ async def _run_session(ws: web.WebSocketResponse, state: VerifierState) -> None:
         err = Error(
             "internal", f"internal error ({type(e).__name__}); see the verifier's log", fatal=True
         )
-        await _fatal(ws, state, SessionFatal(err, WSCloseCode.INTERNAL_ERROR))
+        await _fatal(peer, state, SessionFatal(err, WSCloseCode.INTERNAL_ERROR))
     finally:
         del state.sessions[session.session_id]
         state.metrics.sessions_active.set(len(state.sessions))

@@ -7,6 +7,7 @@ a restart. Comparison is constant-time (:func:`hmac.compare_digest`) against eve
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
@@ -15,6 +16,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+#: The key :meth:`Authenticator.identify` gives everyone when authentication is off.
+ANONYMOUS = "anonymous"
 
 
 class AuthError(ValueError):
@@ -82,19 +87,31 @@ class Authenticator:
 
     def check(self, header: str | None) -> bool:
         """True when ``header`` (the Authorization value) carries a configured token."""
+        return self.identify(header) is not None
+
+    def identify(self, header: str | None) -> str | None:
+        """Which token ``header`` carries: a stable, non-secret key of it (a hash prefix, the
+        unit of per-token limits), ``"anonymous"`` when authentication is off, or None when the
+        header carries no configured token."""
         if not self.enabled:
-            return True
+            return ANONYMOUS
         if header is None:
-            return False
+            return None
         scheme, _, presented = header.partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
-            return False
+            return None
         try:
             self._reload()
         except AuthError as e:  # keep the tokens we had; the file may be mid-rotation
             log.warning("%s; keeping the previous tokens", e)
         given = presented.strip().encode()
-        ok = False
+        match: str | None = None
         for tok in self._tokens():  # no early exit: time does not depend on which token matched
-            ok |= hmac.compare_digest(given, tok.encode())
-        return ok
+            if hmac.compare_digest(given, tok.encode()):
+                match = tok
+        return None if match is None else token_key(match)
+
+
+def token_key(token: str) -> str:
+    """A non-secret name for a token (logs, per-token accounting): its SHA-256 prefix."""
+    return "sha256:" + hashlib.sha256(token.encode()).hexdigest()[:12]

@@ -31,9 +31,12 @@ _HELP: dict[str, str] = {
     "port": "TCP port (0: any free port)",
     "token_file": "file of bearer tokens, one per line (# comments and blank lines ignored)",
     "insecure_no_auth": "serve without authentication (trusted networks only)",
+    "tls_cert": "PEM certificate (chain) to serve wss:// (needs --tls-key)",
+    "tls_key": "PEM private key of --tls-cert",
     "device": "where the model runs",
     "dtype": "model weights' dtype (auto: float32 on CPU, bfloat16 on CUDA)",
     "max_sessions": "concurrent sessions",
+    "max_sessions_per_token": "concurrent sessions per bearer token (0: only max_sessions)",
     "max_context": "tokens per session (also capped by the model)",
     "max_gamma": "draft tokens per Propose",
     "max_fixed": "fixed (prompt/correction) tokens per Propose",
@@ -44,6 +47,8 @@ _HELP: dict[str, str] = {
     "handshake_timeout": "seconds a client has to send Hello",
     "heartbeat": "WebSocket ping interval in seconds (0: off)",
     "close_timeout": "seconds to wait for a client's close reply",
+    "send_timeout": "seconds a frame may wait for a client that does not read, then it is closed",
+    "max_send_buffer": "unread bytes queued for a client before it is closed",
     "shutdown_timeout": "seconds to let sessions finish on SIGTERM",
     "log_level": "logging level",
     "emulate_verify_ms": "benchmarks only: pad every forward to this many ms (0: off)",
@@ -93,7 +98,7 @@ def _check_model_spec(spec: str) -> None:
         raise ConfigError("model", str(e)) from None
 
 
-async def serve(settings: VerifierSettings, auth: Any) -> int:
+async def serve(settings: VerifierSettings, auth: Any, ssl_context: Any = None) -> int:
     """Run until SIGTERM/SIGINT. Returns the exit status (1 if the model failed to load)."""
     from aiohttp import web
 
@@ -118,10 +123,11 @@ async def serve(settings: VerifierSettings, auth: Any) -> int:
     rc = 0
     await runner.setup()  # starts the model load in the background
     try:
-        site = web.TCPSite(runner, settings.host, settings.port)
+        site = web.TCPSite(runner, settings.host, settings.port, ssl_context=ssl_context)
         await site.start()
         for addr in runner.addresses:
-            log.info("listening on %s port %d", addr[0], addr[1])
+            scheme = "https/wss" if ssl_context is not None else "http/ws"
+            log.info("listening on %s port %d (%s)", addr[0], addr[1], scheme)
         announced = False
         while True:
             await state.changed.wait()
@@ -164,6 +170,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 "no token file configured: pass --token-file F (see `cloud-verifier gen-token`) "
                 "or, on a trusted network only, --insecure-no-auth",
             )
+        ssl_context = None
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            from cloud_verifier.tls import server_context
+
+            ssl_context = server_context(settings.tls_cert, settings.tls_key)
     except ConfigError as e:
         print(f"cloud-verifier: error: {e}", file=sys.stderr)
         return 2
@@ -172,7 +183,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     if not auth.enabled:
         log.warning("authentication is OFF (--insecure-no-auth): anyone can open sessions")
-    rc = asyncio.run(serve(settings, auth))
+    rc = asyncio.run(serve(settings, auth, ssl_context))
     if threading.active_count() > 1:
         # The model worker is still inside a load or a forward that cannot be interrupted;
         # Python would join it at exit and overrun the stop timeout. Everything else is closed.

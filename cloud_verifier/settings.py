@@ -33,9 +33,13 @@ class VerifierSettings:
     port: int = field(default=8765, metadata=_b(0, 65535))
     token_file: Path | None = None  # one bearer token per line; # comments, blank lines ignored
     insecure_no_auth: bool = False  # serve without a token file (nobody is authenticated)
+    tls_cert: Path | None = None  # PEM certificate (chain): serve wss:// (with tls_key)
+    tls_key: Path | None = None  # PEM private key of tls_cert
     device: Device = "auto"
     dtype: DType = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
     max_sessions: int = field(default=64, metadata=_b(1))
+    # Concurrent sessions per bearer token (more: HTTP 429 before the upgrade); 0 = no own limit.
+    max_sessions_per_token: int = field(default=32, metadata=_b(0))
     max_context: int = field(default=8192, metadata=_b(2))  # tokens per session (capped by model)
     max_gamma: int = field(default=16, metadata=_b(1, 4096))  # draft tokens per Propose
     max_fixed: int = field(default=8192, metadata=_b(1))  # fixed tokens per Propose (prompt)
@@ -46,6 +50,10 @@ class VerifierSettings:
     handshake_timeout: float = field(default=10.0, metadata=_b(0.1))  # seconds to send Hello
     heartbeat: float = field(default=20.0, metadata=_b(0))  # WebSocket ping interval, 0 = off
     close_timeout: float = field(default=2.0, metadata=_b(0.1))  # wait for the peer's close
+    # A peer that does not read: a frame not written within send_timeout s, or more than
+    # max_send_buffer bytes waiting for it, closes its session (memory stays bounded).
+    send_timeout: float = field(default=15.0, metadata=_b(0.1))
+    max_send_buffer: int = field(default=4 << 20, metadata=_b(1 << 16))
     shutdown_timeout: float = field(default=10.0, metadata=_b(0.1))  # for handlers on SIGTERM
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Benchmark only: pad every target forward to this many ms (device-regime emulation).
@@ -55,3 +63,6 @@ class VerifierSettings:
         # Neither set is refused by `serve` only: tests and the demo pass a generated token.
         if self.token_file is not None and self.insecure_no_auth:
             raise ConfigError("insecure_no_auth", "cannot be combined with a token_file (pick one)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            missing = "tls_key" if self.tls_key is None else "tls_cert"
+            raise ConfigError(missing, "tls_cert and tls_key must be given together")

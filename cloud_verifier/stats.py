@@ -66,12 +66,16 @@ class VerifierMetrics:
         self.errors_sent = r.counter(
             "wanspec_errors_sent_total", "Error frames sent, by code.", labels=("code",)
         )
+        self.slow_readers = r.counter(
+            "wanspec_slow_readers_total",
+            "Sessions closed because the peer stopped reading (send_timeout, max_send_buffer).",
+        )
         self.sessions_active = r.gauge("wanspec_sessions_active", "Open sessions.")
         self.sessions = r.counter("wanspec_sessions_total", "Sessions established (Welcome sent).")
         self.sessions_refused = r.counter(
             "wanspec_sessions_refused_total",
-            "Connections refused, by reason (auth, loading, busy, subprotocol, handshake, "
-            "fingerprint).",
+            "Connections refused, by reason (auth, loading, busy, token_limit, subprotocol, "
+            "handshake, fingerprint).",
             labels=("reason",),
         )
         self.model_forwards = r.counter(

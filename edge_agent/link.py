@@ -16,6 +16,11 @@ class AuthError(PermissionError):
     """The verifier refused the token (HTTP 401/403): reconnecting will not help."""
 
 
+class UntrustedCertificateError(AuthError):
+    """The verifier's TLS certificate failed verification (not retried: pass its CA, e.g. with
+    ``ssl=ssl.create_default_context(cafile=...)``)."""
+
+
 @dataclass(frozen=True)
 class LinkSettings:
     url: str  # ws://host:port/v1/session or wss://...
@@ -37,7 +42,13 @@ class WebSocketTransport:
 
     @classmethod
     async def connect(cls, settings: LinkSettings) -> WebSocketTransport:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
+        # sock_read bounds the wait for the upgrade response (a stalled or black-holed link);
+        # aiohttp lifts it once the WebSocket is open (the heartbeat watches the link then).
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=settings.connect_timeout_s,
+            sock_read=settings.connect_timeout_s,
+        )
         session = aiohttp.ClientSession(timeout=timeout)
         try:
             ws = await session.ws_connect(
@@ -54,6 +65,12 @@ class WebSocketTransport:
             if e.status in (401, 403):
                 raise AuthError(f"verifier at {settings.url} refused the token ({e.status})") from e
             raise LinkClosed(f"handshake with {settings.url} failed: {e.status} {e.message}") from e
+        except aiohttp.ClientConnectorCertificateError as e:
+            await session.close()
+            raise UntrustedCertificateError(
+                f"verifier at {settings.url}: TLS certificate not trusted ({e.certificate_error}); "
+                "give the edge the verifier's CA certificate"
+            ) from e
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             await session.close()
             raise LinkClosed(f"cannot reach verifier at {settings.url}: {e}") from e

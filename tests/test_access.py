@@ -1,0 +1,260 @@
+"""Only the entitled get in: tokens from a file (rotation), constant-time comparison before the
+upgrade, per-token session limits (429), and TLS with certificate verification at the edge."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hmac
+import ipaddress
+import os
+import ssl
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from bench.harness import free_port
+from cloud_verifier.app import STATE, build_app
+from cloud_verifier.auth import Authenticator
+from cloud_verifier.cli import main as verifier_main
+from cloud_verifier.engine import NullTarget
+from cloud_verifier.probe import auth_headers
+from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.tls import server_context
+from edge_agent.agent import handshake
+from edge_agent.link import LinkSettings, UntrustedCertificateError, WebSocketTransport
+from shared.config import ConfigError
+from shared.protocol import SUBPROTOCOL, Fingerprint, Hello, Welcome
+from shared.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+NULL_FP = Fingerprint("null", 64, "null")
+
+
+async def serve(aiohttp_server: Any, auth: Authenticator, **settings: Any) -> Any:
+    ssl_ctx = settings.pop("ssl", None)
+    app = build_app(
+        VerifierSettings(model="null:64", heartbeat=0.0, **settings),
+        auth=auth,
+        loader=lambda: NullTarget(64),
+    )
+    server = await aiohttp_server(app, ssl=ssl_ctx)
+    for _ in range(500):
+        if app[STATE].status == "ready":
+            return server
+        await asyncio.sleep(0.01)
+    raise AssertionError("never ready")
+
+
+async def status_of(server: Any, token: str | None) -> int:
+    """HTTP status of a session request (101 = upgraded; the socket is then closed)."""
+    headers = auth_headers(token) if token is not None else {}
+    url = str(server.make_url("/v1/session"))
+    async with aiohttp.ClientSession() as http:
+        try:
+            ws = await http.ws_connect(url, headers=headers, protocols=(SUBPROTOCOL,))
+        except aiohttp.WSServerHandshakeError as e:
+            return e.status
+        await ws.close()
+        return 101
+
+
+async def test_tokens_rotate_through_the_file(aiohttp_server: Any, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# current and next\nold-token\nnew-token\n")
+    server = await serve(aiohttp_server, Authenticator(token_file=tokens))
+    assert await status_of(server, "old-token") == 101
+    assert await status_of(server, "new-token") == 101
+    assert await status_of(server, "never") == 401
+    assert await status_of(server, None) == 401
+    # Rotation: the old token is retired, a third one added; no restart.
+    tokens.write_text("new-token\nnewer-token-with-another-length\n")
+    os.utime(tokens, ns=(1, 1))  # a different mtime even on coarse-grained file systems
+    assert await status_of(server, "old-token") == 401
+    assert await status_of(server, "new-token") == 101
+    assert await status_of(server, "newer-token-with-another-length") == 101
+    m = server.app[STATE].metrics.render()
+    assert 'wanspec_sessions_refused_total{reason="auth"} 3' in m
+    # Refused before the upgrade: nothing was created for them.
+    assert "wanspec_sessions_total 0" in m
+
+
+def test_token_check_is_constant_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every configured token is compared (with hmac.compare_digest), whichever matches."""
+    auth = Authenticator(["a" * 20, "b" * 20, "c" * 20])
+    calls: list[bytes] = []
+    real = hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        calls.append(b)
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", counting)
+    for presented in ("a" * 20, "c" * 20, "x" * 20, "a"):
+        calls.clear()
+        auth.check(f"Bearer {presented}")
+        assert len(calls) == 3, presented
+    assert auth.identify("Bearer " + "a" * 20) != auth.identify("Bearer " + "b" * 20)
+    assert auth.identify("Bearer zz") is None and auth.identify("Basic " + "a" * 20) is None
+
+
+async def test_sessions_per_token_are_limited_before_the_upgrade(aiohttp_server: Any) -> None:
+    auth = Authenticator(["token-a", "token-b"])
+    server = await serve(aiohttp_server, auth, max_sessions_per_token=2)
+    url = str(server.make_url("/v1/session"))
+    async with aiohttp.ClientSession() as http:
+
+        async def open_ws(token: str) -> aiohttp.ClientWebSocketResponse:
+            return await http.ws_connect(url, headers=auth_headers(token), protocols=(SUBPROTOCOL,))
+
+        a1, a2 = await open_ws("token-a"), await open_ws("token-a")
+        with pytest.raises(aiohttp.WSServerHandshakeError) as exc:
+            await open_ws("token-a")
+        assert exc.value.status == 429
+        assert exc.value.headers is not None and exc.value.headers.get("Retry-After") == "1"
+        b1 = await open_ws("token-b")  # another token is not affected
+        await a1.close()
+        for _ in range(100):  # the server notices the close
+            if server.app[STATE].per_token.get(auth.identify("Bearer token-a") or "") == 1:
+                break
+            await asyncio.sleep(0.01)
+        a3 = await open_ws("token-a")
+        for ws in (a2, a3, b1):
+            await ws.close()
+    m = server.app[STATE].metrics.render()
+    assert 'wanspec_sessions_refused_total{reason="token_limit"} 1' in m
+    for _ in range(100):
+        if not server.app[STATE].per_token:
+            break
+        await asyncio.sleep(0.01)
+    assert server.app[STATE].per_token == {}  # no entry left behind per token ever seen
+
+
+# ---------------------------------------------------------------------------------------- TLS
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (and localhost) and its key, as PEM files."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "wanspec test verifier")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+async def test_tls_edge_verifies_the_certificate(aiohttp_server: Any, tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    server = await serve(
+        aiohttp_server, Authenticator(["tls-token"]), ssl=server_context(cert, key)
+    )
+    url = f"wss://127.0.0.1:{server.port}/v1/session"
+    # Default: the certificate must be trusted; a self-signed one is not. Not retried.
+    assert LinkSettings(url=url, token="tls-token").ssl is True
+    with pytest.raises(UntrustedCertificateError, match="not trusted"):
+        await WebSocketTransport.connect(LinkSettings(url=url, token="tls-token"))
+    # Given the CA, the link works: a full Hello/Welcome over TLS.
+    trusted = ssl.create_default_context(cafile=str(cert))
+    link = LinkSettings(url=url, token="tls-token", heartbeat_s=0, ssl=trusted)
+    transport = await WebSocketTransport.connect(link)
+    try:
+        welcome = await handshake(transport, Hello(NULL_FP, SamplingParams(0.0)), 5.0)
+        assert isinstance(welcome, Welcome)
+    finally:
+        await transport.close()
+    # Plain ws:// to a TLS port does not get in either.
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(aiohttp.ClientError):
+            await http.ws_connect(
+                f"ws://127.0.0.1:{server.port}/v1/session",
+                headers=auth_headers("tls-token"),
+                protocols=(SUBPROTOCOL,),
+            )
+
+
+def test_tls_settings_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="tls_key"):
+        VerifierSettings(tls_cert=tmp_path / "cert.pem")
+    cert, key = self_signed(tmp_path)
+    with pytest.raises(ConfigError, match="tls_cert"):
+        server_context(cert, cert)  # a certificate is not its key
+    with pytest.raises(ConfigError, match="not a readable file"):
+        server_context(tmp_path / "missing.pem", key)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("t\n")
+    argv = ["serve", "--model", "null:64", "--token-file", str(tokens)]
+    assert verifier_main([*argv, "--tls-cert", str(cert)]) == 2
+    assert "tls_key" in capsys.readouterr().err
+    assert verifier_main([*argv, "--tls-cert", str(key), "--tls-key", str(key)]) == 2
+    assert "'tls_cert'" in capsys.readouterr().err
+
+
+async def test_serve_with_tls_flags(tmp_path: Path) -> None:
+    """``cloud-verifier serve --tls-cert --tls-key``: https /health, wss sessions."""
+    cert, key = self_signed(tmp_path)
+    (tmp_path / "tokens").write_text("svc-token\n")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cloud_verifier.cli", "serve", "--model", "null:64",
+         "--port", str(port), "--token-file", str(tmp_path / "tokens"),
+         "--tls-cert", str(cert), "--tls-key", str(key), "--heartbeat", "0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        trusted = ssl.create_default_context(cafile=str(cert))
+        async with aiohttp.ClientSession() as http:
+            for _ in range(300):
+                try:
+                    async with http.get(f"https://127.0.0.1:{port}/health", ssl=trusted) as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the TLS verifier never answered /health")
+        link = LinkSettings(
+            url=f"wss://127.0.0.1:{port}/v1/session", token="svc-token", ssl=trusted
+        )
+        transport = await WebSocketTransport.connect(link)
+        try:
+            welcome = await handshake(transport, Hello(NULL_FP, SamplingParams(0.0)), 5.0)
+            assert isinstance(welcome, Welcome)
+        finally:
+            await transport.close()
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=20)[0].decode()
+    assert "(https/wss)" in out, out
