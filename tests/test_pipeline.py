@@ -157,7 +157,11 @@ async def _run(
         np.random.default_rng(0),  # type: ignore[arg-type]
     )
     fake = ScriptedVerifier(
-        server, ctx, script, server_depth or cfg.effective_depth, resample_reply=resample_reply,
+        server,
+        ctx,
+        script,
+        server_depth or cfg.effective_depth,
+        resample_reply=resample_reply,
         resample_delay_s=resample_delay_s,
     )
     task = asyncio.ensure_future(fake.run())
@@ -295,6 +299,36 @@ async def test_no_drafting_while_a_recovery_waits_for_candidates() -> None:
     after = [e for e in fake.log if e[0] == 1]  # Proposes of the epoch after the rejection
     assert after and after[0][3] == [6], fake.log
     assert gen.generated[0] == 6
+
+
+async def test_rejection_without_correction_is_a_desync() -> None:
+    """A Verdict that stops short of γ without a correction cannot be applied: the batches
+    behind it were drafted from the tokens it leaves out."""
+    cfg = PipelineConfig(gamma=2, depth=1, sampling=GREEDY)
+    edge, server = memory_pair()
+    ctx = WireContext(vocab_size=V, draft_probs=False)
+    gen = Generation([0], 10)
+    worker = ModelWorker("test")
+    sess = SpeculativeSession(
+        gen,
+        CountingDrafter(),
+        worker,
+        edge,
+        ctx,
+        cfg,  # type: ignore[arg-type]
+        np.random.default_rng(0),
+    )
+
+    async def liar() -> None:
+        await server.recv()
+        await server.send(encode(Verdict(0, 0, 1), ctx))  # 1 of 2 accepted, no correction
+
+    task = asyncio.ensure_future(liar())
+    with pytest.raises(DesyncError, match="no correction"):
+        await asyncio.wait_for(sess.run(), 10)
+    await task
+    worker.close()
+    assert gen.generated == []
 
 
 async def test_verdict_for_wrong_batch_is_a_desync() -> None:
