@@ -916,7 +916,7 @@ class HostileProxy:
         if m.accepted > gamma or (m.accepted < gamma) != (m.bonus is None and _corrected(m)):
             return False
         if m.accepted < gamma:
-            return _correction_kind(m) == _correction_kind(real)
+            return st.hello is not None and _correction_kind(m) == _session_kind(st.hello)
         return True
 
     async def _hostile(
@@ -1001,6 +1001,13 @@ class _ProxyState:
 
 def _corrected(v: Verdict) -> bool:
     return v.sparse is not None or v.candidates is not None or v.token is not None
+
+
+def _session_kind(h: Hello) -> str:
+    """The correction a verifier sends in this session (``verify_batch``)."""
+    if h.sampling.greedy or h.correction == CorrectionMode.GREEDY_DRAFT:
+        return "token"
+    return "sparse" if h.correction == CorrectionMode.TOPK else "candidates"
 
 
 def _correction_kind(v: Verdict) -> str:

@@ -385,14 +385,10 @@ class SpeculativeSession:
         gamma = len(b.draft)
         if v.accepted > gamma:
             raise DesyncError(f"Verdict accepts {v.accepted} of {gamma} draft tokens")
-        rejected = v.sparse is not None or v.candidates is not None or v.token is not None
-        if v.accepted < gamma and not rejected:
-            # Committing the accepted prefix alone would leave every batch behind it drafted
-            # from tokens that are now void: a rejection must come with its correction.
-            raise DesyncError(f"Verdict rejects at {v.accepted} of {gamma} with no correction")
         decision = Decision(v.accepted, v.sparse, v.candidates, v.token, v.bonus)
         # Checked before anything is committed: a rejection carries exactly one correction, of
-        # the kind this session negotiated; a full acceptance carries none.
+        # the kind this session negotiated; a full acceptance carries none. (Committing only an
+        # accepted prefix would leave every batch behind it drafted from void tokens.)
         if decision.rejected != (v.accepted < gamma):
             raise DesyncError(
                 f"Verdict accepts {v.accepted} of {gamma} "

@@ -324,7 +324,7 @@ async def test_rejection_without_correction_is_a_desync() -> None:
         await server.send(encode(Verdict(0, 0, 1), ctx))  # 1 of 2 accepted, no correction
 
     task = asyncio.ensure_future(liar())
-    with pytest.raises(DesyncError, match="no correction"):
+    with pytest.raises(DesyncError, match="without a correction"):
         await asyncio.wait_for(sess.run(), 10)
     await task
     worker.close()
