@@ -367,8 +367,10 @@ def _demo(args: argparse.Namespace) -> int:
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    from edge_agent.progress import quiet_hub_progress
+
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    quiet_hub_progress()
 
 
 def _set_threads(n: int | None) -> None:
@@ -404,9 +406,9 @@ def main(argv: list[str] | None = None) -> int:
             return _demo(args)
         if not args.token_file:
             raise ValueError("--token-file (or WANSPEC_TOKEN_FILE) is required")
-        from edge_agent.generate import read_token_file
+        from edge_agent.config import read_secret_file
 
-        token = read_token_file(args.token_file)
+        token = read_secret_file(Path(args.token_file), "token_file")
         _set_threads(args.threads)
         result = asyncio.run(_generate(args, args.verifier, token))
         _finish(args, result)

@@ -6,12 +6,10 @@ and :func:`result_json`.
 
 from __future__ import annotations
 
-import os
 import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from edge_agent.agent import EdgeAgent, RetryPolicy
@@ -20,20 +18,6 @@ from edge_agent.link import LinkSettings, WebSocketTransport
 from edge_agent.pipeline import Generation, PipelineConfig
 from edge_agent.transport import Transport
 from shared.models import LoadedModel, load_model, parse_model_spec
-
-
-def read_token_file(path: str | os.PathLike[str]) -> str:
-    """The first non-empty, non-comment line of a token file."""
-    p = Path(path)
-    try:
-        lines = p.read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"cannot read token file {p}: {e.strerror}") from e
-    for line in lines:
-        line = line.strip()
-        if line and not line.startswith("#"):
-            return line
-    raise ValueError(f"token file {p} holds no token")
 
 
 def load_draft(spec: str, base_spec: str, *, device: str = "cpu") -> LoadedModel:
