@@ -76,8 +76,8 @@ class ChatOptions:
                 raise ValueError(f"mode must be one of {', '.join(MODES)}")
             return replace(self, mode=value)
         if key == "correction":
-            if value not in CorrectionMode.ALL:
-                raise ValueError(f"correction must be one of {', '.join(CorrectionMode.ALL)}")
+            if value not in CorrectionMode.choices():
+                raise ValueError(f"correction must be one of {', '.join(CorrectionMode.choices())}")
             return replace(self, correction=value)
         if key == "seed" and value.lower() in ("none", "off", ""):
             return replace(self, seed=None)

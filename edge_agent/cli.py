@@ -66,7 +66,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument(
         "--correction",
-        choices=list(CorrectionMode.ALL),
+        choices=list(CorrectionMode.choices()),
         default=CorrectionMode.CANDIDATES,
         help="how a rejection is corrected at T > 0: candidates (exact, default), "
         "greedy_draft (exact, ids only), topk (PicoSpec, lossy)",

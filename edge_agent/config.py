@@ -39,7 +39,7 @@ Fallback = Literal["none", "draft"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 assert set(MODES) == {"pipelined", "stop-and-wait"}
-assert set(CorrectionMode.ALL) == {"candidates", "greedy_draft", "topk"}
+assert set(CorrectionMode.choices()) == {"candidates", "greedy_draft", "topk"}
 
 
 def _b(lo: float, hi: float | None = None) -> dict[str, float]:

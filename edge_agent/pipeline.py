@@ -36,7 +36,7 @@ import numpy as np
 from edge_agent.drafter import Drafter
 from edge_agent.tasks import ModelWorker, run_until_first_done
 from edge_agent.transport import Transport
-from shared import compression
+from shared.pipeline_config import Mode, PipelineConfig
 from shared.protocol import (
     SEQ_MODULUS,
     Candidates,
@@ -50,7 +50,7 @@ from shared.protocol import (
     encode,
 )
 from shared.rejection import Decision, recover, try_candidates
-from shared.sampling import Probs, SamplingParams
+from shared.sampling import Probs
 
 #: The Verdict field that carries a correction, per negotiated (wire) correction mode.
 _CORRECTION_FIELD = {
@@ -59,9 +59,9 @@ _CORRECTION_FIELD = {
     CorrectionMode.GREEDY_DRAFT: "token",
 }
 
-PIPELINED = "pipelined"
-STOP_AND_WAIT = "stop-and-wait"
-MODES = (PIPELINED, STOP_AND_WAIT)
+PIPELINED = Mode.PIPELINED
+STOP_AND_WAIT = Mode.STOP_AND_WAIT
+MODES = Mode.choices()
 
 
 class VerifierError(RuntimeError):
@@ -188,41 +188,6 @@ class Batch:
     fixed: list[int]
     draft: list[int]
     q_rows: list[Probs]  # [γ][V]: the distribution each draft token was drawn from
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    gamma: int = 4
-    depth: int = 2
-    mode: str = PIPELINED
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    correction: str = CorrectionMode.TOPK
-    reconstruction: str = compression.RENORMALISED
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.gamma <= 64:
-            raise ValueError(f"gamma must be in 1..64, got {self.gamma}")
-        if not 1 <= self.depth < SEQ_MODULUS:
-            raise ValueError(f"depth must be in 1..{SEQ_MODULUS - 1}, got {self.depth}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.correction not in CorrectionMode.ALL:
-            raise ValueError(f"correction must be one of {', '.join(CorrectionMode.ALL)}")
-        if self.reconstruction not in compression.RECONSTRUCTIONS:
-            raise ValueError(f"reconstruction must be one of {compression.RECONSTRUCTIONS}")
-
-    @property
-    def wire_correction(self) -> str:
-        """Greedy decoding needs no q on the wire: q is one-hot, like the greedy-draft mode."""
-        return CorrectionMode.GREEDY_DRAFT if self.sampling.greedy else self.correction
-
-    @property
-    def deterministic_draft(self) -> bool:
-        return self.wire_correction == CorrectionMode.GREEDY_DRAFT
-
-    @property
-    def effective_depth(self) -> int:
-        return 1 if self.mode == STOP_AND_WAIT else self.depth
 
 
 class SpeculativeSession:

@@ -235,8 +235,8 @@ def parse_common(state: ServerState, body: dict[str, Any], prompt_ids: list[int]
     mode, correction = ext.get("mode"), ext.get("correction")
     if mode is not None and mode not in MODES:
         raise _bad("wanspec.mode", f"mode must be one of {', '.join(MODES)}")
-    if correction is not None and correction not in CorrectionMode.ALL:
-        raise _bad("wanspec.correction", f"correction must be one of {CorrectionMode.ALL}")
+    if correction is not None and correction not in CorrectionMode.choices():
+        raise _bad("wanspec.correction", f"correction must be one of {CorrectionMode.choices()}")
     try:
         pipeline = s.pipeline(
             temperature=temperature,

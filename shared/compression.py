@@ -22,13 +22,22 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from shared.enums import TextEnum
 from shared.protocol import SparseDist
 
 Probs = npt.NDArray[np.float64]
 
-RENORMALISED: Final = "A"
-REDISTRIBUTED: Final = "B"
-RECONSTRUCTIONS: Final = (RENORMALISED, REDISTRIBUTED)
+
+class Reconstruction(TextEnum):
+    """How a sparse top-K becomes a full distribution (module docstring): A or B."""
+
+    RENORMALISED = "A"
+    REDISTRIBUTED = "B"
+
+
+RENORMALISED: Final = Reconstruction.RENORMALISED
+REDISTRIBUTED: Final = Reconstruction.REDISTRIBUTED
+RECONSTRUCTIONS: Final = tuple(Reconstruction)
 
 
 def top_k(p: npt.ArrayLike, k: int) -> SparseDist:
@@ -63,7 +72,9 @@ def compress(p: npt.ArrayLike, k: int, eps_target: float = 0.0) -> SparseDist:
     return top_k(p, k)
 
 
-def reconstruct(d: SparseDist, vocab_size: int, how: str = RENORMALISED) -> Probs:
+def reconstruct(
+    d: SparseDist, vocab_size: int, how: Reconstruction | str = RENORMALISED
+) -> Probs:
     """Full [V] distribution from a sparse one, reconstruction A or B (module docstring)."""
     out = np.zeros(vocab_size, dtype=np.float64)
     kept = d.probs.astype(np.float64)

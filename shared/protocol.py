@@ -32,6 +32,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
+from shared.enums import TextEnum
 from shared.sampling import SamplingParams
 
 PROTOCOL_VERSION: Final = 1
@@ -66,7 +67,7 @@ class MsgType(IntEnum):
     CANDIDATES = 9
 
 
-class CorrectionMode:
+class CorrectionMode(TextEnum):
     """How a rejection is corrected (negotiated in Hello).
 
     * ``topk``: the verifier sends the top-K of p at the rejected position; the edge samples the
@@ -78,18 +79,16 @@ class CorrectionMode:
       acceptance probability is p(x) and the verifier samples the correction from p with x zeroed.
     """
 
-    TOPK: Final = "topk"
-    CANDIDATES: Final = "candidates"
-    GREEDY_DRAFT: Final = "greedy_draft"
-    ALL: Final = (TOPK, CANDIDATES, GREEDY_DRAFT)
+    TOPK = "topk"
+    CANDIDATES = "candidates"
+    GREEDY_DRAFT = "greedy_draft"
 
 
-class ReplyMode:
+class ReplyMode(TextEnum):
     """``verdict``: the verifier decides (PicoSpec); ``federated``: it sends distributions."""
 
-    VERDICT: Final = "verdict"
-    FEDERATED: Final = "federated"
-    ALL: Final = (VERDICT, FEDERATED)
+    VERDICT = "verdict"
+    FEDERATED = "federated"
 
 
 # Integer keys of the hot frames. Names are used in error messages.
@@ -144,8 +143,8 @@ class Hello:
 
     fingerprint: Fingerprint
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    reply_mode: str = ReplyMode.VERDICT
-    correction: str = CorrectionMode.TOPK
+    reply_mode: ReplyMode = ReplyMode.VERDICT
+    correction: CorrectionMode = CorrectionMode.TOPK
     k: int = 10  # top-K size of sparse distributions (upper bound when eps_target > 0)
     eps_target: float = 0.0  # adaptive K: smallest K with kept mass >= 1 - eps_target (0 = fixed K)
     m: int = 8  # candidates per exact correction
@@ -460,8 +459,8 @@ def encode(msg: Message, ctx: WireContext | None = None) -> bytes:
             K_VT: _vt(MsgType.HELLO),
             "fp": _fp_map(msg.fingerprint),
             "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p},
-            "reply": msg.reply_mode,
-            "correction": msg.correction,
+            "reply": ReplyMode(msg.reply_mode).value,
+            "correction": CorrectionMode(msg.correction).value,
             "k": msg.k,
             "eps": msg.eps_target,
             "m": msg.m,
@@ -632,9 +631,9 @@ def decode(data: bytes, ctx: WireContext | None = None) -> Message:
         return Hello(
             fingerprint=_decode_fp(_get(m, "fp", "fp")),
             sampling=sampling,
-            reply_mode=_choice(_get(m, "reply", "reply"), "reply", ReplyMode.ALL),
-            correction=_choice(
-                _get(m, "correction", "correction"), "correction", CorrectionMode.ALL
+            reply_mode=ReplyMode(_choice(_get(m, "reply", "reply"), "reply", ReplyMode.choices())),
+            correction=CorrectionMode(
+                _choice(_get(m, "correction", "correction"), "correction", CorrectionMode.choices())
             ),
             k=_int(_get(m, "k", "k"), "k", 1, 1 << 24),
             eps_target=_float(_get(m, "eps", "eps"), "eps", 0.0, 1.0),

@@ -1,0 +1,58 @@
+"""The settings of one generation's pipeline: draft length, depth, mode, sampling, correction.
+
+Pure data shared by the edge's session cores, its drivers and its user interfaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.compression import Reconstruction
+from shared.enums import TextEnum
+from shared.protocol import SEQ_MODULUS, CorrectionMode
+from shared.sampling import SamplingParams
+
+
+class Mode(TextEnum):
+    """``pipelined``: up to D batches in flight (PicoSpec); ``stop-and-wait``: one batch, and a
+    bonus token on every full acceptance (classic speculative decoding)."""
+
+    PIPELINED = "pipelined"
+    STOP_AND_WAIT = "stop-and-wait"
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    gamma: int = 4
+    depth: int = 2
+    mode: Mode = Mode.PIPELINED
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    correction: CorrectionMode = CorrectionMode.TOPK
+    reconstruction: Reconstruction = Reconstruction.RENORMALISED
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gamma <= 64:
+            raise ValueError(f"gamma must be in 1..64, got {self.gamma}")
+        if not 1 <= self.depth < SEQ_MODULUS:
+            raise ValueError(f"depth must be in 1..{SEQ_MODULUS - 1}, got {self.depth}")
+        # Settings files and flags give strings: store members.
+        object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
+        object.__setattr__(
+            self, "correction", CorrectionMode.parse(self.correction, "correction")
+        )
+        object.__setattr__(
+            self, "reconstruction", Reconstruction.parse(self.reconstruction, "reconstruction")
+        )
+
+    @property
+    def wire_correction(self) -> CorrectionMode:
+        """Greedy decoding needs no q on the wire: q is one-hot, like the greedy-draft mode."""
+        return CorrectionMode.GREEDY_DRAFT if self.sampling.greedy else self.correction
+
+    @property
+    def deterministic_draft(self) -> bool:
+        return self.wire_correction == CorrectionMode.GREEDY_DRAFT
+
+    @property
+    def effective_depth(self) -> int:
+        return 1 if self.mode == Mode.STOP_AND_WAIT else self.depth
