@@ -11,21 +11,34 @@ Token ids and probabilities travel as little-endian binary fields, never as list
 Hot frames (Propose, Verdict, FederatedReply, Rollback, Resample, Candidates) therefore need the
 session's :class:`WireContext` to decode; Hello, Welcome and Error are self-describing.
 
-Semantics (see DESIGN.md): one WebSocket is one session. ``epoch`` counts rejections; a frame of an
+Semantics: one WebSocket is one session. ``epoch`` counts rejections; a frame of an
 older epoch than the receiver's is stale. ``seq`` is the batch sequence number modulo 128 (a
 7-bit rolling counter: frames are ordered by TCP, so it is a consistency check against replays and
 losses within the in-flight window, which is bounded by ``MAX_DEPTH`` < 128). ``pos`` is the
 absolute position of the first token a Propose carries (fixed tokens first, then drafts).
 
-Decoding is strict: every field is type- and range-checked and any fault raises
-:class:`ProtocolError` naming the field. Nothing here does I/O; there is no pickle and no eval.
+The schema is written once, as one table per message (``_FRAMES``): for each field its key, the
+name errors give, its kind (integer or float with its range, string with its length limit, bool,
+enum, id/probability/sparse blob, nested map), whether it is required, and the dataclass attribute
+it carries. :func:`encode` and :func:`decode` both run from these tables. What a table cannot say
+(Verdict: one correction at most; FederatedReply: ids/probs split by the sizes ks; ...) is in the
+message's small ``make`` function, which decoding calls last.
+
+Decoding is strict: unknown keys are refused, every field is type- and range-checked, and any fault
+raises :class:`ProtocolError` naming the field. Checks run in a fixed order (unknown keys, then each
+field in wire order, then the cross-field checks), so a frame with several faults names the first.
+Nothing here does I/O; there is no pickle and no eval.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from enum import IntEnum
+from collections.abc import Callable
+from dataclasses import MISSING, Field, dataclass, field
+from dataclasses import fields as dataclass_fields
+from enum import Enum, IntEnum
+from functools import cached_property
+from operator import attrgetter
 from typing import Any, Final
 
 import msgpack
@@ -290,7 +303,7 @@ class WireContext:
     max_frame: int = 4 << 20
     draft_probs: bool = True  # False in greedy-draft mode: Propose carries no q
 
-    @property
+    @cached_property
     def width(self) -> int:
         return id_width(self.vocab_size)
 
@@ -343,10 +356,6 @@ def unpack_probs(buf: bytes, name: str, *, allow_zero: bool = False) -> ProbArra
     return p
 
 
-def _pack_sparse(d: SparseDist, width: int) -> bytes:
-    return pack_ids(d.ids, width) + pack_probs(d.probs)
-
-
 def _unpack_sparse(
     buf: bytes, ctx: WireContext, name: str, *, distributional: bool = True
 ) -> SparseDist:
@@ -369,48 +378,8 @@ def _unpack_sparse(
 
 
 # --------------------------------------------------------------------------------------------
-# Field readers
+# Kinds: how one wire value is checked, converted and written
 # --------------------------------------------------------------------------------------------
-
-
-def _get(m: dict[Any, Any], key: Any, name: str, required: bool = True) -> Any:
-    if key in m:
-        return m[key]
-    if required:
-        raise ProtocolError(name, "missing")
-    return None
-
-
-def _int(v: Any, name: str, lo: int, hi: int) -> int:
-    # bool is an int subclass in Python; refuse it so True does not pass as 1.
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise ProtocolError(name, f"expected an integer, got {type(v).__name__}")
-    if not lo <= v <= hi:
-        raise ProtocolError(name, f"{v} outside [{lo}, {hi}]")
-    return v
-
-
-def _float(v: Any, name: str, lo: float, hi: float) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ProtocolError(name, f"expected a number, got {type(v).__name__}")
-    f = float(v)
-    if not math.isfinite(f) or not lo <= f <= hi:
-        raise ProtocolError(name, f"{v} outside [{lo}, {hi}]")
-    return f
-
-
-def _str(v: Any, name: str, max_len: int = 256) -> str:
-    if not isinstance(v, str):
-        raise ProtocolError(name, f"expected a string, got {type(v).__name__}")
-    if len(v) > max_len:
-        raise ProtocolError(name, f"longer than {max_len} characters")
-    return v
-
-
-def _bool(v: Any, name: str) -> bool:
-    if not isinstance(v, bool):
-        raise ProtocolError(name, f"expected a boolean, got {type(v).__name__}")
-    return v
 
 
 def _bin(v: Any, name: str) -> bytes:
@@ -419,135 +388,589 @@ def _bin(v: Any, name: str) -> bytes:
     return v
 
 
-def _choice(v: Any, name: str, choices: tuple[str, ...]) -> str:
-    s = _str(v, name)
-    if s not in choices:
-        raise ProtocolError(name, f"{s!r} is not one of {', '.join(choices)}")
-    return s
+class _Kind:
+    """The type of one wire value.
+
+    ``read`` checks a decoded msgpack value and returns the attribute's value, or raises
+    :class:`ProtocolError` naming ``name``; ``write`` is its inverse (a kind that does not override
+    it puts the attribute's value on the wire as it is). ``empty`` tells the value an optional
+    field leaves out. Kinds of hot frames use the session context: encode() and decode() guarantee
+    them one.
+    """
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> Any:
+        raise NotImplementedError
+
+    def write(self, v: Any, ctx: WireContext | None) -> Any:
+        return v
+
+    def empty(self, v: Any) -> bool:
+        return v is None
 
 
-def _check_keys(m: dict[Any, Any], allowed: set[Any], name: str) -> None:
-    extra = set(m) - allowed
-    if extra:
-        raise ProtocolError(name, f"unknown field(s) {sorted(map(str, extra))}")
+class _Int(_Kind):
+    """An integer in [lo, hi]; ``hi`` may be a function of the session (max_gamma, |V| − 1)."""
+
+    def __init__(self, lo: int, hi: int | Callable[[WireContext], int]) -> None:
+        self.lo = lo
+        self.hi = hi if isinstance(hi, int) else 0
+        self.hi_of: Callable[[WireContext], int] | None = None if isinstance(hi, int) else hi
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> int:
+        # bool is an int subclass in Python; refuse it so True does not pass as 1.
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ProtocolError(name, f"expected an integer, got {type(v).__name__}")
+        hi = self.hi
+        if self.hi_of is not None:
+            assert ctx is not None
+            hi = self.hi_of(ctx)
+        if not self.lo <= v <= hi:
+            raise ProtocolError(name, f"{v} outside [{self.lo}, {hi}]")
+        return v
+
+
+class _Float(_Kind):
+    """A finite number in [lo, hi]; an integer is accepted (as a float), a bool is not."""
+
+    def __init__(self, lo: float, hi: float) -> None:
+        self.lo, self.hi = lo, hi
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ProtocolError(name, f"expected a number, got {type(v).__name__}")
+        f = float(v)
+        if not math.isfinite(f) or not self.lo <= f <= self.hi:
+            raise ProtocolError(name, f"{v} outside [{self.lo}, {self.hi}]")
+        return f
+
+
+class _Str(_Kind):
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> str:
+        if not isinstance(v, str):
+            raise ProtocolError(name, f"expected a string, got {type(v).__name__}")
+        if len(v) > self.max_len:
+            raise ProtocolError(name, f"longer than {self.max_len} characters")
+        return v
+
+
+class _Bool(_Kind):
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> bool:
+        if not isinstance(v, bool):
+            raise ProtocolError(name, f"expected a boolean, got {type(v).__name__}")
+        return v
+
+
+class _Choice(_Str):
+    """A member of a TextEnum, on the wire as its value."""
+
+    def __init__(self, enum: type[TextEnum]) -> None:
+        super().__init__(256)
+        self.enum, self.choices = enum, enum.choices()
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> TextEnum:
+        s = super().read(v, name, ctx)
+        if s not in self.choices:
+            raise ProtocolError(name, f"{s!r} is not one of {', '.join(self.choices)}")
+        return self.enum(s)
+
+    def write(self, v: Any, ctx: WireContext | None) -> str:
+        return str(self.enum(v).value)
+
+
+class _Flag(_Kind):
+    """A bool carried as a bit of a small integer (the only bit defined; off: left out)."""
+
+    def __init__(self, bit: int) -> None:
+        self.bit, self.range = bit, _Int(0, bit)
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> bool:
+        return bool(self.range.read(v, name, ctx) & self.bit)
+
+    def write(self, v: Any, ctx: WireContext | None) -> int:
+        return self.bit if v else 0
+
+    def empty(self, v: Any) -> bool:
+        return not v
+
+
+class _Ids(_Kind):
+    """Token ids below |V|, ``id_width`` bytes each; at most ``limit`` of them when set."""
+
+    def __init__(self, limit: Callable[[WireContext], int] | None = None) -> None:
+        self.limit = limit
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> IdArray:
+        assert ctx is not None
+        ids = unpack_ids(_bin(v, name), ctx.width, ctx.vocab_size, name)
+        if self.limit is not None and len(ids) > self.limit(ctx):
+            raise ProtocolError(name, f"{len(ids)} tokens exceed the limit {self.limit(ctx)}")
+        return ids
+
+    def write(self, v: Any, ctx: WireContext | None) -> bytes:
+        assert ctx is not None
+        return pack_ids(v, ctx.width)
+
+    def empty(self, v: Any) -> bool:
+        return len(v) == 0
+
+
+class _Probs(_Kind):
+    """float32 probabilities in (0, 1], or in [0, 1] with ``allow_zero``."""
+
+    def __init__(self, *, allow_zero: bool = False) -> None:
+        self.allow_zero = allow_zero
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> ProbArray:
+        return unpack_probs(_bin(v, name), name, allow_zero=self.allow_zero)
+
+    def write(self, v: Any, ctx: WireContext | None) -> bytes:
+        return pack_probs(v)
+
+
+class _Sparse(_Kind):
+    """A :class:`SparseDist`: K ids, then K float32 probabilities (see :func:`_unpack_sparse`)."""
+
+    def __init__(self, *, distributional: bool) -> None:
+        self.distributional = distributional
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> SparseDist:
+        assert ctx is not None
+        return _unpack_sparse(_bin(v, name), ctx, name, distributional=self.distributional)
+
+    def write(self, v: Any, ctx: WireContext | None) -> bytes:
+        assert ctx is not None
+        return pack_ids(v.ids, ctx.width) + pack_probs(v.probs)
+
+
+class _Draft(_Kind):
+    """Propose's (draft, q): γ ids, then γ float32 q values unless the session is greedy-draft
+    (``draft_probs`` off: q is all ones and not sent). γ, the blob length over the bytes per
+    token, is in [1, max_gamma]."""
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> tuple[IdArray, ProbArray]:
+        assert ctx is not None
+        blob, w = _bin(v, name), ctx.width
+        per = w + 4 if ctx.draft_probs else w
+        if len(blob) % per:
+            raise ProtocolError(name, f"length {len(blob)} is not a multiple of {per}")
+        gamma = len(blob) // per
+        if not 1 <= gamma <= ctx.max_gamma:
+            raise ProtocolError(name, f"γ = {gamma} outside [1, {ctx.max_gamma}]")
+        draft = unpack_ids(blob[: gamma * w], w, ctx.vocab_size, name + ".ids")
+        if not ctx.draft_probs:
+            return draft, np.ones(gamma, np.float32)
+        return draft, unpack_probs(blob[gamma * w :], name + ".q")
+
+    def write(self, v: Any, ctx: WireContext | None) -> bytes:
+        assert ctx is not None
+        draft, q = v
+        blob = pack_ids(draft, ctx.width)
+        return blob + pack_probs(q) if ctx.draft_probs else blob
+
+
+class _TopKSizes(_Kind):
+    """The sizes K_0..K_γ of FederatedReply's distributions: 2..max_gamma+1 uint32 values, each at
+    most min(max_k, |V|)."""
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> IdArray:
+        assert ctx is not None
+        raw = _bin(v, name)
+        if len(raw) % 4 or not 2 <= len(raw) // 4 <= ctx.max_gamma + 1:
+            raise ProtocolError(name, f"needs 2..{ctx.max_gamma + 1} uint32 entries")
+        ks = np.frombuffer(raw, "<u4").astype(np.int64)
+        if np.any(ks > ctx.max_k) or np.any(ks > ctx.vocab_size):
+            limit = min(ctx.max_k, ctx.vocab_size)
+            raise ProtocolError(name, f"a top-k size exceeds the limit {limit}")
+        return ks
+
+    def write(self, v: Any, ctx: WireContext | None) -> bytes:
+        return np.array(v, "<u4").tobytes()
+
+
+class _Distances(_Kind):
+    """float32 L1 distances between distributions, ‖p̂ − p‖₁: finite, in [0, 2] (the message checks
+    how many)."""
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> npt.NDArray[np.float32]:
+        buf = _bin(v, name)
+        if len(buf) % 4:
+            raise ProtocolError(name, f"length {len(buf)} is not a multiple of 4")
+        d = np.frombuffer(buf, "<f4").astype(np.float32)
+        if not np.all(np.isfinite(d) & (d >= 0) & (d <= 2.0 + 1e-4)):
+            raise ProtocolError(name, "values must be finite and in [0, 2]")
+        return d
+
+    def write(self, v: Any, ctx: WireContext | None) -> bytes:
+        return pack_probs(v)
+
+
+class _Map(_Kind):
+    """A nested map with a table of its own (Fingerprint, SamplingParams)."""
+
+    def __init__(self, table: _Table) -> None:
+        self.table = table
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> Any:
+        if not isinstance(v, dict):
+            raise ProtocolError(name, "expected a map")
+        return self.table.read(v, ctx)
+
+    def write(self, v: Any, ctx: WireContext | None) -> dict[Any, Any]:
+        return self.table.write(v, ctx)
 
 
 # --------------------------------------------------------------------------------------------
-# Encoding
+# Tables: the wire schema, written once; encode() and decode() both run from them
 # --------------------------------------------------------------------------------------------
 
 
-def _vt(t: MsgType) -> int:
-    return (PROTOCOL_VERSION << 4) | int(t)
+class _Presence(Enum):
+    """Whether a field must be on the wire.
+
+    * REQUIRED: always written; a frame without it is refused ("missing").
+    * OPTIONAL: left out when its value is empty (None, no ids, a flag off); absent or nil, it reads
+      back as the attribute's dataclass default, which is that empty value.
+    * DEFAULTED: always written; absent, it reads as the attribute's dataclass default (nil is read,
+      and refused).
+    """
+
+    REQUIRED = "required"
+    OPTIONAL = "optional"
+    DEFAULTED = "defaulted"
 
 
-def _fp_map(fp: Fingerprint) -> dict[str, Any]:
-    return {"tok": fp.tokenizer_hash, "vocab": fp.vocab_size, "name": fp.model_name}
+_REQUIRED: Final = _Presence.REQUIRED
+_OPTIONAL: Final = _Presence.OPTIONAL
+_DEFAULTED: Final = _Presence.DEFAULTED
+
+#: What m.get() returns for a key that is not in the map (None is msgpack nil).
+_ABSENT: Final = object()
 
 
-def _pack(m: dict[Any, Any]) -> bytes:
-    out = msgpack.packb(m, use_bin_type=True)
-    assert isinstance(out, bytes)
-    return out
+@dataclass(frozen=True)
+class _Field:
+    """One map entry: its ``key``, the ``name`` errors give, its ``kind``, its presence, and the
+    dataclass attribute it carries (``attr``, by default ``name``; a tuple when the kind reads and
+    writes a tuple of attributes). ``get`` instead derives the wire value from the whole object,
+    for a field that carries only part of an attribute (the table's ``make`` reassembles it)."""
+
+    key: int | str
+    name: str
+    kind: _Kind
+    attr: str | tuple[str, ...] = ""
+    presence: _Presence = _REQUIRED
+    get: Callable[[Any], Any] | None = None
+
+
+class _Table:
+    """The fields of one msgpack map in wire order, and the dataclass they make.
+
+    Invariants, checked here (at import): keys are unique; the fields' attributes cover the
+    dataclass's fields in order, so that ``cls(*values)`` makes it unless the table has a
+    ``make`` (which must then also run the cross-field checks); a non-required field's attribute
+    has a dataclass default, and an optional field's default is its kind's empty value. ``vt``, the
+    header of a frame, goes first under key 0.
+    """
+
+    def __init__(
+        self,
+        cls: type[Any],
+        scope: str,
+        fields: list[_Field],
+        *,
+        vt: int | None = None,
+        make: Callable[[list[Any]], Any] | None = None,
+        prefix: str = "",
+    ) -> None:
+        self.cls, self.scope, self.vt, self.fields = cls, scope, vt, tuple(fields)
+        keys = [f.key for f in fields] + ([] if vt is None else [K_VT])
+        if len(set(keys)) != len(keys):
+            raise TypeError(f"{scope}: duplicate keys")
+        self.keys = frozenset(keys)
+        attrs = [f.attr or f.name for f in fields]
+        flat = [a for at in attrs for a in ((at,) if isinstance(at, str) else at)]
+        members = {m.name: m for m in dataclass_fields(cls)}
+        if list(dict.fromkeys(flat)) != list(members):
+            raise TypeError(f"{scope}: the fields do not cover {cls.__name__}'s attributes")
+        if make is None and (flat != list(members) or len(flat) != len(attrs)):
+            raise TypeError(f"{scope}: this table needs a make() to build {cls.__name__}")
+        self.make: Callable[[list[Any]], Any] = make or (lambda values: cls(*values))
+        # Per field, so that a frame costs one pass and no lookups: for reading (key, name in
+        # errors, reader, maker of the absent value or None when required, whether nil is absent);
+        # for writing (key, getter, writer or None for as-is, emptiness test or None to always).
+        readers, writers = [], []
+        for f, at in zip(fields, attrs, strict=True):
+            absent = None
+            if f.presence is not _REQUIRED:
+                absent = _default_of(members[str(at)])
+                if f.presence is _OPTIONAL and not f.kind.empty(absent()):
+                    raise TypeError(f"{scope}: {f.name}'s default is not its empty value")
+            readers.append((f.key, prefix + f.name, f.kind.read, absent, f.presence is _OPTIONAL))
+            get = f.get or (attrgetter(at) if isinstance(at, str) else attrgetter(*at))
+            put = None if type(f.kind).write is _Kind.write else f.kind.write
+            writers.append((f.key, get, put, f.kind.empty if f.presence is _OPTIONAL else None))
+        self.readers = tuple(readers)
+        self.writers = tuple(writers)
+
+    def read(self, m: dict[Any, Any], ctx: WireContext | None) -> Any:
+        """Check ``m`` (unknown keys first, then each field in wire order) and make the object."""
+        if not m.keys() <= self.keys:
+            extra = sorted(map(str, set(m) - self.keys))
+            raise ProtocolError(self.scope, f"unknown field(s) {extra}")
+        values = []
+        for key, name, read, absent, nil_is_absent in self.readers:
+            v = m.get(key, _ABSENT)
+            if v is _ABSENT or (v is None and nil_is_absent):
+                if absent is None:
+                    raise ProtocolError(name, "missing")
+                values.append(absent())
+            else:
+                values.append(read(v, name, ctx))
+        return self.make(values)
+
+    def write(self, obj: Any, ctx: WireContext | None) -> dict[Any, Any]:
+        m: dict[Any, Any] = {} if self.vt is None else {K_VT: self.vt}
+        for key, get, put, empty in self.writers:
+            v = get(obj)
+            if empty is None or not empty(v):
+                m[key] = v if put is None else put(v, ctx)
+        return m
+
+
+class _Frame(_Table):
+    """A message's table. Hot frames (all but Hello, Welcome and Error) need a WireContext."""
+
+    def __init__(
+        self,
+        msg_type: MsgType,
+        cls: type[Any],
+        fields: list[_Field],
+        make: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
+        vt = (PROTOCOL_VERSION << 4) | int(msg_type)
+        super().__init__(cls, msg_type.name.lower(), fields, vt=vt, make=make)
+        self.msg_type = msg_type
+        self.hot = msg_type not in (MsgType.HELLO, MsgType.WELCOME, MsgType.ERROR)
+
+
+def _default_of(f: Field[Any]) -> Callable[[], Any]:
+    if f.default_factory is not MISSING:
+        return f.default_factory
+    if f.default is MISSING:
+        raise TypeError(f"{f.name} has no default, so it must be required")
+    value = f.default
+    return lambda: value
+
+
+def _make_propose(v: list[Any]) -> Propose:
+    epoch, seq, pos, (draft, q), fixed, want_bonus = v
+    return Propose(epoch, seq, pos, draft, q, fixed, want_bonus)
+
+
+def _make_verdict(v: list[Any]) -> Verdict:
+    """At most one correction, and no bonus token with one."""
+    sparse, candidates, token, bonus = v[3:]
+    n_corr = (sparse is not None) + (candidates is not None) + (token is not None)
+    if n_corr > 1:
+        raise ProtocolError("verdict", "more than one correction")
+    if bonus is not None and n_corr:
+        raise ProtocolError("bonus", "a bonus token with a correction")
+    return Verdict(*v)
+
+
+# FederatedReply.dists travels as three fields: the sizes, all ids, all probabilities.
+def _ks_of(r: FederatedReply) -> list[int]:
+    return [len(d.ids) for d in r.dists]
+
+
+def _ids_of(r: FederatedReply) -> IdArray:
+    return np.concatenate([d.ids for d in r.dists])
+
+
+def _probs_of(r: FederatedReply) -> ProbArray:
+    return np.concatenate([d.probs for d in r.dists])
+
+
+def _make_federated_reply(v: list[Any]) -> FederatedReply:
+    """Split ids/probs into the γ+1 distributions of sizes ks (each: distinct ids, mass <= 1);
+    γ p_draft scalars; l1, when sent, of shape [γ+1, 2]."""
+    epoch, seq, ks, ids, probs, p_draft, l1 = v
+    total = int(ks.sum())
+    if len(ids) != total or len(probs) != total:
+        raise ProtocolError("ids", f"expected {total} entries, got {len(ids)} / {len(probs)}")
+    dists = []
+    for j, (a, b) in enumerate(zip(np.cumsum(ks) - ks, np.cumsum(ks), strict=True)):
+        d = SparseDist(ids[a:b], probs[a:b])
+        if len(np.unique(d.ids)) != len(d.ids):
+            raise ProtocolError(f"dists[{j}]", "duplicate token ids")
+        if float(np.sum(d.probs, dtype=np.float64)) > 1.0 + 1e-4:
+            raise ProtocolError(f"dists[{j}]", "probabilities sum to more than 1")
+        dists.append(d)
+    if len(p_draft) != len(ks) - 1:
+        raise ProtocolError("p_draft", f"expected {len(ks) - 1} scalars, got {len(p_draft)}")
+    if l1 is not None:
+        if len(l1) != 2 * len(ks):
+            raise ProtocolError("l1", f"expected {2 * len(ks)} float32 values")
+        l1 = l1.reshape(len(ks), 2)
+    return FederatedReply(epoch, seq, tuple(dists), p_draft, l1)
+
+
+def _make_candidates(v: list[Any]) -> Candidates:
+    if len(v[2].ids) == 0:
+        raise ProtocolError("candidates", "empty")
+    return Candidates(*v)
+
+
+_U32: Final = _Int(0, _U32_MAX)
+_SEQ: Final = _Int(0, SEQ_MODULUS - 1)
+_TOKEN: Final = _Int(0, lambda ctx: ctx.vocab_size - 1)
+_FP: Final = _Map(
+    _Table(
+        Fingerprint,
+        "fp",
+        [
+            _Field("tok", "tok", _Str(128), "tokenizer_hash"),
+            _Field("vocab", "vocab", _Int(1, _U32_MAX), "vocab_size"),
+            _Field("name", "name", _Str(256), "model_name"),
+        ],
+        prefix="fp.",
+    )
+)
+# Within SamplingParams's own ranges, so that making it cannot fail.
+_SAMPLING: Final = _Map(
+    _Table(
+        SamplingParams,
+        "sampling",
+        [
+            _Field("temperature", "temperature", _Float(0.0, 100.0), presence=_DEFAULTED),
+            _Field("top_k", "top_k", _Int(0, 1 << 24), presence=_DEFAULTED),
+            _Field("top_p", "top_p", _Float(1e-9, 1.0), presence=_DEFAULTED),
+        ],
+        prefix="sampling.",
+    )
+)
+
+_FRAMES: Final = (
+    _Frame(
+        MsgType.HELLO,
+        Hello,
+        [
+            _Field("fp", "fp", _FP, "fingerprint"),
+            _Field("sampling", "sampling", _SAMPLING),
+            _Field("reply", "reply", _Choice(ReplyMode), "reply_mode"),
+            _Field("correction", "correction", _Choice(CorrectionMode)),
+            _Field("k", "k", _Int(1, 1 << 24)),
+            _Field("eps", "eps", _Float(0.0, 1.0), "eps_target"),
+            _Field("m", "m", _Int(1, 4096)),
+            _Field("bonus", "bonus", _Bool()),
+            _Field("seed", "seed", _Int(0, 2**63 - 1), presence=_OPTIONAL),
+        ],
+    ),
+    _Frame(
+        MsgType.WELCOME,
+        Welcome,
+        [
+            _Field("fp", "fp", _FP, "fingerprint"),
+            _Field("session", "session", _Str(64), "session_id"),
+            _Field("max_gamma", "max_gamma", _Int(1, 4096)),
+            _Field("max_fixed", "max_fixed", _Int(1, _U32_MAX)),
+            _Field("max_context", "max_context", _Int(1, _U32_MAX)),
+            _Field("max_frame", "max_frame", _Int(64, 1 << 30)),
+        ],
+    ),
+    _Frame(
+        MsgType.ERROR,
+        Error,
+        [
+            _Field("code", "code", _Str(64)),
+            _Field("msg", "msg", _Str(4096), "message"),
+            _Field("fatal", "fatal", _Bool()),
+        ],
+    ),
+    _Frame(
+        MsgType.PROPOSE,
+        Propose,
+        [
+            _Field(K_EPOCH, "epoch", _U32),
+            _Field(K_SEQ, "seq", _SEQ),
+            _Field(K_POS, "pos", _U32),
+            _Field(K_A, "draft", _Draft(), ("draft", "q")),
+            _Field(K_B, "fixed", _Ids(limit=attrgetter("max_fixed")), presence=_OPTIONAL),
+            _Field(K_C, "flags", _Flag(_FLAG_BONUS), "want_bonus", presence=_OPTIONAL),
+        ],
+        _make_propose,
+    ),
+    _Frame(
+        MsgType.VERDICT,
+        Verdict,
+        [
+            _Field(K_EPOCH, "epoch", _U32),
+            _Field(K_SEQ, "seq", _SEQ),
+            _Field(K_POS, "accepted", _Int(0, attrgetter("max_gamma"))),
+            _Field(K_A, "sparse", _Sparse(distributional=True), presence=_OPTIONAL),
+            _Field(K_B, "candidates", _Sparse(distributional=False), presence=_OPTIONAL),
+            _Field(K_C, "token", _TOKEN, presence=_OPTIONAL),
+            _Field(K_D, "bonus", _TOKEN, presence=_OPTIONAL),
+        ],
+        _make_verdict,
+    ),
+    _Frame(
+        MsgType.FEDERATED_REPLY,
+        FederatedReply,
+        [
+            _Field(K_EPOCH, "epoch", _U32),
+            _Field(K_SEQ, "seq", _SEQ),
+            _Field(K_A, "ks", _TopKSizes(), "dists", get=_ks_of),
+            _Field(K_B, "ids", _Ids(), "dists", get=_ids_of),
+            _Field(K_C, "probs", _Probs(), "dists", get=_probs_of),
+            _Field(K_D, "p_draft", _Probs(allow_zero=True)),
+            _Field(K_E, "l1", _Distances(), presence=_OPTIONAL),
+        ],
+        _make_federated_reply,
+    ),
+    _Frame(
+        MsgType.ROLLBACK, Rollback, [_Field(K_EPOCH, "epoch", _U32), _Field(K_POS, "pos", _U32)]
+    ),
+    _Frame(
+        MsgType.RESAMPLE, Resample, [_Field(K_EPOCH, "epoch", _U32), _Field(K_POS, "pos", _U32)]
+    ),
+    _Frame(
+        MsgType.CANDIDATES,
+        Candidates,
+        [
+            _Field(K_EPOCH, "epoch", _U32),
+            _Field(K_POS, "pos", _U32),
+            _Field(K_B, "candidates", _Sparse(distributional=False)),
+        ],
+        _make_candidates,
+    ),
+)
+if sorted(t.msg_type for t in _FRAMES) != list(MsgType):
+    raise TypeError("every message type needs exactly one table")
+_BY_CLASS: Final = {t.cls: t for t in _FRAMES}
+#: Keyed by the header byte (version << 4 | type): one dict lookup validates and dispatches it.
+_BY_HEADER: Final = {t.vt: t for t in _FRAMES}
+_HEADER: Final = _Int(0, 255)
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding and decoding
+# --------------------------------------------------------------------------------------------
 
 
 def encode(msg: Message, ctx: WireContext | None = None) -> bytes:
     """Encode ``msg``. Hot frames need the session's ``ctx`` for their binary fields."""
-    if isinstance(msg, Hello):
-        s = msg.sampling
-        h: dict[Any, Any] = {
-            K_VT: _vt(MsgType.HELLO),
-            "fp": _fp_map(msg.fingerprint),
-            "sampling": {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p},
-            "reply": ReplyMode(msg.reply_mode).value,
-            "correction": CorrectionMode(msg.correction).value,
-            "k": msg.k,
-            "eps": msg.eps_target,
-            "m": msg.m,
-            "bonus": msg.bonus,
-        }
-        if msg.seed is not None:
-            h["seed"] = msg.seed
-        return _pack(h)
-    if isinstance(msg, Welcome):
-        return _pack(
-            {
-                K_VT: _vt(MsgType.WELCOME),
-                "fp": _fp_map(msg.fingerprint),
-                "session": msg.session_id,
-                "max_gamma": msg.max_gamma,
-                "max_fixed": msg.max_fixed,
-                "max_context": msg.max_context,
-                "max_frame": msg.max_frame,
-            }
-        )
-    if isinstance(msg, Error):
-        return _pack(
-            {K_VT: _vt(MsgType.ERROR), "code": msg.code, "msg": msg.message, "fatal": msg.fatal}
-        )
-    if ctx is None:
+    frame = _BY_CLASS.get(type(msg))
+    if frame is None:
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    if frame.hot and ctx is None:
         raise ValueError(f"{type(msg).__name__} needs the session's WireContext")
-    w = ctx.width
-    if isinstance(msg, Propose):
-        draft = pack_ids(msg.draft, w)
-        if ctx.draft_probs:
-            draft += pack_probs(msg.q)
-        m: dict[Any, Any] = {
-            K_VT: _vt(MsgType.PROPOSE),
-            K_EPOCH: msg.epoch,
-            K_SEQ: msg.seq,
-            K_POS: msg.pos,
-            K_A: draft,
-        }
-        if len(msg.fixed):
-            m[K_B] = pack_ids(msg.fixed, w)
-        if msg.want_bonus:
-            m[K_C] = _FLAG_BONUS
-        return _pack(m)
-    if isinstance(msg, Verdict):
-        m = {K_VT: _vt(MsgType.VERDICT), K_EPOCH: msg.epoch, K_SEQ: msg.seq, K_POS: msg.accepted}
-        if msg.sparse is not None:
-            m[K_A] = _pack_sparse(msg.sparse, w)
-        if msg.candidates is not None:
-            m[K_B] = _pack_sparse(msg.candidates, w)
-        if msg.token is not None:
-            m[K_C] = msg.token
-        if msg.bonus is not None:
-            m[K_D] = msg.bonus
-        return _pack(m)
-    if isinstance(msg, FederatedReply):
-        ks = np.array([len(d.ids) for d in msg.dists], "<u4")
-        m = {
-            K_VT: _vt(MsgType.FEDERATED_REPLY),
-            K_EPOCH: msg.epoch,
-            K_SEQ: msg.seq,
-            K_A: ks.tobytes(),
-            K_B: pack_ids(np.concatenate([d.ids for d in msg.dists]), w),
-            K_C: pack_probs(np.concatenate([d.probs for d in msg.dists])),
-            K_D: pack_probs(msg.p_draft),
-        }
-        if msg.l1 is not None:
-            m[K_E] = pack_probs(msg.l1)
-        return _pack(m)
-    if isinstance(msg, Rollback):
-        return _pack({K_VT: _vt(MsgType.ROLLBACK), K_EPOCH: msg.epoch, K_POS: msg.pos})
-    if isinstance(msg, Resample):
-        return _pack({K_VT: _vt(MsgType.RESAMPLE), K_EPOCH: msg.epoch, K_POS: msg.pos})
-    if isinstance(msg, Candidates):
-        return _pack(
-            {
-                K_VT: _vt(MsgType.CANDIDATES),
-                K_EPOCH: msg.epoch,
-                K_POS: msg.pos,
-                K_B: _pack_sparse(msg.candidates, w),
-            }
-        )
-    raise TypeError(f"not a protocol message: {type(msg).__name__}")
-
-
-# --------------------------------------------------------------------------------------------
-# Decoding
-# --------------------------------------------------------------------------------------------
+    out = msgpack.packb(frame.write(msg, ctx), use_bin_type=True)
+    assert isinstance(out, bytes)
+    return out
 
 
 def _unpack_map(data: bytes, max_frame: int) -> dict[Any, Any]:
@@ -578,29 +1001,21 @@ def _unpack_map(data: bytes, max_frame: int) -> dict[Any, Any]:
 
 def peek_type(data: bytes, max_frame: int = HANDSHAKE_MAX_FRAME) -> MsgType:
     """Validate the header of ``data`` and return its message type."""
-    return _header(_unpack_map(data, max_frame))
+    return _frame_of(_unpack_map(data, max_frame)).msg_type
 
 
-def _header(m: dict[Any, Any]) -> MsgType:
-    vt = _int(_get(m, K_VT, "version/type"), "version/type", 0, 255)
-    version, t = vt >> 4, vt & 0xF
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError("version", f"unsupported protocol version {version}")
-    try:
-        return MsgType(t)
-    except ValueError:
-        raise ProtocolError("type", f"unknown message type {t}") from None
-
-
-def _decode_fp(v: Any) -> Fingerprint:
-    if not isinstance(v, dict):
-        raise ProtocolError("fp", "expected a map")
-    _check_keys(v, {"tok", "vocab", "name"}, "fp")
-    return Fingerprint(
-        tokenizer_hash=_str(_get(v, "tok", "fp.tok"), "fp.tok", 128),
-        vocab_size=_int(_get(v, "vocab", "fp.vocab"), "fp.vocab", 1, _U32_MAX),
-        model_name=_str(_get(v, "name", "fp.name"), "fp.name", 256),
-    )
+def _frame_of(m: dict[Any, Any]) -> _Frame:
+    """The table of the frame ``m`` by its header; ProtocolError if missing, malformed or
+    unknown."""
+    vt = m.get(K_VT)
+    if type(vt) is int and vt in _BY_HEADER:
+        return _BY_HEADER[vt]
+    if K_VT not in m:
+        raise ProtocolError("version/type", "missing")
+    vt = _HEADER.read(vt, "version/type", None)
+    if vt >> 4 != PROTOCOL_VERSION:
+        raise ProtocolError("version", f"unsupported protocol version {vt >> 4}")
+    raise ProtocolError("type", f"unknown message type {vt & 0xF}")
 
 
 def decode(data: bytes, ctx: WireContext | None = None) -> Message:
@@ -609,169 +1024,12 @@ def decode(data: bytes, ctx: WireContext | None = None) -> Message:
     Without ``ctx`` only Hello, Welcome and Error decode (frames are then bounded by
     ``HANDSHAKE_MAX_FRAME``); hot frames are refused.
     """
-    max_frame = ctx.max_frame if ctx is not None else HANDSHAKE_MAX_FRAME
-    m = _unpack_map(data, max_frame)
-    t = _header(m)
-    if t == MsgType.HELLO:
-        _check_keys(
-            m,
-            {K_VT, "fp", "sampling", "reply", "correction", "k", "eps", "m", "bonus", "seed"},
-            "hello",
-        )
-        s = _get(m, "sampling", "sampling")
-        if not isinstance(s, dict):
-            raise ProtocolError("sampling", "expected a map")
-        _check_keys(s, {"temperature", "top_k", "top_p"}, "sampling")
-        sampling = SamplingParams(
-            temperature=_float(s.get("temperature", 1.0), "sampling.temperature", 0.0, 100.0),
-            top_k=_int(s.get("top_k", 0), "sampling.top_k", 0, 1 << 24),
-            top_p=_float(s.get("top_p", 1.0), "sampling.top_p", 1e-9, 1.0),
-        )  # ranges checked above, so SamplingParams cannot refuse them
-        seed = _get(m, "seed", "seed", required=False)
-        return Hello(
-            fingerprint=_decode_fp(_get(m, "fp", "fp")),
-            sampling=sampling,
-            reply_mode=ReplyMode(_choice(_get(m, "reply", "reply"), "reply", ReplyMode.choices())),
-            correction=CorrectionMode(
-                _choice(_get(m, "correction", "correction"), "correction", CorrectionMode.choices())
-            ),
-            k=_int(_get(m, "k", "k"), "k", 1, 1 << 24),
-            eps_target=_float(_get(m, "eps", "eps"), "eps", 0.0, 1.0),
-            m=_int(_get(m, "m", "m"), "m", 1, 4096),
-            bonus=_bool(_get(m, "bonus", "bonus"), "bonus"),
-            seed=None if seed is None else _int(seed, "seed", 0, 2**63 - 1),
-        )
-    if t == MsgType.WELCOME:
-        _check_keys(
-            m,
-            {K_VT, "fp", "session", "max_gamma", "max_fixed", "max_context", "max_frame"},
-            "welcome",
-        )
-        return Welcome(
-            fingerprint=_decode_fp(_get(m, "fp", "fp")),
-            session_id=_str(_get(m, "session", "session"), "session", 64),
-            max_gamma=_int(_get(m, "max_gamma", "max_gamma"), "max_gamma", 1, 4096),
-            max_fixed=_int(_get(m, "max_fixed", "max_fixed"), "max_fixed", 1, _U32_MAX),
-            max_context=_int(_get(m, "max_context", "max_context"), "max_context", 1, _U32_MAX),
-            max_frame=_int(_get(m, "max_frame", "max_frame"), "max_frame", 64, 1 << 30),
-        )
-    if t == MsgType.ERROR:
-        _check_keys(m, {K_VT, "code", "msg", "fatal"}, "error")
-        return Error(
-            code=_str(_get(m, "code", "code"), "code", 64),
-            message=_str(_get(m, "msg", "msg"), "msg", 4096),
-            fatal=_bool(_get(m, "fatal", "fatal"), "fatal"),
-        )
-    if ctx is None:
-        raise ProtocolError("type", f"{t.name} before the session is established")
-    return _decode_hot(t, m, ctx)
-
-
-def _decode_hot(t: MsgType, m: dict[Any, Any], ctx: WireContext) -> Message:
-    w, vocab = ctx.width, ctx.vocab_size
-    epoch = _int(_get(m, K_EPOCH, "epoch"), "epoch", 0, _U32_MAX)
-    if t == MsgType.PROPOSE:
-        _check_keys(m, {K_VT, K_EPOCH, K_SEQ, K_POS, K_A, K_B, K_C}, "propose")
-        seq = _int(_get(m, K_SEQ, "seq"), "seq", 0, SEQ_MODULUS - 1)
-        pos = _int(_get(m, K_POS, "pos"), "pos", 0, _U32_MAX)
-        blob = _bin(_get(m, K_A, "draft"), "draft")
-        per = w + 4 if ctx.draft_probs else w
-        if len(blob) % per:
-            raise ProtocolError("draft", f"length {len(blob)} is not a multiple of {per}")
-        gamma = len(blob) // per
-        if not 1 <= gamma <= ctx.max_gamma:
-            raise ProtocolError("draft", f"γ = {gamma} outside [1, {ctx.max_gamma}]")
-        draft = unpack_ids(blob[: gamma * w], w, vocab, "draft.ids")
-        if ctx.draft_probs:
-            q = unpack_probs(blob[gamma * w :], "draft.q")
-        else:
-            q = np.ones(gamma, np.float32)
-        fixed_raw = _get(m, K_B, "fixed", required=False)
-        fixed = (
-            np.zeros(0, np.int64)
-            if fixed_raw is None
-            else unpack_ids(_bin(fixed_raw, "fixed"), w, vocab, "fixed")
-        )
-        if len(fixed) > ctx.max_fixed:
-            raise ProtocolError("fixed", f"{len(fixed)} tokens exceed the limit {ctx.max_fixed}")
-        flags = _get(m, K_C, "flags", required=False)
-        want_bonus = False
-        if flags is not None:
-            want_bonus = bool(_int(flags, "flags", 0, _FLAG_BONUS) & _FLAG_BONUS)
-        return Propose(epoch, seq, pos, draft, q, fixed, want_bonus)
-    if t == MsgType.VERDICT:
-        _check_keys(m, {K_VT, K_EPOCH, K_SEQ, K_POS, K_A, K_B, K_C, K_D}, "verdict")
-        seq = _int(_get(m, K_SEQ, "seq"), "seq", 0, SEQ_MODULUS - 1)
-        accepted = _int(_get(m, K_POS, "accepted"), "accepted", 0, ctx.max_gamma)
-        sp, cd = m.get(K_A), m.get(K_B)
-        tok, bonus = m.get(K_C), m.get(K_D)
-        n_corr = sum(x is not None for x in (sp, cd, tok))
-        if n_corr > 1:
-            raise ProtocolError("verdict", "more than one correction")
-        if bonus is not None and n_corr:
-            raise ProtocolError("bonus", "a bonus token with a correction")
-        return Verdict(
-            epoch,
-            seq,
-            accepted,
-            sparse=None if sp is None else _unpack_sparse(_bin(sp, "sparse"), ctx, "sparse"),
-            candidates=None
-            if cd is None
-            else _unpack_sparse(
-                _bin(cd, "candidates"), ctx, "candidates", distributional=False
-            ),
-            token=None if tok is None else _int(tok, "token", 0, vocab - 1),
-            bonus=None if bonus is None else _int(bonus, "bonus", 0, vocab - 1),
-        )
-    if t == MsgType.FEDERATED_REPLY:
-        _check_keys(m, {K_VT, K_EPOCH, K_SEQ, K_A, K_B, K_C, K_D, K_E}, "federated_reply")
-        seq = _int(_get(m, K_SEQ, "seq"), "seq", 0, SEQ_MODULUS - 1)
-        ks_raw = _bin(_get(m, K_A, "ks"), "ks")
-        if len(ks_raw) % 4 or not 2 <= len(ks_raw) // 4 <= ctx.max_gamma + 1:
-            raise ProtocolError("ks", f"needs 2..{ctx.max_gamma + 1} uint32 entries")
-        ks = np.frombuffer(ks_raw, "<u4").astype(np.int64)
-        if np.any(ks > ctx.max_k) or np.any(ks > vocab):
-            raise ProtocolError("ks", f"a top-k size exceeds the limit {min(ctx.max_k, vocab)}")
-        total = int(ks.sum())
-        ids = unpack_ids(_bin(_get(m, K_B, "ids"), "ids"), w, vocab, "ids")
-        probs = unpack_probs(_bin(_get(m, K_C, "probs"), "probs"), "probs")
-        if len(ids) != total or len(probs) != total:
-            raise ProtocolError("ids", f"expected {total} entries, got {len(ids)} / {len(probs)}")
-        dists = []
-        for j, (a, b) in enumerate(zip(np.cumsum(ks) - ks, np.cumsum(ks), strict=True)):
-            d = SparseDist(ids[a:b], probs[a:b])
-            if len(np.unique(d.ids)) != len(d.ids):
-                raise ProtocolError(f"dists[{j}]", "duplicate token ids")
-            if float(np.sum(d.probs, dtype=np.float64)) > 1.0 + 1e-4:
-                raise ProtocolError(f"dists[{j}]", "probabilities sum to more than 1")
-            dists.append(d)
-        p_draft = unpack_probs(_bin(_get(m, K_D, "p_draft"), "p_draft"), "p_draft", allow_zero=True)
-        if len(p_draft) != len(ks) - 1:
-            raise ProtocolError("p_draft", f"expected {len(ks) - 1} scalars, got {len(p_draft)}")
-        l1_raw = m.get(K_E)
-        l1 = None
-        if l1_raw is not None:
-            buf = _bin(l1_raw, "l1")
-            if len(buf) != 8 * len(ks):
-                raise ProtocolError("l1", f"expected {2 * len(ks)} float32 values")
-            l1 = np.frombuffer(buf, "<f4").astype(np.float32).reshape(len(ks), 2)
-            if not np.all(np.isfinite(l1) & (l1 >= 0) & (l1 <= 2.0 + 1e-4)):
-                raise ProtocolError("l1", "values must be finite and in [0, 2]")
-        return FederatedReply(epoch, seq, tuple(dists), p_draft, l1)
-    if t in (MsgType.ROLLBACK, MsgType.RESAMPLE):
-        _check_keys(m, {K_VT, K_EPOCH, K_POS}, t.name.lower())
-        pos = _int(_get(m, K_POS, "pos"), "pos", 0, _U32_MAX)
-        return Rollback(epoch, pos) if t == MsgType.ROLLBACK else Resample(epoch, pos)
-    if t == MsgType.CANDIDATES:
-        _check_keys(m, {K_VT, K_EPOCH, K_POS, K_B}, "candidates")
-        pos = _int(_get(m, K_POS, "pos"), "pos", 0, _U32_MAX)
-        cands = _unpack_sparse(
-            _bin(_get(m, K_B, "candidates"), "candidates"), ctx, "candidates", distributional=False
-        )
-        if len(cands.ids) == 0:
-            raise ProtocolError("candidates", "empty")
-        return Candidates(epoch, pos, cands)
-    raise ProtocolError("type", f"{t.name} is not valid here")  # pragma: no cover
+    m = _unpack_map(data, ctx.max_frame if ctx is not None else HANDSHAKE_MAX_FRAME)
+    frame = _frame_of(m)
+    if frame.hot and ctx is None:
+        raise ProtocolError("type", f"{frame.msg_type.name} before the session is established")
+    msg: Message = frame.read(m, ctx)
+    return msg
 
 
 def message_equal(a: Message, b: Message) -> bool:
