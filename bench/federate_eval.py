@@ -37,9 +37,10 @@ import numpy as np
 import orjson
 import torch
 
+from bench.tiny_models import build_tiny_model
 from shared import compression as C
 from shared.lm import CausalLM
-from shared.models import LoadedModel, build_tiny_model, load_model
+from shared.models import LoadedModel, load_model
 from shared.protocol import FederatedReply, WireContext, encode
 from shared.sampling import SamplingParams, accept, residual, sample, transform
 

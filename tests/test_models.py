@@ -1,26 +1,27 @@
-"""Tests for shared.models (offline loading, self-drafts) and shared.lm (incremental decoding)."""
+"""Tests for model specs, offline loading and self-drafts (shared.model_spec, shared.model_cache,
+shared.gguf, shared.layer_skip, shared.fingerprint, shared.models) and shared.lm (incremental
+decoding)."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from shared import models as models_mod
+from bench.tiny_models import build_tiny_model
+from shared.fingerprint import tokenizer_hash
 from shared.lm import CausalLM, ContextLengthError
-from shared.models import (
-    LoadedModel,
-    ModelSpecError,
-    build_tiny_model,
-    file_sha256,
-    load_model,
-    parse_model_spec,
-    tokenizer_hash,
-)
+from shared.model_cache import cache_dir, file_sha256
+from shared.model_spec import ModelSpecError, SpecKind, parse_model_spec
+from shared.models import LoadedModel, load_model
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +49,16 @@ def full_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
 
 def test_parse_specs(tmp_path: Path, tiny_model_dir: Path) -> None:
     folder = parse_model_spec(str(tiny_model_dir))
-    assert folder.kind == "folder" and folder.path == tiny_model_dir.resolve()
+    assert folder.kind is SpecKind.FOLDER and folder.path == tiny_model_dir.resolve()
 
     gguf = tmp_path / "m.gguf"
     with pytest.raises(ModelSpecError, match=r"m\.gguf"):
         parse_model_spec(str(gguf))
     gguf.write_bytes(b"GGUF")
-    assert parse_model_spec(str(gguf)).kind == "gguf"
+    assert parse_model_spec(str(gguf)).kind is SpecKind.GGUF
 
     skip = parse_model_spec("self:skip=10,4")
-    assert skip.kind == "self" and skip.skip == (4, 10) and skip.keep is None
+    assert skip.kind is SpecKind.SELF and skip.skip == (4, 10) and skip.keep is None
     keep = parse_model_spec("self:keep=8")
     assert keep.keep == 8 and keep.skip == ()
 
@@ -70,16 +71,16 @@ def test_parse_specs(tmp_path: Path, tiny_model_dir: Path) -> None:
 
 def test_parse_default() -> None:
     spec = parse_model_spec("default")
-    assert spec.kind == "default"
+    assert spec.kind is SpecKind.DEFAULT and spec.kind == "default"  # a str enum
     assert spec.path is not None and spec.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("WANSPEC_CACHE_DIR", str(tmp_path / "w"))
-    assert models_mod.cache_dir() == tmp_path / "w"
+    assert cache_dir() == tmp_path / "w"
     monkeypatch.delenv("WANSPEC_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert models_mod.cache_dir() == tmp_path / "x" / "wanspec"
+    assert cache_dir() == tmp_path / "x" / "wanspec"
 
 
 def test_file_sha256_memo(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -105,6 +106,56 @@ def test_failed_conversion_leaves_no_cache(monkeypatch: pytest.MonkeyPatch, tmp_
 
 
 # ----------------------------------------------------------------------------- loading
+
+# Run in a fresh interpreter: this pytest process already has HF_HUB_OFFLINE set (conftest) and
+# every module imported. The third-party packages are imported before the environment is
+# snapshotted, so only what our own modules do at import is measured (importing transformers'
+# modeling code sets TORCHINDUCTOR_CACHE_DIR, which is not ours).
+_IMPORT_THEN_LOAD = """
+import json, os, sys
+import huggingface_hub.constants, tokenizers, torch, transformers
+import transformers.modeling_utils
+
+before = dict(os.environ)
+import bench.tiny_models, shared.fingerprint, shared.gguf, shared.layer_skip
+import shared.model_cache, shared.model_spec, shared.models
+changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+offline_after_import = huggingface_hub.constants.is_offline_mode()
+
+loaded = shared.models.load_model(sys.argv[1])
+with torch.inference_mode():
+    logits = loaded.model(input_ids=torch.tensor([[1, 5, 6]])).logits
+print(json.dumps({
+    "changed_by_import": changed,
+    "offline_after_import": offline_after_import,
+    "offline_after_load": huggingface_hub.constants.is_offline_mode(),
+    "env_after_load": [os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE")],
+    "vocab_size": loaded.vocab_size,
+    "logits_shape": list(logits.shape),
+}))
+"""
+
+
+def test_import_has_no_side_effects_and_load_goes_offline(tiny_model_dir: Path) -> None:
+    offline_vars = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    env = {k: v for k, v in os.environ.items() if k not in offline_vars}
+    env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # a hub request, if any, would fail, not download
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_THEN_LOAD, str(tiny_model_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["changed_by_import"] == []
+    assert got["offline_after_import"] is False
+    assert got["offline_after_load"] is True
+    assert got["env_after_load"] == ["1", "1"]
+    assert got["vocab_size"] == 64 and got["logits_shape"] == [1, 3, 64]
 
 
 def test_tiny_models(tiny_model_dir: Path, tiny_draft_dir: Path, tiny: LoadedModel) -> None:

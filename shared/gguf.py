@@ -1,0 +1,65 @@
+"""GGUF → transformers conversion: a GGUF file becomes a float32 Hugging Face model folder, once.
+
+The converted folder lives in the cache (``<cache_dir>/converted/<sha256[:16]>``, see
+:func:`shared.model_cache.cache_dir`), keyed by the GGUF file's content hash, so every later
+load of the same file is a plain folder load. Reads local files only (``local_files_only=True``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shared.model_cache import cache_dir, file_sha256
+
+__all__ = ["converted_gguf_folder"]
+
+_COMPLETE_MARKER = "wanspec-converted.json"
+
+
+def converted_gguf_folder(gguf: Path) -> Path:
+    """Folder holding a float32 HF copy of ``gguf``, converting it once if needed.
+
+    Invariant: the returned folder is complete (written to a temp dir, then os.replace'd).
+    """
+    sha = file_sha256(gguf)
+    root = cache_dir() / "converted"
+    final = root / sha[:16]
+    if (final / _COMPLETE_MARKER).is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{sha[:16]}-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
+        # The GGUF weights are dequantised already; drop the quantizer so saving is allowed.
+        setattr(model, "hf_quantizer", None)  # noqa: B010 - attribute is typed non-Optional
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        marker = {"source": str(gguf), "sha256": sha, "dtype": "float32"}
+        (tmp / _COMPLETE_MARKER).write_text(json.dumps(marker), encoding="utf-8")
+        if (final / _COMPLETE_MARKER).is_file():
+            return final  # another process finished the same conversion first: use its copy
+        if final.exists():
+            shutil.rmtree(final)  # an incomplete leftover (no marker): replace it
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not (final / _COMPLETE_MARKER).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
