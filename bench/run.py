@@ -3,10 +3,11 @@
     python -m bench --out bench/out            # full run (both regimes, all RTTs)
     python -m bench --smoke --out /tmp/smoke   # tiny models, two RTTs, a handful of tokens (CI)
 
-Processes: the verifier (``cloud-verifier serve``) and the cloud-only autoregressive baseline
-(``python -m bench.ar_server``) each run in their own process on the same target model; the edge
-(draft model, pipeline) runs here, and so do two WAN emulators (:mod:`bench.wanem`), one in front
-of each cloud process, so every mode crosses the same emulated link. Modes, per RTT and prompt:
+Processes: the verifier (``python -m bench.verifier``: ``cloud-verifier serve`` with padded
+forwards) and the cloud-only autoregressive baseline (``python -m bench.ar_server``) each run in
+their own process on the same target model; the edge (draft model, pipeline) runs here, and so do
+two WAN emulators (:mod:`bench.wanem`), one in front of each cloud process, so every mode crosses
+the same emulated link. Modes, per RTT and prompt:
 
 1. ``ar``: the target generates alone and streams each token to the edge;
 2. ``stop-and-wait``: speculative decoding, send γ drafts, wait for the verdict, repeat;
@@ -55,14 +56,15 @@ import aiohttp
 import numpy as np
 
 from bench.ar_server import encode_request
+from bench.tiny_models import build_tiny_model
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.agent import EdgeAgent, RetryPolicy
 from edge_agent.drafter import Drafter
 from edge_agent.generate import eos_ids, load_draft
 from edge_agent.link import LinkSettings, WebSocketTransport
-from edge_agent.pipeline import PIPELINED, STOP_AND_WAIT, PipelineConfig
 from edge_agent.transport import Transport
-from shared.models import LoadedModel, build_tiny_model, load_model
+from shared.models import LoadedModel, load_model
+from shared.pipeline_config import Mode, PipelineConfig
 from shared.sampling import Probs, SamplingParams
 
 DATA = Path(__file__).parent / "data"
@@ -151,7 +153,7 @@ def cloud_processes(target: str, token_file: Path, regime: Regime) -> Iterator[t
     vport, aport = free_port(), free_port()
     s = regime.scale
     verifier = [
-        sys.executable, "-m", "cloud_verifier.cli", "serve", "--model", target,
+        sys.executable, "-m", "bench.verifier", "--model", target,
         "--port", str(vport), "--token-file", str(token_file), "--heartbeat", "0",
         "--log-level", "warning", "--emulate-verify-ms", str(regime.verify_ms * s),
     ]  # fmt: skip
@@ -324,7 +326,7 @@ def ceiling(
 ) -> float:
     """Analytical tokens/s (module docstring); all times in seconds."""
     refill = gamma * t_d + rtt + t_v
-    if mode == STOP_AND_WAIT:
+    if mode == Mode.STOP_AND_WAIT:
         return n_bar / refill
     flow = max(gamma * t_d, (rtt + t_v) / depth, t_v)
     return n_bar / ((1 - r) * flow + r * refill)
@@ -365,8 +367,8 @@ async def sweep(
                     emu.set_link(rtt_ms=rtt * s)
                 for p in prompts:
                     ids = encode(draft, p)
-                    modes: list[tuple[str, int | None]] = [("ar", None), (STOP_AND_WAIT, 1)]
-                    modes += [(PIPELINED, d) for d in cfg.depths]
+                    modes: list[tuple[str, int | None]] = [("ar", None), (Mode.STOP_AND_WAIT, 1)]
+                    modes += [(Mode.PIPELINED, d) for d in cfg.depths]
                     for mode, depth in modes:
                         t_v0 = verify_seconds(vport)
                         up0, down0 = vemu.stats.bytes_up, vemu.stats.bytes_down
@@ -494,13 +496,13 @@ def summarise(
         row: dict[str, Any] = {
             "regime": regime,
             "rtt_ms": rtt,
-            "mode": mode if not depth or mode != PIPELINED else f"pipelined D={depth}",
+            "mode": mode if not depth or mode != Mode.PIPELINED else f"pipelined D={depth}",
             "tokens_per_s": tps,
             "decode_tokens_per_s": dtps,
             "speedup_vs_ar": tps / float(np.mean([r.tokens_per_s for r in ar])) if ar else None,
         }
         tokens = sum(r.tokens for r in sel)
-        if mode in (STOP_AND_WAIT, PIPELINED):
+        if mode in (Mode.STOP_AND_WAIT, Mode.PIPELINED):
             ex = [r.extra for r in sel]
             rounds = sum(e["rounds"] for e in ex)
             draft_t = sum(e["draft_tokens"] for e in ex)
@@ -553,7 +555,7 @@ def summarise(
 
 
 def _mode_order(mode: str) -> int:
-    return ["ar", "assisted", STOP_AND_WAIT, PIPELINED].index(mode)
+    return ["ar", "assisted", Mode.STOP_AND_WAIT, Mode.PIPELINED].index(mode)
 
 
 # ------------------------------------------------------------------------------ main

@@ -1,8 +1,11 @@
-"""``cloud-verifier`` command line: ``serve``, ``overhead``, ``gen-token``.
+"""``cloud-verifier`` command line: ``serve``, ``gen-token``.
 
 Every ``serve`` setting can also come from ``WANSPEC_<NAME>`` environment variables or the
 ``[verifier]`` table of a TOML file (``--config F`` or ``$WANSPEC_CONFIG``); the command line wins,
 then the environment, then the file, then the defaults.
+
+:func:`run_serve` is ``serve`` from parsed arguments; a caller may replace the model loader
+(``bench.verifier`` pads every forward this way).
 """
 
 from __future__ import annotations
@@ -16,12 +19,18 @@ import signal
 import sys
 import threading
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cloud_verifier.settings import ENV_PREFIX, TOML_SECTION, VerifierSettings
 from shared.config import ConfigError, load_settings
+
+if TYPE_CHECKING:
+    from cloud_verifier.engine import Target
+
+#: Builds the model loader (run on the model worker) from the resolved settings.
+LoaderFactory = Callable[[VerifierSettings], Callable[[], "Target"]]
 
 log = logging.getLogger("cloud_verifier")
 
@@ -51,7 +60,6 @@ _HELP: dict[str, str] = {
     "max_send_buffer": "unread bytes queued for a client before it is closed",
     "shutdown_timeout": "seconds to let sessions finish on SIGTERM",
     "log_level": "logging level",
-    "emulate_verify_ms": "benchmarks only: pad every forward to this many ms (0: off)",
 }
 
 
@@ -72,6 +80,12 @@ def _add_settings_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, default=None, choices=choices, metavar=None, help=help_text)
 
 
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``serve``: ``--config`` and one per settings field."""
+    p.add_argument("--config", help=f"TOML file with a [{TOML_SECTION}] table")
+    _add_settings_args(p)
+
+
 def load_cli_settings(args: argparse.Namespace, env: dict[str, str]) -> VerifierSettings:
     cli = {f.name: getattr(args, f.name) for f in dataclasses.fields(VerifierSettings)}
     config = args.config or env.get(ENV_PREFIX + "CONFIG")
@@ -90,7 +104,7 @@ def _check_model_spec(spec: str) -> None:
 
     if parse_null_spec(spec) is not None:
         return
-    from shared.models import ModelSpecError, parse_model_spec
+    from shared.model_spec import ModelSpecError, parse_model_spec
 
     try:
         parse_model_spec(spec)
@@ -98,15 +112,25 @@ def _check_model_spec(spec: str) -> None:
         raise ConfigError("model", str(e)) from None
 
 
-async def serve(settings: VerifierSettings, auth: Any, ssl_context: Any = None) -> int:
-    """Run until SIGTERM/SIGINT. Returns the exit status (1 if the model failed to load)."""
+async def serve(
+    settings: VerifierSettings,
+    auth: Any,
+    ssl_context: Any = None,
+    *,
+    loader: Callable[[], Target] | None = None,
+) -> int:
+    """Run until SIGTERM/SIGINT. Returns the exit status (1 if the model failed to load).
+
+    ``loader`` (run on the model worker) defaults to loading ``settings.model``.
+    """
     from aiohttp import web
 
     from cloud_verifier.app import STATE, build_app
     from shared.sdnotify import Notifier
+    from shared.service_status import ServiceStatus
 
     notifier = Notifier.from_env()
-    app = build_app(settings, auth=auth, notifier=notifier)
+    app = build_app(settings, auth=auth, loader=loader, notifier=notifier)
     state = app[STATE]
     runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout, access_log=None)
     loop = asyncio.get_running_loop()
@@ -134,11 +158,11 @@ async def serve(settings: VerifierSettings, auth: Any, ssl_context: Any = None) 
             state.changed.clear()
             if stopping:
                 break
-            if state.status == "failed":
+            if state.status == ServiceStatus.FAILED:
                 log.error("%s", state.reason)
                 rc = 1
                 break
-            if state.status == "ready" and not announced:
+            if state.status == ServiceStatus.READY and not announced:
                 # Port listening and model loaded: only now is the service up.
                 notifier.notify(f"READY=1\nSTATUS={state.reason}")
                 announced = True
@@ -151,7 +175,9 @@ async def serve(settings: VerifierSettings, auth: Any, ssl_context: Any = None) 
     return rc
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace, *, make_loader: LoaderFactory | None = None) -> int:
+    """``serve`` from arguments parsed by :func:`add_serve_arguments`; ``make_loader`` builds
+    the model loader from the resolved settings (default: load ``settings.model``)."""
     from cloud_verifier.auth import Authenticator, AuthError
 
     try:
@@ -183,7 +209,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     if not auth.enabled:
         log.warning("authentication is OFF (--insecure-no-auth): anyone can open sessions")
-    rc = asyncio.run(serve(settings, auth, ssl_context))
+    loader = make_loader(settings) if make_loader is not None else None
+    rc = asyncio.run(serve(settings, auth, ssl_context, loader=loader))
     if threading.active_count() > 1:
         # The model worker is still inside a load or a forward that cannot be interrupted;
         # Python would join it at exit and overrun the stop timeout. Everything else is closed.
@@ -202,29 +229,14 @@ def _cmd_gen_token(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_overhead(args: argparse.Namespace) -> int:
-    from cloud_verifier.overhead import main as overhead_main
-
-    return overhead_main(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cloud-verifier", description="wanspec cloud verifier: verifies edge drafts."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="run the verifier service")
-    p_serve.add_argument("--config", help=f"TOML file with a [{TOML_SECTION}] table")
-    _add_settings_args(p_serve)
-    p_serve.set_defaults(func=_cmd_serve)
-
-    from cloud_verifier.overhead import add_arguments
-
-    p_over = sub.add_parser(
-        "overhead", help="measure the per-round overhead over a loopback WebSocket"
-    )
-    add_arguments(p_over)
-    p_over.set_defaults(func=_cmd_overhead)
+    add_serve_arguments(p_serve)
+    p_serve.set_defaults(func=run_serve)
 
     p_tok = sub.add_parser("gen-token", help="print a new random bearer token")
     p_tok.set_defaults(func=_cmd_gen_token)

@@ -166,51 +166,6 @@ class TorchTarget:
         return TorchSequence(CausalLM(self.loaded))
 
 
-class PaddedSequence:
-    """Device-regime emulation: every forward takes at least ``pad_s`` (sleeping the rest).
-
-    Used by the benchmark to give a CPU target the timing of a cloud GPU while keeping its real
-    logits (and so real acceptance). Runs on the worker thread, so sleeping there is the delay.
-    """
-
-    def __init__(self, inner: Sequence, pad_s: float) -> None:
-        self._inner = inner
-        self._pad_s = pad_s
-
-    @property
-    def length(self) -> int:
-        return self._inner.length
-
-    def extend(self, ids: Seq[int], *, last_rows: int | None = None) -> Logits:
-        t0 = time.perf_counter()
-        out = self._inner.extend(ids, last_rows=last_rows)
-        rest = self._pad_s - (time.perf_counter() - t0)
-        if rest > 0:
-            time.sleep(rest)
-        return out
-
-    def last_logits(self) -> Logits:
-        return self._inner.last_logits()
-
-    def crop(self, n: int) -> None:
-        self._inner.crop(n)
-
-
-class PaddedTarget:
-    """A target whose sequences pad each forward to ``pad_ms`` (see :class:`PaddedSequence`)."""
-
-    def __init__(self, inner: Target, pad_ms: float) -> None:
-        self.inner = inner
-        self.pad_s = pad_ms / 1000.0
-        self.fingerprint = inner.fingerprint
-        self.vocab_size = inner.vocab_size
-        self.max_length = inner.max_length
-        self.description = f"{inner.description}, forwards padded to {pad_ms:g} ms"
-
-    def new_sequence(self) -> PaddedSequence:
-        return PaddedSequence(self.inner.new_sequence(), self.pad_s)
-
-
 def resolve_device(device: str) -> str:
     if device != "auto":
         return device

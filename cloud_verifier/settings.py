@@ -56,8 +56,6 @@ class VerifierSettings:
     max_send_buffer: int = field(default=4 << 20, metadata=_b(1 << 16))
     shutdown_timeout: float = field(default=10.0, metadata=_b(0.1))  # for handlers on SIGTERM
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    # Benchmark only: pad every target forward to this many ms (device-regime emulation).
-    emulate_verify_ms: float = field(default=0.0, metadata=_b(0, 600_000))
 
     def __post_init__(self) -> None:
         # Neither set is refused by `serve` only: tests and the demo pass a generated token.

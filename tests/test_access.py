@@ -22,15 +22,15 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from bench.harness import free_port
+from bench.probe import auth_headers
 from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.cli import main as verifier_main
 from cloud_verifier.engine import NullTarget
-from cloud_verifier.probe import auth_headers
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.tls import server_context
-from edge_agent.agent import handshake
 from edge_agent.link import LinkSettings, UntrustedCertificateError, WebSocketTransport
+from edge_agent.pipeline import handshake
 from shared.config import ConfigError
 from shared.protocol import SUBPROTOCOL, Fingerprint, Hello, Welcome
 from shared.sampling import SamplingParams

@@ -2,33 +2,45 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import orjson
 import pytest
 
+from bench.probe import Driver, ProbeClient
 from bench.run import ceiling
-from cloud_verifier.engine import NullTarget, PaddedTarget
-from edge_agent.pipeline import PIPELINED, STOP_AND_WAIT
+from bench.verifier import PaddedTarget
+from bench.verifier import main as padded_verifier_main
+from cloud_verifier.cli import main as verifier_main
+from cloud_verifier.engine import NullTarget
+from shared.pipeline_config import Mode
+from shared.protocol import SUBPROTOCOL, Fingerprint, Hello
+from shared.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_ceiling_formula() -> None:
     # stop-and-wait: one round = γ t_d + RTT + T_v
-    assert ceiling(STOP_AND_WAIT, 4, 1, 0.024, 0.166, 0.1, 3.0, 0.5) == pytest.approx(
+    assert ceiling(Mode.STOP_AND_WAIT, 4, 1, 0.024, 0.166, 0.1, 3.0, 0.5) == pytest.approx(
         3.0 / (4 * 0.024 + 0.1 + 0.166)
     )
     # pipelined, no rejections, deep enough queue: the drafter is the bottleneck
-    assert ceiling(PIPELINED, 4, 4, 0.1, 0.1, 0.2, 4.0, 0.0) == pytest.approx(4.0 / 0.4)
+    assert ceiling(Mode.PIPELINED, 4, 4, 0.1, 0.1, 0.2, 4.0, 0.0) == pytest.approx(4.0 / 0.4)
     # pipelined, D = 1: bounded by RTT + verify per batch
-    assert ceiling(PIPELINED, 4, 1, 0.01, 0.1, 0.2, 4.0, 0.0) == pytest.approx(4.0 / 0.3)
+    assert ceiling(Mode.PIPELINED, 4, 1, 0.01, 0.1, 0.2, 4.0, 0.0) == pytest.approx(4.0 / 0.3)
     # every round rejected: pipelining cannot beat stop-and-wait
-    assert ceiling(PIPELINED, 4, 4, 0.02, 0.1, 0.2, 2.0, 1.0) == pytest.approx(
-        ceiling(STOP_AND_WAIT, 4, 1, 0.02, 0.1, 0.2, 2.0, 1.0)
+    assert ceiling(Mode.PIPELINED, 4, 4, 0.02, 0.1, 0.2, 2.0, 1.0) == pytest.approx(
+        ceiling(Mode.STOP_AND_WAIT, 4, 1, 0.02, 0.1, 0.2, 2.0, 1.0)
     )
 
 
@@ -43,12 +55,72 @@ def test_padded_target_pads_and_keeps_logits() -> None:
     assert padded.fingerprint == inner.fingerprint
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_padded_verifier_process_pads_forwards() -> None:
+    """``python -m bench.verifier``: the product's serve path, every forward padded."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANSPEC_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.verifier", "--model", "null:64", "--insecure-no-auth",
+         "--port", str(port), "--heartbeat", "0", "--log-level", "warning",
+         "--emulate-verify-ms", "80"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as http:
+            health: dict[str, object] = {}
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/health") as r:
+                        health = await r.json()
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    pass
+                await asyncio.sleep(0.1)
+            assert health.get("status") == "ready", health
+            assert "forwards padded to 80 ms" in str(health["reason"])
+            ws = await http.ws_connect(
+                f"http://127.0.0.1:{port}/v1/session", protocols=(SUBPROTOCOL,)
+            )
+            client = ProbeClient(ws)
+            await client.hello(Hello(Fingerprint("null", 64, "null"), SamplingParams(1.0)))
+            driver = Driver(client, 64, 3, np.random.default_rng(0))
+            driver.fixed = [5, 6, 7]
+            for _ in range(2):
+                t0 = time.perf_counter()
+                await driver.round()
+                assert time.perf_counter() - t0 >= 0.078
+            await ws.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_padding_is_not_a_product_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        verifier_main(["serve", "--model", "null:64", "--emulate-verify-ms", "10"])
+    assert e.value.code == 2 and "--emulate-verify-ms" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        padded_verifier_main(["--model", "null:64", "--emulate-verify-ms", "-1"])
+    assert e.value.code == 2 and "--emulate-verify-ms" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     run = subprocess.run(
         [sys.executable, "-m", "bench", "--smoke", "--out", str(tmp_path)],
-        capture_output=True, env=env, timeout=600, check=False,
+        capture_output=True, cwd=REPO, env=env, timeout=600, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     doc = orjson.loads((tmp_path / "results.json").read_bytes())
@@ -74,7 +146,7 @@ def test_federate_eval_smoke(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "bench.federate_eval", "--smoke", "--prompts", "1",
          "--tokens", "16", "--out", str(tmp_path)],
-        capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=600,
+        capture_output=True, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=600,
         check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr.decode()[-3000:]

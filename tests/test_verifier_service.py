@@ -15,11 +15,11 @@ import aiohttp
 import pytest
 from aiohttp import WSCloseCode, WSMsgType
 
+from bench.probe import ProbeClient, auth_headers
 from cloud_verifier.cli import main
-from cloud_verifier.probe import ProbeClient, auth_headers
-from cloud_verifier.sdnotify import Notifier
 from shared.protocol import SUBPROTOCOL, Fingerprint, Hello
 from shared.sampling import SamplingParams
+from shared.sdnotify import Notifier
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from bench.probe import ProbeClient, auth_headers
 from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.engine import TorchTarget
-from cloud_verifier.probe import ProbeClient, auth_headers
 from cloud_verifier.settings import VerifierSettings
 from shared.protocol import SUBPROTOCOL, Hello, Propose, Verdict
 from shared.sampling import SamplingParams

@@ -1,7 +1,7 @@
 """Per-round overhead of the verifier, measured through the real code path.
 
 Starts the service in-process on 127.0.0.1 (real aiohttp server, real WebSocket, the real session
-code), then runs stop-and-wait rounds with a :class:`~cloud_verifier.probe.Driver`: each round is
+code), then runs stop-and-wait rounds with a :class:`~bench.probe.Driver`: each round is
 encode Propose → send → server decode, checks, model job (forward + sampling transform +
 decision), encode Verdict → client decode. Every forward is timed on the worker, so
 
@@ -10,8 +10,8 @@ decision), encode Verdict → client decode. Every forward is timed on the worke
 With ``--model null:VOCAB`` (no model: logits are a lookup) the round trip is all overhead; with
 ``--model default`` the forward is SmolLM2-135M on the CPU verifying fixed + γ tokens.
 
-    python -m cloud_verifier.overhead --model null:49152 --rounds 2000
-    cloud-verifier overhead --model default --rounds 40
+    python -m bench.overhead --model null:49152 --rounds 2000
+    python -m bench.overhead --model default --rounds 40
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from collections.abc import Sequence as Seq
 import numpy as np
 from aiohttp import ClientSession, web
 
+from bench.probe import Driver, ProbeClient, auth_headers
 from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator, generate_token
 from cloud_verifier.engine import Logits, Sequence, Target, load_target
-from cloud_verifier.probe import Driver, ProbeClient, auth_headers
 from cloud_verifier.settings import VerifierSettings
 from shared.protocol import SUBPROTOCOL, CorrectionMode, Hello, ReplyMode, Verdict
 from shared.sampling import SamplingParams
@@ -152,9 +152,8 @@ async def measure(args: argparse.Namespace) -> dict[str, float]:
                     print(f"stopping after {i} rounds: context limit {welcome.max_context}")
                     break
                 n_fwd = len(target.times)
-                t0 = time.perf_counter()
                 reply = await driver.round()
-                rtt = time.perf_counter() - t0
+                rtt = driver.last_round_trip_s
                 if i < args.warmup:
                     continue
                 rtts.append(rtt)
@@ -195,6 +194,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m cloud_verifier.overhead")
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead")
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))
