@@ -67,12 +67,14 @@ from bench.harness import (
     tiny_pair,
     write_tokens,
 )
-from cloud_verifier.probe import Driver, ProbeClient, auth_headers
+from bench.probe import Driver, ProbeClient, auth_headers
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.link import AuthError
-from edge_agent.pipeline import Generation, PipelineConfig, VerifierError
 from edge_agent.transport import LinkClosed
+from shared.edge_core import VerifierError
+from shared.generation import Generation
 from shared.models import LoadedModel
+from shared.pipeline_config import PipelineConfig
 from shared.protocol import (
     SEQ_MODULUS,
     SUBPROTOCOL,
@@ -96,7 +98,23 @@ from shared.protocol import (
     encode,
     message_equal,
 )
+from shared.rejection import Decision
 from shared.sampling import SamplingParams
+from shared.verifier_core import (
+    Close,
+    Crop,
+    Cropped,
+    Draw,
+    Drawn,
+    Failed,
+    Federated,
+    Run,
+    Send,
+    SessionLimits,
+    TargetInfo,
+    Verified,
+    VerifierCore,
+)
 
 log = logging.getLogger("bench.fuzz")
 
@@ -297,94 +315,121 @@ def mutate_map(data: bytes, r: random.Random, vocab: int = VOCAB) -> tuple[str, 
 # ============================================================================ verifier fuzzing
 
 
-@dataclass
 class Shadow:
-    """The client's model of the verifier's session rules (README "Sessions"), to predict every
-    reply: ``epoch``, ``seq`` (expected), ``pos`` (next_pos), bad-frame count, the pending
-    Resample."""
+    """The client's oracle: the verifier's own session core (:class:`VerifierCore`), fed the
+    same frames, predicts every reply kind; the real replies complete its model work. What the
+    next valid Propose must carry as fixed tokens (a correction or bonus) is the client's own
+    choice, kept in ``fixed``."""
 
-    ctx: WireContext
-    federated: bool
-    max_context: int
-    max_bad: int
-    max_resamples: int
-    epoch: int = 0
-    seq: int = 0
-    pos: int = 0
-    bad: int = 0
-    pending: tuple[int, int] | None = None  # (epoch, pos) of the last candidates rejection
-    resamples: int = 0
-    fixed: list[int] = field(default_factory=list)  # what the next valid Propose must carry
+    def __init__(
+        self,
+        ctx: WireContext,
+        federated: bool,
+        max_context: int,
+        max_bad: int,
+        max_resamples: int,
+        fixed: list[int] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.max_context = max_context
+        fp = Fingerprint("shadow", ctx.vocab_size, "shadow")
+        limits = SessionLimits(
+            max_gamma=ctx.max_gamma,
+            max_fixed=ctx.max_fixed,
+            max_context=max_context,
+            max_frame=ctx.max_frame,
+            max_k=ctx.max_k,
+            max_bad_frames=max_bad,
+            max_resamples=max_resamples,
+        )
+        self.core = VerifierCore(TargetInfo(fp, ctx.vocab_size), limits, "shadow")
+        hello = Hello(
+            fp,
+            reply_mode=ReplyMode.FEDERATED if federated else ReplyMode.VERDICT,
+            correction=CorrectionMode.TOPK if ctx.draft_probs else CorrectionMode.GREEDY_DRAFT,
+            k=1,
+            m=1,
+        )
+        self.core.receive(encode(hello))
+        self.fixed = list(fixed or [5])  # what the next valid Propose must carry
+
+    # The session's position, as the core sees it (tests may set them to start elsewhere).
+    @property
+    def epoch(self) -> int:
+        return self.core.epoch
+
+    @epoch.setter
+    def epoch(self, v: int) -> None:
+        self.core.epoch = v
+
+    @property
+    def seq(self) -> int:
+        return self.core.expected_seq
+
+    @seq.setter
+    def seq(self, v: int) -> None:
+        self.core.expected_seq = v
+
+    @property
+    def pos(self) -> int:
+        return self.core.next_pos
+
+    @pos.setter
+    def pos(self, v: int) -> None:
+        self.core.next_pos = self.core.cache_len = v
+
+    @property
+    def pending(self) -> tuple[int, int] | None:
+        """(epoch, pos) of the correction a Resample may ask more candidates for."""
+        pr = self.core._pending
+        return None if pr is None else (pr.epoch, pr.pos)
 
     def predict(self, data: bytes | str) -> str:
-        """'verdict', 'none', 'candidates', 'close', or 'error:<code>' (and 'close' when the
-        error is the one that exceeds max_bad_frames)."""
+        """'verdict', 'none', 'candidates', 'close', or 'error:<code>'. After 'verdict' or
+        'candidates' the core waits for the reply (:meth:`on_reply`, :meth:`on_candidates`)."""
         if isinstance(data, bytes) and len(data) > self.ctx.max_frame:
-            return "close"
-        try:
-            msg = decode(data, self.ctx)  # type: ignore[arg-type]
-        except ProtocolError:
-            return self._bad("bad_frame")
-        if isinstance(msg, Propose):
-            if msg.seq != self.seq:
-                return self._bad("bad_seq")
-            self.seq = (msg.seq + 1) % SEQ_MODULUS
-            if msg.epoch < self.epoch:
-                return "none"
-            if msg.epoch > self.epoch:
-                return self._bad("bad_epoch")
-            f, g = len(msg.fixed), len(msg.draft)
-            if msg.pos != self.pos or (self.pos == 0 and f == 0):
-                return self._bad("bad_pos")
-            if msg.pos + f + g > self.max_context:
-                return "error:context_full"
-            self.pending = None
-            return "verdict"
-        if isinstance(msg, Rollback):
-            if msg.epoch <= self.epoch:
-                return self._bad("bad_rollback")
-            if not 0 <= msg.pos <= self.pos:
-                return self._bad("bad_rollback")
-            self.epoch, self.pos, self.pending = msg.epoch, msg.pos, None
-            self.fixed = [5] if self.pos == 0 else []
-            return "none"
-        if isinstance(msg, Resample):
-            if self.pending is None or (msg.epoch, msg.pos) != self.pending:
-                return self._bad("bad_resample")
-            if self.resamples >= self.max_resamples:
-                return self._bad("bad_resample")
-            self.resamples += 1
-            return "candidates"
-        if isinstance(msg, Error):
-            return "close" if msg.fatal else "none"
-        return self._bad("bad_frame")
-
-    def _bad(self, code: str) -> str:
-        self.bad += 1
-        if self.bad >= self.max_bad:
-            return "close"
-        return f"error:{code}"
+            return "close"  # aiohttp refuses the frame before the session sees it
+        predicted = "none"
+        for ev in self.core.receive(data):
+            if isinstance(ev, Close):
+                return "close"
+            if isinstance(ev, Send) and isinstance(ev.msg, Error):
+                predicted = f"error:{ev.msg.code}"
+            elif isinstance(ev, Run):
+                if isinstance(ev.work, Crop):
+                    self.core.work_done(Cropped())
+                    self.fixed = [5] if self.pos == 0 else []
+                else:
+                    predicted = "candidates" if isinstance(ev.work, Draw) else "verdict"
+        return predicted
 
     def on_reply(self, p: Propose, reply: Message) -> None:
-        """Advance after the Verdict/FederatedReply to the valid Propose ``p``."""
-        start = p.pos + len(p.fixed)
+        """Complete the verify work of the valid Propose ``p`` with the real reply."""
         if isinstance(reply, FederatedReply):
-            self.pos, self.fixed = start + len(p.draft), []
+            self.core.work_done(Federated(reply.dists, reply.p_draft, reply.l1))
+            self.fixed = []
             return
         assert isinstance(reply, Verdict)
-        n = reply.accepted
-        self.pos = start + n
-        if n < len(p.draft):
-            self.epoch += 1
+        d = Decision(reply.accepted, reply.sparse, reply.candidates, reply.token, reply.bonus)
+        self.core.work_done(Verified(d, kept_row=reply.candidates is not None))
+        if reply.accepted < len(p.draft):
             corr = reply.token
             if corr is None and reply.sparse is not None:
                 corr = int(reply.sparse.ids[0])
             if corr is None and reply.candidates is not None:
                 corr = int(reply.candidates.ids[0])
-                self.pending, self.resamples = (self.epoch, self.pos), 0
             self.fixed = [int(corr if corr is not None else 5)]
         else:
             self.fixed = [] if reply.bonus is None else [reply.bonus]
+
+    def on_candidates(self, c: Candidates) -> None:
+        self.core.work_done(Drawn(c.candidates))
+
+    def abandon(self) -> None:
+        """The real verifier did not answer as predicted: end the pending work as failed
+        (the session is closed after a mismatch anyway)."""
+        if self.core.running is not None:
+            self.core.work_done(Failed("mismatch", self.core.cache_len))
 
 
 _HELLO_KINDS = (
@@ -549,6 +594,9 @@ class HostileClient:
         got = await self._expect(ws, predicted, sh.ctx, "valid Propose")
         if predicted == "verdict" and isinstance(got, (Verdict, FederatedReply)):
             sh.on_reply(p, got)
+        elif predicted == "verdict":
+            sh.abandon()
+            raise SessionClosed
         elif predicted == "error:context_full":
             # Start over near the beginning: a valid Rollback.
             rb = encode(Rollback(sh.epoch + 1, self.r.randint(0, min(sh.pos, 8))), sh.ctx)
@@ -688,16 +736,21 @@ class HostileClient:
                 await ws.send_str(frame)
             else:
                 await ws.send_bytes(frame)
-            if predictions[-1] == "close":
+            # A frame that starts model work ends the burst: its outcome (the reply) decides
+            # what the frames after it mean, as it does in the verifier.
+            if predictions[-1] in ("close", "verdict", "candidates"):
                 break
-        for pred in predictions:
+        for pred, frame in zip(predictions, frames, strict=False):
             got = await self._expect(ws, pred, ctx, action)
             if pred == "verdict" and isinstance(got, (Verdict, FederatedReply)):
                 # A hostile frame that is in fact valid (e.g. a rollback to the same place).
-                sent = decode(frames[predictions.index(pred)], ctx)  # type: ignore[arg-type]
-                if isinstance(sent, Propose):
-                    sh.on_reply(sent, got)
-            if pred == "candidates" and not isinstance(got, Candidates):
+                sent = decode(frame, ctx)  # type: ignore[arg-type]
+                assert isinstance(sent, Propose)
+                sh.on_reply(sent, got)
+            elif pred == "candidates" and isinstance(got, Candidates):
+                sh.on_candidates(got)
+            elif pred in ("verdict", "candidates"):
+                sh.abandon()
                 raise SessionClosed
         return len(predictions)
 

@@ -12,30 +12,43 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 from aiohttp import WSCloseCode, WSMsgType, hdrs, web
 
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import Engine, PaddedTarget, Target, load_target
-from cloud_verifier.session import (
-    Session,
-    SessionFatal,
-    SessionLimits,
-    handshake,
-)
+from cloud_verifier.engine import Engine, Target, load_target
+from cloud_verifier.session import SessionModel, Timing
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.stats import VerifierMetrics
 from shared.metrics import CONTENT_TYPE
 from shared.protocol import SUBPROTOCOL, Error, FederatedReply, Message, Verdict, encode
 from shared.sdnotify import Notifier
+from shared.service_status import ServiceStatus
+from shared.verifier_core import (
+    CLOSE_OK,
+    Close,
+    Crop,
+    Draw,
+    Event,
+    Failed,
+    Federate,
+    Note,
+    NoteKind,
+    Result,
+    Run,
+    Send,
+    SessionLimits,
+    TargetInfo,
+    Verified,
+    VerifierCore,
+    Verify,
+    Work,
+)
 
 log = logging.getLogger(__name__)
-
-Status = Literal["loading", "ready", "failed", "stopping"]
-
 
 @dataclass
 class VerifierState:
@@ -48,9 +61,9 @@ class VerifierState:
     limits: SessionLimits
     loader: Callable[[], Target]
     notifier: Notifier
-    status: Status = "loading"
+    status: ServiceStatus = ServiceStatus.LOADING
     reason: str = "loading the model"
-    sessions: dict[str, Session] = field(default_factory=dict)
+    sessions: dict[str, LiveSession] = field(default_factory=dict)
     websockets: dict[web.WebSocketResponse, asyncio.BaseTransport | None] = field(
         default_factory=dict
     )
@@ -60,12 +73,20 @@ class VerifierState:
     #: Set whenever ``status`` changes (serve() waits on it).
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def set_status(self, status: Status, reason: str) -> None:
+    def set_status(self, status: ServiceStatus, reason: str) -> None:
         self.status, self.reason = status, reason
         self.changed.set()
 
 
 STATE = web.AppKey("wanspec_state", VerifierState)
+
+
+@dataclass
+class LiveSession:
+    """An open session: its rules (the core) and its model side (cache, RNG)."""
+
+    core: VerifierCore
+    model: SessionModel
 
 
 def limits_from(settings: VerifierSettings) -> SessionLimits:
@@ -94,10 +115,7 @@ def build_app(
     if loader is None:
 
         def loader() -> Target:
-            target = load_target(settings.model, device=settings.device, dtype=settings.dtype)
-            if settings.emulate_verify_ms > 0:
-                return PaddedTarget(target, settings.emulate_verify_ms)
-            return target
+            return load_target(settings.model, device=settings.device, dtype=settings.dtype)
 
     app = web.Application()
     app[STATE] = VerifierState(
@@ -131,11 +149,11 @@ async def _load_model(state: VerifierState) -> None:
     except Exception as e:
         log.error("model %s failed to load", spec, exc_info=e)
         state.notifier.notify(f"STATUS=model failed to load: {e}")
-        state.set_status("failed", f"model {spec} failed to load: {e}")
+        state.set_status(ServiceStatus.FAILED, f"model {spec} failed to load: {e}")
         return
     state.metrics.model_ready.set(1)
     log.info("model ready: %s (%.1f s)", target.description, time.perf_counter() - t0)
-    state.set_status("ready", f"serving {target.description}")
+    state.set_status(ServiceStatus.READY, f"serving {target.description}")
 
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -154,7 +172,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _watchdog(state: VerifierState, interval: float) -> None:
     """WATCHDOG=1 every ``interval`` s while the loop runs and the model worker answers."""
     while True:
-        if state.status == "loading":
+        if state.status == ServiceStatus.LOADING:
             ok = True  # the worker is busy loading by design; the loop is alive
         else:
             ok = await state.engine.ping(timeout=interval * 1.5)
@@ -182,7 +200,7 @@ async def _watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _close_sessions(app: web.Application) -> None:
     state = app[STATE]
-    state.set_status("stopping", "shutting down")
+    state.set_status(ServiceStatus.STOPPING, "shutting down")
     sockets = list(state.websockets.items())
     if sockets:
         log.info("closing %d session(s)", len(sockets))
@@ -207,7 +225,7 @@ def _json(status: int, body: dict[str, object], **headers: str) -> web.Response:
 async def health_handler(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body: dict[str, object] = {"status": state.status, "reason": state.reason}
-    if state.status != "ready":
+    if state.status != ServiceStatus.READY:
         return _json(503, body)
     target = state.engine.require_target()
     body.update(
@@ -245,7 +263,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
                 headers={hdrs.WWW_AUTHENTICATE: 'Bearer realm="wanspec"'},
             ),
         )
-    if state.status != "ready":
+    if state.status != ServiceStatus.READY:
         raise _refuse(
             state,
             "loading",
@@ -376,18 +394,17 @@ async def _send(peer: _Peer, state: VerifierState, data: bytes) -> None:
     state.metrics.frames_sent.inc()
 
 
-async def _send_msg(
-    peer: _Peer, state: VerifierState, msg: Message, session: Session | None
-) -> None:
+async def _send_msg(peer: _Peer, state: VerifierState, msg: Message, core: VerifierCore) -> None:
     if isinstance(msg, Error):
         state.metrics.errors_sent.inc(code=msg.code)
-    await _send(peer, state, encode(msg) if session is None else session.encode(msg))
+    await _send(peer, state, encode(msg) if core.ctx is None else encode(msg, core.ctx))
 
 
-async def _fatal(peer: _Peer, state: VerifierState, f: SessionFatal) -> None:
+async def _fatal(peer: _Peer, state: VerifierState, close: Close, core: VerifierCore) -> None:
+    """Tell the peer why (unless the close is a normal one), then close, bounded in time."""
     try:
-        if f.close_code != WSCloseCode.OK:
-            await _send_msg(peer, state, f.error, None)
+        if close.code != CLOSE_OK:
+            await _send_msg(peer, state, close.error, core)
     except ConnectionError:
         pass  # the peer is gone: nobody to tell
     except SlowReader as e:
@@ -397,8 +414,8 @@ async def _fatal(peer: _Peer, state: VerifierState, f: SessionFatal) -> None:
         peer.ws,
         peer.transport,
         state,
-        f.close_code,
-        _close_reason(f"{f.error.code}: {f.error.message}"),
+        close.code,
+        _close_reason(f"{close.error.code}: {close.error.message}"),
     )
 
 
@@ -420,65 +437,145 @@ def _count_in(state: VerifierState, data: bytes | str) -> None:
     state.metrics.bytes_received.inc(len(data) if isinstance(data, bytes) else len(data.encode()))
 
 
+def _new_core(state: VerifierState) -> VerifierCore:
+    target = state.engine.require_target()
+    info = TargetInfo(target.fingerprint, target.vocab_size, target.max_length)
+    return VerifierCore(info, state.limits, uuid.uuid4().hex[:16])
+
+
+def _note(state: VerifierState, core: VerifierCore, n: Note) -> None:
+    m = state.metrics
+    if n.kind == NoteKind.REFUSED:
+        m.sessions_refused.inc(reason=n.detail)
+    elif n.kind == NoteKind.STALE:
+        m.stale_dropped.inc()
+    elif n.kind == NoteKind.BAD_FRAME:
+        m.bad_frames.inc()
+    elif n.kind == NoteKind.EDGE_ERROR:
+        log.info("session %s: edge reports %s", core.session_id, n.detail)
+    elif n.kind == NoteKind.MODEL_ERROR:
+        log.warning("session %s: model error: %s", core.session_id, n.detail)
+
+
+def _count_work(state: VerifierState, work: Work, result: Result, timing: Timing | None) -> None:
+    m = state.metrics
+    if isinstance(work, (Verify, Federate)) and timing is not None:
+        f = len(work.propose.fixed)
+        m.model_forwards.inc()
+        m.fixed_tokens.inc(f)
+        m.forward_seconds.observe(timing.forward_s)
+        m.verify_seconds.observe(timing.job_s)
+    if isinstance(work, Federate) and not isinstance(result, Failed):
+        m.federated_rounds.inc()
+    elif isinstance(work, Verify) and isinstance(result, Verified):
+        d, g = result.decision, len(work.propose.draft)
+        m.num_drafts.inc()
+        m.num_draft_tokens.inc(g)
+        m.num_accepted_tokens.inc(d.accepted)
+        for i in range(d.accepted):
+            m.accepted_per_pos.inc(position=str(i))
+        if d.accepted < g:
+            kind = "sparse" if d.sparse is not None else "candidates" if d.candidates else "token"
+            m.corrections.inc(kind=kind)
+        elif d.bonus is not None:
+            m.bonus_tokens.inc()
+    elif isinstance(work, Crop) and not isinstance(result, Failed):
+        m.rollbacks.inc()
+    elif isinstance(work, Draw):
+        m.resamples.inc()
+
+
+async def _run_work(state: VerifierState, live: LiveSession, work: Work) -> list[Event]:
+    """Carry out one model request of the core on the engine's worker; feed the result back."""
+    try:
+        (result, timing), queued = await state.engine.call(lambda: live.model.run(work))
+        state.metrics.queue_seconds.observe(queued)
+    except Exception as e:  # the engine itself failed (e.g. shut down)
+        log.warning("session %s: engine error", live.core.session_id, exc_info=e)
+        result, timing = Failed(f"{type(e).__name__}: {e}", live.model.seq.length), None
+    _count_work(state, work, result, timing)
+    return live.core.work_done(result)
+
+
+async def _act(
+    peer: _Peer, state: VerifierState, live: LiveSession, events: list[Event], t0: float
+) -> None:
+    """Carry out the core's events in order: send, run model work (whose result brings more
+    events), close."""
+    core = live.core
+    todo = list(events)
+    while todo:
+        ev = todo.pop(0)
+        if isinstance(ev, Note):
+            _note(state, core, ev)
+        elif isinstance(ev, Send):
+            await _send_msg(peer, state, ev.msg, core)
+            if isinstance(ev.msg, (Verdict, FederatedReply)):
+                state.metrics.round_seconds.observe(time.perf_counter() - t0)
+        elif isinstance(ev, Run):
+            todo[:0] = await _run_work(state, live, ev.work)
+        elif isinstance(ev, Close):
+            log.info("session %s closed: %s: %s", core.session_id, ev.error.code, ev.error.message)
+            await _fatal(peer, state, ev, core)
+            return
+
+
 async def _run_session(peer: _Peer, state: VerifierState) -> None:
     s = state.settings
     ws = peer.ws
+    core = _new_core(state)
     try:
         first = await ws.receive(timeout=s.handshake_timeout)
     except asyncio.TimeoutError:
         state.metrics.sessions_refused.inc(reason="handshake")
         err = Error("bad_handshake", f"no Hello within {s.handshake_timeout} s", fatal=True)
-        await _fatal(peer, state, SessionFatal(err))
+        await _fatal(peer, state, Close(err), core)
         return
     if first.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
         return  # closed before saying anything
     _count_in(state, first.data)
-    try:
-        session = handshake(first.data, state.engine, state.limits, state.metrics)
-    except SessionFatal as f:
-        await _fatal(peer, state, f)
+    events = core.receive(first.data)
+    if core.closed or core.hello is None:
+        for ev in events:
+            if isinstance(ev, Note):
+                _note(state, core, ev)
+            elif isinstance(ev, Close):
+                await _fatal(peer, state, ev, core)
         return
-    state.sessions[session.session_id] = session
+    live = LiveSession(core, SessionModel(state.engine.new_sequence(), core.hello))
+    state.sessions[core.session_id] = live
     state.metrics.sessions.inc()
     state.metrics.sessions_active.set(len(state.sessions))
+    h = core.hello
     log.info(
-        "session %s open (%s, %s, %s)",
-        session.session_id,
-        session.hello.reply_mode,
-        session.hello.correction,
-        session.hello.sampling,
+        "session %s open (%s, %s, %s)", core.session_id, h.reply_mode, h.correction, h.sampling
     )
     try:
-        await _send(peer, state, encode(session.welcome))
+        await _act(peer, state, live, events, time.perf_counter())
         async for msg in ws:
             if msg.type == WSMsgType.ERROR:
                 # e.g. a frame over max_frame: aiohttp has closed the socket with a code already.
                 state.metrics.bad_frames.inc()
-                log.info("session %s: transport error %s", session.session_id, ws.exception())
+                log.info("session %s: transport error %s", core.session_id, ws.exception())
                 break
             if msg.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
                 continue
             t0 = time.perf_counter()
             _count_in(state, msg.data)
-            replies = await session.handle(msg.data)
-            for r in replies:
-                await _send_msg(peer, state, r, session)
-            if any(isinstance(r, (Verdict, FederatedReply)) for r in replies):
-                state.metrics.round_seconds.observe(time.perf_counter() - t0)
-    except SessionFatal as f:
-        log.info("session %s closed: %s", session.session_id, f)
-        await _fatal(peer, state, f)
+            await _act(peer, state, live, core.receive(msg.data), t0)
+            if core.closed:
+                break
     except SlowReader as e:
         await _slow_reader(peer, state, e)
     except ConnectionError:
-        log.info("session %s: connection lost", session.session_id)
+        log.info("session %s: connection lost", core.session_id)
     except Exception as e:
-        log.exception("session %s: internal error", session.session_id)
+        log.exception("session %s: internal error", core.session_id)
         err = Error(
             "internal", f"internal error ({type(e).__name__}); see the verifier's log", fatal=True
         )
-        await _fatal(peer, state, SessionFatal(err, WSCloseCode.INTERNAL_ERROR))
+        await _fatal(peer, state, Close(err, WSCloseCode.INTERNAL_ERROR), core)
     finally:
-        del state.sessions[session.session_id]
+        del state.sessions[core.session_id]
         state.metrics.sessions_active.set(len(state.sessions))
-        log.info("session %s ended", session.session_id)
+        log.info("session %s ended", core.session_id)

@@ -22,22 +22,29 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
 from edge_agent.generate import ssl_context
 from edge_agent.transport import Transport
+from shared.enums import TextEnum
 from shared.metrics import Registry
 
 if TYPE_CHECKING:
     from edge_agent.config import EdgeSettings
-    from edge_agent.pipeline import Generation
+    from shared.generation import Generation
 
 log = logging.getLogger("wanspec.edge.link")
 
-LinkStateName = Literal["unknown", "up", "loading", "down"]
+class VerifierLinkState(TextEnum):
+    """What the edge knows of a verifier: answered (``up``), loading its model (503), down."""
+
+    UNKNOWN = "unknown"
+    UP = "up"
+    LOADING = "loading"
+    DOWN = "down"
 
 
 class EdgeMetrics:
@@ -163,7 +170,7 @@ def health_url(ws_url: str) -> str:
 @dataclass
 class LinkInfo:
     url: str
-    state: LinkStateName = "unknown"
+    state: VerifierLinkState = VerifierLinkState.UNKNOWN
     error: str | None = None
     rtt_ms: float | None = None
     checked_at: float | None = None  # time.time() of the last probe or session
@@ -181,18 +188,18 @@ class LinkMonitor:
         self.ssl = ssl_context(ca, settings.insecure_skip_verify)
 
     @property
-    def state(self) -> LinkStateName:
+    def state(self) -> VerifierLinkState:
         """up if any link is up; unknown before anything is known; else loading/down."""
         states = {link.state for link in self.links}
-        for s in ("up", "loading", "unknown"):
+        for s in (VerifierLinkState.UP, VerifierLinkState.LOADING, VerifierLinkState.UNKNOWN):
             if s in states:
                 return s
-        return "down"
+        return VerifierLinkState.DOWN
 
-    def _set(self, link: LinkInfo, state: LinkStateName, error: str | None) -> None:
+    def _set(self, link: LinkInfo, state: VerifierLinkState, error: str | None) -> None:
         before = link.state
         link.state, link.error, link.checked_at = state, error, time.time()
-        self.metrics.verifier_up.set(1 if state == "up" else 0, url=link.url)
+        self.metrics.verifier_up.set(1 if state == VerifierLinkState.UP else 0, url=link.url)
         if before != state:
             log.info("verifier %s: %s%s", link.url, state, f" ({error})" if error else "")
             self.changed()
@@ -201,9 +208,9 @@ class LinkMonitor:
         """After a real session: ``url`` None means the link in use (any/first)."""
         for link in self.links:
             if url is None or link.url == url:
-                if ok and url is None and link.state == "down":
+                if ok and url is None and link.state == VerifierLinkState.DOWN:
                     continue  # a success elsewhere says nothing about this one
-                self._set(link, "up" if ok else "down", error)
+                self._set(link, VerifierLinkState.UP if ok else VerifierLinkState.DOWN, error)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -224,17 +231,18 @@ class LinkMonitor:
                 await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-            self._set(link, "down", f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            self._set(link, VerifierLinkState.DOWN, why)
             return
         rtt = time.perf_counter() - t0
         link.rtt_ms = round(rtt * 1000, 2)
         self.metrics.rtt.observe(rtt, kind="probe")
         if status == 200:
-            self._set(link, "up", None)
+            self._set(link, VerifierLinkState.UP, None)
         elif status == 503:
-            self._set(link, "loading", "the verifier is not ready (503)")
+            self._set(link, VerifierLinkState.LOADING, "the verifier is not ready (503)")
         else:
-            self._set(link, "down", f"GET /health answered {status}")
+            self._set(link, VerifierLinkState.DOWN, f"GET /health answered {status}")
 
     async def run(self) -> None:
         """Probe every ``probe_interval`` seconds until cancelled."""

@@ -25,11 +25,16 @@ async def run_until_first_done(*coros: Coroutine[Any, Any, None]) -> None:
             if not t.cancelled() and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_all(tasks)
+
+
+async def cancel_all(tasks: list[asyncio.Task[None]] | list[asyncio.Future[None]]) -> None:
+    """Cancel the tasks and wait until each has finished (their errors are theirs to report)."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await t
 
 
 class ModelWorker:

@@ -25,6 +25,7 @@ import pytest
 import torch
 from scipy import stats
 
+from bench.tiny_models import build_tiny_model
 from cloud_verifier.app import build_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.engine import TorchTarget
@@ -32,10 +33,10 @@ from cloud_verifier.settings import VerifierSettings
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.drafter import Drafter
 from edge_agent.link import AuthError, LinkSettings, WebSocketTransport
-from edge_agent.pipeline import PIPELINED, STOP_AND_WAIT, PipelineConfig
 from edge_agent.transport import LinkClosed, Transport
 from shared.lm import CausalLM
-from shared.models import LoadedModel, build_tiny_model, load_model
+from shared.models import LoadedModel, load_model
+from shared.pipeline_config import Mode, PipelineConfig
 from shared.protocol import CorrectionMode
 from shared.sampling import SamplingParams, transform
 
@@ -89,8 +90,8 @@ def target_greedy(target: LoadedModel, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-GREEDY_CASES = [(g, d, PIPELINED) for g in (1, 3, 6) for d in (1, 2, 4)] + [
-    (g, 1, STOP_AND_WAIT) for g in (1, 3, 6)
+GREEDY_CASES = [(g, d, Mode.PIPELINED) for g in (1, 3, 6) for d in (1, 2, 4)] + [
+    (g, 1, Mode.STOP_AND_WAIT) for g in (1, 3, 6)
 ]
 
 
@@ -108,7 +109,7 @@ async def test_greedy_equals_target_only(
             assert gen.generated == expected, (gamma, depth, mode)
             st = gen.stats
             assert st.rejections > 0  # a random draft: the rollback path really ran
-            if mode == STOP_AND_WAIT:
+            if mode == Mode.STOP_AND_WAIT:
                 assert st.discarded_batches == 0
     finally:
         agent.close()
@@ -226,7 +227,7 @@ class KillAfter:
         return Dying()
 
 
-@pytest.mark.parametrize("mode", [PIPELINED, STOP_AND_WAIT])
+@pytest.mark.parametrize("mode", [Mode.PIPELINED, Mode.STOP_AND_WAIT])
 async def test_connection_killed_twice_text_unchanged(
     aiohttp_server: Any, target: LoadedModel, draft: LoadedModel, mode: str
 ) -> None:

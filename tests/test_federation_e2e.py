@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.tiny_models import build_tiny_model
 from cloud_verifier.app import build_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.engine import TorchTarget
@@ -18,12 +19,12 @@ from cloud_verifier.settings import VerifierSettings
 from edge_agent.drafter import Drafter
 from edge_agent.federation import WorkerSpec, generate_federated
 from edge_agent.link import LinkSettings, WebSocketTransport
-from edge_agent.pipeline import PipelineConfig
 from edge_agent.tasks import ModelWorker
 from edge_agent.transport import Transport
 from shared import compression as C
 from shared.lm import CausalLM
-from shared.models import LoadedModel, build_tiny_model, load_model
+from shared.models import LoadedModel, load_model
+from shared.pipeline_config import PipelineConfig
 from shared.sampling import SamplingParams, transform
 from tests.test_edge_e2e import KillAfter, sequential_chi_square
 

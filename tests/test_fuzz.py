@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +18,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.fuzz import FuzzConfig, Shadow, corpus_frames, mutate_bytes, mutate_map, run
+from bench.probe import Driver, ProbeClient, auth_headers
 from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.engine import TorchTarget
-from cloud_verifier.probe import Driver, ProbeClient, auth_headers
 from cloud_verifier.settings import VerifierSettings
-from edge_agent.pipeline import (
-    DesyncError,
-    Generation,
-    PipelineConfig,
-    SpeculativeSession,
-    VerifierError,
-)
-from edge_agent.tasks import ModelWorker
-from edge_agent.transport import LinkClosed, memory_pair
+from shared.edge_core import DesyncError, SingleCore, VerifierError, hello_for
+from shared.generation import Generation
 from shared.models import load_model
+from shared.pipeline_config import PipelineConfig
 from shared.protocol import (
     SUBPROTOCOL,
     Candidates,
@@ -54,7 +47,7 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.sampling import Probs, SamplingParams
+from shared.sampling import SamplingParams
 
 CORPUS = Path(__file__).resolve().parent / "fuzz_corpus"
 V = 64
@@ -196,50 +189,21 @@ async def test_corpus_against_a_live_session(aiohttp_client: Any, target: TorchT
     assert app[STATE].status == "ready" and len(driver.history) == len(corpus("verifier"))
 
 
-class CountingDrafter:
-    """Drafts (last + 1) mod V, one-hot (greedy)."""
-
-    def draft(
-        self, seq: Sequence[int], params: SamplingParams, rng: Any, *, deterministic: bool
-    ) -> tuple[int, Probs]:
-        x = (seq[-1] + 1) % V
-        q = np.zeros(V)
-        q[x] = 1.0
-        return x, q
-
-
 @pytest.mark.parametrize("name,frame", corpus("edge"), ids=[n for n, _ in corpus("edge")])
-async def test_edge_refuses_each_corpus_frame(name: str, frame: bytes) -> None:
-    """The reply to the edge's first Propose is hostile: the session fails with an error the
+def test_edge_refuses_each_corpus_frame(name: str, frame: bytes) -> None:
+    """The reply to the edge's first Propose is hostile: the session core raises an error the
     agent handles (it reconnects or reports), and nothing is committed."""
-    edge_end, verifier_end = memory_pair()
-    ctx = WireContext(vocab_size=V, max_gamma=16, max_fixed=8192, draft_probs=False)
-    gen = Generation([1, 9], 12)
-    worker = ModelWorker("test-draft")
     cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0))
-    session = SpeculativeSession(
-        gen,
-        CountingDrafter(),
-        worker,
-        edge_end,
-        ctx,
-        cfg,
-        np.random.default_rng(0),  # type: ignore[arg-type]
-    )
-
-    async def hostile() -> None:
-        await verifier_end.recv()  # the first Propose
-        await verifier_end.send(frame)
-        await asyncio.sleep(3600)
-
-    fake = asyncio.ensure_future(hostile())
-    try:
-        with pytest.raises((ProtocolError, DesyncError, VerifierError, LinkClosed)):
-            await asyncio.wait_for(session.run(), 10)
-    finally:
-        fake.cancel()
-        await asyncio.gather(fake, return_exceptions=True)
-        worker.close()
+    fp = Fingerprint("t", V, "test")
+    welcome = Welcome(fp, "s", max_gamma=16, max_fixed=8192, max_context=8192, max_frame=1 << 20)
+    gen = Generation([1, 9], 12)
+    core = SingleCore(gen, cfg, np.random.default_rng(0), hello_for(fp, cfg, 0), welcome)
+    plan = core.pipe.plan()
+    assert plan is not None
+    draft = [(plan.context[-1] + 1 + i) % V for i in range(plan.max_tokens)]
+    assert core.propose(plan, draft, [np.eye(V)[x] for x in draft])
+    with pytest.raises((ProtocolError, DesyncError, VerifierError)):
+        core.receive(frame)
     assert gen.committed == [1, 9], name
 
 

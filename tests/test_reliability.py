@@ -18,8 +18,8 @@ from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.engine import NullTarget
 from cloud_verifier.settings import VerifierSettings
-from edge_agent.agent import handshake
 from edge_agent.link import LinkSettings, WebSocketTransport
+from edge_agent.pipeline import handshake
 from edge_agent.transport import LinkClosed
 from shared.protocol import Fingerprint, Hello
 

@@ -15,12 +15,13 @@ import torch
 from aiohttp import WSCloseCode, WSMsgType, web
 from aiohttp.test_utils import TestClient
 
+from bench.probe import Driver, ProbeClient, auth_headers
+from bench.tiny_models import build_tiny_model
 from cloud_verifier.app import STATE, VerifierState, build_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.engine import Engine, Target, TorchTarget
-from cloud_verifier.probe import Driver, ProbeClient, auth_headers
 from cloud_verifier.settings import VerifierSettings
-from shared.models import build_tiny_model, load_model
+from shared.models import load_model
 from shared.protocol import (
     SUBPROTOCOL,
     Candidates,
@@ -187,7 +188,7 @@ async def test_greedy_verdicts_equal_direct_argmax(
         committed += fixed + draft[:n_ref]
         pos = len(committed)
         fixed = [tok_ref]
-        assert svc.server_session(pc).seq.length == len(committed)
+        assert svc.server_session(pc).model.seq.length == len(committed)
     assert outcomes == {True, False}
     m = svc.metrics
     assert m.num_drafts.get() == 8
@@ -206,7 +207,7 @@ async def test_rejection_crops_and_stale_proposes_cost_nothing(
     v = await pc.recv_as(Verdict)
     assert v.accepted == 1 and v.token == good[1]
     sess = svc.server_session(pc)
-    assert sess.seq.length == len(prompt) + 1 == sess.next_pos and sess.epoch == 1
+    assert sess.model.seq.length == len(prompt) + 1 == sess.core.next_pos and sess.core.epoch == 1
 
     # Two batches the edge pipelined before it saw the rejection: dropped, no forward, no reply.
     forwards = svc.engine.forwards
@@ -229,14 +230,14 @@ async def test_rejection_crops_and_stale_proposes_cost_nothing(
     await pc.send(propose(5, 4, 3, draft))
     v3 = await pc.recv_as(Verdict)
     assert (v3.epoch, v3.accepted, v3.token) == (5, n_ref, tok_ref) and n_ref == 1
-    assert sess.seq.length == 4 and sess.epoch == 6
+    assert sess.model.seq.length == 4 and sess.core.epoch == 6
 
     # Bad rollbacks: not a newer epoch; beyond the verified prefix.
     await pc.send(Rollback(epoch=6, pos=1))
     assert (await pc.recv_as(Error)).code == "bad_rollback"
     await pc.send(Rollback(epoch=7, pos=5))
     assert (await pc.recv_as(Error)).code == "bad_rollback"
-    assert sess.seq.length == 4
+    assert sess.model.seq.length == 4
 
 
 async def _play(driver: Driver, rounds: int) -> list[Message]:
@@ -297,7 +298,7 @@ async def test_federated_replies(aiohttp_client: AiohttpClient, target: TorchTar
         np.testing.assert_allclose(r.l1[j, 0], 2 * d.eps, atol=1e-5)  # A: exactly 2ε
         assert r.l1[j, 1] <= 2 * d.eps + 1e-5  # B: at most 2ε
     # Every token is kept; the edge rolls back what it rejects, then goes on from the cache.
-    assert svc.server_session(pc).next_pos == 7
+    assert svc.server_session(pc).core.next_pos == 7
     await pc.send(Rollback(epoch=1, pos=5))
     await pc.send(propose(1, 1, 5, [7, 8]))
     r2 = await pc.recv_as(FederatedReply)
@@ -473,7 +474,7 @@ async def test_model_error_is_reported_to_that_session_only(
 ) -> None:
     svc = await start(aiohttp_client, target)
     pc = await svc.open(hello_for(target))
-    sess = svc.server_session(pc)
+    sess = svc.server_session(pc).model
     real = sess._rows
 
     def broken(p: Propose) -> Any:

@@ -1,0 +1,112 @@
+"""One generation's committed text (the source of truth) and its counters.
+
+The committed ids are all that a new verifier session needs to resume (it re-prefills them), so a
+lost connection or a restarted verifier loses nothing; a session only ever appends to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Stats:
+    """Counters of one generation, across sessions (reconnects)."""
+
+    rounds: int = 0  # verdicts received
+    draft_tokens: int = 0  # draft tokens verified (in verdicts received)
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    rejections: int = 0
+    recovered_tokens: int = 0
+    bonus_tokens: int = 0
+    discarded_batches: int = 0
+    discarded_tokens: int = 0
+    resamples: int = 0
+    proposes_sent: int = 0
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    downlink_rejection_bytes: int = 0
+    reconnects: int = 0
+    drafter_wait_s: float = 0.0  # time the drafter sat idle (queue full / stop-and-wait)
+
+    def count_accepted(self, n: int, gamma: int) -> None:
+        if len(self.accepted_per_position) < gamma:
+            self.accepted_per_position += [0] * (gamma - len(self.accepted_per_position))
+        for i in range(n):
+            self.accepted_per_position[i] += 1
+
+
+class Generation:
+    """One request's committed ids (prompt + generated), the source of truth.
+
+    ``on_commit`` is called with each batch of newly committed generated ids, in order.
+    """
+
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        eos_ids: Sequence[int] = (),
+        on_commit: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        if not prompt:
+            raise ValueError("the prompt must contain at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.committed: list[int] = [int(t) for t in prompt]
+        self.prompt_len = len(self.committed)
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.on_commit = on_commit
+        self.done = False
+        self.finish_reason: str | None = None
+        self.stats = Stats()
+        #: [start, end) spans of ``generated`` that no verifier checked (draft-only fallback).
+        self.unverified: list[tuple[int, int]] = []
+        #: Federated mode only: the federation's measurements (edge_agent.federation).
+        self.federation: Any = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.committed[self.prompt_len :]
+
+    @property
+    def room(self) -> int:
+        """How many more tokens may be generated."""
+        return self.max_new_tokens - (len(self.committed) - self.prompt_len)
+
+    @property
+    def unverified_tokens(self) -> int:
+        return sum(b - a for a, b in self.unverified)
+
+    def commit(self, ids: Sequence[int], *, verified: bool = True) -> None:
+        """Append ids, stopping at an end-of-sequence id or the token limit.
+
+        ``verified=False`` marks them as the draft's own (link-down fallback): they are
+        committed like any other, and recorded in :attr:`unverified`.
+        """
+        start = len(self.generated)
+        new: list[int] = []
+        for t in ids:
+            if self.done:
+                break
+            self.committed.append(int(t))
+            new.append(int(t))
+            if int(t) in self.eos_ids:
+                self.done, self.finish_reason = True, "stop"
+            elif self.room <= 0:
+                self.done, self.finish_reason = True, "length"
+        if new and not verified:
+            end = start + len(new)
+            if self.unverified and self.unverified[-1][1] == start:
+                self.unverified[-1] = (self.unverified[-1][0], end)
+            else:
+                self.unverified.append((start, end))
+        if new and self.on_commit is not None:
+            self.on_commit(new)
+
+    def finish(self, reason: str) -> None:
+        self.done, self.finish_reason = True, reason

@@ -1,0 +1,78 @@
+"""When to reconnect to a verifier and when to give up: one policy for every edge link.
+
+Pure (no clock of its own: callers pass ``now``, a monotonic time in seconds, and a
+``random.Random`` for the jitter), so the same rules serve the single-verifier agent and every
+worker link of a federation, and tests run them without sleeping.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from shared.enums import TextEnum
+
+
+class LinkDownPolicy(TextEnum):
+    """``wait``: retry with backoff and fail the generation once no session has made progress
+    for ``deadline_s``; ``draft_only``: keep generating with the draft alone between attempts
+    (those tokens are flagged unverified) and re-sync the verifier from the committed text."""
+
+    WAIT = "wait"
+    DRAFT_ONLY = "draft_only"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int = 1000  # consecutive failed sessions before giving up
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 5.0
+    handshake_timeout_s: float = 30.0
+    link_down: LinkDownPolicy = LinkDownPolicy.WAIT
+    deadline_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "link_down", LinkDownPolicy.parse(self.link_down, "link_down"))
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s must be positive, got {self.deadline_s}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        """Exponential backoff with full jitter: attempt n waits in [cap/2, cap],
+        cap = min(backoff_max_s, backoff_initial_s · 2^(n−1))."""
+        cap = min(self.backoff_max_s, self.backoff_initial_s * 2 ** max(0, attempt - 1))
+        return rng.uniform(cap / 2, cap)
+
+
+class GiveUp(Exception):
+    """Reconnecting is over: the reason names the attempts, the time and the last cause."""
+
+
+@dataclass
+class Outage:
+    """Consecutive failed sessions of one link, and since when (``now`` passed in)."""
+
+    policy: RetryPolicy
+    failures: int = 0
+    since: float | None = None
+
+    def failed(self, now: float, *, progressed: bool, cause: str) -> int:
+        """Record a failed session; returns the attempt number (for :meth:`RetryPolicy.delay`).
+        A session that made progress (committed something) ends the outage. Raises
+        :class:`GiveUp` past ``max_attempts`` or, under ``wait``, past ``deadline_s``."""
+        if progressed or self.since is None:
+            self.failures, self.since = 0, now
+        self.failures += 1
+        if self.failures > self.policy.max_attempts:
+            raise GiveUp(f"gave up after {self.failures - 1} failed sessions: {cause}")
+        down_for = now - self.since
+        if self.policy.link_down == LinkDownPolicy.WAIT and down_for > self.policy.deadline_s:
+            raise GiveUp(
+                f"no verifier reachable for {down_for:.0f} s (deadline "
+                f"{self.policy.deadline_s:g} s); gave up: {cause}"
+            )
+        return self.failures
+
+    def succeeded(self) -> None:
+        self.failures, self.since = 0, None

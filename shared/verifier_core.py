@@ -1,0 +1,519 @@
+"""The verifier's side of one session as a synchronous state machine: no I/O, no clock, no model.
+
+h11-style: the driver feeds it frames (:meth:`VerifierCore.receive`) and the results of the model
+work it asked for (:meth:`VerifierCore.work_done`); each call returns the events to act on, in
+order: frames to :class:`Send`, model :class:`Run` requests, a :class:`Close`, and
+:class:`Note`\\ s for metrics and logs. The same object serves the aiohttp handler, the fuzzer's
+oracle and unit tests that need no sockets and no event loop.
+
+State: ``epoch`` (bumped on every rejection, set by Rollback), ``expected_seq`` (the
+next Propose's batch number, modulo 128), ``next_pos`` (where the next Propose of the current
+epoch must start) and ``cache_len`` (tokens the target's KV cache holds once the running work is
+done). Invariant while no work runs: ``next_pos == cache_len``.
+
+State table (``state`` × input → effect):
+
+=========== ============================ =====================================================
+state       input                        effect
+=========== ============================ =====================================================
+HELLO       Hello, compatible            → OPEN; Send(Welcome)
+HELLO       anything else / incompatible Close(bad_handshake | fingerprint_mismatch | bad_hello)
+OPEN        undecodable frame            Send(Error bad_frame) (counts towards max_bad_frames)
+OPEN        Propose, seq ≠ expected      bad_seq
+OPEN        Propose, epoch < epoch       dropped unprocessed (stale: sent before a rejection)
+OPEN        Propose, epoch > epoch       bad_epoch
+OPEN        Propose, pos ≠ next_pos      bad_pos (also pos 0 without fixed tokens)
+OPEN        Propose past max_context     Send(Error context_full), not fatal
+OPEN        Propose, valid               → BUSY; Run(Verify | Federate)
+OPEN        Rollback, valid              → BUSY; Run(Crop)
+OPEN        Rollback, epoch/pos invalid  bad_rollback
+OPEN        Resample, matches pending    → BUSY; Run(Draw) (at most max_resamples times)
+OPEN        Resample, otherwise          bad_resample
+OPEN        Error (fatal)                Close(closing, OK)
+OPEN        Error (not fatal)            Note(EDGE_ERROR)
+BUSY        any frame                    decoded and queued (bounded by ``max_queued``)
+BUSY        work_done(result)            → OPEN; reply (Verdict, FederatedReply, Candidates)
+                                         or Error model_error; queued frames are then handled
+any         max_bad_frames reached       Close(too_many_bad_frames)
+CLOSED      anything                     nothing
+=========== ============================ =====================================================
+
+Stale work never reaches the model: a Propose is checked when it is *handled* (after every
+earlier frame's work is done), so one queued behind a rejection is already of an old epoch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from shared.enums import TextEnum
+from shared.protocol import (
+    SEQ_MODULUS,
+    Candidates,
+    CorrectionMode,
+    Error,
+    FederatedReply,
+    Fingerprint,
+    Hello,
+    Message,
+    Propose,
+    ProtocolError,
+    ReplyMode,
+    Resample,
+    Rollback,
+    SparseDist,
+    Verdict,
+    Welcome,
+    WireContext,
+    decode,
+)
+from shared.rejection import Decision
+
+#: WebSocket close codes the core asks for (RFC 6455).
+CLOSE_OK: Final = 1000
+CLOSE_POLICY_VIOLATION: Final = 1008
+CLOSE_INTERNAL_ERROR: Final = 1011
+
+#: Error codes that count as bad frames (towards ``max_bad_frames``).
+BAD_CODES: Final = (
+    "bad_frame",
+    "bad_seq",
+    "bad_epoch",
+    "bad_pos",
+    "bad_rollback",
+    "bad_resample",
+    "queue_full",
+)
+
+
+class CoreState(TextEnum):
+    HELLO = "hello"
+    OPEN = "open"
+    BUSY = "busy"
+    CLOSED = "closed"
+
+
+class NoteKind(TextEnum):
+    OPENED = "opened"
+    REFUSED = "refused"  # detail: handshake | fingerprint
+    STALE = "stale"  # a Propose of an old epoch dropped unprocessed
+    BAD_FRAME = "bad_frame"
+    EDGE_ERROR = "edge_error"  # detail: the edge's Error code and message
+    MODEL_ERROR = "model_error"
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    max_gamma: int = 16
+    max_fixed: int = 8192
+    max_context: int = 8192
+    max_frame: int = 1 << 20
+    max_k: int = 1024
+    max_bad_frames: int = 16
+    max_resamples: int = 64
+    #: Frames decoded while model work runs, waiting their turn (a flood beyond is refused).
+    max_queued: int = 256
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the core needs to know of the target model."""
+
+    fingerprint: Fingerprint
+    vocab_size: int
+    max_length: int | None = None  # the model's own context limit, if any
+
+
+# ------------------------------------------------------------------------------- model work
+
+
+@dataclass(frozen=True)
+class Verify:
+    """Run the target over ``fixed + draft`` starting at ``pos`` (= the cache length) and decide
+    the batch: *accepted* prefix, then a *recovered* correction or (``want_bonus``) a *bonus*."""
+
+    propose: Propose
+    want_bonus: bool
+
+    @property
+    def start(self) -> int:
+        return self.propose.pos
+
+
+@dataclass(frozen=True)
+class Federate:
+    """Run the target over ``fixed + draft`` and return the γ+1 sparse rows and the γ exact
+    scalars p_j(x_j) (SpecFed): the edge decides."""
+
+    propose: Propose
+
+
+@dataclass(frozen=True)
+class Crop:
+    """Keep the first ``pos`` tokens of the cache (Rollback)."""
+
+    pos: int
+
+
+@dataclass(frozen=True)
+class Draw:
+    """Draw ``m`` more candidates from the p row kept for the last rejection (Resample)."""
+
+    epoch: int
+    pos: int
+    m: int
+
+
+Work = Verify | Federate | Crop | Draw
+
+
+@dataclass(frozen=True)
+class Verified:
+    decision: Decision
+    #: The model side kept p at the rejected position for later Resamples (candidates mode).
+    kept_row: bool = False
+
+
+@dataclass(frozen=True)
+class Federated:
+    dists: tuple[SparseDist, ...]  # γ+1
+    p_draft: npt.NDArray[np.float32]  # [γ]
+    l1: npt.NDArray[np.float32] | None  # [γ+1, 2]
+
+
+@dataclass(frozen=True)
+class Cropped:
+    pass
+
+
+@dataclass(frozen=True)
+class Drawn:
+    candidates: SparseDist
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The model work raised. ``cache_len``: what the cache holds now (restored or not)."""
+
+    message: str
+    cache_len: int
+
+
+Result = Verified | Federated | Cropped | Drawn | Failed
+
+
+# ------------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Send:
+    msg: Message
+
+
+@dataclass(frozen=True)
+class Run:
+    work: Work
+
+
+@dataclass(frozen=True)
+class Close:
+    """Send ``error`` (unless ``code`` is OK), then close the WebSocket with ``code``."""
+
+    error: Error
+    code: int = CLOSE_POLICY_VIOLATION
+
+
+@dataclass(frozen=True)
+class Note:
+    kind: NoteKind
+    detail: str = ""
+
+
+Event = Send | Run | Close | Note
+
+
+@dataclass
+class _Pending:
+    """The last rejection in candidates mode: what a matching Resample draws from."""
+
+    epoch: int
+    pos: int
+    used: int = 0
+
+
+class VerifierCore:
+    """One session's rules (module docstring). ``session_id`` comes from the driver."""
+
+    def __init__(self, target: TargetInfo, limits: SessionLimits, session_id: str) -> None:
+        self.target = target
+        self.limits = limits
+        self.session_id = session_id
+        self.state = CoreState.HELLO
+        self.hello: Hello | None = None
+        self.ctx: WireContext | None = None
+        self.max_context = min(limits.max_context, target.max_length or limits.max_context)
+        self.epoch = 0
+        self.expected_seq = 0
+        self.next_pos = 0
+        self.cache_len = 0
+        self.bad_frames = 0
+        self._pending: _Pending | None = None
+        self._running: Work | None = None
+        self._queue: deque[Message | ProtocolError] = deque()
+
+    # ------------------------------------------------------------------ inputs
+
+    def receive(self, data: bytes | str) -> list[Event]:
+        """One frame from the edge."""
+        if self.state == CoreState.CLOSED:
+            return []
+        if self.state == CoreState.HELLO:
+            return self._handshake(data)
+        assert self.ctx is not None
+        msg: Message | ProtocolError
+        try:
+            if not isinstance(data, bytes):
+                raise ProtocolError("frame", f"expected binary data, got {type(data).__name__}")
+            msg = decode(data, self.ctx)
+        except ProtocolError as e:
+            msg = e
+        if self.state == CoreState.BUSY:
+            if len(self._queue) >= self.limits.max_queued:
+                return self._bad("queue_full", f"more than {self.limits.max_queued} frames queued")
+            self._queue.append(msg)
+            return []
+        return self._handle(msg)
+
+    def work_done(self, result: Result) -> list[Event]:
+        """The result of the :class:`Run` this core asked for last."""
+        work = self._running
+        if work is None or self.state != CoreState.BUSY:
+            raise RuntimeError("work_done without work running")
+        self._running = None
+        self.state = CoreState.OPEN
+        out = self._apply(work, result)
+        while self.state == CoreState.OPEN and self._queue:
+            out += self._handle(self._queue.popleft())
+        return out
+
+    @property
+    def running(self) -> Work | None:
+        return self._running
+
+    @property
+    def closed(self) -> bool:
+        return self.state == CoreState.CLOSED
+
+    # ------------------------------------------------------------------ handshake
+
+    def _refuse(self, code: str, message: str, why: str) -> list[Event]:
+        self.state = CoreState.CLOSED
+        return [Note(NoteKind.REFUSED, why), Close(Error(code, message, fatal=True))]
+
+    def _handshake(self, data: bytes | str) -> list[Event]:
+        try:
+            if not isinstance(data, bytes):
+                raise ProtocolError("frame", f"expected binary data, got {type(data).__name__}")
+            msg = decode(data)
+        except ProtocolError as e:
+            return self._refuse("bad_handshake", f"expected Hello: {e}", "handshake")
+        if not isinstance(msg, Hello):
+            return self._refuse(
+                "bad_handshake", f"expected Hello first, got {type(msg).__name__}", "handshake"
+            )
+        t, lim = self.target, self.limits
+        reason = msg.fingerprint.compatible_with(t.fingerprint)
+        if reason is not None:
+            return self._refuse("fingerprint_mismatch", reason, "fingerprint")
+        if msg.k > lim.max_k or msg.m > lim.max_k:
+            return self._refuse(
+                "bad_hello",
+                f"k = {msg.k} / m = {msg.m} exceed this verifier's limit {lim.max_k}",
+                "handshake",
+            )
+        self.hello = msg
+        self.ctx = WireContext(
+            vocab_size=t.vocab_size,
+            max_gamma=lim.max_gamma,
+            max_fixed=lim.max_fixed,
+            max_k=lim.max_k,
+            max_frame=lim.max_frame,
+            draft_probs=msg.correction != CorrectionMode.GREEDY_DRAFT,
+        )
+        self.state = CoreState.OPEN
+        welcome = Welcome(
+            fingerprint=t.fingerprint,
+            session_id=self.session_id,
+            max_gamma=lim.max_gamma,
+            max_fixed=lim.max_fixed,
+            max_context=self.max_context,
+            max_frame=lim.max_frame,
+        )
+        return [Note(NoteKind.OPENED), Send(welcome)]
+
+    # ------------------------------------------------------------------ frames
+
+    def _handle(self, msg: Message | ProtocolError) -> list[Event]:
+        if isinstance(msg, ProtocolError):
+            return self._bad("bad_frame", str(msg))
+        if isinstance(msg, Propose):
+            return self._propose(msg)
+        if isinstance(msg, Rollback):
+            return self._rollback(msg)
+        if isinstance(msg, Resample):
+            return self._resample(msg)
+        if isinstance(msg, Error):
+            if msg.fatal:
+                self._close()
+                return [
+                    Note(NoteKind.EDGE_ERROR, f"{msg.code}: {msg.message}"),
+                    Close(Error("closing", f"edge error {msg.code}", fatal=True), CLOSE_OK),
+                ]
+            return [Note(NoteKind.EDGE_ERROR, f"{msg.code}: {msg.message}")]
+        return self._bad("bad_frame", f"type: {type(msg).__name__} is not valid from the edge")
+
+    def _close(self) -> None:
+        self.state = CoreState.CLOSED
+        self._queue.clear()
+
+    def _bad(self, code: str, message: str) -> list[Event]:
+        self.bad_frames += 1
+        note = Note(NoteKind.BAD_FRAME, code)
+        if self.bad_frames >= self.limits.max_bad_frames:
+            self._close()
+            return [
+                note,
+                Close(
+                    Error(
+                        "too_many_bad_frames",
+                        f"{self.bad_frames} bad frames in this session (last: {code}: {message})",
+                        fatal=True,
+                    )
+                ),
+            ]
+        return [note, Send(Error(code, message, fatal=False))]
+
+    def _start(self, work: Work) -> list[Event]:
+        self.state = CoreState.BUSY
+        self._running = work
+        return [Run(work)]
+
+    def _propose(self, p: Propose) -> list[Event]:
+        if p.seq != self.expected_seq:
+            return self._bad("bad_seq", f"seq {p.seq}, expected {self.expected_seq}")
+        self.expected_seq = (p.seq + 1) % SEQ_MODULUS
+        if p.epoch < self.epoch:
+            return [Note(NoteKind.STALE)]  # sent before the edge saw a rejection: no work
+        if p.epoch > self.epoch:
+            return self._bad("bad_epoch", f"epoch {p.epoch} is ahead of the session's {self.epoch}")
+        f, g = len(p.fixed), len(p.draft)
+        if p.pos != self.next_pos:
+            return self._bad("bad_pos", f"pos {p.pos}, expected {self.next_pos}")
+        if self.next_pos == 0 and f == 0:
+            return self._bad("bad_pos", "pos 0 needs at least one fixed token (the prompt)")
+        if p.pos + f + g > self.max_context:
+            return [
+                Send(
+                    Error(
+                        "context_full",
+                        f"{p.pos} + {f} fixed + {g} draft tokens exceed the context limit "
+                        f"{self.max_context}; start a new session",
+                        fatal=False,
+                    )
+                )
+            ]
+        assert self.hello is not None
+        self._pending = None
+        if self.hello.reply_mode == ReplyMode.FEDERATED:
+            return self._start(Federate(p))
+        return self._start(Verify(p, p.want_bonus or self.hello.bonus))
+
+    def _rollback(self, r: Rollback) -> list[Event]:
+        if r.epoch <= self.epoch:
+            return self._bad("bad_rollback", f"epoch {r.epoch} is not after {self.epoch}")
+        if not 0 <= r.pos <= self.next_pos:
+            return self._bad("bad_rollback", f"pos {r.pos} outside [0, {self.next_pos}]")
+        self.epoch = r.epoch
+        self.next_pos = r.pos
+        self._pending = None
+        return self._start(Crop(r.pos))
+
+    def _resample(self, r: Resample) -> list[Event]:
+        pr = self._pending
+        if pr is None or (r.epoch, r.pos) != (pr.epoch, pr.pos):
+            want = "none pending" if pr is None else f"pending: epoch {pr.epoch}, pos {pr.pos}"
+            return self._bad(
+                "bad_resample", f"no correction at epoch {r.epoch}, pos {r.pos} ({want})"
+            )
+        if pr.used >= self.limits.max_resamples:
+            return self._bad(
+                "bad_resample",
+                f"more than {self.limits.max_resamples} resamples for the correction at {r.pos}",
+            )
+        pr.used += 1
+        assert self.hello is not None
+        return self._start(Draw(pr.epoch, pr.pos, self.hello.m))
+
+    # ------------------------------------------------------------------ results
+
+    def _apply(self, work: Work, result: Result) -> list[Event]:
+        if isinstance(result, Failed):
+            return self._failed(work, result)
+        if isinstance(work, Verify) and isinstance(result, Verified):
+            return self._verified(work, result)
+        if isinstance(work, Federate) and isinstance(result, Federated):
+            p = work.propose
+            self.next_pos = self.cache_len = p.pos + len(p.fixed) + len(p.draft)
+            return [Send(FederatedReply(p.epoch, p.seq, result.dists, result.p_draft, result.l1))]
+        if isinstance(work, Crop) and isinstance(result, Cropped):
+            self.cache_len = work.pos
+            return []
+        if isinstance(work, Draw) and isinstance(result, Drawn):
+            return [Send(Candidates(work.epoch, work.pos, result.candidates))]
+        raise TypeError(f"{type(result).__name__} is not the result of {type(work).__name__}")
+
+    def _verified(self, work: Verify, result: Verified) -> list[Event]:
+        p, d = work.propose, result.decision
+        f, g, n = len(p.fixed), len(p.draft), d.accepted
+        if n < g:
+            # Rejection: the model side cropped the cache to the accepted prefix; every batch
+            # the edge sent behind this one is now of an old epoch.
+            self.next_pos = self.cache_len = p.pos + f + n
+            self.epoch += 1
+            if result.kept_row:
+                self._pending = _Pending(self.epoch, self.next_pos)
+        else:
+            # A bonus token is committed by the edge and comes back as a fixed token.
+            self.next_pos = self.cache_len = p.pos + f + g
+        return [
+            Send(
+                Verdict(
+                    epoch=p.epoch,
+                    seq=p.seq,
+                    accepted=n,
+                    sparse=d.sparse,
+                    candidates=d.candidates,
+                    token=d.token,
+                    bonus=d.bonus,
+                )
+            )
+        ]
+
+    def _failed(self, work: Work, result: Failed) -> list[Event]:
+        note = Note(NoteKind.MODEL_ERROR, result.message)
+        self.cache_len = result.cache_len
+        if result.cache_len != self.next_pos:  # the cache could not be restored
+            self._close()
+            return [
+                note,
+                Close(
+                    Error("model_error", result.message + "; rebuild the session", fatal=True),
+                    CLOSE_INTERNAL_ERROR,
+                ),
+            ]
+        return [note, Send(Error("model_error", result.message, fatal=False))]

@@ -1,0 +1,266 @@
+"""The verifier's session rules (:class:`shared.verifier_core.VerifierCore`) as pure functions:
+one case per row of its state table. No sockets, no model, no event loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shared.protocol import (
+    Candidates,
+    CorrectionMode,
+    Error,
+    FederatedReply,
+    Fingerprint,
+    Hello,
+    Propose,
+    ReplyMode,
+    Resample,
+    Rollback,
+    SparseDist,
+    Verdict,
+    Welcome,
+    WireContext,
+    encode,
+)
+from shared.rejection import Decision
+from shared.sampling import SamplingParams
+from shared.verifier_core import (
+    CLOSE_INTERNAL_ERROR,
+    CLOSE_OK,
+    Close,
+    CoreState,
+    Crop,
+    Cropped,
+    Draw,
+    Drawn,
+    Event,
+    Failed,
+    Federate,
+    Federated,
+    Note,
+    NoteKind,
+    Run,
+    Send,
+    SessionLimits,
+    TargetInfo,
+    Verified,
+    VerifierCore,
+    Verify,
+)
+
+V = 64
+FP = Fingerprint("t", V, "test")
+SD = SparseDist(np.array([3]), np.ones(1, np.float32))
+
+
+def opened(
+    reply: ReplyMode = ReplyMode.VERDICT,
+    correction: CorrectionMode = CorrectionMode.GREEDY_DRAFT,
+    **limits: int,
+) -> VerifierCore:
+    core = VerifierCore(TargetInfo(FP, V, max_length=64), SessionLimits(**limits), "s1")
+    ev = core.receive(encode(Hello(FP, SamplingParams(0.0), reply, correction)))
+    assert isinstance(ev[-1], Send) and isinstance(ev[-1].msg, Welcome)
+    assert core.state == CoreState.OPEN and core.max_context == 64
+    return core
+
+
+def ctx(core: VerifierCore) -> WireContext:
+    assert core.ctx is not None
+    return core.ctx
+
+
+def propose(
+    core: VerifierCore,
+    epoch: int,
+    seq: int,
+    pos: int,
+    draft: list[int],
+    fixed: tuple[int, ...] | list[int] = (),
+) -> bytes:
+    q = np.ones(len(draft), np.float32)
+    p = Propose(epoch, seq, pos, np.array(draft), q, np.array(fixed, np.int64))
+    return encode(p, ctx(core))
+
+
+def errors(events: list[Event]) -> list[str]:
+    return [e.msg.code for e in events if isinstance(e, Send) and isinstance(e.msg, Error)]
+
+
+def run_of(events: list[Event]) -> Run:
+    (r,) = [e for e in events if isinstance(e, Run)]
+    return r
+
+
+# ------------------------------------------------------------------------------ handshake
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        (b"\x00junk", "bad_handshake"),
+        ("text", "bad_handshake"),
+        (encode(Error("x", "y")), "bad_handshake"),
+        (encode(Hello(Fingerprint("other", V, "o"))), "fingerprint_mismatch"),
+        (encode(Hello(FP, k=10**6)), "bad_hello"),
+    ],
+)
+def test_hello_state_refuses_anything_but_a_compatible_hello(
+    frame: bytes | str, code: str
+) -> None:
+    core = VerifierCore(TargetInfo(FP, V), SessionLimits(), "s1")
+    ev = core.receive(frame)
+    assert core.closed
+    assert isinstance(ev[0], Note) and ev[0].kind == NoteKind.REFUSED
+    assert isinstance(ev[-1], Close) and ev[-1].error.code == code and ev[-1].error.fatal
+    assert core.receive(frame) == []  # CLOSED: nothing more
+
+
+# ------------------------------------------------------------------------------ Propose
+
+
+def test_valid_propose_runs_verify_and_the_verdict_moves_the_session() -> None:
+    core = opened()
+    ev = core.receive(propose(core, 0, 0, 0, [5, 6, 7], fixed=[1, 2]))
+    work = run_of(ev).work
+    assert isinstance(work, Verify) and core.state == CoreState.BUSY
+    # Full acceptance: the next Propose starts after fixed + draft.
+    out = core.work_done(Verified(Decision(3)))
+    assert isinstance(out[0], Send) and isinstance(out[0].msg, Verdict)
+    assert (core.next_pos, core.cache_len, core.epoch, core.expected_seq) == (5, 5, 0, 1)
+    # A rejection: the accepted prefix stays, the epoch moves on.
+    core.receive(propose(core, 0, 1, 5, [8, 9]))
+    core.work_done(Verified(Decision(1, token=4)))
+    assert (core.next_pos, core.epoch) == (6, 1) and core.state == CoreState.OPEN
+
+
+@pytest.mark.parametrize(
+    ("epoch", "seq", "pos", "fixed", "code"),
+    [
+        (0, 3, 0, [1], "bad_seq"),
+        (1, 0, 0, [1], "bad_epoch"),
+        (0, 0, 2, [1], "bad_pos"),
+        (0, 0, 0, [], "bad_pos"),  # pos 0 needs the prompt
+    ],
+)
+def test_propose_refusals(epoch: int, seq: int, pos: int, fixed: list[int], code: str) -> None:
+    core = opened()
+    ev = core.receive(propose(core, epoch, seq, pos, [5], fixed))
+    assert errors(ev) == [code] and core.bad_frames == 1 and core.state == CoreState.OPEN
+    assert not any(isinstance(e, Run) for e in ev)
+
+
+def test_stale_propose_is_dropped_without_work_and_consumes_its_seq() -> None:
+    core = opened()
+    core.receive(propose(core, 0, 0, 0, [5, 6], [1]))
+    core.work_done(Verified(Decision(0, token=3)))  # epoch 1
+    ev = core.receive(propose(core, 0, 1, 3, [7]))  # pipelined before the rejection was seen
+    assert ev == [Note(NoteKind.STALE)] and core.expected_seq == 2 and core.bad_frames == 0
+
+
+def test_context_full_is_an_error_not_a_bad_frame() -> None:
+    core = opened()
+    ev = core.receive(propose(core, 0, 0, 0, [5, 6], list(range(1, 64))))
+    assert errors(ev) == ["context_full"] and core.bad_frames == 0
+
+
+def test_frames_while_busy_are_queued_then_handled_in_order() -> None:
+    core = opened(max_queued=2)
+    core.receive(propose(core, 0, 0, 0, [5, 6], [1]))
+    assert core.receive(propose(core, 0, 1, 3, [7])) == []  # queued behind the running work
+    assert core.receive(propose(core, 0, 2, 4, [8])) == []
+    assert errors(core.receive(propose(core, 0, 3, 5, [9]))) == ["queue_full"]
+    # The first batch is rejected: the queued ones are of an old epoch by the time they run.
+    out = core.work_done(Verified(Decision(0, token=3)))
+    assert [type(e).__name__ for e in out] == ["Send", "Note", "Note"]
+    assert all(isinstance(e, Note) and e.kind == NoteKind.STALE for e in out[1:])
+
+
+def test_federated_propose_runs_federate() -> None:
+    core = opened(ReplyMode.FEDERATED)
+    work = run_of(core.receive(propose(core, 0, 0, 0, [5], [1]))).work
+    assert isinstance(work, Federate)
+    out = core.work_done(Federated((SD, SD), np.ones(1, np.float32), None))
+    assert isinstance(out[0], Send) and isinstance(out[0].msg, FederatedReply)
+    assert core.next_pos == 2 and core.epoch == 0
+
+
+# ------------------------------------------------------------------------------ Rollback
+
+
+def test_rollback_crops_and_enters_its_epoch() -> None:
+    core = opened(ReplyMode.FEDERATED)
+    core.receive(propose(core, 0, 0, 0, [5, 6], [1]))
+    core.work_done(Federated((SD, SD, SD), np.ones(2, np.float32), None))
+    work = run_of(core.receive(encode(Rollback(1, 2), ctx(core)))).work
+    assert work == Crop(2) and (core.epoch, core.next_pos) == (1, 2)
+    assert core.work_done(Cropped()) == [] and core.cache_len == 2
+
+
+@pytest.mark.parametrize(("epoch", "pos"), [(0, 0), (1, 5)])
+def test_bad_rollbacks(epoch: int, pos: int) -> None:
+    core = opened()
+    assert errors(core.receive(encode(Rollback(epoch, pos), ctx(core)))) == ["bad_rollback"]
+
+
+# ------------------------------------------------------------------------------ Resample
+
+
+def test_resample_draws_for_the_pending_correction_a_bounded_number_of_times() -> None:
+    core = opened(correction=CorrectionMode.CANDIDATES, max_resamples=1)
+    core.receive(propose(core, 0, 0, 0, [5, 6], [1]))
+    core.work_done(Verified(Decision(0, candidates=SD), kept_row=True))
+    ask = encode(Resample(1, 1), ctx(core))
+    work = run_of(core.receive(ask)).work
+    assert work == Draw(1, 1, 8)
+    out = core.work_done(Drawn(SD))
+    assert isinstance(out[0], Send) and out[0].msg == Candidates(1, 1, SD)
+    assert errors(core.receive(ask)) == ["bad_resample"]  # more than max_resamples
+
+
+def test_resample_without_a_pending_correction() -> None:
+    core = opened(correction=CorrectionMode.CANDIDATES)
+    assert errors(core.receive(encode(Resample(0, 0), ctx(core)))) == ["bad_resample"]
+
+
+# ------------------------------------------------------------------------------ the rest
+
+
+def test_edge_errors() -> None:
+    core = opened()
+    ev = core.receive(encode(Error("x", "note", fatal=False), ctx(core)))
+    assert ev == [Note(NoteKind.EDGE_ERROR, "x: note")] and not core.closed
+    ev = core.receive(encode(Error("y", "bye", fatal=True), ctx(core)))
+    assert core.closed and isinstance(ev[-1], Close) and ev[-1].code == CLOSE_OK
+
+
+def test_undecodable_and_wrong_direction_frames_are_bad_frames() -> None:
+    core = opened()
+    assert errors(core.receive(b"\xc1")) == ["bad_frame"]
+    assert errors(core.receive("text")) == ["bad_frame"]
+    assert errors(core.receive(encode(Verdict(0, 0, 1), ctx(core)))) == ["bad_frame"]
+
+
+def test_max_bad_frames_closes_the_session() -> None:
+    core = opened(max_bad_frames=3)
+    for _ in range(2):
+        assert errors(core.receive(b"\xc1")) == ["bad_frame"]
+    ev = core.receive(b"\xc1")
+    assert core.closed and isinstance(ev[-1], Close)
+    assert ev[-1].error.code == "too_many_bad_frames"
+
+
+def test_model_failure_is_fatal_only_when_the_cache_was_not_restored() -> None:
+    core = opened()
+    core.receive(propose(core, 0, 0, 0, [5], [1]))
+    ev = core.work_done(Failed("boom", cache_len=0))
+    assert errors(ev) == ["model_error"] and not core.closed
+    core.receive(propose(core, 0, 1, 0, [5], [1]))
+    ev = core.work_done(Failed("boom", cache_len=2))
+    assert core.closed and isinstance(ev[-1], Close) and ev[-1].code == CLOSE_INTERNAL_ERROR
+
+
+def test_work_done_without_work_is_a_driver_bug() -> None:
+    with pytest.raises(RuntimeError):
+        opened().work_done(Cropped())
