@@ -18,7 +18,7 @@ install: $(VENV)/.installed
 
 lint: install
 	$(PY) -m ruff check shared edge_agent cloud_verifier tests bench
-	$(PY) -m mypy shared
+	$(PY) -m mypy shared edge_agent cloud_verifier
 
 test: lint
 	$(PY) -m pytest -q

@@ -18,13 +18,14 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, fields, replace
+from enum import Enum
 from typing import Any, Protocol, TextIO
 
 import aiohttp
 
 from edge_agent.config import EdgeSettings, read_secret_file
-from edge_agent.pipeline import MODES
 from edge_agent.service import EdgeService, Finished, GenRequest
+from shared.pipeline_config import Mode
 from shared.protocol import CorrectionMode
 
 HELP = """Available commands:
@@ -53,15 +54,15 @@ class ChatOptions:
     seed: int | None
     gamma: int
     depth: int
-    mode: str
-    correction: str
+    mode: Mode
+    correction: CorrectionMode
     system: str = ""
 
     @classmethod
     def from_settings(cls, s: EdgeSettings) -> ChatOptions:
         return cls(
-            s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed, s.gamma, s.depth, s.mode,
-            s.correction,
+            s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed, s.gamma, s.depth,
+            Mode.parse(s.mode, "mode"), CorrectionMode.parse(s.correction, "correction"),
         )  # fmt: skip
 
     def with_setting(self, key: str, value: str) -> ChatOptions:
@@ -72,13 +73,9 @@ class ChatOptions:
         if key == "system":
             return replace(self, system=value)
         if key == "mode":
-            if value not in MODES:
-                raise ValueError(f"mode must be one of {', '.join(MODES)}")
-            return replace(self, mode=value)
+            return replace(self, mode=Mode.parse(value, "mode"))
         if key == "correction":
-            if value not in CorrectionMode.choices():
-                raise ValueError(f"correction must be one of {', '.join(CorrectionMode.choices())}")
-            return replace(self, correction=value)
+            return replace(self, correction=CorrectionMode.parse(value, "correction"))
         if key == "seed" and value.lower() in ("none", "off", ""):
             return replace(self, seed=None)
         try:
@@ -100,8 +97,13 @@ class ChatOptions:
         changes: dict[str, Any] = {key: num}
         return replace(self, **changes)
 
+    def show(self, key: str) -> str:
+        """One setting as the REPL prints it (a mode as its plain value: 'pipelined')."""
+        value = getattr(self, key)
+        return repr(value.value if isinstance(value, Enum) else value)
+
     def describe(self) -> str:
-        return "\n".join(f"  {f.name:<12} {getattr(self, f.name)!r}" for f in fields(self))
+        return "\n".join(f"  {f.name:<12} {self.show(f.name)}" for f in fields(self))
 
 
 Event = str | Finished
@@ -147,8 +149,8 @@ class RemoteBackend:
             "wanspec": {
                 "gamma": opts.gamma,
                 "depth": opts.depth,
-                "mode": opts.mode,
-                "correction": opts.correction,
+                "mode": opts.mode.value,
+                "correction": opts.correction.value,
             },
         }
         parts: list[str] = []
@@ -376,7 +378,7 @@ class Repl:
                 except ValueError as e:
                     self.say(f"error: {e}")
                 else:
-                    self.say(f"Set {key} to {getattr(self.opts, key)!r}.")
+                    self.say(f"Set {key} to {self.opts.show(key)}.")
         elif cmd == "/stats":
             self.show_stats()
         else:

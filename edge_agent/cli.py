@@ -28,6 +28,8 @@ from typing import Any
 
 import orjson
 
+from shared.compression import Reconstruction
+from shared.pipeline_config import Mode, PipelineConfig
 from shared.protocol import CorrectionMode
 
 DEFAULT_TARGET = "default"
@@ -60,14 +62,14 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--depth", type=_positive_int("--depth", 127), default=2, help="in-flight batches D"
     )
-    g.add_argument("--mode", choices=["pipelined", "stop-and-wait"], default="pipelined")
+    g.add_argument("--mode", choices=Mode.choices(), default=Mode.PIPELINED.value)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument(
         "--correction",
-        choices=list(CorrectionMode.choices()),
-        default=CorrectionMode.CANDIDATES,
+        choices=CorrectionMode.choices(),
+        default=CorrectionMode.CANDIDATES.value,
         help="how a rejection is corrected at T > 0: candidates (exact, default), "
         "greedy_draft (exact, ids only), topk (PicoSpec, lossy)",
     )
@@ -90,8 +92,8 @@ def _add_link_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--k", default="64", help="federation: top-k size (one, or one per verifier)")
     g.add_argument(
         "--reconstruction",
-        choices=["A", "B"],
-        default="A",
+        choices=Reconstruction.choices(),
+        default=Reconstruction.RENORMALISED.value,
         help="federation: A renormalised top-K, B residual redistributed",
     )
     g.add_argument(
@@ -206,17 +208,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _pipeline_config(args: argparse.Namespace) -> Any:
-    from edge_agent.pipeline import PipelineConfig
+def _pipeline_config(args: argparse.Namespace) -> PipelineConfig:
     from shared.sampling import SamplingParams
 
     return PipelineConfig(
         gamma=args.gamma,
         depth=args.depth,
-        mode=args.mode,
+        mode=Mode.parse(args.mode, "--mode"),
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
-        correction=args.correction,
-        reconstruction=getattr(args, "reconstruction", "A"),
+        correction=CorrectionMode.parse(args.correction, "--correction"),
+        # ``demo`` has no --reconstruction flag (one verifier: no federation).
+        reconstruction=Reconstruction.parse(
+            getattr(args, "reconstruction", Reconstruction.RENORMALISED), "--reconstruction"
+        ),
     )
 
 
@@ -397,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     from edge_agent.agent import HandshakeError
     from edge_agent.link import AuthError
     from edge_agent.transport import LinkClosed
-    from shared.models import ModelSpecError
+    from shared.model_spec import ModelSpecError
 
     if args.command in ("serve", "chat"):
         return _daemon_command(args)
@@ -422,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _daemon_command(args: argparse.Namespace) -> int:
     from shared.config import ConfigError
-    from shared.models import ModelSpecError
+    from shared.model_spec import ModelSpecError
 
     try:
         settings = load_cli_settings(args)

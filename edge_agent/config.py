@@ -23,23 +23,24 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from edge_agent.pipeline import MODES, PipelineConfig
+from shared.compression import Reconstruction
 from shared.config import ConfigError, load_settings
+from shared.pipeline_config import Mode, PipelineConfig
 from shared.protocol import CorrectionMode
 from shared.sampling import SamplingParams
 
 ENV_PREFIX = "WANSPEC_EDGE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 
-Mode = Literal["pipelined", "stop-and-wait"]
-Correction = Literal["candidates", "greedy_draft", "topk"]
+# Settings files and flags spell choices as strings (shared.config checks Literal choices): the
+# values of Mode, CorrectionMode and Reconstruction (tests/test_edge_config.py keeps them equal).
+ModeName = Literal["pipelined", "stop-and-wait"]
+CorrectionName = Literal["candidates", "greedy_draft", "topk"]
+ReconstructionName = Literal["A", "B"]
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 Fallback = Literal["none", "draft"]
 LogLevel = Literal["debug", "info", "warning", "error"]
-
-assert set(MODES) == {"pipelined", "stop-and-wait"}
-assert set(CorrectionMode.choices()) == {"candidates", "greedy_draft", "topk"}
 
 
 def _b(lo: float, hi: float | None = None) -> dict[str, float]:
@@ -61,7 +62,7 @@ class EdgeSettings:
     weights: str = ""
     k: str = "64"
     eps_target: float = field(default=0.0, metadata=_b(0.0, 0.999))
-    reconstruction: Literal["A", "B"] = "A"  # A renormalised top-K, B residual redistributed
+    reconstruction: ReconstructionName = "A"  # A renormalised top-K, B residual redistributed
     round_deadline: float = field(default=5.0, metadata=_b(0.01))  # s to wait for a worker
     token_file: Path | None = None  # bearer token for the verifier (first non-comment line)
     ca_file: Path | None = None  # CA bundle for a wss:// verifier
@@ -81,8 +82,8 @@ class EdgeSettings:
     # --- speculation
     gamma: int = field(default=4, metadata=_b(1, 64))
     depth: int = field(default=2, metadata=_b(1, 127))
-    mode: Mode = "pipelined"
-    correction: Correction = "candidates"
+    mode: ModeName = "pipelined"
+    correction: CorrectionName = "candidates"
     # --- sampling defaults (a request's own values win)
     temperature: float = field(default=0.0, metadata=_b(0.0, 100.0))
     top_p: float = field(default=1.0, metadata=_b(0.0, 1.0))
@@ -159,8 +160,8 @@ class EdgeSettings:
         top_p: float | None = None,
         gamma: int | None = None,
         depth: int | None = None,
-        mode: str | None = None,
-        correction: str | None = None,
+        mode: Mode | None = None,
+        correction: CorrectionMode | None = None,
     ) -> PipelineConfig:
         """These defaults with a request's own values (None: not given) on top.
         Raises ValueError for a bad combination."""
@@ -171,9 +172,9 @@ class EdgeSettings:
         return PipelineConfig(
             gamma=pick(gamma, self.gamma),
             depth=pick(depth, self.depth),
-            mode=pick(mode, self.mode),
-            correction=pick(correction, self.correction),
-            reconstruction=self.reconstruction,
+            mode=Mode.parse(pick(mode, self.mode), "mode"),
+            correction=CorrectionMode.parse(pick(correction, self.correction), "correction"),
+            reconstruction=Reconstruction.parse(self.reconstruction, "reconstruction"),
             sampling=SamplingParams(
                 pick(temperature, self.temperature),
                 pick(top_k, self.top_k),

@@ -15,15 +15,17 @@ from typing import Any
 from edge_agent.agent import EdgeAgent, RetryPolicy
 from edge_agent.drafter import Drafter
 from edge_agent.link import LinkSettings, WebSocketTransport
-from edge_agent.pipeline import Generation, PipelineConfig
 from edge_agent.transport import Transport
-from shared.models import LoadedModel, load_model, parse_model_spec
+from shared.generation import Generation
+from shared.model_spec import SpecKind, parse_model_spec
+from shared.models import LoadedModel, load_model
+from shared.pipeline_config import PipelineConfig
 
 
 def load_draft(spec: str, base_spec: str, *, device: str = "cpu") -> LoadedModel:
     """The draft model; a ``self:...`` draft is derived from ``base_spec``'s weights (shared)."""
     parsed = parse_model_spec(spec)
-    if parsed.kind == "self":
+    if parsed.kind == SpecKind.SELF:
         base = load_model(base_spec, device=device)
         return load_model(parsed, base=base)
     return load_model(parsed, device=device)

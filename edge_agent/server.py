@@ -4,7 +4,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streaming 
 Events ending with ``data: [DONE]``, or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. Every response of a
 generation carries our extension ``"wanspec": {...}`` (acceptance, bytes, rounds, RTT; in the
-last chunk when streaming).
+last chunk when streaming). Request bodies are checked by the pure parsers of
+:mod:`edge_agent.api_request`; errors are :class:`~edge_agent.api_errors.ApiError`.
 
 Tasks and their owners: the model load, the verifier probe and the systemd watchdog run in tasks
 created and cancelled-and-awaited by a cleanup context. Request handlers are cancelled when
@@ -18,7 +19,6 @@ import contextlib
 import hmac
 import json
 import logging
-import math
 import signal
 import time
 import uuid
@@ -28,9 +28,10 @@ from typing import Any
 
 from aiohttp import hdrs, web
 
+from edge_agent.api_errors import ApiError, bad_request, from_http
+from edge_agent.api_request import ApiRequest, parse_messages, parse_prompt, parse_request
 from edge_agent.config import EdgeSettings, read_secret_file
 from edge_agent.generate import encode_prompt
-from edge_agent.pipeline import MODES, VerifierError
 from edge_agent.progress import Progress, quiet_hub_progress
 from edge_agent.service import (
     EdgeService,
@@ -39,69 +40,12 @@ from edge_agent.service import (
     QueueFull,
     VerifierUnavailable,
 )
+from shared.edge_core import VerifierError
 from shared.metrics import CONTENT_TYPE
-from shared.protocol import CorrectionMode
 from shared.sdnotify import Notifier
+from shared.service_status import ServiceStatus
 
 log = logging.getLogger("wanspec.edge.server")
-
-MAX_STOPS = 4
-
-
-# ---------------------------------------------------------------------------- errors
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's JSON shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def response(self, **headers: str) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=headers or None)
-
-
-def _bad(param: str, message: str, code: str | None = "invalid_value") -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-_HTTP_ERROR_TYPES = {
-    401: ("invalid_request_error", "invalid_api_key"),
-    404: ("invalid_request_error", "not_found"),
-    405: ("invalid_request_error", "method_not_allowed"),
-    413: ("invalid_request_error", "request_too_large"),
-}
-
-
-def _from_http(e: web.HTTPException) -> ApiError:
-    type_, code = _HTTP_ERROR_TYPES.get(e.status, ("invalid_request_error", None))
-    text = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
-    return ApiError(e.status, text.strip(), type_=type_, code=code)
 
 
 # ---------------------------------------------------------------------------- state
@@ -113,12 +57,12 @@ class ServerState:
     api_key: str | None = None
     notifier: Notifier = field(default_factory=lambda: Notifier(None))
     progress: Progress | None = None
-    status: str = "loading"  # loading | ready | failed | stopping
+    status: ServiceStatus = ServiceStatus.LOADING
     reason: str = "loading the draft model"
     started: int = field(default_factory=lambda: int(time.time()))
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def set_status(self, status: str, reason: str) -> None:
+    def set_status(self, status: ServiceStatus, reason: str) -> None:
         self.status, self.reason = status, reason
         self.changed.set()
 
@@ -133,223 +77,43 @@ STATE = web.AppKey("wanspec_edge_state", ServerState)
 # ---------------------------------------------------------------------------- request parsing
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
-def _opt_int(body: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not _is_int(v) or v < lo or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise _bad(key, f"{key} must be an integer {rng}, got {json.dumps(v)}")
-    return int(v)
-
-
-def _opt_num(
-    body: dict[str, Any], key: str, lo: float, hi: float, *, open_lo: bool = False
-) -> float | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not _is_num(v) or v > hi or v < lo or (open_lo and v == lo):
-        side = "(" if open_lo else "["
-        raise _bad(key, f"{key} must be a number in {side}{lo}, {hi}], got {json.dumps(v)}")
-    return float(v)
-
-
-def _stops(body: dict[str, Any]) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise _bad("stop", "stop must be a string or a list of strings")
-    if len(items) > MAX_STOPS:
-        raise _bad("stop", f"at most {MAX_STOPS} stop sequences are supported")
-    return tuple(s for s in items if s)
-
-
-_UNSUPPORTED = {
-    "logprobs": "logprobs are not supported",
-    "top_logprobs": "logprobs are not supported",
-    "echo": "echo is not supported",
-    "suffix": "suffix is not supported",
-    "tools": "tools are not supported",
-    "functions": "functions are not supported",
-    "logit_bias": "logit_bias is not supported (it would change p and q alike, but not yet)",
-}
-
-
-@dataclass(frozen=True)
-class Parsed:
-    req: GenRequest
-    stream: bool
-    include_usage: bool
-
-
-def parse_common(state: ServerState, body: dict[str, Any], prompt_ids: list[int]) -> Parsed:
-    """The sampling, length and speculation fields shared by both endpoints."""
-    s = state.settings
-    for key, why in _UNSUPPORTED.items():
-        if body.get(key) not in (None, False, 0, [], {}):
-            raise _bad(key, why, "unsupported_parameter")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if body.get(key) not in (None, 0, 0.0):
-            raise _bad(key, f"{key} is not supported (must be 0)", "unsupported_parameter")
-    n = _opt_int(body, "n", 1)
-    if n not in (None, 1):
-        raise _bad("n", "only n=1 is supported")
-    best_of = _opt_int(body, "best_of", 1)
-    if best_of not in (None, 1):
-        raise _bad("best_of", "only best_of=1 is supported")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise _bad("stream", "stream must be a boolean")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise _bad("stream_options", "stream_options must be an object")
-    max_tokens = _opt_int(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = _opt_int(body, "max_tokens", 1)
-    temperature = _opt_num(body, "temperature", 0.0, 2.0)
-    top_p = _opt_num(body, "top_p", 0.0, 1.0, open_lo=True)
-    top_k = _opt_int(body, "top_k", 0)
-    seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise _bad("ignore_eos", "ignore_eos must be a boolean")
-    ext = body.get("wanspec") or {}
-    if not isinstance(ext, dict):
-        raise _bad("wanspec", "wanspec must be an object of gamma, depth, mode, correction")
-    unknown = set(ext) - {"gamma", "depth", "mode", "correction"}
-    if unknown:
-        raise _bad("wanspec", f"unknown wanspec field(s): {', '.join(sorted(unknown))}")
-    gamma = _opt_int(ext, "gamma", 1, 64)
-    depth = _opt_int(ext, "depth", 1, 127)
-    mode, correction = ext.get("mode"), ext.get("correction")
-    if mode is not None and mode not in MODES:
-        raise _bad("wanspec.mode", f"mode must be one of {', '.join(MODES)}")
-    if correction is not None and correction not in CorrectionMode.choices():
-        raise _bad("wanspec.correction", f"correction must be one of {CorrectionMode.choices()}")
-    try:
-        pipeline = s.pipeline(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            gamma=gamma,
-            depth=depth,
-            mode=mode,
-            correction=correction,
-        )
-    except ValueError as e:
-        raise _bad("wanspec", str(e)) from None
-    # Length: the draft's context bounds prompt + completion.
-    limit = state.service.max_context
-    if limit is not None:
-        room = limit - len(prompt_ids)
-        if room < 1:
-            raise ApiError(
-                400,
-                f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit}",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        if max_tokens is not None and max_tokens > room:
-            raise ApiError(
-                400,
-                f"max_tokens {max_tokens} + {len(prompt_ids)} prompt tokens exceed this model's "
-                f"context of {limit}",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        default = min(s.max_tokens, room)
-    else:
-        default = s.max_tokens
-    req = GenRequest(
-        prompt_ids=prompt_ids,
-        pipeline=pipeline,
-        max_tokens=max_tokens or default,
-        seed=seed if seed is not None else s.seed,
-        stop=_stops(body),
-        ignore_eos=ignore_eos,
-    )
-    return Parsed(req, bool(stream), bool(opts.get("include_usage", False)))
-
-
-def _message_text(i: int, content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                raise _bad(f"messages[{i}].content", "only text content parts are supported")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise _bad(f"messages[{i}].content", "a text part needs a string 'text'")
-            parts.append(text)
-        return "".join(parts)
-    if content is None:
-        return ""
-    raise _bad(f"messages[{i}].content", "content must be a string or a list of text parts")
-
-
 def chat_prompt(state: ServerState, body: dict[str, Any]) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "messages must be a non-empty list", "missing_required_parameter")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _bad(f"messages[{i}]", "each message needs a string 'role'")
-        role = m["role"]
-        if role not in ("system", "developer", "user", "assistant"):
-            raise _bad(f"messages[{i}].role", f"unsupported role {role!r}")
-        clean.append(
-            {
-                "role": "system" if role == "developer" else role,
-                "content": _message_text(i, m.get("content")),
-            }
-        )
+    """The token ids of ``messages`` under the draft's chat template."""
+    messages = parse_messages(body)
     loaded, _ = state.service.require()
     tok: Any = loaded.tokenizer
     if not getattr(tok, "chat_template", None):
         raise ApiError(400, f"{loaded.name} has no chat template; use /v1/completions")
     try:
-        ids = tok.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     except Exception as e:  # template errors (e.g. roles out of order) are the request's fault
-        raise _bad("messages", f"the chat template refused these messages: {e}") from None
+        raise bad_request("messages", f"the chat template refused these messages: {e}") from None
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
 
 
 def completion_prompt(state: ServerState, body: dict[str, Any]) -> list[int]:
-    prompt = body.get("prompt")
+    """The token ids of ``prompt``: given as ids, or the encoded text."""
     loaded, _ = state.service.require()
-    vocab = loaded.vocab_size
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _bad("prompt", "prompt must not be empty")
-        try:
-            return encode_prompt(loaded, prompt, chat=False)
-        except ValueError as e:
-            raise _bad("prompt", str(e)) from None
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if not all(0 <= t < vocab for t in prompt):
-            raise _bad("prompt", f"token ids must be in 0..{vocab - 1}")
-        return [int(t) for t in prompt]
-    if prompt is None:
-        raise _bad("prompt", "prompt is required", "missing_required_parameter")
-    raise _bad("prompt", "prompt must be a string, one-string list, or a list of token ids")
+    prompt = parse_prompt(body, loaded.vocab_size)
+    if isinstance(prompt, list):
+        return prompt
+    try:
+        return encode_prompt(loaded, prompt, chat=False)
+    except ValueError as e:
+        raise bad_request("prompt", str(e)) from None
+
+
+def gen_request(api: ApiRequest, prompt_ids: list[int]) -> GenRequest:
+    return GenRequest(
+        prompt_ids=prompt_ids,
+        pipeline=api.pipeline,
+        max_tokens=api.max_tokens,
+        seed=api.seed,
+        stop=api.stop,
+        ignore_eos=api.ignore_eos,
+    )
 
 
 # ---------------------------------------------------------------------------- handlers
@@ -371,7 +135,9 @@ async def _read_body(request: web.Request) -> dict[str, Any]:
 def _check_model(state: ServerState, body: dict[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("model", "you must provide a model parameter", "missing_required_parameter")
+        raise bad_request(
+            "model", "you must provide a model parameter", "missing_required_parameter"
+        )
     if model != state.settings.model_id:
         raise ApiError(
             404,
@@ -425,17 +191,19 @@ async def _generate(
     model = _check_model(state, body)
     _require_ready(state)
     prompt_ids = chat_prompt(state, body) if chat else completion_prompt(state, body)
-    parsed = parse_common(state, body, prompt_ids)
+    api = parse_request(
+        body, state.settings, prompt_tokens=len(prompt_ids), context=state.service.max_context
+    )
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
     head = {"id": rid, "object": obj, "created": created, "model": model}
-    async with contextlib.aclosing(state.service.stream(parsed.req)) as events:
+    async with contextlib.aclosing(state.service.stream(gen_request(api, prompt_ids))) as events:
         try:
             first = await events.__anext__()
         except _GEN_ERRORS as e:
             raise _gen_error(e) from None
-        if not parsed.stream:
+        if not api.stream:
             ev = first
             while not isinstance(ev, Finished):
                 try:
@@ -454,7 +222,7 @@ async def _generate(
         )
         await resp.prepare(request)
         try:
-            await _stream_events(resp, events, first, head, chat, chunk, parsed.include_usage)
+            await _stream_events(resp, events, first, head, chat, chunk, api.include_usage)
         except ConnectionError:  # the client is gone; leaving cancels the generation
             log.info("client disconnected from %s", rid)
         return resp
@@ -587,7 +355,7 @@ def health(state: ServerState) -> tuple[int, dict[str, Any]]:
     }
     if svc.loaded is not None:
         body["draft"] = svc.loaded.name
-    if state.status != "ready":
+    if state.status != ServiceStatus.READY:
         return 503, body
     if link["state"] != "up":
         if state.settings.fallback == "none":
@@ -642,7 +410,7 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
             if not is_api or e.status < 400:
                 code = str(e.status)
                 raise
-            resp = _from_http(e).response()
+            resp = from_http(e).response()
         except ApiError as e:
             resp = e.response()
         except asyncio.CancelledError:
@@ -668,15 +436,15 @@ async def _load(state: ServerState) -> None:
     except Exception as e:
         log.error("the draft model failed to load: %s", e, exc_info=e)
         state.notifier.notify(f"STATUS=draft model failed to load: {e}")
-        state.set_status("failed", f"the draft model failed to load: {e}")
+        state.set_status(ServiceStatus.FAILED, f"the draft model failed to load: {e}")
         return
     state.set_status(
-        "ready", f"serving {state.service.loaded.name if state.service.loaded else ''}"
+        ServiceStatus.READY, f"serving {state.service.loaded.name if state.service.loaded else ''}"
     )
 
 
 def _link_status(state: ServerState) -> None:
-    if state.status == "ready":
+    if state.status == ServiceStatus.READY:
         link = state.service.link.state
         state.notifier.notify(f"STATUS=serving; verifier {link}")
 
@@ -685,7 +453,7 @@ async def _watchdog(state: ServerState, interval: float) -> None:
     """WATCHDOG=1 while the loop runs and the model worker answers."""
     while True:
         ok = True
-        if state.status == "ready":
+        if state.status == ServiceStatus.READY:
             try:
                 await asyncio.wait_for(state.service.worker.run(lambda: None), interval * 1.5)
             except asyncio.TimeoutError:
@@ -779,17 +547,17 @@ async def serve(settings: EdgeSettings) -> int:
             state.changed.clear()
             if stopping:
                 break
-            if state.status == "failed":
+            if state.status == ServiceStatus.FAILED:
                 rc = 1
                 break
-            if state.status == "ready" and not announced:
+            if state.status == ServiceStatus.READY and not announced:
                 # The API listens and the draft is loaded: only now is the service up.
                 link = state.service.link.state
                 notifier.notify(f"READY=1\nSTATUS=serving; verifier {link}")
                 log.warning("ready: %s (verifier %s)", state.reason, link)
                 announced = True
     finally:
-        state.set_status("stopping", "shutting down")
+        state.set_status(ServiceStatus.STOPPING, "shutting down")
         notifier.notify("STOPPING=1\nSTATUS=stopping")
         await runner.cleanup()
         for sig in (signal.SIGTERM, signal.SIGINT):

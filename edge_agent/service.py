@@ -25,10 +25,14 @@ from edge_agent.federation import WorkerSpec
 from edge_agent.generate import TextStreamer, eos_ids, result_json, ssl_context
 from edge_agent.link import AuthError, LinkSettings, WebSocketTransport
 from edge_agent.monitor import EdgeMetrics, LinkMonitor, TimedTransport
-from edge_agent.pipeline import Generation, PipelineConfig, VerifierError
 from edge_agent.tasks import ModelWorker
 from edge_agent.transport import LinkClosed, Transport
-from shared.models import LoadedModel, load_model, parse_model_spec
+from shared.edge_core import VerifierError
+from shared.generation import Generation
+from shared.model_spec import SpecKind, parse_model_spec
+from shared.models import LoadedModel, load_model
+from shared.pipeline_config import PipelineConfig
+from shared.retry import LinkDownPolicy
 
 log = logging.getLogger("wanspec.edge.service")
 
@@ -140,8 +144,8 @@ def retry_policy(s: EdgeSettings) -> RetryPolicy:
     """fallback "none": a request fails (503) after ``retry_attempts`` failed sessions;
     "draft": the agent's draft-only link-down policy, reconnecting in the background."""
     if s.fallback == "draft":
-        return RetryPolicy(link_down="draft_only")
-    return RetryPolicy(max_attempts=s.retry_attempts, link_down="wait")
+        return RetryPolicy(link_down=LinkDownPolicy.DRAFT_ONLY)
+    return RetryPolicy(max_attempts=s.retry_attempts, link_down=LinkDownPolicy.WAIT)
 
 
 def resolve_device(device: str) -> str:
@@ -160,7 +164,7 @@ def load_draft_model(s: EdgeSettings, report: Callable[[str], None]) -> LoadedMo
     name = s.dtype if s.dtype != "auto" else ("float16" if device == "cuda" else "float32")
     dtype = getattr(torch, name)
     spec = parse_model_spec(s.draft)
-    if spec.kind == "self":
+    if spec.kind == SpecKind.SELF:
         report(f"loading {s.draft_base} ({device}, {name}) for the self-draft {s.draft}")
         base = load_model(s.draft_base, device=device, dtype=dtype)
         report(f"deriving the self-draft {s.draft} (weights shared)")

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
 
-from edge_agent.cli import build_parser, load_cli_settings, main
-from edge_agent.config import EdgeSettings, default_config_path, load_edge_settings
+from edge_agent.cli import _pipeline_config, build_parser, load_cli_settings, main
+from edge_agent.config import (
+    CorrectionName,
+    EdgeSettings,
+    ModeName,
+    ReconstructionName,
+    default_config_path,
+    load_edge_settings,
+)
+from shared.compression import Reconstruction
 from shared.config import ConfigError
+from shared.pipeline_config import Mode
+from shared.protocol import CorrectionMode
 
 
 def write(path: Path, text: str) -> Path:
@@ -86,6 +97,35 @@ def test_several_verifiers_and_pipeline_overrides() -> None:
     p = s.pipeline(gamma=8, top_k=5)
     assert (p.gamma, p.depth, p.sampling.temperature, p.sampling.top_k) == (8, 2, 0.8, 5)
     assert s.pipeline(temperature=0.0).sampling.greedy
+
+
+def test_setting_choices_are_the_enums_values() -> None:
+    # Settings files and flags spell these as strings; the pipeline gets enum members.
+    assert set(typing.get_args(ModeName)) == set(Mode.choices())
+    assert set(typing.get_args(CorrectionName)) == set(CorrectionMode.choices())
+    assert set(typing.get_args(ReconstructionName)) == set(Reconstruction.choices())
+    p = EdgeSettings(mode="stop-and-wait", correction="topk", reconstruction="B").pipeline()
+    assert p.mode is Mode.STOP_AND_WAIT and p.correction is CorrectionMode.TOPK
+    assert p.reconstruction is Reconstruction.REDISTRIBUTED
+    p = EdgeSettings().pipeline(mode=Mode.STOP_AND_WAIT, correction=CorrectionMode.GREEDY_DRAFT)
+    assert (p.mode, p.correction) == (Mode.STOP_AND_WAIT, CorrectionMode.GREEDY_DRAFT)
+
+
+def test_generate_flags_make_a_pipeline_config() -> None:
+    args = build_parser().parse_args(
+        ["generate", "hi", "--mode", "stop-and-wait", "--correction", "topk",
+         "--reconstruction", "B"]
+    )  # fmt: skip
+    p = _pipeline_config(args)
+    assert (p.mode, p.correction, p.reconstruction) == (
+        Mode.STOP_AND_WAIT, CorrectionMode.TOPK, Reconstruction.REDISTRIBUTED,
+    )  # fmt: skip
+    demo = _pipeline_config(build_parser().parse_args(["demo"]))  # no --reconstruction flag
+    assert (demo.mode, demo.correction, demo.reconstruction) == (
+        Mode.PIPELINED, CorrectionMode.CANDIDATES, Reconstruction.RENORMALISED,
+    )  # fmt: skip
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--mode", "fast"])
 
 
 def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

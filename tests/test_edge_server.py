@@ -24,10 +24,10 @@ import openai
 import pytest
 import torch
 
-from edge_agent.pipeline import PipelineConfig
 from edge_agent.service import EdgeService, FairQueue, QueueFull, StopScanner
 from shared.lm import CausalLM
 from shared.models import LoadedModel, load_model
+from shared.pipeline_config import PipelineConfig
 from shared.sampling import SamplingParams
 from tests.edge_helpers import TOKEN, Servers, edge_settings, wait_http
 
@@ -392,7 +392,7 @@ async def test_cancelling_a_generation_is_clean(
     from edge_agent.agent import EdgeAgent, RetryPolicy
     from edge_agent.drafter import Drafter
     from edge_agent.link import LinkSettings, WebSocketTransport
-    from edge_agent.pipeline import Generation
+    from shared.generation import Generation
     from tests.edge_helpers import SlowTarget
 
     app = build_app(
