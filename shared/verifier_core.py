@@ -20,7 +20,8 @@ HELLO       Hello, compatible            → OPEN; Send(Welcome)
 HELLO       anything else / incompatible Close(bad_handshake | fingerprint_mismatch | bad_hello)
 OPEN        undecodable frame            Send(Error bad_frame) (counts towards max_bad_frames)
 OPEN        Propose, seq ≠ expected      bad_seq
-OPEN        Propose, epoch < epoch       dropped unprocessed (stale: sent before a rejection)
+OPEN        Propose, epoch < epoch       dropped unprocessed (stale: sent before a rejection);
+                                         beyond ``max_stale_per_epoch`` a bad frame
 OPEN        Propose, epoch > epoch       bad_epoch
 OPEN        Propose, pos ≠ next_pos      bad_pos (also pos 0 without fixed tokens)
 OPEN        Propose past max_context     Send(Error context_full), not fatal
@@ -30,7 +31,9 @@ OPEN        Rollback, epoch/pos invalid  bad_rollback
 OPEN        Resample, matches pending    → BUSY; Run(Draw) (at most max_resamples times)
 OPEN        Resample, otherwise          bad_resample
 OPEN        Error (fatal)                Close(closing, OK)
-OPEN        Error (not fatal)            Note(EDGE_ERROR)
+OPEN        Error (not fatal)            Note(EDGE_ERROR), counts as a bad frame (no reply)
+OPEN        ``expire(now)`` past the     Close(idle_timeout): no model work for
+            idle deadline                ``idle_timeout_s`` frees the slot
 BUSY        any frame                    decoded and queued (bounded by ``max_queued``)
 BUSY        work_done(result)            → OPEN; reply (Verdict, FederatedReply, Candidates)
                                          or Error model_error; queued frames are then handled
@@ -88,6 +91,8 @@ BAD_CODES: Final = (
     "bad_rollback",
     "bad_resample",
     "queue_full",
+    "stale_flood",
+    "edge_error",
 )
 
 
@@ -105,6 +110,7 @@ class NoteKind(TextEnum):
     BAD_FRAME = "bad_frame"
     EDGE_ERROR = "edge_error"  # detail: the edge's Error code and message
     MODEL_ERROR = "model_error"
+    IDLE = "idle"  # closed for want of work
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,12 @@ class SessionLimits:
     max_resamples: int = 64
     #: Frames decoded while model work runs, waiting their turn (a flood beyond is refused).
     max_queued: int = 256
+    #: Seconds an open session may go without model work (no valid Propose, Rollback or
+    #: Resample) before it is closed and its slot freed; 0 = never.
+    idle_timeout_s: float = 60.0
+    #: Stale Proposes (of an old epoch) accepted per epoch: an honest edge has at most its
+    #: in-flight depth (< 128) of them after a rejection; every one beyond is a bad frame.
+    max_stale_per_epoch: int = SEQ_MODULUS
 
 
 @dataclass(frozen=True)
@@ -263,16 +275,19 @@ class VerifierCore:
         self.cache_len = 0
         self.bad_frames = 0
         self._pending: _Pending | None = None
+        self._stale_in_epoch = 0
+        self._active_at = 0.0  # the last time model work started or ended (``now`` passed in)
         self._running: Work | None = None
         self._queue: deque[Message | ProtocolError] = deque()
 
     # ------------------------------------------------------------------ inputs
 
-    def receive(self, data: bytes | str) -> list[Event]:
-        """One frame from the edge."""
+    def receive(self, data: bytes | str, now: float = 0.0) -> list[Event]:
+        """One frame from the edge, received at ``now`` (monotonic seconds)."""
         if self.state == CoreState.CLOSED:
             return []
         if self.state == CoreState.HELLO:
+            self._active_at = now
             return self._handshake(data)
         assert self.ctx is not None
         msg: Message | ProtocolError
@@ -287,19 +302,45 @@ class VerifierCore:
                 return self._bad("queue_full", f"more than {self.limits.max_queued} frames queued")
             self._queue.append(msg)
             return []
-        return self._handle(msg)
+        return self._handle(msg, now)
 
-    def work_done(self, result: Result) -> list[Event]:
-        """The result of the :class:`Run` this core asked for last."""
+    def work_done(self, result: Result, now: float = 0.0) -> list[Event]:
+        """The result of the :class:`Run` this core asked for last, at ``now``."""
         work = self._running
         if work is None or self.state != CoreState.BUSY:
             raise RuntimeError("work_done without work running")
         self._running = None
+        self._active_at = now
         self.state = CoreState.OPEN
         out = self._apply(work, result)
         while self.state == CoreState.OPEN and self._queue:
-            out += self._handle(self._queue.popleft())
+            out += self._handle(self._queue.popleft(), now)
         return out
+
+    def idle_deadline(self) -> float | None:
+        """When an open session with no model work is closed (None: not now, or never)."""
+        if self.state != CoreState.OPEN or self.limits.idle_timeout_s <= 0:
+            return None
+        return self._active_at + self.limits.idle_timeout_s
+
+    def expire(self, now: float) -> list[Event]:
+        """Close the session if it has been idle past its deadline (the driver calls this when
+        the deadline passes with no frame)."""
+        deadline = self.idle_deadline()
+        if deadline is None or now < deadline:
+            return []
+        self._close()
+        t = self.limits.idle_timeout_s
+        return [
+            Note(NoteKind.IDLE),
+            Close(
+                Error(
+                    "idle_timeout",
+                    f"no Propose for {t:g} s (idle_timeout); the session's slot is freed",
+                    fatal=True,
+                )
+            ),
+        ]
 
     @property
     def running(self) -> Work | None:
@@ -358,30 +399,38 @@ class VerifierCore:
 
     # ------------------------------------------------------------------ frames
 
-    def _handle(self, msg: Message | ProtocolError) -> list[Event]:
+    def _handle(self, msg: Message | ProtocolError, now: float) -> list[Event]:
         if isinstance(msg, ProtocolError):
             return self._bad("bad_frame", str(msg))
         if isinstance(msg, Propose):
-            return self._propose(msg)
-        if isinstance(msg, Rollback):
-            return self._rollback(msg)
-        if isinstance(msg, Resample):
-            return self._resample(msg)
-        if isinstance(msg, Error):
+            out = self._propose(msg)
+        elif isinstance(msg, Rollback):
+            out = self._rollback(msg)
+        elif isinstance(msg, Resample):
+            out = self._resample(msg)
+        elif isinstance(msg, Error):
+            note = Note(NoteKind.EDGE_ERROR, f"{msg.code}: {msg.message}")
             if msg.fatal:
                 self._close()
                 return [
-                    Note(NoteKind.EDGE_ERROR, f"{msg.code}: {msg.message}"),
+                    note,
                     Close(Error("closing", f"edge error {msg.code}", fatal=True), CLOSE_OK),
                 ]
-            return [Note(NoteKind.EDGE_ERROR, f"{msg.code}: {msg.message}")]
-        return self._bad("bad_frame", f"type: {type(msg).__name__} is not valid from the edge")
+            # The edge never needs to send one: each counts, and gets no reply (no echo).
+            return [note, *self._bad("edge_error", msg.code, reply=False)]
+        else:
+            return self._bad(
+                "bad_frame", f"type: {type(msg).__name__} is not valid from the edge"
+            )
+        if self.state == CoreState.BUSY:
+            self._active_at = now
+        return out
 
     def _close(self) -> None:
         self.state = CoreState.CLOSED
         self._queue.clear()
 
-    def _bad(self, code: str, message: str) -> list[Event]:
+    def _bad(self, code: str, message: str, *, reply: bool = True) -> list[Event]:
         self.bad_frames += 1
         note = Note(NoteKind.BAD_FRAME, code)
         if self.bad_frames >= self.limits.max_bad_frames:
@@ -396,7 +445,7 @@ class VerifierCore:
                     )
                 ),
             ]
-        return [note, Send(Error(code, message, fatal=False))]
+        return [note, Send(Error(code, message, fatal=False))] if reply else [note]
 
     def _start(self, work: Work) -> list[Event]:
         self.state = CoreState.BUSY
@@ -408,7 +457,16 @@ class VerifierCore:
             return self._bad("bad_seq", f"seq {p.seq}, expected {self.expected_seq}")
         self.expected_seq = (p.seq + 1) % SEQ_MODULUS
         if p.epoch < self.epoch:
-            return [Note(NoteKind.STALE)]  # sent before the edge saw a rejection: no work
+            # Sent before the edge saw a rejection: no work. An honest edge has at most its
+            # in-flight depth of these per rejection.
+            self._stale_in_epoch += 1
+            if self._stale_in_epoch > self.limits.max_stale_per_epoch:
+                return self._bad(
+                    "stale_flood",
+                    f"more than {self.limits.max_stale_per_epoch} Proposes of old epochs "
+                    f"since epoch {self.epoch} began",
+                )
+            return [Note(NoteKind.STALE)]
         if p.epoch > self.epoch:
             return self._bad("bad_epoch", f"epoch {p.epoch} is ahead of the session's {self.epoch}")
         f, g = len(p.fixed), len(p.draft)
@@ -439,6 +497,7 @@ class VerifierCore:
         if not 0 <= r.pos <= self.next_pos:
             return self._bad("bad_rollback", f"pos {r.pos} outside [0, {self.next_pos}]")
         self.epoch = r.epoch
+        self._stale_in_epoch = 0
         self.next_pos = r.pos
         self._pending = None
         return self._start(Crop(r.pos))
@@ -485,6 +544,7 @@ class VerifierCore:
             # the edge sent behind this one is now of an old epoch.
             self.next_pos = self.cache_len = p.pos + f + n
             self.epoch += 1
+            self._stale_in_epoch = 0
             if result.kept_row:
                 self._pending = _Pending(self.epoch, self.next_pos)
         else:

@@ -230,7 +230,9 @@ def test_resample_without_a_pending_correction() -> None:
 def test_edge_errors() -> None:
     core = opened()
     ev = core.receive(encode(Error("x", "note", fatal=False), ctx(core)))
-    assert ev == [Note(NoteKind.EDGE_ERROR, "x: note")] and not core.closed
+    # Counted as a bad frame, with no reply (an honest edge never sends one).
+    assert ev == [Note(NoteKind.EDGE_ERROR, "x: note"), Note(NoteKind.BAD_FRAME, "edge_error")]
+    assert core.bad_frames == 1 and not core.closed
     ev = core.receive(encode(Error("y", "bye", fatal=True), ctx(core)))
     assert core.closed and isinstance(ev[-1], Close) and ev[-1].code == CLOSE_OK
 
@@ -264,3 +266,48 @@ def test_model_failure_is_fatal_only_when_the_cache_was_not_restored() -> None:
 def test_work_done_without_work_is_a_driver_bug() -> None:
     with pytest.raises(RuntimeError):
         opened().work_done(Cropped())
+
+
+def test_a_flood_of_edge_errors_closes_the_session() -> None:
+    core = opened(max_bad_frames=3)
+    frame = encode(Error("x", "y" * 100, fatal=False), ctx(core))
+    for _ in range(2):
+        assert not any(isinstance(e, (Send, Close)) for e in core.receive(frame))
+    assert isinstance(core.receive(frame)[-1], Close) and core.closed
+
+
+def test_stale_proposes_beyond_one_window_per_epoch_are_bad_frames() -> None:
+    core = opened(max_stale_per_epoch=3, max_bad_frames=100)
+    core.receive(propose(core, 0, 0, 0, [5, 6], [1]))
+    core.work_done(Verified(Decision(0, token=3)))  # epoch 1
+    seq = 1
+    for _ in range(3):
+        assert core.receive(propose(core, 0, seq, 3, [7])) == [Note(NoteKind.STALE)]
+        seq += 1
+    assert errors(core.receive(propose(core, 0, seq, 3, [7]))) == ["stale_flood"]
+    # A new epoch opens a new window.
+    core.receive(propose(core, 1, seq + 1, 1, [7], [3]))
+    core.work_done(Verified(Decision(0, token=4)))
+    assert core.receive(propose(core, 1, seq + 2, 3, [7])) == [Note(NoteKind.STALE)]
+
+
+def test_an_idle_session_is_closed_at_its_deadline() -> None:
+    core = VerifierCore(TargetInfo(FP, V), SessionLimits(idle_timeout_s=30.0), "s1")
+    core.receive(encode(Hello(FP, SamplingParams(0.0))), now=100.0)
+    assert core.idle_deadline() == 130.0 and core.expire(129.9) == []
+    # Work pushes the deadline back; while it runs there is none.
+    core.receive(propose(core, 0, 0, 0, [5], [1]), now=120.0)
+    assert core.idle_deadline() is None
+    core.work_done(Verified(Decision(1)), now=125.0)
+    assert core.idle_deadline() == 155.0
+    # Pings, bad frames and stale frames are not work.
+    core.receive(b"\xc1", now=150.0)
+    ev = core.expire(155.0)
+    assert core.closed and isinstance(ev[-1], Close) and ev[-1].error.code == "idle_timeout"
+    assert core.idle_deadline() is None
+
+
+def test_idle_timeout_zero_never_expires() -> None:
+    core = VerifierCore(TargetInfo(FP, V), SessionLimits(idle_timeout_s=0), "s1")
+    core.receive(encode(Hello(FP, SamplingParams(0.0))), now=0.0)
+    assert core.idle_deadline() is None and core.expire(1e9) == []
