@@ -157,7 +157,7 @@ class Driver:
             for f in self._core.receive(m.data):  # a Resample: never, q(y) = 0 off the draft
                 await self.client.ws.send_bytes(f)
         elif isinstance(reply, FederatedReply):
-            pipe.commit_round(pipe.inflight[0], len(draft))
+            pipe.commit_round(pipe.inflight[0], len(draft), 0.0)
         else:
             raise AssertionError(f"unexpected reply {reply}")
         return reply

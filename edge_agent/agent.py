@@ -23,7 +23,7 @@ import numpy as np
 from edge_agent.drafter import Drafter
 from edge_agent.federation import WorkerSpec, run_federated
 from edge_agent.link import AuthError
-from edge_agent.pipeline import handshake, run_single
+from edge_agent.pipeline import VerdictTimeout, handshake, run_single
 from edge_agent.tasks import ModelWorker
 from edge_agent.transport import LinkClosed, Transport
 from shared.edge_core import (
@@ -59,9 +59,11 @@ class EdgeAgent:
         worker: ModelWorker | None = None,
         federation: Sequence[WorkerSpec] = (),
         round_deadline_s: float = 5.0,
+        on_session_failed: Callable[[BaseException], None] | None = None,
     ) -> None:
         """``federation``: two or more verifiers that all verify every draft (SpecFed mode,
-        :mod:`edge_agent.federation`); ``connect`` is then unused."""
+        :mod:`edge_agent.federation`); ``connect`` is then unused. ``on_session_failed`` hears
+        of every session that fails and is retried (a stalled or lost link)."""
         self.drafter = drafter
         self.fingerprint = fingerprint
         self.connect = connect
@@ -70,6 +72,7 @@ class EdgeAgent:
         self._owns_worker = worker is None
         self.federation = list(federation)
         self.round_deadline_s = round_deadline_s
+        self.on_session_failed = on_session_failed
 
     def close(self) -> None:
         if self._owns_worker:
@@ -132,7 +135,13 @@ class EdgeAgent:
                         f"{welcome.max_fixed} fixed tokens per Propose"
                     )
                 core = SingleCore(gen, cfg, rng, hello, welcome)
-                await run_single(core, self.drafter, self.worker, transport)
+                await run_single(
+                    core,
+                    self.drafter,
+                    self.worker,
+                    transport,
+                    verdict_timeout_s=self.retry.verdict_timeout_s,
+                )
             except AuthError:
                 raise  # PermissionError is an OSError, but retrying a refused token is pointless
             except (LinkClosed, DesyncError, ProtocolError, asyncio.TimeoutError, OSError) as e:
@@ -157,11 +166,14 @@ class EdgeAgent:
     ) -> None:
         """A session failed: count it, give up by the policy, else pause before the next."""
         gen.stats.reconnects += 1
+        if self.on_session_failed is not None:
+            self.on_session_failed(err)
         try:
             attempt = outage.failed(
                 time.monotonic(),
                 progressed=len(gen.committed) > committed_before,
                 cause=str(err) or type(err).__name__,
+                stalled=isinstance(err, VerdictTimeout),
             )
         except GiveUp as e:
             raise LinkClosed(str(e)) from err

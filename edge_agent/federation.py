@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from edge_agent.drafter import Drafter
+from edge_agent.link import AuthError, LinkRefused
 from edge_agent.pipeline import LinkIO, Signal, draft_loop, handshake
 from edge_agent.tasks import ModelWorker, cancel_all, run_until_first_done
 from edge_agent.transport import LinkClosed, Transport
-from shared.edge_core import DesyncError, DraftPlan, VerifierError
+from shared.edge_core import DesyncError, DraftPlan, HandshakeError, VerifierError
 from shared.federation_core import (
     Drop,
     FederatedCore,
@@ -83,6 +84,9 @@ class _Federation:
         self.signal = Signal()
         self.io: dict[int, LinkIO] = {}
         self._jitter = random.Random(seed)
+        #: The last reason each worker was unavailable (named when the generation gives up).
+        self.causes: dict[int, str] = {}
+        self.gave_up: set[int] = set()  # workers whose failure waiting cannot clear
 
     def _emit(self, outputs: list[Output]) -> None:
         for o in outputs:
@@ -109,17 +113,24 @@ class _Federation:
         while not core.gen.done:
             try:
                 transport = await spec.connect()
+            except (AuthError, LinkRefused) as e:
+                self._give_up_on(spec, index, e)
+                return
             except (LinkClosed, OSError, asyncio.TimeoutError) as e:
                 attempt += 1
-                await self._backoff(spec, attempt, e)
+                await self._backoff(spec, index, attempt, e)
                 continue
             try:
                 hello = core.hello(index)
                 welcome = await handshake(transport, hello, self.retry.handshake_timeout_s)
+            except HandshakeError as e:
+                await transport.close()
+                self._give_up_on(spec, index, e)
+                return
             except (LinkClosed, OSError, asyncio.TimeoutError, DesyncError, VerifierError) as e:
                 await transport.close()
                 attempt += 1
-                await self._backoff(spec, attempt, e)
+                await self._backoff(spec, index, attempt, e)
                 continue
             except BaseException:
                 await transport.close()
@@ -133,8 +144,9 @@ class _Federation:
             try:
                 await run_until_first_done(self._read(index, io), io.writer(), io.until_dropped())
             except (LinkClosed, ProtocolError) as e:
-                why = str(e)
+                why = str(e) or type(e).__name__
             finally:
+                self.causes[index] = why
                 self.io.pop(index, None)
                 if not core.gen.done:  # the end of the generation is no drop
                     core.link_down(index, why, time.monotonic())
@@ -142,7 +154,17 @@ class _Federation:
                 with contextlib.suppress(Exception):
                     await transport.close()
 
-    async def _backoff(self, spec: WorkerSpec, attempt: int, err: BaseException) -> None:
+    def _give_up_on(self, spec: WorkerSpec, index: int, err: BaseException) -> None:
+        """A failure that waiting cannot clear: this worker stays down for the generation."""
+        self.causes[index] = f"{err} (not retried)"
+        self.gave_up.add(index)
+        log.error("worker %s: %s; not retrying it", spec.name, err)
+        self.signal.notify()
+
+    async def _backoff(
+        self, spec: WorkerSpec, index: int, attempt: int, err: BaseException
+    ) -> None:
+        self.causes[index] = str(err) or type(err).__name__
         delay = self.retry.delay(attempt, self._jitter)
         log.info("worker %s unavailable (%s); retry in %.1fs", spec.name, err, delay)
         await asyncio.sleep(delay)
@@ -171,21 +193,34 @@ class _Federation:
         """Fail the generation once no worker has been connected for the retry deadline."""
         core = self.core
         while not core.gen.done:
+            if len(self.gave_up) == len(self.specs):
+                causes = "; ".join(f"{self.specs[i].name}: {c}" for i, c in self.causes.items())
+                raise HandshakeError(f"no verifier can be used: {causes}")
             since = core.none_up_since
             if since is None:
-                await self.signal.wait_for(lambda: core.gen.done or core.none_up_since is not None)
+                await self.signal.wait_for(
+                    lambda: core.gen.done
+                    or core.none_up_since is not None
+                    or len(self.gave_up) == len(self.specs)
+                )
                 continue
             left = since + self.retry.deadline_s - time.monotonic()
             if left <= 0:
+                causes = "; ".join(
+                    f"{self.specs[i].name}: {c}" for i, c in sorted(self.causes.items())
+                )
                 raise LinkClosed(
                     f"no verifier reachable for {time.monotonic() - since:.0f} s "
-                    f"(deadline {self.retry.deadline_s:g} s)"
+                    f"(deadline {self.retry.deadline_s:g} s); last: {causes or 'none answered'}"
                 )
             def changed(since: float = since) -> bool:
                 return core.none_up_since != since
 
+            def changed_or_hopeless(since: float = since) -> bool:
+                return changed(since) or len(self.gave_up) == len(self.specs)
+
             with contextlib.suppress(asyncio.TimeoutError):
-                await self.signal.wait_for(changed, left)
+                await self.signal.wait_for(changed_or_hopeless, left)
 
     async def run(self) -> None:
         core = self.core

@@ -16,6 +16,11 @@ class AuthError(PermissionError):
     """The verifier refused the token (HTTP 401/403): reconnecting will not help."""
 
 
+class LinkRefused(RuntimeError):
+    """A failure that waiting cannot clear (no such host, no WebSocket endpoint at that path):
+    not retried, the message names the cause."""
+
+
 class UntrustedCertificateError(AuthError):
     """The verifier's TLS certificate failed verification (not retried: pass its CA, e.g. with
     ``ssl=ssl.create_default_context(cafile=...)``)."""
@@ -64,7 +69,23 @@ class WebSocketTransport:
             await session.close()
             if e.status in (401, 403):
                 raise AuthError(f"verifier at {settings.url} refused the token ({e.status})") from e
+            if e.status == 503:
+                raise LinkClosed(
+                    f"verifier at {settings.url} is full or not ready (503: {e.message})"
+                ) from e
+            if e.status == 429:
+                raise LinkClosed(
+                    f"verifier at {settings.url}: this token holds its session limit (429)"
+                ) from e
+            if 400 <= e.status < 500:
+                raise LinkRefused(
+                    f"verifier at {settings.url} answered {e.status} {e.message}: "
+                    "is the URL's path right (…/v1/session)?"
+                ) from e
             raise LinkClosed(f"handshake with {settings.url} failed: {e.status} {e.message}") from e
+        except aiohttp.ClientConnectorDNSError as e:
+            await session.close()
+            raise LinkRefused(f"cannot resolve the verifier's host in {settings.url}: {e}") from e
         except aiohttp.ClientConnectorCertificateError as e:
             await session.close()
             raise UntrustedCertificateError(

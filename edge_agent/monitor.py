@@ -44,6 +44,7 @@ class VerifierLinkState(TextEnum):
     UNKNOWN = "unknown"
     UP = "up"
     LOADING = "loading"
+    STALLED = "stalled"  # answers /health and pings, but sent no Verdict by its deadline
     DOWN = "down"
 
 
@@ -189,9 +190,14 @@ class LinkMonitor:
 
     @property
     def state(self) -> VerifierLinkState:
-        """up if any link is up; unknown before anything is known; else loading/down."""
+        """up if any link is up; else loading, stalled, unknown (nothing known yet) or down."""
         states = {link.state for link in self.links}
-        for s in (VerifierLinkState.UP, VerifierLinkState.LOADING, VerifierLinkState.UNKNOWN):
+        for s in (
+            VerifierLinkState.UP,
+            VerifierLinkState.LOADING,
+            VerifierLinkState.STALLED,
+            VerifierLinkState.UNKNOWN,
+        ):
             if s in states:
                 return s
         return VerifierLinkState.DOWN
@@ -203,6 +209,13 @@ class LinkMonitor:
         if before != state:
             log.info("verifier %s: %s%s", link.url, state, f" ({error})" if error else "")
             self.changed()
+
+    def mark_stalled(self, url: str, error: str) -> None:
+        """A session on ``url`` got no Verdict by its deadline. Probes of /health do not clear
+        this (a stalled verifier still answers them); a session that commits does."""
+        for link in self.links:
+            if link.url == url:
+                self._set(link, VerifierLinkState.STALLED, error)
 
     def mark(self, url: str | None, ok: bool, error: str | None = None) -> None:
         """After a real session: ``url`` None means the link in use (any/first)."""
@@ -238,7 +251,8 @@ class LinkMonitor:
         link.rtt_ms = round(rtt * 1000, 2)
         self.metrics.rtt.observe(rtt, kind="probe")
         if status == 200:
-            self._set(link, VerifierLinkState.UP, None)
+            if link.state != VerifierLinkState.STALLED:  # only a working session clears that
+                self._set(link, VerifierLinkState.UP, None)
         elif status == 503:
             self._set(link, VerifierLinkState.LOADING, "the verifier is not ready (503)")
         else:

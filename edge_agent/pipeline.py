@@ -8,8 +8,8 @@ moves bytes and runs the draft model:
   rejection voided the plan, then hand the batch to the core and write its frames;
 * :class:`LinkIO`: one verifier link's bounded send queue and its writer task, so frames leave in
   exactly the order the core produced them (a Rollback before any Propose of the new epoch);
-* :func:`run_single`: the drafter, the reader and the writer of one verifier session, owned here
-  until the generation is done or the link fails.
+* :func:`run_single`: the drafter, the reader, the writer and the verdict watchdog of one
+  verifier session, owned here until the generation is done or the link fails.
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ from edge_agent.transport import LinkClosed, Transport
 from shared.edge_core import DraftPlan, Pipeline, SingleCore, check_welcome
 from shared.protocol import Hello, Welcome, encode
 from shared.sampling import Probs
+
+
+class VerdictTimeout(LinkClosed):
+    """The head batch got no Verdict by its deadline: the verifier is stalled (it may still
+    answer pings). The session is dropped and rebuilt from the committed ids."""
 
 
 class Signal:
@@ -127,14 +132,45 @@ async def draft_loop(
         signal.notify()
 
 
+async def verdict_watchdog(
+    pipe: Pipeline, signal: Signal, floor_s: float, now: Callable[[], float] = time.monotonic
+) -> None:
+    """Raise :class:`VerdictTimeout` when the head batch passes its verdict deadline
+    (:meth:`~shared.edge_core.Pipeline.verdict_deadline`) with no Verdict."""
+    while not pipe.gen.done:
+        deadline = pipe.verdict_deadline(floor_s)
+        if deadline is None:
+            await signal.wait_for(
+                lambda: pipe.gen.done or pipe.verdict_deadline(floor_s) is not None
+            )
+            continue
+
+        def moved(d: float = deadline) -> bool:
+            return pipe.gen.done or pipe.verdict_deadline(floor_s) != d
+
+        try:
+            await signal.wait_for(moved, max(0.0, deadline - now()))
+        except asyncio.TimeoutError:
+            head = pipe.inflight[0]
+            slowest = max(pipe.latencies, default=0.0)
+            raise VerdictTimeout(
+                f"no Verdict for a batch sent {now() - head.sent_at:.1f} s ago (deadline "
+                f"{deadline - head.sent_at:.1f} s; slowest recent round {slowest:.2f} s): "
+                "the verifier is stalled"
+            ) from None
+
+
 async def run_single(
     core: SingleCore,
     drafter: Drafter,
     worker: ModelWorker,
     transport: Transport,
+    *,
+    verdict_timeout_s: float = 10.0,
 ) -> None:
     """Run ``core``'s generation over one established session until it is done. Raises
-    LinkClosed / VerifierError / DesyncError / ProtocolError when the session fails."""
+    LinkClosed (VerdictTimeout for a stalled verifier) / VerifierError / DesyncError /
+    ProtocolError when the session fails."""
     if core.gen.done:
         return
     signal = Signal()
@@ -147,10 +183,13 @@ async def run_single(
     async def reader() -> None:
         while not core.gen.done:
             data = await transport.recv()
-            for out in core.receive(data):
+            for out in core.receive(data, time.monotonic()):
                 io.write(out)
             signal.notify()
 
     await run_until_first_done(
-        draft_loop(core, drafter, worker, signal, submit), reader(), io.writer()
+        draft_loop(core, drafter, worker, signal, submit),
+        reader(),
+        io.writer(),
+        verdict_watchdog(core.pipe, signal, verdict_timeout_s),
     )

@@ -23,8 +23,9 @@ from edge_agent.config import EdgeSettings, read_secret_file
 from edge_agent.drafter import Drafter
 from edge_agent.federation import WorkerSpec
 from edge_agent.generate import TextStreamer, eos_ids, result_json, ssl_context
-from edge_agent.link import AuthError, LinkSettings, WebSocketTransport
+from edge_agent.link import AuthError, LinkRefused, LinkSettings, WebSocketTransport
 from edge_agent.monitor import EdgeMetrics, LinkMonitor, TimedTransport
+from edge_agent.pipeline import VerdictTimeout
 from edge_agent.tasks import ModelWorker
 from edge_agent.transport import LinkClosed, Transport
 from shared.edge_core import VerifierError
@@ -141,11 +142,14 @@ class Finished:
 
 
 def retry_policy(s: EdgeSettings) -> RetryPolicy:
-    """fallback "none": a request fails (503) after ``retry_attempts`` failed sessions;
-    "draft": the agent's draft-only link-down policy, reconnecting in the background."""
-    if s.fallback == "draft":
-        return RetryPolicy(link_down=LinkDownPolicy.DRAFT_ONLY)
-    return RetryPolicy(max_attempts=s.retry_attempts, link_down=LinkDownPolicy.WAIT)
+    """fallback "none": a request fails (503) once no verifier session has made progress for
+    ``link_down_deadline`` seconds (a verifier restart takes a few); "draft": the agent's
+    draft-only link-down policy, reconnecting in the background. A batch with no Verdict past
+    its deadline (``verdict_timeout`` at least) rebuilds the session."""
+    policy = LinkDownPolicy.DRAFT_ONLY if s.fallback == "draft" else LinkDownPolicy.WAIT
+    return RetryPolicy(
+        link_down=policy, deadline_s=s.link_down_deadline, verdict_timeout_s=s.verdict_timeout
+    )
 
 
 def resolve_device(device: str) -> str:
@@ -216,6 +220,7 @@ class EdgeService:
             worker=self.worker,
             federation=self._workers() if self.settings.federated else (),
             round_deadline_s=self.settings.round_deadline,
+            on_session_failed=self._on_session_failed,
         )
         self.metrics.model_ready.set(1)
         report(f"draft {loaded.name} ready in {time.perf_counter() - t0:.1f} s")
@@ -229,6 +234,7 @@ class EdgeService:
         """A session with the first verifier that answers, starting with the last good one."""
         urls = self.settings.verifier_urls
         errors: list[str] = []
+        permanent = 0
         for k in range(len(urls)):
             i = (self._preferred + k) % len(urls)
             link = LinkSettings(
@@ -238,13 +244,24 @@ class EdgeService:
                 transport = await WebSocketTransport.connect(link)
             except AuthError as e:
                 raise HandshakeError(str(e)) from e  # reconnecting cannot help
-            except LinkClosed as e:
+            except (LinkClosed, LinkRefused) as e:
                 self.link.mark(urls[i], False, str(e))
                 errors.append(str(e))
+                permanent += isinstance(e, LinkRefused)
                 continue
             self._preferred = i
             return TimedTransport(transport, self._on_rtt)
+        if permanent == len(urls):
+            raise HandshakeError("; ".join(errors))  # waiting cannot clear any of them
         raise LinkClosed("; ".join(errors))
+
+    def _on_session_failed(self, err: BaseException) -> None:
+        """A verifier session failed (the agent retries): a stall shows in /health."""
+        url = self.settings.verifier_urls[self._preferred]
+        if isinstance(err, VerdictTimeout):
+            self.link.mark_stalled(url, str(err))
+        else:
+            self.link.mark(url, False, str(err) or type(err).__name__)
 
     def _workers(self) -> list[WorkerSpec]:
         """SpecFed mode: one worker per configured verifier, with its weight and top-k size."""
@@ -277,9 +294,14 @@ class EdgeService:
         try:
             await agent.run(gen, req.pipeline, seed=req.seed)
         except (LinkClosed, OSError, HandshakeError, asyncio.TimeoutError) as e:
-            self.link.mark(None, False, str(e))
+            if isinstance(e.__cause__, VerdictTimeout) and not self.settings.federated:
+                self.link.mark_stalled(self.settings.verifier_urls[self._preferred], str(e))
+            else:
+                self.link.mark(None, False, str(e))
             raise VerifierUnavailable(f"no verifier could be used: {e}") from e
-        if gen.unverified_tokens == 0:
+        if gen.unverified_tokens == 0 and not self.settings.federated:
+            self.link.mark(self.settings.verifier_urls[self._preferred], True)
+        elif gen.unverified_tokens == 0:
             self.link.mark(None, True)
 
     async def stream(self, req: GenRequest) -> AsyncGenerator[str | Finished, None]:

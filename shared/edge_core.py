@@ -203,6 +203,8 @@ class Pipeline:
         self.inflight: deque[Batch] = deque()
         #: True while a recovered token is not yet known: drafting would use a text without it.
         self.recovering = False
+        #: Seconds from sending a batch to its verdict, recent rounds (RTT + queueing + T_v).
+        self.latencies: deque[float] = deque(maxlen=16)
 
     @property
     def tail(self) -> list[int]:
@@ -249,11 +251,20 @@ class Pipeline:
         self.gen.stats.proposes_sent += 1
         return b
 
-    def commit_round(self, b: Batch, accepted: int) -> None:
-        """The head batch ``b`` was decided: count it and commit its accepted prefix."""
+    def verdict_deadline(self, floor_s: float, factor: float = 4.0) -> float | None:
+        """When the head batch's verdict is overdue: ``floor_s``, or ``factor`` times the
+        slowest recent round when that is longer, after it was sent (None: nothing in flight)."""
+        if not self.inflight:
+            return None
+        slowest = max(self.latencies, default=0.0)
+        return self.inflight[0].sent_at + max(floor_s, factor * slowest)
+
+    def commit_round(self, b: Batch, accepted: int, now: float) -> None:
+        """The head batch ``b`` was decided at ``now``: count it, commit its accepted prefix."""
         st = self.gen.stats
         assert self.inflight and self.inflight[0] is b
         self.inflight.popleft()
+        self.latencies.append(max(0.0, now - b.sent_at))
         gamma = len(b.draft)
         st.rounds += 1
         st.draft_tokens += gamma
@@ -379,17 +390,18 @@ class SingleCore:
 
     # ---------------------------------------------------------------- frames
 
-    def receive(self, data: bytes) -> list[bytes]:
-        """One frame from the verifier. Raises VerifierError / DesyncError / ProtocolError."""
+    def receive(self, data: bytes, now: float = 0.0) -> list[bytes]:
+        """One frame from the verifier, received at ``now``. Raises VerifierError /
+        DesyncError / ProtocolError."""
         self.gen.stats.downlink_bytes += len(data)
         msg = self.link.decode(data)
         if isinstance(msg, Verdict) and not self.pipe.recovering:
-            return self._verdict(msg, len(data))
+            return self._verdict(msg, len(data), now)
         if isinstance(msg, Candidates) and self._resample is not None:
             return self._candidates(msg)
         raise DesyncError(f"unexpected {type(msg).__name__} in state {self.state}")
 
-    def _verdict(self, v: Verdict, size: int) -> list[bytes]:
+    def _verdict(self, v: Verdict, size: int, now: float) -> list[bytes]:
         pipe, st = self.pipe, self.gen.stats
         if not pipe.inflight:
             raise DesyncError(f"Verdict seq {v.seq} with nothing in flight")
@@ -417,7 +429,7 @@ class SingleCore:
             )
         if v.bonus is not None and len(pipe.inflight) > 1:
             raise DesyncError("a bonus token while batches are in flight")
-        pipe.commit_round(b, v.accepted)
+        pipe.commit_round(b, v.accepted, now)
         if decision.rejected:
             st.rejections += 1
             st.downlink_rejection_bytes += size

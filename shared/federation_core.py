@@ -300,7 +300,7 @@ class FederatedCore:
             # Nobody answered: the batch is void; drafting restarts from the committed ids.
             pipe.discard_inflight()
             return out + self._rollback_all(len(self.gen.committed))
-        rejected = self._decide(b)
+        rejected = self._decide(b, now)
         if rejected:  # crop every worker to the accepted prefix (before the recovered token)
             out += self._rollback_all(len(self.gen.committed) - 1)
         self._join_at_boundary()
@@ -319,7 +319,7 @@ class FederatedCore:
         self._join_at_boundary()
         return out
 
-    def _decide(self, b: Batch) -> bool:
+    def _decide(self, b: Batch, now: float) -> bool:
         """Aggregate the replies, commit; True on a rejection."""
         pipe, st, fed = self.pipe, self.gen.stats, self.fed
         idx = sorted(b.replies)
@@ -350,7 +350,7 @@ class FederatedCore:
             for v in m.violations:
                 fed.bound_violations += 1
                 log.error("compression bound violated (a bug): %s", v)
-        pipe.commit_round(b, d.accepted)
+        pipe.commit_round(b, d.accepted, now)
         if d.rejected:
             if d.token is None:
                 raise DesyncError("a federated rejection without a recovered token")

@@ -24,18 +24,34 @@ class LinkDownPolicy(TextEnum):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    max_attempts: int = 1000  # consecutive failed sessions before giving up
+    """Reconnect by time, not by count: a verifier restart (seconds) must not fail a request.
+
+    ``deadline_s``: how long a link may stay down (no session committing anything) before the
+    generation fails under ``wait``. ``max_attempts``: an optional cap on consecutive failed
+    sessions (None: time alone decides). ``verdict_timeout_s``: the floor of the verdict
+    deadline; a batch with no Verdict past max(floor, 4 × the slowest recent round) means a
+    stalled verifier, and the session is rebuilt from the committed ids.
+    """
+
+    max_attempts: int | None = None
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
     handshake_timeout_s: float = 30.0
     link_down: LinkDownPolicy = LinkDownPolicy.WAIT
     deadline_s: float = 60.0
+    verdict_timeout_s: float = 10.0
+    #: Sessions rebuilt after a stall (no Verdict by its deadline) before the generation fails:
+    #: a stalled verifier still accepts connections, so waiting longer rarely helps, and a
+    #: request must not hold the daemon's queue much beyond the verdict deadline.
+    stall_rebuilds: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "link_down", LinkDownPolicy.parse(self.link_down, "link_down"))
         if not self.deadline_s > 0:
             raise ValueError(f"deadline_s must be positive, got {self.deadline_s}")
-        if self.max_attempts < 1:
+        if not self.verdict_timeout_s > 0:
+            raise ValueError(f"verdict_timeout_s must be positive, got {self.verdict_timeout_s}")
+        if self.max_attempts is not None and self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
 
     def delay(self, attempt: int, rng: random.Random) -> float:
@@ -55,22 +71,32 @@ class Outage:
 
     policy: RetryPolicy
     failures: int = 0
+    stalls: int = 0
     since: float | None = None
 
-    def failed(self, now: float, *, progressed: bool, cause: str) -> int:
+    def failed(self, now: float, *, progressed: bool, cause: str, stalled: bool = False) -> int:
         """Record a failed session; returns the attempt number (for :meth:`RetryPolicy.delay`).
         A session that made progress (committed something) ends the outage. Raises
-        :class:`GiveUp` past ``max_attempts`` or, under ``wait``, past ``deadline_s``."""
+        :class:`GiveUp` past ``max_attempts``, past ``stall_rebuilds`` consecutive stalls or,
+        under ``wait``, past ``deadline_s``."""
         if progressed or self.since is None:
-            self.failures, self.since = 0, now
+            self.failures, self.stalls, self.since = 0, 0, now
         self.failures += 1
-        if self.failures > self.policy.max_attempts:
-            raise GiveUp(f"gave up after {self.failures - 1} failed sessions: {cause}")
+        if stalled:
+            self.stalls += 1
+            if self.stalls > self.policy.stall_rebuilds:
+                raise GiveUp(
+                    f"the verifier is stalled: {self.stalls} sessions in a row got no Verdict "
+                    f"by their deadline; last: {cause}"
+                )
+        cap = self.policy.max_attempts
+        if cap is not None and self.failures > cap:
+            raise GiveUp(f"gave up after {self.failures - 1} failed sessions; last: {cause}")
         down_for = now - self.since
         if self.policy.link_down == LinkDownPolicy.WAIT and down_for > self.policy.deadline_s:
             raise GiveUp(
                 f"no verifier reachable for {down_for:.0f} s (deadline "
-                f"{self.policy.deadline_s:g} s); gave up: {cause}"
+                f"{self.policy.deadline_s:g} s); last: {cause}"
             )
         return self.failures
 

@@ -168,7 +168,7 @@ def edge_settings(
         "device": "cpu",
         "model_id": "tiny",
         "probe_interval": 0.3,
-        "retry_attempts": 2,
+        "link_down_deadline": 3.0,
         "max_tokens": 24,
         "heartbeat": 5.0,
     }
