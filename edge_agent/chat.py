@@ -23,10 +23,12 @@ from typing import Any, Protocol, TextIO
 
 import aiohttp
 
-from edge_agent.config import EdgeSettings, read_secret_file
+from edge_agent.config import EdgeSettings, check_link_files, check_model_specs, read_secret_file
+from edge_agent.progress import Progress, check_cuda, device_line, quiet_hub_progress
 from edge_agent.service import EdgeService, Finished, GenRequest
-from shared.pipeline_config import Mode
+from shared.pipeline_config import Mode, PipelineConfig
 from shared.protocol import CorrectionMode
+from shared.sampling import SamplingParams
 
 HELP = """Available commands:
   /set               Show the current settings
@@ -97,10 +99,22 @@ class ChatOptions:
         changes: dict[str, Any] = {key: num}
         return replace(self, **changes)
 
+    @property
+    def wire_correction(self) -> CorrectionMode:
+        """The correction the verifier is asked for: greedy decoding (T = 0) always uses
+        greedy_draft (:attr:`PipelineConfig.wire_correction`), whatever ``correction`` says."""
+        sampling = SamplingParams(self.temperature, self.top_k, self.top_p)
+        return PipelineConfig(correction=self.correction, sampling=sampling).wire_correction
+
     def show(self, key: str) -> str:
-        """One setting as the REPL prints it (a mode as its plain value: 'pipelined')."""
+        """One setting as the REPL prints it (a mode as its plain value: 'pipelined'); the
+        correction with the one in effect when they differ: "'candidates' (greedy_draft at
+        T = 0)", as /stats reports it."""
         value = getattr(self, key)
-        return repr(value.value if isinstance(value, Enum) else value)
+        text = repr(value.value if isinstance(value, Enum) else value)
+        if key == "correction" and self.wire_correction != self.correction:
+            text += f" ({self.wire_correction.value} at T = 0)"
+        return text
 
     def describe(self) -> str:
         return "\n".join(f"  {f.name:<12} {self.show(f.name)}" for f in fields(self))
@@ -202,7 +216,8 @@ class LocalBackend:
     def __init__(self, service: EdgeService) -> None:
         self.service = service
         urls = ", ".join(service.settings.verifier_urls)
-        self.description = f"in-process agent ({service.settings.draft}) → {urls}"
+        loaded, _ = service.require()
+        self.description = f"in-process agent: {device_line(loaded)} → {urls}"
 
     async def close(self) -> None:
         self.service.close()
@@ -264,38 +279,44 @@ async def probe_server(base_url: str, api_key: str | None) -> str | None:
 
 
 def server_url(s: EdgeSettings) -> str:
-    host = s.host
-    if host in ("0.0.0.0", "", "::"):
-        host = "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{s.port}"
+    return s.api_url
 
 
-async def open_backend(s: EdgeSettings, say: Callable[[str], None]) -> Backend:
-    from edge_agent.progress import Progress, quiet_hub_progress
-
+async def open_backend(s: EdgeSettings, progress: Progress) -> tuple[Backend, list[str]]:
+    """A running daemon's API, else the agent in this process (loaded here); and the notes to
+    show once the spinner line is done. ``progress`` says what is going on meanwhile."""
+    notes: list[str] = []
     api_key = read_secret_file(s.api_key_file, "api_key_file") if s.api_key_file else None
     url = server_url(s)
+    progress.report(f"looking for edge-agent serve at {url}")
     state = await probe_server(url, api_key)
     while state == "loading":
-        say(f"waiting for edge-agent serve at {url} to load its model …")
+        progress.report(f"waiting for edge-agent serve at {url} to load its model")
         await asyncio.sleep(2)
         state = await probe_server(url, api_key)
     if state is not None:
         if state == "unavailable":
-            say(f"warning: edge-agent serve at {url} reaches no verifier")
-        return RemoteBackend(url, api_key, s.model_id)
+            notes.append(f"warning: edge-agent serve at {url} reaches no verifier")
+        return RemoteBackend(url, api_key, s.model_id), notes
+    # Nothing answers there: this process runs the agent. Cheap checks first, then torch.
+    check_model_specs(s)
+    check_link_files(s)
+    progress.report(f"loading the draft {s.draft}")
     quiet_hub_progress()
+    if s.threads is not None:
+        import torch
+
+        torch.set_num_threads(s.threads)
+    warning = check_cuda(s.device)
+    if warning:
+        notes.append(f"warning: {warning}")
     service = EdgeService(s)
-    progress = Progress()
     try:
-        async with progress.spinner():
-            await service.load(progress.report)
+        await service.load(progress.report)
+        return LocalBackend(service), notes
     except BaseException:
         service.close()
         raise
-    return LocalBackend(service)
 
 
 # ---------------------------------------------------------------------------- the REPL
@@ -398,6 +419,12 @@ class Repl:
             + ("n/a" if acc is None else f"{acc:.0%}")
         )
 
+    def cut_note(self, tokens: int) -> str:
+        """The marker under an answer that stopped at its length limit, not at its end."""
+        if tokens < self.opts.max_tokens:
+            return f"[… cut at {tokens} tokens: the context is full; /clear to start over]"
+        return f"[… cut at max_tokens = {tokens}; /set max_tokens N for longer answers]"
+
     def messages(self, text: str) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.opts.system}] if self.opts.system else []
         return [*system, *self.history, {"role": "user", "content": text}]
@@ -408,6 +435,8 @@ class Repl:
             async for ev in self.backend.chat(self.messages(text), self.opts):
                 if isinstance(ev, Finished):
                     self.say()
+                    if ev.finish_reason == "length":
+                        self.say(self._dim(self.cut_note(ev.completion_tokens)))
                     self.last = ev.stats
                     t = self.totals
                     t["answers"] += 1
@@ -455,18 +484,27 @@ class Repl:
                     loop.remove_signal_handler(signal.SIGINT)
 
 
-def run_chat(settings: EdgeSettings, out: TextIO | None = None) -> int:
+def run_chat(
+    settings: EdgeSettings, out: TextIO | None = None, progress: Progress | None = None
+) -> int:
+    """The REPL until /bye or Ctrl-D. ``progress``: a spinner already started (``edge-agent
+    chat`` starts one before it imports this module), else one is made here."""
     out = out or sys.stdout
+    progress = progress or Progress()
     if sys.stdin.isatty():
         with contextlib.suppress(ImportError):
             import readline  # noqa: F401  (line editing and history for input())
     loop = asyncio.new_event_loop()
     try:
-
-        def say(text: str) -> None:
-            print(text, file=sys.stderr, flush=True)
-
-        backend = loop.run_until_complete(open_backend(settings, say))
+        progress.start()
+        try:
+            backend, notes = loop.run_until_complete(open_backend(settings, progress))
+        except BaseException:
+            progress.stop(False)
+            raise
+        progress.stop(True)
+        for note in notes:
+            print(note, file=sys.stderr, flush=True)
         try:
             return Repl(backend, ChatOptions.from_settings(settings), out).run(loop)
         finally:

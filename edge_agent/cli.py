@@ -1,15 +1,19 @@
 """``edge-agent`` command line: ``serve`` (the local OpenAI-compatible daemon), ``chat`` (a REPL),
 ``generate`` against a verifier, ``demo`` with a local one.
 
-``serve`` and ``chat`` read :class:`~edge_agent.config.EdgeSettings`: flags > ``WANSPEC_EDGE_*``
+Every command reads one :class:`~edge_agent.config.EdgeSettings`: flags > ``WANSPEC_EDGE_*``
 environment variables > the TOML file (``--config``, default ``~/.config/wanspec/edge.toml``) >
-defaults.
+defaults, with the same checks everywhere. The order of work is the same too: settings are
+loaded and checked (model specs, token and key files, the API's address) before torch is
+imported, so a mistake is one line (``edge-agent: error: ...``, exit status 2) within a fraction
+of a second; then torch, then the model.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -23,89 +27,20 @@ import time
 import typing
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from shared.compression import Reconstruction
-from shared.pipeline_config import Mode, PipelineConfig
-from shared.protocol import CorrectionMode
+if TYPE_CHECKING:
+    from edge_agent.config import EdgeSettings
+    from edge_agent.progress import Progress
+    from edge_agent.service import EdgeService
 
 DEFAULT_TARGET = "default"
-DEFAULT_DRAFT = "self:skip=12"
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
-
-
-def _positive_int(name: str, hi: int) -> Any:
-    def parse(v: str) -> int:
-        try:
-            n = int(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {v!r}") from None
-        if not 1 <= n <= hi:
-            raise argparse.ArgumentTypeError(f"{name} must be in 1..{hi}, got {n}")
-        return n
-
-    return parse
-
-
-def _add_generation_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("drafting and sampling")
-    g.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model spec (default %(default)s)")
-    g.add_argument(
-        "--draft-base",
-        default=DEFAULT_TARGET,
-        help="model whose weights a self:... draft shares (default %(default)s)",
-    )
-    g.add_argument("--gamma", type=_positive_int("--gamma", 64), default=4, help="draft length γ")
-    g.add_argument(
-        "--depth", type=_positive_int("--depth", 127), default=2, help="in-flight batches D"
-    )
-    g.add_argument("--mode", choices=Mode.choices(), default=Mode.PIPELINED.value)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument(
-        "--correction",
-        choices=CorrectionMode.choices(),
-        default=CorrectionMode.CANDIDATES.value,
-        help="how a rejection is corrected at T > 0: candidates (exact, default), "
-        "greedy_draft (exact, ids only), topk (PicoSpec, lossy)",
-    )
-    g.add_argument("--max-tokens", type=_positive_int("--max-tokens", 1 << 20), default=128)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--json", action="store_true", help="last stdout line: one JSON summary")
-
-
-def _add_link_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("verifier link")
-    g.add_argument(
-        "--verifier",
-        default=os.environ.get("WANSPEC_VERIFIER", "ws://127.0.0.1:8700/v1/session"),
-        help="verifier WebSocket URL (env WANSPEC_VERIFIER); several, comma-separated, for "
-        "federated verification (SpecFed)",
-    )
-    g.add_argument("--weights", default="", help="federation: weight per verifier, e.g. 0.5,0.5")
-    g.add_argument("--k", default="64", help="federation: top-k size (one, or one per verifier)")
-    g.add_argument(
-        "--reconstruction",
-        choices=Reconstruction.choices(),
-        default=Reconstruction.RENORMALISED.value,
-        help="federation: A renormalised top-K, B residual redistributed",
-    )
-    g.add_argument(
-        "--token-file",
-        default=os.environ.get("WANSPEC_TOKEN_FILE"),
-        help="file holding the bearer token (env WANSPEC_TOKEN_FILE)",
-    )
-    g.add_argument("--ca-file", default=None, help="CA bundle to verify a wss:// verifier")
-    g.add_argument(
-        "--insecure-skip-verify", action="store_true", help="do not verify the TLS certificate"
-    )
-
+COMMANDS = ("generate", "demo", "serve", "chat")
 
 _SETTINGS_HELP: dict[str, str] = {
     "verifier": "verifier WebSocket URL; several, comma-separated: federated verification "
@@ -120,7 +55,8 @@ _SETTINGS_HELP: dict[str, str] = {
     "ca_file": "CA bundle to verify a wss:// verifier",
     "insecure_skip_verify": "do not verify the verifier's TLS certificate",
     "heartbeat": "WebSocket ping interval to the verifier, seconds",
-    "retry_attempts": "failed verifier sessions per request before giving up",
+    "link_down_deadline": "seconds the verifier may stay unreachable before a request fails",
+    "verdict_timeout": "seconds (at least) to wait for a Verdict before leaving a stalled verifier",
     "probe_interval": "seconds between probes of the verifier's /health",
     "fallback": "no verifier reachable: none (HTTP 503) or draft (unverified draft-only text)",
     "draft": "draft model spec (self:skip=..., a folder, a .gguf, a cached hub id)",
@@ -147,7 +83,23 @@ _SETTINGS_HELP: dict[str, str] = {
 }
 
 
-def _add_settings_args(p: argparse.ArgumentParser) -> None:
+# Flags a command accepts (one settings story) but does not list in its --help: they do not
+# concern it.
+_API = {"host", "port", "api_key_file", "model_id", "max_queue", "max_body", "probe_interval"}
+_LINK = {
+    "verifier", "failover", "weights", "k", "eps_target", "reconstruction", "round_deadline",
+    "token_file", "ca_file", "insecure_skip_verify", "heartbeat", "link_down_deadline",
+    "verdict_timeout", "fallback",
+}  # fmt: skip
+_UNLISTED: dict[str, set[str]] = {
+    "generate": _API,
+    "demo": _API | _LINK,  # the demo starts its own verifier
+    "serve": set(),
+    "chat": {"max_queue", "max_body", "probe_interval"},
+}
+
+
+def _add_settings_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
     """``--config`` and one flag per EdgeSettings field (None = not given)."""
     from edge_agent.config import CONFIG_ENV, ENV_PREFIX, EdgeSettings, default_config_path
 
@@ -158,10 +110,13 @@ def _add_settings_args(p: argparse.ArgumentParser) -> None:
     )
     hints = typing.get_type_hints(EdgeSettings)
     g = p.add_argument_group("settings (also WANSPEC_EDGE_<NAME> or the TOML file)")
+    unlisted = _UNLISTED.get(command, set())
     for f in dataclasses.fields(EdgeSettings):
         flag = "--" + f.name.replace("_", "-")
         text = f"{_SETTINGS_HELP.get(f.name, '')} (default {f.default}; env {ENV_PREFIX}"
         text += f"{f.name.upper()})"
+        if f.name in unlisted:
+            text = argparse.SUPPRESS
         tp = hints[f.name]
         if tp is bool:
             g.add_argument(flag, action="store_true", default=None, help=text)
@@ -170,63 +125,90 @@ def _add_settings_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(flag, default=None, choices=choices, help=text)
 
 
-def load_cli_settings(args: argparse.Namespace, env: dict[str, str] | None = None) -> Any:
-    from edge_agent.config import EdgeSettings, load_edge_settings
+def _cli_values(args: argparse.Namespace) -> dict[str, Any]:
+    from edge_agent.config import EdgeSettings
 
-    cli = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EdgeSettings)}
-    return load_edge_settings(config=args.config, env=env, cli=cli)
+    return {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EdgeSettings)}
+
+
+def load_cli_settings(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> EdgeSettings:
+    """EdgeSettings from the parsed flags, ``env`` (default ``os.environ``) and the TOML file."""
+    from edge_agent.config import load_edge_settings
+
+    return load_edge_settings(config=args.config, env=env, cli=_cli_values(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edge-agent",
-        description="wanspec edge agent: drafts locally, verified in the cloud over a WAN.",
+        description="wanspec edge agent: drafts locally, verified in the cloud over a WAN. "
+        "Every command reads the same settings: flags > WANSPEC_EDGE_* > --config FILE > "
+        "defaults.",
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for PROMPT against a verifier")
     gen.add_argument("prompt")
-    _add_generation_args(gen)
-    _add_link_args(gen)
+    _add_settings_args(gen, "generate")
+    gen.add_argument(
+        "--chat-template",
+        "--chat",
+        dest="chat",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="wrap PROMPT in the model's chat template (default: off)",
+    )
+    gen.add_argument("--json", action="store_true", help="last stdout line: one JSON summary")
     demo = sub.add_parser(
         "demo", help="start a local verifier with the default target and generate against it"
     )
     demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT)
-    _add_generation_args(demo)
+    _add_settings_args(demo, "demo")
     demo.add_argument("--target", default=DEFAULT_TARGET, help="verifier model spec")
-    demo.set_defaults(chat=True)
+    demo.add_argument(
+        "--chat-template",
+        "--chat",
+        dest="chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap PROMPT in the model's chat template (default: on; --no-chat-template: "
+        "plain text completion)",
+    )
+    demo.add_argument("--json", action="store_true", help="last stdout line: one JSON summary")
     serve = sub.add_parser(
         "serve",
         help="run the local OpenAI-compatible API (/v1/chat/completions, /v1/completions, ...)",
     )
-    _add_settings_args(serve)
+    _add_settings_args(serve, "serve")
     chat = sub.add_parser(
         "chat",
         help="interactive chat; uses a running `edge-agent serve`, else runs the agent here",
     )
-    _add_settings_args(chat)
+    _add_settings_args(chat, "chat")
     return parser
 
 
-def _pipeline_config(args: argparse.Namespace) -> PipelineConfig:
-    from shared.sampling import SamplingParams
-
-    return PipelineConfig(
-        gamma=args.gamma,
-        depth=args.depth,
-        mode=Mode.parse(args.mode, "--mode"),
-        sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
-        correction=CorrectionMode.parse(args.correction, "--correction"),
-        # ``demo`` has no --reconstruction flag (one verifier: no federation).
-        reconstruction=Reconstruction.parse(
-            getattr(args, "reconstruction", Reconstruction.RENORMALISED), "--reconstruction"
-        ),
-    )
+# ---------------------------------------------------------------------------- output
 
 
 def _write(s: str) -> None:
     sys.stdout.write(s)
     sys.stdout.flush()
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _warn(text: str) -> None:
+    _say(f"edge-agent: warning: {text}")
+
+
+def _error(e: BaseException) -> int:
+    _say(f"edge-agent: error: {e}")
+    return 2
 
 
 def _summary(r: dict[str, Any]) -> str:
@@ -242,55 +224,95 @@ def _summary(r: dict[str, Any]) -> str:
     )
 
 
-async def _generate(args: argparse.Namespace, url: str, token: str) -> dict[str, Any]:
-    from edge_agent.generate import (
-        RunSettings,
-        build_agent,
-        encode_prompt,
-        load_draft,
-        run_generation,
-        ssl_context,
-    )
+def _finish(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    sys.stdout.write("\n")
+    if result.get("finish_reason") == "length":
+        _say(f"[cut at max_tokens = {result['tokens']}]")
+    print(f"[stats] {_summary(result)}", file=sys.stderr)
+    if args.json:
+        sys.stdout.write(orjson.dumps(result).decode() + "\n")
+    sys.stdout.flush()
 
-    settings = RunSettings(
-        verifier_url=url,
-        token=token,
-        pipeline=_pipeline_config(args),
-        max_new_tokens=args.max_tokens,
-        seed=args.seed,
-        ssl=ssl_context(
-            getattr(args, "ca_file", None), getattr(args, "insecure_skip_verify", False)
-        ),
-    )
-    loaded = await asyncio.to_thread(load_draft, args.draft, args.draft_base)
-    prompt_ids = encode_prompt(loaded, args.prompt, chat=args.chat)
-    agent = build_agent(loaded, settings)
-    urls = [u.strip() for u in url.split(",") if u.strip()]
-    if len(urls) > 1:
-        agent.federation = _workers(args, urls, token, settings.ssl)
+
+# ---------------------------------------------------------------------------- torch and the model
+
+
+def _prepare_torch(settings: EdgeSettings) -> None:
+    """After the checks: import torch, set its threads, and fail (``device = "cuda"``) or warn
+    (``auto``) when CUDA was expected and is not there."""
+    from edge_agent.progress import check_cuda
+
+    if settings.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, settings.threads))
+    warning = check_cuda(settings.device)
+    if warning:
+        _warn(warning)
+
+
+async def _load(settings: EdgeSettings, progress: Progress) -> EdgeService:
+    from edge_agent.progress import device_line
+    from edge_agent.service import EdgeService
+
+    service = EdgeService(settings)
     try:
-        return await run_generation(agent, loaded, prompt_ids, settings, _write)
-    finally:
-        agent.close()
+        progress.report(f"loading the draft {settings.draft}")
+        async with progress.spinner():
+            await service.load(progress.report)
+        loaded, _ = service.require()
+    except BaseException:
+        service.close()
+        raise
+    _say(f"[edge] {device_line(loaded)}")
+    return service
 
 
-def _workers(args: argparse.Namespace, urls: list[str], token: str, ssl: Any) -> list[Any]:
-    """SpecFed mode for ``generate``: one worker per URL (same token, weights and k from flags)."""
-    from edge_agent.config import EdgeSettings
-    from edge_agent.federation import WorkerSpec
-    from edge_agent.link import LinkSettings, WebSocketTransport
-    from edge_agent.transport import Transport
+async def _generate_once(
+    service: EdgeService, prompt: str, chat: bool, write: Callable[[str], None]
+) -> dict[str, Any]:
+    from edge_agent.generate import encode_prompt
+    from edge_agent.service import Finished, GenRequest
 
-    checked = EdgeSettings(verifier=",".join(urls), weights=args.weights, k=args.k)
-    out = []
-    for u, w, k in zip(urls, checked.verifier_weights, checked.verifier_k, strict=True):
-        link = LinkSettings(url=u, token=token, ssl=ssl)
+    s = service.settings
+    loaded, _ = service.require()
+    prompt_ids = encode_prompt(loaded, prompt, chat=chat)
+    max_tokens = s.max_tokens
+    limit = service.max_context
+    if limit is not None:
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) fills the context ({limit})")
+        max_tokens = min(max_tokens, limit - len(prompt_ids))
+    req = GenRequest(prompt_ids, s.pipeline(), max_tokens, seed=s.seed)
+    result: dict[str, Any] | None = None
+    async with contextlib.aclosing(service.stream(req)) as events:
+        async for ev in events:
+            if isinstance(ev, Finished):
+                result = {"text": ev.text, **ev.stats}
+            else:
+                write(ev)
+    if result is None:  # pragma: no cover - stream() always ends with Finished
+        raise RuntimeError("the generation ended without a result")
+    return result
 
-        async def connect(link: LinkSettings = link) -> Transport:
-            return await WebSocketTransport.connect(link)
 
-        out.append(WorkerSpec(u, connect, weight=w, k=k))
-    return out
+# ---------------------------------------------------------------------------- the commands
+
+
+def _generate(args: argparse.Namespace, settings: EdgeSettings) -> int:
+    from edge_agent.progress import Progress
+
+    _prepare_torch(settings)
+
+    async def run() -> dict[str, Any]:
+        service = await _load(settings, Progress())
+        try:
+            return await _generate_once(service, args.prompt, args.chat, _write)
+        finally:
+            service.close()
+
+    _finish(args, asyncio.run(run()))
+    return 0
 
 
 def _free_port() -> int:
@@ -316,19 +338,30 @@ def _wait_healthy(proc: subprocess.Popen[bytes], port: int, timeout_s: float) ->
     raise RuntimeError(f"the local verifier was not ready within {timeout_s:.0f} s")
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _demo(args: argparse.Namespace, settings: EdgeSettings) -> int:
+    from edge_agent.config import EdgeSettings
+    from edge_agent.progress import Progress
+
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="wanspec-demo-") as tmp:
         token_file = Path(tmp) / "token"
-        token = secrets.token_urlsafe(24)
-        token_file.write_text(token + "\n")
+        token_file.write_text(secrets.token_urlsafe(24) + "\n")
         token_file.chmod(0o600)
+        # The user's settings, but one verifier: the local one.
+        settings = dataclasses.replace(
+            settings,
+            verifier=f"ws://127.0.0.1:{port}/v1/session",
+            failover=False,
+            weights="",
+            k=EdgeSettings.k,
+            token_file=token_file,
+            # Two processes share this machine's cores: one torch thread each by default.
+            threads=1 if settings.threads is None else settings.threads,
+        )
+        _prepare_torch(settings)
         env = dict(os.environ)
-        # Two processes share this machine's cores: one torch thread each.
         env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no progress bars in the demo
-        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        _quiet_transformers()
+        env.setdefault("TRANSFORMERS_VERBOSITY", "error")  # (and no progress bars: main())
         cmd = [
             sys.executable,
             "-c",
@@ -345,18 +378,21 @@ def _demo(args: argparse.Namespace) -> int:
             "--log-level",
             "warning",
         ]
-        print(
-            f"[demo] starting a local verifier ({args.target}) on 127.0.0.1:{port} …",
-            file=sys.stderr,
-        )
+        _say(f"[demo] starting a local verifier ({args.target}) on 127.0.0.1:{port} …")
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+
+        async def run() -> dict[str, Any]:
+            # The draft loads here while the verifier loads there.
+            service = await _load(settings, Progress())
+            try:
+                await asyncio.to_thread(_wait_healthy, proc, port, 600)
+                _say(f"[demo] verifier ready; drafting with {settings.draft}\n")
+                return await _generate_once(service, args.prompt, args.chat, _write)
+            finally:
+                service.close()
+
         try:
-            _wait_healthy(proc, port, timeout_s=600)
-            print(f"[demo] verifier ready; drafting with {args.draft}\n", file=sys.stderr)
-            if args.threads is None:
-                args.threads = 1
-            _set_threads(args.threads)
-            result = asyncio.run(_generate(args, f"ws://127.0.0.1:{port}/v1/session", token))
+            result = asyncio.run(run())
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -368,28 +404,92 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
+def _serve(args: argparse.Namespace, settings: EdgeSettings) -> int:
+    _prepare_torch(settings)
+    from edge_agent.server import serve
 
-    from edge_agent.progress import quiet_hub_progress
-
-    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
-    quiet_hub_progress()
+    return asyncio.run(serve(settings))
 
 
-def _set_threads(n: int | None) -> None:
-    if n is not None:
-        import torch
+def _chat(args: argparse.Namespace, settings: EdgeSettings) -> int:
+    from edge_agent.progress import Progress
 
-        torch.set_num_threads(max(1, n))
+    # Something on the screen at once: importing torch alone takes seconds.
+    progress = Progress()
+    progress.report("starting edge-agent chat")
+    progress.start()
+    try:
+        from edge_agent.chat import run_chat
+    except BaseException:
+        progress.stop(False)
+        raise
+    return run_chat(settings, progress=progress)
 
 
-def _finish(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    sys.stdout.write("\n")
-    print(f"[stats] {_summary(result)}", file=sys.stderr)
-    if args.json:
-        sys.stdout.write(orjson.dumps(result).decode() + "\n")
-    sys.stdout.flush()
+_RUN: dict[str, Callable[[argparse.Namespace, EdgeSettings], int]] = {
+    "generate": _generate,
+    "demo": _demo,
+    "serve": _serve,
+    "chat": _chat,
+}
+
+
+def _daemon_answers(s: EdgeSettings) -> bool:
+    """Whether an ``edge-agent serve`` answers /health at the configured address (a quick,
+    blocking twin of :func:`edge_agent.chat.probe_server`, which needs the heavy imports)."""
+    try:
+        with urllib.request.urlopen(s.api_url + "/health", timeout=2) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as e:  # 503 while loading: still an edge-agent
+        body = e.read()
+    except (OSError, ValueError):
+        return False
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(data, dict) and "link" in data
+
+
+def _check(args: argparse.Namespace, env: Mapping[str, str]) -> EdgeSettings:
+    """Load and check the settings; nothing heavy is imported (ConfigError on a fault)."""
+    from edge_agent.config import (
+        check_before_loading,
+        check_link_files,
+        check_model_specs,
+        load_edge_settings,
+        retired_env_warnings,
+        setting_sources,
+    )
+    from shared.config import ConfigError
+    from shared.model_spec import ModelSpecError, parse_model_spec
+
+    cli = _cli_values(args)
+    settings = load_edge_settings(config=args.config, env=env, cli=cli)
+    sources = setting_sources(config=args.config, env=env, cli=cli)
+    for text in retired_env_warnings(env, sources):
+        _warn(text)
+    if args.command in ("generate", "serve") and settings.token_file is None:
+        _warn(
+            "no token_file: the verifier must then run with --insecure-no-auth "
+            "(set --token-file, WANSPEC_EDGE_TOKEN_FILE or token_file in the config file)"
+        )
+    check_before_loading(settings, args.command, sources)
+    if args.command == "chat":
+        # The model and the link matter when chat runs the agent itself: not when a daemon
+        # answers on the configured address (chat then talks to it).
+        try:
+            check_model_specs(settings, sources)
+            check_link_files(settings, sources)
+        except ConfigError:
+            if not _daemon_answers(settings):
+                raise
+    if args.command == "demo":
+        try:
+            parse_model_spec(args.target)
+        except ModelSpecError as e:
+            raise ConfigError("target", str(e), "command line --target") from None
+    return settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,55 +498,23 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from edge_agent.agent import HandshakeError
-    from edge_agent.link import AuthError
-    from edge_agent.transport import LinkClosed
-    from shared.model_spec import ModelSpecError
-
-    if args.command in ("serve", "chat"):
-        return _daemon_command(args)
     try:
-        if args.command == "demo":
-            return _demo(args)
-        if not args.token_file:
-            raise ValueError("--token-file (or WANSPEC_TOKEN_FILE) is required")
-        from edge_agent.config import read_secret_file
+        settings = _check(args, dict(os.environ))
+    except ValueError as e:  # ConfigError, ModelSpecError
+        return _error(e)
+    from edge_agent.progress import quiet_hub_progress
 
-        token = read_secret_file(Path(args.token_file), "token_file")
-        _set_threads(args.threads)
-        result = asyncio.run(_generate(args, args.verifier, token))
-        _finish(args, result)
-        return 0
-    except (HandshakeError, AuthError, LinkClosed, ModelSpecError, ValueError, RuntimeError) as e:
-        print(f"edge-agent: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-def _daemon_command(args: argparse.Namespace) -> int:
-    from shared.config import ConfigError
-    from shared.model_spec import ModelSpecError
-
+    quiet_hub_progress()  # before torch and transformers are imported
+    level: int = getattr(logging, settings.log_level.upper())
+    if args.command != "serve":  # the daemon logs at its level; the others say what goes wrong
+        level = max(level, logging.WARNING)
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else level)
     try:
-        settings = load_cli_settings(args)
-    except ConfigError as e:
-        print(f"edge-agent: error: {e}", file=sys.stderr)
-        return 2
-    level = logging.DEBUG if args.verbose else getattr(logging, settings.log_level.upper())
-    logging.getLogger().setLevel(level if args.command == "serve" else max(level, logging.WARNING))
-    _set_threads(settings.threads)
-    try:
-        if args.command == "serve":
-            from edge_agent.server import serve
-
-            return asyncio.run(serve(settings))
-        from edge_agent.chat import run_chat
-
-        return run_chat(settings)
-    except (ConfigError, ModelSpecError) as e:
-        print(f"edge-agent: error: {e}", file=sys.stderr)
-        return 2
+        return _RUN[args.command](args, settings)
+    except (ValueError, RuntimeError, OSError) as e:
+        # ConfigError, ModelSpecError, no verifier, refused token, unreadable file, ...
+        logging.getLogger("wanspec.edge").debug("details", exc_info=e)
+        return _error(e)
     except KeyboardInterrupt:
         return 130
 

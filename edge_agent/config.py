@@ -1,4 +1,5 @@
-"""The edge agent's settings (``edge-agent serve`` / ``edge-agent chat``): one frozen dataclass.
+"""The edge agent's settings (every ``edge-agent`` command: ``generate``, ``demo``, ``serve``,
+``chat``): one frozen dataclass, one loader, one set of checks.
 
 Sources, highest precedence first (:func:`shared.config.load_settings`):
 
@@ -12,25 +13,46 @@ Sources, highest precedence first (:func:`shared.config.load_settings`):
 
 Unknown keys and bad values raise :class:`~shared.config.ConfigError` naming the key and its
 source. Secrets never live here: ``token_file`` and ``api_key_file`` name files that hold them.
+
+:func:`check_before_loading` runs the checks a command can make before it imports torch or loads a
+model (model specs, secret and CA files, the API's address), so a mistake costs a fraction of a
+second, not a model load. Light on purpose: importing this module imports neither torch nor
+transformers.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import socket
+import ssl
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 (the Jetson)
+    import tomli as tomllib
+
 from shared.compression import Reconstruction
-from shared.config import ConfigError, load_settings
+from shared.config import ConfigError, Source, load_settings
+from shared.model_spec import ModelSpecError, SpecKind, parse_model_spec
 from shared.pipeline_config import Mode, PipelineConfig
 from shared.protocol import CorrectionMode
 from shared.sampling import SamplingParams
 
 ENV_PREFIX = "WANSPEC_EDGE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
+#: Variables older ``edge-agent generate`` read; no longer read by any edge command (the
+#: verifier still reads its own ``WANSPEC_TOKEN_FILE``): name → the variable to use instead.
+RETIRED_ENV = {
+    "WANSPEC_VERIFIER": ENV_PREFIX + "VERIFIER",
+    "WANSPEC_TOKEN_FILE": ENV_PREFIX + "TOKEN_FILE",
+}
 
 # Settings files and flags spell choices as strings (shared.config checks Literal choices): the
 # values of Mode, CorrectionMode and Reconstruction (tests/test_edge_config.py keeps them equal).
@@ -68,7 +90,10 @@ class EdgeSettings:
     ca_file: Path | None = None  # CA bundle for a wss:// verifier
     insecure_skip_verify: bool = False
     heartbeat: float = field(default=10.0, metadata=_b(0.5))  # WebSocket ping interval, s
-    retry_attempts: int = field(default=3, metadata=_b(1, 100))  # failed sessions per request
+    # s a link may stay down (no session making progress) before a request fails (fallback none)
+    link_down_deadline: float = field(default=60.0, metadata=_b(0.1, 86_400))
+    # s: the floor of the verdict deadline (a stalled verifier is left after max(this, 4 × RTT))
+    verdict_timeout: float = field(default=10.0, metadata=_b(0.1, 3600))
     probe_interval: float = field(default=10.0, metadata=_b(0.2))  # verifier /health probe, s
     #: What to do when no verifier answers: "none" (requests fail with 503) or "draft"
     #: (generate with the draft alone; the answer is marked unverified).
@@ -149,6 +174,16 @@ class EdgeSettings:
         return ks * n if len(ks) == 1 else ks
 
     @property
+    def api_url(self) -> str:
+        """Where a client on this machine reaches the API (a wildcard address → loopback)."""
+        host = self.host
+        if host in ("0.0.0.0", "", "::"):
+            host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
@@ -219,6 +254,46 @@ def load_edge_settings(
     )
 
 
+def setting_sources(
+    *,
+    config: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    cli: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """Where each explicitly given setting came from (the winner of CLI > environment > file), as
+    :class:`~shared.config.ConfigError` spells it; settings left at their default are absent.
+    Call it after :func:`load_edge_settings` succeeded with the same arguments."""
+    e = dict(os.environ) if env is None else dict(env)
+    out: dict[str, str] = {}
+    path = config_path(config, e)
+    if path is not None:
+        with path.open("rb") as fh:
+            for key in tomllib.load(fh):
+                out[key.replace("-", "_")] = Source.file(path, None, key)
+    names = {f.name for f in fields(EdgeSettings)}
+    for name in names:
+        if ENV_PREFIX + name.upper() in e:
+            out[name] = Source.env(ENV_PREFIX + name.upper())
+    for key, value in (cli or {}).items():
+        if value is not None and key in names:
+            out[key] = Source.cli(key)
+    return out
+
+
+def retired_env_warnings(env: Mapping[str, str], settings_sources: Mapping[str, str]) -> list[str]:
+    """Warnings for set variables that no edge command reads any more (see :data:`RETIRED_ENV`),
+    when the setting they meant was not given another way."""
+    out = []
+    for old, new in RETIRED_ENV.items():
+        key = new.removeprefix(ENV_PREFIX).lower()
+        if env.get(old) and key not in settings_sources:
+            out.append(
+                f"{old} is not read by edge-agent (it was by older `generate`); "
+                f"use {new}, --{key.replace('_', '-')} or {key} in the config file"
+            )
+    return out
+
+
 def read_secret_file(path: Path, key: str) -> str:
     """The first non-empty, non-comment line of a secret file; ConfigError naming ``key``."""
     try:
@@ -230,3 +305,110 @@ def read_secret_file(path: Path, key: str) -> str:
         if line and not line.startswith("#"):
             return line
     raise ConfigError(key, f"{path} holds no secret (only blank or # comment lines)")
+
+
+# ---------------------------------------------------------------------------- checks before loading
+
+
+def check_model_specs(s: EdgeSettings, sources: Mapping[str, str] | None = None) -> None:
+    """The draft (and, for a ``self:`` draft, its base) names a model that is there: parsing a
+    spec resolves paths and the local hub cache only, nothing is loaded."""
+    src = sources or {}
+    try:
+        kind = parse_model_spec(s.draft).kind
+    except ModelSpecError as e:
+        raise ConfigError("draft", str(e), src.get("draft", "")) from None
+    if kind == SpecKind.SELF:
+        try:
+            parse_model_spec(s.draft_base)
+        except ModelSpecError as e:
+            raise ConfigError("draft_base", str(e), src.get("draft_base", "")) from None
+
+
+def check_link_files(s: EdgeSettings, sources: Mapping[str, str] | None = None) -> str:
+    """The verifier's bearer token ("" without ``token_file``), and a readable CA bundle."""
+    src = sources or {}
+    token = ""
+    if s.token_file is not None:
+        try:
+            token = read_secret_file(s.token_file, "token_file")
+        except ConfigError as e:
+            raise e.with_source(src.get("token_file", "")) from None
+    if s.ca_file is not None:
+        try:
+            ssl.create_default_context(cafile=str(s.ca_file))
+        except (OSError, ssl.SSLError) as e:
+            why = getattr(e, "strerror", None) or str(e)
+            raise ConfigError(
+                "ca_file", f"cannot use {s.ca_file} as a CA bundle: {why}", src.get("ca_file", "")
+            ) from None
+    return token
+
+
+def check_api_key_file(s: EdgeSettings, sources: Mapping[str, str] | None = None) -> None:
+    if s.api_key_file is not None:
+        try:
+            read_secret_file(s.api_key_file, "api_key_file")
+        except ConfigError as e:
+            raise e.with_source((sources or {}).get("api_key_file", "")) from None
+
+
+def _addr_text(addr: Iterable[Any]) -> str:
+    host, port = list(addr)[:2]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+def check_listen(s: EdgeSettings, sources: Mapping[str, str] | None = None) -> None:
+    """``host``:``port`` can be listened on now (the daemon binds it the same way: address
+    reuse on, so a port in TIME_WAIT passes; one with a listener does not). Port 0: any."""
+    src = sources or {}
+    if s.port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(
+            s.host or None, s.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        text = f"cannot resolve {s.host!r}: {e.strerror}"
+        raise ConfigError("host", text, src.get("host", "")) from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                raise listen_error(s, addr, e, src) from None
+
+
+def listen_error(
+    s: EdgeSettings, addr: Iterable[Any], e: OSError, sources: Mapping[str, str] | None = None
+) -> ConfigError:
+    """The one-line error for an address the API cannot listen on."""
+    why = e.strerror or str(e)
+    if e.errno == errno.EADDRINUSE:
+        why += " (another edge-agent serve? choose another port)"
+    key = "port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "host"
+    text = f"cannot listen on {_addr_text(addr)}: {why}"
+    return ConfigError(key, text, (sources or {}).get(key, ""))
+
+
+def check_before_loading(
+    s: EdgeSettings, command: str, sources: Mapping[str, str] | None = None
+) -> None:
+    """Every check ``command`` can make before torch is imported; ConfigError on the first fault.
+
+    ``serve``: model specs, token and CA files, the API key file, the address to listen on;
+    ``generate``: model specs, token and CA files; ``demo``: model specs (it starts its own
+    verifier); ``chat``: the API key file (the model and the link are checked when it runs the
+    agent itself, not when it talks to a running daemon).
+    """
+    if command in ("serve", "generate", "demo"):
+        check_model_specs(s, sources)
+    if command in ("serve", "generate"):
+        check_link_files(s, sources)
+    if command in ("serve", "chat"):
+        check_api_key_file(s, sources)
+    if command == "serve":
+        check_listen(s, sources)

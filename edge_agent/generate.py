@@ -1,21 +1,18 @@
-"""One generation from text to text: load the draft, connect, stream, report.
+"""Text in, text out, statistics: the pieces every edge front end shares.
 
-Used by ``edge-agent generate`` and ``edge-agent demo``; the daemon reuses :class:`TextStreamer`
-and :func:`result_json`.
+Prompts to token ids (:func:`encode_prompt`, with or without the chat template), committed ids to
+streamed text (:class:`TextStreamer`), the statistics of one generation (:func:`result_json`,
+the daemon's ``"wanspec"`` object and the ``--json`` line of ``edge-agent generate``/``demo``),
+the TLS context of a verifier link. The commands themselves run on
+:class:`~edge_agent.service.EdgeService`, like the daemon; :func:`load_draft` is the benchmark's.
 """
 
 from __future__ import annotations
 
 import ssl
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from edge_agent.agent import EdgeAgent, RetryPolicy
-from edge_agent.drafter import Drafter
-from edge_agent.link import LinkSettings, WebSocketTransport
-from edge_agent.transport import Transport
 from shared.generation import Generation
 from shared.model_spec import SpecKind, parse_model_spec
 from shared.models import LoadedModel, load_model
@@ -49,7 +46,7 @@ def encode_prompt(loaded: LoadedModel, prompt: str, *, chat: bool) -> list[int]:
     tok: Any = loaded.tokenizer
     if chat:
         if not getattr(tok, "chat_template", None):
-            raise ValueError(f"{loaded.name} has no chat template; drop --chat")
+            raise ValueError(f"{loaded.name} has no chat template; use --no-chat-template")
         ids = tok.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
         )
@@ -92,31 +89,6 @@ def ssl_context(ca_file: str | None, insecure: bool) -> ssl.SSLContext | bool:
     if ca_file:
         return ssl.create_default_context(cafile=ca_file)
     return True
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    verifier_url: str
-    token: str
-    pipeline: PipelineConfig
-    max_new_tokens: int = 128
-    seed: int | None = None
-    ssl: ssl.SSLContext | bool = True
-    heartbeat_s: float = 10.0
-
-
-def make_connect(settings: RunSettings) -> Callable[[], Any]:
-    link = LinkSettings(
-        url=settings.verifier_url,
-        token=settings.token,
-        heartbeat_s=settings.heartbeat_s,
-        ssl=settings.ssl,
-    )
-
-    async def connect() -> Transport:
-        return await WebSocketTransport.connect(link)
-
-    return connect
 
 
 def result_json(gen: Generation, text: str, wall_s: float, cfg: PipelineConfig) -> dict[str, Any]:
@@ -183,30 +155,3 @@ def federation_json(gen: Generation) -> dict[str, Any] | None:
         "worker_drops": fed.worker_drops,
         "worker_rejoins": fed.worker_rejoins,
     }
-
-
-async def run_generation(
-    agent: EdgeAgent,
-    loaded: LoadedModel,
-    prompt_ids: list[int],
-    settings: RunSettings,
-    write: Callable[[str], None],
-) -> dict[str, Any]:
-    streamer = TextStreamer(loaded.tokenizer, write)
-    t0 = time.perf_counter()
-    gen = await agent.generate(
-        prompt_ids,
-        settings.pipeline,
-        max_new_tokens=settings.max_new_tokens,
-        eos_ids=eos_ids(loaded),
-        seed=settings.seed,
-        on_commit=streamer,
-    )
-    wall = time.perf_counter() - t0
-    return result_json(gen, streamer.text(), wall, settings.pipeline)
-
-
-def build_agent(
-    loaded: LoadedModel, settings: RunSettings, retry: RetryPolicy | None = None
-) -> EdgeAgent:
-    return EdgeAgent(Drafter(loaded), loaded.fingerprint, make_connect(settings), retry=retry)

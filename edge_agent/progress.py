@@ -1,17 +1,23 @@
-"""Model-loading progress: a spinner line on a terminal, STATUS= under systemd, else log lines.
+"""Start-up feedback: a spinner line on a terminal, STATUS= under systemd, else log lines; the
+line naming the draft model's device; no third-party progress bars.
 
-:meth:`Progress.report` may be called from any thread (loading runs on the model worker).
+:meth:`Progress.report` may be called from any thread (loading runs on the model worker). The
+spinner animates from a thread of its own, so it turns from the moment it starts even while the
+main thread is busy importing torch. Light on purpose: importing this module imports neither
+torch nor transformers (the functions that need torch import it when called).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
+import os
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator
-from typing import TextIO
+from collections.abc import AsyncIterator, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TextIO
 
 from shared.sdnotify import Notifier
 
@@ -28,6 +34,9 @@ class Progress:
         self.tty = self.stream.isatty() and not self.notifier.enabled
         self.message = ""
         self._t0 = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def report(self, message: str) -> None:
         self.message = message
@@ -37,40 +46,150 @@ class Progress:
 
     def _draw(self, frame: str) -> None:
         elapsed = time.monotonic() - self._t0
-        self.stream.write(f"\r\x1b[2K{frame} {self.message} ({elapsed:.0f} s)")
-        self.stream.flush()
+        with self._lock:
+            self.stream.write(f"\r\x1b[2K{frame} {self.message} ({elapsed:.0f} s)")
+            self.stream.flush()
 
-    @contextlib.asynccontextmanager
-    async def spinner(self) -> AsyncIterator[None]:
-        """Animate the current message on a terminal while the block runs."""
-        if not self.tty:
-            yield
+    @property
+    def spinning(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        """Draw the first frame now and animate until :meth:`stop` (a terminal only)."""
+        if not self.tty or self._thread is not None:
             return
+        self._stop.clear()
+        self._draw(_FRAMES[0])
 
-        async def spin() -> None:
-            i = 0
-            while True:
+        def spin() -> None:
+            i = 1
+            while not self._stop.wait(0.1):
                 self._draw(_FRAMES[i % len(_FRAMES)])
                 i += 1
-                await asyncio.sleep(0.1)
 
-        task = asyncio.create_task(spin())
+        self._thread = threading.Thread(target=spin, name="wanspec-spinner", daemon=True)
+        self._thread.start()
+
+    def stop(self, ok: bool) -> None:
+        """End the spinner line with ✓ or ✗ (nothing when it is not spinning)."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        thread.join()
+        self._draw("✓" if ok else "✗")
+        with self._lock:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    @contextlib.contextmanager
+    def spin(self) -> Iterator[None]:
+        """Animate the current message on a terminal while the block runs."""
+        self.start()
         ok = False
         try:
             yield
             ok = True
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            self._draw("✓" if ok else "✗")
-            self.stream.write("\n")
-            self.stream.flush()
+            self.stop(ok)
+
+    @contextlib.asynccontextmanager
+    async def spinner(self) -> AsyncIterator[None]:
+        """:meth:`spin` for ``async with``."""
+        with self.spin():
+            yield
 
 
 def quiet_hub_progress() -> None:
-    """transformers' own progress bars would fight with the spinner line (and fill the journal)."""
-    with contextlib.suppress(Exception):
-        from transformers.utils import logging as hf_logging
+    """No third-party progress bars ("Loading weights: 42%|████…", "Converting and de-quantizing
+    GGUF tensors…"): they would fight with the spinner line on a terminal and fill a service's
+    log. Every edge command calls this before it imports torch: tqdm, huggingface_hub and
+    transformers read these variables when first imported (transformers' GGUF conversion uses
+    tqdm directly); the libraries already imported are told directly. Explicit settings of the
+    variables are kept."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        with contextlib.suppress(Exception):
+            from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+            hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    if "huggingface_hub" in sys.modules:
+        with contextlib.suppress(Exception):
+            import huggingface_hub.utils as hub_utils
+
+            hub_utils.disable_progress_bars()  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------- the draft's device
+
+
+def cuda_hint(env: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> str | None:
+    """Why this machine should have CUDA, or None: ``CUDA_VISIBLE_DEVICES`` set (to something
+    other than "" or -1, which hide every GPU), or NVIDIA device nodes (``/dev/nvhost*`` on a
+    Jetson, ``/dev/nvidia*`` on a GPU box)."""
+    e = os.environ if env is None else env
+    visible = e.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() not in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={visible}"
+    with contextlib.suppress(OSError):
+        nodes = sorted(p.name for pattern in ("nvhost*", "nvidia*") for p in dev.glob(pattern))
+        if nodes:
+            return f"{dev / nodes[0]} exists"
+    return None
+
+
+def cuda_missing_reason() -> str | None:
+    """None when torch sees a CUDA device; else why not, in words."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return (
+            f"torch {torch.__version__} is built without CUDA (on a Jetson install NVIDIA's "
+            "JetPack wheel first, then `make install TORCH_SPEC=torch`)"
+        )
+    return (
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU "
+        "(driver, or device permissions: the video/render groups)"
+    )
+
+
+def check_cuda(device: str) -> str | None:
+    """Before loading: ``device = "cuda"`` on a machine where torch finds none is an error
+    (ConfigError); ``auto`` where CUDA was expected (:func:`cuda_hint`) but is missing gives
+    the warning returned (None: nothing to say)."""
+    if device == "cpu":
+        return None
+    if device == "cuda":
+        why = cuda_missing_reason()
+        if why is not None:
+            from shared.config import ConfigError
+
+            raise ConfigError("device", f"cuda was asked for but {why}")
+        return None
+    hint = cuda_hint()
+    if hint is None:
+        return None
+    why = cuda_missing_reason()
+    if why is None:
+        return None
+    return f"CUDA was expected ({hint}) but {why}: the draft runs on the CPU, slowly"
+
+
+def device_line(loaded: Any) -> str:
+    """One line naming the draft and where it runs: ``cpu (float32, 4 threads)`` or
+    ``cuda:0 (Orin, float16)``. ``loaded``: a :class:`shared.models.LoadedModel`."""
+    import torch
+
+    param = next(loaded.model.parameters())
+    dtype = str(param.dtype).removeprefix("torch.")
+    dev = param.device
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        where = f"cuda:{index} ({torch.cuda.get_device_name(index)}, {dtype})"
+    else:
+        n = torch.get_num_threads()
+        where = f"{dev.type} ({dtype}, {n} thread{'' if n == 1 else 's'})"
+    return f"draft {loaded.name} on {where}"

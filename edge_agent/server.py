@@ -30,9 +30,9 @@ from aiohttp import hdrs, web
 
 from edge_agent.api_errors import ApiError, bad_request, from_http
 from edge_agent.api_request import ApiRequest, parse_messages, parse_prompt, parse_request
-from edge_agent.config import EdgeSettings, read_secret_file
+from edge_agent.config import EdgeSettings, listen_error, read_secret_file
 from edge_agent.generate import encode_prompt
-from edge_agent.progress import Progress, quiet_hub_progress
+from edge_agent.progress import Progress, device_line, quiet_hub_progress
 from edge_agent.service import (
     EdgeService,
     Finished,
@@ -387,6 +387,16 @@ async def metrics_handler(request: web.Request) -> web.Response:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _key_matches(given: str, key: str) -> bool:
+    """Constant-time comparison; a key with non-ASCII bytes (undecodable) simply does not match
+    (a 401, never a 500)."""
+    try:
+        raw = given.encode("ascii")
+    except UnicodeEncodeError:
+        return False
+    return hmac.compare_digest(raw, key.encode())
+
+
 @web.middleware
 async def api_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
@@ -399,7 +409,7 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
             if is_api and state.api_key is not None:
                 header = request.headers.get(hdrs.AUTHORIZATION, "")
                 given = header[7:].strip() if header[:7].lower() == "bearer " else ""
-                if not hmac.compare_digest(given.encode(), state.api_key.encode()):
+                if not _key_matches(given, state.api_key):
                     raise ApiError(
                         401,
                         "missing or wrong API key (Authorization: Bearer ...)",
@@ -438,6 +448,8 @@ async def _load(state: ServerState) -> None:
         state.notifier.notify(f"STATUS=draft model failed to load: {e}")
         state.set_status(ServiceStatus.FAILED, f"the draft model failed to load: {e}")
         return
+    if state.service.loaded is not None:
+        log.warning("%s", device_line(state.service.loaded))
     state.set_status(
         ServiceStatus.READY, f"serving {state.service.loaded.name if state.service.loaded else ''}"
     )
@@ -538,7 +550,10 @@ async def serve(settings: EdgeSettings) -> int:
     try:
         await runner.setup()  # starts the model load and the verifier probe
         site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:  # checked before loading; this is the race that check leaves
+            raise listen_error(settings, (settings.host, settings.port), e) from None
         for addr in runner.addresses:
             log.warning("edge-agent API on http://%s:%d/v1", addr[0], addr[1])
         announced = False

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pexpect
 import pytest
 
-from edge_agent.chat import ChatOptions, Repl, stats_line
+from edge_agent.chat import ChatOptions, Event, Repl, stats_line
 from edge_agent.config import EdgeSettings
+from edge_agent.progress import Progress
+from edge_agent.service import Finished
 from shared.models import LoadedModel, load_model
+from shared.protocol import CorrectionMode
 from tests.edge_helpers import Servers, edge_settings
 
 TOKEN_RE = r"\bt\d+"
@@ -80,10 +85,18 @@ def test_repl_in_process(
     )
     child = spawn_chat(config)
     try:
-        child.expect("in-process agent")
+        child.expect("in-process agent: draft [^ ]+ on cpu \\(float32, 1 thread\\)")
         first, done = ask(child, "hello there")
         # Tokens appear as they are committed, well before the answer ends.
         assert done - first > 0.3, (first, done)
+
+        # At T = 0 /set shows the correction in effect, the one /stats reports.
+        child.expect_exact(">>> ")
+        child.sendline("/set")
+        child.expect_exact("correction   'candidates' (greedy_draft at T = 0)")
+        child.expect_exact(">>> ")
+        child.sendline("/stats")
+        child.expect(r"correction\s+greedy_draft")
 
         child.expect_exact(">>> ")
         child.sendline("/set temperature 0.7")
@@ -183,3 +196,108 @@ def test_multi_line_reading() -> None:
     assert repl.read_message() == "one\ntwo\nthree"
     lines = iter(['"""single"""'])
     assert repl.read_message() == "single"
+
+
+def test_set_shows_the_correction_in_effect() -> None:
+    greedy = ChatOptions.from_settings(EdgeSettings(temperature=0.0, correction="candidates"))
+    assert greedy.wire_correction is CorrectionMode.GREEDY_DRAFT
+    assert greedy.show("correction") == "'candidates' (greedy_draft at T = 0)"
+    assert "correction   'candidates' (greedy_draft at T = 0)" in greedy.describe()
+    sampled = greedy.with_setting("temperature", "0.7")
+    assert sampled.show("correction") == "'candidates'"
+    assert sampled.wire_correction is CorrectionMode.CANDIDATES
+    plain = greedy.with_setting("correction", "greedy_draft")
+    assert plain.show("correction") == "'greedy_draft'"
+
+
+class FakeBackend:
+    description = "fake"
+
+    def __init__(self, finish_reason: str, tokens: int) -> None:
+        self.finish_reason, self.tokens = finish_reason, tokens
+
+    async def chat(self, messages: list[dict[str, str]], opts: ChatOptions) -> AsyncIterator[Event]:
+        yield "an answer that goes on"
+        yield Finished("an answer that goes on", self.finish_reason, 3, self.tokens, {})
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("reason", "tokens", "marker"),
+    [
+        ("length", 40, "[… cut at max_tokens = 40; /set max_tokens N for longer answers]"),
+        ("length", 12, "[… cut at 12 tokens: the context is full; /clear to start over]"),
+        ("stop", 40, None),
+    ],
+)
+def test_a_reply_cut_by_its_length_limit_is_marked(
+    reason: str, tokens: int, marker: str | None
+) -> None:
+    out = io.StringIO()
+    opts = ChatOptions.from_settings(EdgeSettings(max_tokens=40))
+    repl = Repl(FakeBackend(reason, tokens), opts, out)
+    asyncio.run(repl.answer("hi"))
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "an answer that goes on"
+    if marker is None:
+        assert "cut at" not in out.getvalue()
+    else:
+        assert lines[1] == marker
+
+
+def test_the_spinner_turns_at_once() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    progress = Progress(stream=stream)
+    progress.report("starting")
+    progress.start()
+    try:
+        assert "starting (0 s)" in stream.getvalue()  # drawn before start() returns
+        progress.report("loading")
+        time.sleep(0.25)
+        assert "loading" in stream.getvalue()  # animated by its own thread
+    finally:
+        progress.stop(True)
+    assert stream.getvalue().endswith("\n") and "✓ loading" in stream.getvalue()
+    progress.stop(True)  # stopping twice is harmless
+
+
+# Reports (on stderr) the moment the process starts importing torch.
+_TORCH_SPY = """
+import sys
+class Spy:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.stderr.write("<<importing torch>>\\n"); sys.stderr.flush()
+            sys.meta_path.remove(self)
+        return None
+sys.meta_path.insert(0, Spy())
+from edge_agent.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_chat_shows_the_spinner_before_the_heavy_imports(
+    tmp_path: Path, servers: Servers, tiny_draft_dir: Path
+) -> None:
+    config = write_config(
+        tmp_path / "edge.toml", "ws://127.0.0.1:9/v1/session", servers, tiny_draft_dir, free_port()
+    )
+    child = pexpect.spawn(
+        sys.executable,
+        ["-c", _TORCH_SPY, "chat", "--config", str(config)],
+        encoding="utf-8",
+        timeout=60,
+        dimensions=(40, 200),
+    )
+    try:
+        first = child.expect_exact(["starting edge-agent chat", "<<importing torch>>"])
+        assert first == 0, child.before
+        child.expect_exact("<<importing torch>>")
+    finally:
+        child.close(force=True)

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import socket
 import typing
 from pathlib import Path
 
 import pytest
 
-from edge_agent.cli import _pipeline_config, build_parser, load_cli_settings, main
+from edge_agent.cli import build_parser, load_cli_settings, main
 from edge_agent.config import (
     CorrectionName,
     EdgeSettings,
     ModeName,
     ReconstructionName,
+    check_before_loading,
+    check_link_files,
+    check_listen,
+    check_model_specs,
     default_config_path,
     load_edge_settings,
+    retired_env_warnings,
+    setting_sources,
 )
 from shared.compression import Reconstruction
 from shared.config import ConfigError
@@ -116,11 +123,11 @@ def test_generate_flags_make_a_pipeline_config() -> None:
         ["generate", "hi", "--mode", "stop-and-wait", "--correction", "topk",
          "--reconstruction", "B"]
     )  # fmt: skip
-    p = _pipeline_config(args)
+    p = load_cli_settings(args, {}).pipeline()
     assert (p.mode, p.correction, p.reconstruction) == (
         Mode.STOP_AND_WAIT, CorrectionMode.TOPK, Reconstruction.REDISTRIBUTED,
     )  # fmt: skip
-    demo = _pipeline_config(build_parser().parse_args(["demo"]))  # no --reconstruction flag
+    demo = load_cli_settings(build_parser().parse_args(["demo"]), {}).pipeline()
     assert (demo.mode, demo.correction, demo.reconstruction) == (
         Mode.PIPELINED, CorrectionMode.CANDIDATES, Reconstruction.RENORMALISED,
     )  # fmt: skip
@@ -148,3 +155,84 @@ def test_several_verifiers_federate_unless_failover() -> None:
                      ({"k": "0"}, "'k'")]:  # fmt: skip
         with pytest.raises(ConfigError, match=key):
             EdgeSettings(verifier=urls, **bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- one settings story
+
+
+def test_every_command_reads_the_same_settings(tmp_path: Path) -> None:
+    """generate, demo, serve and chat: the same --config file, WANSPEC_EDGE_* variables, flags
+    and precedence, into the same EdgeSettings."""
+    cfg = write(tmp_path / "edge.toml", 'verifier = "wss://file:1/v1/session"\ngamma = 6\n')
+    env = {"WANSPEC_EDGE_GAMMA": "7", "WANSPEC_EDGE_DEPTH": "3"}
+    argv = {
+        "generate": ["generate", "hi"],
+        "demo": ["demo"],
+        "serve": ["serve"],
+        "chat": ["chat"],
+    }
+    seen = []
+    for command, head in argv.items():
+        args = build_parser().parse_args([*head, "--config", str(cfg), "--depth", "5"])
+        s = load_cli_settings(args, env)
+        seen.append(s)
+        assert (s.verifier, s.gamma, s.depth) == ("wss://file:1/v1/session", 7, 5), command
+    assert all(s == seen[0] for s in seen)
+    # The default verifier is the default cloud-verifier's address, for every command.
+    assert load_cli_settings(build_parser().parse_args(["generate", "x"]), {}).verifier == (
+        "ws://127.0.0.1:8765/v1/session"
+    )
+
+
+def test_generate_refuses_what_serve_refuses(tmp_path: Path) -> None:
+    for argv in (["generate", "hi"], ["serve"]):
+        args = build_parser().parse_args([*argv, "--verifier", "http://x:1/v1/session"])
+        with pytest.raises(ConfigError, match="not a ws:// or wss:// URL"):
+            load_cli_settings(args, {})
+
+
+def test_sources_and_retired_variables(tmp_path: Path) -> None:
+    cfg = write(tmp_path / "edge.toml", 'draft-base = "default"\ngamma = 6\n')
+    env = {"WANSPEC_EDGE_GAMMA": "7", "WANSPEC_VERIFIER": "ws://old:1/v1/session"}
+    src = setting_sources(config=cfg, env=env, cli={"depth": "3", "port": None})
+    assert src == {
+        "draft_base": f"config file {cfg} [draft-base]",
+        "gamma": "environment variable WANSPEC_EDGE_GAMMA",
+        "depth": "command line --depth",
+    }
+    (warning,) = retired_env_warnings(env, src)
+    assert "WANSPEC_VERIFIER is not read" in warning and "WANSPEC_EDGE_VERIFIER" in warning
+    assert retired_env_warnings(env, {**src, "verifier": "command line --verifier"}) == []
+
+
+def test_checks_before_loading(tmp_path: Path) -> None:
+    src = {"draft": "command line --draft"}
+    with pytest.raises(ConfigError, match=r"setting 'draft' \(from command line --draft\)"):
+        check_model_specs(EdgeSettings(draft=str(tmp_path / "none.gguf")), src)
+    with pytest.raises(ConfigError, match="setting 'draft_base'"):
+        check_model_specs(EdgeSettings(draft="self:skip=2", draft_base="/no/such/dir/x.gguf"))
+    check_model_specs(EdgeSettings(draft="self:keep=2", draft_base=str(tmp_path)))  # a folder
+    with pytest.raises(ConfigError, match=r"setting 'token_file'.*cannot read"):
+        check_link_files(EdgeSettings(token_file=tmp_path / "missing"))
+    token = write(tmp_path / "token", "# comment\nsecret\n")
+    assert check_link_files(EdgeSettings(token_file=token)) == "secret"
+    assert check_link_files(EdgeSettings()) == ""
+    with pytest.raises(ConfigError, match="setting 'ca_file'"):
+        check_link_files(EdgeSettings(ca_file=token))  # not a certificate
+    with pytest.raises(ConfigError, match="setting 'api_key_file'"):
+        check_before_loading(EdgeSettings(api_key_file=tmp_path / "nokey"), "chat")
+    check_before_loading(EdgeSettings(draft=str(tmp_path / "none.gguf")), "chat")  # see cli
+
+
+def test_the_api_address_is_checked_before_loading() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match="Address already in use") as e:
+            check_listen(EdgeSettings(port=port), {"port": "command line --port"})
+        assert e.value.key == "port" and "command line --port" in str(e.value)
+    check_listen(EdgeSettings(port=port))  # free again
+    check_listen(EdgeSettings(port=0))
+    assert EdgeSettings(host="0.0.0.0", port=9).api_url == "http://127.0.0.1:9"
+    assert EdgeSettings(host="::1", port=9).api_url == "http://[::1]:9"

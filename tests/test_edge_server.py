@@ -310,6 +310,15 @@ def test_api_key_is_required_when_configured(
     good = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0)
     assert good.completions.create(model="tiny", prompt="t1", max_tokens=2).choices
     assert get_json(base + "/health")[0] == 200  # health stays open for probes
+    # A key with bytes that are not ASCII (0xff) is a 401, never a 500.
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cr\xffet\r\n"
+            b"Connection: close\r\n\r\n"
+        )
+        head = sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 401"), head[:80]
 
 
 # ---------------------------------------------------------------------------- disconnects
@@ -452,7 +461,8 @@ def test_health_503_without_verifier_and_fallback_to_the_draft(
         s.bind(("127.0.0.1", 0))
         dead = f"ws://127.0.0.1:{s.getsockname()[1]}/v1/session"  # nothing listens there
     base, _ = servers.edge(
-        edge_settings(tiny_draft_dir, dead, servers.token_file, retry_attempts=1), wait=False
+        edge_settings(tiny_draft_dir, dead, servers.token_file, link_down_deadline=1.0),
+        wait=False,
     )
     wait_http(base + "/health", status=503)
     poll(lambda: get_json(base + "/health")[1]["status"] == "unavailable")
