@@ -43,14 +43,22 @@ class Signal:
         self._event = asyncio.Event()
 
     async def wait_for(self, ready: Callable[[], bool], timeout: float | None = None) -> None:
-        """Until ``ready()``; raises asyncio.TimeoutError after ``timeout`` seconds."""
+        """Until ``ready()``; raises asyncio.TimeoutError after ``timeout`` seconds.
+
+        Built on ``asyncio.wait``, never ``asyncio.wait_for``: on Python ≤ 3.11 the latter can
+        swallow a cancellation that races its inner wait, and an owner cancelling this task
+        would then wait for it forever."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while not ready():
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 raise asyncio.TimeoutError
-            await asyncio.wait_for(self._event.wait(), remaining)
+            waiter = asyncio.ensure_future(self._event.wait())
+            try:
+                await asyncio.wait({waiter}, timeout=remaining)
+            finally:
+                waiter.cancel()
 
 
 class LinkIO:
