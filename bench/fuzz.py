@@ -1203,8 +1203,36 @@ async def _bounded_run(
 # ============================================================================ HTTP fuzzing
 
 
+#: Bytes that are not valid in (or not ASCII in) an HTTP header: aiohttp hands header bytes that
+#: are not UTF-8 to the application as surrogates, and they must still get a 4xx.
+HOSTILE_HEADER_BYTES = (
+    b"\xff", b"\xfe\xff", b"\x80", b"\xc3\xa9", b"\xe9", b"\xed\xa0\x80", b"\xf0\x9f\x92\xa9",
+    b"\x00", b"\x01", b"\x1b[31m", b"\x7f", b"\r", b"\n", b"\t", b"\x0b", b"\x0c",
+)  # fmt: skip
+
+
+def poison_header(raw: bytes, r: random.Random) -> tuple[str, bytes]:
+    """Put hostile bytes (:data:`HOSTILE_HEADER_BYTES`) into a random header value of ``raw``."""
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    if len(lines) < 2:
+        return "poison_line", raw[:1] + r.choice(HOSTILE_HEADER_BYTES) + raw[1:]
+    i = r.randrange(1, len(lines))
+    name, colon, value = lines[i].partition(b":")
+    at = r.randint(0, len(value))
+    bad = r.choice(HOSTILE_HEADER_BYTES)
+    lines[i] = name + colon + value[:at] + bad + value[at:]
+    return f"poison_{name.decode('latin-1').lower()[:24]}", b"\r\n".join(lines) + sep + body
+
+
+def http_fixed_cases(port: int) -> list[tuple[str, bytes]]:
+    """The fixed (name, raw request) pairs of :func:`http_cases` (no random mutation)."""
+    return http_cases(port, random.Random(0), 0)
+
+
 def http_cases(port: int, r: random.Random, n: int) -> list[tuple[str, bytes]]:
-    """(name, raw request) pairs: malformed, oversized or hostile; each must get a 4xx."""
+    """(name, raw request) pairs: malformed, oversized or hostile; each must get a 4xx. The fixed
+    cases come first (all of them, whatever ``n``), then random mutations up to ``n``."""
     host = f"Host: 127.0.0.1:{port}\r\n".encode()
     up = (
         b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
@@ -1250,16 +1278,54 @@ def http_cases(port: int, r: random.Random, n: int) -> list[tuple[str, bytes]]:
         ("negative_cl", b"POST /health HTTP/1.1\r\n" + host + b"Content-Length: -1\r\n\r\n"),
         ("huge_cl", b"POST /metrics HTTP/1.1\r\n" + host
          + b"Content-Length: 99999999999\r\n\r\n"),
+        # Found by the hardening review: a token with byte 0xff (or any byte that is not UTF-8)
+        # was a 500 with a logged traceback; a non-ASCII Sec-WebSocket-Key too.
+        ("token_0xff", g + up + proto + b"Authorization: Bearer ab\xffcd\r\n\r\n"),
+        ("token_latin1", g + up + proto + b"Authorization: Bearer caf\xe9\r\n\r\n"),
+        ("token_utf8", g + up + proto + "Authorization: Bearer café\r\n\r\n".encode()),
+        ("token_lone_surrogate", g + up + proto + b"Authorization: Bearer \xed\xa0\x80\r\n\r\n"),
+        ("token_ctl", g + up + proto + b"Authorization: Bearer a\x1bb\r\n\r\n"),
+        ("token_del", g + up + proto + b"Authorization: Bearer a\x7fb\r\n\r\n"),
+        ("token_only_0xff", g + up + proto + b"Authorization: Bearer \xff\r\n\r\n"),
+        ("scheme_0xff", g + up + proto + b"Authorization: Bear\xffer " + TOKEN.encode()
+         + b"\r\n\r\n"),
+        ("auth_twice", g + up + proto + auth + b"Authorization: Bearer \xff\r\n\r\n"),
+        ("key_0xff", g + auth + proto + up.replace(b"Q==", b"Q\xff=") + b"\r\n"),
+        ("key_non_base64", g + auth + proto + up.replace(b"dGhlIHNhbXBsZSBub25jZQ==", b"!!!!")
+         + b"\r\n"),
+        ("version_0xff", g + auth + proto + up.replace(b"Version: 13", b"Version: 1\xff")
+         + b"\r\n"),
+        ("protocol_0xff", g + up + auth + b"Sec-WebSocket-Protocol: wanspec.v1\xff\r\n\r\n"),
+        ("connection_0xff", g + auth + proto
+         + up.replace(b"Connection: Upgrade", b"Connection: Upgr\xffde") + b"\r\n"),
+        ("upgrade_utf8", g + auth + proto + up.replace(b"websocket", "wébsocket".encode())
+         + b"\r\n"),
+        ("plain_get_0xff", g + auth + b"X-A: \xff\r\n\r\n"),
+        ("header_name_0xff", s + b"X-\xff: a\r\n\r\n"),
+        ("header_ctl", s + b"X-A: a\x01b\r\n\r\n"),
+        ("header_bare_cr", s + b"X-A: a\rb\r\n\r\n"),
+        ("header_bare_lf", s + b"X-A: a\nb: c\r\n\r\n"),
+        ("header_obs_fold", s + b"X-A: a\r\n b\r\n\r\n"),
+        ("host_0xff", b"GET /metrics HTTP/1.1\r\nHost: \xff\xfe\r\n\r\n"),
+        ("path_0xff", b"GET /health\xff HTTP/1.1\r\n" + host + b"\r\n"),
+        ("query_0xff", b"GET /health?a=\xff HTTP/1.1\r\n" + host + b"\r\n"),
+        ("content_length_0xff", b"POST /health HTTP/1.1\r\n" + host
+         + b"Content-Length: 1\xff\r\n\r\n"),
+        ("transfer_encoding_0xff", b"POST /health HTTP/1.1\r\n" + host
+         + b"Transfer-Encoding: chunk\xffed\r\n\r\n"),
     ]
     # fmt: on
     out = list(fixed)
     while len(out) < n:
         name, base = r.choice(fixed)
-        kind, data = mutate_bytes(base, r)
-        if kind in ("empty", "truncate"):
-            continue  # an incomplete request gets no answer at all, which is right
+        if r.random() < 0.3:
+            kind, data = poison_header(base, r)
+        else:
+            kind, data = mutate_bytes(base, r)
+            if kind in ("empty", "truncate"):
+                continue  # an incomplete request gets no answer at all, which is right
         out.append((f"{name}+{kind}", data))
-    return out[:n]
+    return out[: max(n, len(fixed))]
 
 
 async def fuzz_http(port: int, cfg: FuzzConfig, report: FuzzReport) -> None:

@@ -1,8 +1,13 @@
 """The aiohttp application: ``/v1/session`` (WebSocket), ``/health``, ``/metrics``.
 
-Tasks and their owners: the model load and the systemd watchdog each run in a task created and
-cancelled-and-awaited by a cleanup context; session handlers are aiohttp's request tasks, and
-``on_shutdown`` closes their WebSockets with GOING_AWAY so they end.
+Tasks and their owners: the model load, the systemd watchdog and the token-file poll each run in
+a task created and cancelled-and-awaited by a cleanup context; session handlers are aiohttp's
+request tasks, and ``on_shutdown`` closes their WebSockets with GOING_AWAY so they end. Closing
+the sessions of a revoked token runs in tasks kept in ``VerifierState.closers``.
+
+Serve it with :func:`make_runner` and a :class:`~cloud_verifier.http_guard.Listener` (as
+``cloud-verifier serve`` does): that adds the header-read timeout and the caps on connections that
+have not reached a handler yet (``state.guard``; the middleware tells it when a request starts).
 """
 
 from __future__ import annotations
@@ -11,15 +16,18 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from aiohttp import WSCloseCode, WSMsgType, hdrs, web
+from aiohttp import WSCloseCode, WSMessage, WSMsgType, hdrs, web
 
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import Engine, Target, load_target
+from cloud_verifier.engine import DeviceUnavailable, Engine, Target, load_target
+from cloud_verifier.http_guard import HTTP_LOG, ConnectionGuard
+from cloud_verifier.ratelog import LogLimiter
 from cloud_verifier.session import SessionModel, Timing
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.stats import VerifierMetrics
@@ -50,6 +58,7 @@ from shared.verifier_core import (
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class VerifierState:
     """Everything the handlers share (one per app)."""
@@ -61,6 +70,7 @@ class VerifierState:
     limits: SessionLimits
     loader: Callable[[], Target]
     notifier: Notifier
+    guard: ConnectionGuard
     status: ServiceStatus = ServiceStatus.LOADING
     reason: str = "loading the model"
     sessions: dict[str, LiveSession] = field(default_factory=dict)
@@ -70,6 +80,12 @@ class VerifierState:
     connections: int = 0  # upgraded or upgrading: counted against max_sessions
     #: Connections per token key (``Authenticator.identify``), against max_sessions_per_token.
     per_token: dict[str, int] = field(default_factory=dict)
+    #: The token key of each upgraded WebSocket (to close a revoked token's sessions).
+    ws_token: dict[web.WebSocketResponse, str] = field(default_factory=dict)
+    #: Tasks closing the sessions of revoked tokens.
+    closers: set[asyncio.Task[None]] = field(default_factory=set)
+    #: Refused session requests are logged at most 5 times a minute.
+    refusal_log: LogLimiter = field(default_factory=lambda: LogLimiter(burst=5, interval=60.0))
     #: Set whenever ``status`` changes (serve() waits on it).
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -83,10 +99,12 @@ STATE = web.AppKey("wanspec_state", VerifierState)
 
 @dataclass
 class LiveSession:
-    """An open session: its rules (the core) and its model side (cache, RNG)."""
+    """An open session: its rules (the core), its model side (cache, RNG) and its log budget
+    (per-frame events a peer can cause at will are logged at most 5 times a minute)."""
 
     core: VerifierCore
     model: SessionModel
+    logs: LogLimiter = field(default_factory=lambda: LogLimiter(burst=5, interval=60.0))
 
 
 def limits_from(settings: VerifierSettings) -> SessionLimits:
@@ -98,6 +116,7 @@ def limits_from(settings: VerifierSettings) -> SessionLimits:
         max_k=settings.max_k,
         max_bad_frames=settings.max_bad_frames,
         max_resamples=settings.max_resamples,
+        idle_timeout_s=settings.idle_timeout,
     )
 
 
@@ -117,23 +136,75 @@ def build_app(
         def loader() -> Target:
             return load_target(settings.model, device=settings.device, dtype=settings.dtype)
 
-    app = web.Application()
+    app = web.Application(middlewares=[_guard_middleware])
+    metrics = metrics or VerifierMetrics()
     app[STATE] = VerifierState(
         settings=settings,
         engine=engine or Engine(),
         auth=auth,
-        metrics=metrics or VerifierMetrics(),
+        metrics=metrics,
         limits=limits_from(settings),
         loader=loader,
         notifier=notifier or Notifier(None),
+        guard=ConnectionGuard(
+            header_timeout=settings.header_timeout,
+            max_pending=settings.max_pending_connections,
+            max_pending_per_address=settings.max_pending_per_address,
+            metrics=metrics,
+        ),
     )
+    metrics.slots_total.set(settings.max_sessions)
     app.router.add_get("/v1/session", session_handler)
     app.router.add_get("/health", health_handler)
     app.router.add_get("/metrics", metrics_handler)
     app.cleanup_ctx.append(_engine_ctx)
     app.cleanup_ctx.append(_watchdog_ctx)
+    app.cleanup_ctx.append(_token_ctx)
     app.on_shutdown.append(_close_sessions)
     return app
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """The runner ``serve`` uses: no access log, aiohttp's request errors through
+    :data:`~cloud_verifier.http_guard.HTTP_LOG` (malformed requests: rate-limited INFO lines)."""
+    settings = app[STATE].settings
+    return web.AppRunner(
+        app,
+        shutdown_timeout=settings.shutdown_timeout,
+        access_log=None,
+        logger=HTTP_LOG,
+        # The guard closes connections idle between requests after header_timeout; this is
+        # only aiohttp's own (hour-long by default) backstop.
+        keepalive_timeout=max(75.0, settings.header_timeout),
+    )
+
+
+@web.middleware
+async def _guard_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Headers complete: the connection is no longer pending (see ``http_guard``). A header
+    value that is not ASCII is refused here (400), whatever the path: nothing this service reads
+    may contain one, and aiohttp passes such bytes on as surrogates."""
+    state = request.app[STATE]
+    state.guard.request_started(request.transport)
+    try:
+        bad = _non_ascii_header(request)
+        if bad is not None:
+            if request.path == "/v1/session":
+                _refuse(state, "bad_header", web.HTTPBadRequest(), request)
+            raise web.HTTPBadRequest(text=f"header {bad} is not ASCII\n")
+        return await handler(request)
+    finally:
+        state.guard.request_finished(request.transport)
+
+
+def _non_ascii_header(request: web.Request) -> str | None:
+    """The (quoted) name of the first header whose value is not ASCII, or None."""
+    for name, value in request.headers.items():
+        if not value.isascii():
+            return ascii(name)
+    return None
 
 
 # ---------------------------------------------------------------------------- background tasks
@@ -147,7 +218,10 @@ async def _load_model(state: VerifierState) -> None:
     try:
         target = await state.engine.load(state.loader)
     except Exception as e:
-        log.error("model %s failed to load", spec, exc_info=e)
+        # A missing CUDA device is a configuration problem: its message says it all.
+        log.error(
+            "model %s failed to load: %s", spec, e, exc_info=not isinstance(e, DeviceUnavailable)
+        )
         state.notifier.notify(f"STATUS=model failed to load: {e}")
         state.set_status(ServiceStatus.FAILED, f"model {spec} failed to load: {e}")
         return
@@ -198,6 +272,82 @@ async def _watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
                 await task
 
 
+async def _poll_tokens(state: VerifierState, interval: float) -> None:
+    """Re-read the token file every ``interval`` s even with no request coming in, so a revoked
+    token's sessions are closed and a broken file is reported within ``interval``."""
+    while True:
+        await asyncio.sleep(interval)
+        state.auth.refresh()
+        _token_metrics(state)
+
+
+async def _token_ctx(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    interval = state.settings.token_reload_interval
+
+    def revoked(keys: frozenset[str]) -> None:
+        _revoke(state, keys)
+
+    state.auth.on_revoke(revoked)
+    task = None
+    if state.auth.enabled and state.auth.token_file is not None and interval > 0:
+        task = asyncio.create_task(_poll_tokens(state, interval), name="wanspec-token-poll")
+    try:
+        yield
+    finally:
+        state.auth.on_revoke(revoked, remove=True)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for closer in list(state.closers):
+            closer.cancel()
+        await asyncio.gather(*state.closers, return_exceptions=True)
+
+
+def reload_tokens(state: VerifierState, why: str) -> None:
+    """Re-read the token file now (SIGHUP); revoked tokens' sessions are closed."""
+    if not state.auth.enabled or state.auth.token_file is None:
+        log.info("%s: no token file to re-read", why)
+        return
+    changed = state.auth.refresh(force=True)
+    _token_metrics(state)
+    log.info(
+        "%s: token file re-read: %d token(s)%s%s",
+        why,
+        state.auth.count,
+        "" if changed else ", unchanged",
+        f"; PROBLEM: {state.auth.error}" if state.auth.error else "",
+    )
+
+
+def _token_metrics(state: VerifierState) -> None:
+    auth, m = state.auth, state.metrics
+    m.tokens_configured.set(auth.count if auth.enabled else 0)
+    m.token_file_ok.set(0 if auth.error else 1)
+    for counter, value in ((m.token_reloads, auth.reloads), (m.token_file_errors, auth.errors)):
+        if value > counter.get():
+            counter.inc(value - counter.get())
+
+
+def _revoke(state: VerifierState, keys: frozenset[str]) -> None:
+    """Tokens were removed from the token file: close their sessions (1008, token_revoked)."""
+    doomed = [(ws, t) for ws, t in state.websockets.items() if state.ws_token.get(ws) in keys]
+    log.info(
+        "token(s) %s removed from the token file: closing %d open session(s)",
+        ", ".join(sorted(keys)),
+        len(doomed),
+    )
+    reason = _close_reason("token_revoked: this session's bearer token is no longer accepted")
+    for ws, transport in doomed:
+        state.metrics.sessions_revoked.inc()
+        task = asyncio.get_running_loop().create_task(
+            _close(ws, transport, state, WSCloseCode.POLICY_VIOLATION, reason)
+        )
+        state.closers.add(task)
+        task.add_done_callback(state.closers.discard)
+
+
 async def _close_sessions(app: web.Application) -> None:
     state = app[STATE]
     state.set_status(ServiceStatus.STOPPING, "shutting down")
@@ -223,8 +373,16 @@ def _json(status: int, body: dict[str, object], **headers: str) -> web.Response:
 
 
 async def health_handler(request: web.Request) -> web.Response:
+    """200 while ready, 503 otherwise. ``slots``: session slots held / max_sessions (all held:
+    new sessions get 503 although the service is healthy); ``pending_connections``: connections
+    whose request has not reached a handler; ``token_file``: ``ok`` or what is wrong with it
+    (the previous tokens are kept meanwhile)."""
     state = request.app[STATE]
     body: dict[str, object] = {"status": state.status, "reason": state.reason}
+    body["slots"] = {"used": state.connections, "total": state.settings.max_sessions}
+    body["pending_connections"] = state.guard.pending
+    if state.auth.enabled and state.auth.token_file is not None:
+        body["token_file"] = state.auth.error or "ok"
     if state.status != ServiceStatus.READY:
         return _json(503, body)
     target = state.engine.require_target()
@@ -239,13 +397,35 @@ async def health_handler(request: web.Request) -> web.Response:
 async def metrics_handler(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.metrics.sessions_active.set(len(state.sessions))
+    state.metrics.slots_used.set(state.connections)
+    _token_metrics(state)
     body = state.metrics.render().encode()
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE})
 
 
-def _refuse(state: VerifierState, reason: str, exc: web.HTTPException) -> web.HTTPException:
+def _refuse(
+    state: VerifierState, reason: str, exc: web.HTTPException, request: web.Request | None = None
+) -> web.HTTPException:
     state.metrics.sessions_refused.inc(reason=reason)
+    if request is not None:
+        state.refusal_log.log(
+            log,
+            logging.INFO,
+            "refused a session request from %s: %s (HTTP %d)",
+            request.remote,
+            reason,
+            exc.status,
+        )
     return exc
+
+
+def _upgrade_requested(request: web.Request) -> bool:
+    return "websocket" in request.headers.get(hdrs.UPGRADE, "").lower()
+
+
+def _offers_subprotocol(request: web.Request) -> bool:
+    offered = request.headers.getall(hdrs.SEC_WEBSOCKET_PROTOCOL, ())
+    return any(p.strip() == SUBPROTOCOL for value in offered for p in value.split(","))
 
 
 async def session_handler(request: web.Request) -> web.StreamResponse:
@@ -253,6 +433,13 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     s = state.settings
     # Nothing is created before the token checks out.
+    if len(request.headers.getall(hdrs.AUTHORIZATION, ())) > 1:
+        raise _refuse(
+            state,
+            "auth",
+            web.HTTPBadRequest(text="more than one Authorization header\n"),
+            request,
+        )
     key = state.auth.identify(request.headers.get(hdrs.AUTHORIZATION))
     if key is None:
         raise _refuse(
@@ -262,6 +449,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
                 text="missing or wrong bearer token\n",
                 headers={hdrs.WWW_AUTHENTICATE: 'Bearer realm="wanspec"'},
             ),
+            request,
         )
     if state.status != ServiceStatus.READY:
         raise _refuse(
@@ -298,14 +486,35 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
         heartbeat=s.heartbeat or None,
         compress=False,  # frames are tens of bytes; deflate would only add latency
     )
+    if not _upgrade_requested(request):
+        raise _refuse(
+            state,
+            "not_websocket",
+            web.HTTPUpgradeRequired(
+                text="/v1/session is a WebSocket endpoint: send Upgrade: websocket\n",
+                headers={hdrs.UPGRADE: "websocket", hdrs.CONNECTION: "Upgrade"},
+            ),
+        )
+    if not _offers_subprotocol(request):  # (before aiohttp, which logs a warning for it)
+        raise _refuse(
+            state,
+            "subprotocol",
+            web.HTTPBadRequest(text=f"the WebSocket subprotocol {SUBPROTOCOL} is required\n"),
+        )
     try:
         ready = ws.can_prepare(request)
-    except UnicodeError:  # aiohttp cannot even quote a non-ASCII Upgrade header in its 400
+    except (UnicodeError, ValueError):
+        # Header bytes that are not ASCII: aiohttp cannot quote them in its 400 (UnicodeError)
+        # nor base64-decode such a Sec-WebSocket-Key (ValueError).
         raise _refuse(
-            state, "subprotocol", web.HTTPBadRequest(text="malformed WebSocket upgrade headers\n")
+            state, "bad_upgrade", web.HTTPBadRequest(text="malformed WebSocket upgrade headers\n")
         ) from None
     if not ready.ok:
-        raise _refuse(state, "subprotocol", web.HTTPBadRequest(text="not a WebSocket upgrade\n"))
+        raise _refuse(
+            state,
+            "bad_upgrade",
+            web.HTTPBadRequest(text="malformed WebSocket upgrade (version or key)\n"),
+        )
     if ready.protocol != SUBPROTOCOL:
         raise _refuse(
             state,
@@ -317,6 +526,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     try:
         await ws.prepare(request)
         state.websockets[ws] = request.transport
+        state.ws_token[ws] = key
         await _run_session(_Peer(ws, request.transport), state)
     finally:
         state.connections -= 1
@@ -324,6 +534,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
         if not state.per_token[key]:
             del state.per_token[key]
         state.websockets.pop(ws, None)
+        state.ws_token.pop(ws, None)
     return ws
 
 
@@ -443,7 +654,14 @@ def _new_core(state: VerifierState) -> VerifierCore:
     return VerifierCore(info, state.limits, uuid.uuid4().hex[:16])
 
 
-def _note(state: VerifierState, core: VerifierCore, n: Note) -> None:
+def _clip(text: str, n: int = 200) -> str:
+    """Peer-chosen text for a log line: quoted (no control characters) and bounded."""
+    return repr(text if len(text) <= n else text[:n] + "...")
+
+
+def _note(state: VerifierState, core: VerifierCore, n: Note, logs: LogLimiter | None) -> None:
+    """Count a note; log the ones worth a line, within the session's log budget (a peer can
+    cause edge errors and model errors once per frame)."""
     m = state.metrics
     if n.kind == NoteKind.REFUSED:
         m.sessions_refused.inc(reason=n.detail)
@@ -451,10 +669,12 @@ def _note(state: VerifierState, core: VerifierCore, n: Note) -> None:
         m.stale_dropped.inc()
     elif n.kind == NoteKind.BAD_FRAME:
         m.bad_frames.inc()
-    elif n.kind == NoteKind.EDGE_ERROR:
-        log.info("session %s: edge reports %s", core.session_id, n.detail)
-    elif n.kind == NoteKind.MODEL_ERROR:
-        log.warning("session %s: model error: %s", core.session_id, n.detail)
+    elif n.kind == NoteKind.IDLE:
+        m.idle_closed.inc()
+    elif n.kind == NoteKind.EDGE_ERROR and logs is not None:
+        logs.log(log, logging.INFO, "session %s: edge reports %s", core.session_id, _clip(n.detail))
+    elif n.kind == NoteKind.MODEL_ERROR and logs is not None:
+        logs.log(log, logging.WARNING, "session %s: model error: %s", core.session_id, n.detail)
 
 
 def _count_work(state: VerifierState, work: Work, result: Result, timing: Timing | None) -> None:
@@ -491,10 +711,11 @@ async def _run_work(state: VerifierState, live: LiveSession, work: Work) -> list
         (result, timing), queued = await state.engine.call(lambda: live.model.run(work))
         state.metrics.queue_seconds.observe(queued)
     except Exception as e:  # the engine itself failed (e.g. shut down)
-        log.warning("session %s: engine error", live.core.session_id, exc_info=e)
+        if live.logs.allow():
+            log.warning("session %s: engine error", live.core.session_id, exc_info=e)
         result, timing = Failed(f"{type(e).__name__}: {e}", live.model.seq.length), None
     _count_work(state, work, result, timing)
-    return live.core.work_done(result)
+    return live.core.work_done(result, time.monotonic())
 
 
 async def _act(
@@ -507,7 +728,7 @@ async def _act(
     while todo:
         ev = todo.pop(0)
         if isinstance(ev, Note):
-            _note(state, core, ev)
+            _note(state, core, ev, live.logs)
         elif isinstance(ev, Send):
             await _send_msg(peer, state, ev.msg, core)
             if isinstance(ev.msg, (Verdict, FederatedReply)):
@@ -520,12 +741,37 @@ async def _act(
             return
 
 
+async def _next_frame(ws: web.WebSocketResponse, core: VerifierCore) -> WSMessage | None:
+    """The next message from the peer, or None once the core's idle deadline has passed.
+
+    Pings and pongs are handled inside ``ws.receive`` and do not count as activity; its own
+    ``timeout`` restarts after each of them (a heartbeat would keep a silent session alive
+    forever), so the deadline is enforced around the whole call."""
+    while True:
+        deadline = core.idle_deadline()
+        if deadline is None:
+            return await ws.receive()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        with contextlib.suppress(asyncio.TimeoutError):
+            # A message that arrives as the deadline passes stays queued in the reader.
+            if sys.version_info >= (3, 11):
+                async with asyncio.timeout(left):  # no extra task per frame
+                    return await ws.receive()
+            return await asyncio.wait_for(ws.receive(), left)
+
+
+_ENDED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
+
+
 async def _run_session(peer: _Peer, state: VerifierState) -> None:
     s = state.settings
     ws = peer.ws
     core = _new_core(state)
     try:
-        first = await ws.receive(timeout=s.handshake_timeout)
+        # Around the call, not ws.receive(timeout=...): that one restarts after every pong.
+        first = await asyncio.wait_for(ws.receive(), s.handshake_timeout)
     except asyncio.TimeoutError:
         state.metrics.sessions_refused.inc(reason="handshake")
         err = Error("bad_handshake", f"no Hello within {s.handshake_timeout} s", fatal=True)
@@ -534,11 +780,11 @@ async def _run_session(peer: _Peer, state: VerifierState) -> None:
     if first.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
         return  # closed before saying anything
     _count_in(state, first.data)
-    events = core.receive(first.data)
+    events = core.receive(first.data, time.monotonic())
     if core.closed or core.hello is None:
         for ev in events:
             if isinstance(ev, Note):
-                _note(state, core, ev)
+                _note(state, core, ev, None)
             elif isinstance(ev, Close):
                 await _fatal(peer, state, ev, core)
         return
@@ -552,7 +798,13 @@ async def _run_session(peer: _Peer, state: VerifierState) -> None:
     )
     try:
         await _act(peer, state, live, events, time.perf_counter())
-        async for msg in ws:
+        while not core.closed:
+            msg = await _next_frame(ws, core)
+            if msg is None:  # idle past its deadline: the core closes it (idle_timeout)
+                await _act(peer, state, live, core.expire(time.monotonic()), time.perf_counter())
+                continue
+            if msg.type in _ENDED:
+                break
             if msg.type == WSMsgType.ERROR:
                 # e.g. a frame over max_frame: aiohttp has closed the socket with a code already.
                 state.metrics.bad_frames.inc()
@@ -562,9 +814,7 @@ async def _run_session(peer: _Peer, state: VerifierState) -> None:
                 continue
             t0 = time.perf_counter()
             _count_in(state, msg.data)
-            await _act(peer, state, live, core.receive(msg.data), t0)
-            if core.closed:
-                break
+            await _act(peer, state, live, core.receive(msg.data, time.monotonic()), t0)
     except SlowReader as e:
         await _slow_reader(peer, state, e)
     except ConnectionError:
@@ -578,4 +828,5 @@ async def _run_session(peer: _Peer, state: VerifierState) -> None:
     finally:
         del state.sessions[core.session_id]
         state.metrics.sessions_active.set(len(state.sessions))
+        live.logs.flush(log, logging.INFO, f"session {core.session_id}")
         log.info("session %s ended", core.session_id)

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
+import time
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -54,6 +57,14 @@ _HELP: dict[str, str] = {
     "max_bad_frames": "refused frames per session before it is closed",
     "max_resamples": "Resample requests per rejection",
     "handshake_timeout": "seconds a client has to send Hello",
+    "idle_timeout": "seconds a session may go without model work before it is closed (0: never)",
+    "header_timeout": "seconds a connection has to send its request headers (and to idle "
+    "between requests)",
+    "max_pending_connections": "connections whose request has not reached a handler (half-sent "
+    "or idle in keep-alive); when all are taken a new one evicts the oldest, if old enough",
+    "max_pending_per_address": "such connections per client address (more: refused at once)",
+    "token_reload_interval": "seconds between re-reads of the token file by content (0: only "
+    "on SIGHUP or a changed size/mtime)",
     "heartbeat": "WebSocket ping interval in seconds (0: off)",
     "close_timeout": "seconds to wait for a client's close reply",
     "send_timeout": "seconds a frame may wait for a client that does not read, then it is closed",
@@ -123,16 +134,27 @@ async def serve(
 
     ``loader`` (run on the model worker) defaults to loading ``settings.model``.
     """
-    from aiohttp import web
-
-    from cloud_verifier.app import STATE, build_app
+    from cloud_verifier.app import STATE, build_app, make_runner, reload_tokens
+    from cloud_verifier.http_guard import Listener
     from shared.sdnotify import Notifier
     from shared.service_status import ServiceStatus
 
     notifier = Notifier.from_env()
     app = build_app(settings, auth=auth, loader=loader, notifier=notifier)
     state = app[STATE]
-    runner = web.AppRunner(app, shutdown_timeout=settings.shutdown_timeout, access_log=None)
+    listener = Listener(state.guard, settings.host, settings.port, ssl_context=ssl_context)
+    try:
+        await listener.bind()  # before the model load: a port in use ends here, quickly
+    except OSError as e:
+        # "Address already in use", "Permission denied", "Name or service not known", ...
+        why = os.strerror(e.errno) if e.errno and e.errno > 0 else (e.strerror or str(e))
+        print(
+            f"cloud-verifier: error: cannot listen on {settings.host} port {settings.port}: "
+            f"{why} (settings 'host', 'port')",
+            file=sys.stderr,
+        )
+        return 2
+    runner = make_runner(app)
     loop = asyncio.get_running_loop()
     stopping = False
 
@@ -144,14 +166,14 @@ async def serve(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGHUP, reload_tokens, state, "SIGHUP")
     rc = 0
     await runner.setup()  # starts the model load in the background
     try:
-        site = web.TCPSite(runner, settings.host, settings.port, ssl_context=ssl_context)
-        await site.start()
-        for addr in runner.addresses:
+        await listener.start(runner)
+        for host, port in listener.addresses:
             scheme = "https/wss" if ssl_context is not None else "http/ws"
-            log.info("listening on %s port %d (%s)", addr[0], addr[1], scheme)
+            log.info("listening on %s port %d (%s)", host, port, scheme)
         announced = False
         while True:
             await state.changed.wait()
@@ -168,11 +190,24 @@ async def serve(
                 announced = True
     finally:
         notifier.notify("STOPPING=1\nSTATUS=stopping")
+        listener.close()
         await runner.cleanup()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        await listener.wait_closed()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
     log.info("stopped")
     return rc
+
+
+def _busy_threads(wait_s: float) -> list[threading.Thread]:
+    """Non-daemon threads other than this one still running after up to ``wait_s`` seconds (an
+    idle model worker exits at once after the engine's shutdown; a busy one does not)."""
+    deadline = time.monotonic() + wait_s
+    main = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not main and not t.daemon:
+            t.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
 
 
 def run_serve(args: argparse.Namespace, *, make_loader: LoaderFactory | None = None) -> int:
@@ -185,7 +220,9 @@ def run_serve(args: argparse.Namespace, *, make_loader: LoaderFactory | None = N
         _check_model_spec(settings.model)
         if settings.token_file is not None:
             try:
-                auth = Authenticator(token_file=settings.token_file)
+                auth = Authenticator(
+                    token_file=settings.token_file, recheck_s=settings.token_reload_interval
+                )
             except AuthError as e:
                 raise ConfigError("token_file", str(e)) from None
         elif settings.insecure_no_auth:
@@ -207,14 +244,22 @@ def run_serve(args: argparse.Namespace, *, make_loader: LoaderFactory | None = N
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Model loading progress bars (transformers' "Loading weights", the GGUF conversion's
+    # shards) are terminal animations: in a service log they are noise.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if not auth.enabled:
         log.warning("authentication is OFF (--insecure-no-auth): anyone can open sessions")
+    _check_open_files(settings)
     loader = make_loader(settings) if make_loader is not None else None
     rc = asyncio.run(serve(settings, auth, ssl_context, loader=loader))
-    if threading.active_count() > 1:
+    busy = _busy_threads(1.0)
+    if busy:
         # The model worker is still inside a load or a forward that cannot be interrupted;
         # Python would join it at exit and overrun the stop timeout. Everything else is closed.
-        log.warning("model worker still busy: exiting without waiting for it")
+        log.warning(
+            "model worker still busy (%s): exiting without waiting for it",
+            ", ".join(t.name for t in busy),
+        )
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -222,11 +267,64 @@ def run_serve(args: argparse.Namespace, *, make_loader: LoaderFactory | None = N
     return rc
 
 
+def _check_open_files(settings: VerifierSettings) -> None:
+    """Warn when the descriptor limit cannot hold the configured connections."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = settings.max_pending_connections + settings.max_sessions + 64
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning(
+            "open-file limit %d is below max_pending_connections + max_sessions + 64 = %d: "
+            "raise it (LimitNOFILE=, ulimit -n) or lower max_pending_connections",
+            soft,
+            need,
+        )
+
+
 def _cmd_gen_token(args: argparse.Namespace) -> int:
     from cloud_verifier.auth import generate_token
 
-    print(generate_token())
+    token = generate_token()
+    if args.out is None:
+        print(token)
+        return 0
+    path = Path(args.out).expanduser()
+    try:
+        write_secret(path, token + "\n", force=args.force)
+    except FileExistsError:
+        print(f"cloud-verifier: error: {path} exists (pass --force to replace it)", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"cloud-verifier: error: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(f"wrote a new token to {path} (mode 0600)", file=sys.stderr)
     return 0
+
+
+def write_secret(path: Path, text: str, *, force: bool = False) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600), never visible with other
+    permissions. Without ``force`` an existing file is an error (FileExistsError); with it the
+    file is replaced atomically."""
+    data = text.encode()
+    if not force:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve.set_defaults(func=run_serve)
 
     p_tok = sub.add_parser("gen-token", help="print a new random bearer token")
+    p_tok.add_argument(
+        "--out", metavar="FILE", help="write the token to FILE (mode 0600) instead of printing it"
+    )
+    p_tok.add_argument("--force", action="store_true", help="replace FILE if it exists")
     p_tok.set_defaults(func=_cmd_gen_token)
     return parser
 

@@ -14,11 +14,14 @@ no cost, for measuring everything but the model.
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
+import os
 import re
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -166,24 +169,107 @@ class TorchTarget:
         return TorchSequence(CausalLM(self.loaded))
 
 
+class DeviceUnavailable(RuntimeError):
+    """``device=cuda`` was asked for and torch finds no CUDA device."""
+
+
+def cuda_hint(env: Mapping[str, str], nvidia_nodes: Seq[str]) -> str | None:
+    """Why this machine looks like it has a GPU (None: it does not)."""
+    if nvidia_nodes:
+        return f"{nvidia_nodes[0]} exists"
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() not in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={visible} is set"
+    return None
+
+
+def choose_device(
+    requested: str,
+    *,
+    cuda_available: bool,
+    env: Mapping[str, str],
+    nvidia_nodes: Seq[str],
+    torch_cuda: str | None = None,
+) -> tuple[str, str | None]:
+    """(device to load on, a warning to log or None). Pure. ``torch_cuda``: the CUDA version
+    torch was built with (None: a CPU-only build). Raises :class:`DeviceUnavailable` for
+    ``cuda`` without a CUDA device."""
+    why = (
+        "this torch is a CPU-only build"
+        if torch_cuda is None
+        else (
+            f"torch (CUDA {torch_cuda}) sees no device: check the driver, the device nodes' "
+            "permissions and CUDA_VISIBLE_DEVICES"
+        )
+    )
+    if requested == "cpu":
+        return "cpu", None
+    if cuda_available:
+        return "cuda", None
+    if requested == "cuda":
+        raise DeviceUnavailable(f"device=cuda was asked for but no CUDA device is usable: {why}")
+    hint = cuda_hint(env, nvidia_nodes)
+    if hint is None:
+        return "cpu", None
+    return "cpu", f"device=auto: {hint} but no CUDA device is usable ({why}); running on the CPU"
+
+
 def resolve_device(device: str) -> str:
-    if device != "auto":
+    """The device ``load_target`` uses for ``device`` (logs a warning when CUDA was expected
+    and is missing)."""
+    if device == "cpu":
         return device
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    dev, warning = choose_device(
+        device,
+        cuda_available=torch.cuda.is_available(),
+        env=os.environ,
+        nvidia_nodes=sorted(glob.glob("/dev/nvidia[0-9]*")),
+        torch_cuda=torch.version.cuda,
+    )
+    if warning is not None:
+        log.warning("%s", warning)
+    return dev
 
 
-def load_target(spec: str, *, device: str = "auto", dtype: str = "auto") -> Target:
-    """Load ``spec`` (blocking: call it on the worker). ``null:VOCAB`` needs no torch."""
-    vocab = parse_null_spec(spec)
-    if vocab is not None:
-        return NullTarget(vocab)
+def describe_device(dev: str) -> str:
+    """``cpu`` or ``cuda:N (device name)``."""
+    if not dev.startswith("cuda"):
+        return dev
     import torch
 
+    index = torch.device(dev).index
+    if index is None:
+        index = torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+
+def load_target(
+    spec: str, *, device: str = "auto", dtype: str = "auto", progress: bool | None = None
+) -> Target:
+    """Load ``spec`` (blocking: call it on the worker). ``null:VOCAB`` needs no torch.
+
+    Logs one line naming the device. ``progress``: transformers' progress bars (None: only on
+    a terminal)."""
+    vocab = parse_null_spec(spec)
+    if vocab is not None:
+        log.info("device: none (null model, no torch)")
+        return NullTarget(vocab)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import torch
+
+    if not progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     from shared.models import load_model
 
     dev = resolve_device(device)
+    log.info("device: %s", describe_device(dev))
     if dtype == "auto":
         dtype = "bfloat16" if dev.startswith("cuda") else "float32"
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -48,6 +48,20 @@ class VerifierSettings:
     max_bad_frames: int = field(default=16, metadata=_b(1))  # per session, then it is closed
     max_resamples: int = field(default=64, metadata=_b(0))  # Resample requests per rejection
     handshake_timeout: float = field(default=10.0, metadata=_b(0.1))  # seconds to send Hello
+    # An open session with no model work (no valid Propose, Rollback or Resample) for this many
+    # seconds is closed (1008, idle_timeout) and its slot freed; 0 = never.
+    idle_timeout: float = field(default=60.0, metadata=_b(0))
+    # Before a request reaches a handler: its headers must arrive within header_timeout s (also
+    # the keep-alive idle limit between requests), and at most max_pending_connections such
+    # connections are held, max_pending_per_address of them per client address (more are
+    # refused at once with 503, before any authentication work).
+    header_timeout: float = field(default=10.0, metadata=_b(0.1))
+    max_pending_connections: int = field(default=512, metadata=_b(1))
+    max_pending_per_address: int = field(default=128, metadata=_b(1))
+    # The token file is re-read (and compared by content) at most this often while requests
+    # come in, and polled this often in the background (revoked tokens' sessions are closed);
+    # SIGHUP re-reads it at once. 0 = only on SIGHUP or a changed size/mtime.
+    token_reload_interval: float = field(default=1.0, metadata=_b(0))
     heartbeat: float = field(default=20.0, metadata=_b(0))  # WebSocket ping interval, 0 = off
     close_timeout: float = field(default=2.0, metadata=_b(0.1))  # wait for the peer's close
     # A peer that does not read: a frame not written within send_timeout s, or more than

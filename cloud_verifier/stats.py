@@ -71,11 +71,57 @@ class VerifierMetrics:
             "Sessions closed because the peer stopped reading (send_timeout, max_send_buffer).",
         )
         self.sessions_active = r.gauge("wanspec_sessions_active", "Open sessions.")
+        self.slots_used = r.gauge(
+            "wanspec_session_slots_used",
+            "Session slots held (sessions open or upgrading), against max_sessions.",
+        )
+        self.slots_total = r.gauge("wanspec_session_slots_total", "max_sessions.")
+        self.idle_closed = r.counter(
+            "wanspec_sessions_idle_closed_total",
+            "Sessions closed after idle_timeout s without model work (their slot freed).",
+        )
+        self.sessions_revoked = r.counter(
+            "wanspec_sessions_revoked_total",
+            "Sessions closed because their token was removed from the token file.",
+        )
+        self.http_pending = r.gauge(
+            "wanspec_http_pending_connections",
+            "Connections whose request headers are not complete yet (or idle in keep-alive).",
+        )
+        self.http_refused = r.counter(
+            "wanspec_http_connections_refused_total",
+            "Connections refused at once (503) by reason (max_pending_connections, "
+            "max_pending_per_address).",
+            labels=("reason",),
+        )
+        self.http_evicted = r.counter(
+            "wanspec_http_pending_evicted_total",
+            "Pending connections closed to admit a new one (max_pending_connections reached; "
+            "the oldest, if it had waited long enough).",
+        )
+        self.header_timeouts = r.counter(
+            "wanspec_http_header_timeouts_total",
+            "Connections closed because their request headers did not arrive within "
+            "header_timeout.",
+        )
+        self.tokens_configured = r.gauge("wanspec_tokens_configured", "Bearer tokens accepted now.")
+        self.token_file_ok = r.gauge(
+            "wanspec_token_file_ok",
+            "1 when the token file was last read fine; 0 when it is empty, unparsable or "
+            "unreadable (the previous tokens are kept).",
+        )
+        self.token_reloads = r.counter(
+            "wanspec_token_reloads_total", "Token file reloads that changed the tokens."
+        )
+        self.token_file_errors = r.counter(
+            "wanspec_token_file_errors_total",
+            "Token file reads that failed (empty, unparsable, unreadable; tokens kept).",
+        )
         self.sessions = r.counter("wanspec_sessions_total", "Sessions established (Welcome sent).")
         self.sessions_refused = r.counter(
             "wanspec_sessions_refused_total",
-            "Connections refused, by reason (auth, loading, busy, token_limit, subprotocol, "
-            "handshake, fingerprint).",
+            "Session requests refused, by reason (auth, loading, busy, token_limit, "
+            "not_websocket, bad_upgrade, subprotocol, handshake, fingerprint).",
             labels=("reason",),
         )
         self.model_forwards = r.counter(
