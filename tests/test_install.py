@@ -455,7 +455,9 @@ def test_make_install_dry_run_system_torch(tmp_path: Path) -> None:
 
     def recipe(*extra: str) -> list[str]:
         out = subprocess.run(
-            [make, "-n", "install", f"VENV={venv}", *extra],
+            # --no-print-directory: under `make test` this make is nested (MAKELEVEL > 0) and
+            # would otherwise print "make[1]: Entering directory ..." first.
+            [make, "--no-print-directory", "-n", "install", f"VENV={venv}", *extra],
             cwd=REPO,
             capture_output=True,
             text=True,
