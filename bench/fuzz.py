@@ -67,7 +67,7 @@ from bench.harness import (
     tiny_pair,
     write_tokens,
 )
-from bench.probe import Driver, ProbeClient, auth_headers
+from bench.probe import Driver, ProbeClient, auth_headers, replies_match
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.link import AuthError
 from edge_agent.transport import LinkClosed
@@ -830,7 +830,7 @@ async def fuzz_verifier(url: str, fp: Fingerprint, cfg: FuzzConfig, report: Fuzz
             report.honest_rounds += len(replies)
             report.honest_max_round_s = max(report.honest_max_round_s, round(slowest, 4))
             if len(replies) != len(reference) or not all(
-                message_equal(a, b) for a, b in zip(replies, reference, strict=True)
+                replies_match(a, b) for a, b in zip(replies, reference, strict=True)
             ):
                 report.honest_wrong += 1
         for t in tasks:

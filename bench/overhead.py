@@ -23,51 +23,31 @@ import time
 from collections.abc import Sequence as Seq
 
 import numpy as np
+import torch
 from aiohttp import ClientSession, web
 
 from bench.probe import Driver, ProbeClient, auth_headers
+from bench.verifier import WrappedTarget
 from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator, generate_token
-from cloud_verifier.engine import Logits, Sequence, Target, load_target
 from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.targets import Row, Target, load_target
 from shared.protocol import SUBPROTOCOL, CorrectionMode, Hello, ReplyMode, Verdict
 from shared.sampling import SamplingParams
 
 
-class _TimedSequence:
-    def __init__(self, inner: Sequence, times: list[float]) -> None:
-        self._inner, self._times = inner, times
-
-    @property
-    def length(self) -> int:
-        return self._inner.length
-
-    def extend(self, ids: Seq[int], *, last_rows: int | None = None) -> Logits:
-        t0 = time.perf_counter()
-        out = self._inner.extend(ids, last_rows=last_rows)
-        self._times.append(time.perf_counter() - t0)
-        return out
-
-    def last_logits(self) -> Logits:
-        return self._inner.last_logits()
-
-    def crop(self, n: int) -> None:
-        self._inner.crop(n)
-
-
-class _TimedTarget:
+class _TimedTarget(WrappedTarget):
     """Wraps a target so that every forward's duration lands in ``times``."""
 
     def __init__(self, inner: Target) -> None:
-        self.inner = inner
-        self.fingerprint = inner.fingerprint
-        self.vocab_size = inner.vocab_size
-        self.max_length = inner.max_length
-        self.description = inner.description
+        super().__init__(inner)
         self.times: list[float] = []
 
-    def new_sequence(self) -> _TimedSequence:
-        return _TimedSequence(self.inner.new_sequence(), self.times)
+    def forward(self, rows: Seq[Row]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = self.inner.forward(rows)
+        self.times.append(time.perf_counter() - t0)
+        return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

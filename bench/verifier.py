@@ -16,53 +16,51 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
+import torch
+
 from cloud_verifier.cli import add_serve_arguments, run_serve
-from cloud_verifier.engine import Logits, Sequence, Target, load_target
+from cloud_verifier.kv_pool import PagedKV
 from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.targets import Row, Target, load_target
 
 
-class PaddedSequence:
-    """Device-regime emulation: every forward takes at least ``pad_s`` (sleeping the rest).
+class WrappedTarget:
+    """A target that hands every call to ``inner`` (subclasses change :meth:`forward`)."""
 
-    Runs on the model worker thread, so sleeping there is the delay.
-    """
-
-    def __init__(self, inner: Sequence, pad_s: float) -> None:
-        self._inner = inner
-        self._pad_s = pad_s
-
-    @property
-    def length(self) -> int:
-        return self._inner.length
-
-    def extend(self, ids: Seq[int], *, last_rows: int | None = None) -> Logits:
-        t0 = time.perf_counter()
-        out = self._inner.extend(ids, last_rows=last_rows)
-        rest = self._pad_s - (time.perf_counter() - t0)
-        if rest > 0:
-            time.sleep(rest)
-        return out
-
-    def last_logits(self) -> Logits:
-        return self._inner.last_logits()
-
-    def crop(self, n: int) -> None:
-        self._inner.crop(n)
-
-
-class PaddedTarget:
-    """A target whose sequences pad each forward to ``pad_ms`` (see :class:`PaddedSequence`)."""
-
-    def __init__(self, inner: Target, pad_ms: float) -> None:
+    def __init__(self, inner: Target, description: str | None = None) -> None:
         self.inner = inner
-        self.pad_s = pad_ms / 1000.0
         self.fingerprint = inner.fingerprint
         self.vocab_size = inner.vocab_size
         self.max_length = inner.max_length
-        self.description = f"{inner.description}, forwards padded to {pad_ms:g} ms"
+        self.device = inner.device
+        self.description = description or inner.description
 
-    def new_sequence(self) -> PaddedSequence:
-        return PaddedSequence(self.inner.new_sequence(), self.pad_s)
+    def allocate(self, num_pages: int, page_size: int) -> PagedKV:
+        return self.inner.allocate(num_pages, page_size)
+
+    def kv_bytes_per_token(self) -> int:
+        return self.inner.kv_bytes_per_token()
+
+    def forward(self, rows: Seq[Row]) -> torch.Tensor:
+        return self.inner.forward(rows)
+
+
+class PaddedTarget(WrappedTarget):
+    """Device-regime emulation: every (batched) forward takes at least ``pad_ms`` (sleeping
+    the rest on the engine's thread), whatever the number of sessions in it: on a GPU a
+    batch of a few sessions costs about what one does (see README, verifier load)."""
+
+    def __init__(self, inner: Target, pad_ms: float) -> None:
+        super().__init__(inner, f"{inner.description}, forwards padded to {pad_ms:g} ms")
+        self.pad_s = pad_ms / 1000.0
+
+    def forward(self, rows: Seq[Row]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = self.inner.forward(rows)
+        rest = self.pad_s - (time.perf_counter() - t0)
+        if rest > 0:
+            time.sleep(rest)
+        return out
 
 
 def padded_loader(pad_ms: float) -> Callable[[VerifierSettings], Callable[[], Target]]:
@@ -71,7 +69,12 @@ def padded_loader(pad_ms: float) -> Callable[[VerifierSettings], Callable[[], Ta
 
     def make_loader(settings: VerifierSettings) -> Callable[[], Target]:
         def loader() -> Target:
-            target = load_target(settings.model, device=settings.device, dtype=settings.dtype)
+            target = load_target(
+                settings.model,
+                device=settings.device,
+                dtype=settings.dtype,
+                compile_forward=settings.compile,
+            )
             return PaddedTarget(target, pad_ms) if pad_ms > 0 else target
 
         return loader

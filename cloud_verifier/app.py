@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, hdrs, web
 
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import DeviceUnavailable, Engine, Target, load_target
+from cloud_verifier.engine import Engine, EngineLimits, Outcome, Slot
 from cloud_verifier.http_guard import HTTP_LOG, ConnectionGuard
 from cloud_verifier.ratelog import LogLimiter
-from cloud_verifier.session import SessionModel, Timing
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.stats import VerifierMetrics
+from cloud_verifier.targets import DeviceUnavailable, Target, load_target
 from shared.metrics import CONTENT_TYPE
 from shared.protocol import SUBPROTOCOL, Error, FederatedReply, Message, Verdict, encode
 from shared.sdnotify import Notifier
@@ -45,7 +45,6 @@ from shared.verifier_core import (
     Federate,
     Note,
     NoteKind,
-    Result,
     Run,
     Send,
     SessionLimits,
@@ -99,11 +98,12 @@ STATE = web.AppKey("wanspec_state", VerifierState)
 
 @dataclass
 class LiveSession:
-    """An open session: its rules (the core), its model side (cache, RNG) and its log budget
-    (per-frame events a peer can cause at will are logged at most 5 times a minute)."""
+    """An open session: its rules (the core), its model side (the engine's slot: cache, RNG)
+    and its log budget (per-frame events a peer can cause at will are logged at most 5 times a
+    minute)."""
 
     core: VerifierCore
-    model: SessionModel
+    slot: Slot
     logs: LogLimiter = field(default_factory=lambda: LogLimiter(burst=5, interval=60.0))
 
 
@@ -117,6 +117,16 @@ def limits_from(settings: VerifierSettings) -> SessionLimits:
         max_bad_frames=settings.max_bad_frames,
         max_resamples=settings.max_resamples,
         idle_timeout_s=settings.idle_timeout,
+    )
+
+
+def engine_limits(settings: VerifierSettings) -> EngineLimits:
+    return EngineLimits(
+        slots=settings.max_sessions,
+        max_batch_sessions=settings.max_batch_sessions,
+        max_batch_tokens=settings.max_batch_tokens,
+        page_size=settings.kv_page_size,
+        kv_tokens=settings.kv_cache_tokens,
     )
 
 
@@ -134,13 +144,18 @@ def build_app(
     if loader is None:
 
         def loader() -> Target:
-            return load_target(settings.model, device=settings.device, dtype=settings.dtype)
+            return load_target(
+                settings.model,
+                device=settings.device,
+                dtype=settings.dtype,
+                compile_forward=settings.compile,
+            )
 
     app = web.Application(middlewares=[_guard_middleware])
     metrics = metrics or VerifierMetrics()
     app[STATE] = VerifierState(
         settings=settings,
-        engine=engine or Engine(),
+        engine=engine or Engine(engine_limits(settings)),
         auth=auth,
         metrics=metrics,
         limits=limits_from(settings),
@@ -226,7 +241,16 @@ async def _load_model(state: VerifierState) -> None:
         state.set_status(ServiceStatus.FAILED, f"model {spec} failed to load: {e}")
         return
     state.metrics.model_ready.set(1)
-    log.info("model ready: %s (%.1f s)", target.description, time.perf_counter() - t0)
+    mem = state.engine.memory()
+    state.metrics.kv_bytes_total.set(mem["bytes_total"])
+    state.metrics.kv_pages_total.set(mem["pages_total"])
+    log.info(
+        "model ready: %s (%.1f s, warm); KV cache %d tokens, %.1f MiB",
+        target.description,
+        time.perf_counter() - t0,
+        mem["pages_total"] * state.settings.kv_page_size,
+        mem["bytes_total"] / 2**20,
+    )
     state.set_status(ServiceStatus.READY, f"serving {target.description}")
 
 
@@ -381,6 +405,8 @@ async def health_handler(request: web.Request) -> web.Response:
     body: dict[str, object] = {"status": state.status, "reason": state.reason}
     body["slots"] = {"used": state.connections, "total": state.settings.max_sessions}
     body["pending_connections"] = state.guard.pending
+    mem = state.engine.memory()
+    body["kv_cache"] = {"pages_used": mem["pages_used"], "pages_total": mem["pages_total"]}
     if state.auth.enabled and state.auth.token_file is not None:
         body["token_file"] = state.auth.error or "ok"
     if state.status != ServiceStatus.READY:
@@ -398,6 +424,9 @@ async def metrics_handler(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.metrics.sessions_active.set(len(state.sessions))
     state.metrics.slots_used.set(state.connections)
+    mem = state.engine.memory()
+    state.metrics.kv_bytes_used.set(mem["bytes_used"])
+    state.metrics.kv_pages_used.set(mem["pages_used"])
     _token_metrics(state)
     body = state.metrics.render().encode()
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE})
@@ -477,6 +506,15 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
             "busy",
             web.HTTPServiceUnavailable(
                 text=f"session limit {s.max_sessions} reached\n", headers={hdrs.RETRY_AFTER: "1"}
+            ),
+        )
+    if state.engine.pages_free == 0:
+        raise _refuse(
+            state,
+            "kv_full",
+            web.HTTPServiceUnavailable(
+                text=f"the KV cache is full ({s.kv_cache_tokens} tokens held by sessions)\n",
+                headers={hdrs.RETRY_AFTER: "1"},
             ),
         )
     ws = web.WebSocketResponse(
@@ -650,7 +688,7 @@ def _count_in(state: VerifierState, data: bytes | str) -> None:
 
 def _new_core(state: VerifierState) -> VerifierCore:
     target = state.engine.require_target()
-    info = TargetInfo(target.fingerprint, target.vocab_size, target.max_length)
+    info = TargetInfo(target.fingerprint, target.vocab_size, state.engine.max_context)
     return VerifierCore(info, state.limits, uuid.uuid4().hex[:16])
 
 
@@ -677,14 +715,17 @@ def _note(state: VerifierState, core: VerifierCore, n: Note, logs: LogLimiter | 
         logs.log(log, logging.WARNING, "session %s: model error: %s", core.session_id, n.detail)
 
 
-def _count_work(state: VerifierState, work: Work, result: Result, timing: Timing | None) -> None:
+def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
     m = state.metrics
+    result, timing = outcome.result, outcome.timing
+    m.queue_seconds.observe(outcome.queued_s)
     if isinstance(work, (Verify, Federate)) and timing is not None:
         f = len(work.propose.fixed)
         m.model_forwards.inc()
         m.fixed_tokens.inc(f)
         m.forward_seconds.observe(timing.forward_s)
         m.verify_seconds.observe(timing.job_s)
+        m.batch_sessions.observe(timing.batch)
     if isinstance(work, Federate) and not isinstance(result, Failed):
         m.federated_rounds.inc()
     elif isinstance(work, Verify) and isinstance(result, Verified):
@@ -706,16 +747,17 @@ def _count_work(state: VerifierState, work: Work, result: Result, timing: Timing
 
 
 async def _run_work(state: VerifierState, live: LiveSession, work: Work) -> list[Event]:
-    """Carry out one model request of the core on the engine's worker; feed the result back."""
+    """Hand one model request of the core to the engine (batched with other sessions' work);
+    feed the result back."""
     try:
-        (result, timing), queued = await state.engine.call(lambda: live.model.run(work))
-        state.metrics.queue_seconds.observe(queued)
+        outcome = await state.engine.run(live.slot, work)
     except Exception as e:  # the engine itself failed (e.g. shut down)
         if live.logs.allow():
             log.warning("session %s: engine error", live.core.session_id, exc_info=e)
-        result, timing = Failed(f"{type(e).__name__}: {e}", live.model.seq.length), None
-    _count_work(state, work, result, timing)
-    return live.core.work_done(result, time.monotonic())
+        failed = Failed(f"{type(e).__name__}: {e}", live.slot.length)
+        outcome = Outcome(failed, None, 0.0)
+    _count_work(state, work, outcome)
+    return live.core.work_done(outcome.result, time.monotonic())
 
 
 async def _act(
@@ -788,7 +830,7 @@ async def _run_session(peer: _Peer, state: VerifierState) -> None:
             elif isinstance(ev, Close):
                 await _fatal(peer, state, ev, core)
         return
-    live = LiveSession(core, SessionModel(state.engine.new_sequence(), core.hello))
+    live = LiveSession(core, state.engine.open(core.hello))
     state.sessions[core.session_id] = live
     state.metrics.sessions.inc()
     state.metrics.sessions_active.set(len(state.sessions))
@@ -827,6 +869,7 @@ async def _run_session(peer: _Peer, state: VerifierState) -> None:
         await _fatal(peer, state, Close(err, WSCloseCode.INTERNAL_ERROR), core)
     finally:
         del state.sessions[core.session_id]
+        state.engine.release(live.slot)
         state.metrics.sessions_active.set(len(state.sessions))
         live.logs.flush(log, logging.INFO, f"session {core.session_id}")
         log.info("session %s ended", core.session_id)

@@ -30,7 +30,7 @@ from cloud_verifier.settings import ENV_PREFIX, TOML_SECTION, VerifierSettings
 from shared.config import ConfigError, load_settings
 
 if TYPE_CHECKING:
-    from cloud_verifier.engine import Target
+    from cloud_verifier.targets import Target
 
 #: Builds the model loader (run on the model worker) from the resolved settings.
 LoaderFactory = Callable[[VerifierSettings], Callable[[], "Target"]]
@@ -111,7 +111,7 @@ def load_cli_settings(args: argparse.Namespace, env: dict[str, str]) -> Verifier
 
 
 def _check_model_spec(spec: str) -> None:
-    from cloud_verifier.engine import parse_null_spec
+    from cloud_verifier.targets import parse_null_spec
 
     if parse_null_spec(spec) is not None:
         return

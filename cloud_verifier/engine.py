@@ -1,323 +1,189 @@
-"""The model side of the verifier: one worker thread that owns the target model.
+"""The verifier's engine: one thread that owns the target, its KV pool and every session slot,
+and runs the sessions' model work in batches.
 
-Every model call (load, forward, crop) runs on the single worker thread of an :class:`Engine`;
-sessions submit jobs with :meth:`Engine.call` and await them, so the event loop never blocks on a
-forward and jobs of several sessions interleave in arrival order. A session holds one
-:class:`Sequence` (its KV cache); the engine counts forwards so tests can prove that stale work
-costs nothing.
+Requests are typed: the core's :data:`~shared.verifier_core.Work` (``Verify``: prefill / extend
+with fixed tokens and verify a draft; ``Federate``; ``Crop``: rollback; ``Draw``: more
+candidates) for one :class:`Slot`. Each step of the engine's thread takes the pending requests in
+arrival order and
 
-Targets: a real model (:class:`TorchTarget`, any ``shared.models.load_model`` spec; torch is only
-imported for it) or :class:`NullTarget` (``null:VOCAB``): deterministic pseudo-random logits at
-no cost, for measuring everything but the model.
+* answers every ``Crop`` (a pointer move in the pool) and ``Draw`` (a device draw from the row
+  kept at the last rejection);
+* runs every ``Verify`` and ``Federate`` that fits in one **batched forward**: at most
+  ``max_batch_sessions`` rows and ``max_batch_tokens`` padded tokens (rows × longest row); the
+  oldest request always fits, so no session starves, and what does not fit is first in the next
+  step;
+* then, on the device and batched over the sessions (:mod:`shared.device_sampling`), applies the
+  sampling transform and decides: *accepted* prefix, *recovered* correction or *bonus* token, or
+  the federated rows. Only ids, counts and the few correction values reach the host.
+
+A session has at most one request in flight (its core waits for the result), so a step sees
+each slot at most once. Stale work never reaches the engine: the core drops it first. A forward
+is committed (the slots' lengths moved) only once it returned; a failure leaves each slot as it
+was before the request (:class:`~shared.verifier_core.Failed` says so).
+
+``max_batch_sessions = 1`` is the serial engine (one session per forward, in arrival order), kept
+for the benchmark's comparison.
 """
 
 from __future__ import annotations
 
 import asyncio
-import glob
+import contextlib
 import logging
-import os
-import re
-import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from collections.abc import Sequence as Seq
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
-import numpy.typing as npt
+import torch
 
-from shared.protocol import Fingerprint
+from cloud_verifier.kv_pool import OutOfPages, PagedKV, SlotPages
+from cloud_verifier.targets import Row, Target
+from shared import device_sampling as ds
+from shared.protocol import Hello, Propose
+from shared.verifier_core import (
+    Crop,
+    Cropped,
+    Draw,
+    Drawn,
+    Failed,
+    Federate,
+    Federated,
+    Result,
+    Verified,
+    Verify,
+    Work,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Logits = npt.NDArray[np.float32]
-
-_NULL_RE = re.compile(r"^null:(\d+)$")
-
-
-class Sequence(Protocol):
-    """One session's token sequence in the target's KV cache."""
-
-    @property
-    def length(self) -> int: ...
-
-    def extend(self, ids: Seq[int], *, last_rows: int | None = None) -> Logits:
-        """Append ids; return float32 logits [last_rows or len(ids), V] of the last positions."""
-        ...
-
-    def last_logits(self) -> Logits:
-        """float32 [V]: logits predicting the token after the last cached one."""
-        ...
-
-    def crop(self, n: int) -> None: ...
-
-
-class Target(Protocol):
-    fingerprint: Fingerprint
-    vocab_size: int
-    max_length: int | None  # the model's context limit, None if unbounded
-    description: str
-
-    def new_sequence(self) -> Sequence: ...
-
-
-# ------------------------------------------------------------------------------ null target
-
-
-class NullSequence:
-    """Tokens only; logits are a fixed pool of random rows picked by (token, position)."""
-
-    def __init__(self, rows: Logits) -> None:
-        self._rows = rows  # [R, V]
-        self._tokens: list[int] = []
-
-    @property
-    def length(self) -> int:
-        return len(self._tokens)
-
-    def _row(self, pos: int) -> Logits:
-        r: Logits = self._rows[(self._tokens[pos] * 31 + pos) % len(self._rows)]
-        return r
-
-    def extend(self, ids: Seq[int], *, last_rows: int | None = None) -> Logits:
-        if not ids:
-            raise ValueError("extend() needs at least one token id")
-        start = len(self._tokens)
-        self._tokens.extend(int(t) for t in ids)
-        n = len(ids) if last_rows is None else last_rows
-        return np.stack([self._row(p) for p in range(start + len(ids) - n, start + len(ids))])
-
-    def last_logits(self) -> Logits:
-        if not self._tokens:
-            raise ValueError("no tokens in the cache: nothing to predict from")
-        row: Logits = self._row(len(self._tokens) - 1).copy()
-        return row
-
-    def crop(self, n: int) -> None:
-        if not 0 <= n <= len(self._tokens):
-            raise ValueError(f"crop({n}) out of range 0..{len(self._tokens)}")
-        del self._tokens[n:]
-
-
-class NullTarget:
-    """``null:VOCAB``: no model; deterministic random logits (fingerprint hash "null")."""
-
-    def __init__(self, vocab_size: int, *, pool: int = 64, seed: int = 0) -> None:
-        if vocab_size < 2:
-            raise ValueError(f"null model needs a vocabulary of at least 2, got {vocab_size}")
-        self.vocab_size = vocab_size
-        self.max_length: int | None = None
-        self.fingerprint = Fingerprint("null", vocab_size, "null")
-        self.description = f"null model, vocabulary {vocab_size}"
-        rng = np.random.default_rng(seed)
-        self._rows = (rng.standard_normal((pool, vocab_size)) * 3.0).astype(np.float32)
-
-    def new_sequence(self) -> NullSequence:
-        return NullSequence(self._rows)
-
-
-def parse_null_spec(spec: str) -> int | None:
-    """VOCAB of a ``null:VOCAB`` spec, None for any other spec."""
-    m = _NULL_RE.match(spec.strip())
-    return int(m.group(1)) if m else None
-
-
-# ------------------------------------------------------------------------------ real target
-
-
-class TorchSequence:
-    """A :class:`shared.lm.CausalLM` with numpy outputs."""
-
-    def __init__(self, lm: Any) -> None:
-        self._lm = lm
-
-    @property
-    def length(self) -> int:
-        return int(self._lm.length)
-
-    def extend(self, ids: Seq[int], *, last_rows: int | None = None) -> Logits:
-        out: Logits = self._lm.extend(ids, last_rows=last_rows).cpu().numpy()
-        return out
-
-    def last_logits(self) -> Logits:
-        out: Logits = self._lm.last_logits.cpu().numpy()
-        return out
-
-    def crop(self, n: int) -> None:
-        self._lm.crop(n)
-
-
-class TorchTarget:
-    """A loaded transformers model (see ``shared.models.load_model``)."""
-
-    def __init__(self, loaded: Any) -> None:
-        from shared.lm import CausalLM
-
-        self.loaded = loaded
-        self.vocab_size = int(loaded.vocab_size)
-        self.fingerprint: Fingerprint = loaded.fingerprint
-        self.max_length: int | None = CausalLM(loaded).max_length
-        self.description = f"{loaded.name} on {loaded.device}"
-
-    def new_sequence(self) -> TorchSequence:
-        from shared.lm import CausalLM
-
-        return TorchSequence(CausalLM(self.loaded))
-
-
-class DeviceUnavailable(RuntimeError):
-    """``device=cuda`` was asked for and torch finds no CUDA device."""
-
-
-def cuda_hint(env: Mapping[str, str], nvidia_nodes: Seq[str]) -> str | None:
-    """Why this machine looks like it has a GPU (None: it does not)."""
-    if nvidia_nodes:
-        return f"{nvidia_nodes[0]} exists"
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() not in ("", "-1"):
-        return f"CUDA_VISIBLE_DEVICES={visible} is set"
-    return None
-
-
-def choose_device(
-    requested: str,
-    *,
-    cuda_available: bool,
-    env: Mapping[str, str],
-    nvidia_nodes: Seq[str],
-    torch_cuda: str | None = None,
-) -> tuple[str, str | None]:
-    """(device to load on, a warning to log or None). Pure. ``torch_cuda``: the CUDA version
-    torch was built with (None: a CPU-only build). Raises :class:`DeviceUnavailable` for
-    ``cuda`` without a CUDA device."""
-    why = (
-        "this torch is a CPU-only build"
-        if torch_cuda is None
-        else (
-            f"torch (CUDA {torch_cuda}) sees no device: check the driver, the device nodes' "
-            "permissions and CUDA_VISIBLE_DEVICES"
-        )
-    )
-    if requested == "cpu":
-        return "cpu", None
-    if cuda_available:
-        return "cuda", None
-    if requested == "cuda":
-        raise DeviceUnavailable(f"device=cuda was asked for but no CUDA device is usable: {why}")
-    hint = cuda_hint(env, nvidia_nodes)
-    if hint is None:
-        return "cpu", None
-    return "cpu", f"device=auto: {hint} but no CUDA device is usable ({why}); running on the CPU"
-
-
-def resolve_device(device: str) -> str:
-    """The device ``load_target`` uses for ``device`` (logs a warning when CUDA was expected
-    and is missing)."""
-    if device == "cpu":
-        return device
-    import torch
-
-    dev, warning = choose_device(
-        device,
-        cuda_available=torch.cuda.is_available(),
-        env=os.environ,
-        nvidia_nodes=sorted(glob.glob("/dev/nvidia[0-9]*")),
-        torch_cuda=torch.version.cuda,
-    )
-    if warning is not None:
-        log.warning("%s", warning)
-    return dev
-
-
-def describe_device(dev: str) -> str:
-    """``cpu`` or ``cuda:N (device name)``."""
-    if not dev.startswith("cuda"):
-        return dev
-    import torch
-
-    index = torch.device(dev).index
-    if index is None:
-        index = torch.cuda.current_device()
-    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
-
-
-def load_target(
-    spec: str, *, device: str = "auto", dtype: str = "auto", progress: bool | None = None
-) -> Target:
-    """Load ``spec`` (blocking: call it on the worker). ``null:VOCAB`` needs no torch.
-
-    Logs one line naming the device. ``progress``: transformers' progress bars (None: only on
-    a terminal)."""
-    vocab = parse_null_spec(spec)
-    if vocab is not None:
-        log.info("device: none (null model, no torch)")
-        return NullTarget(vocab)
-    if progress is None:
-        progress = sys.stderr.isatty()
-    if not progress:
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    import torch
-
-    if not progress:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    from shared.models import load_model
-
-    dev = resolve_device(device)
-    log.info("device: %s", describe_device(dev))
-    if dtype == "auto":
-        dtype = "bfloat16" if dev.startswith("cuda") else "float32"
-    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    return TorchTarget(load_model(spec, device=dev, dtype=torch_dtype[dtype]))
-
-
-# ------------------------------------------------------------------------------ engine
-
-
-class CountingSequence:
-    """Counts forwards into its engine (only ever touched on the worker thread)."""
-
-    def __init__(self, inner: Sequence, engine: Engine) -> None:
-        self._inner = inner
-        self._engine = engine
-
-    @property
-    def length(self) -> int:
-        return self._inner.length
-
-    def extend(self, ids: Seq[int], *, last_rows: int | None = None) -> Logits:
-        self._engine.forwards += 1
-        return self._inner.extend(ids, last_rows=last_rows)
-
-    def last_logits(self) -> Logits:
-        return self._inner.last_logits()
-
-    def crop(self, n: int) -> None:
-        self._inner.crop(n)
 
 
 class EngineClosed(RuntimeError):
-    """The engine was shut down; no more jobs run."""
+    """The engine was shut down; no more work runs."""
+
+
+class NoFreeSlot(RuntimeError):
+    """Every session slot is taken."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """How the engine batches and how much KV memory it holds.
+
+    ``kv_tokens``: pool size in tokens over all sessions (rounded up to whole pages)."""
+
+    slots: int = 64
+    max_batch_sessions: int = 64
+    max_batch_tokens: int = 4096
+    page_size: int = 16
+    kv_tokens: int = 65536
+
+    def __post_init__(self) -> None:
+        for name in ("slots", "max_batch_sessions", "max_batch_tokens", "page_size", "kv_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Timing:
+    forward_s: float  # the batched forward alone
+    job_s: float  # the step: forward + sampling transform + decisions
+    batch: int  # sessions in the forward
+
+
+@dataclass(frozen=True)
+class Outcome:
+    result: Result
+    timing: Timing | None
+    queued_s: float  # from submission to the start of its step
+
+
+@dataclass(eq=False)
+class Slot:
+    """One session's model side: its pages and tokens in the pool, its RNG, the sampling
+    parameters of its Hello, and p at the last rejected position (candidates mode, for Draw).
+    Touched only on the engine's thread once opened."""
+
+    index: int
+    hello: Hello
+    generator: torch.Generator | None
+    pages: SlotPages = field(default_factory=SlotPages)
+    tokens: list[int] = field(default_factory=list)
+    kept: tuple[torch.Tensor, int] | None = None  # ([V] probs on the device, rejected id)
+    released: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.pages.length
+
+
+@dataclass(eq=False)
+class _Request:
+    slot: Slot
+    work: Work
+    future: asyncio.Future[Outcome]
+    loop: asyncio.AbstractEventLoop
+    submitted: float
+
+
+@dataclass(eq=False)
+class _Call:
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
+def _resolve(
+    fut: asyncio.Future[Any], value: Any = None, error: BaseException | None = None
+) -> None:
+    if fut.done():  # cancelled by its awaiter meanwhile
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
+def _wants_bonus(work: Work) -> bool:
+    return isinstance(work, Verify) and work.want_bonus
+
+
+@dataclass
+class _Planned:
+    request: _Request
+    row: Row
+    start: int  # the slot's length before the forward
+    propose: Propose
 
 
 class Engine:
-    """The target model and the one thread that runs it.
+    """The target model, its KV pool and the thread that runs every session's model work.
 
-    Invariants: ``target`` is set once, by :meth:`load`; every job runs on the worker thread, in
-    submission order; ``forwards`` is written by the worker only.
+    Invariants: ``target`` and ``pool`` are set once, by :meth:`load`; only the engine's thread
+    touches the pool, the slots' pages and tokens and the model; ``forwards`` (batched forward
+    passes) and ``rows_forwarded`` (session rows in them) are written by that thread only.
     """
 
-    def __init__(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wanspec-model")
-        self._worker: threading.Thread | None = None
-        self._closed = False
+    def __init__(self, limits: EngineLimits | None = None) -> None:
+        self.limits = limits or EngineLimits()
         self.target: Target | None = None
+        self.pool: PagedKV | None = None
         self.forwards = 0
+        self.rows_forwarded = 0
+        self.warm = False
+        self._queue: deque[_Request | _Call] = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._free_slots = list(range(self.limits.slots - 1, -1, -1))
+        self._thread = threading.Thread(target=self._main, name="wanspec-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ event-loop side
 
     @property
     def ready(self) -> bool:
@@ -328,52 +194,391 @@ class Engine:
             raise RuntimeError("the target model is not loaded yet")
         return self.target
 
-    def _submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        if self._closed:
-            raise EngineClosed("the model worker has been shut down")
+    @property
+    def max_context(self) -> int | None:
+        """Tokens one session may hold: the model's limit, capped by the whole pool."""
+        target = self.require_target()
+        pool_tokens = self.limits.kv_tokens
+        return pool_tokens if target.max_length is None else min(target.max_length, pool_tokens)
+
+    def _put(self, item: _Request | _Call) -> None:
+        with self._cv:
+            if self._closed:
+                raise EngineClosed("the engine has been shut down")
+            self._queue.append(item)
+            self._cv.notify()
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine's thread, between steps (load, warm-up, ping)."""
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._executor, fn)
+        fut: asyncio.Future[T] = loop.create_future()
+        self._put(_Call(fn, fut, loop))
+        return await fut
 
-    async def call(self, fn: Callable[[], T]) -> tuple[T, float]:
-        """Run ``fn`` on the worker; return its result and the seconds it waited in the queue."""
-        submitted = time.perf_counter()
-        started: list[float] = []
-
-        def job() -> T:
-            started.append(time.perf_counter())
-            return fn()
-
-        result = await self._submit(job)
-        return result, started[0] - submitted
-
-    async def load(self, loader: Callable[[], Target]) -> Target:
-        """Load the target on the worker thread (so it lives where it runs)."""
+    async def load(self, loader: Callable[[], Target], *, warm_up: bool = True) -> Target:
+        """Load the target on the engine's thread (so it lives where it runs), allocate the KV
+        pool and, with ``warm_up``, run one batched step of every bucketed shape class."""
 
         def job() -> Target:
-            self._worker = threading.current_thread()
-            return loader()
+            target = loader()
+            pages = -(-self.limits.kv_tokens // self.limits.page_size)
+            self.pool = target.allocate(pages, self.limits.page_size)
+            return target
 
-        target = await self._submit(job)
+        target = await self.call(job)
         self.target = target
+        if warm_up:
+            await self.call(self._warm_up)
+        self.warm = True
         return target
 
-    def new_sequence(self) -> CountingSequence:
-        return CountingSequence(self.require_target().new_sequence(), self)
+    def open(self, hello: Hello) -> Slot:
+        """A slot for a session that said Hello (NoFreeSlot when all are taken)."""
+        target = self.require_target()
+        if not self._free_slots:
+            raise NoFreeSlot(f"all {self.limits.slots} session slots are in use")
+        generator: torch.Generator | None = None
+        if not hello.sampling.greedy:
+            generator = torch.Generator(device=target.device)
+            if hello.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(hello.seed % (1 << 63))
+        return Slot(self._free_slots.pop(), hello, generator)
+
+    def release(self, slot: Slot) -> None:
+        """End a session: its pending work is dropped, its pages go back to the pool (on the
+        engine's thread, after whatever of its work is running)."""
+        if slot.released:
+            return
+        slot.released = True
+        self._free_slots.append(slot.index)
+        with self._cv:
+            if not self._closed:
+                loop = asyncio.get_running_loop()
+                self._queue.append(
+                    _Call(lambda: self._free_pages(slot), loop.create_future(), loop)
+                )
+                self._cv.notify()
+
+    @property
+    def slots_used(self) -> int:
+        return self.limits.slots - len(self._free_slots)
+
+    def memory(self) -> dict[str, int]:
+        """KV pool figures for /metrics and /health (read without a lock: gauges)."""
+        pool = self.pool
+        if pool is None:
+            return {"pages_total": 0, "pages_used": 0, "bytes_total": 0, "bytes_used": 0}
+        page_bytes = pool.bytes_per_token * pool.page_size
+        used = pool.pages_used
+        return {
+            "pages_total": pool.num_pages,
+            "pages_used": used,
+            "bytes_total": pool.bytes_total,
+            "bytes_used": used * page_bytes,
+        }
+
+    @property
+    def pages_free(self) -> int:
+        return 0 if self.pool is None else len(self.pool.free)
+
+    async def run(self, slot: Slot, work: Work) -> Outcome:
+        """Queue ``work`` for ``slot`` and wait for its outcome."""
+        if slot.released:
+            raise EngineClosed("the session's slot was released")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Outcome] = loop.create_future()
+        self._put(_Request(slot, work, fut, loop, time.perf_counter()))
+        return await fut
 
     def worker_alive(self) -> bool:
-        return self._worker is None or self._worker.is_alive()
+        return self._thread.is_alive()
 
     async def ping(self, timeout: float) -> bool:
-        """True when a no-op job completes on the worker within ``timeout`` seconds."""
+        """True when a no-op job completes on the engine's thread within ``timeout`` seconds."""
         if not self.worker_alive():
             return False
         try:
-            await asyncio.wait_for(self._submit(lambda: None), timeout)
+            await asyncio.wait_for(self.call(lambda: None), timeout)
         except (asyncio.TimeoutError, EngineClosed, RuntimeError):
             return False
         return True
 
     def shutdown(self) -> None:
-        """Stop accepting jobs; queued jobs are cancelled, a running one finishes on its own."""
-        self._closed = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop accepting work; queued work fails with EngineClosed, a running step finishes."""
+        with self._cv:
+            self._closed = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._cv.notify()
+        for item in dropped:
+            err = EngineClosed("the engine has been shut down")
+            with contextlib.suppress(RuntimeError):  # its loop may be closed already
+                item.loop.call_soon_threadsafe(_resolve, item.future, None, err)
+        if threading.current_thread() is not self._thread:
+            # Wait out a running step (bounded): torch must not be torn down under it.
+            self._thread.join(timeout=10.0)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _main(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                calls, batch = self._take()
+            for c in calls:
+                try:
+                    value = c.fn()
+                except BaseException as e:  # handed to the caller
+                    c.loop.call_soon_threadsafe(_resolve, c.future, None, e)
+                else:
+                    c.loop.call_soon_threadsafe(_resolve, c.future, value)
+            if batch:
+                self._step(batch)
+
+    def _take(self) -> tuple[list[_Call], list[_Request]]:
+        """Under the lock: every call and cheap request in arrival order up to the first forward
+        that does not fit, and the forwards of one step (module docstring)."""
+        calls: list[_Call] = []
+        batch: list[_Request] = []
+        forwards, longest = 0, 0
+        lim = self.limits
+        while self._queue:
+            item = self._queue[0]
+            if isinstance(item, _Request) and isinstance(item.work, (Verify, Federate)):
+                n = len(item.work.propose.fixed) + len(item.work.propose.draft) + 1
+                longest_next = max(longest, n)
+                fits = forwards < lim.max_batch_sessions and (
+                    (forwards + 1) * longest_next <= lim.max_batch_tokens
+                )
+                if forwards and not fits:
+                    break
+                forwards, longest = forwards + 1, longest_next
+            self._queue.popleft()
+            if isinstance(item, _Call):
+                calls.append(item)
+                if batch:  # a call runs between steps: after what was queued before it
+                    break
+            else:
+                batch.append(item)
+        return calls, batch
+
+    def _free_pages(self, slot: Slot) -> None:
+        if self.pool is not None:
+            self.pool.release(slot.pages)
+        slot.tokens.clear()
+        slot.kept = None
+
+    def _finish(self, req: _Request, result: Result, timing: Timing | None, t0: float) -> None:
+        outcome = Outcome(result, timing, t0 - req.submitted)
+        req.loop.call_soon_threadsafe(_resolve, req.future, outcome)
+
+    def _step(self, batch: list[_Request]) -> None:
+        t0 = time.perf_counter()
+        planned: list[_Planned] = []
+        for req in batch:
+            slot, work = req.slot, req.work
+            if slot.released:
+                self._finish(req, Failed("the session ended", slot.length), None, t0)
+            elif isinstance(work, Crop):
+                self._finish(req, self._crop(slot, work.pos), None, t0)
+            elif isinstance(work, Draw):
+                self._finish(req, self._draw(slot, work.m), None, t0)
+            else:
+                plan = self._plan(req, work.propose)
+                if isinstance(plan, Failed):
+                    self._finish(req, plan, None, t0)
+                else:
+                    planned.append(plan)
+        if planned:
+            self._forward(planned, t0)
+
+    def _crop(self, slot: Slot, pos: int) -> Result:
+        slot.kept = None
+        try:
+            assert self.pool is not None
+            self.pool.crop(slot.pages, pos)
+        except ValueError as e:
+            return Failed(f"ValueError: {e}", slot.length)
+        del slot.tokens[pos:]
+        return Cropped()
+
+    def _draw(self, slot: Slot, m: int) -> Result:
+        if slot.kept is None or slot.generator is None:
+            return Failed("RuntimeError: no rejected row kept for a Resample", slot.length)
+        row, rejected = slot.kept
+        try:
+            return Drawn(ds.draw_candidates(row, rejected, m, slot.generator))
+        except Exception as e:
+            return Failed(f"{type(e).__name__}: {e}", slot.length)
+
+    def _plan(self, req: _Request, p: Propose) -> _Planned | Failed:
+        """The forward row of one Verify/Federate: fixed + draft after the cache; with no fixed
+        tokens, the last cached token again (its row scores draft[0]; its keys are rewritten
+        with the same values)."""
+        slot = req.slot
+        slot.kept = None
+        start = slot.length
+        fixed, draft = p.fixed.tolist(), p.draft.tolist()
+        if fixed:
+            row_start, ids = start, [*fixed, *draft]
+        elif start == 0:
+            return Failed("ValueError: no tokens in the cache: nothing to predict from", start)
+        else:
+            row_start, ids = start - 1, [slot.tokens[-1], *draft]
+        target = self.require_target()
+        end = row_start + len(ids)
+        if target.max_length is not None and end > target.max_length:
+            return Failed(
+                f"ContextLengthError: context of {end} tokens exceeds the model's maximum of "
+                f"{target.max_length}",
+                start,
+            )
+        if min(ids) < 0 or max(ids) >= target.vocab_size:
+            return Failed(f"ValueError: token ids must be in [0, {target.vocab_size})", start)
+        try:
+            assert self.pool is not None
+            self.pool.reserve(slot.pages, end)
+        except OutOfPages as e:
+            return Failed(f"OutOfPages: {e}", start)
+        return _Planned(req, Row(slot.pages, row_start, tuple(ids), len(draft) + 1), start, p)
+
+    def _forward(self, planned: list[_Planned], t0: float) -> None:
+        target = self.require_target()
+        try:
+            f0 = time.perf_counter()
+            logits = target.forward([p.row for p in planned])  # [Σ (γ+1), V]
+            forward_s = time.perf_counter() - f0
+        except Exception as e:
+            self._failed(planned, e, t0)
+            return
+        self.forwards += 1
+        self.rows_forwarded += len(planned)
+        for p in planned:  # commit
+            slot = p.request.slot
+            del slot.tokens[p.row.start :]
+            slot.tokens.extend(p.row.ids)
+            slot.pages.length = len(slot.tokens)
+        gammas = [len(p.propose.draft) for p in planned]
+        cu = ds.cu_from_gammas(gammas)
+        verify = [i for i, p in enumerate(planned) if isinstance(p.request.work, Verify)]
+        federate = [i for i, p in enumerate(planned) if isinstance(p.request.work, Federate)]
+        results: dict[int, Result] = {}
+        try:
+            for group, decide in ((verify, self._decide), (federate, self._federate)):
+                if not group:
+                    continue
+                rows = np.concatenate([np.arange(cu[i] + i, cu[i + 1] + i + 1) for i in group])
+                sub = logits if len(group) == len(planned) else logits[torch.as_tensor(rows)]
+                results.update(zip(group, decide([planned[i] for i in group], sub), strict=True))
+        except Exception as e:
+            self._failed(planned, e, t0)
+            return
+        timing = Timing(forward_s, time.perf_counter() - t0, len(planned))
+        for i, p in enumerate(planned):
+            self._finish(p.request, results[i], timing, t0)
+
+    def _failed(self, planned: list[_Planned], error: Exception, t0: float) -> None:
+        """A batch failed: undo it; one session fails alone, several are run again one by one
+        so that only the session whose work fails gets the error."""
+        for p in planned:
+            self._undo(p)
+        if len(planned) == 1:
+            p = planned[0]
+            self._finish(p.request, Failed(f"{type(error).__name__}: {error}", p.start), None, t0)
+            return
+        log.info("a batch of %d sessions failed (%s); running them one by one", len(planned), error)
+        for p in planned:
+            replanned = self._plan(p.request, p.propose)
+            if isinstance(replanned, Failed):
+                self._finish(p.request, replanned, None, t0)
+            else:
+                self._forward([replanned], t0)
+
+    def _undo(self, p: _Planned) -> None:
+        """Back to the slot's state before the request (its length never went below it)."""
+        slot = p.request.slot
+        assert self.pool is not None
+        self.pool.crop(slot.pages, p.start)
+        del slot.tokens[p.start :]
+        slot.kept = None
+
+    def _decide(self, planned: list[_Planned], logits: torch.Tensor) -> list[Result]:
+        """Verdicts of the Verify group: accepted prefix, then recovered or bonus (sampling
+        transform on the device, only where a decision needs it: ``verify_logits``)."""
+        hellos = [p.request.slot.hello for p in planned]
+        gammas = [len(p.propose.draft) for p in planned]
+        decisions = ds.verify_logits(
+            logits,
+            [h.sampling for h in hellos],
+            np.concatenate([p.propose.draft for p in planned]),
+            np.concatenate([p.propose.q for p in planned]),
+            ds.cu_from_gammas(gammas),
+            correction=[str(h.correction) for h in hellos],
+            want_bonus=[_wants_bonus(p.request.work) for p in planned],
+            generators=[p.request.slot.generator for p in planned],
+            k=[h.k for h in hellos],
+            eps_target=[h.eps_target for h in hellos],
+            m=[h.m for h in hellos],
+        )
+        out: list[Result] = []
+        row = 0
+        for p, d, g, h in zip(planned, decisions, gammas, hellos, strict=True):
+            slot = p.request.slot
+            kept = False
+            if d.accepted < g:
+                keep = p.start + len(p.propose.fixed) + d.accepted
+                assert self.pool is not None
+                self.pool.crop(slot.pages, keep)
+                del slot.tokens[keep:]
+                if d.candidates is not None:
+                    # p at the rejected position, for Resamples: one row, kept on the device
+                    r = logits[row + d.accepted][None]
+                    s = h.sampling
+                    p_row = ds.transform_rows(r, s.temperature, s.top_k, s.top_p)[0]
+                    slot.kept = (p_row, int(p.propose.draft[d.accepted]))
+                    kept = True
+            out.append(Verified(d, kept_row=kept))
+            row += g + 1
+        return out
+
+    def _federate(self, planned: list[_Planned], logits: torch.Tensor) -> list[Result]:
+        """SpecFed replies of the Federate group: γ+1 top-K rows, p_j(x_j), the l1 of both
+        reconstructions (every row transformed: the edge needs them all)."""
+        hellos = [p.request.slot.hello for p in planned]
+        gammas = [len(p.propose.draft) for p in planned]
+        temp, top_k, top_p = ds.row_params([h.sampling for h in hellos], gammas)
+        rows = ds.federate_rows(
+            ds.transform_rows(logits, temp, top_k, top_p),
+            np.concatenate([p.propose.draft for p in planned]),
+            ds.cu_from_gammas(gammas),
+            [h.k for h in hellos],
+            [h.eps_target for h in hellos],
+        )
+        return [Federated(dists, p_draft, l1) for dists, p_draft, l1 in rows]
+
+    def _warm_up(self) -> None:
+        """One batched step (and, compiled, one per shape bucket) on a scratch slot, so the
+        first session does not pay for lazy initialisation or compilation."""
+        target = self.require_target()
+        assert self.pool is not None
+        compiled = bool(getattr(target, "compiled", False))
+        sizes = [1, 2, 4, 8, 16, 32, 64] if compiled else [1]
+        for b in sizes:
+            if b > self.limits.max_batch_sessions:
+                break
+            slots = [SlotPages() for _ in range(b)]
+            try:
+                for s in slots:
+                    self.pool.reserve(s, 8)
+                target.forward([Row(s, 0, (0,) * 8, 8) for s in slots])
+            except OutOfPages:
+                log.info("warm-up stopped at batch %d: the KV pool is smaller", b)
+                break
+            finally:
+                for s in slots:
+                    self.pool.release(s)

@@ -14,6 +14,7 @@ from shared.config import ConfigError
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+Switch = Literal["auto", "on", "off"]
 
 #: Environment prefix and TOML table of the verifier's settings.
 ENV_PREFIX = "WANSPEC_"
@@ -37,7 +38,18 @@ class VerifierSettings:
     tls_key: Path | None = None  # PEM private key of tls_cert
     device: Device = "auto"
     dtype: DType = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
-    max_sessions: int = field(default=64, metadata=_b(1))
+    # torch.compile the batched forward (shapes bucketed; CUDA graphs where torch uses them):
+    # auto = on for CUDA, off on the CPU (where eager measured faster, see README).
+    compile: Switch = "auto"
+    max_sessions: int = field(default=64, metadata=_b(1))  # also the engine's session slots
+    # One batched forward holds at most this many sessions and this many padded tokens
+    # (sessions × longest row); 1 = the serial engine (one session per forward).
+    max_batch_sessions: int = field(default=64, metadata=_b(1))
+    max_batch_tokens: int = field(default=4096, metadata=_b(1))
+    # The KV cache: one pool of this many tokens over all sessions, preallocated at start, in
+    # pages of kv_page_size tokens (a session that finds no free page gets a model error).
+    kv_cache_tokens: int = field(default=65536, metadata=_b(16))
+    kv_page_size: int = field(default=16, metadata=_b(1, 4096))
     # Concurrent sessions per bearer token (more: HTTP 429 before the upgrade); 0 = no own limit.
     max_sessions_per_token: int = field(default=32, metadata=_b(0))
     max_context: int = field(default=8192, metadata=_b(2))  # tokens per session (capped by model)

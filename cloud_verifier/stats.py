@@ -125,8 +125,23 @@ class VerifierMetrics:
             labels=("reason",),
         )
         self.model_forwards = r.counter(
-            "wanspec_model_forwards_total", "Target forwards (one per verified Propose)."
+            "wanspec_model_forwards_total",
+            "Session rows in target forwards (one per verified Propose; a batched forward "
+            "carries several).",
         )
+        self.batch_sessions = r.histogram(
+            "wanspec_batch_sessions",
+            "Sessions in one batched forward of the engine.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        )
+        self.kv_bytes_total = r.gauge(
+            "wanspec_kv_cache_bytes_total", "KV cache memory preallocated (kv_cache_tokens)."
+        )
+        self.kv_bytes_used = r.gauge(
+            "wanspec_kv_cache_bytes_used", "KV cache memory in pages held by sessions."
+        )
+        self.kv_pages_total = r.gauge("wanspec_kv_cache_pages_total", "KV cache pages.")
+        self.kv_pages_used = r.gauge("wanspec_kv_cache_pages_used", "KV cache pages held.")
         self.model_ready = r.gauge("wanspec_model_ready", "1 once the target model is loaded.")
         self.verify_seconds = r.histogram(
             "wanspec_verify_seconds",

@@ -61,7 +61,7 @@ function computes in the dtype of the probs it is given.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -348,8 +348,55 @@ def verify(
     counts, then the ids and values of every correction and bonus.
     """
     cu, x, tok_rows = _rows_and_tokens(probs, draft_ids, cu_draft)
+    dev = probs.device
+
+    def token_px() -> torch.Tensor:
+        return probs[_idx(tok_rows, dev), _idx(x, dev)]
+
+    def rows(r: list[int]) -> torch.Tensor:
+        return probs.index_select(0, _idx(r, dev))
+
+    return _verify(
+        token_px,
+        rows,
+        probs.dtype,
+        probs,
+        cu,
+        x,
+        q_draft,
+        greedy=greedy,
+        correction=correction,
+        want_bonus=want_bonus,
+        generators=generators,
+        k=k,
+        eps_target=eps_target,
+        m=m,
+    )
+
+
+def _verify(
+    token_px: Callable[[], torch.Tensor],
+    decision_rows: Callable[[list[int]], torch.Tensor],
+    dtype: torch.dtype,
+    like: torch.Tensor,
+    cu: npt.NDArray[np.int64],
+    x: npt.NDArray[np.int64],
+    q_draft: npt.ArrayLike,
+    *,
+    greedy: Sequence[bool] | npt.ArrayLike,
+    correction: Sequence[str],
+    want_bonus: Sequence[bool] | npt.ArrayLike,
+    generators: Sequence[torch.Generator | None],
+    k: int | Sequence[int],
+    eps_target: float | Sequence[float],
+    m: int | Sequence[int],
+) -> list[Decision]:
+    """The body of :func:`verify` over two views of the probabilities: ``token_px()`` gives p of
+    every draft token ([T], float64 or dtype), ``decision_rows(rows)`` the transformed rows
+    (in ``dtype``) of the given row indices. ``like``: a tensor on the device (for its device)."""
     b = len(cu) - 1
-    dev, dtype = probs.device, probs.dtype
+    dev = like.device
+    v = int(like.shape[1])
     gam = np.diff(cu)
     qx = np.asarray(q_draft, dtype=np.float64).reshape(-1)
     if len(qx) != len(x):
@@ -377,16 +424,15 @@ def verify(
     tok_session = np.repeat(np.arange(b), gam)
     accepted_t = torch.as_tensor(gam, device=dev)
     if len(x):
-        x_dev = _idx(x, dev)
-        px = probs[_idx(tok_rows, dev), x_dev]  # [T]
+        px = token_px()  # [T]
         us = [
             torch.ones(int(gam[s]), dtype=dtype, device=dev)
             if gr[s]
             else torch.rand(int(gam[s]), generator=_gen(generators, s), dtype=dtype, device=dev)
             for s in range(b)
         ]
-        u = torch.cat(us)
-        q_t = torch.as_tensor(qx, dtype=dtype, device=dev)
+        u = torch.cat(us).to(px.dtype)
+        q_t = torch.as_tensor(qx, dtype=px.dtype, device=dev)
         ok = torch.where(torch.as_tensor(gr[tok_session], device=dev), px >= 1.0, u * q_t < px)
         pos = torch.as_tensor(np.arange(len(x)) - cu[tok_session], device=dev)
         first_rejected = torch.where(ok, accepted_t.max() + 1, pos)
@@ -417,9 +463,9 @@ def verify(
 
     pieces: list[torch.Tensor] = []
     if argmax:
-        pieces.append(probs.index_select(0, _idx([n.row for n in argmax], dev)).argmax(dim=-1))
+        pieces.append(decision_rows([n.row for n in argmax]).argmax(dim=-1))
     if draws:
-        p_rows = probs.index_select(0, _idx([n.row for n in draws], dev))
+        p_rows = decision_rows([n.row for n in draws])
         ex = [(i, n.exclude) for i, n in enumerate(draws) if n.exclude >= 0]
         w = p_rows.clone()
         if ex:
@@ -431,7 +477,7 @@ def verify(
         pieces += [mass, ids, p_rows.gather(1, ids)]
     if tops:
         vals, ids_k, kt = _top_k(
-            probs.index_select(0, _idx([n.row for n in tops], dev)),
+            decision_rows([n.row for n in tops]),
             ks[[n.session for n in tops]],
             eps[[n.session for n in tops]],
         )
@@ -462,13 +508,92 @@ def verify(
             else:
                 out[n.session] = Decision(a, token=int(ids_h[i, 0]))
     if tops:
-        kk = min(int(ks[[n.session for n in tops]].max()), int(probs.shape[1]))
+        kk = min(int(ks[[n.session for n in tops]].max()), v)
         ids_h, vals_h = host.ints(len(tops), kk), host.floats(len(tops), kk)
         kh = host.ints(len(tops))
         for i, n in enumerate(tops):
             sparse = _sparse(ids_h[i], vals_h[i], int(kh[i]))
             out[n.session] = Decision(int(accepted[n.session]), sparse=sparse)
     return out
+
+
+def verify_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    draft_ids: npt.ArrayLike,
+    q_draft: npt.ArrayLike,
+    cu_draft: npt.ArrayLike,
+    *,
+    correction: Sequence[str],
+    want_bonus: Sequence[bool] | npt.ArrayLike,
+    generators: Sequence[torch.Generator | None],
+    k: int | Sequence[int] = 10,
+    eps_target: float | Sequence[float] = 0.0,
+    m: int | Sequence[int] = 8,
+) -> list[Decision]:
+    """:func:`verify` of ``transform_rows(logits, …)`` without transforming every row.
+
+    logits: [T + B, V] (the forward's rows, laid out as the module docstring says); params: one
+    :class:`SamplingParams` per session. Acceptance needs only p(x) of each draft token:
+
+    * greedy rows (T = 0): p(x) = 1 if x is the first argmax, else 0 (one pass, no exp);
+    * rows with no top-k / top-p: p(x) = exp(l_x/T − logsumexp(l/T)), the max and the sum of
+      exps over the row in the logits' float32 (one pass), the rest in float64: p(x) carries
+      float32 rounding (relative error ~1e-6, far below what any test can see; the suites in
+      tests/test_device_sampling.py run on this path too);
+    * rows with top-k / top-p: the full :func:`transform_rows` of those rows.
+
+    Only the decision rows (at most one per session: the rejected position or the bonus
+    position) get the full float64 transform, from which every correction and bonus is drawn
+    exactly as :func:`verify` draws them.
+    """
+    cu, x, tok_rows = _rows_and_tokens(logits, draft_ids, cu_draft)
+    dev, v = logits.device, int(logits.shape[1])
+    gammas = np.diff(cu)
+    t, kk, tp = row_params(params, gammas)  # per row
+    tt, tk, tpp = t[tok_rows], kk[tok_rows], tp[tok_rows]  # per draft token
+    px = torch.zeros(len(x), dtype=DEVICE_DTYPE, device=dev)
+    greedy_tok = tt == 0.0
+    plain_tok = ~greedy_tok & ((tk == 0) | (tk >= v)) & (tpp >= 1.0)
+    full_tok = ~greedy_tok & ~plain_tok
+    g = np.flatnonzero(greedy_tok)
+    if g.size:
+        first_max = logits.index_select(0, _idx(tok_rows[g], dev)).argmax(dim=-1)
+        px[_idx(g, dev)] = (first_max == _idx(x[g], dev)).to(DEVICE_DTYPE)
+    pl = np.flatnonzero(plain_tok)
+    if pl.size:
+        z = logits.index_select(0, _idx(tok_rows[pl], dev)).float()
+        z /= torch.as_tensor(tt[pl], dtype=z.dtype, device=dev)[:, None]
+        top = z.amax(dim=-1, keepdim=True)
+        mass = (z - top).exp_().sum(dim=-1, dtype=torch.float64)  # [n]
+        zx = z.gather(1, _idx(x[pl], dev)[:, None])[:, 0].to(torch.float64)
+        px[_idx(pl, dev)] = torch.exp(zx - top[:, 0].to(torch.float64) - mass.log())
+    fu = np.flatnonzero(full_tok)
+    if fu.size:
+        r = tok_rows[fu]
+        probs = transform_rows(logits.index_select(0, _idx(r, dev)), t[r], kk[r], tp[r])
+        px[_idx(fu, dev)] = probs.gather(1, _idx(x[fu], dev)[:, None])[:, 0]
+
+    def decision_rows(rows: list[int]) -> torch.Tensor:
+        r = np.asarray(rows, dtype=np.int64)
+        return transform_rows(logits.index_select(0, _idx(r, dev)), t[r], kk[r], tp[r])
+
+    return _verify(
+        lambda: px,
+        decision_rows,
+        DEVICE_DTYPE,
+        logits,
+        cu,
+        x,
+        q_draft,
+        greedy=[p.greedy for p in params],
+        correction=correction,
+        want_bonus=want_bonus,
+        generators=generators,
+        k=k,
+        eps_target=eps_target,
+        m=m,
+    )
 
 
 def draw_candidates(

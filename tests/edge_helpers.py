@@ -13,12 +13,14 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from aiohttp import web
 
+from bench.verifier import WrappedTarget
 from cloud_verifier.app import build_app as build_verifier_app
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import TorchTarget
 from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.targets import Row, TorchTarget
 from edge_agent.config import EdgeSettings
 from edge_agent.server import build_app as build_edge_app
 from edge_agent.server import make_runner
@@ -45,38 +47,16 @@ class LoopThread:
         self.thread.join(10)
 
 
-class _SlowSequence:
-    def __init__(self, inner: Any, delay: float) -> None:
-        self.inner, self.delay = inner, delay
-
-    @property
-    def length(self) -> int:
-        n: int = self.inner.length
-        return n
-
-    def extend(self, ids: Sequence[int], *, last_rows: int | None = None) -> Any:
-        time.sleep(self.delay)  # runs on the verifier's model worker
-        return self.inner.extend(ids, last_rows=last_rows)
-
-    def last_logits(self) -> Any:
-        return self.inner.last_logits()
-
-    def crop(self, n: int) -> None:
-        self.inner.crop(n)
-
-
-class SlowTarget:
+class SlowTarget(WrappedTarget):
     """A target whose every forward takes ``delay`` seconds more (a far-away verifier)."""
 
     def __init__(self, inner: TorchTarget, delay: float) -> None:
-        self.inner, self.delay = inner, delay
-        self.fingerprint = inner.fingerprint
-        self.vocab_size = inner.vocab_size
-        self.max_length = inner.max_length
-        self.description = inner.description + f" (+{delay * 1000:.0f} ms)"
+        super().__init__(inner, inner.description + f" (+{delay * 1000:.0f} ms)")
+        self.delay = delay
 
-    def new_sequence(self) -> _SlowSequence:
-        return _SlowSequence(self.inner.new_sequence(), self.delay)
+    def forward(self, rows: Sequence[Row]) -> torch.Tensor:
+        time.sleep(self.delay)  # runs on the verifier's engine thread
+        return self.inner.forward(rows)
 
 
 def wait_http(url: str, timeout: float = 60.0, status: int = 200) -> None:

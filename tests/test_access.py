@@ -26,8 +26,8 @@ from bench.probe import auth_headers
 from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.cli import main as verifier_main
-from cloud_verifier.engine import NullTarget
 from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.targets import NullTarget
 from cloud_verifier.tls import server_context
 from edge_agent.link import LinkSettings, UntrustedCertificateError, WebSocketTransport
 from edge_agent.pipeline import handshake

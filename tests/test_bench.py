@@ -15,13 +15,15 @@ import aiohttp
 import numpy as np
 import orjson
 import pytest
+import torch
 
 from bench.probe import Driver, ProbeClient
 from bench.run import ceiling
 from bench.verifier import PaddedTarget
 from bench.verifier import main as padded_verifier_main
 from cloud_verifier.cli import main as verifier_main
-from cloud_verifier.engine import NullTarget
+from cloud_verifier.kv_pool import SlotPages
+from cloud_verifier.targets import NullTarget, Row
 from shared.pipeline_config import Mode
 from shared.protocol import SUBPROTOCOL, Fingerprint, Hello
 from shared.sampling import SamplingParams
@@ -47,11 +49,13 @@ def test_ceiling_formula() -> None:
 def test_padded_target_pads_and_keeps_logits() -> None:
     inner = NullTarget(100)
     padded = PaddedTarget(inner, 60.0)
-    a, b = inner.new_sequence(), padded.new_sequence()
+    slot = SlotPages()
+    padded.allocate(4, 16).reserve(slot, 3)
+    rows = [Row(slot, 0, (1, 2, 3), 3)]
     t0 = time.perf_counter()
-    out = b.extend([1, 2, 3])
+    out = padded.forward(rows)
     assert time.perf_counter() - t0 >= 0.058
-    np.testing.assert_array_equal(out, a.extend([1, 2, 3]))
+    torch.testing.assert_close(out, inner.forward(rows))
     assert padded.fingerprint == inner.fingerprint
 
 
@@ -131,8 +135,14 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
     for row in doc["summary"]:
         assert row["tokens_per_s"] > 0
         if row["mode"] in ("stop-and-wait", "pipelined D=1", "pipelined D=2"):
-            for key in ("acceptance", "mean_accepted_per_round", "uplink_bytes_per_round",
-                        "bytes_per_token", "ceiling_tokens_per_s", "fraction_of_ceiling"):
+            for key in (
+                "acceptance",
+                "mean_accepted_per_round",
+                "uplink_bytes_per_round",
+                "bytes_per_token",
+                "ceiling_tokens_per_s",
+                "fraction_of_ceiling",
+            ):
                 assert row[key] is not None, key
             assert row["uplink_bytes_per_round"] < 100  # ids + q, not distributions
     md = (tmp_path / "results.md").read_text()

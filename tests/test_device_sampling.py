@@ -132,6 +132,48 @@ def test_transform_rows_validates() -> None:
 # ---------------------------------------------------------------------------- greedy: exact
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_verify_logits_equals_verify_of_transformed_rows(seed: int) -> None:
+    """The engine's lazy path (p(x) from one pass per row, only decision rows transformed)
+    decides as verify() over every transformed row, with the same generators: same accepted
+    counts, tokens, candidates and top-K corrections (values to float rounding)."""
+    rng = np.random.default_rng(seed)
+    v = 50
+    gammas = [int(g) for g in rng.integers(0, 7, 24)]
+    b = len(gammas)
+    cu = D.cu_from_gammas(gammas)
+    params = [_random_params(rng, v) for _ in range(b)]
+    logits = _rows_logits(rng, int(cu[-1]) + b, v).astype(np.float32)
+    t, k, tp = D.row_params(params, gammas)
+    probs = D.transform_rows(_t(logits), t, k, tp)
+    p_np = probs.cpu().numpy()
+    draft = np.empty(int(cu[-1]), np.int64)
+    for s in range(b):
+        for i in range(gammas[s]):
+            row = p_np[cu[s] + s + i]
+            likely = rng.random() < 0.7
+            draft[cu[s] + i] = rng.choice(v, p=row) if likely else rng.integers(v)
+    q = rng.uniform(0.05, 1.0, len(draft)).astype(np.float32)
+    kw: dict[str, Any] = dict(
+        correction=[str(rng.choice(list(CorrectionMode))) for _ in range(b)],
+        want_bonus=rng.random(b) < 0.5,
+        k=[int(x) for x in rng.integers(1, 12, b)],
+        eps_target=[float(x) for x in rng.choice([0.0, 0.01, 0.2], b)],
+        m=3,
+    )
+    ref = D.verify(probs, draft, q, cu, greedy=[p.greedy for p in params],
+                   generators=_gens(seed, b), **kw)  # fmt: skip
+    got = D.verify_logits(_t(logits, torch.float32), params, draft, q, cu,
+                          generators=_gens(seed, b), **kw)  # fmt: skip
+    for r, g in zip(ref, got, strict=True):
+        assert (r.accepted, r.token, r.bonus) == (g.accepted, g.token, g.bonus)
+        for a, c in ((r.sparse, g.sparse), (r.candidates, g.candidates)):
+            assert (a is None) == (c is None)
+            if a is not None and c is not None:
+                np.testing.assert_array_equal(a.ids, c.ids)
+                np.testing.assert_allclose(a.probs, c.probs, rtol=1e-6)
+
+
 def test_greedy_decisions_equal_verify_batch() -> None:
     """T = 0 sessions, several γ, in one batch with sampling sessions: the same decisions."""
     rng = np.random.default_rng(7)
@@ -241,6 +283,7 @@ def _first_tokens(
     seed: int,
     *,
     q_sampled: np.ndarray | None = None,
+    logits: tuple[np.ndarray, SamplingParams] | None = None,
 ) -> np.ndarray:
     """N one-session trials, CHUNK sessions (γ = 1..4) per verify call: the first emitted token
     of each session (x_0 if accepted, else the edge's recovered token)."""
@@ -261,17 +304,30 @@ def _first_tokens(
             q_row = q
         gens = _gens(seed + c0, b)
         correction = CorrectionMode.TOPK if mode == "topk_full" else mode
-        ds = D.verify(
-            p_dev.expand(n_tok + b, v),
-            draft,
-            q_row[draft].astype(np.float32),
-            cu,
-            greedy=[False] * b,
-            correction=[correction] * b,
-            want_bonus=[False] * b,
-            generators=gens,
-            k=v,
-        )
+        if logits is None:
+            ds = D.verify(
+                p_dev.expand(n_tok + b, v),
+                draft,
+                q_row[draft].astype(np.float32),
+                cu,
+                greedy=[False] * b,
+                correction=[correction] * b,
+                want_bonus=[False] * b,
+                generators=gens,
+                k=v,
+            )
+        else:  # the engine's path: raw logits, transformed only where needed
+            ds = D.verify_logits(
+                _t(logits[0][None], torch.float32).expand(n_tok + b, v),
+                [logits[1]] * b,
+                draft,
+                q_row[draft].astype(np.float32),
+                cu,
+                correction=[correction] * b,
+                want_bonus=[False] * b,
+                generators=gens,
+                k=v,
+            )
         for s, d in enumerate(ds):
             x0 = int(draft[cu[s]])
             if d.accepted:
@@ -291,11 +347,14 @@ def _first_tokens(
 @pytest.mark.parametrize("v", [8, 64])
 @pytest.mark.parametrize("mode", [CorrectionMode.CANDIDATES, CorrectionMode.GREEDY_DRAFT])
 @pytest.mark.parametrize("params", SETTINGS, ids=str)
-def test_exact_modes_match_target(v: int, mode: str, params: SamplingParams) -> None:
+@pytest.mark.parametrize("path", ["probs", "logits"])
+def test_exact_modes_match_target(v: int, mode: str, params: SamplingParams, path: str) -> None:
     tl, dl = _logits(v * 7 + 1, v)
+    tl = tl.astype(np.float32).astype(np.float64)  # what a model emits
     p = D.transform_rows(_t(tl[None]), params.temperature, params.top_k, params.top_p)[0]
     p_np, q = p.cpu().numpy(), transform(dl, params)
-    out = _first_tokens(p_np, q, mode, seed=v)
+    from_logits = (tl, params) if path == "logits" else None
+    out = _first_tokens(p_np, q, mode, seed=v, logits=from_logits)
     pv = chi_square_pvalue(out, transform(tl, params))
     assert pv > ALPHA, f"{mode} at {params}: chi-square p-value {pv:.2e}"
 

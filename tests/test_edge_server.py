@@ -396,8 +396,8 @@ async def test_cancelling_a_generation_is_clean(
 
     from cloud_verifier.app import STATE, build_app
     from cloud_verifier.auth import Authenticator
-    from cloud_verifier.engine import TorchTarget
     from cloud_verifier.settings import VerifierSettings
+    from cloud_verifier.targets import TorchTarget
     from edge_agent.agent import EdgeAgent, RetryPolicy
     from edge_agent.drafter import Drafter
     from edge_agent.link import LinkSettings, WebSocketTransport

@@ -14,8 +14,8 @@ import torch
 from bench.tiny_models import build_tiny_model
 from cloud_verifier.app import build_app
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import TorchTarget
 from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.targets import TorchTarget
 from edge_agent.drafter import Drafter
 from edge_agent.federation import WorkerSpec, generate_federated
 from edge_agent.link import LinkSettings, WebSocketTransport

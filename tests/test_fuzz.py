@@ -21,8 +21,8 @@ from bench.fuzz import FuzzConfig, Shadow, corpus_frames, mutate_bytes, mutate_m
 from bench.probe import Driver, ProbeClient, auth_headers
 from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import TorchTarget
 from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.targets import TorchTarget
 from shared.edge_core import DesyncError, SingleCore, VerifierError, hello_for
 from shared.generation import Generation
 from shared.models import load_model

@@ -22,8 +22,8 @@ from aiohttp import web
 
 from cloud_verifier.app import build_app
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import TorchTarget
 from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.targets import TorchTarget
 from edge_agent.agent import EdgeAgent, RetryPolicy
 from edge_agent.config import EdgeSettings
 from edge_agent.drafter import Drafter

@@ -19,8 +19,8 @@ from bench.load import LoadConfig, run
 from bench.probe import Driver, ProbeClient, auth_headers
 from cloud_verifier.app import STATE, _buffered, _close_sessions, build_app
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import NullTarget
 from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.targets import NullTarget
 from shared.protocol import SUBPROTOCOL, Fingerprint, Hello, Propose, ReplyMode, encode
 from shared.sampling import SamplingParams
 

@@ -16,8 +16,8 @@ from bench.reliability import FAULTS, ChaosConfig, run
 from bench.wanem import LinkConfig, WanEmulator
 from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import NullTarget
 from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.targets import NullTarget
 from edge_agent.link import LinkSettings, WebSocketTransport
 from edge_agent.pipeline import handshake
 from edge_agent.transport import LinkClosed

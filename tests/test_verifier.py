@@ -15,12 +15,13 @@ import torch
 from aiohttp import WSCloseCode, WSMsgType, web
 from aiohttp.test_utils import TestClient
 
-from bench.probe import Driver, ProbeClient, auth_headers
+from bench.probe import Driver, ProbeClient, auth_headers, replies_match
 from bench.tiny_models import build_tiny_model
-from cloud_verifier.app import STATE, VerifierState, build_app
+from cloud_verifier.app import STATE, VerifierState, build_app, engine_limits
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import Engine, Target, TorchTarget
+from cloud_verifier.engine import Engine
 from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.targets import Target, TorchTarget
 from shared.models import load_model
 from shared.protocol import (
     SUBPROTOCOL,
@@ -37,7 +38,6 @@ from shared.protocol import (
     Verdict,
     WireContext,
     encode,
-    message_equal,
 )
 from shared.sampling import SamplingParams, transform
 
@@ -95,7 +95,7 @@ async def start(
     **overrides: Any,
 ) -> Service:
     settings = VerifierSettings(model="tiny", heartbeat=0.0, **overrides)
-    engine = Engine()
+    engine = Engine(engine_limits(settings))
     app = build_app(
         settings,
         auth=Authenticator([TOKEN]),
@@ -188,7 +188,7 @@ async def test_greedy_verdicts_equal_direct_argmax(
         committed += fixed + draft[:n_ref]
         pos = len(committed)
         fixed = [tok_ref]
-        assert svc.server_session(pc).model.seq.length == len(committed)
+        assert svc.server_session(pc).slot.length == len(committed)
     assert outcomes == {True, False}
     m = svc.metrics
     assert m.num_drafts.get() == 8
@@ -207,7 +207,7 @@ async def test_rejection_crops_and_stale_proposes_cost_nothing(
     v = await pc.recv_as(Verdict)
     assert v.accepted == 1 and v.token == good[1]
     sess = svc.server_session(pc)
-    assert sess.model.seq.length == len(prompt) + 1 == sess.core.next_pos and sess.core.epoch == 1
+    assert sess.slot.length == len(prompt) + 1 == sess.core.next_pos and sess.core.epoch == 1
 
     # Two batches the edge pipelined before it saw the rejection: dropped, no forward, no reply.
     forwards = svc.engine.forwards
@@ -230,14 +230,14 @@ async def test_rejection_crops_and_stale_proposes_cost_nothing(
     await pc.send(propose(5, 4, 3, draft))
     v3 = await pc.recv_as(Verdict)
     assert (v3.epoch, v3.accepted, v3.token) == (5, n_ref, tok_ref) and n_ref == 1
-    assert sess.model.seq.length == 4 and sess.core.epoch == 6
+    assert sess.slot.length == 4 and sess.core.epoch == 6
 
     # Bad rollbacks: not a newer epoch; beyond the verified prefix.
     await pc.send(Rollback(epoch=6, pos=1))
     assert (await pc.recv_as(Error)).code == "bad_rollback"
     await pc.send(Rollback(epoch=7, pos=5))
     assert (await pc.recv_as(Error)).code == "bad_rollback"
-    assert sess.model.seq.length == 4
+    assert sess.slot.length == 4
 
 
 async def _play(driver: Driver, rounds: int) -> list[Message]:
@@ -273,7 +273,8 @@ async def test_interleaved_sessions_equal_each_alone(
     together = await asyncio.gather(_play(a, 12), _play(b, 12))
     for solo, mixed in zip(alone, together, strict=True):
         assert len(solo) == len(mixed) == 12
-        assert all(message_equal(x, y) for x, y in zip(solo, mixed, strict=True))
+        for x, y in zip(solo, mixed, strict=True):
+            assert replies_match(x, y), (x, y)
     kinds = {type(m).__name__ for h in alone for m in h}
     assert kinds == {"Verdict"}
     assert any(m.accepted < 4 for m in alone[0])  # type: ignore[attr-defined]
@@ -396,6 +397,41 @@ async def test_max_sessions_and_health_while_loading(
     assert 'wanspec_sessions_refused_total{reason="loading"} 1' in text
 
 
+async def test_kv_cache_full_answers_503_and_is_in_metrics(
+    aiohttp_client: AiohttpClient, target: TorchTarget
+) -> None:
+    """The KV pool (2 pages of 8 tokens) is the bound: a session's context is capped at the
+    pool (context_full), a session that finds no free page gets a model error (its cache
+    untouched), and while no page is free new sessions get 503 before the upgrade; /metrics
+    and /health show the pool."""
+    svc = await start(aiohttp_client, target, kv_cache_tokens=16, kv_page_size=8)
+    pc, other = await svc.open(hello_for(target)), await svc.open(hello_for(target))
+    await pc.send(propose(0, 0, 0, [8, 9], list(range(4, 24))))  # 22 tokens > 16
+    assert (await pc.recv_as(Error)).code == "context_full"
+    await pc.send(propose(0, 1, 0, [8], list(range(4, 14))))  # 11 tokens: both pages
+    assert isinstance(await pc.recv(), Verdict)
+    await other.send(propose(0, 0, 0, [8], [4, 5]))
+    err = await other.recv_as(Error)
+    assert err.code == "model_error" and "KV cache is full" in err.message and not err.fatal
+    assert svc.server_session(other).slot.length == 0
+    assert svc.engine.pages_free == 0
+    with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+        await svc.connect()
+    assert e.value.status == 503
+    assert svc.metrics.sessions_refused.get(reason="kv_full") == 1
+    text = await (await svc.client.get("/metrics")).text()
+    per_token = target.kv_bytes_per_token()
+    assert f"wanspec_kv_cache_bytes_total {16 * per_token}\n" in text
+    assert f"wanspec_kv_cache_bytes_used {16 * per_token}\n" in text
+    assert "wanspec_kv_cache_pages_used 2\n" in text
+    health = await (await svc.client.get("/health")).json()
+    assert health["kv_cache"] == {"pages_used": 2, "pages_total": 2}
+    await pc.send(Rollback(epoch=3, pos=0))  # a rollback frees the pages: sessions come in
+    await asyncio.sleep(0.05)
+    assert svc.engine.pages_free == 2
+    await svc.open(hello_for(target))
+
+
 async def test_bad_frames_stay_in_their_session(
     aiohttp_client: AiohttpClient, target: TorchTarget
 ) -> None:
@@ -474,19 +510,22 @@ async def test_model_error_is_reported_to_that_session_only(
 ) -> None:
     svc = await start(aiohttp_client, target)
     pc = await svc.open(hello_for(target))
-    sess = svc.server_session(pc).model
-    real = sess._rows
+    sess = svc.server_session(pc)
+    engine = svc.engine
+    real = engine._decide
 
-    def broken(p: Propose) -> Any:
-        real(p)  # the forward runs, then something fails: the cache must be restored
-        raise RuntimeError("boom")
+    def broken(planned: list[Any], probs: Any) -> Any:
+        # the forward ran, then deciding fails for this session: its cache must be restored
+        if any(p.request.slot is sess.slot for p in planned):
+            raise RuntimeError("boom")
+        return real(planned, probs)
 
-    sess._rows = broken
+    engine._decide = broken  # type: ignore[method-assign]
     await pc.send(propose(0, 0, 0, [8, 9], [4, 5]))
     err = await pc.recv_as(Error)
     assert err.code == "model_error" and not err.fatal and "boom" in err.message
-    assert sess.seq.length == 0
-    sess._rows = real
+    assert sess.slot.length == 0
+    engine._decide = real  # type: ignore[method-assign]
     await pc.send(propose(0, 1, 0, [8, 9], [4, 5]))
     assert isinstance(await pc.recv(), Verdict)
 

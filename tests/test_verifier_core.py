@@ -106,9 +106,7 @@ def run_of(events: list[Event]) -> Run:
         (encode(Hello(FP, k=10**6)), "bad_hello"),
     ],
 )
-def test_hello_state_refuses_anything_but_a_compatible_hello(
-    frame: bytes | str, code: str
-) -> None:
+def test_hello_state_refuses_anything_but_a_compatible_hello(frame: bytes | str, code: str) -> None:
     core = VerifierCore(TargetInfo(FP, V), SessionLimits(), "s1")
     ev = core.receive(frame)
     assert core.closed

@@ -32,10 +32,10 @@ from bench.probe import ProbeClient, auth_headers
 from cloud_verifier.app import STATE, VerifierState, build_app, make_runner
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.cli import main as verifier_main
-from cloud_verifier.engine import DeviceUnavailable, NullTarget, choose_device
 from cloud_verifier.http_guard import Listener
 from cloud_verifier.ratelog import LogLimiter
 from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.targets import DeviceUnavailable, NullTarget, choose_device
 from shared.protocol import (
     SUBPROTOCOL,
     Error,
@@ -632,9 +632,9 @@ async def test_serve_startup_lines_sighup_and_a_quiet_stop(
     import torch
 
     if torch.cuda.is_available():  # a GPU machine: no warning, the line names the device
-        assert "INFO cloud_verifier.engine: device: cuda:0 (" in log, log
+        assert "INFO cloud_verifier.targets: device: cuda:0 (" in log, log
         assert warnings == [], warnings
     else:
-        assert "INFO cloud_verifier.engine: device: cpu" in log, log
+        assert "INFO cloud_verifier.targets: device: cpu" in log, log
         assert len(warnings) == 1 and "CUDA_VISIBLE_DEVICES=0" in warnings[0], warnings
     assert "SIGHUP: token file re-read: 1 token(s)" in log

@@ -12,8 +12,8 @@ import torch
 from bench.probe import ProbeClient, auth_headers
 from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import TorchTarget
 from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.targets import TorchTarget
 from shared.protocol import SUBPROTOCOL, Hello, Propose, Verdict
 from shared.sampling import SamplingParams
 

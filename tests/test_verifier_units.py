@@ -6,12 +6,13 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
+import torch
 
 from cloud_verifier.auth import Authenticator, AuthError, parse_tokens
-from cloud_verifier.engine import NullTarget, parse_null_spec
+from cloud_verifier.kv_pool import SlotPages
 from cloud_verifier.stats import VerifierMetrics
+from cloud_verifier.targets import NullTarget, Row, parse_null_spec
 from shared.metrics import Registry
 
 
@@ -92,11 +93,15 @@ def test_tokens(tmp_path: Path) -> None:
 def test_null_target_is_deterministic_and_fast() -> None:
     assert parse_null_spec("null:49152") == 49152 and parse_null_spec("default") is None
     t = NullTarget(49152)
-    a, b = t.new_sequence(), t.new_sequence()
+    pool = t.allocate(8, 16)
+    a, b = SlotPages(), SlotPages()
+    pool.reserve(a, 7)
+    pool.reserve(b, 6)
     t0 = time.perf_counter()
-    la = a.extend([1, 2, 3, 4, 5, 6])
+    la = t.forward([Row(a, 0, (1, 2, 3, 4, 5, 6), 6)])
     assert time.perf_counter() - t0 < 0.05
-    np.testing.assert_array_equal(la, b.extend([1, 2, 3, 4, 5, 6]))
-    assert la.shape == (6, 49152) and a.extend([7], last_rows=1).shape == (1, 49152)
-    a.crop(6)
-    np.testing.assert_array_equal(a.last_logits(), la[-1])
+    assert la.shape == (6, 49152)
+    # position and token pick the row, whatever the batch
+    both = t.forward([Row(b, 0, (1, 2, 3, 4, 5, 6), 6), Row(a, 6, (7,), 1)])
+    torch.testing.assert_close(both[:6], la)
+    assert both.shape == (7, 49152) and not torch.equal(both[6], la[5])

@@ -1,0 +1,237 @@
+"""Verifier load: N concurrent edge sessions against one verifier, the batched engine and the
+serial engine (``--max-batch-sessions 1``: one session per forward) in the same run.
+
+    python -m bench.verifier_load                       # default model, CPU, N = 1 … 64
+    python -m bench.verifier_load --model null:151936   # everything but the model
+
+For each engine a ``cloud-verifier serve`` process (same settings but ``max_batch_sessions``)
+is started; for each N, N sessions (probe edges: stop-and-wait rounds of γ random draft tokens
+after a 32-token prompt each, greedy target) run rounds for ``--seconds`` (and at least
+``--min-rounds`` rounds each). Measured at the edges, on localhost (no WAN: the verifier's own
+capacity):
+
+* verified tokens/s: draft tokens the verifier scored (γ per round), summed over sessions;
+* round p50 / p99: Propose sent → reply received.
+
+Writes ``docs/results/verifier_load.json`` (``--out``): ``sessions`` and, aligned with it,
+``batched_tokens_per_s``, ``serial_tokens_per_s``, ``batched_p50_ms``, ``batched_p99_ms``,
+``serial_p50_ms``, ``serial_p99_ms``; and a plot beside it (``.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from bench.harness import VerifierProcess, free_port, write_tokens
+from bench.probe import Driver, ProbeClient, auth_headers
+from cloud_verifier.auth import generate_token
+from shared.protocol import SUBPROTOCOL, Fingerprint, Hello
+from shared.sampling import SamplingParams
+
+ENGINES = {"batched": 64, "serial": 1}
+
+
+def _parse_sessions(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not out or min(out) < 1 or max(out) > 1024:
+        raise argparse.ArgumentTypeError("sessions must be integers in 1..1024")
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="target spec (default: default)")
+    p.add_argument("--sessions", type=_parse_sessions, default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--seconds", type=float, default=6.0, help="measured seconds per N")
+    p.add_argument("--min-rounds", type=int, default=3, help="rounds per session at least")
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens per session")
+    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--engines", default="batched,serial", help="which engines, in order")
+    p.add_argument("--out", type=Path, default=Path("docs/results/verifier_load.json"))
+    p.add_argument("--no-plot", action="store_true")
+
+
+def _fingerprint(spec: str) -> Fingerprint:
+    """The fingerprint the verifier will announce (the edges' Hello must match it)."""
+    from cloud_verifier.targets import NullTarget, parse_null_spec
+
+    vocab = parse_null_spec(spec)
+    if vocab is not None:
+        return NullTarget(vocab).fingerprint
+    from shared.models import load_model
+
+    return load_model(spec).fingerprint
+
+
+async def _session(
+    http: aiohttp.ClientSession, url: str, token: str, fp: Fingerprint, seed: int
+) -> ProbeClient:
+    ws = await http.ws_connect(url, protocols=(SUBPROTOCOL,), headers=auth_headers(token))
+    client = ProbeClient(ws)
+    await client.hello(Hello(fingerprint=fp, sampling=SamplingParams(0.0), seed=seed))
+    return client
+
+
+async def _measure(
+    url: str, token: str, fp: Fingerprint, n: int, args: argparse.Namespace
+) -> dict[str, float]:
+    rng = np.random.default_rng(n)
+    async with aiohttp.ClientSession() as http:
+        clients = await asyncio.gather(*(_session(http, url, token, fp, i) for i in range(n)))
+        drivers = []
+        for i, c in enumerate(clients):
+            d = Driver(c, fp.vocab_size, args.gamma, np.random.default_rng(1000 + i))
+            d.fixed = rng.integers(4, fp.vocab_size, args.prompt).tolist()
+            drivers.append(d)
+        await asyncio.gather(*(d.round() for d in drivers))  # prefills, not measured
+        times: list[float] = []
+        t0 = time.perf_counter()
+        stop = t0 + args.seconds
+
+        async def run(d: Driver) -> int:
+            rounds = 0
+            while rounds < args.min_rounds or time.perf_counter() < stop:
+                await d.round()
+                times.append(d.last_round_trip_s)
+                rounds += 1
+            return rounds
+
+        rounds = await asyncio.gather(*(run(d) for d in drivers))
+        elapsed = time.perf_counter() - t0
+        for c in clients:
+            with contextlib.suppress(Exception):
+                await c.ws.close()
+    ms = np.array(times) * 1e3
+    return {
+        "tokens_per_s": sum(rounds) * args.gamma / elapsed,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "rounds": float(sum(rounds)),
+    }
+
+
+async def _engine_run(
+    name: str, args: argparse.Namespace, tmp: Path, token: str
+) -> list[dict[str, float]]:
+    port = free_port()
+    extra = [
+        "--device", args.device,
+        "--compile", args.compile,
+        "--max-batch-sessions", str(ENGINES[name]),
+        "--max-sessions", str(max(args.sessions)),
+        "--max-sessions-per-token", "0",
+        "--kv-cache-tokens", str(max(args.sessions) * 1024),
+        "--heartbeat", "0",
+    ]  # fmt: skip
+    proc = VerifierProcess(
+        args.model, port, tmp / "tokens", args=extra, log_path=tmp / f"verifier-{name}.log"
+    )
+    proc.start()
+    try:
+        await proc.wait_ready(timeout=600)
+        fp = _fingerprint(args.model)
+        out = []
+        for n in args.sessions:
+            r = await _measure(proc.url, token, fp, n, args)
+            print(
+                f"{name:8s} N={n:3d}  {r['tokens_per_s']:8.1f} tok/s  "
+                f"p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms",
+                flush=True,
+            )
+            out.append(r)
+        return out
+    finally:
+        await proc.kill()
+
+
+def _plot(path: Path, result: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    n = result["sessions"]
+    for name in ("batched", "serial"):
+        if f"{name}_tokens_per_s" in result:
+            a.plot(n, result[f"{name}_tokens_per_s"], marker="o", label=name)
+            b.plot(n, result[f"{name}_p99_ms"], marker="o", label=f"{name} p99")
+            b.plot(n, result[f"{name}_p50_ms"], marker=".", linestyle="--", label=f"{name} p50")
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent sessions")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    a.set_ylabel("verified tokens/s (all sessions)")
+    b.set_ylabel("round time (ms)")
+    b.set_yscale("log")
+    fig.suptitle(f"verifier load: {result['model']} on {result['device']}, γ = {result['gamma']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for e in engines:
+        if e not in ENGINES:
+            raise SystemExit(f"unknown engine {e!r}: choose from {', '.join(ENGINES)}")
+    result: dict[str, Any] = {
+        "model": args.model,
+        "device": args.device,
+        "gamma": args.gamma,
+        "prompt": args.prompt,
+        "seconds": args.seconds,
+        "host": platform.processor() or platform.machine(),
+        "sessions": args.sessions,
+    }
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        token = generate_token()
+        write_tokens(tmp / "tokens", [token])
+        for e in engines:
+            rows = await _engine_run(e, args, tmp, token)
+            for key in ("tokens_per_s", "p50_ms", "p99_ms"):
+                result[f"{e}_{key}"] = [round(r[key], 2) for r in rows]
+    if "batched" in engines and "serial" in engines:
+        result["ratio"] = [
+            round(b / s, 2)
+            for b, s in zip(
+                result["batched_tokens_per_s"], result["serial_tokens_per_s"], strict=True
+            )
+        ]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.verifier_load", description=__doc__)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    result = asyncio.run(main_async(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if not args.no_plot:
+        _plot(args.out.with_suffix(".png"), result)
+    if "ratio" in result:
+        print("batched / serial:", dict(zip(result["sessions"], result["ratio"], strict=True)))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

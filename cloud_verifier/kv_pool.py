@@ -1,0 +1,149 @@
+"""The target's KV cache, owned by the engine: one paged pool shared by every session slot.
+
+Layout (per layer, keys and values alike): ``[num_pages · page_size + 1, kv_heads, head_dim]``
+on the model's device, preallocated once. Position ``t`` of a slot lives at flat row
+``pages[t // page_size] · page_size + t % page_size`` of its page list; the last row is a trash
+row that padding tokens write to. Invariants:
+
+* a slot's ``length`` counts the positions that hold committed keys; rows at positions >= length
+  may hold anything (an uncommitted forward, a rolled-back draft) and are never read unmasked;
+* ``len(pages) · page_size >= length`` and at most one page past what ``length`` needs is kept
+  (rollback frees whole pages beyond the new length);
+* pages are owned by at most one slot; ``free`` holds every other page.
+
+Rollback is a pointer move (:meth:`PagedKV.crop`): no tensor is touched. A forward over a batch
+of slots writes every new key once (:meth:`StepCache.update`) and reads, per layer, the slots'
+rows ``[0, L)`` through one gather (``L`` the longest slot after the step), so attention sees a
+dense ``[B, kv_heads, L, head_dim]`` tensor and a 4D mask hides what a row must not see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """The pool has no free page for a slot that grows (the KV memory budget is spent)."""
+
+
+@dataclass
+class SlotPages:
+    """One slot's view of the pool (host bookkeeping only)."""
+
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class PagedKV:
+    """Preallocated key/value pools for ``layers`` layers, handed out in pages to slots."""
+
+    def __init__(
+        self,
+        *,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.device = device
+        rows = num_pages * page_size + 1
+        self.trash = rows - 1
+        shape = (rows, kv_heads, head_dim)
+        # Zeros, not empty: masked positions are still multiplied (by a zero weight), and
+        # uninitialised memory may hold NaN, which a zero weight does not cancel.
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        size = torch.empty(0, dtype=dtype).element_size()
+        self.bytes_per_token = 2 * layers * kv_heads * head_dim * size
+
+    @property
+    def bytes_total(self) -> int:
+        return self.bytes_per_token * self.num_pages * self.page_size
+
+    @property
+    def pages_used(self) -> int:
+        return self.num_pages - len(self.free)
+
+    def reserve(self, slot: SlotPages, length: int) -> None:
+        """Give ``slot`` pages for positions ``[0, length)``; all or nothing (OutOfPages)."""
+        need = -(-length // self.page_size) - len(slot.pages)
+        if need <= 0:
+            return
+        if need > len(self.free):
+            raise OutOfPages(
+                f"the KV cache is full: {need} more pages of {self.page_size} tokens needed, "
+                f"{len(self.free)} of {self.num_pages} free"
+            )
+        slot.pages.extend(self.free.pop() for _ in range(need))
+
+    def crop(self, slot: SlotPages, length: int) -> None:
+        """Roll ``slot`` back to its first ``length`` positions (a pointer move); pages wholly
+        past them go back to the pool."""
+        if not 0 <= length <= slot.length:
+            raise ValueError(f"crop({length}) out of range 0..{slot.length}")
+        slot.length = length
+        keep = -(-length // self.page_size)
+        while len(slot.pages) > keep:
+            self.free.append(slot.pages.pop())
+
+    def release(self, slot: SlotPages) -> None:
+        self.crop(slot, 0)
+
+    def flat_rows(self, slot: SlotPages, start: int, stop: int) -> list[int]:
+        """Flat pool rows of positions [start, stop) (the pages must be reserved)."""
+        p = self.page_size
+        return [slot.pages[t // p] * p + t % p for t in range(start, stop)]
+
+    def page_table(self, slots: Sequence[SlotPages], pages: int) -> torch.Tensor:
+        """[B, pages] int64 on the device: each slot's pages, padded with the trash page."""
+        table = [(s.pages + [-1] * pages)[:pages] for s in slots]
+        return torch.tensor(table, dtype=torch.int64, device=self.device)
+
+
+class StepCache:
+    """The cache object one batched forward sees (transformers calls ``update`` per layer).
+
+    ``write``: [B·n] flat rows for the new keys (padding → the trash row); ``read``: [B, L] flat
+    rows of positions 0..L-1 of each slot (beyond a slot's pages → the trash row). Keys are
+    written before they are read, so a row attends to its own new keys.
+    """
+
+    is_compileable = False
+
+    def __init__(self, pool: PagedKV, write: torch.Tensor, read: torch.Tensor) -> None:
+        self._pool = pool
+        self._write = write
+        self._read = read
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states: [B, kv_heads, n, head_dim] → pool rows; returns [B, kv_heads, L, head_dim].
+        b, h, n, d = key_states.shape
+        k_pool, v_pool = self._pool.keys[layer_idx], self._pool.values[layer_idx]
+        k_pool.index_copy_(0, self._write, key_states.transpose(1, 2).reshape(b * n, h, d))
+        v_pool.index_copy_(0, self._write, value_states.transpose(1, 2).reshape(b * n, h, d))
+        return k_pool[self._read].transpose(1, 2), v_pool[self._read].transpose(1, 2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly
+
+    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        return int(self._read.shape[1]), 0

@@ -1,0 +1,280 @@
+"""The batched engine: sessions of different lengths and positions in one forward give what each
+gets alone (and what full uncached forwards give), rollbacks stay in their slot, slots and KV
+pages are bounded, and the batched device path is exact (chi-square through the engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from cloud_verifier.engine import Engine, EngineLimits, NoFreeSlot, Outcome, Slot
+from cloud_verifier.targets import NullTarget, Target, TorchTarget
+from shared.models import load_model
+from shared.protocol import CorrectionMode, Fingerprint, Hello, Propose
+from shared.rejection import try_candidates
+from shared.sampling import SamplingParams, transform
+from shared.verifier_core import Crop, Cropped, Draw, Drawn, Failed, Verified, Verify
+from tests.test_exactness import ALPHA, chi_square_pvalue
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _qwen3_target() -> TorchTarget:
+    """A tiny random Qwen3 (the deployment pair's architecture: q/k norms, GQA, head_dim)."""
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = Qwen3ForCausalLM(cfg).eval()
+    loaded = SimpleNamespace(
+        model=model,
+        vocab_size=64,
+        fingerprint=Fingerprint("qwen3-tiny", 64, "t"),
+        name="qwen3-tiny",
+        device="cpu",
+    )
+    return TorchTarget(loaded)
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def target(request: pytest.FixtureRequest, tiny_model_dir: Path) -> TorchTarget:
+    if request.param == "qwen3":
+        return _qwen3_target()
+    return TorchTarget(load_model(str(tiny_model_dir)))
+
+
+def _full_argmax(target: TorchTarget, ids: list[int]) -> list[int]:
+    """Reference: argmax of every position of one uncached forward."""
+    with torch.inference_mode():
+        logits = target.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+    return [int(x) for x in logits.float().argmax(-1)]
+
+
+def _propose(fixed: list[int], draft: list[int], pos: int) -> Propose:
+    return Propose(
+        epoch=0,
+        seq=0,
+        pos=pos,
+        draft=np.array(draft, np.int64),
+        q=np.ones(len(draft), np.float32),
+        fixed=np.array(fixed, np.int64),
+    )
+
+
+async def _engine(target: Target, **limits: Any) -> Engine:
+    engine = Engine(EngineLimits(**{"slots": 8, "page_size": 4, "kv_tokens": 512, **limits}))
+    await engine.load(lambda: target)
+    return engine
+
+
+async def _together(engine: Engine, jobs: list[Callable[[], Awaitable[Outcome]]]) -> list[Outcome]:
+    """Run jobs so that they reach the engine in one step: the engine's thread is held until
+    every job has queued its request."""
+    gate = threading.Event()
+    held = asyncio.ensure_future(engine.call(gate.wait))
+    await asyncio.sleep(0.01)
+    tasks = [asyncio.ensure_future(job()) for job in jobs]
+    await asyncio.sleep(0.01)
+    gate.set()
+    await held
+    return list(await asyncio.gather(*tasks))
+
+
+class _Session:
+    """One greedy session and what its cache must hold (the reference's view)."""
+
+    def __init__(self, engine: Engine, target: TorchTarget) -> None:
+        self.engine, self.target = engine, target
+        self.slot: Slot = engine.open(Hello(fingerprint=target.fingerprint, sampling=GREEDY))
+        self.committed: list[int] = []
+
+    def verify(self, fixed: list[int], draft: list[int]) -> Callable[[], Awaitable[Outcome]]:
+        work = Verify(_propose(fixed, draft, len(self.committed)), want_bonus=True)
+        return lambda: self.engine.run(self.slot, work)
+
+    def crop(self, n: int) -> Callable[[], Awaitable[Outcome]]:
+        return lambda: self.engine.run(self.slot, Crop(n))
+
+    def check(self, fixed: list[int], draft: list[int], outcome: Outcome) -> None:
+        """The verdict equals argmax over full forwards; track the cache."""
+        assert isinstance(outcome.result, Verified), outcome.result
+        d = outcome.result.decision
+        ctx = self.committed + fixed
+        ref = _full_argmax(self.target, ctx + draft)
+        accepted = next((i for i, x in enumerate(draft) if ref[len(ctx) - 1 + i] != x), len(draft))
+        assert d.accepted == accepted
+        nxt = ref[len(ctx) - 1 + accepted]
+        assert (d.token if accepted < len(draft) else d.bonus) == nxt
+        self.committed = ctx + draft[:accepted]
+        assert self.slot.length == len(self.committed)
+
+
+def _greedy(target: TorchTarget, ids: list[int], n: int, wrong_at: int | None) -> list[int]:
+    out = list(ids)
+    for _ in range(n):
+        out.append(_full_argmax(target, out)[-1])
+    draft = out[len(ids) :]
+    if wrong_at is not None:
+        draft[wrong_at] = (draft[wrong_at] + 1) % 64
+    return draft
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batched", "serial"])
+async def test_ragged_batches_equal_full_forwards(target: TorchTarget, batch: bool) -> None:
+    engine = await _engine(target, max_batch_sessions=8 if batch else 1)
+    s = [_Session(engine, target) for _ in range(3)]
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], list(range(20, 34))]
+    wrong = [1, None, 0]
+
+    async def round_(plan: list[tuple[_Session, list[int], list[int]]]) -> None:
+        before = engine.forwards
+        outs = await _together(engine, [x.verify(f, d) for x, f, d in plan])
+        for (x, f, d), o in zip(plan, outs, strict=True):
+            x.check(f, d, o)
+        assert engine.forwards - before == (1 if batch else len(plan))
+
+    # 1. prefills of 3, 9 and 14 tokens in one forward, drafts rejected at 1, never, 0
+    await round_(
+        [(x, p, _greedy(target, p, 4, w)) for x, p, w in zip(s, prompts, wrong, strict=True)]
+    )
+    # 2. session 0 rolls back to 2 tokens, session 2 to nothing (a new prompt)
+    outs = await _together(engine, [s[0].crop(2), s[2].crop(0)])
+    assert all(isinstance(o.result, Cropped) for o in outs)
+    s[0].committed, s[2].committed = s[0].committed[:2], []
+    assert (s[0].slot.length, s[2].slot.length) == (2, 0)
+    # 3. re-prefill after the rollbacks, in one forward with a session going on from its cache
+    # with no fixed tokens (its last token is fed again to score draft[0])
+    plan = [
+        (s[0], [40, 41], _greedy(target, [*s[0].committed, 40, 41], 3, 2)),
+        (s[1], [], _greedy(target, s[1].committed, 5, 3)),
+        (s[2], [50, 51, 52, 53, 54, 55], _greedy(target, [50, 51, 52, 53, 54, 55], 2, None)),
+    ]
+    await round_(plan)
+    # 4. and on, each from its own state
+    await round_([(x, [7], _greedy(target, [*x.committed, 7], 4, i)) for i, x in enumerate(s)])
+    assert engine.rows_forwarded == 9
+
+
+async def test_slots_and_kv_pages_are_bounded(target: TorchTarget) -> None:
+    engine = await _engine(target, slots=2, page_size=4, kv_tokens=16)
+    a, b = _Session(engine, target), _Session(engine, target)
+    with pytest.raises(NoFreeSlot):
+        engine.open(Hello(fingerprint=target.fingerprint, sampling=GREEDY))
+    assert engine.memory()["pages_total"] == 4 and engine.pages_free == 4
+    # a needs 5 pages of the 4: refused, its cache untouched; b still runs
+    big, small = list(range(5, 23)), [5, 6, 7]
+    outs = await _together(engine, [a.verify(big, [1]), b.verify(small, [1])])
+    assert isinstance(outs[0].result, Failed) and "KV cache is full" in outs[0].result.message
+    assert outs[0].result.cache_len == 0 and a.slot.length == 0
+    assert isinstance(outs[1].result, Verified)
+    # a rollback gives whole pages back; a released slot gives its pages and its index back
+    b.committed = [*small, *([1] if outs[1].result.decision.accepted else [])]
+    assert engine.pages_free == 3
+    await engine.run(b.slot, Crop(0))
+    assert engine.pages_free == 4
+    engine.release(a.slot)
+    c = _Session(engine, target)
+    assert c.slot.index == a.slot.index
+    engine.shutdown()
+
+
+async def test_a_failing_session_fails_alone(target: TorchTarget) -> None:
+    """A batch that fails is run again one session at a time: only the culprit gets Failed,
+    and its cache is as before the request."""
+    engine = await _engine(target)
+    a, b = _Session(engine, target), _Session(engine, target)
+    real = engine._decide
+
+    def broken(planned: list[Any], probs: torch.Tensor) -> Any:
+        if any(p.request.slot is a.slot for p in planned):
+            raise RuntimeError("boom")
+        return real(planned, probs)
+
+    engine._decide = broken  # type: ignore[method-assign]
+    f, d = [5, 6, 7], _greedy(target, [5, 6, 7], 3, None)
+    outs = await _together(engine, [a.verify([1, 2], [3]), b.verify(f, d)])
+    assert isinstance(outs[0].result, Failed) and "boom" in outs[0].result.message
+    assert a.slot.length == 0 and a.slot.tokens == []
+    b.check(f, d, outs[1])
+
+
+async def test_engine_path_is_exact_chi_square() -> None:
+    """Sampled verification through the engine (many sessions per batched forward, each with its
+    own generator): the first emitted token is distributed as p (candidates mode, Resample
+    included), against the NumPy transform of the null target's logits."""
+    v, n, chunk = 8, 6000, 200
+    null = NullTarget(v)
+    engine = await _engine(
+        null, slots=chunk, max_batch_sessions=chunk, kv_tokens=chunk * 4, page_size=4
+    )
+    params = SamplingParams(temperature=0.8, top_k=6)
+    fixed = 5
+    logits = null._rows[(fixed * 31) % len(null._rows)].numpy()
+    p = transform(logits, params)
+    q = transform(np.linspace(-1.0, 1.0, v) * 2.0, params)
+    rng = np.random.default_rng(7)
+    out: list[int] = []
+    for c0 in range(0, n, chunk):
+        slots = [
+            engine.open(
+                Hello(
+                    fingerprint=null.fingerprint,
+                    sampling=params,
+                    correction=CorrectionMode.CANDIDATES,
+                    m=2,
+                    seed=c0 + i,
+                )
+            )
+            for i in range(chunk)
+        ]
+        drafts = rng.choice(v, chunk, p=q)
+        jobs = []
+        for slot, x in zip(slots, drafts, strict=True):
+            prop = Propose(
+                epoch=0,
+                seq=0,
+                pos=0,
+                draft=np.array([x], np.int64),
+                q=np.array([q[x]], np.float32),
+                fixed=np.array([fixed], np.int64),
+            )
+            jobs.append(lambda slot=slot, prop=prop: engine.run(slot, Verify(prop, False)))
+        before = engine.forwards
+        outs = await _together(engine, jobs)
+        assert engine.forwards - before == 1
+        for slot, x, o in zip(slots, drafts, outs, strict=True):
+            assert isinstance(o.result, Verified)
+            d = o.result.decision
+            if d.accepted:
+                out.append(int(x))
+                continue
+            assert d.candidates is not None
+            tok = try_candidates(d.candidates, q, rng)
+            while tok is None:  # Resample: more candidates from the kept row
+                more = await engine.run(slot, Draw(0, 1, 4))
+                assert isinstance(more.result, Drawn)
+                tok = try_candidates(more.result.candidates, q, rng)
+            out.append(tok)
+        for slot in slots:
+            engine.release(slot)
+    pv = chi_square_pvalue(np.array(out), p)
+    assert pv > ALPHA, f"chi-square p-value {pv:.2e}"
+    engine.shutdown()
