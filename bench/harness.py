@@ -100,8 +100,10 @@ class VerifierProcess:
         args: Sequence[str] = (),
         log_path: Path | None = None,
         scheme: str = "http",
+        threads: int = 1,
     ) -> None:
         self.model = model
+        self.threads = threads
         self.port = port
         self.token_file = token_file
         self.args = list(args)
@@ -118,7 +120,7 @@ class VerifierProcess:
     def start(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError("verifier already running")
-        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), HF_HUB_OFFLINE="1")
         env.pop("WANSPEC_CONFIG", None)
         cmd = [
             sys.executable,

@@ -31,7 +31,8 @@ from bench.verifier import WrappedTarget
 from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator, generate_token
 from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import Row, Target, load_target
+from cloud_verifier.targets import Target, load_target
+from shared.batched_lm import Row
 from shared.protocol import SUBPROTOCOL, CorrectionMode, Hello, ReplyMode, Verdict
 from shared.sampling import SamplingParams
 

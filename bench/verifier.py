@@ -19,9 +19,10 @@ from collections.abc import Sequence as Seq
 import torch
 
 from cloud_verifier.cli import add_serve_arguments, run_serve
-from cloud_verifier.kv_pool import PagedKV
 from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import Row, Target, load_target
+from cloud_verifier.targets import Target, load_target
+from shared.batched_lm import Row
+from shared.kv_pool import PagedKV
 
 
 class WrappedTarget:

@@ -127,6 +127,7 @@ def engine_limits(settings: VerifierSettings) -> EngineLimits:
         max_batch_tokens=settings.max_batch_tokens,
         page_size=settings.kv_page_size,
         kv_tokens=settings.kv_cache_tokens,
+        batch_wait_s=settings.batch_wait_ms / 1000.0,
     )
 
 
@@ -513,7 +514,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
             state,
             "kv_full",
             web.HTTPServiceUnavailable(
-                text=f"the KV cache is full ({s.kv_cache_tokens} tokens held by sessions)\n",
+                text="the KV cache is full (every page is held by a session)\n",
                 headers={hdrs.RETRY_AFTER: "1"},
             ),
         )

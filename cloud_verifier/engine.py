@@ -40,9 +40,10 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from cloud_verifier.kv_pool import OutOfPages, PagedKV, SlotPages
-from cloud_verifier.targets import Row, Target
+from cloud_verifier.targets import Target
 from shared import device_sampling as ds
+from shared.batched_lm import Row
+from shared.kv_pool import OutOfPages, PagedKV, SlotPages
 from shared.protocol import Hello, Propose
 from shared.verifier_core import (
     Crop,
@@ -75,18 +76,26 @@ class NoFreeSlot(RuntimeError):
 class EngineLimits:
     """How the engine batches and how much KV memory it holds.
 
-    ``kv_tokens``: pool size in tokens over all sessions (rounded up to whole pages)."""
+    ``kv_tokens``: pool size in tokens over all sessions (rounded up to whole pages); 0: auto
+    (:func:`_auto_kv_tokens`).
+    ``batch_wait_s``: how long a step may wait for the other open sessions' work
+    (:meth:`Engine._gather`)."""
 
     slots: int = 64
     max_batch_sessions: int = 64
     max_batch_tokens: int = 4096
     page_size: int = 16
-    kv_tokens: int = 65536
+    kv_tokens: int = 0
+    batch_wait_s: float = 0.002
 
     def __post_init__(self) -> None:
-        for name in ("slots", "max_batch_sessions", "max_batch_tokens", "page_size", "kv_tokens"):
+        if not 0.0 <= self.batch_wait_s <= 1.0:
+            raise ValueError(f"batch_wait_s must be in [0, 1], got {self.batch_wait_s}")
+        for name in ("slots", "max_batch_sessions", "max_batch_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_tokens < 0:
+            raise ValueError(f"kv_tokens must be >= 0 (0: auto), got {self.kv_tokens}")
 
 
 @dataclass(frozen=True)
@@ -149,6 +158,27 @@ def _resolve(
         fut.set_result(value)
 
 
+#: kv_tokens = 0 ("auto"): on the CPU (where untouched pages cost nothing) this many tokens; on
+#: CUDA, what ``AUTO_KV_FRACTION`` of the free memory after loading holds.
+AUTO_KV_TOKENS_CPU = 65536
+AUTO_KV_FRACTION = 0.8
+
+
+def _auto_kv_tokens(target: Target) -> int:
+    per_token = target.kv_bytes_per_token()
+    if target.device.type != "cuda" or per_token == 0:
+        return AUTO_KV_TOKENS_CPU
+    free, _total = torch.cuda.mem_get_info(target.device)
+    tokens = int(free * AUTO_KV_FRACTION) // per_token
+    log.info(
+        "KV cache: %d tokens (%.0f%% of %.1f GiB free)",
+        tokens,
+        100 * AUTO_KV_FRACTION,
+        free / 2**30,
+    )
+    return max(tokens, 1)
+
+
 def _wants_bonus(work: Work) -> bool:
     return isinstance(work, Verify) and work.want_bonus
 
@@ -198,7 +228,8 @@ class Engine:
     def max_context(self) -> int | None:
         """Tokens one session may hold: the model's limit, capped by the whole pool."""
         target = self.require_target()
-        pool_tokens = self.limits.kv_tokens
+        pool = self.pool
+        pool_tokens = self.limits.kv_tokens if pool is None else pool.num_pages * pool.page_size
         return pool_tokens if target.max_length is None else min(target.max_length, pool_tokens)
 
     def _put(self, item: _Request | _Call) -> None:
@@ -221,7 +252,8 @@ class Engine:
 
         def job() -> Target:
             target = loader()
-            pages = -(-self.limits.kv_tokens // self.limits.page_size)
+            tokens = self.limits.kv_tokens or _auto_kv_tokens(target)
+            pages = -(-tokens // self.limits.page_size)
             self.pool = target.allocate(pages, self.limits.page_size)
             return target
 
@@ -327,6 +359,7 @@ class Engine:
             with self._cv:
                 while not self._queue and not self._closed:
                     self._cv.wait()
+                self._gather()
                 if self._closed:
                     return
                 calls, batch = self._take()
@@ -339,6 +372,30 @@ class Engine:
                     c.loop.call_soon_threadsafe(_resolve, c.future, value)
             if batch:
                 self._step(batch)
+
+    def _gather(self) -> None:
+        """Under the lock, with work queued: wait up to ``batch_wait_s`` for the other open
+        sessions' forwards, unless every open session has one queued (or the step is full).
+
+        Sessions that just got their verdicts send their next Propose a moment later; a step
+        started at once would hold only the stragglers of the last one, and the sessions then
+        alternate between two half-full steps (each round then takes two steps)."""
+        wait = self.limits.batch_wait_s
+        if wait <= 0:
+            return
+        deadline = time.monotonic() + wait
+        while not self._closed:
+            forwards = sum(
+                1
+                for item in self._queue
+                if isinstance(item, _Request) and isinstance(item.work, (Verify, Federate))
+            )
+            if forwards == 0 or forwards >= min(self.slots_used, self.limits.max_batch_sessions):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cv.wait(left)
 
     def _take(self) -> tuple[list[_Call], list[_Request]]:
         """Under the lock: every call and cheap request in arrival order up to the first forward
@@ -358,11 +415,11 @@ class Engine:
                 if forwards and not fits:
                     break
                 forwards, longest = forwards + 1, longest_next
+            if isinstance(item, _Call) and batch:
+                break  # a call runs between steps: after the step queued before it
             self._queue.popleft()
             if isinstance(item, _Call):
                 calls.append(item)
-                if batch:  # a call runs between steps: after what was queued before it
-                    break
             else:
                 batch.append(item)
         return calls, batch

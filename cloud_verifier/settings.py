@@ -46,9 +46,13 @@ class VerifierSettings:
     # (sessions × longest row); 1 = the serial engine (one session per forward).
     max_batch_sessions: int = field(default=64, metadata=_b(1))
     max_batch_tokens: int = field(default=4096, metadata=_b(1))
+    # A step waits at most this long for the other open sessions' Proposes (none when all
+    # have one queued): stop-and-wait edges then share steps instead of alternating.
+    batch_wait_ms: float = field(default=2.0, metadata=_b(0, 1000))
     # The KV cache: one pool of this many tokens over all sessions, preallocated at start, in
     # pages of kv_page_size tokens (a session that finds no free page gets a model error).
-    kv_cache_tokens: int = field(default=65536, metadata=_b(16))
+    # 0 = auto: 65536 on the CPU, 80% of the GPU memory free after loading on CUDA.
+    kv_cache_tokens: int = field(default=0, metadata=_b(0))
     kv_page_size: int = field(default=16, metadata=_b(1, 4096))
     # Concurrent sessions per bearer token (more: HTTP 429 before the upgrade); 0 = no own limit.
     max_sessions_per_token: int = field(default=32, metadata=_b(0))

@@ -23,32 +23,17 @@ import re
 import sys
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from cloud_verifier.kv_pool import PagedKV, SlotPages, StepCache
+from shared.batched_lm import BatchedLM, Row
+from shared.kv_pool import PagedKV
 from shared.protocol import Fingerprint
 
 log = logging.getLogger(__name__)
 
 _NULL_RE = re.compile(r"^null:(\d+)$")
-
-
-@dataclass(frozen=True)
-class Row:
-    """One session's part of a batched forward: write ``ids`` at positions ``start, start+1,
-    ...`` of ``slot`` (whose pages cover them) and return the logits of the last ``keep``."""
-
-    slot: SlotPages
-    start: int
-    ids: tuple[int, ...]
-    keep: int
-
-    def __post_init__(self) -> None:
-        if not self.ids or not 1 <= self.keep <= len(self.ids) or self.start < 0:
-            raise ValueError(f"bad row: start {self.start}, {len(self.ids)} ids, keep {self.keep}")
 
 
 class Target(Protocol):
@@ -119,145 +104,31 @@ def parse_null_spec(spec: str) -> int | None:
 # ------------------------------------------------------------------------------ real target
 
 
-def _text_config(model: Any) -> Any:
-    getter = getattr(model.config, "get_text_config", None)
-    return getter() if callable(getter) else model.config
-
-
 class TorchTarget:
-    """A loaded transformers model (see ``shared.models.load_model``) over a paged KV pool.
-
-    ``bucket``: pad the batch and token dimensions to powers of two and the key length to a
-    multiple of 64, so a compiled forward sees few shapes (on by default when compiled).
-    """
+    """A loaded transformers model (see ``shared.models.load_model``) run by a
+    :class:`~shared.batched_lm.BatchedLM` over the engine's paged KV pool."""
 
     def __init__(self, loaded: Any, *, compile_forward: bool = False) -> None:
         self.loaded = loaded
-        model = loaded.model
-        self.model = model
-        self.vocab_size = int(loaded.vocab_size)
+        self.lm = BatchedLM(loaded.model, int(loaded.vocab_size), compile_forward=compile_forward)
+        self.model = loaded.model
+        self.vocab_size = self.lm.vocab_size
         self.fingerprint: Fingerprint = loaded.fingerprint
-        self.device: torch.device = next(model.parameters()).device
-        self.dtype: torch.dtype = next(model.parameters()).dtype
-        cfg = _text_config(model)
-        limit = getattr(cfg, "max_position_embeddings", None)
-        self.max_length: int | None = int(limit) if limit is not None else None
-        window = int(getattr(cfg, "sliding_window", None) or 0)
-        layer_types = getattr(cfg, "layer_types", None) or ()
-        sliding = window > 0 and any("sliding" in str(t) for t in layer_types)
-        # One mask serves every layer: past the window, sliding layers would see too much.
-        if sliding and (self.max_length is None or window < self.max_length):
-            log.warning("sliding-window layers: context per session capped at %d", window)
-            self.max_length = window
-        impl = getattr(model.config, "_attn_implementation", None)
-        if impl not in ("sdpa", "eager"):
-            # The batched forward hands attention an explicit 4D mask: sdpa and eager honour it.
-            model.set_attn_implementation("sdpa")
-        self._base = getattr(model, model.base_model_prefix)
-        self._head = model.get_output_embeddings()
-        self._softcap = getattr(cfg, "final_logit_softcapping", None)
-        self._layers = int(cfg.num_hidden_layers)
-        heads = int(cfg.num_attention_heads)
-        self._kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-        self._head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        self.device: torch.device = self.lm.device
+        self.max_length: int | None = self.lm.max_length
         self.compiled = compile_forward
-        self._run: Any = self._run_eager
-        if compile_forward:
-            self._run = torch.compile(self._run_eager, dynamic=False)
         self.description = f"{loaded.name} on {loaded.device}" + (
             ", compiled" if compile_forward else ""
         )
-        self.pool: PagedKV | None = None
 
     def allocate(self, num_pages: int, page_size: int) -> PagedKV:
-        self.pool = PagedKV(
-            layers=self._layers,
-            kv_heads=self._kv_heads,
-            head_dim=self._head_dim,
-            num_pages=num_pages,
-            page_size=page_size,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        return self.pool
+        return self.lm.allocate(num_pages, page_size)
 
     def kv_bytes_per_token(self) -> int:
-        size = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self._layers * self._kv_heads * self._head_dim * size
-
-    def _run_eager(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        mask: torch.Tensor,
-        cache: StepCache,
-        pick_b: torch.Tensor,
-        pick_t: torch.Tensor,
-    ) -> torch.Tensor:
-        out = self._base(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            cache=cache,
-            use_cache=True,
-        )
-        hidden = out.last_hidden_state[pick_b, pick_t]  # [rows, hidden]
-        logits: torch.Tensor = self._head(hidden).float()
-        if self._softcap:
-            logits = torch.tanh(logits / self._softcap) * self._softcap
-        return logits
+        return self.lm.kv_bytes_per_token()
 
     def forward(self, rows: Seq[Row]) -> torch.Tensor:
-        pool = self.pool
-        if pool is None:
-            raise RuntimeError("allocate() the KV pool before the first forward")
-        dev, p = self.device, pool.page_size
-        b = len(rows)
-        n = max(len(r.ids) for r in rows)
-        kv_len = max(r.start + len(r.ids) for r in rows)
-        if self.compiled:  # few distinct shapes for the compiled graph
-            b_pad, n = 1 << (b - 1).bit_length(), 1 << (n - 1).bit_length()
-            kv_len = -(-kv_len // 64) * 64
-        else:
-            b_pad = b
-        ids = [[0] * n for _ in range(b_pad)]
-        starts = [0] * b_pad
-        lens = [0] * b_pad
-        write = [pool.trash] * (b_pad * n)
-        for i, r in enumerate(rows):
-            m = len(r.ids)
-            ids[i][:m] = r.ids
-            starts[i], lens[i] = r.start, m
-            write[i * n : i * n + m] = pool.flat_rows(r.slot, r.start, r.start + m)
-        pages = -(-kv_len // p)
-        table = pool.page_table([r.slot for r in rows] + [SlotPages()] * (b_pad - b), pages)
-        # read[b, t] = flat row of position t of slot b (trash past its pages; masked anyway).
-        pos_t = torch.arange(kv_len, device=dev)
-        page_of = table[:, pos_t // p]  # [B, L]
-        read = torch.where(page_of >= 0, page_of * p + pos_t % p, pool.trash)
-        start_t = torch.tensor(starts, dtype=torch.int64, device=dev)[:, None]  # [B, 1]
-        len_t = torch.tensor(lens, dtype=torch.int64, device=dev)[:, None]
-        q = torch.arange(n, device=dev)[None]  # [1, n]
-        position_ids = start_t + q  # [B, n]
-        # Row i of slot b sees positions <= start_b + i; padded queries see position 0 only
-        # (any non-empty set: their outputs are dropped, and an empty row would give NaN).
-        sees = pos_t[None, None] <= position_ids[:, :, None]  # [B, n, L]
-        sees = torch.where((q < len_t)[:, :, None], sees, pos_t[None, None] == 0)
-        mask = torch.zeros(sees.shape, dtype=self.dtype, device=dev)
-        mask.masked_fill_(~sees, torch.finfo(self.dtype).min)
-        pick_b = [i for i, r in enumerate(rows) for _ in range(r.keep)]
-        pick_t = [t for r in rows for t in range(len(r.ids) - r.keep, len(r.ids))]
-        cache = StepCache(pool, torch.tensor(write, dtype=torch.int64, device=dev), read)
-        with torch.inference_mode():
-            logits: torch.Tensor = self._run(
-                torch.tensor(ids, dtype=torch.int64, device=dev),
-                position_ids,
-                mask[:, None],
-                cache,
-                torch.tensor(pick_b, dtype=torch.int64, device=dev),
-                torch.tensor(pick_t, dtype=torch.int64, device=dev),
-            )
-        return logits[:, : self.vocab_size]
+        return self.lm.forward(rows)
 
 
 class DeviceUnavailable(RuntimeError):

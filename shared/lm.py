@@ -1,8 +1,13 @@
-"""Incremental decoding over a KV cache, shared by the edge (draft) and the cloud (target).
+"""Incremental decoding of one sequence over a KV cache (the edge's drafter, reference runs).
 
-One :class:`CausalLM` holds one sequence (batch size 1): the token ids in its KV cache, the cache
-itself, and the logits of the most recent positions so that, after rolling back with
-:meth:`CausalLM.crop`, the distribution for the next token is available without recomputing.
+One :class:`CausalLM` holds one sequence (batch size 1) on the verifier's runtime
+(:class:`shared.batched_lm.BatchedLM` over a :class:`shared.kv_pool.PagedKV`): the token ids
+in its KV cache, the cache itself (one slot; rolling back moves its length pointer, nothing is
+copied or recomputed) and the logits of the most recent positions so that, after rolling back
+with :meth:`CausalLM.crop`, the distribution for the next token is available without
+recomputing. The pool starts at ``capacity`` tokens and doubles when the sequence outgrows it
+(up to the model's context); with ``compile_forward`` (default: on CUDA) the forward goes
+through ``torch.compile``.
 
 Logits memory: a full ``[length, vocab]`` float32 buffer costs 192 KiB per token at vocab 49152
 (~390 MiB at 2k tokens), so only the rows of the last ``logits_window`` positions are kept
@@ -13,14 +18,17 @@ single-token forward (crop one more token, extend it again). ``logits_window=Non
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-from transformers import DynamicCache
+
+from shared.batched_lm import BatchedLM, Row
+from shared.kv_pool import OutOfPages, SlotPages
 
 __all__ = ["CausalLM", "ContextLengthError", "SupportsCausalLM"]
+
+_PAGE = 64  # tokens per page of a CausalLM's pool (one slot: its pages stay consecutive)
 
 
 class ContextLengthError(ValueError):
@@ -37,51 +45,43 @@ class SupportsCausalLM(Protocol):
     def vocab_size(self) -> int: ...
 
 
-def _max_positions(model: Any) -> int | None:
-    config = model.config
-    getter = getattr(config, "get_text_config", None)
-    text_config = getter() if callable(getter) else config
-    value = getattr(text_config, "max_position_embeddings", None)
-    return int(value) if value is not None else None
-
-
 class CausalLM:
     """Single-sequence incremental runner over a transformers causal LM.
 
-    Invariants: ``cache.get_seq_length() == len(self._tokens)``; ``self._rows[i]`` holds the
+    Invariants: ``self._slot.length == len(self._tokens)``; ``self._rows[i]`` holds the
     float32 logits for position ``self._rows_start + i`` (predicting the token after it) and the
     rows cover a suffix of positions ``[self._rows_start, length)``.
     """
 
-    def __init__(self, loaded: SupportsCausalLM, *, logits_window: int | None = 256) -> None:
+    def __init__(
+        self,
+        loaded: SupportsCausalLM,
+        *,
+        logits_window: int | None = 256,
+        capacity: int = 1024,
+        compile_forward: bool | None = None,
+    ) -> None:
         if logits_window is not None and logits_window < 1:
             raise ValueError(f"logits_window must be >= 1 or None, got {logits_window}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.model: Any = loaded.model
         self.vocab_size: int = int(loaded.vocab_size)
         self.logits_window = logits_window
-        self.max_length: int | None = _max_positions(self.model)
         self.device: torch.device = next(self.model.parameters()).device
-        params = inspect.signature(self.model.forward).parameters
-        # transformers >= 5.x names the cache kwarg `cache` (past_key_values is deprecated).
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._supports_logits_to_keep = "logits_to_keep" in params
+        if compile_forward is None:
+            compile_forward = self.device.type == "cuda"
+        self._lm = BatchedLM(self.model, self.vocab_size, compile_forward=compile_forward)
+        self.max_length: int | None = self._lm.max_length
+        if self.max_length is not None:
+            capacity = min(capacity, self.max_length)
+        self._pool = self._lm.allocate(-(-capacity // _PAGE), _PAGE)
+        self._slot = SlotPages()
         self._tokens: list[int] = []
         self._rows: list[torch.Tensor] = []
         self._rows_start = 0
-        self._cache: Any = self._new_cache()
 
     # ------------------------------------------------------------------ state
-
-    def _new_cache(self) -> Any:
-        try:
-            cache = DynamicCache(config=self.model.config)
-        except TypeError:  # older transformers without the config argument
-            cache = DynamicCache()
-        # Sliding-window layers can only be rolled back if they record past states.
-        activate = getattr(cache, "activate_past_recording", None)
-        if callable(activate):
-            activate()
-        return cache
 
     @property
     def length(self) -> int:
@@ -94,16 +94,18 @@ class CausalLM:
         return tuple(self._tokens)
 
     @property
-    def cache(self) -> Any:
-        """The underlying transformers cache (read-only use)."""
-        return self._cache
+    def kv_length(self) -> int:
+        """Positions the KV cache holds (equals :attr:`length`; for tests)."""
+        return self._slot.length
+
+    @property
+    def kv_capacity(self) -> int:
+        """Tokens the KV pool can hold before it grows."""
+        return self._pool.num_pages * self._pool.page_size
 
     def reset(self) -> None:
         """Empty the cache."""
-        self._tokens.clear()
-        self._rows.clear()
-        self._rows_start = 0
-        self._cache = self._new_cache()
+        self.crop(0)
 
     # ------------------------------------------------------------------ forward
 
@@ -127,32 +129,23 @@ class CausalLM:
             raise ContextLengthError(
                 f"context of {start + n} tokens exceeds the model's maximum of {self.max_length}"
             )
-        input_ids = torch.tensor([id_list], dtype=torch.long, device=self.device)  # [1, n]
-        position_ids = torch.arange(start, start + n, device=self.device).unsqueeze(0)  # [1, n]
-        kwargs: dict[str, Any] = {
-            "input_ids": input_ids,
-            "position_ids": position_ids,
-            self._cache_kwarg: self._cache,
-            "use_cache": True,
-        }
-        if last_rows is not None and self._supports_logits_to_keep:
-            kwargs["logits_to_keep"] = last_rows
-        try:
-            with torch.inference_mode():
-                out = self.model(**kwargs)
-                logits: torch.Tensor = out.logits[0].float()  # [n or last_rows, vocab]
-                if last_rows is not None:
-                    logits = logits[-last_rows:]
-                logits = logits[:, : self.vocab_size]
-        except BaseException:
-            self._rollback_layers(start)
-            raise
+        self._reserve(start + n)
+        keep = n if last_rows is None else last_rows
+        # A failed forward commits nothing: the length pointer has not moved.
+        logits = self._lm.forward([Row(self._slot, start, tuple(id_list), keep)])
         self._tokens.extend(id_list)
-        seen = self._cache.get_seq_length()
-        if seen != self.length:
-            raise RuntimeError(f"KV cache holds {seen} tokens, expected {self.length}")
+        self._slot.length = self.length
         self._store_rows(logits, first_pos=self.length - logits.shape[0])
         return logits
+
+    def _reserve(self, length: int) -> None:
+        """Pages for ``length`` positions, doubling the pool when it is too small."""
+        try:
+            self._pool.reserve(self._slot, length)
+        except OutOfPages:
+            pages = max(2 * self._pool.num_pages, -(-length // self._pool.page_size))
+            self._pool.grow(pages)
+            self._pool.reserve(self._slot, length)
 
     def _store_rows(self, logits: torch.Tensor, first_pos: int) -> None:
         """Remember rows for positions [first_pos, length), trimmed to the window."""
@@ -171,42 +164,19 @@ class CausalLM:
             self._rows_start += excess
         self._rows_start = self.length - len(self._rows)
 
-    def _rollback_layers(self, n: int) -> None:
-        """After a failed forward, bring every cache layer back to ``n`` tokens (or reset)."""
-        try:
-            with torch.inference_mode():
-                for layer in self._cache.layers:
-                    extra = layer.get_seq_length() - n
-                    if extra > 0:
-                        layer.crop(-extra)
-            ok = self._cache.get_seq_length() == n
-        except Exception:
-            ok = False
-        if not ok:
-            self.reset()  # cannot trust a half-updated cache: start over
-
     def crop(self, n: int) -> None:
-        """Roll the cache back to its first ``n`` tokens (0 <= n <= length)."""
+        """Roll the cache back to its first ``n`` tokens (0 <= n <= length): a pointer move."""
         if not 0 <= n <= self.length:
             raise ValueError(f"crop({n}) out of range 0..{self.length}")
         if n == self.length:
             return
-        if n == 0:
-            self.reset()
-            return
-        with torch.inference_mode():
-            # Negative = number of tokens to remove: the only form transformers 5.x accepts,
-            # and also understood by 4.x (where a positive value meant the absolute length).
-            self._cache.crop(n - self.length)
+        self._pool.crop(self._slot, n)
         del self._tokens[n:]
         if self._rows_start >= n:
             self._rows.clear()
             self._rows_start = n
         else:
             del self._rows[n - self._rows_start :]
-        seen = self._cache.get_seq_length()
-        if seen != n:
-            raise RuntimeError(f"KV cache holds {seen} tokens after crop, expected {n}")
 
     @property
     def last_logits(self) -> torch.Tensor:

@@ -20,11 +20,12 @@ from bench.verifier import WrappedTarget
 from cloud_verifier.app import build_app as build_verifier_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import Row, TorchTarget
+from cloud_verifier.targets import TorchTarget
 from edge_agent.config import EdgeSettings
 from edge_agent.server import build_app as build_edge_app
 from edge_agent.server import make_runner
 from edge_agent.service import EdgeService
+from shared.batched_lm import Row
 from shared.models import LoadedModel
 
 T = TypeVar("T")

@@ -22,8 +22,9 @@ from bench.run import ceiling
 from bench.verifier import PaddedTarget
 from bench.verifier import main as padded_verifier_main
 from cloud_verifier.cli import main as verifier_main
-from cloud_verifier.kv_pool import SlotPages
-from cloud_verifier.targets import NullTarget, Row
+from cloud_verifier.targets import NullTarget
+from shared.batched_lm import Row
+from shared.kv_pool import SlotPages
 from shared.pipeline_config import Mode
 from shared.protocol import SUBPROTOCOL, Fingerprint, Hello
 from shared.sampling import SamplingParams

@@ -26,7 +26,7 @@ import torch
 from scipy import stats
 
 from bench.tiny_models import build_tiny_model
-from cloud_verifier.app import build_app
+from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import TorchTarget
@@ -113,6 +113,43 @@ async def test_greedy_equals_target_only(
                 assert st.discarded_batches == 0
     finally:
         agent.close()
+
+
+async def test_concurrent_edges_each_get_target_greedy_text(
+    aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
+) -> None:
+    """Four edges (own drafters, different prompts, pipelined and stop-and-wait) on one
+    verifier at once: their forwards share batched steps, and each text is exactly the
+    target-only greedy text of its prompt."""
+    settings = VerifierSettings(model="tiny", heartbeat=0.0, batch_wait_ms=5.0)
+    app = build_app(settings, auth=Authenticator([TOKEN]), loader=lambda: TorchTarget(target))
+    server = await aiohttp_server(app)
+    url = str(server.make_url("/v1/session")).replace("http://", "ws://")
+    state = app[STATE]
+    while state.status != "ready":
+        await asyncio.sleep(0.01)
+    prompts = [PROMPT, [1, 3, 5], [1, 50, 51, 52, 53, 54, 55, 56], [1, 9]]
+    modes = [(3, 2, Mode.PIPELINED), (2, 1, Mode.STOP_AND_WAIT), (4, 3, Mode.PIPELINED),
+             (1, 1, Mode.STOP_AND_WAIT)]  # fmt: skip
+    agents = [agent_for(draft, url) for _ in prompts]
+    try:
+        gens = await asyncio.gather(
+            *(
+                a.generate(
+                    p,
+                    PipelineConfig(gamma=g, depth=d, mode=m, sampling=SamplingParams(0.0)),
+                    max_new_tokens=30,
+                )
+                for a, p, (g, d, m) in zip(agents, prompts, modes, strict=True)
+            )
+        )
+    finally:
+        for a in agents:
+            a.close()
+    for p, gen in zip(prompts, gens, strict=True):
+        assert gen.generated == target_greedy(target, p, 30), p
+    engine = state.engine
+    assert engine.rows_forwarded > engine.forwards  # some forwards carried several sessions
 
 
 async def test_greedy_with_the_target_as_its_own_draft_accepts_everything(

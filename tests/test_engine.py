@@ -18,6 +18,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from cloud_verifier.engine import Engine, EngineLimits, NoFreeSlot, Outcome, Slot
 from cloud_verifier.targets import NullTarget, Target, TorchTarget
+from shared.batched_lm import BatchedLM, Row
+from shared.kv_pool import SlotPages
 from shared.models import load_model
 from shared.protocol import CorrectionMode, Fingerprint, Hello, Propose
 from shared.rejection import try_candidates
@@ -278,3 +280,23 @@ async def test_engine_path_is_exact_chi_square() -> None:
     pv = chi_square_pvalue(np.array(out), p)
     assert pv > ALPHA, f"chi-square p-value {pv:.2e}"
     engine.shutdown()
+
+
+def test_compiled_forward_equals_eager(tiny_model_dir: Path) -> None:
+    """torch.compile'd forward (bucketed shapes; inductor on the CPU here, CUDA graphs where
+    torch uses them) gives the eager logits, for ragged batches and after a rollback."""
+    loaded = load_model(str(tiny_model_dir))
+    eager = BatchedLM(loaded.model, 64)
+    compiled = BatchedLM(loaded.model, 64, compile_forward=True)
+    outs = []
+    for lm in (eager, compiled):
+        pool = lm.allocate(16, 8)
+        a, b = SlotPages(), SlotPages()
+        pool.reserve(a, 24)
+        pool.reserve(b, 24)
+        first = lm.forward([Row(a, 0, (5, 6, 7, 8, 9), 5), Row(b, 0, (1, 2, 3), 3)])
+        a.length, b.length = 5, 3
+        pool.crop(a, 2)  # rollback by pointer
+        second = lm.forward([Row(a, 2, (10, 11), 2), Row(b, 3, (4,), 1)])
+        outs.append(torch.cat([first, second]))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -233,6 +234,25 @@ def test_self_draft_errors(tiny3: LoadedModel) -> None:
 SEQ = [1, 7, 12, 40, 5, 5, 63, 22, 9, 31]
 
 
+def test_kv_pool_grows_and_rolls_back_by_pointer(tiny: LoadedModel) -> None:
+    """A pool of 2 pages of 64 tokens doubles as the sequence outgrows it (rows keep their
+    place); a rollback moves the length pointer and frees whole pages; the logits still equal
+    full forwards, before and after."""
+    seq = [int(x) for x in np.random.default_rng(3).integers(4, 64, 300)]
+    lm = CausalLM(tiny, capacity=100)
+    assert lm.kv_capacity == 128
+    a = lm.extend(seq[:120])
+    b = lm.extend(seq[120:300])  # grows: 128 → 256 → 300 needs 5 pages
+    assert lm.kv_capacity >= 300 and lm.kv_length == 300
+    ref = full_logits(tiny, seq)
+    torch.testing.assert_close(torch.cat([a, b]), ref, atol=1e-4, rtol=1e-4)
+    lm.crop(70)  # pages past 70 go back to the pool; nothing is copied
+    assert lm.kv_length == 70 and lm._pool.pages_used == 2
+    c = lm.extend([5, 6, 7])
+    ref2 = full_logits(tiny, [*seq[:70], 5, 6, 7])
+    torch.testing.assert_close(c, ref2[-3:], atol=1e-4, rtol=1e-4)
+
+
 def test_incremental_matches_full_forward(tiny: LoadedModel) -> None:
     ref = full_logits(tiny, SEQ)
     lm = CausalLM(tiny)
@@ -273,7 +293,7 @@ def test_crop_then_extend_matches_fresh(tiny: LoadedModel) -> None:
     got = lm.extend(other)
     ref = full_logits(tiny, SEQ[:6] + other)
     torch.testing.assert_close(got, ref[6:], atol=1e-4, rtol=1e-4)
-    assert lm.cache.get_seq_length() == 9
+    assert lm.kv_length == 9
 
     lm.crop(lm.length)  # no-op
     assert lm.length == 9
@@ -287,7 +307,7 @@ def test_crop_then_extend_matches_fresh(tiny: LoadedModel) -> None:
     with pytest.raises(ValueError):
         lm.crop(-1)
     lm.reset()
-    assert lm.length == 0 and lm.cache.get_seq_length() == 0
+    assert lm.length == 0 and lm.kv_length == 0
 
 
 def test_logits_window_recompute(tiny: LoadedModel) -> None:

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from cloud_verifier.auth import Authenticator, AuthError, parse_tokens
-from cloud_verifier.kv_pool import SlotPages
 from cloud_verifier.stats import VerifierMetrics
-from cloud_verifier.targets import NullTarget, Row, parse_null_spec
+from cloud_verifier.targets import NullTarget, parse_null_spec
+from shared.batched_lm import Row
+from shared.kv_pool import SlotPages
 from shared.metrics import Registry
 
 

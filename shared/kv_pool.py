@@ -1,4 +1,5 @@
-"""The target's KV cache, owned by the engine: one paged pool shared by every session slot.
+"""A KV cache in pages: one preallocated pool shared by slots (the verifier's sessions, or the
+drafter's one sequence).
 
 Layout (per layer, keys and values alike): ``[num_pages · page_size + 1, kv_heads, head_dim]``
 on the model's device, preallocated once. Position ``t`` of a slot lives at flat row
@@ -9,7 +10,8 @@ row that padding tokens write to. Invariants:
   may hold anything (an uncommitted forward, a rolled-back draft) and are never read unmasked;
 * ``len(pages) · page_size >= length`` and at most one page past what ``length`` needs is kept
   (rollback frees whole pages beyond the new length);
-* pages are owned by at most one slot; ``free`` holds every other page.
+* pages are owned by at most one slot; ``free`` (a min-heap) holds every other page, so a lone
+  slot's pages are always ``0, 1, 2, …`` in order and its rows one contiguous range.
 
 Rollback is a pointer move (:meth:`PagedKV.crop`): no tensor is touched. A forward over a batch
 of slots writes every new key once (:meth:`StepCache.update`) and reads, per layer, the slots'
@@ -19,6 +21,7 @@ dense ``[B, kv_heads, L, head_dim]`` tensor and a 4D mask hides what a row must 
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +67,7 @@ class PagedKV:
         # uninitialised memory may hold NaN, which a zero weight does not cancel.
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self.free: list[int] = list(range(num_pages))  # a heap: the lowest free page first
         size = torch.empty(0, dtype=dtype).element_size()
         self.bytes_per_token = 2 * layers * kv_heads * head_dim * size
 
@@ -86,7 +89,7 @@ class PagedKV:
                 f"the KV cache is full: {need} more pages of {self.page_size} tokens needed, "
                 f"{len(self.free)} of {self.num_pages} free"
             )
-        slot.pages.extend(self.free.pop() for _ in range(need))
+        slot.pages.extend(heapq.heappop(self.free) for _ in range(need))
 
     def crop(self, slot: SlotPages, length: int) -> None:
         """Roll ``slot`` back to its first ``length`` positions (a pointer move); pages wholly
@@ -96,10 +99,34 @@ class PagedKV:
         slot.length = length
         keep = -(-length // self.page_size)
         while len(slot.pages) > keep:
-            self.free.append(slot.pages.pop())
+            heapq.heappush(self.free, slot.pages.pop())
 
     def release(self, slot: SlotPages) -> None:
         self.crop(slot, 0)
+
+    def grow(self, num_pages: int) -> None:
+        """Enlarge the pool to ``num_pages`` (rows keep their place; the trash row moves to the
+        end). Only between forwards; a fixed-size pool (the verifier's) never calls it."""
+        if num_pages <= self.num_pages:
+            return
+        rows = num_pages * self.page_size + 1
+        keep = self.num_pages * self.page_size
+        for pool in (self.keys, self.values):
+            for i, old in enumerate(pool):
+                new = old.new_zeros((rows, *old.shape[1:]))
+                new[:keep] = old[:keep]
+                pool[i] = new
+        for page in range(self.num_pages, num_pages):
+            heapq.heappush(self.free, page)
+        self.num_pages = num_pages
+        self.trash = rows - 1
+
+    def contiguous(self, slot: SlotPages) -> int | None:
+        """The first flat row of ``slot`` when its pages are consecutive (else None)."""
+        pages = slot.pages
+        if pages and all(p == pages[0] + i for i, p in enumerate(pages)):
+            return pages[0] * self.page_size
+        return None
 
     def flat_rows(self, slot: SlotPages, start: int, stop: int) -> list[int]:
         """Flat pool rows of positions [start, stop) (the pages must be reserved)."""
@@ -116,13 +143,16 @@ class StepCache:
     """The cache object one batched forward sees (transformers calls ``update`` per layer).
 
     ``write``: [B·n] flat rows for the new keys (padding → the trash row); ``read``: [B, L] flat
-    rows of positions 0..L-1 of each slot (beyond a slot's pages → the trash row). Keys are
-    written before they are read, so a row attends to its own new keys.
+    rows of positions 0..L-1 of each slot (beyond a slot's pages → the trash row), or, for one
+    slot with consecutive pages, ``(first row, L)``: a view, no gather. Keys are written before
+    they are read, so a row attends to its own new keys.
     """
 
     is_compileable = False
 
-    def __init__(self, pool: PagedKV, write: torch.Tensor, read: torch.Tensor) -> None:
+    def __init__(
+        self, pool: PagedKV, write: torch.Tensor, read: torch.Tensor | tuple[int, int]
+    ) -> None:
         self._pool = pool
         self._write = write
         self._read = read
@@ -140,10 +170,15 @@ class StepCache:
         k_pool, v_pool = self._pool.keys[layer_idx], self._pool.values[layer_idx]
         k_pool.index_copy_(0, self._write, key_states.transpose(1, 2).reshape(b * n, h, d))
         v_pool.index_copy_(0, self._write, value_states.transpose(1, 2).reshape(b * n, h, d))
+        if isinstance(self._read, tuple):
+            first, length = self._read
+            k, v = k_pool[first : first + length][None], v_pool[first : first + length][None]
+            return k.transpose(1, 2), v.transpose(1, 2)
         return k_pool[self._read].transpose(1, 2), v_pool[self._read].transpose(1, 2)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly
 
     def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        return int(self._read.shape[1]), 0
+        length = self._read[1] if isinstance(self._read, tuple) else int(self._read.shape[1])
+        return length, 0
