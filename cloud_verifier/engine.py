@@ -288,9 +288,10 @@ class Engine:
         with self._cv:
             if not self._closed:
                 loop = asyncio.get_running_loop()
-                self._queue.append(
-                    _Call(lambda: self._free_pages(slot), loop.create_future(), loop)
-                )
+                fut: asyncio.Future[None] = loop.create_future()
+                # Nobody awaits it: take its outcome so that a shutdown's EngineClosed is quiet.
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+                self._queue.append(_Call(lambda: self._free_pages(slot), fut, loop))
                 self._cv.notify()
 
     @property

@@ -169,13 +169,23 @@ class BatchedLM:
         pick_b = [i for i, r in enumerate(rows) for _ in range(r.keep)]
         pick_t = [t for r in rows for t in range(len(r.ids) - r.keep, len(r.ids))]
         cache = StepCache(pool, torch.tensor(write, dtype=torch.int64, device=dev), read)
+        args = (
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            position_ids,
+            mask[:, None],
+            cache,
+            torch.tensor(pick_b, dtype=torch.int64, device=dev),
+            torch.tensor(pick_t, dtype=torch.int64, device=dev),
+        )
         with torch.inference_mode():
-            logits: torch.Tensor = self._run(
-                torch.tensor(ids, dtype=torch.int64, device=dev),
-                position_ids,
-                mask[:, None],
-                cache,
-                torch.tensor(pick_b, dtype=torch.int64, device=dev),
-                torch.tensor(pick_t, dtype=torch.int64, device=dev),
-            )
+            try:
+                logits: torch.Tensor = self._run(*args)
+            except Exception as e:
+                if self._run == self._run_eager:
+                    raise
+                # A backend that cannot compile this model (e.g. no Triton for this GPU): say
+                # so once and run eager from now on; the failed call committed nothing.
+                log.warning("torch.compile failed (%s: %s); running eager", type(e).__name__, e)
+                self._run, self.compiled = self._run_eager, False
+                logits = self._run(*args)
         return logits[:, : self.vocab_size]

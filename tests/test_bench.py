@@ -174,3 +174,33 @@ def test_federate_eval_smoke(tmp_path: Path) -> None:
                 assert r["bias_bar"] <= by[(k, "A")]["bias_bar"] + 1e-9  # B never above A
     assert (tmp_path / "federated.md").exists()
     assert (tmp_path / "federated.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_bench_refuses_without_cuda_and_runs_small_on_the_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.gpu import main as gpu_main
+
+    if not torch.cuda.is_available():
+        assert gpu_main(["--out", str(tmp_path / "no.json")]) == 2
+        assert "CUDA device" in capsys.readouterr().err
+        assert not (tmp_path / "no.json").exists()
+    out = tmp_path / "gpu.json"
+    args = ["--small", "--device", "cpu", "--no-compile", "--reps", "2", "--batches", "1,2"]
+    assert gpu_main([*args, "--context", "16", "--out", str(out)]) == 0
+    result = orjson.loads(out.read_bytes())
+    assert result["verify_eager_b1_ms"] > 0 and result["draft_step_eager_ms"] > 0
+
+
+def test_verifier_load_smoke(tmp_path: Path) -> None:
+    """Both engines, N = 1 and 3, against null:256: the keys the README table is built from."""
+    out = tmp_path / "load.json"
+    cmd = [sys.executable, "-m", "bench.verifier_load", "--model", "null:256", "--sessions", "1,3",
+           "--seconds", "0.5", "--min-rounds", "2", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = orjson.loads(out.read_bytes())
+    assert result["sessions"] == [1, 3]
+    for key in ("batched_tokens_per_s", "serial_tokens_per_s", "batched_p99_ms", "serial_p99_ms"):
+        assert len(result[key]) == 2 and all(x > 0 for x in result[key]), key
+    assert out.with_suffix(".png").stat().st_size > 1000

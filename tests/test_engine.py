@@ -300,3 +300,23 @@ def test_compiled_forward_equals_eager(tiny_model_dir: Path) -> None:
         second = lm.forward([Row(a, 2, (10, 11), 2), Row(b, 3, (4,), 1)])
         outs.append(torch.cat([first, second]))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_compile_failure_falls_back_to_eager(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backend that cannot compile (say, no Triton on a Jetson): one warning, then eager, and
+    the failed call's result is computed eagerly."""
+    loaded = load_model(str(tiny_model_dir))
+    lm = BatchedLM(loaded.model, 64)
+    pool = lm.allocate(4, 8)
+
+    def broken(*args: Any) -> torch.Tensor:
+        raise RuntimeError("no triton for this device")
+
+    lm._run, lm.compiled = broken, True
+    slot = SlotPages()
+    pool.reserve(slot, 3)
+    out = lm.forward([Row(slot, 0, (1, 2, 3), 3)])
+    assert out.shape == (3, 64) and not lm.compiled
+    assert "torch.compile failed (RuntimeError: no triton" in caplog.text
