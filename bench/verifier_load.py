@@ -178,11 +178,12 @@ def _plot(path: Path, result: dict[str, Any]) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     n = result["sessions"]
-    for name in ("batched", "serial"):
+    for name, color in (("batched", "tab:blue"), ("serial", "tab:orange")):
         if f"{name}_tokens_per_s" in result:
-            a.plot(n, result[f"{name}_tokens_per_s"], marker="o", label=name)
-            b.plot(n, result[f"{name}_p99_ms"], marker="o", label=f"{name} p99")
-            b.plot(n, result[f"{name}_p50_ms"], marker=".", linestyle="--", label=f"{name} p50")
+            a.plot(n, result[f"{name}_tokens_per_s"], marker="o", color=color, label=name)
+            b.plot(n, result[f"{name}_p99_ms"], marker="o", color=color, label=f"{name} p99")
+            b.plot(n, result[f"{name}_p50_ms"], marker=".", linestyle="--", color=color,
+                   label=f"{name} p50")  # fmt: skip
     for ax in (a, b):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent sessions")

@@ -23,7 +23,9 @@ class Drafter:
     """q(· | seq) for the draft model, with the request's sampling transform applied."""
 
     def __init__(self, loaded: SupportsCausalLM) -> None:
-        self.lm = CausalLM(loaded)
+        # 64 logits rows cover any rollback of a pipeline (γ·D tokens) at 39 MB for a
+        # 151,936-token vocabulary; a deeper one recomputes its row with one token.
+        self.lm = CausalLM(loaded, logits_window=64)
         self.vocab_size = self.lm.vocab_size
         self.forwards = 0  # forwards run (for tests and stats)
 
