@@ -26,11 +26,11 @@ from shared.protocol import (
     Hello,
     Message,
     ReplyMode,
-    SparseDist,
     Welcome,
     WireContext,
     decode,
     encode,
+    message_equal,
 )
 
 M = TypeVar("M", bound=Message)
@@ -39,28 +39,7 @@ M = TypeVar("M", bound=Message)
 def replies_match(a: Message, b: Message) -> bool:
     """Equal replies, but for probabilities within float32 rounding: a session's logits in a
     batched forward differ from its logits alone (or in another batch) in the last bits."""
-    if type(a) is not type(b):
-        return False
-    for name in a.__dataclass_fields__:
-        x, y = getattr(a, name), getattr(b, name)
-        if isinstance(x, tuple) and x and isinstance(x[0], SparseDist):
-            if len(x) != len(y) or not all(_dist_close(u, w) for u, w in zip(x, y, strict=True)):
-                return False
-        elif isinstance(x, SparseDist) or isinstance(y, SparseDist):
-            if x is None or y is None or not _dist_close(x, y):
-                return False
-        elif isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-            if x is None or y is None or not np.allclose(x, y, rtol=1e-4, atol=1e-7):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
-def _dist_close(a: SparseDist, b: SparseDist) -> bool:
-    return bool(
-        np.array_equal(a.ids, b.ids) and np.allclose(a.probs, b.probs, rtol=1e-4, atol=1e-7)
-    )
+    return message_equal(a, b, rtol=1e-4, atol=1e-7)
 
 
 def auth_headers(token: str) -> dict[str, str]:

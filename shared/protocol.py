@@ -1032,28 +1032,40 @@ def decode(data: bytes, ctx: WireContext | None = None) -> Message:
     return msg
 
 
-def message_equal(a: Message, b: Message) -> bool:
-    """Structural equality (numpy fields compared by value); used by tests and replay checks."""
+def message_equal(a: Message, b: Message, *, rtol: float = 0.0, atol: float = 0.0) -> bool:
+    """Structural equality (numpy fields compared by value); used by tests and replay checks.
+
+    ``rtol``/``atol``: compare probabilities (sparse distributions, float arrays) within that
+    tolerance, ids and every other field exactly; e.g. replies of a session whose forward ran
+    in different batches, whose logits differ in the last bits."""
     if type(a) is not type(b):
         return False
+
+    def arrays(x: Any, y: Any) -> bool:
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape:
+            return False
+        if (rtol or atol) and np.issubdtype(x.dtype, np.floating):
+            return bool(np.allclose(x, y, rtol=rtol, atol=atol))
+        return bool(np.array_equal(x, y))
+
+    def sparse(u: SparseDist, v: SparseDist) -> bool:
+        return bool(np.array_equal(u.ids, v.ids)) and arrays(u.probs, v.probs)
+
     for name in a.__dataclass_fields__:
         x, y = getattr(a, name), getattr(b, name)
         if isinstance(x, tuple) and x and isinstance(x[0], SparseDist):
-            if len(x) != len(y) or not all(_sparse_eq(u, v) for u, v in zip(x, y, strict=True)):
+            if len(x) != len(y) or not all(sparse(u, v) for u, v in zip(x, y, strict=True)):
                 return False
         elif isinstance(x, SparseDist) or isinstance(y, SparseDist):
-            if x is None or y is None or not _sparse_eq(x, y):
+            if x is None or y is None or not sparse(x, y):
                 return False
         elif isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-            if x is None or y is None or not np.array_equal(np.asarray(x), np.asarray(y)):
+            if x is None or y is None or not arrays(x, y):
                 return False
         elif x != y:
             return False
     return True
-
-
-def _sparse_eq(a: SparseDist, b: SparseDist) -> bool:
-    return bool(np.array_equal(a.ids, b.ids) and np.array_equal(a.probs, b.probs))
 
 
 __all__ = [
