@@ -372,7 +372,13 @@ class Engine:
                 else:
                     c.loop.call_soon_threadsafe(_resolve, c.future, value)
             if batch:
-                self._step(batch)
+                try:
+                    self._step(batch)
+                except Exception as e:  # a bug: no session may wait forever for its outcome
+                    log.exception("engine step of %d requests failed", len(batch))
+                    for req in batch:  # those already answered are left as they are
+                        why = f"internal engine error ({type(e).__name__})"
+                        self._finish(req, Failed(why, req.slot.length), None, time.perf_counter())
 
     def _gather(self) -> None:
         """Under the lock, with work queued: wait up to ``batch_wait_s`` for the other open

@@ -320,3 +320,22 @@ def test_a_compile_failure_falls_back_to_eager(
     out = lm.forward([Row(slot, 0, (1, 2, 3), 3)])
     assert out.shape == (3, 64) and not lm.compiled
     assert "torch.compile failed (RuntimeError: no triton" in caplog.text
+
+
+async def test_an_engine_bug_fails_the_step_and_the_engine_goes_on(target: TorchTarget) -> None:
+    """An exception the step does not expect (a bug) answers every request of that step with
+    Failed instead of leaving its session waiting; the next step runs normally."""
+    engine = await _engine(target)
+    a = _Session(engine, target)
+    real = engine._plan
+
+    def broken(*args: Any) -> Any:
+        raise TypeError("a bug")
+
+    engine._plan = broken  # type: ignore[method-assign]
+    out = await asyncio.wait_for(a.verify([1, 2], [3])(), 10)
+    assert isinstance(out.result, Failed) and "internal engine error" in out.result.message
+    engine._plan = real  # type: ignore[method-assign]
+    f, d = [5, 6, 7], _greedy(target, [5, 6, 7], 3, None)
+    a.check(f, d, await a.verify(f, d)())
+    assert engine.worker_alive()
