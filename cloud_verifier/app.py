@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, hdrs, web
 
@@ -56,6 +57,11 @@ from shared.verifier_core import (
 )
 
 log = logging.getLogger(__name__)
+
+FIRST = asyncio.FIRST_COMPLETED
+#: Frames read ahead while a session's model work runs (an honest pipelined edge has its depth
+#: D of Proposes in flight; a flood waits in the socket instead of in memory).
+READ_AHEAD = 16
 
 
 @dataclass
@@ -117,6 +123,7 @@ def limits_from(settings: VerifierSettings) -> SessionLimits:
         max_bad_frames=settings.max_bad_frames,
         max_resamples=settings.max_resamples,
         idle_timeout_s=settings.idle_timeout,
+        max_coalesced=settings.max_coalesced,
     )
 
 
@@ -721,7 +728,7 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
     result, timing = outcome.result, outcome.timing
     m.queue_seconds.observe(outcome.queued_s)
     if isinstance(work, (Verify, Federate)) and timing is not None:
-        f = len(work.propose.fixed)
+        f = len(work.fixed)
         m.model_forwards.inc()
         m.fixed_tokens.inc(f)
         m.forward_seconds.observe(timing.forward_s)
@@ -730,7 +737,8 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
     if isinstance(work, Federate) and not isinstance(result, Failed):
         m.federated_rounds.inc()
     elif isinstance(work, Verify) and isinstance(result, Verified):
-        d, g = result.decision, len(work.propose.draft)
+        m.coalesced.inc(len(work.more))
+        d, g = result.decision, len(work.draft)
         m.num_drafts.inc()
         m.num_draft_tokens.inc(g)
         m.num_accepted_tokens.inc(d.accepted)
@@ -758,18 +766,19 @@ async def _run_work(state: VerifierState, live: LiveSession, work: Work) -> list
         failed = Failed(f"{type(e).__name__}: {e}", live.slot.length)
         outcome = Outcome(failed, None, 0.0)
     _count_work(state, work, outcome)
+    if live.core.closed:  # closed meanwhile (e.g. too many bad frames): nothing to resume
+        return []
     return live.core.work_done(outcome.result, time.monotonic())
 
 
 async def _act(
     peer: _Peer, state: VerifierState, live: LiveSession, events: list[Event], t0: float
-) -> None:
-    """Carry out the core's events in order: send, run model work (whose result brings more
-    events), close."""
+) -> Work | None:
+    """Carry out the core's events in order: notes, sends, a close. Returns the model work the
+    core asked for (at most one: it is BUSY until its result), for the caller to start."""
     core = live.core
-    todo = list(events)
-    while todo:
-        ev = todo.pop(0)
+    work: Work | None = None
+    for ev in events:
         if isinstance(ev, Note):
             _note(state, core, ev, live.logs)
         elif isinstance(ev, Send):
@@ -777,11 +786,13 @@ async def _act(
             if isinstance(ev.msg, (Verdict, FederatedReply)):
                 state.metrics.round_seconds.observe(time.perf_counter() - t0)
         elif isinstance(ev, Run):
-            todo[:0] = await _run_work(state, live, ev.work)
+            assert work is None, "the core asks for one model request at a time"
+            work = ev.work
         elif isinstance(ev, Close):
             log.info("session %s closed: %s: %s", core.session_id, ev.error.code, ev.error.message)
             await _fatal(peer, state, ev, core)
-            return
+            return None
+    return work
 
 
 async def _next_frame(ws: web.WebSocketResponse, core: VerifierCore) -> WSMessage | None:
@@ -806,6 +817,70 @@ async def _next_frame(ws: web.WebSocketResponse, core: VerifierCore) -> WSMessag
 
 
 _ENDED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
+
+
+async def _cancel(task: asyncio.Task[Any] | None) -> None:
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _session_loop(
+    peer: _Peer, state: VerifierState, live: LiveSession, events: list[Event]
+) -> None:
+    """Read frames and run the session's model work at the same time.
+
+    Frames that arrive while model work runs go to the core at once, up to ``READ_AHEAD`` of
+    them (it queues them, and Proposes that continue the running one are coalesced into the
+    next forward; beyond that the frames wait in the socket, and TCP holds the peer back); the model
+    work is a task whose result goes back to the core. Owns both tasks, the model work in
+    flight (at most one) and the pending read, and cancels and awaits them on the way out. The
+    read waits with the core's idle deadline, so it is restarted when the core goes from BUSY
+    (no deadline) to OPEN."""
+    core, ws = live.core, peer.ws
+    work: asyncio.Task[list[Event]] | None = None
+    read: asyncio.Task[WSMessage | None] | None = None
+    t0 = started = time.perf_counter()
+    try:
+        while True:
+            asked = await _act(peer, state, live, events, t0)
+            events = []
+            if core.closed:
+                return
+            if asked is not None:
+                work = asyncio.create_task(_run_work(state, live, asked))
+                started = time.perf_counter()
+            if read is None and (work is None or core.queued < READ_AHEAD):
+                read = asyncio.create_task(_next_frame(ws, core))
+            await asyncio.wait([t for t in (read, work) if t is not None], return_when=FIRST)
+            if work is not None and work.done():
+                events, work, t0 = work.result(), None, started
+                if read is not None and core.running is None and not read.done():
+                    await _cancel(read)  # OPEN again: the read's idle deadline starts now
+                    read = None
+                continue  # act on the result before the next frame
+            if read is None or not read.done():
+                continue
+            msg, read = read.result(), None
+            if msg is None:  # idle past its deadline: the core closes it (idle_timeout)
+                events, t0 = core.expire(time.monotonic()), time.perf_counter()
+                continue
+            if msg.type in _ENDED:
+                return
+            if msg.type == WSMsgType.ERROR:
+                # e.g. a frame over max_frame: aiohttp has closed the socket with a code already.
+                state.metrics.bad_frames.inc()
+                log.info("session %s: transport error %s", core.session_id, ws.exception())
+                return
+            if msg.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
+                continue
+            t0 = time.perf_counter()
+            _count_in(state, msg.data)
+            events = core.receive(msg.data, time.monotonic())
+    finally:
+        await _cancel(work)
+        await _cancel(read)
 
 
 async def _run_session(peer: _Peer, state: VerifierState) -> None:
@@ -840,24 +915,7 @@ async def _run_session(peer: _Peer, state: VerifierState) -> None:
         "session %s open (%s, %s, %s)", core.session_id, h.reply_mode, h.correction, h.sampling
     )
     try:
-        await _act(peer, state, live, events, time.perf_counter())
-        while not core.closed:
-            msg = await _next_frame(ws, core)
-            if msg is None:  # idle past its deadline: the core closes it (idle_timeout)
-                await _act(peer, state, live, core.expire(time.monotonic()), time.perf_counter())
-                continue
-            if msg.type in _ENDED:
-                break
-            if msg.type == WSMsgType.ERROR:
-                # e.g. a frame over max_frame: aiohttp has closed the socket with a code already.
-                state.metrics.bad_frames.inc()
-                log.info("session %s: transport error %s", core.session_id, ws.exception())
-                break
-            if msg.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
-                continue
-            t0 = time.perf_counter()
-            _count_in(state, msg.data)
-            await _act(peer, state, live, core.receive(msg.data, time.monotonic()), t0)
+        await _session_loop(peer, state, live, events)
     except SlowReader as e:
         await _slow_reader(peer, state, e)
     except ConnectionError:

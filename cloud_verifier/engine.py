@@ -44,7 +44,7 @@ from cloud_verifier.targets import Target
 from shared import device_sampling as ds
 from shared.batched_lm import Row
 from shared.kv_pool import OutOfPages, PagedKV, SlotPages
-from shared.protocol import Hello, Propose
+from shared.protocol import Hello
 from shared.verifier_core import (
     Crop,
     Cropped,
@@ -188,7 +188,7 @@ class _Planned:
     request: _Request
     row: Row
     start: int  # the slot's length before the forward
-    propose: Propose
+    work: Verify | Federate
 
 
 class Engine:
@@ -414,7 +414,7 @@ class Engine:
         while self._queue:
             item = self._queue[0]
             if isinstance(item, _Request) and isinstance(item.work, (Verify, Federate)):
-                n = len(item.work.propose.fixed) + len(item.work.propose.draft) + 1
+                n = len(item.work.fixed) + len(item.work.draft) + 1
                 longest_next = max(longest, n)
                 fits = forwards < lim.max_batch_sessions and (
                     (forwards + 1) * longest_next <= lim.max_batch_tokens
@@ -453,7 +453,7 @@ class Engine:
             elif isinstance(work, Draw):
                 self._finish(req, self._draw(slot, work.m), None, t0)
             else:
-                plan = self._plan(req, work.propose)
+                plan = self._plan(req, work)
                 if isinstance(plan, Failed):
                     self._finish(req, plan, None, t0)
                 else:
@@ -480,14 +480,14 @@ class Engine:
         except Exception as e:
             return Failed(f"{type(e).__name__}: {e}", slot.length)
 
-    def _plan(self, req: _Request, p: Propose) -> _Planned | Failed:
+    def _plan(self, req: _Request, work: Verify | Federate) -> _Planned | Failed:
         """The forward row of one Verify/Federate: fixed + draft after the cache; with no fixed
         tokens, the last cached token again (its row scores draft[0]; its keys are rewritten
         with the same values)."""
         slot = req.slot
         slot.kept = None
         start = slot.length
-        fixed, draft = p.fixed.tolist(), p.draft.tolist()
+        fixed, draft = work.fixed.tolist(), work.draft.tolist()
         if fixed:
             row_start, ids = start, [*fixed, *draft]
         elif start == 0:
@@ -509,7 +509,7 @@ class Engine:
             self.pool.reserve(slot.pages, end)
         except OutOfPages as e:
             return Failed(f"OutOfPages: {e}", start)
-        return _Planned(req, Row(slot.pages, row_start, tuple(ids), len(draft) + 1), start, p)
+        return _Planned(req, Row(slot.pages, row_start, tuple(ids), len(draft) + 1), start, work)
 
     def _forward(self, planned: list[_Planned], t0: float) -> None:
         target = self.require_target()
@@ -527,7 +527,7 @@ class Engine:
             del slot.tokens[p.row.start :]
             slot.tokens.extend(p.row.ids)
             slot.pages.length = len(slot.tokens)
-        gammas = [len(p.propose.draft) for p in planned]
+        gammas = [len(p.work.draft) for p in planned]
         cu = ds.cu_from_gammas(gammas)
         verify = [i for i, p in enumerate(planned) if isinstance(p.request.work, Verify)]
         federate = [i for i, p in enumerate(planned) if isinstance(p.request.work, Federate)]
@@ -557,7 +557,7 @@ class Engine:
             return
         log.info("a batch of %d sessions failed (%s); running them one by one", len(planned), error)
         for p in planned:
-            replanned = self._plan(p.request, p.propose)
+            replanned = self._plan(p.request, p.work)
             if isinstance(replanned, Failed):
                 self._finish(p.request, replanned, None, t0)
             else:
@@ -575,12 +575,12 @@ class Engine:
         """Verdicts of the Verify group: accepted prefix, then recovered or bonus (sampling
         transform on the device, only where a decision needs it: ``verify_logits``)."""
         hellos = [p.request.slot.hello for p in planned]
-        gammas = [len(p.propose.draft) for p in planned]
+        gammas = [len(p.work.draft) for p in planned]
         decisions = ds.verify_logits(
             logits,
             [h.sampling for h in hellos],
-            np.concatenate([p.propose.draft for p in planned]),
-            np.concatenate([p.propose.q for p in planned]),
+            np.concatenate([p.work.draft for p in planned]),
+            np.concatenate([p.work.q for p in planned]),
             ds.cu_from_gammas(gammas),
             correction=[str(h.correction) for h in hellos],
             want_bonus=[_wants_bonus(p.request.work) for p in planned],
@@ -595,7 +595,7 @@ class Engine:
             slot = p.request.slot
             kept = False
             if d.accepted < g:
-                keep = p.start + len(p.propose.fixed) + d.accepted
+                keep = p.start + len(p.work.fixed) + d.accepted
                 assert self.pool is not None
                 self.pool.crop(slot.pages, keep)
                 del slot.tokens[keep:]
@@ -604,7 +604,7 @@ class Engine:
                     r = logits[row + d.accepted][None]
                     s = h.sampling
                     p_row = ds.transform_rows(r, s.temperature, s.top_k, s.top_p)[0]
-                    slot.kept = (p_row, int(p.propose.draft[d.accepted]))
+                    slot.kept = (p_row, int(p.work.draft[d.accepted]))
                     kept = True
             out.append(Verified(d, kept_row=kept))
             row += g + 1
@@ -614,11 +614,11 @@ class Engine:
         """SpecFed replies of the Federate group: γ+1 top-K rows, p_j(x_j), the l1 of both
         reconstructions (every row transformed: the edge needs them all)."""
         hellos = [p.request.slot.hello for p in planned]
-        gammas = [len(p.propose.draft) for p in planned]
+        gammas = [len(p.work.draft) for p in planned]
         temp, top_k, top_p = ds.row_params([h.sampling for h in hellos], gammas)
         rows = ds.federate_rows(
             ds.transform_rows(logits, temp, top_k, top_p),
-            np.concatenate([p.propose.draft for p in planned]),
+            np.concatenate([p.work.draft for p in planned]),
             ds.cu_from_gammas(gammas),
             [h.k for h in hellos],
             [h.eps_target for h in hellos],

@@ -63,6 +63,9 @@ class VerifierSettings:
     max_frame: int = field(default=1 << 20, metadata=_b(4096, 1 << 30))  # bytes per frame
     max_bad_frames: int = field(default=16, metadata=_b(1))  # per session, then it is closed
     max_resamples: int = field(default=64, metadata=_b(0))  # Resample requests per rejection
+    # Proposes queued behind a running one that continue it share its next forward, up to this
+    # many draft tokens in all (coalescing; one Verdict each); 0 = off.
+    max_coalesced: int = field(default=64, metadata=_b(0, 65536))
     handshake_timeout: float = field(default=10.0, metadata=_b(0.1))  # seconds to send Hello
     # An open session with no model work (no valid Propose, Rollback or Resample) for this many
     # seconds is closed (1008, idle_timeout) and its slot freed; 0 = never.

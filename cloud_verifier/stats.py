@@ -129,6 +129,10 @@ class VerifierMetrics:
             "Session rows in target forwards (one per verified Propose; a batched forward "
             "carries several).",
         )
+        self.coalesced = r.counter(
+            "wanspec_coalesced_proposes_total",
+            "Proposes verified in the forward of the Propose queued before them (coalescing).",
+        )
         self.batch_sessions = r.histogram(
             "wanspec_batch_sessions",
             "Sessions in one batched forward of the engine.",

@@ -25,7 +25,9 @@ OPEN        Propose, epoch < epoch       dropped unprocessed (stale: sent before
 OPEN        Propose, epoch > epoch       bad_epoch
 OPEN        Propose, pos ≠ next_pos      bad_pos (also pos 0 without fixed tokens)
 OPEN        Propose past max_context     Send(Error context_full), not fatal
-OPEN        Propose, valid               → BUSY; Run(Verify | Federate)
+OPEN        Propose, valid               → BUSY; Run(Verify | Federate); a Verify takes the
+                                         queued Proposes that continue it (coalesced, one
+                                         Verdict each; see ``_coalesce``)
 OPEN        Rollback, valid              → BUSY; Run(Crop)
 OPEN        Rollback, epoch/pos invalid  bad_rollback
 OPEN        Resample, matches pending    → BUSY; Run(Draw) (at most max_resamples times)
@@ -130,6 +132,10 @@ class SessionLimits:
     #: Stale Proposes (of an old epoch) accepted per epoch: an honest edge has at most its
     #: in-flight depth (< 128) of them after a rejection; every one beyond is a bad frame.
     max_stale_per_epoch: int = SEQ_MODULUS
+    #: Coalescing: Proposes queued behind the one being started that continue it (same epoch,
+    #: next position, no fixed tokens) join its forward, up to this many draft tokens in all;
+    #: 0 = off.
+    max_coalesced: int = 64
 
 
 @dataclass(frozen=True)
@@ -147,14 +153,40 @@ class TargetInfo:
 @dataclass(frozen=True)
 class Verify:
     """Run the target over ``fixed + draft`` starting at ``pos`` (= the cache length) and decide
-    the batch: *accepted* prefix, then a *recovered* correction or (``want_bonus``) a *bonus*."""
+    the batch: *accepted* prefix, then a *recovered* correction or (``want_bonus``) a *bonus*.
+
+    ``more``: Proposes that were queued right behind ``propose`` (same epoch, consecutive
+    positions, no fixed tokens), verified in the same forward as one longer draft (coalesced);
+    the core answers each with its own Verdict."""
 
     propose: Propose
     want_bonus: bool
+    more: tuple[Propose, ...] = ()
+
+    @property
+    def segments(self) -> tuple[Propose, ...]:
+        return (self.propose, *self.more)
 
     @property
     def start(self) -> int:
         return self.propose.pos
+
+    @property
+    def fixed(self) -> npt.NDArray[np.int64]:
+        return self.propose.fixed
+
+    @property
+    def draft(self) -> npt.NDArray[np.int64]:
+        """Every segment's draft, in order."""
+        if not self.more:
+            return self.propose.draft
+        return np.concatenate([p.draft for p in self.segments])
+
+    @property
+    def q(self) -> npt.NDArray[np.float32]:
+        if not self.more:
+            return self.propose.q
+        return np.concatenate([p.q for p in self.segments])
 
 
 @dataclass(frozen=True)
@@ -163,6 +195,18 @@ class Federate:
     scalars p_j(x_j) (SpecFed): the edge decides."""
 
     propose: Propose
+
+    @property
+    def fixed(self) -> npt.NDArray[np.int64]:
+        return self.propose.fixed
+
+    @property
+    def draft(self) -> npt.NDArray[np.int64]:
+        return self.propose.draft
+
+    @property
+    def q(self) -> npt.NDArray[np.float32]:
+        return self.propose.q
 
 
 @dataclass(frozen=True)
@@ -347,6 +391,11 @@ class VerifierCore:
         return self._running
 
     @property
+    def queued(self) -> int:
+        """Frames received while work runs, not handled yet."""
+        return len(self._queue)
+
+    @property
     def closed(self) -> bool:
         return self.state == CoreState.CLOSED
 
@@ -419,9 +468,7 @@ class VerifierCore:
             # The edge never needs to send one: each counts, and gets no reply (no echo).
             return [note, *self._bad("edge_error", msg.code, reply=False)]
         else:
-            return self._bad(
-                "bad_frame", f"type: {type(msg).__name__} is not valid from the edge"
-            )
+            return self._bad("bad_frame", f"type: {type(msg).__name__} is not valid from the edge")
         if self.state == CoreState.BUSY:
             self._active_at = now
         return out
@@ -489,7 +536,41 @@ class VerifierCore:
         self._pending = None
         if self.hello.reply_mode == ReplyMode.FEDERATED:
             return self._start(Federate(p))
-        return self._start(Verify(p, p.want_bonus or self.hello.bonus))
+        more = self._coalesce(p)
+        return self._start(
+            Verify(p, (more[-1] if more else p).want_bonus or self.hello.bonus, more)
+        )
+
+    def _coalesce(self, p: Propose) -> tuple[Propose, ...]:
+        """The queued Proposes that continue ``p`` and may share its forward: the head of the
+        queue while each is the expected seq of this epoch, starts where the last ends, has no
+        fixed tokens and its predecessor asked for no bonus (a bonus comes back as a fixed
+        token), within ``max_coalesced`` draft tokens and the context. Taking them here is
+        handling them: their seq numbers are consumed, in order."""
+        assert self.hello is not None
+        if self.limits.max_coalesced <= 0 or self.hello.bonus:
+            return ()
+        more: list[Propose] = []
+        last, total = p, len(p.draft)
+        end = p.pos + len(p.fixed) + len(p.draft)
+        while self._queue:
+            nxt = self._queue[0]
+            if not (
+                isinstance(nxt, Propose)
+                and not last.want_bonus
+                and nxt.seq == self.expected_seq
+                and nxt.epoch == self.epoch
+                and nxt.pos == end
+                and len(nxt.fixed) == 0
+                and total + len(nxt.draft) <= self.limits.max_coalesced
+                and end + len(nxt.draft) <= self.max_context
+            ):
+                break
+            self._queue.popleft()
+            self.expected_seq = (nxt.seq + 1) % SEQ_MODULUS
+            more.append(nxt)
+            last, total, end = nxt, total + len(nxt.draft), end + len(nxt.draft)
+        return tuple(more)
 
     def _rollback(self, r: Rollback) -> list[Event]:
         if r.epoch <= self.epoch:
@@ -537,8 +618,12 @@ class VerifierCore:
         raise TypeError(f"{type(result).__name__} is not the result of {type(work).__name__}")
 
     def _verified(self, work: Verify, result: Verified) -> list[Event]:
+        """One Verdict per segment: every segment before the one holding the end of the
+        accepted prefix is fully accepted (no correction, no bonus); that one carries the
+        decision's correction or bonus; the segments behind a rejection get nothing (they
+        are of an old epoch now, as if they had been queued and dropped)."""
         p, d = work.propose, result.decision
-        f, g, n = len(p.fixed), len(p.draft), d.accepted
+        f, g, n = len(p.fixed), len(work.draft), d.accepted
         if n < g:
             # Rejection: the model side cropped the cache to the accepted prefix; every batch
             # the edge sent behind this one is now of an old epoch.
@@ -550,19 +635,28 @@ class VerifierCore:
         else:
             # A bonus token is committed by the edge and comes back as a fixed token.
             self.next_pos = self.cache_len = p.pos + f + g
-        return [
-            Send(
-                Verdict(
-                    epoch=p.epoch,
-                    seq=p.seq,
-                    accepted=n,
-                    sparse=d.sparse,
-                    candidates=d.candidates,
-                    token=d.token,
-                    bonus=d.bonus,
-                )
+        out: list[Event] = []
+        left = n
+        segments = work.segments
+        for i, s in enumerate(segments):
+            gs = len(s.draft)
+            if left >= gs and i < len(segments) - 1:
+                out.append(Send(Verdict(epoch=s.epoch, seq=s.seq, accepted=gs)))
+                left -= gs
+                continue
+            verdict = Verdict(
+                epoch=s.epoch,
+                seq=s.seq,
+                accepted=left,
+                sparse=d.sparse,
+                candidates=d.candidates,
+                token=d.token,
+                bonus=d.bonus,
             )
-        ]
+            out.append(Send(verdict))
+            out += [Note(NoteKind.STALE)] * (len(segments) - 1 - i)
+            break
+        return out
 
     def _failed(self, work: Work, result: Failed) -> list[Event]:
         note = Note(NoteKind.MODEL_ERROR, result.message)

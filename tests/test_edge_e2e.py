@@ -39,6 +39,7 @@ from shared.models import LoadedModel, load_model
 from shared.pipeline_config import Mode, PipelineConfig
 from shared.protocol import CorrectionMode
 from shared.sampling import SamplingParams, transform
+from tests.edge_helpers import SlowTarget
 
 TOKEN = "e2e-token-abcdef0123456789"
 PROMPT = [1, 10, 20, 30, 40]
@@ -150,6 +151,39 @@ async def test_concurrent_edges_each_get_target_greedy_text(
         assert gen.generated == target_greedy(target, p, 30), p
     engine = state.engine
     assert engine.rows_forwarded > engine.forwards  # some forwards carried several sessions
+
+
+@pytest.mark.parametrize("own_draft", [True, False], ids=["accepting", "rejecting"])
+async def test_coalesced_verification_keeps_the_target_text(
+    aiohttp_server: Any, target: LoadedModel, draft: LoadedModel, own_draft: bool
+) -> None:
+    """A slow verifier (every forward +40 ms) behind a deep pipeline: Proposes queue up and are
+    verified several per forward (coalescing), each answered with its own Verdict; the text is
+    still exactly the target's greedy text, with a draft that is always right and with one that
+    is often wrong (rejections inside coalesced batches)."""
+    settings = VerifierSettings(model="tiny", heartbeat=0.0)
+    app = build_app(
+        settings,
+        auth=Authenticator([TOKEN]),
+        loader=lambda: SlowTarget(TorchTarget(target), 0.04),
+    )
+    server = await aiohttp_server(app)
+    url = str(server.make_url("/v1/session")).replace("http://", "ws://")
+    state = app[STATE]
+    while state.status != "ready":
+        await asyncio.sleep(0.01)
+    agent = agent_for(target if own_draft else draft, url)
+    try:
+        cfg = PipelineConfig(gamma=2, depth=4, sampling=SamplingParams(0.0))
+        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+    finally:
+        agent.close()
+    assert gen.generated == target_greedy(target, PROMPT, 40)
+    coalesced = state.metrics.coalesced.get()
+    if own_draft:
+        assert coalesced > 0 and gen.stats.rejections == 0
+    else:
+        assert gen.stats.rejections > 0
 
 
 async def test_greedy_with_the_target_as_its_own_draft_accepts_everything(

@@ -81,26 +81,27 @@ class FakeModel:
     def run(self, work: Work, core: VerifierCore) -> Result:
         if isinstance(work, (Verify, Federate)):
             p = work.propose
+            draft = work.draft  # with coalescing, every segment's draft in order
             # Stale work never reaches the model: it starts where the cache ends, this epoch.
             assert p.pos == len(self.cache) == core.cache_len, (p.pos, len(self.cache))
             assert p.epoch == core.epoch
-            self.cache += p.fixed.tolist()
-            want = [target_next(self.cache + p.draft[:i].tolist()) for i in range(len(p.draft))]
+            self.cache += work.fixed.tolist()
+            want = [target_next(self.cache + draft[:i].tolist()) for i in range(len(draft))]
             if isinstance(work, Federate):
-                self.cache += p.draft.tolist()
+                self.cache += draft.tolist()
                 bonus = target_next(self.cache)
                 rows = [*want, bonus]
                 dists = tuple(SparseDist(np.array([t]), np.ones(1, np.float32)) for t in rows)
                 p_draft = np.array(
-                    [1.0 if x == t else 0.0 for x, t in zip(p.draft, want, strict=True)],
+                    [1.0 if x == t else 0.0 for x, t in zip(draft, want, strict=True)],
                     np.float32,
                 )
                 return Federated(dists, p_draft, np.zeros((len(rows), 2), np.float32))
             n = 0
-            while n < len(p.draft) and int(p.draft[n]) == want[n]:
+            while n < len(draft) and int(draft[n]) == want[n]:
                 n += 1
-            self.cache += p.draft[:n].tolist()
-            if n < len(p.draft):
+            self.cache += draft[:n].tolist()
+            if n < len(draft):
                 return Verified(Decision(n, token=want[n]))
             bonus = target_next(self.cache) if work.want_bonus else None
             return Verified(Decision(n, bonus=bonus))

@@ -175,6 +175,72 @@ def test_frames_while_busy_are_queued_then_handled_in_order() -> None:
     assert all(isinstance(e, Note) and e.kind == NoteKind.STALE for e in out[1:])
 
 
+def _verdicts(events: list[Event]) -> list[Verdict]:
+    return [e.msg for e in events if isinstance(e, Send) and isinstance(e.msg, Verdict)]
+
+
+def _busy_with_two_queued(**limits: int) -> VerifierCore:
+    """Batch 0 runs; batches 1 (draft 7, 8) and 2 (draft 9, 10) queue behind it."""
+    core = opened(**limits)
+    core.receive(propose(core, 0, 0, 0, [5, 6], [1]))
+    assert core.receive(propose(core, 0, 1, 3, [7, 8])) == []
+    assert core.receive(propose(core, 0, 2, 5, [9, 10])) == []
+    return core
+
+
+def test_queued_proposes_that_continue_are_coalesced_into_one_verify() -> None:
+    core = _busy_with_two_queued()
+    out = core.work_done(Verified(Decision(2)))  # batch 0 accepted in full
+    work = run_of(out).work
+    assert isinstance(work, Verify) and [p.seq for p in work.segments] == [1, 2]
+    assert work.draft.tolist() == [7, 8, 9, 10] and len(work.q) == 4 and len(work.fixed) == 0
+    assert core.expected_seq == 3  # both seqs consumed, in order
+    # all four accepted: one Verdict per batch, the last one's decision on the last
+    out = core.work_done(Verified(Decision(4)))
+    assert [(v.seq, v.accepted, v.token) for v in _verdicts(out)] == [(1, 2, None), (2, 2, None)]
+    assert (core.next_pos, core.epoch) == (7, 0)
+
+
+@pytest.mark.parametrize(
+    ("accepted", "verdicts", "stale", "next_pos"),
+    [
+        (1, [(1, 1, 4)], 1, 4),  # rejected in the first batch: the second is of an old epoch
+        (2, [(1, 2, None), (2, 0, 4)], 0, 5),  # rejected at the second's first token
+        (3, [(1, 2, None), (2, 1, 4)], 0, 6),  # rejected inside the second
+    ],
+)
+def test_a_coalesced_rejection_answers_each_batch_up_to_it(
+    accepted: int, verdicts: list[tuple[int, int, int | None]], stale: int, next_pos: int
+) -> None:
+    core = _busy_with_two_queued()
+    core.work_done(Verified(Decision(2)))
+    out = core.work_done(Verified(Decision(accepted, token=4)))
+    got = [(v.seq, v.accepted, v.token) for v in _verdicts(out)]
+    assert got == verdicts
+    assert sum(isinstance(e, Note) and e.kind == NoteKind.STALE for e in out) == stale
+    assert (core.next_pos, core.cache_len, core.epoch) == (next_pos, next_pos, 1)
+    # the edge goes on in the new epoch
+    assert isinstance(run_of(core.receive(propose(core, 1, 3, next_pos, [11], [4]))).work, Verify)
+
+
+def test_what_is_not_coalesced() -> None:
+    """A follower with fixed tokens, at another position, of another epoch, behind a bonus
+    request, past max_coalesced or with coalescing off runs on its own."""
+    cases: list[tuple[dict[str, int], list[int], int]] = [
+        ({}, [2], 5),  # fixed tokens (a correction or a bonus coming back)
+        ({}, [], 6),  # not where batch 1 ends
+        ({"max_coalesced": 3}, [], 5),  # 2 + 2 > 3
+        ({"max_coalesced": 0}, [], 5),  # off
+    ]
+    for limits, fixed, pos in cases:
+        core = opened(**limits)
+        core.receive(propose(core, 0, 0, 0, [5, 6], [1]))
+        core.receive(propose(core, 0, 1, 3, [7, 8]))
+        core.receive(propose(core, 0, 2, pos, [9, 10], fixed))
+        work = run_of(core.work_done(Verified(Decision(2)))).work
+        assert isinstance(work, Verify) and work.more == (), (limits, fixed, pos)
+
+
 def test_federated_propose_runs_federate() -> None:
     core = opened(ReplyMode.FEDERATED)
     work = run_of(core.receive(propose(core, 0, 0, 0, [5], [1]))).work
