@@ -37,6 +37,7 @@ from shared.protocol import (
     Rollback,
     Verdict,
     WireContext,
+    decode,
     encode,
 )
 from shared.sampling import SamplingParams, transform
@@ -430,6 +431,36 @@ async def test_kv_cache_full_answers_503_and_is_in_metrics(
     await asyncio.sleep(0.05)
     assert svc.engine.pages_free == 2
     await svc.open(hello_for(target))
+
+
+async def test_a_flood_while_its_work_runs_closes_only_that_session(
+    aiohttp_client: AiohttpClient, target: TorchTarget
+) -> None:
+    """Frames that arrive while a session's forward runs are read ahead (at most READ_AHEAD) and
+    handled after it, in order: its verdict first, then each garbage frame is a bad frame until
+    max_bad_frames closes the session. The engine, its slot and another session are unharmed."""
+    from bench.verifier import PaddedTarget
+
+    svc = await start(aiohttp_client, target, lambda: PaddedTarget(target, 300.0), max_bad_frames=8)
+    other = Driver(await svc.open(hello_for(target)), 64, 3, np.random.default_rng(0))
+    other.fixed = [4, 5, 6]
+    pc = await svc.open(hello_for(target))
+    await pc.send(propose(0, 0, 0, [8, 9], [4, 5]))
+    for _ in range(40):  # while its forward (300 ms) runs
+        await pc.ws.send_bytes(b"\xc1 not msgpack")
+    assert isinstance(await pc.recv(), Verdict)
+    codes = []
+    while True:
+        msg = await pc.ws.receive(timeout=10)
+        if msg.type != WSMsgType.BINARY:
+            break
+        codes.append(decode(msg.data, WireContext(vocab_size=64)).code)  # type: ignore[union-attr]
+    assert codes == ["bad_frame"] * 7 + ["too_many_bad_frames"], codes
+    assert msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING)
+    assert isinstance(await other.round(), Verdict)  # the engine serves the other session
+    while len(svc.state.sessions) > 1:
+        await asyncio.sleep(0.01)
+    assert svc.engine.slots_used == 1 and svc.engine.worker_alive()
 
 
 async def test_bad_frames_stay_in_their_session(
