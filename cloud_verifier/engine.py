@@ -225,11 +225,11 @@ class Engine:
         return self.target
 
     @property
-    def max_context(self) -> int | None:
+    def max_context(self) -> int:
         """Tokens one session may hold: the model's limit, capped by the whole pool."""
         target = self.require_target()
-        pool = self.pool
-        pool_tokens = self.limits.kv_tokens if pool is None else pool.num_pages * pool.page_size
+        assert self.pool is not None  # allocated with the target, by load()
+        pool_tokens = self.pool.num_pages * self.pool.page_size
         return pool_tokens if target.max_length is None else min(target.max_length, pool_tokens)
 
     def _put(self, item: _Request | _Call) -> None:

@@ -15,6 +15,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,10 @@ import torch
 from scipy import stats
 
 from bench.tiny_models import build_tiny_model
-from cloud_verifier.app import STATE, build_app
+from cloud_verifier.app import STATE, VerifierState, build_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import TorchTarget
+from cloud_verifier.targets import Target, TorchTarget
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.drafter import Drafter
 from edge_agent.link import AuthError, LinkSettings, WebSocketTransport
@@ -55,18 +56,26 @@ def draft(tiny_draft_dir: Path) -> LoadedModel:
     return load_model(str(tiny_draft_dir))
 
 
-async def serve(aiohttp_server: Any, target: LoadedModel, **overrides: Any) -> str:
+async def serve_app(
+    aiohttp_server: Any, loader: Callable[[], Target], **overrides: Any
+) -> tuple[str, VerifierState]:
+    """A verifier on ``loader``'s target, once healthy: its session URL and its state."""
     settings = VerifierSettings(model="tiny", heartbeat=0.0, **overrides)
-    app = build_app(settings, auth=Authenticator([TOKEN]), loader=lambda: TorchTarget(target))
+    app = build_app(settings, auth=Authenticator([TOKEN]), loader=loader)
     server = await aiohttp_server(app)
     url = str(server.make_url("/v1/session")).replace("http://", "ws://")
     async with aiohttp.ClientSession() as s:
         for _ in range(500):  # the model loads in the background
             async with s.get(str(server.make_url("/health"))) as r:
                 if r.status == 200:
-                    return url
+                    return url, app[STATE]
             await asyncio.sleep(0.01)
     raise AssertionError("verifier never became healthy")
+
+
+async def serve(aiohttp_server: Any, target: LoadedModel, **overrides: Any) -> str:
+    url, _ = await serve_app(aiohttp_server, lambda: TorchTarget(target), **overrides)
+    return url
 
 
 def agent_for(draft: LoadedModel, url: str, token: str = TOKEN) -> EdgeAgent:
@@ -122,13 +131,7 @@ async def test_concurrent_edges_each_get_target_greedy_text(
     """Four edges (own drafters, different prompts, pipelined and stop-and-wait) on one
     verifier at once: their forwards share batched steps, and each text is exactly the
     target-only greedy text of its prompt."""
-    settings = VerifierSettings(model="tiny", heartbeat=0.0, batch_wait_ms=5.0)
-    app = build_app(settings, auth=Authenticator([TOKEN]), loader=lambda: TorchTarget(target))
-    server = await aiohttp_server(app)
-    url = str(server.make_url("/v1/session")).replace("http://", "ws://")
-    state = app[STATE]
-    while state.status != "ready":
-        await asyncio.sleep(0.01)
+    url, state = await serve_app(aiohttp_server, lambda: TorchTarget(target), batch_wait_ms=5.0)
     prompts = [PROMPT, [1, 3, 5], [1, 50, 51, 52, 53, 54, 55, 56], [1, 9]]
     modes = [(3, 2, Mode.PIPELINED), (2, 1, Mode.STOP_AND_WAIT), (4, 3, Mode.PIPELINED),
              (1, 1, Mode.STOP_AND_WAIT)]  # fmt: skip
@@ -161,17 +164,7 @@ async def test_coalesced_verification_keeps_the_target_text(
     verified several per forward (coalescing), each answered with its own Verdict; the text is
     still exactly the target's greedy text, with a draft that is always right and with one that
     is often wrong (rejections inside coalesced batches)."""
-    settings = VerifierSettings(model="tiny", heartbeat=0.0)
-    app = build_app(
-        settings,
-        auth=Authenticator([TOKEN]),
-        loader=lambda: SlowTarget(TorchTarget(target), 0.04),
-    )
-    server = await aiohttp_server(app)
-    url = str(server.make_url("/v1/session")).replace("http://", "ws://")
-    state = app[STATE]
-    while state.status != "ready":
-        await asyncio.sleep(0.01)
+    url, state = await serve_app(aiohttp_server, lambda: SlowTarget(TorchTarget(target), 0.04))
     agent = agent_for(target if own_draft else draft, url)
     try:
         cfg = PipelineConfig(gamma=2, depth=4, sampling=SamplingParams(0.0))
