@@ -164,7 +164,8 @@ class VerifierMetrics:
         )
         self.round_seconds = r.histogram(
             "wanspec_round_seconds",
-            "Propose frame received → reply sent, in the session handler.",
+            "Propose taken up → reply sent, in the session handler (taken up: received, or, "
+            "for one read ahead while the session's previous work ran, its own work started).",
             buckets=_TIME_BUCKETS,
         )
 
