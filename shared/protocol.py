@@ -78,6 +78,7 @@ class MsgType(IntEnum):
     ERROR = 7
     RESAMPLE = 8
     CANDIDATES = 9
+    GENERATED = 10
 
 
 class CorrectionMode(TextEnum):
@@ -163,6 +164,10 @@ class Hello:
     m: int = 8  # candidates per exact correction
     bonus: bool = False  # a bonus token on every full acceptance (stop-and-wait)
     seed: int | None = None  # verifier RNG seed for this session (reproducible runs)
+    #: Co-generation: while no valid draft of this session is queued, the verifier samples the
+    #: next tokens from p itself (Generated frames), up to this absolute position (the prompt
+    #: plus the generation's room); 0 = never.
+    cogen_end: int = 0
 
 
 @dataclass(frozen=True)
@@ -263,6 +268,17 @@ class Candidates:
 
 
 @dataclass(frozen=True)
+class Generated:
+    """Verifier → edge (co-generation): ``token``, sampled by the verifier from p, is the
+    committed token at position ``pos`` (= the edge's committed length when it arrives).
+    In-flight draft tokens at ``pos`` that differ from it are rejected there at no model cost."""
+
+    epoch: int
+    pos: int
+    token: int
+
+
+@dataclass(frozen=True)
 class Error:
     """Either direction. ``fatal`` errors close the session."""
 
@@ -272,7 +288,16 @@ class Error:
 
 
 Message = (
-    Hello | Welcome | Propose | Verdict | FederatedReply | Rollback | Resample | Candidates | Error
+    Hello
+    | Welcome
+    | Propose
+    | Verdict
+    | FederatedReply
+    | Rollback
+    | Resample
+    | Candidates
+    | Generated
+    | Error
 )
 
 
@@ -867,6 +892,7 @@ _FRAMES: Final = (
             _Field("m", "m", _Int(1, 4096)),
             _Field("bonus", "bonus", _Bool()),
             _Field("seed", "seed", _Int(0, 2**63 - 1), presence=_OPTIONAL),
+            _Field("cogen", "cogen", _Int(0, _U32_MAX), "cogen_end", presence=_DEFAULTED),
         ],
     ),
     _Frame(
@@ -946,6 +972,15 @@ _FRAMES: Final = (
             _Field(K_B, "candidates", _Sparse(distributional=False)),
         ],
         _make_candidates,
+    ),
+    _Frame(
+        MsgType.GENERATED,
+        Generated,
+        [
+            _Field(K_EPOCH, "epoch", _U32),
+            _Field(K_POS, "pos", _U32),
+            _Field(K_C, "token", _TOKEN),
+        ],
     ),
 )
 if sorted(t.msg_type for t in _FRAMES) != list(MsgType):
@@ -1078,6 +1113,7 @@ __all__ = [
     "Error",
     "FederatedReply",
     "Fingerprint",
+    "Generated",
     "Hello",
     "Message",
     "MsgType",

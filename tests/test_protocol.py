@@ -19,6 +19,7 @@ from shared.protocol import (
     Error,
     FederatedReply,
     Fingerprint,
+    Generated,
     Hello,
     MsgType,
     Propose,
@@ -86,6 +87,11 @@ def test_budget_verdict_full_acceptance() -> None:
     assert len(encode(Verdict(EPOCH, SEQ, accepted=4, bonus=40000), SMOL)) <= 16
 
 
+def test_budget_generated_token() -> None:
+    """A co-generated token costs about what a Verdict with a bonus does."""
+    assert len(encode(Generated(EPOCH, POS, 40000), SMOL)) <= 16
+
+
 def test_budget_greedy_draft_propose_sends_no_q() -> None:
     ctx = WireContext(vocab_size=49152, draft_probs=False)
     assert len(encode(_propose(4), ctx)) <= 24
@@ -140,6 +146,7 @@ ALL_MESSAGES = [
     Rollback(EPOCH + 1, POS + 2),
     Resample(EPOCH, POS),
     Candidates(EPOCH, POS, SparseDist(np.array([1, 2]), np.array([0.5, 0.25], np.float32))),
+    Generated(EPOCH, POS, 49151),
 ]
 
 
