@@ -29,12 +29,26 @@ class PipelineConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     correction: CorrectionMode = CorrectionMode.TOPK
     reconstruction: Reconstruction = Reconstruction.RENORMALISED
+    #: Co-generation: the verifier decodes on its own whenever no valid draft of this session
+    #: is queued, and streams its tokens down (:mod:`shared.verifier_core`).
+    cogen: bool = True
+    #: Adaptive draft length / depth (``--gamma auto`` / ``--depth auto``): ``gamma`` and
+    #: ``depth`` are then the starting values and ``max_gamma`` / ``max_depth`` the bounds of
+    #: the online controller (:mod:`shared.controller`).
+    auto_gamma: bool = False
+    auto_depth: bool = False
+    max_gamma: int = 12
+    max_depth: int = 8
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma <= 64:
             raise ValueError(f"gamma must be in 1..64, got {self.gamma}")
         if not 1 <= self.depth < SEQ_MODULUS:
             raise ValueError(f"depth must be in 1..{SEQ_MODULUS - 1}, got {self.depth}")
+        if not 1 <= self.max_gamma <= 64:
+            raise ValueError(f"max_gamma must be in 1..64, got {self.max_gamma}")
+        if not 1 <= self.max_depth < SEQ_MODULUS:
+            raise ValueError(f"max_depth must be in 1..{SEQ_MODULUS - 1}, got {self.max_depth}")
         # Settings files and flags give strings: store members.
         object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
         object.__setattr__(
