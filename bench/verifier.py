@@ -51,22 +51,29 @@ class PaddedTarget(WrappedTarget):
     the rest on the engine's thread), whatever the number of sessions in it: on a GPU a
     batch of a few sessions costs about what one does (see README, verifier load)."""
 
-    def __init__(self, inner: Target, pad_ms: float) -> None:
+    def __init__(self, inner: Target, pad_ms: float, decode_pad_ms: float = 0.0) -> None:
         super().__init__(inner, f"{inner.description}, forwards padded to {pad_ms:g} ms")
         self.pad_s = pad_ms / 1000.0
+        #: A forward whose every row is a one-token decode step (co-generation) is one step of
+        #: autoregressive decoding: padded to this instead (0: pad_ms).
+        self.decode_pad_s = decode_pad_ms / 1000.0 or self.pad_s
 
     def forward(self, rows: Seq[Row]) -> torch.Tensor:
         t0 = time.perf_counter()
         out = self.inner.forward(rows)
-        rest = self.pad_s - (time.perf_counter() - t0)
+        decode = all(len(r.ids) == 1 for r in rows)
+        rest = (self.decode_pad_s if decode else self.pad_s) - (time.perf_counter() - t0)
         if rest > 0:
             time.sleep(rest)
         return out
 
 
-def padded_loader(pad_ms: float) -> Callable[[VerifierSettings], Callable[[], Target]]:
+def padded_loader(
+    pad_ms: float, decode_pad_ms: float = 0.0
+) -> Callable[[VerifierSettings], Callable[[], Target]]:
     """A loader factory for :func:`cloud_verifier.cli.run_serve`: load ``settings.model`` and,
-    if ``pad_ms > 0``, pad its forwards to ``pad_ms``."""
+    if ``pad_ms > 0``, pad its forwards to ``pad_ms`` (one-token decode steps to
+    ``decode_pad_ms`` when given)."""
 
     def make_loader(settings: VerifierSettings) -> Callable[[], Target]:
         def loader() -> Target:
@@ -76,7 +83,7 @@ def padded_loader(pad_ms: float) -> Callable[[VerifierSettings], Callable[[], Ta
                 dtype=settings.dtype,
                 compile_forward=settings.compile,
             )
-            return PaddedTarget(target, pad_ms) if pad_ms > 0 else target
+            return PaddedTarget(target, pad_ms, decode_pad_ms) if pad_ms > 0 else target
 
         return loader
 
@@ -105,12 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="pad every target forward to this many ms (default: 0, off)",
     )
+    parser.add_argument(
+        "--emulate-decode-ms",
+        type=_pad_ms,
+        default=0.0,
+        help="pad a forward of one-token decode steps (co-generation) to this many ms instead "
+        "(an autoregressive step; default: the verify pad)",
+    )
     return parser
 
 
 def main(argv: Seq[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_serve(args, make_loader=padded_loader(args.emulate_verify_ms))
+    return run_serve(
+        args, make_loader=padded_loader(args.emulate_verify_ms, args.emulate_decode_ms)
+    )
 
 
 if __name__ == "__main__":

@@ -44,11 +44,13 @@ from shared.verifier_core import (
     Event,
     Failed,
     Federate,
+    Generate,
     Note,
     NoteKind,
     Run,
     Send,
     SessionLimits,
+    Skipped,
     TargetInfo,
     Verified,
     VerifierCore,
@@ -124,6 +126,7 @@ def limits_from(settings: VerifierSettings) -> SessionLimits:
         max_resamples=settings.max_resamples,
         idle_timeout_s=settings.idle_timeout,
         max_coalesced=settings.max_coalesced,
+        max_cogen_ahead=settings.cogen_ahead,
     )
 
 
@@ -727,7 +730,12 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
     m = state.metrics
     result, timing = outcome.result, outcome.timing
     m.queue_seconds.observe(outcome.queued_s)
-    if isinstance(work, (Verify, Federate)) and timing is not None:
+    if isinstance(work, Generate):
+        if isinstance(result, Verified):
+            m.cogen_tokens.inc()
+        elif isinstance(result, Skipped):
+            m.cogen_skipped.inc()
+    if isinstance(work, (Verify, Federate, Generate)) and timing is not None:
         f = len(work.fixed)
         m.model_forwards.inc()
         m.fixed_tokens.inc(f)

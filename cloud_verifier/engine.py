@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import torch
@@ -53,7 +53,9 @@ from shared.verifier_core import (
     Failed,
     Federate,
     Federated,
+    Generate,
     Result,
+    Skipped,
     Verified,
     Verify,
     Work,
@@ -179,8 +181,12 @@ def _auto_kv_tokens(target: Target) -> int:
     return max(tokens, 1)
 
 
+#: Work that needs a forward of the target.
+_FORWARDS: Final = (Verify, Federate, Generate)
+
+
 def _wants_bonus(work: Work) -> bool:
-    return isinstance(work, Verify) and work.want_bonus
+    return isinstance(work, Generate) or (isinstance(work, Verify) and work.want_bonus)
 
 
 @dataclass
@@ -188,7 +194,7 @@ class _Planned:
     request: _Request
     row: Row
     start: int  # the slot's length before the forward
-    work: Verify | Federate
+    work: Verify | Federate | Generate
 
 
 class Engine:
@@ -204,6 +210,7 @@ class Engine:
         self.target: Target | None = None
         self.pool: PagedKV | None = None
         self.forwards = 0
+        self.cogen_skipped = 0  # Generates that found no room in a step (engine thread)
         self.rows_forwarded = 0
         self.warm = False
         self._queue: deque[_Request | _Call] = deque()
@@ -395,7 +402,7 @@ class Engine:
             forwards = sum(
                 1
                 for item in self._queue
-                if isinstance(item, _Request) and isinstance(item.work, (Verify, Federate))
+                if isinstance(item, _Request) and isinstance(item.work, _FORWARDS)
             )
             if forwards == 0 or forwards >= min(self.slots_used, self.limits.max_batch_sessions):
                 return
@@ -406,22 +413,33 @@ class Engine:
 
     def _take(self) -> tuple[list[_Call], list[_Request]]:
         """Under the lock: every call and cheap request in arrival order up to the first forward
-        that does not fit, and the forwards of one step (module docstring)."""
+        that does not fit, and the forwards of one step (module docstring).
+
+        Co-generation gives way: a :class:`Generate` joins the step only in the room the
+        drafts to verify leave, and one that finds no room is answered :class:`Skipped` at once
+        (its session pauses co-generation until its edge sends a frame)."""
         calls: list[_Call] = []
         batch: list[_Request] = []
+        cogen: list[_Request] = []
         forwards, longest = 0, 0
         lim = self.limits
+
+        def fits(n: int) -> bool:
+            return forwards < lim.max_batch_sessions and (
+                (forwards + 1) * max(longest, n) <= lim.max_batch_tokens
+            )
+
         while self._queue:
             item = self._queue[0]
+            if isinstance(item, _Request) and isinstance(item.work, Generate):
+                self._queue.popleft()
+                cogen.append(item)
+                continue
             if isinstance(item, _Request) and isinstance(item.work, (Verify, Federate)):
                 n = len(item.work.fixed) + len(item.work.draft) + 1
-                longest_next = max(longest, n)
-                fits = forwards < lim.max_batch_sessions and (
-                    (forwards + 1) * longest_next <= lim.max_batch_tokens
-                )
-                if forwards and not fits:
+                if forwards and not fits(n):
                     break
-                forwards, longest = forwards + 1, longest_next
+                forwards, longest = forwards + 1, max(longest, n)
             if isinstance(item, _Call) and batch:
                 break  # a call runs between steps: after the step queued before it
             self._queue.popleft()
@@ -429,6 +447,16 @@ class Engine:
                 calls.append(item)
             else:
                 batch.append(item)
+        t0 = time.perf_counter()
+        for req in cogen:
+            assert isinstance(req.work, Generate)
+            n = len(req.work.fixed) + 1
+            if forwards == 0 or fits(n):
+                forwards, longest = forwards + 1, max(longest, n)
+                batch.append(req)
+            else:
+                self.cogen_skipped += 1
+                self._finish(req, Skipped(), None, t0)
         return calls, batch
 
     def _free_pages(self, slot: Slot) -> None:
@@ -480,7 +508,7 @@ class Engine:
         except Exception as e:
             return Failed(f"{type(e).__name__}: {e}", slot.length)
 
-    def _plan(self, req: _Request, work: Verify | Federate) -> _Planned | Failed:
+    def _plan(self, req: _Request, work: Verify | Federate | Generate) -> _Planned | Failed:
         """The forward row of one Verify/Federate: fixed + draft after the cache; with no fixed
         tokens, the last cached token again (its row scores draft[0]; its keys are rewritten
         with the same values)."""
@@ -529,7 +557,7 @@ class Engine:
             slot.pages.length = len(slot.tokens)
         gammas = [len(p.work.draft) for p in planned]
         cu = ds.cu_from_gammas(gammas)
-        verify = [i for i, p in enumerate(planned) if isinstance(p.request.work, Verify)]
+        verify = [i for i, p in enumerate(planned) if not isinstance(p.request.work, Federate)]
         federate = [i for i, p in enumerate(planned) if isinstance(p.request.work, Federate)]
         results: dict[int, Result] = {}
         try:

@@ -66,6 +66,10 @@ class VerifierSettings:
     # Proposes queued behind a running one that continue it share its next forward, up to this
     # many draft tokens in all (coalescing; one Verdict each); 0 = off.
     max_coalesced: int = field(default=64, metadata=_b(0, 65536))
+    # Co-generation, for edges that ask for it: with no valid draft of a session queued, the
+    # verifier decodes that session's next tokens itself, at most this many beyond the end of
+    # its last Propose, and only in room the drafts to verify leave in a step; 0 = off.
+    cogen_ahead: int = field(default=64, metadata=_b(0, 65536))
     handshake_timeout: float = field(default=10.0, metadata=_b(0.1))  # seconds to send Hello
     # An open session with no model work (no valid Propose, Rollback or Resample) for this many
     # seconds is closed (1008, idle_timeout) and its slot freed; 0 = never.

@@ -133,6 +133,15 @@ class VerifierMetrics:
             "wanspec_coalesced_proposes_total",
             "Proposes verified in the forward of the Propose queued before them (coalescing).",
         )
+        self.cogen_tokens = r.counter(
+            "wanspec_cogen_tokens_total",
+            "Tokens the verifier co-generated (decoded on its own while a session had no valid "
+            "draft queued).",
+        )
+        self.cogen_skipped = r.counter(
+            "wanspec_cogen_skipped_total",
+            "Co-generation steps given no forward: the engine's step was full of drafts to verify.",
+        )
         self.batch_sessions = r.histogram(
             "wanspec_batch_sessions",
             "Sessions in one batched forward of the engine.",

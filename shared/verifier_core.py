@@ -64,6 +64,7 @@ from shared.protocol import (
     Error,
     FederatedReply,
     Fingerprint,
+    Generated,
     Hello,
     Message,
     Propose,
@@ -136,6 +137,10 @@ class SessionLimits:
     #: next position, no fixed tokens) join its forward, up to this many draft tokens in all;
     #: 0 = off.
     max_coalesced: int = 64
+    #: Co-generation (when the Hello asks for it): tokens the verifier may decode on its own
+    #: beyond the end of the last Propose it received (a silent edge holds at most this much
+    #: model work); 0 = never co-generate.
+    max_cogen_ahead: int = 64
 
 
 @dataclass(frozen=True)
@@ -157,11 +162,16 @@ class Verify:
 
     ``more``: Proposes that were queued right behind ``propose`` (same epoch, consecutive
     positions, no fixed tokens), verified in the same forward as one longer draft (coalesced);
-    the core answers each with its own Verdict."""
+    the core answers each with its own Verdict.
+
+    ``matched``: with co-generation, the first segment's draft tokens that coincided with
+    tokens the verifier had already produced (accepted at no model cost); ``propose`` then holds
+    only the rest of that draft, and its fixed tokens are the known tokens the cache lacks."""
 
     propose: Propose
     want_bonus: bool
     more: tuple[Propose, ...] = ()
+    matched: int = 0
 
     @property
     def segments(self) -> tuple[Propose, ...]:
@@ -209,6 +219,28 @@ class Federate:
         return self.propose.q
 
 
+_NO_IDS: Final = np.zeros(0, np.int64)
+_NO_PROBS: Final = np.zeros(0, np.float32)
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Co-generation: run the target over ``fixed`` (the known tokens the cache lacks; none:
+    the last cached token is scored again) from ``pos`` (= the cache length) and sample the next
+    token from p — a *bonus* token with no draft before it."""
+
+    pos: int
+    fixed: npt.NDArray[np.int64]
+
+    @property
+    def draft(self) -> npt.NDArray[np.int64]:
+        return _NO_IDS
+
+    @property
+    def q(self) -> npt.NDArray[np.float32]:
+        return _NO_PROBS
+
+
 @dataclass(frozen=True)
 class Crop:
     """Keep the first ``pos`` tokens of the cache (Rollback)."""
@@ -225,7 +257,7 @@ class Draw:
     m: int
 
 
-Work = Verify | Federate | Crop | Draw
+Work = Verify | Federate | Generate | Crop | Draw
 
 
 @dataclass(frozen=True)
@@ -260,7 +292,13 @@ class Failed:
     cache_len: int
 
 
-Result = Verified | Federated | Cropped | Drawn | Failed
+@dataclass(frozen=True)
+class Skipped:
+    """The engine gave a :class:`Generate` no forward (it is saturated with drafts to verify):
+    co-generation pauses until the next frame."""
+
+
+Result = Verified | Federated | Cropped | Drawn | Failed | Skipped
 
 
 # ------------------------------------------------------------------------------- events
@@ -323,6 +361,19 @@ class VerifierCore:
         self._active_at = 0.0  # the last time model work started or ended (``now`` passed in)
         self._running: Work | None = None
         self._queue: deque[Message | ProtocolError] = deque()
+        self.cogen = False  # negotiated in the Hello
+        #: The committed text as the verifier knows it (positions 0..len-1). Invariants:
+        #: ``next_pos <= len(text)``, ``cache_len <= len(text)``, and the cache holds
+        #: ``text[:cache_len]``. It runs ahead of ``next_pos`` by a token the verifier chose
+        #: itself (a recovered or bonus token, which the edge sends back as a fixed token) and
+        #: by co-generated tokens.
+        self.text: list[int] = []
+        #: The edge has committed a token the verifier does not know (a recovered token it drew
+        #: itself, topk / candidates modes): no co-generation until it arrives as a fixed token.
+        self.edge_ahead = False
+        self.cogen_tokens = 0
+        self._cogen_paused = False
+        self._proposed_end = 0  # end of the last Propose received (co-generation bound)
 
     # ------------------------------------------------------------------ inputs
 
@@ -341,12 +392,14 @@ class VerifierCore:
             msg = decode(data, self.ctx)
         except ProtocolError as e:
             msg = e
+        self._cogen_paused = False
         if self.state == CoreState.BUSY:
             if len(self._queue) >= self.limits.max_queued:
                 return self._bad("queue_full", f"more than {self.limits.max_queued} frames queued")
             self._queue.append(msg)
             return []
-        return self._handle(msg, now)
+        out = self._handle(msg, now)
+        return out + self._maybe_cogen()
 
     def work_done(self, result: Result, now: float = 0.0) -> list[Event]:
         """The result of the :class:`Run` this core asked for last, at ``now``."""
@@ -354,12 +407,13 @@ class VerifierCore:
         if work is None or self.state != CoreState.BUSY:
             raise RuntimeError("work_done without work running")
         self._running = None
-        self._active_at = now
+        if not isinstance(work, Generate):  # co-generation is not the edge's activity
+            self._active_at = now
         self.state = CoreState.OPEN
         out = self._apply(work, result)
         while self.state == CoreState.OPEN and self._queue:
             out += self._handle(self._queue.popleft(), now)
-        return out
+        return out + self._maybe_cogen()
 
     def idle_deadline(self) -> float | None:
         """When an open session with no model work is closed (None: not now, or never)."""
@@ -436,6 +490,7 @@ class VerifierCore:
             draft_probs=msg.correction != CorrectionMode.GREEDY_DRAFT,
         )
         self.state = CoreState.OPEN
+        self.cogen = msg.cogen_end > 0 and msg.reply_mode == ReplyMode.VERDICT
         welcome = Welcome(
             fingerprint=t.fingerprint,
             session_id=self.session_id,
@@ -517,7 +572,12 @@ class VerifierCore:
         if p.epoch > self.epoch:
             return self._bad("bad_epoch", f"epoch {p.epoch} is ahead of the session's {self.epoch}")
         f, g = len(p.fixed), len(p.draft)
-        if p.pos != self.next_pos:
+        known = len(self.text)
+        if self.cogen and not self.next_pos <= p.pos <= known:
+            # The edge starts where it last knew the verifier to be; co-generated tokens may
+            # have moved the verifier on since.
+            return self._bad("bad_pos", f"pos {p.pos} outside [{self.next_pos}, {known}]")
+        if not self.cogen and p.pos != self.next_pos:
             return self._bad("bad_pos", f"pos {p.pos}, expected {self.next_pos}")
         if self.next_pos == 0 and f == 0:
             return self._bad("bad_pos", "pos 0 needs at least one fixed token (the prompt)")
@@ -534,12 +594,80 @@ class VerifierCore:
             ]
         assert self.hello is not None
         self._pending = None
+        self._proposed_end = p.pos + f + g
         if self.hello.reply_mode == ReplyMode.FEDERATED:
             return self._start(Federate(p))
+        return self._match(p)
+
+    def _match(self, p: Propose) -> list[Event]:
+        """A valid Propose of this epoch against the known text: tokens at known positions are
+        compared with it (a fixed token that differs is a bad frame; a draft token that differs
+        is a *rejection* there at no model cost, its correction the known token, which the edge
+        already has); the rest is verified by the model (:class:`Verify`)."""
+        assert self.hello is not None
+        f, g, known = len(p.fixed), len(p.draft), len(self.text)
+        over = known - p.pos  # positions of this Propose the verifier already knows (>= 0)
+        nf = min(f, over)
+        if nf and p.fixed[:nf].tolist() != self.text[p.pos : p.pos + nf]:
+            return self._bad("bad_pos", f"fixed tokens at {p.pos} differ from the committed text")
+        nd = min(g, max(0, over - f))
+        base = p.pos + f
+        for i in range(nd):
+            if int(p.draft[i]) != self.text[base + i]:
+                # Exact: the known token was sampled from p (co-generated, or the verifier's own
+                # recovered / bonus token) before this draft token was looked at.
+                self.next_pos = base + i
+                self._new_epoch()
+                return [Send(Verdict(p.epoch, p.seq, accepted=i, token=self.text[base + i]))]
+        want_bonus = p.want_bonus or self.hello.bonus
+        if nd == g and (not want_bonus or known > base + g):
+            self.next_pos = base + g
+            bonus = self.text[base + g] if want_bonus else None
+            return [Send(Verdict(p.epoch, p.seq, accepted=g, bonus=bonus))]
+        if over > 0 or self.cache_len < p.pos:
+            # Start at the cache's end: feed the known tokens it lacks as fixed tokens (every
+            # known position of this Propose matched), then the new fixed tokens and the draft
+            # tokens past the known text. (cache_len <= p.pos + nf + nd: that is known, or
+            # less when the Propose ends inside the known text.)
+            fixed = self.text[self.cache_len : p.pos + nf + nd] + p.fixed[nf:].tolist()
+            p = Propose(
+                epoch=p.epoch,
+                seq=p.seq,
+                pos=self.cache_len,
+                draft=p.draft[nd:],
+                q=p.q[nd:],
+                fixed=np.array(fixed, np.int64),
+                want_bonus=p.want_bonus,
+            )
         more = self._coalesce(p)
         return self._start(
-            Verify(p, (more[-1] if more else p).want_bonus or self.hello.bonus, more)
+            Verify(p, (more[-1] if more else p).want_bonus or self.hello.bonus, more, matched=nd)
         )
+
+    def _new_epoch(self) -> None:
+        """A rejection: every batch the edge sent behind the rejected one is now stale."""
+        self.epoch += 1
+        self._stale_in_epoch = 0
+
+    def _maybe_cogen(self) -> list[Event]:
+        """Co-generation: with no valid draft of this session queued, decode the next token."""
+        if not (
+            self.cogen
+            and self.state == CoreState.OPEN
+            and not self._queue
+            and not self.edge_ahead
+            and not self._cogen_paused
+            and self.text
+        ):
+            return []
+        assert self.hello is not None
+        known = len(self.text)
+        if known >= min(self.hello.cogen_end, self.max_context):
+            return []
+        if known - self._proposed_end >= self.limits.max_cogen_ahead:
+            return []
+        fixed = np.array(self.text[self.cache_len :], np.int64)
+        return self._start(Generate(self.cache_len, fixed))
 
     def _coalesce(self, p: Propose) -> tuple[Propose, ...]:
         """The queued Proposes that continue ``p`` and may share its forward: the head of the
@@ -580,6 +708,8 @@ class VerifierCore:
         self.epoch = r.epoch
         self._stale_in_epoch = 0
         self.next_pos = r.pos
+        del self.text[r.pos :]
+        self.edge_ahead = False
         self._pending = None
         return self._start(Crop(r.pos))
 
@@ -606,9 +736,15 @@ class VerifierCore:
             return self._failed(work, result)
         if isinstance(work, Verify) and isinstance(result, Verified):
             return self._verified(work, result)
+        if isinstance(work, Generate) and isinstance(result, Verified):
+            return self._generated(work, result)
+        if isinstance(work, Generate) and isinstance(result, Skipped):
+            self._cogen_paused = True
+            return []
         if isinstance(work, Federate) and isinstance(result, Federated):
             p = work.propose
             self.next_pos = self.cache_len = p.pos + len(p.fixed) + len(p.draft)
+            self.text[p.pos :] = [*p.fixed.tolist(), *p.draft.tolist()]
             return [Send(FederatedReply(p.epoch, p.seq, result.dists, result.p_draft, result.l1))]
         if isinstance(work, Crop) and isinstance(result, Cropped):
             self.cache_len = work.pos
@@ -624,22 +760,29 @@ class VerifierCore:
         are of an old epoch now, as if they had been queued and dropped)."""
         p, d = work.propose, result.decision
         f, g, n = len(p.fixed), len(work.draft), d.accepted
+        self.text[p.pos :] = [*p.fixed.tolist(), *work.draft[:n].tolist()]
+        self.edge_ahead = False
         if n < g:
             # Rejection: the model side cropped the cache to the accepted prefix; every batch
             # the edge sent behind this one is now of an old epoch.
             self.next_pos = self.cache_len = p.pos + f + n
-            self.epoch += 1
-            self._stale_in_epoch = 0
+            self._new_epoch()
             if result.kept_row:
                 self._pending = _Pending(self.epoch, self.next_pos)
+            if d.token is not None:
+                self.text.append(d.token)  # the verifier's own recovered token
+            else:
+                self.edge_ahead = True  # the edge draws it
         else:
             # A bonus token is committed by the edge and comes back as a fixed token.
             self.next_pos = self.cache_len = p.pos + f + g
+            if d.bonus is not None:
+                self.text.append(d.bonus)
         out: list[Event] = []
-        left = n
+        left = n + work.matched
         segments = work.segments
         for i, s in enumerate(segments):
-            gs = len(s.draft)
+            gs = len(s.draft) + (work.matched if i == 0 else 0)
             if left >= gs and i < len(segments) - 1:
                 out.append(Send(Verdict(epoch=s.epoch, seq=s.seq, accepted=gs)))
                 left -= gs
@@ -658,10 +801,26 @@ class VerifierCore:
             break
         return out
 
+    def _generated(self, work: Generate, result: Verified) -> list[Event]:
+        """A co-generated token: sampled from p after the known text (law p, whatever the
+        edge drafts for this position later)."""
+        token = result.decision.bonus
+        if token is None:
+            raise TypeError("a Generate's result carries no token")
+        self.cache_len = work.pos + len(work.fixed)
+        pos = len(self.text)
+        self.text.append(token)
+        self.cogen_tokens += 1
+        return [Send(Generated(self.epoch, pos, token))]
+
     def _failed(self, work: Work, result: Failed) -> list[Event]:
         note = Note(NoteKind.MODEL_ERROR, result.message)
+        expected = self.cache_len  # the engine restores the cache to its length before the work
         self.cache_len = result.cache_len
-        if result.cache_len != self.next_pos:  # the cache could not be restored
+        if isinstance(work, Generate) and result.cache_len == expected:
+            self._cogen_paused = True  # the edge asked for nothing: no error frame
+            return [note]
+        if result.cache_len != expected:  # the cache could not be restored
             self._close()
             return [
                 note,
