@@ -78,8 +78,9 @@ class EdgeAgent:
         if self._owns_worker:
             self.worker.close()
 
-    def hello(self, cfg: PipelineConfig, seed: int | None) -> Hello:
-        return hello_for(self.fingerprint, cfg, seed)
+    def hello(self, cfg: PipelineConfig, seed: int | None, end: int = 0) -> Hello:
+        """``end``: the position the generation stops at, at the latest (co-generation)."""
+        return hello_for(self.fingerprint, cfg, seed, end=end)
 
     async def generate(
         self,
@@ -127,7 +128,7 @@ class EdgeAgent:
             transport: Transport | None = None
             try:
                 transport = await self.connect()
-                hello = self.hello(cfg, vseed)
+                hello = self.hello(cfg, vseed, len(gen.committed) + gen.room)
                 welcome = await handshake(transport, hello, self.retry.handshake_timeout_s)
                 if len(gen.committed) > welcome.max_fixed:
                     raise HandshakeError(

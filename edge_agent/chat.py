@@ -54,8 +54,8 @@ class ChatOptions:
     top_k: int
     max_tokens: int
     seed: int | None
-    gamma: int
-    depth: int
+    gamma: int | None  # None: auto (the online controller)
+    depth: int | None
     mode: Mode
     correction: CorrectionMode
     system: str = ""
@@ -63,7 +63,8 @@ class ChatOptions:
     @classmethod
     def from_settings(cls, s: EdgeSettings) -> ChatOptions:
         return cls(
-            s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed, s.gamma, s.depth,
+            s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed,
+            None if s.gamma == "auto" else s.gamma, None if s.depth == "auto" else s.depth,
             Mode.parse(s.mode, "mode"), CorrectionMode.parse(s.correction, "correction"),
         )  # fmt: skip
 
@@ -80,6 +81,10 @@ class ChatOptions:
             return replace(self, correction=CorrectionMode.parse(value, "correction"))
         if key == "seed" and value.lower() in ("none", "off", ""):
             return replace(self, seed=None)
+        if key == "gamma" and value.lower() == "auto":
+            return replace(self, gamma=None)
+        if key == "depth" and value.lower() == "auto":
+            return replace(self, depth=None)
         try:
             num: float | int = float(value) if key in ("temperature", "top_p") else int(value)
         except ValueError:
@@ -111,6 +116,8 @@ class ChatOptions:
         correction with the one in effect when they differ: "'candidates' (greedy_draft at
         T = 0)", as /stats reports it."""
         value = getattr(self, key)
+        if key in ("gamma", "depth") and value is None:
+            return "'auto'"
         text = repr(value.value if isinstance(value, Enum) else value)
         if key == "correction" and self.wire_correction != self.correction:
             text += f" ({self.wire_correction.value} at T = 0)"
@@ -161,10 +168,14 @@ class RemoteBackend:
             "max_tokens": opts.max_tokens,
             "seed": opts.seed,
             "wanspec": {
-                "gamma": opts.gamma,
-                "depth": opts.depth,
-                "mode": opts.mode.value,
-                "correction": opts.correction.value,
+                k: v
+                for k, v in (
+                    ("gamma", opts.gamma),
+                    ("depth", opts.depth),
+                    ("mode", opts.mode.value),
+                    ("correction", opts.correction.value),
+                )
+                if v is not None
             },
         }
         parts: list[str] = []

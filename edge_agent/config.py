@@ -105,8 +105,12 @@ class EdgeSettings:
     dtype: DType = "auto"  # auto: float16 on cuda, float32 on the CPU
     threads: int | None = field(default=None, metadata=_b(1, 1024))  # torch CPU threads
     # --- speculation
-    gamma: int = field(default=4, metadata=_b(1, 64))
-    depth: int = field(default=2, metadata=_b(1, 127))
+    # "auto": the online controller picks γ and D from the session's own measurements
+    # (shared.controller); a number fixes them.
+    gamma: int | Literal["auto"] = field(default="auto", metadata=_b(1, 64))
+    depth: int | Literal["auto"] = field(default="auto", metadata=_b(1, 127))
+    # co-generation: the verifier decodes on its own while no draft of this session is queued
+    cogen: bool = True
     mode: ModeName = "pipelined"
     correction: CorrectionName = "candidates"
     # --- sampling defaults (a request's own values win)
@@ -204,9 +208,13 @@ class EdgeSettings:
         def pick(v: Any, default: Any) -> Any:
             return default if v is None else v
 
+        g, d = pick(gamma, self.gamma), pick(depth, self.depth)
         return PipelineConfig(
-            gamma=pick(gamma, self.gamma),
-            depth=pick(depth, self.depth),
+            gamma=4 if g == "auto" else g,
+            depth=2 if d == "auto" else d,
+            auto_gamma=g == "auto",
+            auto_depth=d == "auto",
+            cogen=self.cogen,
             mode=Mode.parse(pick(mode, self.mode), "mode"),
             correction=CorrectionMode.parse(pick(correction, self.correction), "correction"),
             reconstruction=Reconstruction.parse(self.reconstruction, "reconstruction"),

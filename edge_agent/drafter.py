@@ -28,6 +28,9 @@ class Drafter:
         self.lm = CausalLM(loaded, logits_window=64)
         self.vocab_size = self.lm.vocab_size
         self.forwards = 0  # forwards run (for tests and stats)
+        #: The draft's probability of the last token drawn, before any one-hot (its confidence:
+        #: the adaptive controller cuts a batch where it falls).
+        self.last_prob = 1.0
 
     def _sync(self, seq: Sequence[int]) -> None:
         """Make the cache hold exactly ``seq`` (crop to the common prefix, extend the rest)."""
@@ -68,7 +71,10 @@ class Drafter:
         q = self.next_dist(seq, params)
         if deterministic:
             x = int(np.argmax(q))
+            self.last_prob = float(q[x])
             onehot = np.zeros_like(q)
             onehot[x] = 1.0
             return x, onehot
-        return sample(q, rng), q
+        x = sample(q, rng)
+        self.last_prob = float(q[x])
+        return x, q

@@ -124,7 +124,9 @@ async def draft_loop(
         assert plan is not None
         draft: list[int] = []
         q_rows: list[Probs] = []
-        while pipe.wants_more(plan, draft):
+        prob = 1.0
+        while pipe.wants_more(plan, draft, prob):
+            t0 = time.perf_counter()
             x, q = await worker.run(
                 drafter.draft,
                 plan.context + draft,
@@ -132,10 +134,12 @@ async def draft_loop(
                 pipe.rng,
                 deterministic=plan.deterministic,
             )
-            if not pipe.current(plan):
-                break  # a rejection arrived meanwhile: this partial batch is void
+            pipe.controller.on_draft_step(time.perf_counter() - t0)
+            if not pipe.current(plan, [*draft, x]):
+                break  # a rejection (or a differing co-generated token) voided this batch
             draft.append(x)
             q_rows.append(q)
+            prob = drafter.last_prob
         submit(plan, draft, q_rows)
         signal.notify()
 
@@ -182,7 +186,7 @@ async def run_single(
     if core.gen.done:
         return
     signal = Signal()
-    io = LinkIO(transport, max_queued=core.cfg.effective_depth + 4)
+    io = LinkIO(transport, max_queued=max(core.cfg.effective_depth, core.cfg.max_depth) + 4)
 
     def submit(plan: DraftPlan, draft: list[int], q_rows: list[Probs]) -> None:
         for data in core.propose(plan, draft, q_rows, time.monotonic()):

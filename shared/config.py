@@ -102,12 +102,35 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _literal_alternative(tp: Any) -> tuple[tuple[Any, ...], Any] | None:
+    """(the keywords, the other type) for ``X | Literal[...]``; else None."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    args = typing.get_args(tp)
+    lits = [a for a in args if typing.get_origin(a) is typing.Literal]
+    if len(args) != 2 or len(lits) != 1:
+        return None
+    other = args[0] if args[1] is lits[0] else args[1]
+    return typing.get_args(lits[0]), other
+
+
 def _coerce(value: Any, tp: Any, *, from_text: bool) -> Any:
     """Convert/check ``value`` for annotation ``tp``; raise ValueError with a readable message.
 
     ``from_text``: the value came from the environment or the command line, so strings are parsed
     (an empty string means None for optional fields).
     """
+    choice = _literal_alternative(tp)
+    if choice is not None:
+        # ``int | Literal["auto"]``: a keyword, or a value of the other type.
+        words, other = choice
+        if isinstance(value, str) and value.strip() in words:
+            return value.strip()
+        try:
+            return _coerce(value, other, from_text=from_text)
+        except ValueError as e:
+            shown = " or ".join(repr(w) for w in words)
+            raise ValueError(f"{e} (or {shown})") from None
     inner, optional = _split_optional(tp)
     if value is None or (optional and from_text and value == ""):
         if optional:

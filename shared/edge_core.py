@@ -44,6 +44,7 @@ from typing import Final
 
 import numpy as np
 
+from shared.controller import Controller, ControllerLimits
 from shared.enums import TextEnum
 from shared.generation import Generation
 from shared.pipeline_config import Mode, PipelineConfig
@@ -54,6 +55,7 @@ from shared.protocol import (
     Error,
     FederatedReply,
     Fingerprint,
+    Generated,
     Hello,
     Message,
     Propose,
@@ -107,9 +109,16 @@ class EdgeState(TextEnum):
 
 
 def hello_for(
-    fingerprint: Fingerprint, cfg: PipelineConfig, seed: int | None, *, k: int = 10
+    fingerprint: Fingerprint,
+    cfg: PipelineConfig,
+    seed: int | None,
+    *,
+    k: int = 10,
+    end: int = 0,
 ) -> Hello:
-    """The Hello of a single-verifier session (the verifier decides: PicoSpec)."""
+    """The Hello of a single-verifier session (the verifier decides: PicoSpec). ``end``: the
+    position where the generation stops at the latest (prompt + room), the bound of
+    co-generation (``cfg.cogen``)."""
     return Hello(
         fingerprint=fingerprint,
         sampling=cfg.sampling,
@@ -118,6 +127,7 @@ def hello_for(
         k=k,
         bonus=cfg.mode == Mode.STOP_AND_WAIT,
         seed=seed,
+        cogen_end=end if cfg.cogen else 0,
     )
 
 
@@ -166,6 +176,7 @@ class DraftPlan:
     context: list[int]
     max_tokens: int
     deterministic: bool
+    version: int = 0  # the pipeline's version when planned (see Pipeline.version)
 
 
 @dataclass
@@ -175,11 +186,21 @@ class Batch:
     epoch: int
     draft: list[int]
     q_rows: list[Probs]  # [γ][V]: the distribution each draft token was drawn from
+    #: Position of draft[0] in the text (set when the Propose is built).
+    start: int = 0
+    #: Co-generation: a verifier token at ``start + doomed_at`` differs from the draft there, so
+    #: this batch's Verdict is a rejection at that offset, known in advance (-1: not doomed).
+    doomed_at: int = -1
     #: Per verifier link (index → its batch number for this batch).
     seqs: dict[int, int] = field(default_factory=dict)
     #: Federated rounds: the replies received so far, per link.
     replies: dict[int, FederatedReply] = field(default_factory=dict)
     sent_at: float = 0.0
+
+    @property
+    def live(self) -> list[int]:
+        """The draft tokens that may still be accepted (all, or those before a doomed one)."""
+        return self.draft if self.doomed_at < 0 else self.draft[: self.doomed_at]
 
 
 class Pipeline:
@@ -193,13 +214,31 @@ class Pipeline:
         *,
         gamma: int,
         deterministic_draft: bool,
+        max_gamma: int | None = None,
     ) -> None:
+        """``gamma``: the draft length (the start value with ``cfg.auto_gamma``); ``max_gamma``:
+        the verifier's limit on it."""
         self.gen = gen
         self.cfg = cfg
         self.rng = rng
-        self.gamma = gamma
         self.deterministic_draft = deterministic_draft
+        limit = max_gamma or 64
+        pipelined = cfg.mode == Mode.PIPELINED
+        self.controller = Controller(
+            ControllerLimits(
+                gamma0=gamma,
+                depth0=cfg.effective_depth,
+                max_gamma=min(cfg.max_gamma, limit),
+                max_depth=cfg.max_depth if pipelined else 1,
+                adapt_gamma=cfg.auto_gamma,
+                adapt_depth=cfg.auto_depth and pipelined,
+                cogen=cfg.cogen,
+            )
+        )
         self.epoch = 0
+        #: Bumped whenever the text to draft from changes other than by accepting the tail
+        #: (a rejection, a co-generated token past the tail): voids drafting in progress.
+        self.version = 0
         self.inflight: deque[Batch] = deque()
         #: True while a recovered token is not yet known: drafting would use a text without it.
         self.recovering = False
@@ -207,9 +246,26 @@ class Pipeline:
         self.latencies: deque[float] = deque(maxlen=16)
 
     @property
+    def gamma(self) -> int:
+        """The draft length of the next batch (fixed, or the controller's choice)."""
+        return self.controller.gamma
+
+    @property
+    def depth(self) -> int:
+        """Batches in flight at most (1 in stop-and-wait)."""
+        return self.controller.depth
+
+    @property
     def tail(self) -> list[int]:
-        """Draft tokens in flight, in order (they extend ``committed``)."""
-        return [x for b in self.inflight for x in b.draft]
+        """Draft tokens in flight past the committed text, in order (they extend
+        ``committed``; with co-generation, the head of the in-flight drafts may already be
+        committed)."""
+        c = len(self.gen.committed)
+        out: list[int] = []
+        for b in self.inflight:
+            skip = max(0, c - b.start) if b.start else 0
+            out += b.live[skip:]
+        return out
 
     def _room(self) -> int:
         """Tokens the drafter may still add after the tail (0 after an end-of-sequence id)."""
@@ -223,7 +279,17 @@ class Pipeline:
             return False
         if self.cfg.mode == Mode.STOP_AND_WAIT and self.inflight:
             return False
-        return len(self.inflight) < self.cfg.effective_depth and self._room() > 0
+        # Decided batches still wait for their Verdicts: bounded too (batch numbers are 7-bit).
+        if len(self.inflight) >= min(SEQ_MODULUS - 1, 4 * self.depth):
+            return False
+        return self.open_batches() < self.depth and self._room() > 0
+
+    def open_batches(self) -> int:
+        """Batches in flight with drafts still undecided: one whose every live draft is already
+        committed (co-generated tokens agreed with it, or it is doomed) only waits for its
+        Verdict and holds no place in the pipeline."""
+        c = len(self.gen.committed)
+        return sum(1 for b in self.inflight if not b.start or b.start + len(b.live) > c)
 
     def plan(self) -> DraftPlan | None:
         if not self.may_draft():
@@ -233,15 +299,26 @@ class Pipeline:
             context=self.gen.committed + self.tail,
             max_tokens=min(self.gamma, self._room()),
             deterministic=self.deterministic_draft,
+            version=self.version,
         )
 
-    def current(self, plan: DraftPlan) -> bool:
-        """Drafting along ``plan`` is still worth it (no rejection since, not done)."""
-        return plan.epoch == self.epoch and not self.gen.done
+    def current(self, plan: DraftPlan, draft: Sequence[int] = ()) -> bool:
+        """Drafting along ``plan`` (``draft`` so far) is still worth it: no rejection or rebase
+        since, not done, and any tokens committed past the plan's context since (co-generated)
+        agree with ``draft`` and do not outrun it."""
+        if plan.version != self.version or self.gen.done:
+            return False
+        n, c = len(plan.context), len(self.gen.committed)
+        if c <= n:
+            return True
+        return c <= n + len(draft) and list(draft[: c - n]) == self.gen.committed[n:c]
 
-    def wants_more(self, plan: DraftPlan, draft: Sequence[int]) -> bool:
-        """Draft another token after ``draft``?"""
-        if not self.current(plan) or len(draft) >= plan.max_tokens:
+    def wants_more(self, plan: DraftPlan, draft: Sequence[int], prob: float = 1.0) -> bool:
+        """Draft another token after ``draft``? ``prob``: the draft's probability of its last
+        token; where it falls low the controller may cut the batch early (adaptive γ)."""
+        if not self.current(plan, draft) or len(draft) >= plan.max_tokens:
+            return False
+        if draft and self.controller.should_cut(len(draft), prob):
             return False
         return not draft or draft[-1] not in self.gen.eos_ids
 
@@ -264,13 +341,27 @@ class Pipeline:
         st = self.gen.stats
         assert self.inflight and self.inflight[0] is b
         self.inflight.popleft()
-        self.latencies.append(max(0.0, now - b.sent_at))
+        latency = max(0.0, now - b.sent_at)
+        self.latencies.append(latency)
         gamma = len(b.draft)
+        self.controller.on_verdict(gamma, accepted, latency)
+        st.depth_sum += self.depth
         st.rounds += 1
         st.draft_tokens += gamma
         st.accepted_tokens += accepted
         st.count_accepted(accepted, gamma)
-        self.gen.commit(b.draft[:accepted])
+        self.commit_at(b.start, b.draft[:accepted])
+
+    def commit_at(self, start: int, tokens: Sequence[int]) -> None:
+        """Commit ``tokens`` as the text from position ``start`` (0: right after the committed
+        text): positions already committed (co-generated tokens) must hold the same tokens."""
+        c = len(self.gen.committed)
+        skip = min(len(tokens), max(0, c - start)) if start else 0
+        if start > c:
+            raise DesyncError(f"tokens for position {start}, but {c} are committed")
+        if list(tokens[:skip]) != self.gen.committed[start : start + skip]:
+            raise DesyncError(f"tokens at {start} differ from the committed text")
+        self.gen.commit(tokens[skip:])
 
     def discard_inflight(self) -> None:
         """Every batch in flight was drafted from a token that is now void: a new epoch."""
@@ -279,15 +370,16 @@ class Pipeline:
         st.discarded_tokens += sum(len(x.draft) for x in self.inflight)
         self.inflight.clear()
         self.epoch += 1
+        self.version += 1
 
     def commit_recovered(self, token: int) -> None:
         self.gen.stats.recovered_tokens += 1
         self.gen.commit([token])
 
-    def commit_bonus(self, token: int) -> None:
+    def commit_bonus(self, token: int, pos: int = 0) -> None:
         if not self.gen.done:
             self.gen.stats.bonus_tokens += 1
-            self.gen.commit([token])
+            self.commit_at(pos, [token])
 
 
 # ------------------------------------------------------------------------------ one link
@@ -308,6 +400,7 @@ class VerifierLink:
         fixed = list(committed[pos:])
         seq = self.next_seq
         b.seqs[index] = seq
+        b.start = pos + len(fixed)
         self.verifier_len = pos + len(fixed) + len(b.draft)
         self.next_seq = (seq + 1) % SEQ_MODULUS
         q = (
@@ -333,6 +426,11 @@ class VerifierLink:
         return msg
 
 
+def gen_at(gen: Generation, pos: int) -> int | None:
+    """The committed token at ``pos``, if any."""
+    return gen.committed[pos] if 0 <= pos < len(gen.committed) else None
+
+
 class SingleCore:
     """One generation over one verifier session that decides (PicoSpec). See the state table in
     the module docstring. ``propose`` and ``receive`` return the frames to send, in order."""
@@ -354,6 +452,7 @@ class SingleCore:
             rng,
             gamma=min(cfg.gamma, welcome.max_gamma),
             deterministic_draft=cfg.deterministic_draft,
+            max_gamma=welcome.max_gamma,
         )
         self.link = VerifierLink(wire_context(hello, welcome))
         # The kind negotiated in the Hello; a greedy target always sends the token itself.
@@ -381,8 +480,15 @@ class SingleCore:
         self, plan: DraftPlan, draft: list[int], q_rows: list[Probs], now: float = 0.0
     ) -> list[bytes]:
         """Register a drafted batch and return its Propose; nothing if ``plan`` is void."""
-        if not draft or not self.pipe.current(plan):
+        if not draft or not self.pipe.current(plan, draft):
             return []
+        # Co-generated tokens committed while this batch was drafted agree with its head:
+        # only the rest goes up.
+        skip = len(self.gen.committed) - len(plan.context)
+        if skip > 0:
+            draft, q_rows = draft[skip:], q_rows[skip:]
+            if not draft:
+                return []
         b = self.pipe.push(plan, draft, q_rows, now)
         data = self.link.propose(self.gen.committed, b, self.LINK, self.link.ctx.draft_probs)
         self.gen.stats.uplink_bytes += len(data)
@@ -397,9 +503,46 @@ class SingleCore:
         msg = self.link.decode(data)
         if isinstance(msg, Verdict) and not self.pipe.recovering:
             return self._verdict(msg, len(data), now)
+        if isinstance(msg, Generated) and not self.pipe.recovering:
+            return self._generated(msg)
         if isinstance(msg, Candidates) and self._resample is not None:
             return self._candidates(msg)
         raise DesyncError(f"unexpected {type(msg).__name__} in state {self.state}")
+
+    def _generated(self, g: Generated) -> list[bytes]:
+        """A co-generated token: commit it and rebase the tail on it. A draft in flight at its
+        position that agrees stands; one that differs dooms its batch (the verifier will reject
+        it there, at no model cost) and voids every batch behind it, like a rejection."""
+        pipe, gen = self.pipe, self.gen
+        if gen.done:
+            return []
+        c = len(gen.committed)
+        # The verifier enters an epoch for each doomed batch only when it reaches it.
+        epoch = self.link.epoch - sum(1 for b in pipe.inflight if b.doomed_at >= 0)
+        if (g.epoch, g.pos) != (epoch, c):
+            raise DesyncError(f"Generated for epoch {g.epoch}, pos {g.pos}; expected {epoch}, {c}")
+        gen.stats.cogen_tokens += 1
+        b = next((b for b in pipe.inflight if b.start <= c < b.start + len(b.live)), None)
+        gen.commit([g.token])
+        if b is None:
+            # Past every draft in flight: the batch being drafted (if any) goes on while it
+            # agrees with the new token (Pipeline.current); the verifier knows the text to here.
+            self.link.verifier_len = max(self.link.verifier_len, c + 1)
+            return []
+        if b.draft[c - b.start] == g.token:
+            return []
+        b.doomed_at = c - b.start
+        while pipe.inflight[-1] is not b:
+            dropped = pipe.inflight.pop()
+            gen.stats.discarded_batches += 1
+            gen.stats.discarded_tokens += len(dropped.draft)
+        # The verifier enters the next epoch when it rejects ``b``, before it reads anything
+        # sent from now on; it knows the text up to the new token.
+        pipe.epoch += 1
+        pipe.version += 1
+        self.link.epoch += 1
+        self.link.verifier_len = c + 1
+        return []
 
     def _verdict(self, v: Verdict, size: int, now: float) -> list[bytes]:
         pipe, st = self.pipe, self.gen.stats
@@ -414,6 +557,14 @@ class SingleCore:
         gamma = len(b.draft)
         if v.accepted > gamma:
             raise DesyncError(f"Verdict accepts {v.accepted} of {gamma} draft tokens")
+        if b.doomed_at >= 0:
+            # The rejection a co-generated token announced: everything is committed already.
+            at = b.start + b.doomed_at
+            if v.accepted != b.doomed_at or v.token is None or v.token != gen_at(self.gen, at):
+                raise DesyncError(f"Verdict for a batch doomed at {at} does not reject it there")
+            pipe.commit_round(b, v.accepted, now)
+            st.rejections += 1
+            return []
         decision = Decision(v.accepted, v.sparse, v.candidates, v.token, v.bonus)
         # Checked before anything is committed: a rejection carries exactly one correction, of
         # the kind this session negotiated; a full acceptance carries none. (Committing only an
@@ -430,7 +581,11 @@ class SingleCore:
         if v.bonus is not None and len(pipe.inflight) > 1:
             raise DesyncError("a bonus token while batches are in flight")
         pipe.commit_round(b, v.accepted, now)
+        if self.gen.done:
+            return []
         if decision.rejected:
+            if len(self.gen.committed) != b.start + v.accepted:
+                raise DesyncError("a rejection behind a co-generated token")
             st.rejections += 1
             st.downlink_rejection_bytes += size
             pipe.discard_inflight()
@@ -443,8 +598,9 @@ class SingleCore:
                 return self._ask_resample(q)
             pipe.commit_recovered(token)
         elif v.bonus is not None:
-            self.link.verifier_len = len(self.gen.committed)
-            pipe.commit_bonus(v.bonus)
+            end = b.start + gamma
+            self.link.verifier_len = end
+            pipe.commit_bonus(v.bonus, end)
         return []
 
     def _ask_resample(self, q: Probs) -> list[bytes]:

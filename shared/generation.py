@@ -22,6 +22,8 @@ class Stats:
     rejections: int = 0
     recovered_tokens: int = 0
     bonus_tokens: int = 0
+    cogen_tokens: int = 0  # tokens the verifier co-generated (Generated frames)
+    depth_sum: int = 0  # Σ over verdicts of the pipeline depth then (mean D = depth_sum / rounds)
     discarded_batches: int = 0
     discarded_tokens: int = 0
     resamples: int = 0

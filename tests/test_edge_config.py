@@ -47,7 +47,7 @@ def test_precedence_cli_over_env_over_file_over_defaults(tmp_path: Path) -> None
     assert s.gamma == 7  # env
     assert s.temperature == 0.5 and s.verifier == "ws://file:1/v1/session"  # file
     assert s.token_file == Path("~/tok").expanduser()
-    assert s.depth == EdgeSettings().depth == 2  # default
+    assert s.depth == EdgeSettings().depth == "auto"  # default
     assert s.host == "127.0.0.1"  # loopback unless told otherwise
 
 
@@ -70,6 +70,7 @@ def test_defaults_and_default_location(tmp_path: Path) -> None:
         ("colour = 1\n", {}, {}, "colour", "unknown setting"),
         ("gamma = 0\n", {}, {}, "gamma", "below the minimum 1"),
         ('gamma = "4"\n', {}, {}, "gamma", "expected an integer"),
+        ('gamma = "fast"\n', {}, {}, "gamma", "or 'auto'"),
         ('mode = "fast"\n', {}, {}, "mode", "not one of pipelined, stop-and-wait"),
         ("", {"WANSPEC_EDGE_PORT": "http"}, {}, "port", "WANSPEC_EDGE_PORT"),
         ("", {"WANSPEC_EDGE_TOP_P": "0"}, {}, "top_p", "(0, 1]"),
@@ -103,6 +104,8 @@ def test_several_verifiers_and_pipeline_overrides() -> None:
     assert s.verifier_urls == ("ws://a:1/v1/session", "wss://b:2/v1/session")
     p = s.pipeline(gamma=8, top_k=5)
     assert (p.gamma, p.depth, p.sampling.temperature, p.sampling.top_k) == (8, 2, 0.8, 5)
+    # a request's own γ fixes it; the default depth stays "auto" (the controller's)
+    assert (p.auto_gamma, p.auto_depth, p.cogen) == (False, True, True)
     assert s.pipeline(temperature=0.0).sampling.greedy
 
 

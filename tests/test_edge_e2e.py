@@ -382,7 +382,9 @@ def test_demo_with_default_models() -> None:
     result = orjson.loads(out.stdout.decode().strip().splitlines()[-1])
     assert result["tokens"] > 0 and result["text"].strip()
     assert result["rounds"] > 0 and 0 < result["acceptance_rate"] <= 1
-    assert result["uplink_bytes_per_round"] <= 60
+    # ~50 B a round; the first Propose carries the prompt, amortised over fewer rounds when the
+    # verifier co-generates part of the text.
+    assert result["uplink_bytes_per_round"] <= 80
     assert "[stats]" in out.stderr.decode()
 
 

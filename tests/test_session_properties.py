@@ -44,6 +44,7 @@ from shared.verifier_core import (
     Draw,
     Federate,
     Federated,
+    Generate,
     Result,
     Run,
     Send,
@@ -105,6 +106,10 @@ class FakeModel:
                 return Verified(Decision(n, token=want[n]))
             bonus = target_next(self.cache) if work.want_bonus else None
             return Verified(Decision(n, bonus=bonus))
+        if isinstance(work, Generate):
+            assert work.pos == len(self.cache) == core.cache_len, (work.pos, len(self.cache))
+            self.cache += work.fixed.tolist()
+            return Verified(Decision(0, bonus=target_next(self.cache)))
         if isinstance(work, Crop):
             assert work.pos <= len(self.cache)
             del self.cache[work.pos :]
@@ -193,17 +198,20 @@ ACTIONS = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     actions=ACTIONS,
     hits=st.lists(st.booleans(), min_size=1, max_size=16),
     gamma=st.integers(1, 4),
     depth=st.integers(1, 4),
     stop_and_wait=st.booleans(),
+    cogen=st.booleans(),
 )
 def test_single_sessions_under_random_events(
-    actions: list[str], hits: list[bool], gamma: int, depth: int, stop_and_wait: bool
+    actions: list[str], hits: list[bool], gamma: int, depth: int, stop_and_wait: bool, cogen: bool
 ) -> None:
+    """With co-generation (``cogen``) the verifier decodes whenever it has no valid draft
+    queued: at random points of the event sequence ("model" completes its Generate)."""
     mode = Mode.STOP_AND_WAIT if stop_and_wait else Mode.PIPELINED
     cfg = PipelineConfig(gamma=gamma, depth=depth, mode=mode, sampling=SamplingParams(0.0))
     n = 24
@@ -216,7 +224,7 @@ def test_single_sessions_under_random_events(
 
     def connect() -> None:
         v = new_verifier()
-        hello = hello_for(FP, cfg, 0)
+        hello = hello_for(FP, cfg, 0, end=len(PROMPT) + n if cogen else 0)
         (welcome_data,) = v.feed(list(v.core.receive(encode(hello))))
         welcome = decode(welcome_data)
         assert isinstance(welcome, Welcome)
