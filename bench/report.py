@@ -1,4 +1,9 @@
-"""Benchmark outputs: results.json (every raw figure), results.md (tables), PNG plots."""
+"""Benchmark outputs: results.json (every raw figure), results.md (tables), PNG plots.
+
+results.md: per regime and draft, a table of tokens/s and speed-up vs ``ar`` (RTT × mode), then
+the details of every row (acceptance, bytes, ceiling). Plots: ``tokens_per_s_vs_rtt.png`` (one
+panel per regime and draft, a line per mode and the ``ar`` line) and ``bytes_per_token.png``.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +14,93 @@ from typing import Any
 
 import orjson
 
-MODE_ORDER = ["ar", "assisted", "stop-and-wait", "pipelined D=1", "pipelined D=2",
-              "pipelined D=4"]  # fmt: skip
-
 
 def _fmt(v: Any, digits: int = 2) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
     if isinstance(v, float):
         return f"{v:.{digits}f}"
     return str(v)
+
+
+def _modes(rows: list[dict[str, Any]]) -> list[str]:
+    """Modes in the order of the summary (it is sorted: ar, assisted, then the grid's order)."""
+    out: list[str] = []
+    for r in rows:
+        if r["mode"] not in out:
+            out.append(r["mode"])
+    return out
+
+
+def _drafts(rows: list[dict[str, Any]]) -> list[str]:
+    out: list[str] = []
+    for r in rows:
+        if r.get("draft") and r["draft"] not in out:
+            out.append(r["draft"])
+    return out
+
+
+def _regime_title(reg: Any, scales: list[float]) -> str:
+    if not reg.emulated:
+        return "raw CPU"
+    s = ", ".join(f"×{x:g}" for x in scales) if scales else f"×{reg.scale:g}"
+    return (
+        f"PicoSpec regime (emulated: draft {reg.draft_ms:g} ms/token, verify {reg.verify_ms:g} ms, "
+        f"AR {reg.ar_ms:g} ms/token; time-dilated {s})"
+    )
+
+
+def speed_table(rows: list[dict[str, Any]], draft: str) -> list[str]:
+    """RTT × mode: tokens/s (× AR) for one draft of one regime (``rows``: that regime's)."""
+    ar = {r["rtt_ms"]: r for r in rows if r["mode"] == "ar"}
+    sel = [r for r in rows if r.get("draft") == draft]
+    modes = [m for m in _modes(sel) if m != "ar"]
+    rtts = sorted({r["rtt_ms"] for r in sel})
+    by = {(r["rtt_ms"], r["mode"]): r for r in sel}
+    out = [
+        "| RTT ms | ar tok/s | " + " | ".join(f"{m} tok/s (× AR)" for m in modes) + " |",
+        "|" + "---|" * (len(modes) + 2),
+    ]
+    for rtt in rtts:
+        cells = []
+        for m in modes:
+            r = by.get((rtt, m))
+            cells.append(
+                "–" if r is None else f"{_fmt(r['tokens_per_s'])} ({_fmt(r.get('speedup_vs_ar'))})"
+            )
+        base = ar.get(rtt)
+        out.append(
+            f"| {rtt:g} | {_fmt(base['tokens_per_s'] if base else None)} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return out
+
+
+def detail_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "| RTT ms | mode | tok/s | decode tok/s | × AR | acceptance | accepted/round | "
+        "co-gen tok/gen | up B/round | down B/rejection | B/token | ceiling tok/s | "
+        "of ceiling |",
+        "|" + "---|" * 13,
+    ]
+    for r in rows:
+        cap = _fmt(r.get("ceiling_tokens_per_s"))
+        if r.get("ceiling_approx"):
+            cap += " ≈"
+        out.append(
+            f"| {r['rtt_ms']:g} | {r['mode']} | {_fmt(r['tokens_per_s'])} | "
+            f"{_fmt(r['decode_tokens_per_s'])} | {_fmt(r.get('speedup_vs_ar'))} | "
+            f"{_fmt(r.get('acceptance'))} | {_fmt(r.get('mean_accepted_per_round'))} | "
+            f"{_fmt(r.get('cogen_tokens_per_generation'), 1)} | "
+            f"{_fmt(r.get('uplink_bytes_per_round'), 1)} | "
+            f"{_fmt(r.get('downlink_bytes_per_rejection'), 1)} | "
+            f"{_fmt(r.get('bytes_per_token'), 1)} | {cap} | "
+            f"{_fmt(r.get('fraction_of_ceiling'))} |"
+        )
+    return out
 
 
 def tables(rows: list[dict[str, Any]], regimes: list[Any]) -> str:
@@ -27,32 +109,27 @@ def tables(rows: list[dict[str, Any]], regimes: list[Any]) -> str:
         sel = [r for r in rows if r["regime"] == reg.name]
         if not sel:
             continue
-        title = (
-            "raw CPU"
-            if not reg.emulated
-            else (
-                f"PicoSpec regime (emulated: draft {reg.draft_ms:g} ms/token, verify "
-                f"{reg.verify_ms:g} ms, AR {reg.ar_ms:g} ms/token; time-dilated ×{reg.scale:g})"
-            )
-        )
-        out.append(f"### {title}\n")
-        out.append(
-            "| RTT ms | mode | tok/s | decode tok/s | × AR | acceptance | accepted/round | "
-            "up B/round | down B/rejection | B/token | ceiling tok/s | of ceiling |"
-        )
-        out.append("|" + "---|" * 12)
-        for r in sel:
-            out.append(
-                f"| {r['rtt_ms']:g} | {r['mode']} | {_fmt(r['tokens_per_s'])} | "
-                f"{_fmt(r['decode_tokens_per_s'])} | {_fmt(r.get('speedup_vs_ar'))} | "
-                f"{_fmt(r.get('acceptance'))} | {_fmt(r.get('mean_accepted_per_round'))} | "
-                f"{_fmt(r.get('uplink_bytes_per_round'), 1)} | "
-                f"{_fmt(r.get('downlink_bytes_per_rejection'), 1)} | "
-                f"{_fmt(r.get('bytes_per_token'), 1)} | "
-                f"{_fmt(r.get('ceiling_tokens_per_s'))} | {_fmt(r.get('fraction_of_ceiling'))} |"
-            )
-        out.append("")
+        scales = sorted({r["time_scale"] for r in sel if r.get("time_scale") is not None})
+        out.append(f"### {_regime_title(reg, scales)}\n")
+        for draft in _drafts(sel):
+            mine = [r for r in sel if r.get("draft") == draft]
+            scale = mine[0].get("time_scale") if mine else None
+            s = f", time-dilated ×{scale:g}" if reg.emulated and scale else ""
+            alpha = [r["oracle_alpha_measured"] for r in mine if r.get("oracle_alpha_measured")]
+            a = f", measured α {sum(alpha) / len(alpha):.2f}" if alpha else ""
+            out.append(f"#### draft `{draft}`{s}{a}\n")
+            out += speed_table(sel, draft)
+            out.append("")
+            ar = [
+                r for r in sel if r["mode"] == "ar" and r["rtt_ms"] in {x["rtt_ms"] for x in mine}
+            ]
+            out += detail_table(sorted(ar + mine, key=lambda r: r["rtt_ms"]))
+            out.append("")
     if rows:
+        out.append(
+            "× AR: speed-up over the cloud-only autoregressive baseline at the same RTT. "
+            "≈: ceiling from assumed γ = 4 / D = 4 (the edge did not report the means).\n"
+        )
         out.append(
             f"Sending the full distribution instead would cost "
             f"{rows[0]['full_distribution_bytes_per_token']:,} bytes per token (|V| × 4).\n"
@@ -67,29 +144,54 @@ def plots(out: Path, rows: list[dict[str, Any]], regimes: list[Any]) -> list[str
     import matplotlib.pyplot as plt
 
     written = []
-    names = [r.name for r in regimes if any(x["regime"] == r.name for x in rows)]
-    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.2), squeeze=False)
-    for ax, name in zip(axes[0], names, strict=True):
-        sel = [r for r in rows if r["regime"] == name]
-        for mode in MODE_ORDER:
+    panels = [
+        (reg.name, draft)
+        for reg in regimes
+        for draft in _drafts([r for r in rows if r["regime"] == reg.name])
+    ]
+    if not panels:
+        panels = [(reg.name, "") for reg in regimes if any(x["regime"] == reg.name for x in rows)]
+    cols = min(4, max(1, len(panels)))
+    nrows = -(-len(panels) // cols) if panels else 1
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
+    colors: dict[str, Any] = {}
+    cmap = plt.get_cmap("tab10")
+    for ax, (name, draft) in zip(axes.flat, panels, strict=False):
+        sel = [
+            r
+            for r in rows
+            if r["regime"] == name and (r["mode"] == "ar" or r.get("draft") == draft)
+        ]
+        for mode in _modes(sel):
+            if mode == "assisted":
+                continue
             pts = sorted((r["rtt_ms"], r["tokens_per_s"]) for r in sel if r["mode"] == mode)
             if not pts:
                 continue
             xs, ys = zip(*pts, strict=True)
-            ax.plot(xs, ys, marker="o", label=mode)
-        ax.set_title(f"{name}: tokens/s vs RTT" + (" (emulated)" if name != "raw" else ""))
+            if mode == "ar":
+                ax.plot(xs, ys, color="black", linestyle="--", marker="s", label="ar")
+                continue
+            color = colors.setdefault(mode, cmap(len(colors) % 10))
+            ax.plot(xs, ys, marker="o", color=color, label=mode)
+        emulated = name != "raw"
+        ax.set_title(
+            f"{name}: {draft or 'tokens/s'}" + (" (emulated)" if emulated else ""), fontsize=10
+        )
         ax.set_xlabel("RTT (ms)")
         ax.set_ylabel("tokens/s")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(out / "tokens_per_s_vs_rtt.png", dpi=110)
     plt.close(fig)
     written.append("tokens_per_s_vs_rtt.png")
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
     modes = [
-        m for m in MODE_ORDER if any(r["mode"] == m and r.get("bytes_per_token") for r in rows)
+        m for m in _modes(rows) if any(r["mode"] == m and r.get("bytes_per_token") for r in rows)
     ]
     vals = []
     for m in modes:
@@ -101,9 +203,9 @@ def plots(out: Path, rows: list[dict[str, Any]], regimes: list[Any]) -> list[str
         ax.axhline(full, color="tab:red", linestyle="--", label=f"full distribution ({full:,} B)")
     ax.set_yscale("log")
     ax.set_ylabel("protocol bytes per committed token (log)")
-    ax.set_title("bytes on the wire per token, by mode")
+    ax.set_title("bytes on the wire per token, by mode (mean over drafts and RTTs)")
     ax.legend(fontsize=8)
-    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    plt.setp(ax.get_xticklabels(), rotation=25, ha="right")
     fig.tight_layout()
     fig.savefig(out / "bytes_per_token.png", dpi=110)
     plt.close(fig)
@@ -135,14 +237,18 @@ def write_outputs(
     (out / "results.json").write_bytes(
         orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
     )
+    drafts = ", ".join(f"`{d}`" for d in cfg.drafts)
     md = [
         "# wanspec benchmark results\n",
         f"Machine: {machine['platform']}, {machine['cpus']} CPUs; torch {machine['torch']}, "
         f"transformers {machine['transformers']}; commit {machine['git_commit']}; "
         f"{machine['date']}.\n",
-        f"Target `{cfg.target}`, draft `{cfg.draft}`, γ = {cfg.gamma}, greedy, "
-        f"{cfg.tokens} new tokens per prompt, {cfg.prompts_per_dataset} prompt(s) per dataset "
-        f"(GSM8K, HumanEval), link {cfg.bandwidth_mbit:g} Mbit/s each way.\n",
+        f"Target `{cfg.target}`, drafts {drafts}; greedy, {cfg.tokens} new tokens per prompt, "
+        f"{cfg.prompts_per_dataset} prompt(s) per dataset (GSM8K, HumanEval), link "
+        f"{cfg.bandwidth_mbit:g} Mbit/s each way. Modes of model drafts: "
+        f"`{','.join(cfg.modes)}` at RTTs {', '.join(f'{x:g}' for x in cfg.rtts_ms)} ms; "
+        f"of oracle drafts: `{','.join(cfg.oracle_modes)}` at RTTs "
+        f"{', '.join(f'{x:g}' for x in cfg.oracle_rtts_ms)} ms.\n",
         tables(rows, regimes),
     ]
     (out / "results.md").write_text("\n".join(md))

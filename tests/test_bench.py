@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -17,8 +18,9 @@ import orjson
 import pytest
 import torch
 
+from bench.oracle import OracleDrafter, greedy_continuation, parse_oracle
 from bench.probe import Driver, ProbeClient
-from bench.run import ceiling
+from bench.run import BenchConfig, Regime, TimedDrafter, ceiling, estimate, parse_mode
 from bench.verifier import PaddedTarget
 from bench.verifier import main as padded_verifier_main
 from cloud_verifier.cli import main as verifier_main
@@ -45,6 +47,130 @@ def test_ceiling_formula() -> None:
     assert ceiling(Mode.PIPELINED, 4, 4, 0.02, 0.1, 0.2, 2.0, 1.0) == pytest.approx(
         ceiling(Mode.STOP_AND_WAIT, 4, 1, 0.02, 0.1, 0.2, 2.0, 1.0)
     )
+
+
+def test_ceiling_with_cogeneration() -> None:
+    t_d, t_v = 0.024, 0.166
+    # every draft wrong: the verifier decodes alone, 1/T_v at any RTT
+    for rtt in (0.0, 0.1, 0.3):
+        assert ceiling(Mode.PIPELINED, 4, 4, t_d, t_v, rtt, 1.0, 1.0, cogen=True) == pytest.approx(
+            1 / t_v
+        )
+    # no rejection: nothing to co-generate
+    plain = ceiling(Mode.PIPELINED, 4, 4, t_d, t_v, 0.1, 4.0, 0.0)
+    assert ceiling(Mode.PIPELINED, 4, 4, t_d, t_v, 0.1, 4.0, 0.0, cogen=True) == plain
+    # each rejection adds the (γ t_d + R)/T_v tokens decoded during the refill
+    rtt, n_bar, r = 0.3, 2.0, 0.8
+    c = (4 * t_d + rtt) / t_v
+    flow, refill = max(4 * t_d, (rtt + t_v) / 4, t_v), 4 * t_d + rtt + t_v
+    expected = (n_bar + r * c) / ((1 - r) * flow + r * refill)
+    got = ceiling(Mode.PIPELINED, 4, 4, t_d, t_v, rtt, n_bar, r, cogen=True)
+    assert got == pytest.approx(expected)
+    assert got > ceiling(Mode.PIPELINED, 4, 4, t_d, t_v, rtt, n_bar, r)
+    # stop-and-wait keeps its formula
+    assert ceiling(Mode.STOP_AND_WAIT, 4, 1, t_d, t_v, rtt, 3.0, 0.5, cogen=True) == ceiling(
+        Mode.STOP_AND_WAIT, 4, 1, t_d, t_v, rtt, 3.0, 0.5
+    )
+
+
+def test_mode_specs_and_labels() -> None:
+    saw = parse_mode("saw:4")
+    assert (saw.label, saw.kind, saw.gamma, saw.cogen) == (
+        "stop-and-wait",
+        Mode.STOP_AND_WAIT,
+        4,
+        False,
+    )
+    assert parse_mode("saw:6").label == "stop-and-wait γ=6"
+    pipe = parse_mode("pipe:4x4")
+    assert pipe.label == "pipelined γ=4 D=4" and pipe.cogen
+    assert pipe.pipeline_config().cogen and pipe.pipeline_config().depth == 4
+    nocogen = parse_mode("pipe:8x2:nocogen")
+    assert nocogen.label == "pipelined γ=8 D=2 no-cogen"
+    assert not nocogen.pipeline_config().cogen and nocogen.pipeline_config().gamma == 8
+    auto = parse_mode("auto").pipeline_config()
+    assert auto.auto_gamma and auto.auto_depth and (auto.gamma, auto.depth) == (4, 2)
+    for bad in ("pipe:4", "saw", "pipe:4x4:cogen", "fast"):
+        with pytest.raises(ValueError):
+            parse_mode(bad)
+    assert parse_oracle("oracle:alpha=0.75") == 0.75
+    for bad in ("oracle:alpha=1.5", "oracle:0.5", "oracle:alpha="):
+        with pytest.raises(ValueError):
+            parse_oracle(bad)
+
+
+def test_oracle_drafter_follows_the_greedy_path() -> None:
+    prompt, other = (5, 6, 7), (9, 9)
+    path = [10, 11, 12, 13, 14, 15, 16, 17]
+    paths = {prompt: path, other: [1, 2, 3]}
+    params = SamplingParams(0.0)
+    rng = np.random.default_rng(0)
+    always = OracleDrafter(paths, 32, 1.0)
+    never = OracleDrafter(paths, 32, 0.0)
+    for k in range(len(path)):
+        seq = list(prompt) + path[:k]
+        x, q = always.draft(seq, params, rng, deterministic=True)
+        assert x == path[k]
+        assert q.dtype == np.float64 and q.shape == (32,) and q[x] == 1.0 and q.sum() == 1.0
+        assert never.draft(seq, params, rng, deterministic=True)[0] == (path[k] + 1) % 32
+    assert always.stats.hits == len(path) and never.stats.misses == len(path)
+    # off the path (an earlier draft wrong), past the continuation, another prompt
+    assert always.propose([*prompt, 10, 99]) == path[2]
+    assert always.propose([*prompt, *path, 1]) == path[-1]
+    assert always.stats.off_path == 2
+    assert always.propose([9, 9, 1]) == 2
+    with pytest.raises(LookupError):
+        always.propose([1, 2, 3])
+    # the coins: fixed per (seed, prompt, position), rate α, and nested across α
+    half = OracleDrafter(paths, 32, 0.5, seed=3)
+    long = tuple(range(40))
+    paths[long] = [int(t) for t in np.random.default_rng(1).integers(0, 32, 2000)]
+    a = OracleDrafter(paths, 32, 0.5, seed=3)
+    b = OracleDrafter(paths, 32, 0.8, seed=3)
+    greedy = paths[long]
+    hits_a = [a.propose([*long, *greedy[:k]]) == greedy[k] for k in range(2000)]
+    hits_b = [b.propose([*long, *greedy[:k]]) == greedy[k] for k in range(2000)]
+    again = [a.propose([*long, *greedy[:k]]) == greedy[k] for k in range(2000)]
+    assert hits_a == again
+    assert 0.45 < np.mean(hits_a) < 0.55 and 0.75 < np.mean(hits_b) < 0.85
+    assert all(hb for ha, hb in zip(hits_a, hits_b, strict=True) if ha)
+    assert a.stats.alpha_measured == pytest.approx(np.mean(hits_a))
+    assert half.last_prob == 0.5 and a.on_path(long, greedy[:7]) and not a.on_path(long, [0])
+
+
+def test_oracle_greedy_path_and_timed_padding(tiny_model_dir: Path) -> None:
+    from shared.lm import CausalLM
+    from shared.models import load_model
+
+    target = load_model(str(tiny_model_dir))
+    prompt = [1, 7, 9, 11]
+    path = greedy_continuation(target, prompt, 12)
+    lm = CausalLM(target)
+    ids = list(prompt)
+    for tok in path:  # the target's greedy choice after each prefix
+        assert int(lm.extend(ids[len(lm.tokens) :])[-1].argmax()) == tok
+        ids.append(tok)
+    oracle = OracleDrafter({tuple(prompt): path}, target.vocab_size, 1.0)
+    timed = TimedDrafter(oracle, 0.02)
+    t0 = time.perf_counter()
+    x, q = timed.draft(
+        prompt + path[:3], SamplingParams(0.0), np.random.default_rng(0), deterministic=True
+    )
+    assert time.perf_counter() - t0 >= 0.019
+    assert x == path[3] and q.shape == (target.vocab_size,)
+    assert timed.vocab_size == target.vocab_size and timed.last_prob == 1.0
+    assert timed.stats is oracle.stats  # attributes pass through
+
+
+def test_time_estimate_runs_oracles_cheaper() -> None:
+    reg = Regime("picospec", 24.0, 166.0, 146.0, scale=4.0, oracle_scale=1.5)
+    real = BenchConfig(Path("x"), drafts=("self:skip=12",), regimes=(reg,), oracle_modes=())
+    oracle = replace(
+        real, drafts=("oracle:alpha=0.75",), oracle_modes=real.modes, oracle_rtts_ms=real.rtts_ms
+    )
+    secs_real, lines = estimate(real, 4)
+    secs_oracle, _ = estimate(oracle, 4)
+    assert 0 < secs_oracle < secs_real and "S=4" in lines[0]
 
 
 def test_padded_target_pads_and_keeps_logits() -> None:
@@ -130,12 +256,36 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     doc = orjson.loads((tmp_path / "results.json").read_bytes())
     assert {"machine", "settings", "regimes", "summary", "runs", "plots"} <= set(doc)
-    modes = {r["mode"] for r in doc["summary"]}
-    assert {"ar", "assisted", "stop-and-wait", "pipelined D=1", "pipelined D=2"} <= modes
-    assert {r["rtt_ms"] for r in doc["summary"]} == {0.0, 50.0}
-    for row in doc["summary"]:
+    rows = doc["summary"]
+    assert all("draft" in r for r in rows)
+    drafts = doc["settings"]["drafts"]
+    assert len(drafts) == 2 and drafts[1] == "oracle:alpha=0.75"
+    model, oracle = drafts
+    modes = {(r["regime"], r["draft"], r["mode"]) for r in rows}
+    for regime in ("raw", "picospec"):
+        assert (regime, None, "ar") in modes  # once per RTT, for every draft
+        for mode in ("stop-and-wait", "pipelined γ=4 D=2", "auto"):
+            assert (regime, model, mode) in modes
+        for mode in ("pipelined γ=4 D=2 no-cogen", "auto"):
+            assert (regime, oracle, mode) in modes
+    assert ("raw", model, "assisted") in modes
+    assert {r["rtt_ms"] for r in rows} == {0.0, 50.0}
+    # the oracle ran at its own time scale, the model draft and ar at theirs
+    scales = {(r["regime"], r["draft"]): r["time_scale"] for r in rows if r["mode"] != "assisted"}
+    assert scales[("picospec", oracle)] == 2.0 and scales[("picospec", model)] == 1.0
+    assert scales[("picospec", None)] == 1.0
+    for row in rows:
         assert row["tokens_per_s"] > 0
-        if row["mode"] in ("stop-and-wait", "pipelined D=1", "pipelined D=2"):
+        if row["mode"] != "ar" and row["regime"] == "picospec":
+            ar = [
+                r
+                for r in rows
+                if (r["regime"], r["rtt_ms"], r["mode"]) == ("picospec", row["rtt_ms"], "ar")
+            ]
+            assert row["speedup_vs_ar"] == pytest.approx(
+                row["tokens_per_s"] / ar[0]["tokens_per_s"]
+            )
+        if row["mode"] not in ("ar", "assisted"):
             for key in (
                 "acceptance",
                 "mean_accepted_per_round",
@@ -145,9 +295,13 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
                 "fraction_of_ceiling",
             ):
                 assert row[key] is not None, key
-            assert row["uplink_bytes_per_round"] < 100  # ids + q, not distributions
+            # ids + q, not distributions (one is |V| × 4 = 1024 B here); with co-generation a
+            # 6-token generation may send a single Propose, whose fixed tokens are the prompt
+            assert row["uplink_bytes_per_round"] < 400
+        if row["draft"] == oracle:
+            assert row["oracle_on_path"] == 1.0  # the verified text is the precomputed greedy one
     md = (tmp_path / "results.md").read_text()
-    assert "PicoSpec regime" in md and "| RTT ms | mode |" in md
+    assert "PicoSpec regime" in md and "| RTT ms | mode |" in md and "oracle:alpha=0.75" in md
     for png in doc["plots"]:
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
