@@ -21,7 +21,7 @@ no compute), each padded to the regime's draft time. Modes (``--modes`` for mode
 * ``pipe:GxD`` (``pipelined γ=G D=D``): wanspec, up to D batches of G in flight, with
   co-generation (the verifier decodes on its own while no valid draft is queued);
   ``pipe:GxD:nocogen`` (``... no-cogen``) without it;
-* ``auto``: adaptive γ and D (``PipelineConfig(auto_gamma, auto_depth, gamma=4, depth=2)``);
+* ``auto``: adaptive γ and D (``PipelineConfig(auto_gamma, auto_depth, gamma=4, depth=4)``);
 * ``assisted``: transformers' ``generate(assistant_model=...)`` with each model draft, one
   process, RTT 0 (raw regime only: its internals cannot be padded).
 
@@ -179,7 +179,7 @@ _PIPE = re.compile(r"^pipe:(\d+)x(\d+)(:nocogen)?$")
 def parse_mode(spec: str) -> ModeSpec:
     s = spec.strip()
     if s in ("auto", "auto:nocogen"):
-        return ModeSpec(s, Mode.PIPELINED, 4, 2, cogen=s == "auto", auto=True)
+        return ModeSpec(s, Mode.PIPELINED, 4, 4, cogen=s == "auto", auto=True)
     if m := _SAW.match(s):
         return ModeSpec(s, Mode.STOP_AND_WAIT, int(m.group(1)), 1, cogen=False)
     if m := _PIPE.match(s):

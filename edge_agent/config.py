@@ -211,7 +211,7 @@ class EdgeSettings:
         g, d = pick(gamma, self.gamma), pick(depth, self.depth)
         return PipelineConfig(
             gamma=4 if g == "auto" else g,
-            depth=2 if d == "auto" else d,
+            depth=4 if d == "auto" else d,
             auto_gamma=g == "auto",
             auto_depth=d == "auto",
             cogen=self.cogen,

@@ -31,15 +31,20 @@ far) gets ā, the mean acceptance of the observed ones: geometric extrapolation,
 
 t_d and L: medians of the last ``_WINDOW`` samples (robust to one slow step or a
 retransmission). T_v is not observable from the edge (only L = RTT + T_v + queueing is): we take
-T_v = ``_TV_FRACTION`` × min(L over the window), floored at ``_MIN_TV_S``. It bounds the flow
-term and sets the co-generation rate. Underestimating it is benign: a pipeline deeper than the
-verifier can serve shows up as queueing in the measured L (L/D then stops falling with D).
+T_v, the verifier's time per batch, is measured as the mean gap between consecutive verdicts
+of batches that were in flight together (the verifier had the second queued when it answered the
+first, so the gap is its service time; coalesced batches make it smaller, as they should).
+Until ``_MIN_SERVICE`` such gaps exist, T_v = ``_TV_FRACTION`` × min(L over the window), floored
+at ``_MIN_TV_S``. It bounds the flow term (an underestimate makes short batches look free: the
+model then picks a small γ that the verifier's per-forward cost punishes) and sets the
+co-generation rate.
 
 **Choice.** After ``warmup_rounds`` verdicts (and once t_d and L are measured), every verdict
 evaluates the model over γ ∈ 1..max_gamma (γ0 only when not adapting) × D ∈ 1..max_depth (D0
-only); among candidates within ``_TIE`` of the best, the smallest D then the smallest γ wins
-(less wasted work: a deeper pipeline or a longer batch that the model says buys nothing is not
-taken); the controller switches only if that beats the current setting by more than
+only); among candidates within ``_TIE`` of the best, the largest D then the smallest γ wins (a
+deeper pipe lets the verifier coalesce queued Proposes, which the model leaves out; a longer
+batch the model says buys nothing is not taken); the controller switches only if that beats
+the current setting by more than
 ``hysteresis``.
 """
 
@@ -58,6 +63,7 @@ _POS_STRENGTH = 20.0  # pseudo counts pulling each a_i towards the pooled mean (
 _FREE_WEIGHT = 0.5  # weight of a co-generation match (see on_free_accept)
 _WINDOW = 15  # samples in the t_d and L medians
 _TV_FRACTION = 0.25
+_MIN_SERVICE = 3  # service-time samples before they replace the latency-based guess
 _MIN_TV_S = 1e-3
 _TIE = 0.01  # candidates within 1 % of the best are near-ties
 _EPS_S = 1e-9
@@ -125,6 +131,7 @@ class Controller:
         self._accepted = [0.0] * self._n  # A_i (decayed)
         self._draft_s: deque[float] = deque(maxlen=_WINDOW)
         self._latency_s: deque[float] = deque(maxlen=_WINDOW)
+        self._service_s: deque[float] = deque(maxlen=_WINDOW)
         self.verdicts = 0
         self.changes = 0  # how many times (γ, D) was switched
 
@@ -188,8 +195,17 @@ class Controller:
     def latency_s(self) -> float:
         return statistics.median(self._latency_s) if self._latency_s else 0.0
 
+    def on_service(self, seconds: float) -> None:
+        """A gap between the verdicts of two batches that were in flight together: one
+        sample of the verifier's time per batch."""
+        if seconds >= 0.0 and math.isfinite(seconds):
+            self._service_s.append(seconds)
+
     def verify_s(self) -> float:
-        """The T_v guess: a fraction of the smallest recent latency (see the module doc)."""
+        """T_v: the mean measured service gap, else a fraction of the smallest recent latency
+        (see the module doc)."""
+        if len(self._service_s) >= _MIN_SERVICE:
+            return max(statistics.fmean(self._service_s), _MIN_TV_S)
         return max(_TV_FRACTION * min(self._latency_s), _MIN_TV_S) if self._latency_s else 0.0
 
     def predict(self, gamma: int, depth: int) -> float:
@@ -209,9 +225,12 @@ class Controller:
         depths = range(1, lim.max_depth + 1) if lim.adapt_depth else [self.depth]
         scored = [(score(g, d), d, g) for g in gammas for d in depths]
         best = max(s for s, _, _ in scored)
-        # Near-ties: the smallest D, then the smallest γ (tuple order (D, γ)).
+        # Near-ties: the largest D, then the smallest γ. A deeper pipe costs only edge drafts
+        # that a rejection may discard, and buys what the model leaves out: a verifier with
+        # several Proposes queued coalesces them into one forward (measured: γ = 4, D = 4 beat
+        # D = 2 by 1.2–1.4× at RTT 0, where the model ties them).
         value, depth, gamma = min(
-            (t for t in scored if t[0] >= best * (1.0 - _TIE)), key=lambda t: (t[1], t[2])
+            (t for t in scored if t[0] >= best * (1.0 - _TIE)), key=lambda t: (-t[1], t[2])
         )
         current = score(self.gamma, self.depth)
         if (gamma, depth) != (self.gamma, self.depth) and value > current * (1 + lim.hysteresis):

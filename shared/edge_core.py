@@ -242,6 +242,7 @@ class Pipeline:
         self.inflight: deque[Batch] = deque()
         #: True while a recovered token is not yet known: drafting would use a text without it.
         self.recovering = False
+        self._last_verdict_at: float | None = None
         #: Seconds from sending a batch to its verdict, recent rounds (RTT + queueing + T_v).
         self.latencies: deque[float] = deque(maxlen=16)
 
@@ -343,6 +344,11 @@ class Pipeline:
         self.inflight.popleft()
         latency = max(0.0, now - b.sent_at)
         self.latencies.append(latency)
+        last = self._last_verdict_at
+        if last is not None and b.sent_at <= last:
+            # b was in flight when the previous verdict came: the gap is the verifier's time
+            self.controller.on_service(now - last)
+        self._last_verdict_at = now
         gamma = len(b.draft)
         self.controller.on_verdict(gamma, accepted, latency)
         st.depth_sum += self.depth

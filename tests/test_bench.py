@@ -89,7 +89,7 @@ def test_mode_specs_and_labels() -> None:
     assert nocogen.label == "pipelined γ=8 D=2 no-cogen"
     assert not nocogen.pipeline_config().cogen and nocogen.pipeline_config().gamma == 8
     auto = parse_mode("auto").pipeline_config()
-    assert auto.auto_gamma and auto.auto_depth and (auto.gamma, auto.depth) == (4, 2)
+    assert auto.auto_gamma and auto.auto_depth and (auto.gamma, auto.depth) == (4, 4)
     for bad in ("pipe:4", "saw", "pipe:4x4:cogen", "fast"):
         with pytest.raises(ValueError):
             parse_mode(bad)

@@ -103,8 +103,8 @@ def test_several_verifiers_and_pipeline_overrides() -> None:
     s = EdgeSettings(verifier="ws://a:1/v1/session, wss://b:2/v1/session", temperature=0.8)
     assert s.verifier_urls == ("ws://a:1/v1/session", "wss://b:2/v1/session")
     p = s.pipeline(gamma=8, top_k=5)
-    assert (p.gamma, p.depth, p.sampling.temperature, p.sampling.top_k) == (8, 2, 0.8, 5)
-    # a request's own γ fixes it; the default depth stays "auto" (the controller's)
+    assert (p.gamma, p.depth, p.sampling.temperature, p.sampling.top_k) == (8, 4, 0.8, 5)
+    # a request's own γ fixes it; the default depth stays "auto" (the controller's, from 4)
     assert (p.auto_gamma, p.auto_depth, p.cogen) == (False, True, True)
     assert s.pipeline(temperature=0.0).sampling.greedy
 
