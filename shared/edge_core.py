@@ -186,7 +186,8 @@ class Batch:
     epoch: int
     draft: list[int]
     q_rows: list[Probs]  # [γ][V]: the distribution each draft token was drawn from
-    #: Position of draft[0] in the text (set when the Propose is built).
+    #: Position of draft[0] in the text: the end of the committed text and the tail when it
+    #: was pushed (Pipeline.push).
     start: int = 0
     #: Co-generation: a verifier token at ``start + doomed_at`` differs from the draft there, so
     #: this batch's Verdict is a rejection at that offset, known in advance (-1: not doomed).
@@ -264,8 +265,7 @@ class Pipeline:
         c = len(self.gen.committed)
         out: list[int] = []
         for b in self.inflight:
-            skip = max(0, c - b.start) if b.start else 0
-            out += b.live[skip:]
+            out += b.live[max(0, c - b.start) :]
         return out
 
     def _room(self) -> int:
@@ -290,7 +290,7 @@ class Pipeline:
         committed (co-generated tokens agreed with it, or it is doomed) only waits for its
         Verdict and holds no place in the pipeline."""
         c = len(self.gen.committed)
-        return sum(1 for b in self.inflight if not b.start or b.start + len(b.live) > c)
+        return sum(1 for b in self.inflight if b.start + len(b.live) > c)
 
     def plan(self) -> DraftPlan | None:
         if not self.may_draft():
@@ -324,7 +324,8 @@ class Pipeline:
         return not draft or draft[-1] not in self.gen.eos_ids
 
     def push(self, plan: DraftPlan, draft: list[int], q_rows: list[Probs], now: float) -> Batch:
-        b = Batch(plan.epoch, draft, q_rows, sent_at=now)
+        start = len(self.gen.committed) + len(self.tail)
+        b = Batch(plan.epoch, draft, q_rows, start=start, sent_at=now)
         self.inflight.append(b)
         self.gen.stats.proposes_sent += 1
         return b
@@ -359,10 +360,10 @@ class Pipeline:
         self.commit_at(b.start, b.draft[:accepted])
 
     def commit_at(self, start: int, tokens: Sequence[int]) -> None:
-        """Commit ``tokens`` as the text from position ``start`` (0: right after the committed
-        text): positions already committed (co-generated tokens) must hold the same tokens."""
+        """Commit ``tokens`` as the text from position ``start``: positions already committed
+        (co-generated tokens) must hold the same tokens."""
         c = len(self.gen.committed)
-        skip = min(len(tokens), max(0, c - start)) if start else 0
+        skip = min(len(tokens), max(0, c - start))
         if start > c:
             raise DesyncError(f"tokens for position {start}, but {c} are committed")
         if list(tokens[:skip]) != self.gen.committed[start : start + skip]:
@@ -382,7 +383,7 @@ class Pipeline:
         self.gen.stats.recovered_tokens += 1
         self.gen.commit([token])
 
-    def commit_bonus(self, token: int, pos: int = 0) -> None:
+    def commit_bonus(self, token: int, pos: int) -> None:
         if not self.gen.done:
             self.gen.stats.bonus_tokens += 1
             self.commit_at(pos, [token])
@@ -406,7 +407,6 @@ class VerifierLink:
         fixed = list(committed[pos:])
         seq = self.next_seq
         b.seqs[index] = seq
-        b.start = pos + len(fixed)
         self.verifier_len = pos + len(fixed) + len(b.draft)
         self.next_seq = (seq + 1) % SEQ_MODULUS
         q = (

@@ -359,5 +359,5 @@ class FederatedCore:
             pipe.commit_recovered(d.token)
             return True
         if d.token is not None:
-            pipe.commit_bonus(d.token)
+            pipe.commit_bonus(d.token, len(pipe.gen.committed))
         return False
