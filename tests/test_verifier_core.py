@@ -12,6 +12,7 @@ from shared.protocol import (
     Error,
     FederatedReply,
     Fingerprint,
+    Generated,
     Hello,
     Propose,
     ReplyMode,
@@ -38,6 +39,7 @@ from shared.verifier_core import (
     Failed,
     Federate,
     Federated,
+    Generate,
     Note,
     NoteKind,
     Run,
@@ -375,3 +377,32 @@ def test_idle_timeout_zero_never_expires() -> None:
     core = VerifierCore(TargetInfo(FP, V), SessionLimits(idle_timeout_s=0), "s1")
     core.receive(encode(Hello(FP, SamplingParams(0.0))), now=0.0)
     assert core.idle_deadline() is None and core.expire(1e9) == []
+
+
+# ------------------------------------------------------------------------------ co-generation
+
+
+def test_a_silent_edge_holds_bounded_cogeneration_and_then_times_out() -> None:
+    """An edge that asks for co-generation and then stops talking gets at most
+    ``max_cogen_ahead`` tokens past its last Propose; co-generation is not its activity, so the
+    idle deadline still runs from its last frame and then frees the slot."""
+    core = VerifierCore(
+        TargetInfo(FP, V, max_length=64),
+        SessionLimits(max_cogen_ahead=3, idle_timeout_s=5.0),
+        "s1",
+    )
+    core.receive(encode(Hello(FP, SamplingParams(0.0), cogen_end=60)))
+    ev = core.receive(propose(core, 0, 0, 0, [7], fixed=[1, 2]), now=1.0)
+    ev = core.work_done(Verified(Decision(1)), now=1.5)  # [7] accepted: the cache holds 3
+    generated = 0
+    while ev and any(isinstance(e, Run) for e in ev):
+        work = run_of(ev).work
+        assert isinstance(work, Generate) and work.pos == core.cache_len
+        ev = core.work_done(Verified(Decision(0, bonus=9)), now=2.0 + generated)
+        assert any(isinstance(e, Send) and isinstance(e.msg, Generated) for e in ev)
+        generated += 1
+    assert generated == 3 and core.text == [1, 2, 7, 9, 9, 9]
+    assert core.idle_deadline() == 1.5 + 5.0  # from the edge's last work, not co-generation
+    assert core.expire(5.0) == [] and not core.closed
+    closed = core.expire(6.5)
+    assert core.closed and any(isinstance(e, Close) for e in closed)
