@@ -83,6 +83,7 @@ from shared.protocol import (
     Error,
     FederatedReply,
     Fingerprint,
+    Hedge,
     Hello,
     Message,
     Propose,
@@ -1530,6 +1531,7 @@ def corpus_frames(seed: int = 0) -> list[tuple[str, str, bytes]]:
         ("resample_unasked", Resample(0, 0)),
         ("verdict_from_edge", Verdict(0, 0, 0, token=5)),
         ("candidates_from_edge", Candidates(0, 0, sd)),
+        ("hedge_without_cogen", Hedge(3, 5, np.array([6, 7]), np.ones(2, np.float32))),
     ]
     out += [("verifier", name, encode(m, vctx)) for name, m in hostile]
     m = unpack_map(valid)
@@ -1554,6 +1556,7 @@ def corpus_frames(seed: int = 0) -> list[tuple[str, str, bytes]]:
         ("candidates_unasked", encode(Candidates(0, 1, sd), ectx)),
         ("welcome_again", encode(Welcome(Fingerprint("t", VOCAB, "m"), "s", 4, 64, 512, 4096))),
         ("fatal_error", encode(Error("internal", "x", True))),
+        ("hedge_from_verifier", encode(Hedge(3, 5, np.array([6]), np.ones(1, np.float32)), ectx)),
     ]
     for i in range(8):
         kind, f = mutate_bytes(truth, r) if i % 2 else mutate_map(truth, r)

@@ -100,6 +100,7 @@ from edge_agent.drafter import Drafter
 from edge_agent.generate import eos_ids
 from edge_agent.link import LinkSettings, WebSocketTransport
 from edge_agent.transport import Transport
+from shared.edge_core import Rival
 from shared.lm import SupportsCausalLM
 from shared.model_spec import SpecKind, parse_model_spec
 from shared.models import LoadedModel, load_model
@@ -141,8 +142,8 @@ class Regime:
 
 @dataclass(frozen=True)
 class ModeSpec:
-    """One speculative mode of the grid (module docstring): ``saw:G``, ``pipe:GxD[:nocogen]``,
-    ``auto``."""
+    """One speculative mode of the grid (module docstring): ``saw:G``,
+    ``pipe:GxD[:nocogen|:hedge]``, ``auto[:nocogen|:hedge]``."""
 
     spec: str
     kind: Mode
@@ -150,15 +151,18 @@ class ModeSpec:
     depth: int
     cogen: bool
     auto: bool = False
+    hedge: int = 0  # tokens per hedge (PipelineConfig.hedge)
 
     @property
     def label(self) -> str:
         """The summary's ``mode``."""
+        suffix = "" if self.cogen else " no-cogen"
+        suffix += " hedge" if self.hedge else ""
         if self.auto:
-            return "auto" if self.cogen else "auto no-cogen"
+            return "auto" + suffix
         if self.kind == Mode.STOP_AND_WAIT:
             return "stop-and-wait" if self.gamma == 4 else f"stop-and-wait γ={self.gamma}"
-        return f"pipelined γ={self.gamma} D={self.depth}" + ("" if self.cogen else " no-cogen")
+        return f"pipelined γ={self.gamma} D={self.depth}" + suffix
 
     def pipeline_config(self) -> PipelineConfig:
         return PipelineConfig(
@@ -169,24 +173,38 @@ class ModeSpec:
             cogen=self.cogen,
             auto_gamma=self.auto,
             auto_depth=self.auto,
+            hedge=self.hedge,
         )
 
 
+#: Tokens a hedge carries after its rival token in the ``:hedge`` modes.
+HEDGE_TOKENS = 3
 _SAW = re.compile(r"^saw:(\d+)$")
-_PIPE = re.compile(r"^pipe:(\d+)x(\d+)(:nocogen)?$")
+_PIPE = re.compile(r"^pipe:(\d+)x(\d+)(:nocogen|:hedge)?$")
+_AUTO = re.compile(r"^auto(:nocogen|:hedge)?$")
 
 
 def parse_mode(spec: str) -> ModeSpec:
     s = spec.strip()
-    if s in ("auto", "auto:nocogen"):
-        return ModeSpec(s, Mode.PIPELINED, 4, 4, cogen=s == "auto", auto=True)
+    if m := _AUTO.match(s):
+        opt = m.group(1)
+        hedge = HEDGE_TOKENS if opt == ":hedge" else 0
+        return ModeSpec(s, Mode.PIPELINED, 4, 4, cogen=opt != ":nocogen", auto=True, hedge=hedge)
     if m := _SAW.match(s):
         return ModeSpec(s, Mode.STOP_AND_WAIT, int(m.group(1)), 1, cogen=False)
     if m := _PIPE.match(s):
+        opt = m.group(3)
         return ModeSpec(
-            s, Mode.PIPELINED, int(m.group(1)), int(m.group(2)), cogen=m.group(3) is None
+            s,
+            Mode.PIPELINED,
+            int(m.group(1)),
+            int(m.group(2)),
+            cogen=opt != ":nocogen",
+            hedge=HEDGE_TOKENS if opt == ":hedge" else 0,
         )
-    raise ValueError(f"bad mode {spec!r}: expected saw:G, pipe:GxD, pipe:GxD:nocogen or auto")
+    raise ValueError(
+        f"bad mode {spec!r}: expected saw:G, pipe:GxD[:nocogen|:hedge] or auto[:nocogen|:hedge]"
+    )
 
 
 def parse_modes(text: str) -> tuple[ModeSpec, ...]:
@@ -370,6 +388,12 @@ class TimedDrafter(Drafter):
     def last_prob(self) -> float:  # type: ignore[override]
         """The inner drafter's confidence in its last token (the adaptive γ's early cut)."""
         return float(getattr(self.inner, "last_prob", 1.0))
+
+    @property
+    def last_rival(self) -> Rival:  # type: ignore[override]
+        """The inner drafter's rival token and confidence (hedging; none for an oracle)."""
+        rival = getattr(self.inner, "last_rival", None)
+        return rival if isinstance(rival, Rival) else Rival(0, 1.0)
 
     def next_dist(self, seq: Sequence[int], params: SamplingParams) -> Probs:
         return self.inner.next_dist(seq, params)
@@ -887,6 +911,12 @@ def _spec_figures(
         "acceptance": acc / draft_t if draft_t else None,
         "mean_accepted_per_round": acc / rounds if rounds else None,
         "cogen_tokens_per_generation": sum(e["cogen_tokens"] for e in ex) / len(ex),
+        "hedge": spec.hedge,
+        "hedges_per_generation": sum(e["stats"].get("hedges_sent", 0) for e in ex) / len(ex),
+        "hedge_bytes_per_token": sum(e["stats"].get("hedge_bytes", 0) for e in ex) / tokens
+        if tokens
+        else None,
+        "hedge_hits_per_generation": sum(e["stats"].get("hedge_hits", 0) for e in ex) / len(ex),
         "uplink_bytes_per_round": up / max(1, sum(e["proposes"] for e in ex)),
         "downlink_bytes_per_rejection": sum(e["downlink_rejection_bytes"] for e in ex) / rej
         if rej
@@ -1095,7 +1125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.smoke:
         args.rtts = args.oracle_rtts = "0,50"
         args.tokens, args.prompts = 6, 1
-        args.modes, args.oracle_modes = "saw:4,pipe:4x2,auto", "pipe:4x2:nocogen,auto"
+        args.modes = "saw:4,pipe:4x2,pipe:4x2:hedge,auto"
+        args.oracle_modes = "pipe:4x2:nocogen,auto"
         args.draft_ms_per_token, args.verify_ms, args.ar_ms_per_token = 2.0, 10.0, 8.0
         args.time_scale, args.oracle_time_scale = 1.0, 2.0  # two groups: exercise the split
         args.regimes = args.regimes or "raw,picospec"

@@ -732,7 +732,9 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
     m.queue_seconds.observe(outcome.queued_s)
     if isinstance(work, Generate):
         if isinstance(result, Verified):
-            m.cogen_tokens.inc()
+            d = result.decision
+            m.cogen_tokens.inc(d.accepted + 1)
+            m.hedge_tokens.inc(d.accepted)
         elif isinstance(result, Skipped):
             m.cogen_skipped.inc()
     if isinstance(work, (Verify, Federate, Generate)) and timing is not None:

@@ -450,7 +450,7 @@ class Engine:
         t0 = time.perf_counter()
         for req in cogen:
             assert isinstance(req.work, Generate)
-            n = len(req.work.fixed) + 1
+            n = len(req.work.fixed) + len(req.work.draft) + 1
             if forwards == 0 or fits(n):
                 forwards, longest = forwards + 1, max(longest, n)
                 batch.append(req)

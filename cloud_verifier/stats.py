@@ -138,6 +138,10 @@ class VerifierMetrics:
             "Tokens the verifier co-generated (decoded on its own while a session had no valid "
             "draft queued).",
         )
+        self.hedge_tokens = r.counter(
+            "wanspec_hedge_tokens_total",
+            "Co-generated tokens that were a hedge's draft tokens, accepted in one forward.",
+        )
         self.cogen_skipped = r.counter(
             "wanspec_cogen_skipped_total",
             "Co-generation steps given no forward: the engine's step was full of drafts to verify.",

@@ -111,6 +111,9 @@ class EdgeSettings:
     depth: int | Literal["auto"] = field(default="auto", metadata=_b(1, 127))
     # co-generation: the verifier decodes on its own while no draft of this session is queued
     cogen: bool = True
+    # hedging: tokens drafted after the draft's second choice at its least confident position
+    # while the pipeline is full, for the verifier to go on after a rejection there; 0 = off
+    hedge: int = field(default=0, metadata=_b(0, 64))
     mode: ModeName = "pipelined"
     correction: CorrectionName = "candidates"
     # --- sampling defaults (a request's own values win)
@@ -215,6 +218,7 @@ class EdgeSettings:
             auto_gamma=g == "auto",
             auto_depth=d == "auto",
             cogen=self.cogen,
+            hedge=self.hedge,
             mode=Mode.parse(pick(mode, self.mode), "mode"),
             correction=CorrectionMode.parse(pick(correction, self.correction), "correction"),
             reconstruction=Reconstruction.parse(self.reconstruction, "reconstruction"),

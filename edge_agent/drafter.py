@@ -14,9 +14,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
+from shared.edge_core import Rival
 from shared.lm import CausalLM, SupportsCausalLM
 from shared.sampling import Probs, SamplingParams, sample, transform
+
+
+def _rival(logits: npt.NDArray[np.floating], q: Probs) -> Rival:
+    """The second most likely token (the most likely one other than q's argmax, ties to the
+    lowest id) and the draft's temperature-1 probability of its argmax."""
+    x = np.asarray(logits, np.float64)
+    top = int(np.argmax(q))
+    best = float(x[top])
+    saved, x[top] = x[top], -np.inf
+    alt = int(np.argmax(x))
+    x[top] = saved
+    conf = 1.0 / float(np.sum(np.exp(x - best)))
+    return Rival(alt, conf)
 
 
 class Drafter:
@@ -31,6 +46,10 @@ class Drafter:
         #: The draft's probability of the last token drawn, before any one-hot (its confidence:
         #: the adaptive controller cuts a batch where it falls).
         self.last_prob = 1.0
+        #: The draft's most likely other token at the last step and its own probability of
+        #: the token drawn at temperature 1 (its confidence whatever the sampling): where it is
+        #: lowest, a hedge drafts after the rival (shared.edge_core.Pipeline.hedge_plan).
+        self.last_rival = Rival(0, 1.0)
 
     def _sync(self, seq: Sequence[int]) -> None:
         """Make the cache hold exactly ``seq`` (crop to the common prefix, extend the rest)."""
@@ -69,6 +88,7 @@ class Drafter:
         drawn from: the transformed draft distribution, or its one-hot argmax when
         ``deterministic`` (greedy decoding and the greedy-draft correction mode)."""
         q = self.next_dist(seq, params)
+        self.last_rival = _rival(self.lm.last_logits.numpy(), q)
         if deterministic:
             x = int(np.argmax(q))
             self.last_prob = float(q[x])

@@ -28,7 +28,7 @@ from edge_agent.link import AuthError, LinkRefused
 from edge_agent.pipeline import LinkIO, Signal, draft_loop, handshake
 from edge_agent.tasks import ModelWorker, cancel_all, run_until_first_done
 from edge_agent.transport import LinkClosed, Transport
-from shared.edge_core import DesyncError, DraftPlan, HandshakeError, VerifierError
+from shared.edge_core import DesyncError, DraftPlan, HandshakeError, Rival, VerifierError
 from shared.federation_core import (
     Drop,
     FederatedCore,
@@ -103,7 +103,11 @@ class _Federation:
                     io.dropped.set()
         self.signal.notify()
 
-    def _submit(self, plan: DraftPlan, draft: list[int], q_rows: list[Probs]) -> None:
+    def _submit(
+        self, plan: DraftPlan, draft: list[int], q_rows: list[Probs], rivals: list[Rival]
+    ) -> None:
+        """Hand a drafted batch to the core (federated rounds take no hedges: ``rivals``
+        are not used)."""
         self._emit(self.core.propose(plan, draft, q_rows, time.monotonic()))
 
     async def _link(self, index: int) -> None:
@@ -199,9 +203,11 @@ class _Federation:
             since = core.none_up_since
             if since is None:
                 await self.signal.wait_for(
-                    lambda: core.gen.done
-                    or core.none_up_since is not None
-                    or len(self.gave_up) == len(self.specs)
+                    lambda: (
+                        core.gen.done
+                        or core.none_up_since is not None
+                        or len(self.gave_up) == len(self.specs)
+                    )
                 )
                 continue
             left = since + self.retry.deadline_s - time.monotonic()
@@ -213,6 +219,7 @@ class _Federation:
                     f"no verifier reachable for {time.monotonic() - since:.0f} s "
                     f"(deadline {self.retry.deadline_s:g} s); last: {causes or 'none answered'}"
                 )
+
             def changed(since: float = since) -> bool:
                 return core.none_up_since != since
 

@@ -22,7 +22,7 @@ from typing import Protocol
 from edge_agent.drafter import Drafter
 from edge_agent.tasks import ModelWorker, run_until_first_done
 from edge_agent.transport import LinkClosed, Transport
-from shared.edge_core import DraftPlan, Pipeline, SingleCore, check_welcome
+from shared.edge_core import DraftPlan, HedgePlan, Pipeline, Rival, SingleCore, check_welcome
 from shared.protocol import Hello, Welcome, encode
 from shared.sampling import Probs
 
@@ -103,19 +103,46 @@ class DraftingCore(Protocol):
     def may_draft(self) -> bool: ...
 
 
+async def _draft_hedge(
+    core: DraftingCore, drafter: Drafter, worker: ModelWorker, hp: HedgePlan
+) -> list[int]:
+    """Draft ``hp``'s continuation (greedy), stopping early as soon as the pipeline has room
+    again (the next batch comes first) or the plan is void."""
+    pipe = core.pipe
+    out: list[int] = []
+    while len(out) < hp.max_tokens and pipe.hedge_current(hp) and not core.may_draft():
+        x, _ = await worker.run(
+            drafter.draft,
+            [*hp.context, hp.token, *out],
+            pipe.cfg.sampling,
+            pipe.rng,
+            deterministic=True,
+        )
+        out.append(x)
+        if x in pipe.gen.eos_ids:
+            break
+    return out
+
+
 async def draft_loop(
     core: DraftingCore,
     drafter: Drafter,
     worker: ModelWorker,
     signal: Signal,
-    submit: Callable[[DraftPlan, list[int], list[Probs]], None],
+    submit: Callable[[DraftPlan, list[int], list[Probs], list[Rival]], None],
+    hedge: Callable[[HedgePlan, list[int]], None] | None = None,
 ) -> None:
     """Draft batches while the generation runs; ``submit`` hands each to the core and writes
-    its frames. Waiting for room (backpressure, stop-and-wait) is counted as drafter idle time."""
+    its frames. Waiting for room (backpressure, stop-and-wait) is counted as drafter idle time;
+    with ``hedge``, the wait is first spent drafting hedges (``Pipeline.hedge_plan``)."""
     pipe = core.pipe
     gen = pipe.gen
     while not gen.done:
         if not core.may_draft():
+            hp = pipe.hedge_plan() if hedge is not None else None
+            if hedge is not None and hp is not None:
+                hedge(hp, await _draft_hedge(core, drafter, worker, hp))
+                continue
             t0 = time.perf_counter()
             await signal.wait_for(lambda: gen.done or core.may_draft())
             gen.stats.drafter_wait_s += time.perf_counter() - t0
@@ -124,6 +151,7 @@ async def draft_loop(
         assert plan is not None
         draft: list[int] = []
         q_rows: list[Probs] = []
+        rivals: list[Rival] = []
         prob = 1.0
         while pipe.wants_more(plan, draft, prob):
             t0 = time.perf_counter()
@@ -139,8 +167,9 @@ async def draft_loop(
                 break  # a rejection (or a differing co-generated token) voided this batch
             draft.append(x)
             q_rows.append(q)
+            rivals.append(drafter.last_rival)
             prob = drafter.last_prob
-        submit(plan, draft, q_rows)
+        submit(plan, draft, q_rows, rivals)
         signal.notify()
 
 
@@ -188,8 +217,12 @@ async def run_single(
     signal = Signal()
     io = LinkIO(transport, max_queued=max(core.cfg.effective_depth, core.cfg.max_depth) + 4)
 
-    def submit(plan: DraftPlan, draft: list[int], q_rows: list[Probs]) -> None:
-        for data in core.propose(plan, draft, q_rows, time.monotonic()):
+    def submit(plan: DraftPlan, draft: list[int], q_rows: list[Probs], rivals: list[Rival]) -> None:
+        for data in core.propose(plan, draft, q_rows, time.monotonic(), rivals):
+            io.write(data)
+
+    def hedge(hp: HedgePlan, draft: list[int]) -> None:
+        for data in core.hedge(hp, draft):
             io.write(data)
 
     async def reader() -> None:
@@ -200,7 +233,7 @@ async def run_single(
             signal.notify()
 
     await run_until_first_done(
-        draft_loop(core, drafter, worker, signal, submit),
+        draft_loop(core, drafter, worker, signal, submit, hedge),
         reader(),
         io.writer(),
         verdict_watchdog(core.pipe, signal, verdict_timeout_s),

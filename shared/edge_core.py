@@ -56,6 +56,7 @@ from shared.protocol import (
     FederatedReply,
     Fingerprint,
     Generated,
+    Hedge,
     Hello,
     Message,
     Propose,
@@ -168,6 +169,28 @@ def wire_context(hello: Hello, welcome: Welcome) -> WireContext:
 
 
 @dataclass(frozen=True)
+class Rival:
+    """At one draft step: the draft's most likely token other than the one it drafted, and its
+    own (temperature-1) probability of the drafted one."""
+
+    token: int
+    conf: float
+
+
+@dataclass(frozen=True)
+class HedgePlan:
+    """A hedge to draft (PipelineConfig.hedge): up to ``max_tokens`` tokens after ``context``
+    + ``token`` (the rival of the draft token at ``pos``), while the pipeline's version is
+    still ``version``."""
+
+    version: int
+    pos: int
+    token: int
+    context: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
 class DraftPlan:
     """What the drafter may do now: extend ``context`` by up to ``max_tokens`` tokens (stopping
     after an end-of-sequence id) while the pipeline's epoch is still ``epoch``."""
@@ -186,6 +209,8 @@ class Batch:
     epoch: int
     draft: list[int]
     q_rows: list[Probs]  # [γ][V]: the distribution each draft token was drawn from
+    #: Per draft token, the draft's rival and confidence (hedging; may be empty).
+    rivals: list[Rival] = field(default_factory=list)
     #: Position of draft[0] in the text: the end of the committed text and the tail when it
     #: was pushed (Pipeline.push).
     start: int = 0
@@ -246,6 +271,11 @@ class Pipeline:
         self._last_verdict_at: float | None = None
         #: Seconds from sending a batch to its verdict, recent rounds (RTT + queueing + T_v).
         self.latencies: deque[float] = deque(maxlen=16)
+        #: Positions hedged since the version last changed (one hedge per position).
+        self._hedged: set[int] = set()
+        self._hedged_version = 0
+        #: Hedges sent, (pos, tokens from pos on), newest last: to count the verifier's hits.
+        self.hedges: deque[tuple[int, list[int]]] = deque(maxlen=8)
 
     @property
     def gamma(self) -> int:
@@ -323,9 +353,47 @@ class Pipeline:
             return False
         return not draft or draft[-1] not in self.gen.eos_ids
 
-    def push(self, plan: DraftPlan, draft: list[int], q_rows: list[Probs], now: float) -> Batch:
+    def hedge_plan(self) -> HedgePlan | None:
+        """The least confident undecided draft token in flight below ``cfg.hedge_below`` that
+        has no hedge yet (marked hedged now), or None. Only with co-generation and a
+        deterministic draft: the verifier uses a hedge only where it draws corrections itself,
+        and drafting a hedge then consumes no randomness."""
+        cfg = self.cfg
+        if not (cfg.hedge and cfg.cogen and self.deterministic_draft) or self.gen.done:
+            return None
+        if self._hedged_version != self.version:
+            self._hedged.clear()
+            self._hedged_version = self.version
+        c = len(self.gen.committed)
+        best: tuple[float, int, int] | None = None  # (conf, pos, rival)
+        for b in self.inflight:
+            for i, r in enumerate(b.rivals[: len(b.live)]):
+                pos = b.start + i
+                if pos < c or pos in self._hedged or r.conf >= cfg.hedge_below:
+                    continue
+                if best is None or r.conf < best[0]:
+                    best = (r.conf, pos, r.token)
+        if best is None:
+            return None
+        _, pos, token = best
+        self._hedged.add(pos)
+        text = self.gen.committed + self.tail
+        room = self.gen.room - (pos + 1 - c)
+        return HedgePlan(self.version, pos, token, text[:pos], min(cfg.hedge, room))
+
+    def hedge_current(self, hp: HedgePlan) -> bool:
+        return hp.version == self.version and not self.gen.done
+
+    def push(
+        self,
+        plan: DraftPlan,
+        draft: list[int],
+        q_rows: list[Probs],
+        now: float,
+        rivals: Sequence[Rival] = (),
+    ) -> Batch:
         start = len(self.gen.committed) + len(self.tail)
-        b = Batch(plan.epoch, draft, q_rows, start=start, sent_at=now)
+        b = Batch(plan.epoch, draft, q_rows, list(rivals), start=start, sent_at=now)
         self.inflight.append(b)
         self.gen.stats.proposes_sent += 1
         return b
@@ -483,7 +551,12 @@ class SingleCore:
         return self.pipe.may_draft()
 
     def propose(
-        self, plan: DraftPlan, draft: list[int], q_rows: list[Probs], now: float = 0.0
+        self,
+        plan: DraftPlan,
+        draft: list[int],
+        q_rows: list[Probs],
+        now: float = 0.0,
+        rivals: Sequence[Rival] = (),
     ) -> list[bytes]:
         """Register a drafted batch and return its Propose; nothing if ``plan`` is void."""
         if not draft or not self.pipe.current(plan, draft):
@@ -492,12 +565,25 @@ class SingleCore:
         # only the rest goes up.
         skip = len(self.gen.committed) - len(plan.context)
         if skip > 0:
-            draft, q_rows = draft[skip:], q_rows[skip:]
+            draft, q_rows, rivals = draft[skip:], q_rows[skip:], rivals[skip:]
             if not draft:
                 return []
-        b = self.pipe.push(plan, draft, q_rows, now)
+        b = self.pipe.push(plan, draft, q_rows, now, rivals)
         data = self.link.propose(self.gen.committed, b, self.LINK, self.link.ctx.draft_probs)
         self.gen.stats.uplink_bytes += len(data)
+        return [data]
+
+    def hedge(self, hp: HedgePlan, draft: list[int]) -> list[bytes]:
+        """The Hedge frame of ``hp`` with its drafted continuation; nothing if it is void."""
+        if not draft or not self.pipe.hedge_current(hp):
+            return []
+        msg = Hedge(hp.pos, hp.token, np.array(draft, np.int64), np.ones(len(draft), np.float32))
+        data = encode(msg, self.link.ctx)
+        st = self.gen.stats
+        st.hedges_sent += 1
+        st.hedge_bytes += len(data)
+        st.uplink_bytes += len(data)
+        self.pipe.hedges.append((hp.pos, [hp.token, *draft]))
         return [data]
 
     # ---------------------------------------------------------------- frames
@@ -528,6 +614,11 @@ class SingleCore:
         if (g.epoch, g.pos) != (epoch, c):
             raise DesyncError(f"Generated for epoch {g.epoch}, pos {g.pos}; expected {epoch}, {c}")
         gen.stats.cogen_tokens += 1
+        if any(
+            0 < c - p < len(ids) and ids[: c - p + 1] == [*gen.committed[p:], g.token]
+            for p, ids in pipe.hedges
+        ):
+            gen.stats.hedge_hits += 1
         b = next((b for b in pipe.inflight if b.start <= c < b.start + len(b.live)), None)
         gen.commit([g.token])
         if b is None:
@@ -557,8 +648,7 @@ class SingleCore:
         b = pipe.inflight[0]
         if (v.seq, v.epoch) != (b.seqs[self.LINK], b.epoch):
             raise DesyncError(
-                f"Verdict for seq {v.seq}/epoch {v.epoch}, expected "
-                f"{b.seqs[self.LINK]}/{b.epoch}"
+                f"Verdict for seq {v.seq}/epoch {v.epoch}, expected {b.seqs[self.LINK]}/{b.epoch}"
             )
         gamma = len(b.draft)
         if v.accepted > gamma:
@@ -624,8 +714,7 @@ class SingleCore:
         pos, q = self._resample
         if (c.epoch, c.pos) != (self.link.epoch, pos):
             raise DesyncError(
-                f"Candidates for epoch {c.epoch}, pos {c.pos}; expected "
-                f"{self.link.epoch}, {pos}"
+                f"Candidates for epoch {c.epoch}, pos {c.pos}; expected {self.link.epoch}, {pos}"
             )
         token = try_candidates(c.candidates, q, self.pipe.rng)
         if token is None:

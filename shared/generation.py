@@ -23,6 +23,9 @@ class Stats:
     recovered_tokens: int = 0
     bonus_tokens: int = 0
     cogen_tokens: int = 0  # tokens the verifier co-generated (Generated frames)
+    hedges_sent: int = 0  # Hedge frames sent
+    hedge_bytes: int = 0  # their bytes (part of uplink_bytes)
+    hedge_hits: int = 0  # co-generated tokens that continue a hedge sent (as it drafted them)
     depth_sum: int = 0  # Σ over verdicts of the pipeline depth then (mean D = depth_sum / rounds)
     discarded_batches: int = 0
     discarded_tokens: int = 0

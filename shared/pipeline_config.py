@@ -32,6 +32,12 @@ class PipelineConfig:
     #: Co-generation: the verifier decodes on its own whenever no valid draft of this session
     #: is queued, and streams its tokens down (:mod:`shared.verifier_core`).
     cogen: bool = True
+    #: Hedging (with co-generation, where the verifier draws corrections itself): while the
+    #: pipeline is full, draft this many tokens after the draft's second choice at its least
+    #: confident position in flight (below ``hedge_below``) and send them as a Hedge, so that a
+    #: rejection there is followed by a verified forward, not a one-token step; 0 = off.
+    hedge: int = 0
+    hedge_below: float = 0.8
     #: Adaptive draft length / depth (``--gamma auto`` / ``--depth auto``): ``gamma`` and
     #: ``depth`` are then the starting values and ``max_gamma`` / ``max_depth`` the bounds of
     #: the online controller (:mod:`shared.controller`).
@@ -47,13 +53,15 @@ class PipelineConfig:
             raise ValueError(f"depth must be in 1..{SEQ_MODULUS - 1}, got {self.depth}")
         if not 1 <= self.max_gamma <= 64:
             raise ValueError(f"max_gamma must be in 1..64, got {self.max_gamma}")
+        if not 0 <= self.hedge <= 64:
+            raise ValueError(f"hedge must be in 0..64, got {self.hedge}")
+        if not 0.0 <= self.hedge_below <= 1.0:
+            raise ValueError(f"hedge_below must be in [0, 1], got {self.hedge_below}")
         if not 1 <= self.max_depth < SEQ_MODULUS:
             raise ValueError(f"max_depth must be in 1..{SEQ_MODULUS - 1}, got {self.max_depth}")
         # Settings files and flags give strings: store members.
         object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
-        object.__setattr__(
-            self, "correction", CorrectionMode.parse(self.correction, "correction")
-        )
+        object.__setattr__(self, "correction", CorrectionMode.parse(self.correction, "correction"))
         object.__setattr__(
             self, "reconstruction", Reconstruction.parse(self.reconstruction, "reconstruction")
         )

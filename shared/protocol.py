@@ -8,8 +8,9 @@ Token ids and probabilities travel as little-endian binary fields, never as list
   fixed for a session by the vocabulary size agreed in Hello/Welcome;
 * probabilities are IEEE float32.
 
-Hot frames (Propose, Verdict, FederatedReply, Rollback, Resample, Candidates) therefore need the
-session's :class:`WireContext` to decode; Hello, Welcome and Error are self-describing.
+Hot frames (Propose, Verdict, FederatedReply, Rollback, Resample, Candidates, Generated, Hedge)
+therefore need the session's :class:`WireContext` to decode; Hello, Welcome and Error are
+self-describing.
 
 Semantics: one WebSocket is one session. ``epoch`` counts rejections; a frame of an
 older epoch than the receiver's is stale. ``seq`` is the batch sequence number modulo 128 (a
@@ -79,6 +80,7 @@ class MsgType(IntEnum):
     RESAMPLE = 8
     CANDIDATES = 9
     GENERATED = 10
+    HEDGE = 11
 
 
 class CorrectionMode(TextEnum):
@@ -279,6 +281,21 @@ class Generated:
 
 
 @dataclass(frozen=True)
+class Hedge:
+    """Edge → verifier: a *side draft* for a likely rejection point. If the committed text turns
+    out to hold ``token`` at ``pos`` (the draft's second choice where its confidence was
+    lowest), ``draft`` (drawn by the draft model after that token, ``q`` as in Propose) is what
+    the edge would draft next: the verifier, co-generating after the rejection, verifies it in
+    one forward instead of decoding one token, with no round trip. It costs the verifier nothing
+    until the text reaches ``pos``; it is matched against the text, never trusted."""
+
+    pos: int
+    token: int
+    draft: IdArray  # [m]
+    q: ProbArray  # [m]
+
+
+@dataclass(frozen=True)
 class Error:
     """Either direction. ``fatal`` errors close the session."""
 
@@ -297,6 +314,7 @@ Message = (
     | Resample
     | Candidates
     | Generated
+    | Hedge
     | Error
 )
 
@@ -795,6 +813,11 @@ def _make_propose(v: list[Any]) -> Propose:
     return Propose(epoch, seq, pos, draft, q, fixed, want_bonus)
 
 
+def _make_hedge(v: list[Any]) -> Hedge:
+    pos, token, (draft, q) = v
+    return Hedge(pos, token, draft, q)
+
+
 def _make_verdict(v: list[Any]) -> Verdict:
     """At most one correction, and no bonus token with one."""
     sparse, candidates, token, bonus = v[3:]
@@ -982,6 +1005,16 @@ _FRAMES: Final = (
             _Field(K_C, "token", _TOKEN),
         ],
     ),
+    _Frame(
+        MsgType.HEDGE,
+        Hedge,
+        [
+            _Field(K_POS, "pos", _U32),
+            _Field(K_C, "token", _TOKEN),
+            _Field(K_A, "draft", _Draft(), ("draft", "q")),
+        ],
+        _make_hedge,
+    ),
 )
 if sorted(t.msg_type for t in _FRAMES) != list(MsgType):
     raise TypeError("every message type needs exactly one table")
@@ -1114,6 +1147,7 @@ __all__ = [
     "FederatedReply",
     "Fingerprint",
     "Generated",
+    "Hedge",
     "Hello",
     "Message",
     "MsgType",

@@ -32,6 +32,9 @@ OPEN        Rollback, valid              → BUSY; Run(Crop)
 OPEN        Rollback, epoch/pos invalid  bad_rollback
 OPEN        Resample, matches pending    → BUSY; Run(Draw) (at most max_resamples times)
 OPEN        Resample, otherwise          bad_resample
+OPEN        Hedge, co-generation on      kept (the last ``max_hedges``); used when the text
+                                         reaches it (``_maybe_cogen``); without co-generation
+                                         bad_hedge
 OPEN        Error (fatal)                Close(closing, OK)
 OPEN        Error (not fatal)            Note(EDGE_ERROR), counts as a bad frame (no reply)
 OPEN        ``expire(now)`` past the     Close(idle_timeout): no model work for
@@ -50,7 +53,7 @@ earlier frame's work is done), so one queued behind a rejection is already of an
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
@@ -65,6 +68,7 @@ from shared.protocol import (
     FederatedReply,
     Fingerprint,
     Generated,
+    Hedge,
     Hello,
     Message,
     Propose,
@@ -141,6 +145,8 @@ class SessionLimits:
     #: beyond the end of the last Propose it received (a silent edge holds at most this much
     #: model work); 0 = never co-generate.
     max_cogen_ahead: int = 64
+    #: Hedges (side drafts for likely rejection points) kept per session, the newest.
+    max_hedges: int = 8
 
 
 @dataclass(frozen=True)
@@ -227,18 +233,14 @@ _NO_PROBS: Final = np.zeros(0, np.float32)
 class Generate:
     """Co-generation: run the target over ``fixed`` (the known tokens the cache lacks; none:
     the last cached token is scored again) from ``pos`` (= the cache length) and sample the next
-    token from p — a *bonus* token with no draft before it."""
+    token from p — a *bonus* token with no draft before it. With a hedge that matches the text,
+    ``draft`` is its continuation: verified as a Propose's draft would be (*accepted* prefix,
+    then the *recovered* or *bonus* token, which the verifier draws itself)."""
 
     pos: int
     fixed: npt.NDArray[np.int64]
-
-    @property
-    def draft(self) -> npt.NDArray[np.int64]:
-        return _NO_IDS
-
-    @property
-    def q(self) -> npt.NDArray[np.float32]:
-        return _NO_PROBS
+    draft: npt.NDArray[np.int64] = field(default_factory=lambda: _NO_IDS)
+    q: npt.NDArray[np.float32] = field(default_factory=lambda: _NO_PROBS)
 
 
 @dataclass(frozen=True)
@@ -374,6 +376,9 @@ class VerifierCore:
         self.cogen_tokens = 0
         self._cogen_paused = False
         self._proposed_end = 0  # end of the last Propose received (co-generation bound)
+        #: Side drafts from the edge (Hedge frames), newest last; matched against the text.
+        self._hedges: deque[Hedge] = deque(maxlen=limits.max_hedges)
+        self.hedge_tokens = 0  # hedge draft tokens accepted (co-generated in one forward)
 
     # ------------------------------------------------------------------ inputs
 
@@ -512,6 +517,8 @@ class VerifierCore:
             out = self._rollback(msg)
         elif isinstance(msg, Resample):
             out = self._resample(msg)
+        elif isinstance(msg, Hedge):
+            return self._hedge(msg)
         elif isinstance(msg, Error):
             note = Note(NoteKind.EDGE_ERROR, f"{msg.code}: {msg.message}")
             if msg.fatal:
@@ -664,10 +671,49 @@ class VerifierCore:
         known = len(self.text)
         if known >= min(self.hello.cogen_end, self.max_context):
             return []
-        if known - self._proposed_end >= self.limits.max_cogen_ahead:
+        ahead = self.limits.max_cogen_ahead - (known - self._proposed_end)
+        if ahead <= 0:
             return []
         fixed = np.array(self.text[self.cache_len :], np.int64)
-        return self._start(Generate(self.cache_len, fixed))
+        # A hedge's continuation may be verified in the same forward (bonus after it): at most
+        # ``ahead`` tokens in all, within the co-generation bound and the context.
+        room = min(ahead, min(self.hello.cogen_end, self.max_context) - known) - 1
+        draft, q = self._hedge_draft(known, room)
+        return self._start(Generate(self.cache_len, fixed, draft, q))
+
+    def _hedge(self, h: Hedge) -> list[Event]:
+        """Keep a side draft (no reply, no model work)."""
+        if not self.cogen:
+            return self._bad("bad_hedge", "hedges need co-generation (Hello.cogen_end > 0)")
+        if h.pos == 0 or h.pos + 1 + len(h.draft) > self.max_context:
+            return self._bad(
+                "bad_hedge",
+                f"hedge at {h.pos} with {len(h.draft)} tokens outside [1, {self.max_context})",
+            )
+        self._hedges.append(h)
+        return []
+
+    def _hedge_draft(
+        self, known: int, room: int
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+        """The draft tokens of the newest hedge that agrees with the text and continues past
+        it (at most ``room``): empty if none. Only where the verifier draws the recovered token
+        itself (greedy target, greedy-draft mode), since co-generation needs the whole text.
+
+        Exact: a hedge token after position ``known`` was drawn by the draft model after
+        the text up to there (the match checks it), with its own randomness, before the
+        verifier drew anything there; its verification is then a Propose's."""
+        assert self.hello is not None
+        if room <= 0 or not (
+            self.hello.sampling.greedy or self.hello.correction == CorrectionMode.GREEDY_DRAFT
+        ):
+            return _NO_IDS, _NO_PROBS
+        for h in reversed(self._hedges):
+            ids = [h.token, *h.draft.tolist()]
+            k = known - h.pos  # hedge tokens already in the text
+            if 0 < k < len(ids) and self.text[h.pos : known] == ids[:k]:
+                return h.draft[k - 1 : k - 1 + room], h.q[k - 1 : k - 1 + room]
+        return _NO_IDS, _NO_PROBS
 
     def _coalesce(self, p: Propose) -> tuple[Propose, ...]:
         """The queued Proposes that continue ``p`` and may share its forward: the head of the
@@ -711,6 +757,7 @@ class VerifierCore:
         del self.text[r.pos :]
         self.edge_ahead = False
         self._pending = None
+        self._hedges.clear()
         return self._start(Crop(r.pos))
 
     def _resample(self, r: Resample) -> list[Event]:
@@ -802,16 +849,20 @@ class VerifierCore:
         return out
 
     def _generated(self, work: Generate, result: Verified) -> list[Event]:
-        """A co-generated token: sampled from p after the known text (law p, whatever the
-        edge drafts for this position later)."""
-        token = result.decision.bonus
+        """Co-generated tokens: the hedge's *accepted* prefix (if any), then the *recovered* or
+        *bonus* token, each drawn after the known text (law p, whatever the edge drafts for
+        these positions later). One Generated frame each."""
+        d = result.decision
+        token = d.token if d.accepted < len(work.draft) else d.bonus
         if token is None:
             raise TypeError("a Generate's result carries no token")
-        self.cache_len = work.pos + len(work.fixed)
+        self.cache_len = work.pos + len(work.fixed) + d.accepted
+        tokens = [*work.draft[: d.accepted].tolist(), token]
         pos = len(self.text)
-        self.text.append(token)
-        self.cogen_tokens += 1
-        return [Send(Generated(self.epoch, pos, token))]
+        self.text += tokens
+        self.cogen_tokens += len(tokens)
+        self.hedge_tokens += d.accepted
+        return [Send(Generated(self.epoch, pos + i, t)) for i, t in enumerate(tokens)]
 
     def _failed(self, work: Work, result: Failed) -> list[Event]:
         note = Note(NoteKind.MODEL_ERROR, result.message)

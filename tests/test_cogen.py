@@ -3,7 +3,9 @@ stochastic bigram target and draft at T = 1, and a random schedule that decides 
 verifier's own Generate work completes (co-generation forced on at random points: before,
 between or after the edge's Proposes arrive). The joint law of the first three generated
 tokens is compared with the target's by a chi-square test; a broken verifier that co-generates
-from the draft's law instead of p must fail the same test (the test has power).
+from the draft's law instead of p must fail the same test (the test has power). With hedges
+(greedy-draft mode, every position hedged), the verifier's hedged co-generation forwards are
+checked the same way, against a broken model side that accepts hedge tokens unverified.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from shared.edge_core import SingleCore, hello_for
+from shared.edge_core import Rival, SingleCore, hello_for
 from shared.generation import Generation
 from shared.pipeline_config import PipelineConfig
 from shared.protocol import CorrectionMode, Fingerprint, Welcome, decode, encode
@@ -59,20 +61,27 @@ class BigramTarget:
     """The verifier's model side: p(· | text) = P[last token]; ``cogen_law`` is what Generate
     samples from (P; Q in the negative control)."""
 
-    def __init__(self, rng: np.random.Generator, cogen_law: np.ndarray) -> None:
+    def __init__(
+        self, rng: np.random.Generator, cogen_law: np.ndarray, trust_hedges: bool = False
+    ) -> None:
         self.cache: list[int] = []
         self.rng = rng
         self.cogen_law = cogen_law
+        self.trust_hedges = trust_hedges  # broken: accept a hedge's draft unverified
         self.kept: tuple[np.ndarray, int] | None = None
 
     def run(self, work: Work, core: VerifierCore) -> Result:
-        if isinstance(work, Generate):
+        if isinstance(work, Generate) and self.trust_hedges and len(work.draft):
+            self.cache += work.fixed.tolist() + work.draft.tolist()
+            bonus = sample(self.cogen_law[self.cache[-1]], self.rng)
+            return Verified(Decision(len(work.draft), bonus=bonus))
+        if isinstance(work, Generate) and len(work.draft) == 0:
             assert work.pos == len(self.cache) == core.cache_len
             self.cache += work.fixed.tolist()
             return Verified(Decision(0, bonus=sample(self.cogen_law[self.cache[-1]], self.rng)))
-        if isinstance(work, Verify):
-            p = work.propose
-            assert p.pos == len(self.cache) == core.cache_len
+        if isinstance(work, (Verify, Generate)):
+            pos = work.propose.pos if isinstance(work, Verify) else work.pos
+            assert pos == len(self.cache) == core.cache_len
             self.cache += work.fixed.tolist()
             draft = work.draft.tolist()
             ctx = self.cache[-1]
@@ -87,7 +96,7 @@ class BigramTarget:
                 greedy=False,
                 correction=str(core.hello.correction),
                 rng=self.rng,
-                want_bonus=work.want_bonus,
+                want_bonus=isinstance(work, Generate) or work.want_bonus,
             )
             self.cache += draft[: d.accepted]
             kept = False
@@ -101,14 +110,45 @@ class BigramTarget:
         return Drawn(draw_candidates(self.kept[0], self.kept[1], work.m, self.rng))
 
 
+def _greedy_q(x: int) -> tuple[int, np.ndarray, Rival]:
+    """The deterministic draft after ``x``: its token, one-hot q, and its rival."""
+    row = Q[x]
+    order = np.argsort(-row, kind="stable")
+    return int(order[0]), np.eye(V)[order[0]], Rival(int(order[1]), float(row[order[0]]))
+
+
+def _hedges(edge: SingleCore) -> list[bytes]:
+    """Every hedge the pipeline plans now, with its greedy continuation."""
+    out: list[bytes] = []
+    while (hp := edge.pipe.hedge_plan()) is not None:
+        cont = [hp.token]
+        while len(cont) <= hp.max_tokens:
+            cont.append(_greedy_q(cont[-1])[0])
+        out += edge.hedge(hp, cont[1:])
+    return out
+
+
 def generate_once(
-    rng: np.random.Generator, mode: CorrectionMode, n: int, cogen_law: np.ndarray
-) -> tuple[list[int], int]:
-    """One generation of ``n`` tokens over a random schedule; returns (tokens, co-generated)."""
-    cfg = PipelineConfig(gamma=2, depth=2, sampling=SamplingParams(1.0), correction=mode)
+    rng: np.random.Generator,
+    mode: CorrectionMode,
+    n: int,
+    cogen_law: np.ndarray,
+    hedge: int = 0,
+    trust_hedges: bool = False,
+) -> tuple[list[int], int, int]:
+    """One generation of ``n`` tokens over a random schedule; returns (tokens, co-generated,
+    hedge tokens accepted)."""
+    cfg = PipelineConfig(
+        gamma=2,
+        depth=2,
+        sampling=SamplingParams(1.0),
+        correction=mode,
+        hedge=hedge,
+        hedge_below=1.0,
+    )
     gen = Generation(PROMPT, n)
     core = VerifierCore(TargetInfo(FP, V), SessionLimits(max_gamma=8), "s")
-    model = BigramTarget(rng, cogen_law)
+    model = BigramTarget(rng, cogen_law, trust_hedges)
     hello = hello_for(FP, cfg, 0, end=len(PROMPT) + n)
     welcome = decode(encode(core.receive(encode(hello))[-1].msg))  # type: ignore[union-attr]
     assert isinstance(welcome, Welcome)
@@ -125,41 +165,51 @@ def generate_once(
                 pending.append(ev.work)
 
     while not gen.done:
-        choice = rng.integers(4)
+        choice = rng.integers(5 if hedge else 4)
         if choice == 0 and edge.may_draft():
             plan = edge.pipe.plan()
             assert plan is not None
-            draft, q_rows = [], []
+            draft, q_rows, rivals = [], [], []
             while edge.pipe.wants_more(plan, draft):
-                row = Q[(plan.context + draft)[-1]]
+                last = (plan.context + draft)[-1]
                 if plan.deterministic:
-                    x = int(np.argmax(row))
-                    row = np.eye(V)[x]
+                    x, row, rival = _greedy_q(last)
+                    rivals.append(rival)
                 else:
+                    row = Q[last]
                     x = sample(row, rng)
                 draft.append(x)
                 q_rows.append(row)
-            up.extend(edge.propose(plan, draft, q_rows))
+            up.extend(edge.propose(plan, draft, q_rows, rivals=rivals))
+            if hedge and rng.integers(2):
+                up.extend(_hedges(edge))  # right behind the Propose
+        elif choice == 4 and not edge.may_draft():
+            up.extend(_hedges(edge))
         elif choice == 1 and up:
             act(list(core.receive(up.popleft())))
         elif choice == 2 and pending:
             act(list(core.work_done(model.run(pending.pop(), core))))
         elif choice == 3 and down:
             up.extend(edge.receive(down.popleft()))
-    return gen.generated[:n], gen.stats.cogen_tokens
+    return gen.generated[:n], gen.stats.cogen_tokens, core.hedge_tokens
 
 
-def joint_pvalue(mode: CorrectionMode, cogen_law: np.ndarray, seed: int) -> tuple[float, float]:
+def joint_pvalue(
+    mode: CorrectionMode, cogen_law: np.ndarray, seed: int, n: int = 3, **kw: int | bool
+) -> tuple[float, float, float]:
+    """(p-value of the first 3 tokens, share of the ``n`` tokens co-generated, share accepted
+    from hedges)."""
     rng = np.random.default_rng(seed)
-    seqs, cogen = [], 0
+    seqs, cogen, hedged = [], 0, 0
     for _ in range(N):
-        out, c = generate_once(rng, mode, 3, cogen_law)
-        seqs.append(out)
+        out, c, h = generate_once(rng, mode, n, cogen_law, **kw)  # type: ignore[arg-type]
+        seqs.append(out[:3])
         cogen += c
+        hedged += h
     s = np.array(seqs)
     cells = s[:, 0] * V * V + s[:, 1] * V + s[:, 2]
     joint = (P[PROMPT[-1]][:, None, None] * P[:, :, None] * P[None, :, :]).reshape(-1)
-    return chi_square_pvalue(cells, joint), cogen / (3 * N)
+    return chi_square_pvalue(cells, joint), cogen / (n * N), hedged / (n * N)
 
 
 @pytest.mark.parametrize(
@@ -167,13 +217,30 @@ def joint_pvalue(mode: CorrectionMode, cogen_law: np.ndarray, seed: int) -> tupl
 )
 def test_cogeneration_keeps_the_target_joint_law(mode: CorrectionMode) -> None:
     """TOPK here is exact too: K = 10 > V keeps the whole of p."""
-    pv, share = joint_pvalue(mode, P, seed=len(str(mode)))
+    pv, share, _ = joint_pvalue(mode, P, seed=len(str(mode)))
     assert share > 0.1, f"co-generation hardly ran ({share:.0%} of tokens): the test is void"
     assert pv > ALPHA, f"{mode}: chi-square p-value {pv:.2e} ({share:.0%} co-generated)"
 
 
 def test_negative_control_cogen_from_the_draft_law() -> None:
     """A verifier that co-generates from q instead of p is caught by the same test."""
-    pv, share = joint_pvalue(CorrectionMode.GREEDY_DRAFT, Q, seed=7)
+    pv, share, _ = joint_pvalue(CorrectionMode.GREEDY_DRAFT, Q, seed=7)
     assert share > 0.1
+    assert pv < 1e-6, f"the broken variant passed (p-value {pv:.2e}): the test has no power"
+
+
+def test_hedged_cogeneration_keeps_the_target_joint_law() -> None:
+    """Every draft position hedged (greedy-draft mode): the verifier verifies hedge drafts in
+    its co-generation forwards; the law of the output is still p."""
+    pv, share, hedged = joint_pvalue(CorrectionMode.GREEDY_DRAFT, P, seed=11, n=6, hedge=3)
+    assert hedged > 0.03, f"hedges hardly used ({hedged:.1%} of tokens): the test is void"
+    assert pv > ALPHA, f"chi-square p-value {pv:.2e} ({share:.0%} co-generated)"
+
+
+def test_negative_control_hedges_accepted_unverified() -> None:
+    """A model side that accepts a hedge's draft without verifying it is caught."""
+    pv, _, hedged = joint_pvalue(
+        CorrectionMode.GREEDY_DRAFT, P, seed=11, n=6, hedge=3, trust_hedges=True
+    )
+    assert hedged > 0.03
     assert pv < 1e-6, f"the broken variant passed (p-value {pv:.2e}): the test has no power"

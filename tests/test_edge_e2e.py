@@ -179,6 +179,33 @@ async def test_coalesced_verification_keeps_the_target_text(
         assert gen.stats.rejections > 0
 
 
+async def test_hedged_generation_keeps_the_target_text(
+    aiohttp_server: Any, target: LoadedModel, tiny_model_dir: Path
+) -> None:
+    """A slow verifier (every forward +40 ms) behind a deep pipeline: the edge waits for room,
+    and spends the wait drafting hedges (every position below confidence 1) that the verifier
+    uses after its rejections; the text is exactly the target's greedy text."""
+    url, state = await serve_app(aiohttp_server, lambda: SlowTarget(TorchTarget(target), 0.04))
+    # A draft close to the target (its output layer perturbed): often wrong, and then often
+    # right with its second choice, so hedges are used.
+    near = load_model(str(tiny_model_dir))
+    with torch.no_grad():
+        w = near.model.get_output_embeddings().weight
+        w += torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) * 0.3 * w.std()
+    agent = agent_for(near, url)
+    try:
+        cfg = PipelineConfig(
+            gamma=2, depth=2, sampling=SamplingParams(0.0), hedge=3, hedge_below=1.0
+        )
+        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+    finally:
+        agent.close()
+    assert gen.generated == target_greedy(target, PROMPT, 40)
+    st = gen.stats
+    assert st.rejections > 0 and st.hedges_sent > 0 and 0 < st.hedge_bytes < st.uplink_bytes
+    assert state.metrics.hedge_tokens.get() > 0 and st.hedge_hits > 0
+
+
 async def test_greedy_with_the_target_as_its_own_draft_accepts_everything(
     aiohttp_server: Any, target: LoadedModel
 ) -> None:

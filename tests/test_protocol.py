@@ -20,6 +20,7 @@ from shared.protocol import (
     FederatedReply,
     Fingerprint,
     Generated,
+    Hedge,
     Hello,
     MsgType,
     Propose,
@@ -92,6 +93,22 @@ def test_budget_generated_token() -> None:
     assert len(encode(Generated(EPOCH, POS, 40000), SMOL)) <= 16
 
 
+def test_budget_hedge() -> None:
+    """A hedge of a token and 3 continuation tokens, ids only (greedy): about a Propose's size."""
+    ctx = WireContext(vocab_size=49152, draft_probs=False)
+    h = Hedge(POS, 40000, np.array([1, 2, 3]), np.ones(3, np.float32))
+    assert len(encode(h, ctx)) <= 20
+
+
+def test_hedge_needs_a_draft_token() -> None:
+    ctx = WireContext(vocab_size=49152, draft_probs=False)
+    data = encode(Hedge(POS, 7, np.array([1]), np.ones(1, np.float32)), ctx)
+    raw = msgpack.unpackb(data, strict_map_key=False)
+    raw[4] = b""
+    with pytest.raises(ProtocolError, match="draft"):
+        decode(msgpack.packb(raw), ctx)
+
+
 def test_budget_greedy_draft_propose_sends_no_q() -> None:
     ctx = WireContext(vocab_size=49152, draft_probs=False)
     assert len(encode(_propose(4), ctx)) <= 24
@@ -147,6 +164,7 @@ ALL_MESSAGES = [
     Resample(EPOCH, POS),
     Candidates(EPOCH, POS, SparseDist(np.array([1, 2]), np.array([0.5, 0.25], np.float32))),
     Generated(EPOCH, POS, 49151),
+    Hedge(POS, 49151, np.array([1, 2, 3]), np.array([1.0, 0.5, 0.25], np.float32)),
 ]
 
 

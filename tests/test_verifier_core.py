@@ -13,6 +13,7 @@ from shared.protocol import (
     FederatedReply,
     Fingerprint,
     Generated,
+    Hedge,
     Hello,
     Propose,
     ReplyMode,
@@ -406,3 +407,91 @@ def test_a_silent_edge_holds_bounded_cogeneration_and_then_times_out() -> None:
     assert core.expire(5.0) == [] and not core.closed
     closed = core.expire(6.5)
     assert core.closed and any(isinstance(e, Close) for e in closed)
+
+
+def _cogen_core(**limits: int) -> VerifierCore:
+    core = VerifierCore(TargetInfo(FP, V, max_length=64), SessionLimits(**limits), "s1")
+    core.receive(encode(Hello(FP, SamplingParams(0.0), cogen_end=60)))
+    return core
+
+
+def hedge(core: VerifierCore, pos: int, token: int, draft: list[int]) -> bytes:
+    return encode(Hedge(pos, token, np.array(draft), np.ones(len(draft), np.float32)), ctx(core))
+
+
+def test_a_hedge_that_matches_the_correction_is_verified_in_the_cogeneration_forward() -> None:
+    """Propose [7, 8, 9] after the prompt [1, 2]; a Hedge says: if position 3 holds 5 (not 8),
+    the draft goes on 6, 4. The verifier rejects 8 and recovers 5: its next co-generation
+    forward verifies [6, 4] (a Verify-like row), and every token it commits is streamed."""
+    core = _cogen_core()
+    core.receive(propose(core, 0, 0, 0, [7, 8, 9], fixed=[1, 2]), now=1.0)
+    assert core.receive(hedge(core, 3, 5, [6, 4])) == []  # queued while busy: no reply
+    ev = core.work_done(Verified(Decision(1, token=5)))
+    assert _verdicts(ev)[0].token == 5 and core.text == [1, 2, 7, 5]
+    work = run_of(ev).work
+    assert isinstance(work, Generate) and work.draft.tolist() == [6, 4]
+    assert work.fixed.tolist() == [5] and work.pos == 3  # the cache lacks the recovered token
+    # 6 accepted, 4 rejected: the verifier's own correction 11 follows it.
+    ev = core.work_done(Verified(Decision(1, token=11)))
+    gen = [e.msg for e in ev if isinstance(e, Send) and isinstance(e.msg, Generated)]
+    assert [(g.pos, g.token) for g in gen] == [(4, 6), (5, 11)]
+    assert core.text == [1, 2, 7, 5, 6, 11] and core.cache_len == 5
+    assert core.hedge_tokens == 1 and core.cogen_tokens == 2
+    # The hedge is spent: the next forward is a plain one-token step.
+    work = run_of(ev).work
+    assert isinstance(work, Generate) and len(work.draft) == 0
+
+
+def test_hedges_that_do_not_match_the_text_cost_nothing() -> None:
+    core = _cogen_core()
+    core.receive(propose(core, 0, 0, 0, [7, 8], fixed=[1, 2]))
+    core.receive(hedge(core, 3, 5, [6, 4]))  # the rival of 8 is 5...
+    core.receive(hedge(core, 2, 9, [6]))  # ... and of 7 is 9
+    ev = core.work_done(Verified(Decision(1, token=13)))  # ... but the verifier drew 13
+    work = run_of(ev).work
+    assert isinstance(work, Generate) and len(work.draft) == 0
+
+
+def test_a_hedge_is_used_within_the_cogeneration_bound_and_past_a_partial_match() -> None:
+    core = _cogen_core(max_cogen_ahead=3)
+    core.receive(propose(core, 0, 0, 0, [7], fixed=[1, 2]))
+    core.receive(hedge(core, 3, 5, [6, 4, 2, 8, 9]))
+    ev = core.work_done(Verified(Decision(1)))  # [7] accepted, no bonus: nothing known past it
+    work = run_of(ev).work
+    assert isinstance(work, Generate) and len(work.draft) == 0  # the text has not reached 3
+    ev = core.work_done(Verified(Decision(0, bonus=5)))  # co-generated 5: the hedge's token
+    work = run_of(ev).work
+    # 3 past the last Propose's end (3) at most: 5 is one, then [6] and the bonus after it.
+    assert isinstance(work, Generate) and work.draft.tolist() == [6]
+
+
+def test_hedge_refusals() -> None:
+    core = opened()  # no co-generation asked for
+    assert errors(core.receive(hedge(core, 3, 5, [6]))) == ["bad_hedge"]
+    core = _cogen_core()
+    assert errors(core.receive(hedge(core, 0, 5, [6]))) == ["bad_hedge"]
+    assert errors(core.receive(hedge(core, 62, 5, [6, 7]))) == ["bad_hedge"]
+
+
+def test_hedges_kept_are_bounded_and_a_rollback_drops_them() -> None:
+    core = _cogen_core(max_hedges=2)
+    for pos in (3, 4, 5):
+        core.receive(hedge(core, pos, 5, [6]))
+    assert [h.pos for h in core._hedges] == [4, 5]
+    core.receive(propose(core, 0, 0, 0, [7], fixed=[1, 2]))
+    core.work_done(Verified(Decision(1)))  # then co-generation runs: the Rollback waits
+    core.receive(encode(Rollback(1, 2), ctx(core)))
+    ev = core.work_done(Verified(Decision(0, bonus=9)))
+    assert isinstance(run_of(ev).work, Crop) and not core._hedges
+
+
+def test_no_hedge_where_the_edge_draws_the_correction() -> None:
+    """topk at T > 0: the verifier does not know the recovered token; a hedge is never used."""
+    core = VerifierCore(TargetInfo(FP, V, max_length=64), SessionLimits(), "s1")
+    hello = Hello(FP, SamplingParams(1.0), correction=CorrectionMode.TOPK, cogen_end=60)
+    core.receive(encode(hello))
+    core.receive(propose(core, 0, 0, 0, [7], fixed=[1, 2]))
+    core.receive(hedge(core, 3, 5, [6]))
+    ev = core.work_done(Verified(Decision(1, bonus=5)))
+    work = run_of(ev).work
+    assert isinstance(work, Generate) and len(work.draft) == 0
