@@ -60,14 +60,23 @@ $(VENV)/.installed: pyproject.toml
 	$(TORCH_RECHECK)
 	touch $@
 
-.PHONY: install test lint demo
+.PHONY: install test lint demo balancer
 install: $(VENV)/.installed
+
+# The replica tests run HAProxy (Debian's package): installed here when missing, as root or
+# through sudo without a password; otherwise the message says what to run.
+balancer:
+	@command -v haproxy >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO=sudo; \
+	  else echo "make: HAProxy is missing: run 'sudo apt-get install haproxy' (tests/test_replicas.py needs it)" >&2; exit 1; fi; \
+	  echo "installing HAProxy (apt-get)"; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq haproxy >/dev/null; }
 
 lint: install
 	$(PY) -m ruff check shared edge_agent cloud_verifier tests bench
 	$(PY) -m mypy shared edge_agent cloud_verifier
 
-test: lint
+test: lint balancer
 	$(PY) -m pytest -q
 
 demo: install

@@ -383,6 +383,21 @@ def _revoke(state: VerifierState, keys: frozenset[str]) -> None:
         task.add_done_callback(state.closers.discard)
 
 
+async def drain(state: VerifierState, timeout_s: float, poll_s: float = 0.1) -> None:
+    """Drain before shutting down (``drain_timeout``): /health answers 503 and new sessions are
+    refused from now on, while open sessions go on, until none is left or ``timeout_s`` passes.
+    A balancer health-checking /health stops routing here within its check interval."""
+    if timeout_s <= 0:
+        return
+    state.set_status(ServiceStatus.STOPPING, "draining: no new sessions")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    log.info("draining: %d session(s) open, up to %.3g s", state.connections, timeout_s)
+    while state.connections and (left := deadline - loop.time()) > 0:
+        await asyncio.sleep(min(poll_s, left))
+    log.info("drained: %d session(s) left to close", state.connections)
+
+
 async def _close_sessions(app: web.Application) -> None:
     state = app[STATE]
     state.set_status(ServiceStatus.STOPPING, "shutting down")

@@ -31,6 +31,7 @@ from shared.config import ConfigError, load_settings
 
 if TYPE_CHECKING:
     from cloud_verifier.targets import Target
+    from cloud_verifier.tp import Rank
 
 #: Builds the model loader (run on the model worker) from the resolved settings.
 LoaderFactory = Callable[[VerifierSettings], Callable[[], "Target"]]
@@ -70,6 +71,10 @@ _HELP: dict[str, str] = {
     "send_timeout": "seconds a frame may wait for a client that does not read, then it is closed",
     "max_send_buffer": "unread bytes queued for a client before it is closed",
     "shutdown_timeout": "seconds to let sessions finish on SIGTERM",
+    "tp": "tensor parallelism: run the target over this many ranks (one per GPU; re-launched "
+    "under torchrun, rank 0 serves); the heads must divide by it",
+    "drain_timeout": "on SIGTERM, seconds to drain first (/health 503, no new sessions, open "
+    "ones go on) before closing the rest (behind a load balancer; 0 = no drain)",
     "log_level": "logging level",
 }
 
@@ -134,7 +139,7 @@ async def serve(
 
     ``loader`` (run on the model worker) defaults to loading ``settings.model``.
     """
-    from cloud_verifier.app import STATE, build_app, make_runner, reload_tokens
+    from cloud_verifier.app import STATE, build_app, drain, make_runner, reload_tokens
     from cloud_verifier.http_guard import Listener
     from shared.sdnotify import Notifier
     from shared.service_status import ServiceStatus
@@ -179,6 +184,7 @@ async def serve(
             await state.changed.wait()
             state.changed.clear()
             if stopping:
+                await drain(state, settings.drain_timeout)
                 break
             if state.status == ServiceStatus.FAILED:
                 log.error("%s", state.reason)
@@ -251,6 +257,27 @@ def run_serve(args: argparse.Namespace, *, make_loader: LoaderFactory | None = N
         log.warning("authentication is OFF (--insecure-no-auth): anyone can open sessions")
     _check_open_files(settings)
     loader = make_loader(settings) if make_loader is not None else None
+    from cloud_verifier.tp import launch_ranks, rank_from_env, run_follower
+
+    try:
+        rank = rank_from_env(os.environ)
+    except ValueError as e:
+        print(f"cloud-verifier: error: {e}", file=sys.stderr)
+        return 2
+    if settings.tp > 1 and rank is None:
+        # This process becomes torchrun's agent (same PID for systemd) and runs the ranks.
+        return launch_ranks(settings.tp, sys.argv[1:])
+    if rank is not None and rank.world > 1:
+        if rank.world != settings.tp:
+            print(
+                f"cloud-verifier: error: started as {rank.world} ranks but tp = {settings.tp} "
+                "(setting 'tp')",
+                file=sys.stderr,
+            )
+            return 2
+        if not rank.leader:
+            return run_follower(rank, lambda: _load_shards(settings, rank))
+        loader = _leader_loader(settings, rank)
     rc = asyncio.run(serve(settings, auth, ssl_context, loader=loader))
     busy = _busy_threads(1.0)
     if busy:
@@ -265,6 +292,35 @@ def run_serve(args: argparse.Namespace, *, make_loader: LoaderFactory | None = N
         sys.stderr.flush()
         os._exit(rc)
     return rc
+
+
+def _load_shards(settings: VerifierSettings, rank: Rank) -> Target:
+    from cloud_verifier.targets import load_target
+
+    return load_target(
+        settings.model,
+        device=settings.device,
+        dtype=settings.dtype,
+        compile_forward=settings.compile,
+        tp_size=rank.world,
+        local_rank=rank.local_rank,
+    )
+
+
+def _leader_loader(settings: VerifierSettings, rank: Rank) -> Callable[[], Target]:
+    """Rank 0's loader (on the engine's thread): join the group, load its shards, wait for
+    every rank to have loaded (only then is the service ready), then serve through the
+    followers."""
+
+    from cloud_verifier.tp import ShardedTarget, init_group, meet
+
+    def load() -> Target:
+        channel = init_group(rank)
+        inner = _load_shards(settings, rank)
+        meet(channel)
+        return ShardedTarget(inner, channel, rank.world)
+
+    return load
 
 
 def _check_open_files(settings: VerifierSettings) -> None:

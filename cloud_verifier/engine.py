@@ -363,14 +363,40 @@ class Engine:
     # ------------------------------------------------------------------ engine thread
 
     def _main(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # A tensor-parallel target tells its follower ranks to stop (from this thread,
+            # after the last step: every rank sees the same commands in the same order).
+            close = getattr(self.target, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:
+                    log.exception("closing the target failed")
+
+    def _serve(self) -> None:
         while True:
+            heartbeat: Callable[[], None] | None = None
             with self._cv:
                 while not self._queue and not self._closed:
-                    self._cv.wait()
-                self._gather()
-                if self._closed:
-                    return
-                calls, batch = self._take()
+                    # A tensor-parallel target's followers wait for a command with a deadline:
+                    # while idle, it sends them a heartbeat every ``idle_tick_s``.
+                    beat = getattr(self.target, "heartbeat", None)
+                    tick = float(getattr(self.target, "idle_tick_s", 0.0) or 0.0)
+                    if not callable(beat) or tick <= 0:
+                        self._cv.wait()
+                    elif not self._cv.wait(tick):
+                        heartbeat = beat
+                        break
+                if heartbeat is None:
+                    self._gather()
+                    if self._closed:
+                        return
+                    calls, batch = self._take()
+            if heartbeat is not None:
+                heartbeat()
+                continue
             for c in calls:
                 try:
                     value = c.fn()

@@ -41,6 +41,9 @@ class VerifierSettings:
     # torch.compile the batched forward (shapes bucketed; CUDA graphs where torch uses them):
     # auto = on for CUDA, off on the CPU (where eager measured faster, see README).
     compile: Switch = "auto"
+    # Tensor parallelism: one target over this many ranks (GPUs of one node, or CPU processes
+    # over gloo), transformers' own TP, started with torchrun (cloud_verifier.tp).
+    tp: int = field(default=1, metadata=_b(1, 64))
     max_sessions: int = field(default=64, metadata=_b(1))  # also the engine's session slots
     # One batched forward holds at most this many sessions and this many padded tokens
     # (sessions × longest row); 1 = the serial engine (one session per forward).
@@ -92,6 +95,11 @@ class VerifierSettings:
     send_timeout: float = field(default=15.0, metadata=_b(0.1))
     max_send_buffer: int = field(default=4 << 20, metadata=_b(1 << 16))
     shutdown_timeout: float = field(default=10.0, metadata=_b(0.1))  # for handlers on SIGTERM
+    # Behind a load balancer: on SIGTERM, first drain for up to this many seconds (/health
+    # answers 503 "stopping", so the balancer stops routing here; new sessions are refused with
+    # 503; open sessions go on), ending early once no session is left; then the rest are closed
+    # with GOING_AWAY (their edges reconnect, through the balancer, elsewhere). 0 = no drain.
+    drain_timeout: float = field(default=0.0, metadata=_b(0.0, 3600.0))
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:

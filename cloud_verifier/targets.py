@@ -214,11 +214,15 @@ def load_target(
     dtype: str = "auto",
     compile_forward: str = "auto",
     progress: bool | None = None,
+    tp_size: int = 1,
+    local_rank: int = 0,
 ) -> Target:
     """Load ``spec`` (blocking: call it on the engine's thread). ``null:VOCAB`` needs no model.
 
     Logs one line naming the device. ``compile_forward``: ``auto`` (on for CUDA, off on the CPU),
-    ``on`` or ``off``. ``progress``: transformers' progress bars (None: only on a terminal)."""
+    ``on`` or ``off``. ``progress``: transformers' progress bars (None: only on a terminal).
+    ``tp_size`` > 1: this rank's shards of a tensor-parallel model (:mod:`cloud_verifier.tp`),
+    on ``cuda:local_rank`` with CUDA, else the CPU; not compiled."""
     vocab = parse_null_spec(spec)
     if vocab is not None:
         log.info("device: none (null model)")
@@ -233,11 +237,14 @@ def load_target(
     from shared.models import load_model
 
     dev = resolve_device(device)
+    if tp_size > 1 and dev.startswith("cuda"):
+        dev = f"cuda:{local_rank}"
     log.info("device: %s", describe_device(dev))
     if dtype == "auto":
         dtype = "bfloat16" if dev.startswith("cuda") else "float32"
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     compiled = compile_forward == "on" or (compile_forward == "auto" and dev.startswith("cuda"))
-    return TorchTarget(
-        load_model(spec, device=dev, dtype=torch_dtype[dtype]), compile_forward=compiled
-    )
+    if tp_size > 1:
+        compiled = False  # the sharded layers' hooks and collectives: eager only
+    loaded = load_model(spec, device=dev, dtype=torch_dtype[dtype], tp_size=tp_size)
+    return TorchTarget(loaded, compile_forward=compiled)

@@ -78,6 +78,13 @@ class BatchedLM:
         self._layers = int(cfg.num_hidden_layers)
         heads = int(cfg.num_attention_heads)
         self._kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        # Tensor parallelism (transformers' own): each rank computes and caches its share of
+        # the KV heads; the pool holds only those.
+        tp = int(getattr(model, "_tp_size", None) or 1)
+        if self._kv_heads % tp:
+            raise ValueError(f"{self._kv_heads} KV heads do not divide over {tp} ranks")
+        self._kv_heads //= tp
+        self.tp_size = tp
         self._head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
         self.compiled = compile_forward
         self._run: Any = torch.compile(self._run_eager) if compile_forward else self._run_eager

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -89,8 +90,36 @@ def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: st
     )
 
 
-def _load_folder(folder: Path, name: str, device: str, dtype: torch.dtype) -> LoadedModel:
+def check_tp_size(config: Any, tp_size: int) -> None:
+    """Tensor parallelism splits the attention heads and the KV heads evenly over the ranks:
+    a clear error, before any weight is loaded, when they do not divide."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    kv = int(getattr(text, "num_key_value_heads", None) or heads)
+    if tp_size < 1 or heads % tp_size or kv % tp_size:
+        raise ValueError(
+            f"tensor parallelism over {tp_size} ranks needs the attention heads ({heads}) and "
+            f"the KV heads ({kv}) to divide by {tp_size}"
+        )
+
+
+def _load_folder(
+    folder: Path, name: str, device: str, dtype: torch.dtype, tp_size: int = 1
+) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if tp_size > 1:
+        # transformers' own tensor parallelism: each rank (torchrun) loads its shards onto its
+        # device (cuda:LOCAL_RANK, or the CPU over gloo); layers all-reduce in their forward.
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        check_tp_size(AutoConfig.from_pretrained(str(folder), local_files_only=True), tp_size)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder),
+            dtype=dtype,
+            local_files_only=True,
+            distributed_config=DistributedConfig(tp_size=tp_size),
+        )
+        return _finish(model, tokenizer, name)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
     model.to(device)  # type: ignore[arg-type]
     return _finish(model, tokenizer, name)
@@ -102,8 +131,11 @@ def load_model(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     base: LoadedModel | None = None,
+    tp_size: int = 1,
 ) -> LoadedModel:
     """Load a model offline. ``base`` is required for (and only used by) ``self:`` specs.
+    ``tp_size`` > 1: this process is one rank of a tensor-parallel group (started by torchrun)
+    and loads its shards of the model (``device`` is then the rank's own).
 
     A self-draft shares ``base``'s tensors, so it lives on ``base``'s device and dtype
     (``device``/``dtype`` are ignored for it).
@@ -122,6 +154,6 @@ def load_model(
     if parsed.kind in (SpecKind.DEFAULT, SpecKind.GGUF):
         folder = converted_gguf_folder(parsed.path)
         name = parsed.path.name.removesuffix(".gguf")
-        return _load_folder(folder, name, device, dtype)
+        return _load_folder(folder, name, device, dtype, tp_size)
     name = parsed.hub_id if parsed.hub_id is not None else parsed.path.name
-    return _load_folder(parsed.path, name, device, dtype)
+    return _load_folder(parsed.path, name, device, dtype, tp_size)

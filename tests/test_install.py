@@ -429,6 +429,14 @@ def test_shipped_units_take_secrets_from_credentials() -> None:
         assert "DynamicUser" in keys
 
 
+def test_tp_drop_in_lets_rank_0_notify_and_sets_the_ranks() -> None:
+    text = (REPO / "systemd" / "cloud-verifier-tp.conf").read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert lines[0] == "[Service]"
+    assert "NotifyAccess=all" in lines
+    assert any(re.fullmatch(r"Environment=WANSPEC_TP=\d+", ln) for ln in lines)
+
+
 def test_readme_installs_without_cleartext_or_unreadable_secrets() -> None:
     readme = (REPO / "README.md").read_text()
     assert 'host = \\"0.0.0.0\\"' not in readme  # the old printf into verifier.toml

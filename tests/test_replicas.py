@@ -1,0 +1,241 @@
+"""Several verifier replicas behind HAProxy, with the shipped balancer config
+(``systemd/haproxy-wanspec.cfg``, only its listen port and server addresses replaced), all on
+loopback:
+
+* failover: an edge generating through the balancer loses its replica (SIGKILL mid-generation),
+  reconnects through the balancer to the other one and resumes from its committed text; the
+  text equals target-only greedy decoding, and the failover time (kill → next committed token)
+  is measured;
+* drain: a replica sent SIGTERM (``drain_timeout``) answers /health 503 while it still serves
+  its open session; sessions opened through the balancer meanwhile all land on the other
+  replica; once its last session closes it exits 0.
+
+``.ci/run`` installs HAProxy (Debian's package) when it is missing; without it these tests fail
+with that instruction rather than skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from bench.harness import REPO, VerifierProcess, free_port, make_agent, target_greedy
+from bench.probe import ProbeClient, auth_headers
+from bench.tiny_models import build_tiny_model
+from edge_agent.agent import RetryPolicy
+from shared.models import LoadedModel, load_model
+from shared.pipeline_config import PipelineConfig
+from shared.protocol import SUBPROTOCOL, Hello
+from shared.sampling import SamplingParams
+
+TOKEN = "replica-token-0123456789abcdef"
+PROMPT = [1, 10, 20, 30, 40]
+SHIPPED = REPO / "systemd" / "haproxy-wanspec.cfg"
+
+
+def balancer_config(listen: int, servers: list[int]) -> str:
+    """The shipped config with this test's ports (and its log to stdout kept)."""
+    text = SHIPPED.read_text()
+    text, n = re.subn(r"(?m)^    bind 127\.0\.0\.1:\d+$", f"    bind 127.0.0.1:{listen}", text)
+    assert n == 1, "the shipped config's frontend bind line changed"
+    lines = [ln for ln in text.splitlines() if not re.match(r"^    server v\d+ ", ln)]
+    lines += [f"    server v{i + 1} 127.0.0.1:{p} check" for i, p in enumerate(servers)]
+    return "\n".join(lines) + "\n"
+
+
+def health(port: int) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def sessions_total(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+        text = r.read().decode()
+    m = re.search(r"(?m)^wanspec_sessions_total (\S+)$", text)
+    assert m is not None
+    return float(m.group(1))
+
+
+@dataclass
+class Fleet:
+    replicas: list[VerifierProcess]
+    listen: int
+    target: LoadedModel
+    draft: LoadedModel
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.listen}/v1/session"
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
+    haproxy = shutil.which("haproxy")
+    if haproxy is None:
+        pytest.fail("haproxy is not installed: apt-get install haproxy (make test installs it)")
+    target_dir = build_tiny_model(tmp_path / "target", vocab_size=64, seed=0)
+    draft_dir = build_tiny_model(tmp_path / "draft", vocab_size=64, seed=1)
+    tokens = tmp_path / "tokens"
+    tokens.write_text(TOKEN + "\n")
+    replicas = [
+        VerifierProcess(
+            str(target_dir),
+            free_port(),
+            tokens,
+            args=["--drain-timeout", "20", "--heartbeat", "0"],
+            log_path=tmp_path / f"replica{i}.log",
+        )
+        for i in range(2)
+    ]
+    listen = free_port()
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(balancer_config(listen, [r.port for r in replicas]))
+    check = subprocess.run([haproxy, "-c", "-f", str(cfg)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    for r in replicas:
+        r.start()
+    log = open(tmp_path / "haproxy.log", "wb")  # noqa: SIM115
+    lb = subprocess.Popen([haproxy, "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for r in replicas:
+            await r.wait_ready(120)
+        # The balancer routes to a replica once its checks pass (rise 2 × inter 1 s).
+        deadline = time.monotonic() + 30
+        while not all(f"verifiers/v{i + 1} is UP" in _read(tmp_path / "haproxy.log") for i in
+                      range(len(replicas))):  # fmt: skip
+            assert time.monotonic() < deadline, _read(tmp_path / "haproxy.log")
+            await asyncio.sleep(0.1)
+        yield Fleet(replicas, listen, load_model(str(target_dir)), load_model(str(draft_dir)))
+    finally:
+        lb.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            lb.wait(10)
+        if lb.poll() is None:
+            lb.kill()
+        log.close()
+        for r in replicas:
+            await r.stop()
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+async def test_an_edge_whose_replica_dies_resumes_on_another(fleet: Fleet) -> None:
+    n, kill_at = 60, 12
+    state = {"committed": 0.0}
+    commits_after: list[float] = []
+
+    def on_commit(ids: list[int]) -> None:
+        now = time.monotonic()
+        if "killed_at" in state:
+            commits_after.append(now)
+            return
+        state["committed"] += len(ids)
+        if state["committed"] >= kill_at:
+            # The replica holding this session: the one with an open session.
+            holder = next(r for r in fleet.replicas if health(r.port)[1].get("sessions") == 1)
+            assert holder.proc is not None
+            holder.proc.send_signal(signal.SIGKILL)
+            state["killed_at"], state["port"] = now, float(holder.port)
+
+    retry = RetryPolicy(backoff_initial_s=0.05, backoff_max_s=0.5, deadline_s=30.0)
+    agent = make_agent(fleet.draft, fleet.url, TOKEN, retry=retry)
+    try:
+        # No co-generation: with it, this tiny verifier decodes the whole text on its own and
+        # streams it down before the kill lands (nothing would be left to fail over).
+        cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0), cogen=False)
+        gen = await agent.generate(PROMPT, cfg, max_new_tokens=n, on_commit=on_commit)
+    finally:
+        agent.close()
+    assert "killed_at" in state and commits_after, "the replica was not killed mid-generation"
+    assert gen.generated == target_greedy(fleet.target, PROMPT, n)
+    assert gen.stats.reconnects >= 1
+    survivor = next(r for r in fleet.replicas if r.port != state["port"])
+    assert sessions_total(survivor.port) >= 1
+    failover = commits_after[0] - state["killed_at"]
+    print(f"failover: replica killed → next committed token {failover * 1000:.0f} ms")
+    assert failover < 10.0
+
+
+async def test_a_draining_replica_gets_no_new_sessions(fleet: Fleet) -> None:
+    a, b = fleet.replicas
+    # A session held open on replica a (directly), so that its drain lasts.
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(
+            a.url.replace("ws://", "http://"),
+            headers=auth_headers(TOKEN),
+            protocols=(SUBPROTOCOL,),
+        )
+        await ProbeClient(ws).hello(Hello(fleet.target.fingerprint, SamplingParams(0.0)))
+        before_a, before_b = sessions_total(a.port), sessions_total(b.port)
+        assert a.proc is not None
+        a.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while health(a.port)[0] != 503:
+            assert time.monotonic() < deadline, "no 503 from /health while draining"
+            await asyncio.sleep(0.05)
+        status, body = health(a.port)
+        assert status == 503 and body["status"] == "stopping"
+        # New sessions through the balancer, at once (before its check marks a down: any that
+        # reach a are refused with 503 and retried elsewhere) and after.
+        for _ in range(4):
+            agent = make_agent(fleet.draft, fleet.url, TOKEN)
+            try:
+                cfg = PipelineConfig(gamma=2, depth=1, sampling=SamplingParams(0.0))
+                gen = await agent.generate(PROMPT, cfg, max_new_tokens=8)
+            finally:
+                agent.close()
+            assert gen.generated == target_greedy(fleet.target, PROMPT, 8)
+        assert sessions_total(a.port) == before_a  # the draining replica took none
+        assert sessions_total(b.port) == before_b + 4
+        assert a.alive()  # still draining: its session is open
+        await ws.close()
+    rc = await a._reap(30.0)
+    assert rc == 0, (Path(str(a.log_path)).read_text())[-2000:]
+
+
+class _Draining:
+    """What :func:`cloud_verifier.app.drain` reads of the service state."""
+
+    def __init__(self, connections: int) -> None:
+        self.connections = connections
+        self.status: object = None
+
+    def set_status(self, status: object, reason: str) -> None:
+        self.status = status
+
+
+async def test_drain_ends_with_the_last_session_or_at_its_deadline() -> None:
+    from cloud_verifier.app import drain
+    from shared.service_status import ServiceStatus
+
+    state = _Draining(2)
+    task = asyncio.create_task(drain(state, 30.0, poll_s=0.01))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    assert state.status == ServiceStatus.STOPPING and not task.done()
+    state.connections = 0
+    await asyncio.wait_for(task, 1.0)  # ends at once, long before its 30 s
+    stuck = _Draining(1)
+    t0 = time.monotonic()
+    await drain(stuck, 0.2, poll_s=0.01)  # type: ignore[arg-type]
+    assert 0.2 <= time.monotonic() - t0 < 1.0
+    none = _Draining(1)
+    await drain(none, 0.0)  # type: ignore[arg-type]
+    assert none.status is None  # drain_timeout 0: no drain at all
