@@ -509,7 +509,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     if state.status != ServiceStatus.READY:
         raise _refuse(
             state,
-            "loading",
+            "stopping" if state.status == ServiceStatus.STOPPING else "loading",
             web.HTTPServiceUnavailable(
                 text=json.dumps({"status": state.status, "reason": state.reason}),
                 content_type="application/json",

@@ -120,7 +120,7 @@ class VerifierMetrics:
         self.sessions = r.counter("wanspec_sessions_total", "Sessions established (Welcome sent).")
         self.sessions_refused = r.counter(
             "wanspec_sessions_refused_total",
-            "Session requests refused, by reason (auth, loading, busy, token_limit, "
+            "Session requests refused, by reason (auth, loading, stopping, busy, token_limit, "
             "not_websocket, bad_upgrade, subprotocol, handshake, fingerprint).",
             labels=("reason",),
         )

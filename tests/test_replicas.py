@@ -72,6 +72,13 @@ def sessions_total(port: int) -> float:
     return float(m.group(1))
 
 
+def refused(port: int, reason: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+        text = r.read().decode()
+    m = re.search(rf'(?m)^wanspec_sessions_refused_total{{reason="{reason}"}} (\S+)$', text)
+    return float(m.group(1)) if m else 0.0
+
+
 @dataclass
 class Fleet:
     replicas: list[VerifierProcess]
@@ -204,6 +211,7 @@ async def test_a_draining_replica_gets_no_new_sessions(fleet: Fleet) -> None:
                 agent.close()
             assert gen.generated == target_greedy(fleet.target, PROMPT, 8)
         assert sessions_total(a.port) == before_a  # the draining replica took none
+        print(f"refused while draining: {refused(a.port, 'stopping'):.0f}")
         assert sessions_total(b.port) == before_b + 4
         assert a.alive()  # still draining: its session is open
         await ws.close()

@@ -176,7 +176,9 @@ async def _check_against_unsharded(
     try:
         await single.wait_ready(300)
         await sharded.wait_ready(300)
-        assert len(_ranks(sharded.pid)) == tp
+        # Ready (/health 200) only once every rank has loaded its shards and met rank 0.
+        met = (tmp_path / "tp.log").read_text().count("following rank 0")
+        assert met == tp - 1 and len(_ranks(sharded.pid)) == tp
         agent = make_agent(draft, sharded.url, TOKEN)
         try:
             cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0))
