@@ -390,6 +390,16 @@ class TimedDrafter(Drafter):
         return float(getattr(self.inner, "last_prob", 1.0))
 
     @property
+    def rivals(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.inner, "rivals", False))
+
+    @rivals.setter
+    def rivals(self, on: bool) -> None:
+        """Hedging asks the inner drafter for rivals (an oracle has none)."""
+        if hasattr(self.inner, "rivals"):
+            self.inner.rivals = on
+
+    @property
     def last_rival(self) -> Rival:  # type: ignore[override]
         """The inner drafter's rival token and confidence (hedging; none for an oracle)."""
         rival = getattr(self.inner, "last_rival", None)

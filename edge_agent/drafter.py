@@ -50,6 +50,8 @@ class Drafter:
         #: the token drawn at temperature 1 (its confidence whatever the sampling): where it is
         #: lowest, a hedge drafts after the rival (shared.edge_core.Pipeline.hedge_plan).
         self.last_rival = Rival(0, 1.0)
+        #: Compute ``last_rival`` at each step (a pass over the vocabulary): only while hedging.
+        self.rivals = False
 
     def _sync(self, seq: Sequence[int]) -> None:
         """Make the cache hold exactly ``seq`` (crop to the common prefix, extend the rest)."""
@@ -88,7 +90,8 @@ class Drafter:
         drawn from: the transformed draft distribution, or its one-hot argmax when
         ``deterministic`` (greedy decoding and the greedy-draft correction mode)."""
         q = self.next_dist(seq, params)
-        self.last_rival = _rival(self.lm.last_logits.numpy(), q)
+        if self.rivals:
+            self.last_rival = _rival(self.lm.last_logits.numpy(), q)
         if deterministic:
             x = int(np.argmax(q))
             self.last_prob = float(q[x])

@@ -137,6 +137,7 @@ async def draft_loop(
     with ``hedge``, the wait is first spent drafting hedges (``Pipeline.hedge_plan``)."""
     pipe = core.pipe
     gen = pipe.gen
+    drafter.rivals = hedge is not None and pipe.cfg.hedge > 0
     while not gen.done:
         if not core.may_draft():
             hp = pipe.hedge_plan() if hedge is not None else None
