@@ -69,13 +69,17 @@ class Drafter:
             self.forwards += 1
             self.lm.extend(seq[common:], last_rows=1)
 
-    def next_dist(self, seq: Sequence[int], params: SamplingParams) -> Probs:
-        """The draft distribution q: [V] float64 for the token after ``seq`` (non-empty)."""
+    def _logits(self, seq: Sequence[int]) -> npt.NDArray[np.float32]:
+        """The draft's raw float32 logits [V] for the token after ``seq`` (non-empty)."""
         if not seq:
             raise ValueError("the draft needs at least one token of context")
         self._sync(seq)
-        logits = self.lm.last_logits.numpy()  # [V]
-        out: Probs = transform(logits, params)
+        out: npt.NDArray[np.float32] = self.lm.last_logits.numpy()
+        return out
+
+    def next_dist(self, seq: Sequence[int], params: SamplingParams) -> Probs:
+        """The draft distribution q: [V] float64 for the token after ``seq`` (non-empty)."""
+        out: Probs = transform(self._logits(seq), params)
         return out
 
     def draft(
@@ -89,9 +93,10 @@ class Drafter:
         """Draw the next draft token after ``seq``; returns (x, q) with q the distribution x was
         drawn from: the transformed draft distribution, or its one-hot argmax when
         ``deterministic`` (greedy decoding and the greedy-draft correction mode)."""
-        q = self.next_dist(seq, params)
+        logits = self._logits(seq)
+        q: Probs = transform(logits, params)
         if self.rivals:
-            self.last_rival = _rival(self.lm.last_logits.numpy(), q)
+            self.last_rival = _rival(logits, q)
         if deterministic:
             x = int(np.argmax(q))
             self.last_prob = float(q[x])
