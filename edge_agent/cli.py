@@ -213,6 +213,7 @@ def _error(e: BaseException) -> int:
 
 def _summary(r: dict[str, Any]) -> str:
     acc = r["acceptance_rate"]
+    per_rej = r["downlink_bytes_per_rejection"]
     return (
         f"{r['tokens']} tokens in {r['wall_s']:.2f} s ({r['tokens_per_s']} tok/s) · "
         f"{r['mode']} γ={r['gamma']} D={r['depth']} · acceptance "
@@ -220,7 +221,7 @@ def _summary(r: dict[str, Any]) -> str:
         f" over {r['rounds']} rounds · {r['rejections']} rejections, "
         f"{r['discarded_batches']} discarded batches · up {r['uplink_bytes']} B "
         f"({r['uplink_bytes_per_round']} B/round), down {r['downlink_bytes']} B "
-        f"({r['downlink_bytes_per_rejection']} B/rejection)"
+        f"({'n/a' if per_rej is None else per_rej} B/rejection)"
     )
 
 

@@ -285,3 +285,17 @@ def test_device_line_names_the_device(tiny_draft_dir: Path) -> None:
     assert device_line(loaded) == (
         f"draft {loaded.name} on cpu (float32, {n} thread{'' if n == 1 else 's'})"
     )
+
+
+def test_summary_with_no_rejection_says_n_a_not_none() -> None:
+    from edge_agent.cli import _summary
+
+    r = {
+        "acceptance_rate": 1.0, "tokens": 8, "wall_s": 1.0, "tokens_per_s": 8.0,
+        "mode": "pipelined", "gamma": 4, "depth": 4, "mean_accepted_per_round": 4.0,
+        "rounds": 2, "rejections": 0, "discarded_batches": 0, "uplink_bytes": 60,
+        "uplink_bytes_per_round": 30.0, "downlink_bytes": 20,
+        "downlink_bytes_per_rejection": None,
+    }  # fmt: skip
+    line = _summary(r)
+    assert "(n/a B/rejection)" in line and "None" not in line
