@@ -33,8 +33,9 @@ Nothing here does I/O; there is no pickle and no eval.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, Field, dataclass, field
 from dataclasses import fields as dataclass_fields
 from enum import Enum, IntEnum
@@ -47,7 +48,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.enums import TextEnum
-from shared.sampling import SamplingParams
+from shared.sampling import MIN_TEMPERATURE, SamplingParams
 
 PROTOCOL_VERSION: Final = 1
 #: WebSocket subprotocol naming the protocol version.
@@ -81,6 +82,7 @@ class MsgType(IntEnum):
     CANDIDATES = 9
     GENERATED = 10
     HEDGE = 11
+    PROGRESS = 12
 
 
 class CorrectionMode(TextEnum):
@@ -154,6 +156,33 @@ class Fingerprint:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """Hello.resume: pick up an earlier session of the same bearer token whose connection was
+    lost. ``token``: that session's Welcome.resume; ``length``: how many tokens the edge has
+    committed (the verifier keeps at most this much of that session's KV cache)."""
+
+    token: str
+    length: int
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Welcome.resumed: the verifier kept the first ``length`` tokens of the resumed session's
+    cache; ``digest`` is :func:`text_digest` of them, for the edge to check against its own
+    committed text before it starts its next Propose at ``length``."""
+
+    length: int
+    digest: int
+
+
+def text_digest(ids: Sequence[int]) -> int:
+    """A 63-bit digest of a token sequence (BLAKE2b of the ids as little-endian int64; 63 bits
+    so that every msgpack peer can carry it as a signed integer too)."""
+    raw = np.asarray(ids, dtype="<i8").tobytes()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
+
+
+@dataclass(frozen=True)
 class Hello:
     """Edge → verifier, first frame of a session."""
 
@@ -170,11 +199,19 @@ class Hello:
     #: next tokens from p itself (Generated frames), up to this absolute position (the prompt
     #: plus the generation's room); 0 = never.
     cogen_end: int = 0
+    #: Ask for :class:`Progress` frames while this session's model work waits or runs.
+    progress: bool = False
+    #: Resume a lost session's KV cache (left out: a new session).
+    resume: Resume | None = None
 
 
 @dataclass(frozen=True)
 class Welcome:
-    """Verifier → edge: accepted. Limits the edge must respect for this session."""
+    """Verifier → edge: accepted. Limits the edge must respect for this session.
+
+    ``resume``: a secret naming this session, for a later Hello.resume if the connection is
+    lost (none: this verifier does not keep lost sessions). ``resumed``: what was kept of the
+    session the Hello asked to resume (none: a new, empty session)."""
 
     fingerprint: Fingerprint
     session_id: str
@@ -182,6 +219,8 @@ class Welcome:
     max_fixed: int
     max_context: int
     max_frame: int
+    resume: str | None = None
+    resumed: Resumed | None = None
 
 
 @dataclass(frozen=True)
@@ -296,6 +335,23 @@ class Hedge:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """Verifier → edge (if Hello.progress): this session's model work is still on its way.
+
+    Liveness (WebSocket ping/pong, answered by the event loop) says nothing about the model;
+    this does. ``steps``: engine steps completed so far (modulo 2**32), the witness that the
+    engine moves; ``ahead``: requests of other sessions queued before this one's (0 once it
+    is in the running step); ``eta_ms``: the verifier's estimate, from its recent step times,
+    of the milliseconds until the work is answered; ``running``: its step has started.
+    Sent only while work has waited a while, and only when one of these changed."""
+
+    steps: int
+    ahead: int
+    eta_ms: int
+    running: bool = False
+
+
+@dataclass(frozen=True)
 class Error:
     """Either direction. ``fatal`` errors close the session."""
 
@@ -315,6 +371,7 @@ Message = (
     | Candidates
     | Generated
     | Hedge
+    | Progress
     | Error
 )
 
@@ -484,6 +541,19 @@ class _Float(_Kind):
         f = float(v)
         if not math.isfinite(f) or not self.lo <= f <= self.hi:
             raise ProtocolError(name, f"{v} outside [{self.lo}, {self.hi}]")
+        return f
+
+
+class _Temperature(_Float):
+    """A temperature: 0 (greedy) or in [MIN_TEMPERATURE, 100] (SamplingParams's own rule)."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0, 100.0)
+
+    def read(self, v: Any, name: str, ctx: WireContext | None) -> float:
+        f = super().read(v, name, ctx)
+        if 0.0 < f < MIN_TEMPERATURE:
+            raise ProtocolError(name, f"{v} is neither 0 (greedy) nor >= {MIN_TEMPERATURE:g}")
         return f
 
 
@@ -893,11 +963,34 @@ _SAMPLING: Final = _Map(
         SamplingParams,
         "sampling",
         [
-            _Field("temperature", "temperature", _Float(0.0, 100.0), presence=_DEFAULTED),
+            _Field("temperature", "temperature", _Temperature(), presence=_DEFAULTED),
             _Field("top_k", "top_k", _Int(0, 1 << 24), presence=_DEFAULTED),
             _Field("top_p", "top_p", _Float(1e-9, 1.0), presence=_DEFAULTED),
         ],
         prefix="sampling.",
+    )
+)
+
+_RESUME: Final = _Map(
+    _Table(
+        Resume,
+        "resume",
+        [
+            _Field("token", "token", _Str(64)),
+            _Field("len", "len", _Int(0, _U32_MAX), "length"),
+        ],
+        prefix="resume.",
+    )
+)
+_RESUMED: Final = _Map(
+    _Table(
+        Resumed,
+        "resumed",
+        [
+            _Field("len", "len", _Int(0, _U32_MAX), "length"),
+            _Field("digest", "digest", _Int(0, 2**63 - 1)),
+        ],
+        prefix="resumed.",
     )
 )
 
@@ -916,6 +1009,8 @@ _FRAMES: Final = (
             _Field("bonus", "bonus", _Bool()),
             _Field("seed", "seed", _Int(0, 2**63 - 1), presence=_OPTIONAL),
             _Field("cogen", "cogen", _Int(0, _U32_MAX), "cogen_end", presence=_DEFAULTED),
+            _Field("progress", "progress", _Flag(1), presence=_OPTIONAL),
+            _Field("resume", "resume", _RESUME, presence=_OPTIONAL),
         ],
     ),
     _Frame(
@@ -928,6 +1023,8 @@ _FRAMES: Final = (
             _Field("max_fixed", "max_fixed", _Int(1, _U32_MAX)),
             _Field("max_context", "max_context", _Int(1, _U32_MAX)),
             _Field("max_frame", "max_frame", _Int(64, 1 << 30)),
+            _Field("resume", "resume", _Str(64), presence=_OPTIONAL),
+            _Field("resumed", "resumed", _RESUMED, presence=_OPTIONAL),
         ],
     ),
     _Frame(
@@ -1014,6 +1111,16 @@ _FRAMES: Final = (
             _Field(K_A, "draft", _Draft(), ("draft", "q")),
         ],
         _make_hedge,
+    ),
+    _Frame(
+        MsgType.PROGRESS,
+        Progress,
+        [
+            _Field(K_A, "steps", _U32),
+            _Field(K_B, "ahead", _U32),
+            _Field(K_D, "eta_ms", _U32),
+            _Field(K_C, "running", _Flag(1), presence=_OPTIONAL),
+        ],
     ),
 )
 if sorted(t.msg_type for t in _FRAMES) != list(MsgType):
@@ -1151,10 +1258,13 @@ __all__ = [
     "Hello",
     "Message",
     "MsgType",
+    "Progress",
     "Propose",
     "ProtocolError",
     "ReplyMode",
     "Resample",
+    "Resume",
+    "Resumed",
     "Rollback",
     "SparseDist",
     "Verdict",
@@ -1165,4 +1275,5 @@ __all__ = [
     "id_width",
     "message_equal",
     "peek_type",
+    "text_digest",
 ]

@@ -23,10 +23,13 @@ from shared.protocol import (
     Hedge,
     Hello,
     MsgType,
+    Progress,
     Propose,
     ProtocolError,
     ReplyMode,
     Resample,
+    Resume,
+    Resumed,
     Rollback,
     SparseDist,
     Verdict,
@@ -44,6 +47,7 @@ from shared.protocol import (
     id_width,
     message_equal,
     peek_type,
+    text_digest,
 )
 from shared.sampling import SamplingParams
 
@@ -141,8 +145,20 @@ ALL_MESSAGES = [
         m=16,
         bonus=True,
         seed=123,
+        progress=True,
+        resume=Resume("0123456789abcdef0123456789abcdef", 17),
     ),
     Welcome(_fp(), "s-1", max_gamma=16, max_fixed=8192, max_context=8192, max_frame=1 << 20),
+    Welcome(
+        _fp(),
+        "s-2",
+        max_gamma=16,
+        max_fixed=8192,
+        max_context=8192,
+        max_frame=1 << 20,
+        resume="0123456789abcdef0123456789abcdef",
+        resumed=Resumed(17, text_digest(range(17))),
+    ),
     Error("bad_frame", "draft.ids: token id 70000 >= vocabulary size 49152", fatal=False),
     _propose(4),
     _propose(6, fixed=3),
@@ -165,6 +181,8 @@ ALL_MESSAGES = [
     Candidates(EPOCH, POS, SparseDist(np.array([1, 2]), np.array([0.5, 0.25], np.float32))),
     Generated(EPOCH, POS, 49151),
     Hedge(POS, 49151, np.array([1, 2, 3]), np.array([1.0, 0.5, 0.25], np.float32)),
+    Progress(steps=2**32 - 1, ahead=3, eta_ms=1500, running=True),
+    Progress(steps=0, ahead=0, eta_ms=0),
 ]
 
 
