@@ -16,9 +16,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import secrets
 import sys
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,18 +29,29 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, hdrs, web
 
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import Engine, EngineLimits, Outcome, Slot
+from cloud_verifier.engine import Engine, EngineLimits, NoFreeSlot, Outcome, Slot
 from cloud_verifier.http_guard import HTTP_LOG, ConnectionGuard
 from cloud_verifier.ratelog import LogLimiter
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.stats import VerifierMetrics
+from cloud_verifier.step_times import StallRule
 from cloud_verifier.targets import DeviceUnavailable, Target, load_target
 from shared.metrics import CONTENT_TYPE
-from shared.protocol import SUBPROTOCOL, Error, FederatedReply, Message, Verdict, encode
+from shared.protocol import (
+    SUBPROTOCOL,
+    Error,
+    FederatedReply,
+    Hello,
+    Message,
+    Progress,
+    Verdict,
+    encode,
+)
 from shared.sdnotify import Notifier
 from shared.service_status import ServiceStatus
 from shared.verifier_core import (
     CLOSE_OK,
+    Adopt,
     Close,
     Crop,
     Draw,
@@ -64,6 +78,25 @@ FIRST = asyncio.FIRST_COMPLETED
 #: Frames read ahead while a session's model work runs (an honest pipelined edge has its depth
 #: D of Proposes in flight; a flood waits in the socket instead of in memory).
 READ_AHEAD = 16
+#: The header that names why a session request was refused (an edge cannot read the body of a
+#: refused WebSocket upgrade): loading, stopping, busy, overloaded, kv_full, token_limit, ...
+REFUSAL_HEADER = "X-Wanspec-Refusal"
+#: How often lost sessions past their grace period are dropped (seconds).
+REAP_INTERVAL_S = 1.0
+
+
+@dataclass(eq=False)
+class Parked:
+    """A session whose connection was lost, kept for its edge to resume: its engine slot (the
+    KV cache), whose bearer token it was, and until when it is kept (monotonic seconds)."""
+
+    slot: Slot
+    tenant: str
+    until: float
+
+    @property
+    def pages(self) -> int:
+        return len(self.slot.pages.pages)
 
 
 @dataclass
@@ -95,6 +128,8 @@ class VerifierState:
     refusal_log: LogLimiter = field(default_factory=lambda: LogLimiter(burst=5, interval=60.0))
     #: Set whenever ``status`` changes (serve() waits on it).
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Lost sessions kept for resumption, by resume token, oldest first.
+    parked: OrderedDict[str, Parked] = field(default_factory=OrderedDict)
 
     def set_status(self, status: ServiceStatus, reason: str) -> None:
         self.status, self.reason = status, reason
@@ -127,6 +162,9 @@ def limits_from(settings: VerifierSettings) -> SessionLimits:
         idle_timeout_s=settings.idle_timeout,
         max_coalesced=settings.max_coalesced,
         max_cogen_ahead=settings.cogen_ahead,
+        max_frame_rate=settings.max_frame_rate,
+        frame_burst=settings.frame_burst,
+        progress_interval_s=settings.progress_interval,
     )
 
 
@@ -138,6 +176,9 @@ def engine_limits(settings: VerifierSettings) -> EngineLimits:
         page_size=settings.kv_page_size,
         kv_tokens=settings.kv_cache_tokens,
         batch_wait_s=settings.batch_wait_ms / 1000.0,
+        session_share=settings.kv_session_share,
+        tenant_share=settings.kv_token_share,
+        stall=StallRule(floor_s=settings.stall_timeout),
     )
 
 
@@ -186,6 +227,7 @@ def build_app(
     app.cleanup_ctx.append(_engine_ctx)
     app.cleanup_ctx.append(_watchdog_ctx)
     app.cleanup_ctx.append(_token_ctx)
+    app.cleanup_ctx.append(_parked_ctx)
     app.on_shutdown.append(_close_sessions)
     return app
 
@@ -398,6 +440,71 @@ async def drain(state: VerifierState, timeout_s: float, poll_s: float = 0.1) -> 
     log.info("drained: %d session(s) left to close", state.connections)
 
 
+# ---------------------------------------------------------------------------- lost sessions
+
+
+def _unpark(state: VerifierState, token: str, reason: str | None) -> Parked | None:
+    """Take a lost session out of the parking; with ``reason`` its slot is released too (the
+    KV pages go back to the pool)."""
+    parked = state.parked.pop(token, None)
+    if parked is not None and reason is not None:
+        state.engine.release(parked.slot)
+        state.metrics.parked_dropped.inc(reason=reason)
+    state.metrics.parked.set(len(state.parked))
+    return parked
+
+
+def _park(state: VerifierState, token: str, slot: Slot, tenant: str) -> bool:
+    """Keep a lost session's slot for ``resume_grace`` seconds, within the page budget (the
+    oldest are dropped to make room). False when it cannot be kept (the caller releases it)."""
+    s = state.settings
+    if s.resume_grace <= 0 or state.status != ServiceStatus.READY:
+        return False
+    budget = int(state.engine.memory()["pages_total"] * s.resume_pages_share)
+    pages = len(slot.pages.pages)
+    if pages > budget:
+        return False
+    while state.parked and sum(p.pages for p in state.parked.values()) + pages > budget:
+        _unpark(state, next(iter(state.parked)), "budget")
+    state.parked[token] = Parked(slot, tenant, time.monotonic() + s.resume_grace)
+    state.metrics.parked.set(len(state.parked))
+    return True
+
+
+def _make_room(state: VerifierState) -> bool:
+    """A new session needs a slot or pages: drop the oldest lost session (False: none)."""
+    if not state.parked:
+        return False
+    _unpark(state, next(iter(state.parked)), "pressure")
+    return True
+
+
+def _reap(state: VerifierState, now: float) -> None:
+    for token in [t for t, p in state.parked.items() if p.until <= now]:
+        _unpark(state, token, "expired")
+
+
+async def _parked_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Owns the task that drops lost sessions past their grace period; at the end, every
+    kept one is released."""
+    state = app[STATE]
+
+    async def reaper() -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            _reap(state, time.monotonic())
+
+    task = asyncio.create_task(reaper(), name="wanspec-parked-reaper")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for token in list(state.parked):
+            _unpark(state, token, "expired")
+
+
 async def _close_sessions(app: web.Application) -> None:
     state = app[STATE]
     state.set_status(ServiceStatus.STOPPING, "shutting down")
@@ -461,7 +568,10 @@ async def metrics_handler(request: web.Request) -> web.Response:
 def _refuse(
     state: VerifierState, reason: str, exc: web.HTTPException, request: web.Request | None = None
 ) -> web.HTTPException:
+    """Count and (rate-limited) log a refused session request; the refusal names its reason
+    in the ``X-Wanspec-Refusal`` header."""
     state.metrics.sessions_refused.inc(reason=reason)
+    exc.headers[REFUSAL_HEADER] = reason
     if request is not None:
         state.refusal_log.log(
             log,
@@ -534,7 +644,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
                 text=f"session limit {s.max_sessions} reached\n", headers={hdrs.RETRY_AFTER: "1"}
             ),
         )
-    if state.engine.pages_free == 0:
+    if state.engine.pages_free == 0 and not _make_room(state):
         raise _refuse(
             state,
             "kv_full",
@@ -543,6 +653,22 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
                 headers={hdrs.RETRY_AFTER: "1"},
             ),
         )
+    if s.max_queue_delay > 0:
+        delay = state.engine.queue_delay_s()
+        state.metrics.queue_delay.set(delay)
+        if delay > s.max_queue_delay:
+            # Retry-After: about when the queue will have drained (each edge adds its own jitter).
+            after = max(1, min(60, math.ceil(delay)))
+            raise _refuse(
+                state,
+                "overloaded",
+                web.HTTPServiceUnavailable(
+                    text=f"overloaded: the model queue is {delay:.1f} s deep "
+                    f"(max_queue_delay {s.max_queue_delay:g} s)\n",
+                    headers={hdrs.RETRY_AFTER: str(after)},
+                ),
+                request,
+            )
     ws = web.WebSocketResponse(
         protocols=(SUBPROTOCOL,),
         max_msg_size=s.max_frame,
@@ -591,7 +717,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
         await ws.prepare(request)
         state.websockets[ws] = request.transport
         state.ws_token[ws] = key
-        await _run_session(_Peer(ws, request.transport), state)
+        await _run_session(_Peer(ws, request.transport), state, key)
     finally:
         state.connections -= 1
         state.per_token[key] -= 1
@@ -712,10 +838,10 @@ def _count_in(state: VerifierState, data: bytes | str) -> None:
     state.metrics.bytes_received.inc(len(data) if isinstance(data, bytes) else len(data.encode()))
 
 
-def _new_core(state: VerifierState) -> VerifierCore:
+def _new_core(state: VerifierState, resume_token: str | None = None) -> VerifierCore:
     target = state.engine.require_target()
     info = TargetInfo(target.fingerprint, target.vocab_size, state.engine.max_context)
-    return VerifierCore(info, state.limits, uuid.uuid4().hex[:16])
+    return VerifierCore(info, state.limits, uuid.uuid4().hex[:16], resume_token)
 
 
 def _clip(text: str, n: int = 200) -> str:
@@ -810,6 +936,8 @@ async def _act(
             await _send_msg(peer, state, ev.msg, core)
             if isinstance(ev.msg, (Verdict, FederatedReply)):
                 state.metrics.round_seconds.observe(time.perf_counter() - t0)
+            elif isinstance(ev.msg, Progress):
+                state.metrics.progress_frames.inc()
         elif isinstance(ev, Run):
             assert work is None, "the core asks for one model request at a time"
             work = ev.work
@@ -862,7 +990,8 @@ async def _session_loop(
     work is a task whose result goes back to the core. Owns both tasks, the model work in
     flight (at most one) and the pending read, and cancels and awaits them on the way out. The
     read waits with the core's idle deadline, so it is restarted when the core goes from BUSY
-    (no deadline) to OPEN."""
+    (no deadline) to OPEN. While model work waits or runs, the engine's word on it goes to the
+    core when a Progress frame is due."""
     core, ws = live.core, peer.ws
     work: asyncio.Task[list[Event]] | None = None
     read: asyncio.Task[WSMessage | None] | None = None
@@ -878,7 +1007,21 @@ async def _session_loop(
                 started = time.perf_counter()
             if read is None and (work is None or core.queued < READ_AHEAD):
                 read = asyncio.create_task(_next_frame(ws, core))
-            await asyncio.wait([t for t in (read, work) if t is not None], return_when=FIRST)
+            due = core.progress_due() if work is not None else None
+            timeout = None if due is None else max(0.0, due - time.monotonic())
+            done, _ = await asyncio.wait(
+                [t for t in (read, work) if t is not None], timeout=timeout, return_when=FIRST
+            )
+            if not done:  # a Progress frame is due
+                report = state.engine.progress(live.slot)
+                if report.stalled and live.logs.allow():
+                    log.warning(
+                        "session %s: the engine's running step has stalled (estimate %.1f s)",
+                        core.session_id,
+                        report.eta_s,
+                    )
+                events = core.report(report, time.monotonic())
+                continue
             if work is not None and work.done():
                 events, work, t0 = work.result(), None, started
                 if read is not None and core.running is None and not read.done():
@@ -908,10 +1051,48 @@ async def _session_loop(
         await _cancel(read)
 
 
-async def _run_session(peer: _Peer, state: VerifierState) -> None:
+def _open_slot(state: VerifierState, hello: Hello, tenant: str) -> Slot:
+    """A new slot; a lost session kept for resumption gives up its own if none is free."""
+    while True:
+        try:
+            return state.engine.open(hello, tenant)
+        except NoFreeSlot:
+            if not _make_room(state):
+                raise
+
+
+async def _adopt(
+    state: VerifierState, ask: Adopt, hello: Hello, tenant: str
+) -> tuple[Slot, list[int]] | None:
+    """The lost session ``ask`` names, if it is kept and of this tenant: its slot, handed to
+    the new session with its cache cut to what the edge has committed, and the tokens kept."""
+    parked = state.parked.get(ask.token)
+    if parked is None:
+        state.metrics.resume_misses.inc(reason="unknown")
+        return None
+    if not secrets.compare_digest(parked.tenant, tenant):
+        # Never across tenants; the session stays kept for its own edge.
+        state.metrics.resume_misses.inc(reason="tenant")
+        return None
+    _unpark(state, ask.token, None)
+    slot = parked.slot
+    try:
+        tokens = await state.engine.call(lambda: state.engine.adopt(slot, hello, ask.length))
+    except Exception as e:
+        log.info("resuming a lost session failed (%s): a new session instead", e)
+        state.engine.release(slot)
+        state.metrics.resume_misses.inc(reason="failed")
+        return None
+    state.metrics.sessions_resumed.inc()
+    state.metrics.resumed_tokens.inc(len(tokens))
+    return slot, tokens
+
+
+async def _run_session(peer: _Peer, state: VerifierState, tenant: str = "") -> None:
     s = state.settings
     ws = peer.ws
-    core = _new_core(state)
+    token = secrets.token_hex(16) if s.resume_grace > 0 else None
+    core = _new_core(state, token)
     try:
         # Around the call, not ws.receive(timeout=...): that one restarts after every pong.
         first = await asyncio.wait_for(ws.receive(), s.handshake_timeout)
@@ -931,21 +1112,41 @@ async def _run_session(peer: _Peer, state: VerifierState) -> None:
             elif isinstance(ev, Close):
                 await _fatal(peer, state, ev, core)
         return
-    live = LiveSession(core, state.engine.open(core.hello))
+    slot: Slot | None = None
+    ask = next((ev for ev in events if isinstance(ev, Adopt)), None)
+    if ask is not None:
+        adopted = await _adopt(state, ask, core.hello, tenant)
+        slot = None if adopted is None else adopted[0]
+        events = core.adopted(None if adopted is None else adopted[1])
+    if slot is None:
+        slot = _open_slot(state, core.hello, tenant)
+    live = LiveSession(core, slot)
     state.sessions[core.session_id] = live
     state.metrics.sessions.inc()
     state.metrics.sessions_active.set(len(state.sessions))
     h = core.hello
     log.info(
-        "session %s open (%s, %s, %s)", core.session_id, h.reply_mode, h.correction, h.sampling
+        "session %s open (%s, %s, %s%s)",
+        core.session_id,
+        h.reply_mode,
+        h.correction,
+        h.sampling,
+        f", resumed {core.resumed} tokens" if core.resumed else "",
     )
+    # Kept for resumption unless the edge closed normally (1000: it is done; aiohttp also
+    # reads a bare TCP close so) or this side ended it (a slow reader, an internal error, or
+    # the core's own close). The close code decides, not the way the handler ends: a server
+    # may cancel the handler as the connection goes.
+    ours = False
     try:
         await _session_loop(peer, state, live, events)
     except SlowReader as e:
+        ours = True
         await _slow_reader(peer, state, e)
     except ConnectionError:
         log.info("session %s: connection lost", core.session_id)
     except Exception as e:
+        ours = True
         log.exception("session %s: internal error", core.session_id)
         err = Error(
             "internal", f"internal error ({type(e).__name__}); see the verifier's log", fatal=True
@@ -953,7 +1154,11 @@ async def _run_session(peer: _Peer, state: VerifierState) -> None:
         await _fatal(peer, state, Close(err, WSCloseCode.INTERNAL_ERROR), core)
     finally:
         del state.sessions[core.session_id]
-        state.engine.release(live.slot)
+        lost = not ours and not core.closed and ws.close_code != WSCloseCode.OK
+        kept = lost and token is not None and _park(state, token, slot, tenant)
+        if not kept:
+            state.engine.release(live.slot)
         state.metrics.sessions_active.set(len(state.sessions))
         live.logs.flush(log, logging.INFO, f"session {core.session_id}")
-        log.info("session %s ended", core.session_id)
+        how = "lost (kept for resumption)" if kept else "ended"
+        log.info("session %s %s", core.session_id, how)

@@ -40,6 +40,7 @@ from typing import Any, Final, TypeVar
 import numpy as np
 import torch
 
+from cloud_verifier.step_times import StallRule, StepTimes
 from cloud_verifier.targets import Target
 from shared import device_sampling as ds
 from shared.batched_lm import Row
@@ -59,6 +60,7 @@ from shared.verifier_core import (
     Verified,
     Verify,
     Work,
+    WorkProgress,
 )
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,12 @@ class EngineLimits:
     page_size: int = 16
     kv_tokens: int = 0
     batch_wait_s: float = 0.002
+    #: When a running step counts as stalled (progress reports stop; see StepTimes.stalled).
+    stall: StallRule = field(default_factory=StallRule)
+    #: Shares of the KV pool: one session may hold at most ``session_share`` of its pages, the
+    #: sessions of one tenant (bearer token) together ``tenant_share`` (1.0: no own limit).
+    session_share: float = 1.0
+    tenant_share: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.batch_wait_s <= 1.0:
@@ -98,6 +106,9 @@ class EngineLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_tokens < 0:
             raise ValueError(f"kv_tokens must be >= 0 (0: auto), got {self.kv_tokens}")
+        for name in ("session_share", "tenant_share"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,19 @@ class Timing:
     forward_s: float  # the batched forward alone
     job_s: float  # the step: forward + sampling transform + decisions
     batch: int  # sessions in the forward
+
+
+@dataclass(frozen=True)
+class _Running:
+    """The step on the engine's thread: when it started, its padded tokens, its slots."""
+
+    started: float
+    tokens: int
+    slots: frozenset[int]
+
+
+#: Seconds over which observed queueing delays count for admission (Engine.queue_delay_s).
+WAIT_MEMORY_S: Final = 10.0
 
 
 @dataclass(frozen=True)
@@ -123,6 +147,8 @@ class Slot:
     index: int
     hello: Hello
     generator: torch.Generator | None
+    #: Who holds it (the bearer token's key): the KV quota counts a tenant's slots together.
+    tenant: str = ""
     pages: SlotPages = field(default_factory=SlotPages)
     tokens: list[int] = field(default_factory=list)
     kept: tuple[torch.Tensor, int] | None = None  # ([V] probs on the device, rejected id)
@@ -213,10 +239,19 @@ class Engine:
         self.cogen_skipped = 0  # Generates that found no room in a step (engine thread)
         self.rows_forwarded = 0
         self.warm = False
+        #: Steps completed (engine thread; read under the lock).
+        self.steps = 0
+        #: Step time against tokens (written and read under the lock).
+        self.times = StepTimes()
+        self._running_step: _Running | None = None
+        #: (when, seconds) the oldest request of each recent step waited in the queue.
+        self._waits: deque[tuple[float, float]] = deque(maxlen=64)
         self._queue: deque[_Request | _Call] = deque()
         self._cv = threading.Condition()
         self._closed = False
         self._free_slots = list(range(self.limits.slots - 1, -1, -1))
+        #: Open slots per tenant (changed under the lock; the KV quota reads it).
+        self._tenants: dict[str, set[Slot]] = {}
         self._thread = threading.Thread(target=self._main, name="wanspec-engine", daemon=True)
         self._thread.start()
 
@@ -233,10 +268,11 @@ class Engine:
 
     @property
     def max_context(self) -> int:
-        """Tokens one session may hold: the model's limit, capped by the whole pool."""
+        """Tokens one session may hold: the model's limit, capped by the session's share of
+        the pool."""
         target = self.require_target()
         assert self.pool is not None  # allocated with the target, by load()
-        pool_tokens = self.pool.num_pages * self.pool.page_size
+        pool_tokens = self.session_pages * self.pool.page_size
         return pool_tokens if target.max_length is None else min(target.max_length, pool_tokens)
 
     def _put(self, item: _Request | _Call) -> None:
@@ -271,19 +307,52 @@ class Engine:
         self.warm = True
         return target
 
-    def open(self, hello: Hello) -> Slot:
+    def open(self, hello: Hello, tenant: str = "") -> Slot:
         """A slot for a session that said Hello (NoFreeSlot when all are taken)."""
-        target = self.require_target()
+        self.require_target()
         if not self._free_slots:
             raise NoFreeSlot(f"all {self.limits.slots} session slots are in use")
-        generator: torch.Generator | None = None
-        if not hello.sampling.greedy:
-            generator = torch.Generator(device=target.device)
-            if hello.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(hello.seed % (1 << 63))
-        return Slot(self._free_slots.pop(), hello, generator)
+        slot = Slot(self._free_slots.pop(), hello, self._generator(hello), tenant)
+        with self._cv:
+            self._tenants.setdefault(tenant, set()).add(slot)
+        return slot
+
+    def _generator(self, hello: Hello) -> torch.Generator | None:
+        if hello.sampling.greedy:
+            return None
+        generator = torch.Generator(device=self.require_target().device)
+        if hello.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(hello.seed % (1 << 63))
+        return generator
+
+    def adopt(self, slot: Slot, hello: Hello, keep: int) -> list[int]:
+        """On the engine's thread (:meth:`call`): hand a lost session's ``slot`` to a new
+        session of ``hello`` (its sampling, its RNG), its cache cut to at most ``keep`` tokens;
+        returns the tokens kept."""
+        if slot.released:
+            raise EngineClosed("the session's slot was released")
+        assert self.pool is not None
+        keep = max(0, min(keep, slot.length))
+        self.pool.crop(slot.pages, keep)
+        del slot.tokens[keep:]
+        slot.kept = None
+        slot.hello = hello
+        slot.generator = self._generator(hello)
+        return list(slot.tokens)
+
+    @property
+    def session_pages(self) -> int:
+        """Pages one session may hold (its share of the pool)."""
+        assert self.pool is not None
+        return max(1, int(self.pool.num_pages * self.limits.session_share))
+
+    @property
+    def tenant_pages(self) -> int:
+        """Pages the sessions of one tenant may hold together."""
+        assert self.pool is not None
+        return max(1, int(self.pool.num_pages * self.limits.tenant_share))
 
     def release(self, slot: Slot) -> None:
         """End a session: its pending work is dropped, its pages go back to the pool (on the
@@ -293,6 +362,11 @@ class Engine:
         slot.released = True
         self._free_slots.append(slot.index)
         with self._cv:
+            held = self._tenants.get(slot.tenant)
+            if held is not None:
+                held.discard(slot)
+                if not held:
+                    del self._tenants[slot.tenant]
             if not self._closed:
                 loop = asyncio.get_running_loop()
                 fut: asyncio.Future[None] = loop.create_future()
@@ -322,6 +396,58 @@ class Engine:
     @property
     def pages_free(self) -> int:
         return 0 if self.pool is None else len(self.pool.free)
+
+    def _eta(self, now: float, ahead_tokens: list[int]) -> tuple[float, bool]:
+        """Under the lock: seconds until the running step ends and the forward requests of
+        ``ahead_tokens`` (token counts, queue order) have run, and whether the running step
+        has stalled. Steps hold ``max_batch_sessions`` rows; each costs a + b·tokens."""
+        remaining, stalled = 0.0, False
+        run = self._running_step
+        if run is not None:
+            elapsed = now - run.started
+            remaining = max(0.0, self.times.estimate(run.tokens) - elapsed)
+            stalled = self.times.stalled(run.tokens, elapsed, self.limits.stall)
+        if ahead_tokens:
+            a, b = self.times.coefficients()
+            steps = -(-len(ahead_tokens) // self.limits.max_batch_sessions)
+            remaining += steps * a + b * sum(ahead_tokens)
+        return remaining, stalled
+
+    def progress(self, slot: Slot) -> WorkProgress:
+        """Where ``slot``'s work stands (read from the event loop, under the lock)."""
+        now = time.perf_counter()
+        with self._cv:
+            run = self._running_step
+            running = run is not None and slot.index in run.slots
+            tokens: list[int] = []
+            found = False
+            if not running:
+                for item in self._queue:
+                    if not isinstance(item, _Request):
+                        continue
+                    if isinstance(item.work, _FORWARDS):
+                        tokens.append(len(item.work.fixed) + len(item.work.draft) + 1)
+                    if item.slot is slot:
+                        found = True
+                        break
+            eta, stalled = self._eta(now, tokens if found else [])
+            ahead = max(0, len(tokens) - 1) if found else 0
+            return WorkProgress(self.steps, ahead, running, eta, stalled)
+
+    def queue_delay_s(self) -> float:
+        """How long a forward submitted now would wait for its step: the larger of the
+        estimate from the queue and step times, and the longest wait any recent step's oldest
+        request saw (within ``WAIT_MEMORY_S``). Admission control reads it."""
+        now = time.perf_counter()
+        with self._cv:
+            tokens = [
+                len(item.work.fixed) + len(item.work.draft) + 1
+                for item in self._queue
+                if isinstance(item, _Request) and isinstance(item.work, _FORWARDS)
+            ]
+            eta, _ = self._eta(now, tokens)
+            seen = max((w for t, w in self._waits if now - t <= WAIT_MEMORY_S), default=0.0)
+        return max(eta, seen)
 
     async def run(self, slot: Slot, work: Work) -> Outcome:
         """Queue ``work`` for ``slot`` and wait for its outcome."""
@@ -412,6 +538,10 @@ class Engine:
                     for req in batch:  # those already answered are left as they are
                         why = f"internal engine error ({type(e).__name__})"
                         self._finish(req, Failed(why, req.slot.length), None, time.perf_counter())
+                finally:
+                    with self._cv:
+                        self.steps += 1
+                        self._running_step = None
 
     def _gather(self) -> None:
         """Under the lock, with work queued: wait up to ``batch_wait_s`` for the other open
@@ -483,6 +613,11 @@ class Engine:
             else:
                 self.cogen_skipped += 1
                 self._finish(req, Skipped(), None, t0)
+        if batch:
+            self._running_step = _Running(
+                t0, forwards * longest, frozenset(r.slot.index for r in batch)
+            )
+            self._waits.append((t0, t0 - min(r.submitted for r in batch)))
         return calls, batch
 
     def _free_pages(self, slot: Slot) -> None:
@@ -558,12 +693,41 @@ class Engine:
             )
         if min(ids) < 0 or max(ids) >= target.vocab_size:
             return Failed(f"ValueError: token ids must be in [0, {target.vocab_size})", start)
+        quota = self._over_quota(slot, end)
+        if quota is not None:
+            return Failed(quota, start)
         try:
             assert self.pool is not None
             self.pool.reserve(slot.pages, end)
         except OutOfPages as e:
             return Failed(f"OutOfPages: {e}", start)
         return _Planned(req, Row(slot.pages, row_start, tuple(ids), len(draft) + 1), start, work)
+
+    def _over_quota(self, slot: Slot, end: int) -> str | None:
+        """Why growing ``slot`` to ``end`` tokens would pass its session's or its tenant's
+        share of the pool (None: it would not)."""
+        assert self.pool is not None
+        size = self.pool.page_size
+        need = -(-end // size) - len(slot.pages.pages)
+        if need <= 0:
+            return None
+        lim = self.limits
+        if lim.session_share < 1.0 and len(slot.pages.pages) + need > self.session_pages:
+            return (
+                f"KVQuota: {end} tokens exceed this session's share of the KV cache "
+                f"({self.session_pages * size} tokens)"
+            )
+        if lim.tenant_share >= 1.0:
+            return None
+        with self._cv:
+            mates = list(self._tenants.get(slot.tenant, ()))
+        held = sum(len(s.pages.pages) for s in mates if not s.released)
+        if held + need > self.tenant_pages:
+            return (
+                f"KVQuota: this token's sessions hold {held} of the {self.tenant_pages} KV pages "
+                f"they may share; {need} more needed"
+            )
+        return None
 
     def _forward(self, planned: list[_Planned], t0: float) -> None:
         target = self.require_target()
@@ -576,6 +740,9 @@ class Engine:
             return
         self.forwards += 1
         self.rows_forwarded += len(planned)
+        padded = len(planned) * max(len(p.row.ids) for p in planned)
+        with self._cv:
+            self.times.observe(padded, time.perf_counter() - t0)
         for p in planned:  # commit
             slot = p.request.slot
             del slot.tokens[p.row.start :]
@@ -700,3 +867,24 @@ class Engine:
             finally:
                 for s in slots:
                     self.pool.release(s)
+        self._anchor_times(target)
+
+    def _anchor_times(self, target: Target) -> None:
+        """Time one forward of 8 tokens and one of up to 128 (warm by now): the anchors of the
+        step-time fit, so that the first real steps have an estimate (StepTimes)."""
+        assert self.pool is not None
+        limit = min(128, self.pool.num_pages * self.pool.page_size)
+        if target.max_length is not None:
+            limit = min(limit, target.max_length)
+        for n in sorted({min(8, limit), limit}):
+            pages = SlotPages()
+            try:
+                self.pool.reserve(pages, n)
+                t0 = time.perf_counter()
+                target.forward([Row(pages, 0, (0,) * n, min(n, 8))])
+                with self._cv:
+                    self.times.anchor(n, time.perf_counter() - t0)
+            except OutOfPages:
+                break
+            finally:
+                self.pool.release(pages)

@@ -100,6 +100,30 @@ class VerifierSettings:
     # 503; open sessions go on), ending early once no session is left; then the rest are closed
     # with GOING_AWAY (their edges reconnect, through the balancer, elsewhere). 0 = no drain.
     drain_timeout: float = field(default=0.0, metadata=_b(0.0, 3600.0))
+    # Admission control: while the engine's queueing delay (estimated from its queue and step
+    # times, or seen by recent steps) exceeds this many seconds, new sessions get 503
+    # "overloaded" with Retry-After; open sessions go on being served. 0 = off.
+    max_queue_delay: float = field(default=15.0, metadata=_b(0))
+    # Progress frames (edges that ask): at most one per this many seconds per session, the first
+    # once its model work has waited this long; a slow engine is then never taken for a dead one.
+    progress_interval: float = field(default=1.0, metadata=_b(0.05, 60))
+    # A running engine step counts as stalled (its sessions get no more Progress frames, so
+    # their edges leave) once it has run 8 times its estimated time and at least this long.
+    stall_timeout: float = field(default=60.0, metadata=_b(1, 86_400))
+    # Session resumption: a session whose connection is lost (not closed by its edge) keeps its
+    # KV cache for this many seconds, for its edge to resume with the Welcome's token (same
+    # bearer token only); at most resume_pages_share of the KV pool is held so, oldest dropped
+    # first, and none is kept when a new session needs the pages. 0 = off.
+    resume_grace: float = field(default=30.0, metadata=_b(0, 3600))
+    resume_pages_share: float = field(default=0.25, metadata=_b(0, 1))
+    # Shares of the KV pool: one session may hold kv_session_share of it, the sessions of one
+    # bearer token together kv_token_share (1 = no own limit).
+    kv_session_share: float = field(default=0.5, metadata=_b(0.001, 1))
+    kv_token_share: float = field(default=0.75, metadata=_b(0.001, 1))
+    # Frames one session may send per second, sustained, and in a burst (a flood past them
+    # closes only that session: rate_limited). 0 = no limit.
+    max_frame_rate: float = field(default=1000.0, metadata=_b(0))
+    frame_burst: int = field(default=2000, metadata=_b(1))
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:

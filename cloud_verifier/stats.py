@@ -120,9 +120,38 @@ class VerifierMetrics:
         self.sessions = r.counter("wanspec_sessions_total", "Sessions established (Welcome sent).")
         self.sessions_refused = r.counter(
             "wanspec_sessions_refused_total",
-            "Session requests refused, by reason (auth, loading, stopping, busy, token_limit, "
-            "not_websocket, bad_upgrade, subprotocol, handshake, fingerprint).",
+            "Session requests refused, by reason (auth, loading, stopping, busy, overloaded, "
+            "kv_full, token_limit, not_websocket, bad_upgrade, subprotocol, handshake, "
+            "fingerprint, rate_limited).",
             labels=("reason",),
+        )
+        self.sessions_resumed = r.counter(
+            "wanspec_sessions_resumed_total",
+            "Sessions that resumed a lost session's KV cache (no prefill of what it held).",
+        )
+        self.resumed_tokens = r.counter(
+            "wanspec_resumed_tokens_total", "Cached tokens kept by resumed sessions."
+        )
+        self.resume_misses = r.counter(
+            "wanspec_resume_misses_total",
+            "Resume requests answered with a new session, by reason (unknown: no such lost "
+            "session or expired; tenant: another bearer token's).",
+            labels=("reason",),
+        )
+        self.parked = r.gauge(
+            "wanspec_parked_sessions", "Lost sessions whose KV cache is kept for resumption."
+        )
+        self.parked_dropped = r.counter(
+            "wanspec_parked_dropped_total",
+            "Lost sessions' caches dropped, by reason (expired, budget, pressure).",
+            labels=("reason",),
+        )
+        self.progress_frames = r.counter(
+            "wanspec_progress_frames_total", "Progress frames sent (model work waiting or running)."
+        )
+        self.queue_delay = r.gauge(
+            "wanspec_queue_delay_seconds",
+            "The engine's queueing delay as admission control last saw it.",
         )
         self.model_forwards = r.counter(
             "wanspec_model_forwards_total",

@@ -17,7 +17,13 @@ State table (``state`` × input → effect):
 state       input                        effect
 =========== ============================ =====================================================
 HELLO       Hello, compatible            → OPEN; Send(Welcome)
+HELLO       Hello with ``resume``        → RESUMING; :class:`Adopt` (the driver looks the lost
+                                         session up and answers :meth:`~VerifierCore.adopted`)
+RESUMING    adopted(tokens or None)      → OPEN; Send(Welcome) with ``resumed`` (or without:
+                                         a new, empty session)
 HELLO       anything else / incompatible Close(bad_handshake | fingerprint_mismatch | bad_hello)
+OPEN, BUSY  frames past the rate limit   Close(rate_limited) (``max_frame_rate``, a token
+                                         bucket of ``frame_burst``)
 OPEN        undecodable frame            Send(Error bad_frame) (counts towards max_bad_frames)
 OPEN        Propose, seq ≠ expected      bad_seq
 OPEN        Propose, epoch < epoch       dropped unprocessed (stale: sent before a rejection);
@@ -42,6 +48,9 @@ OPEN        ``expire(now)`` past the     Close(idle_timeout): no model work for
 BUSY        any frame                    decoded and queued (bounded by ``max_queued``)
 BUSY        work_done(result)            → OPEN; reply (Verdict, FederatedReply, Candidates)
                                          or Error model_error; queued frames are then handled
+BUSY        report(progress) due, not    Send(Progress) (Hello.progress; at most one per
+            stalled                      ``progress_interval_s``, the first once the work has
+                                         waited that long)
 any         max_bad_frames reached       Close(too_many_bad_frames)
 CLOSED      anything                     nothing
 =========== ============================ =====================================================
@@ -53,6 +62,7 @@ earlier frame's work is done), so one queued behind a rejection is already of an
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -71,16 +81,19 @@ from shared.protocol import (
     Hedge,
     Hello,
     Message,
+    Progress,
     Propose,
     ProtocolError,
     ReplyMode,
     Resample,
+    Resumed,
     Rollback,
     SparseDist,
     Verdict,
     Welcome,
     WireContext,
     decode,
+    text_digest,
 )
 from shared.rejection import Decision
 
@@ -88,6 +101,7 @@ from shared.rejection import Decision
 CLOSE_OK: Final = 1000
 CLOSE_POLICY_VIOLATION: Final = 1008
 CLOSE_INTERNAL_ERROR: Final = 1011
+_U32_MAX: Final = 2**32 - 1
 
 #: Error codes that count as bad frames (towards ``max_bad_frames``).
 BAD_CODES: Final = (
@@ -105,6 +119,7 @@ BAD_CODES: Final = (
 
 class CoreState(TextEnum):
     HELLO = "hello"
+    RESUMING = "resuming"  # waiting for the driver to adopt a lost session (Adopt)
     OPEN = "open"
     BUSY = "busy"
     CLOSED = "closed"
@@ -147,6 +162,13 @@ class SessionLimits:
     max_cogen_ahead: int = 64
     #: Hedges (side drafts for likely rejection points) kept per session, the newest.
     max_hedges: int = 8
+    #: Frames a session may send per second, sustained, and in a burst (a token bucket over
+    #: the ``now`` passed in); past it the session is closed (rate_limited). 0 = no limit.
+    max_frame_rate: float = 0.0
+    frame_burst: int = 2000
+    #: Progress frames (Hello.progress): at most one per this many seconds, the first once the
+    #: session's model work has waited this long.
+    progress_interval_s: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -330,7 +352,29 @@ class Note:
     detail: str = ""
 
 
-Event = Send | Run | Close | Note
+@dataclass(frozen=True)
+class Adopt:
+    """Find the lost session named ``token`` (of this session's tenant: the driver checks),
+    keep at most the first ``length`` tokens of its cache, and answer
+    :meth:`VerifierCore.adopted` with them (None: not found, expired or not this tenant's)."""
+
+    token: str
+    length: int
+
+
+Event = Send | Run | Close | Note | Adopt
+
+
+@dataclass(frozen=True)
+class WorkProgress:
+    """Where the session's model work stands, from the engine (see :class:`Progress`):
+    ``stalled`` means the running step has run far past its estimate."""
+
+    steps: int
+    ahead: int
+    running: bool
+    eta_s: float
+    stalled: bool = False
 
 
 @dataclass
@@ -345,10 +389,19 @@ class _Pending:
 class VerifierCore:
     """One session's rules (module docstring). ``session_id`` comes from the driver."""
 
-    def __init__(self, target: TargetInfo, limits: SessionLimits, session_id: str) -> None:
+    def __init__(
+        self,
+        target: TargetInfo,
+        limits: SessionLimits,
+        session_id: str,
+        resume_token: str | None = None,
+    ) -> None:
+        """``resume_token``: the secret the Welcome gives for resuming this session if its
+        connection is lost (None: the driver keeps no lost sessions)."""
         self.target = target
         self.limits = limits
         self.session_id = session_id
+        self.resume_token = resume_token
         self.state = CoreState.HELLO
         self.hello: Hello | None = None
         self.ctx: WireContext | None = None
@@ -379,6 +432,12 @@ class VerifierCore:
         #: Side drafts from the edge (Hedge frames), newest last; matched against the text.
         self._hedges: deque[Hedge] = deque(maxlen=limits.max_hedges)
         self.hedge_tokens = 0  # hedge draft tokens accepted (co-generated in one forward)
+        self._bucket = float(limits.frame_burst)  # frame-rate tokens left
+        self._bucket_at: float | None = None
+        self._now = 0.0  # the ``now`` of the input being handled
+        self._work_at = 0.0  # when the running work started (Progress timing)
+        self._progress_at = 0.0  # when the last Progress was sent
+        self.resumed = 0  # tokens of a lost session's cache this session started from
 
     # ------------------------------------------------------------------ inputs
 
@@ -386,9 +445,23 @@ class VerifierCore:
         """One frame from the edge, received at ``now`` (monotonic seconds)."""
         if self.state == CoreState.CLOSED:
             return []
+        self._now = now
         if self.state == CoreState.HELLO:
             self._active_at = now
             return self._handshake(data)
+        if not self._take_token(now):
+            self._close()
+            rate, burst = self.limits.max_frame_rate, self.limits.frame_burst
+            return [
+                Note(NoteKind.BAD_FRAME, "rate_limited"),
+                Close(
+                    Error(
+                        "rate_limited",
+                        f"more than {rate:g} frames a second (burst {burst}) from this session",
+                        fatal=True,
+                    )
+                ),
+            ]
         assert self.ctx is not None
         msg: Message | ProtocolError
         try:
@@ -398,7 +471,7 @@ class VerifierCore:
         except ProtocolError as e:
             msg = e
         self._cogen_paused = False
-        if self.state == CoreState.BUSY:
+        if self.state in (CoreState.BUSY, CoreState.RESUMING):
             if len(self._queue) >= self.limits.max_queued:
                 return self._bad("queue_full", f"more than {self.limits.max_queued} frames queued")
             self._queue.append(msg)
@@ -411,6 +484,7 @@ class VerifierCore:
         work = self._running
         if work is None or self.state != CoreState.BUSY:
             raise RuntimeError("work_done without work running")
+        self._now = now
         self._running = None
         if not isinstance(work, Generate):  # co-generation is not the edge's activity
             self._active_at = now
@@ -418,6 +492,56 @@ class VerifierCore:
         out = self._apply(work, result)
         while self.state == CoreState.OPEN and self._queue:
             out += self._handle(self._queue.popleft(), now)
+        return out + self._maybe_cogen()
+
+    def _take_token(self, now: float) -> bool:
+        """The frame-rate bucket: refill by the time since the last frame, take one."""
+        rate = self.limits.max_frame_rate
+        if rate <= 0:
+            return True
+        if self._bucket_at is not None:
+            refill = max(0.0, now - self._bucket_at) * rate
+            self._bucket = min(float(self.limits.frame_burst), self._bucket + refill)
+        self._bucket_at = now
+        if self._bucket < 1.0:
+            return False
+        self._bucket -= 1.0
+        return True
+
+    def progress_due(self) -> float | None:
+        """When the driver should next :meth:`report` the running work's progress (None: no
+        work runs, or the edge did not ask for Progress frames)."""
+        if self.state != CoreState.BUSY or self.hello is None or not self.hello.progress:
+            return None
+        return max(self._work_at, self._progress_at) + self.limits.progress_interval_s
+
+    def report(self, p: WorkProgress, now: float) -> list[Event]:
+        """The engine's word on the running work at ``now``: a Progress frame when one is due
+        and the engine is not stalled (a stalled engine's sessions hear nothing, so their edges
+        leave after their own deadline)."""
+        due = self.progress_due()
+        if due is None or now < due or p.stalled:
+            return []
+        self._progress_at = now
+        eta_ms = min(_U32_MAX, max(0, round(p.eta_s * 1000)))
+        return [Send(Progress(p.steps % (_U32_MAX + 1), p.ahead, eta_ms, p.running))]
+
+    def adopted(self, tokens: Sequence[int] | None) -> list[Event]:
+        """The driver's answer to :class:`Adopt`: the kept tokens of the lost session's cache
+        (the slot the driver hands this session holds exactly these), or None for a new,
+        empty session. Sends the Welcome."""
+        if self.state != CoreState.RESUMING:
+            raise RuntimeError("adopted() without an Adopt pending")
+        resumed = None
+        if tokens is not None:
+            self.text = list(tokens)
+            self.cache_len = self.next_pos = self._proposed_end = len(self.text)
+            self.resumed = len(self.text)
+            resumed = Resumed(len(self.text), text_digest(self.text))
+        self.state = CoreState.OPEN
+        out: list[Event] = [Note(NoteKind.OPENED), Send(self._welcome(resumed))]
+        while self.state == CoreState.OPEN and self._queue:
+            out += self._handle(self._queue.popleft(), self._now)
         return out + self._maybe_cogen()
 
     def idle_deadline(self) -> float | None:
@@ -494,17 +618,25 @@ class VerifierCore:
             max_frame=lim.max_frame,
             draft_probs=msg.correction != CorrectionMode.GREEDY_DRAFT,
         )
-        self.state = CoreState.OPEN
         self.cogen = msg.cogen_end > 0 and msg.reply_mode == ReplyMode.VERDICT
-        welcome = Welcome(
-            fingerprint=t.fingerprint,
+        if msg.resume is not None:
+            self.state = CoreState.RESUMING
+            return [Adopt(msg.resume.token, msg.resume.length)]
+        self.state = CoreState.OPEN
+        return [Note(NoteKind.OPENED), Send(self._welcome(None))]
+
+    def _welcome(self, resumed: Resumed | None) -> Welcome:
+        lim = self.limits
+        return Welcome(
+            fingerprint=self.target.fingerprint,
             session_id=self.session_id,
             max_gamma=lim.max_gamma,
             max_fixed=lim.max_fixed,
             max_context=self.max_context,
             max_frame=lim.max_frame,
+            resume=self.resume_token,
+            resumed=resumed,
         )
-        return [Note(NoteKind.OPENED), Send(welcome)]
 
     # ------------------------------------------------------------------ frames
 
@@ -559,6 +691,7 @@ class VerifierCore:
     def _start(self, work: Work) -> list[Event]:
         self.state = CoreState.BUSY
         self._running = work
+        self._work_at = self._now
         return [Run(work)]
 
     def _propose(self, p: Propose) -> list[Event]:

@@ -405,7 +405,15 @@ async def test_kv_cache_full_answers_503_and_is_in_metrics(
     pool (context_full), a session that finds no free page gets a model error (its cache
     untouched), and while no page is free new sessions get 503 before the upgrade; /metrics
     and /health show the pool."""
-    svc = await start(aiohttp_client, target, kv_cache_tokens=16, kv_page_size=8)
+    # One session may hold the whole pool here (the shares are tested on their own).
+    svc = await start(
+        aiohttp_client,
+        target,
+        kv_cache_tokens=16,
+        kv_page_size=8,
+        kv_session_share=1.0,
+        kv_token_share=1.0,
+    )
     pc, other = await svc.open(hello_for(target)), await svc.open(hello_for(target))
     await pc.send(propose(0, 0, 0, [8, 9], list(range(4, 24))))  # 22 tokens > 16
     assert (await pc.recv_as(Error)).code == "context_full"

@@ -460,7 +460,7 @@ async def test_ten_thousand_edge_errors_do_not_write_ten_thousand_log_lines(
     caplog.set_level(logging.DEBUG, logger="cloud_verifier")
     auth = Authenticator(["flood-token"])
     async with (
-        verifier(auth, max_bad_frames=100_000) as (state, url),
+        verifier(auth, max_bad_frames=100_000, max_frame_rate=0) as (state, url),
         aiohttp.ClientSession() as http,
     ):
         pc = await open_session(http, url, "flood-token")
