@@ -22,7 +22,7 @@ import numpy as np
 
 from edge_agent.drafter import Drafter
 from edge_agent.federation import WorkerSpec, run_federated
-from edge_agent.link import AuthError
+from edge_agent.link import AuthError, VerifierBusy
 from edge_agent.pipeline import VerdictTimeout, handshake, run_single
 from edge_agent.tasks import ModelWorker
 from edge_agent.transport import LinkClosed, Transport
@@ -36,7 +36,7 @@ from shared.edge_core import (
 )
 from shared.generation import Generation
 from shared.pipeline_config import PipelineConfig
-from shared.protocol import Fingerprint, Hello, ProtocolError
+from shared.protocol import Fingerprint, Hello, ProtocolError, Resume
 from shared.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy
 
 __all__ = ["Connect", "EdgeAgent", "HandshakeError", "RetryPolicy"]
@@ -78,9 +78,12 @@ class EdgeAgent:
         if self._owns_worker:
             self.worker.close()
 
-    def hello(self, cfg: PipelineConfig, seed: int | None, end: int = 0) -> Hello:
-        """``end``: the position the generation stops at, at the latest (co-generation)."""
-        return hello_for(self.fingerprint, cfg, seed, end=end)
+    def hello(
+        self, cfg: PipelineConfig, seed: int | None, end: int = 0, resume: Resume | None = None
+    ) -> Hello:
+        """``end``: the position the generation stops at, at the latest (co-generation);
+        ``resume``: the lost session to pick up."""
+        return hello_for(self.fingerprint, cfg, seed, end=end, resume=resume)
 
     async def generate(
         self,
@@ -97,10 +100,19 @@ class EdgeAgent:
         await self.run(gen, cfg, seed=seed)
         return gen
 
-    async def run(self, gen: Generation, cfg: PipelineConfig, *, seed: int | None = None) -> None:
+    async def run(
+        self,
+        gen: Generation,
+        cfg: PipelineConfig,
+        *,
+        seed: int | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
         """Run ``gen`` until it is done. The caller keeps ``gen``: its committed ids and stats
         survive a cancellation, and ``gen.finish(reason)`` (e.g. from ``on_commit``, on a stop
-        string) ends the run cleanly after the current verdict."""
+        string) ends the run cleanly after the current verdict. ``retry``: this run's policy
+        instead of the agent's (e.g. a short deadline while the link is known to be down)."""
+        policy = retry or self.retry
         rng = np.random.default_rng(seed)
         if self.federation:
             await run_federated(
@@ -111,14 +123,16 @@ class EdgeAgent:
                 worker=self.worker,
                 fingerprint=self.fingerprint,
                 workers=self.federation,
-                retry=self.retry,
+                retry=policy,
                 deadline_s=self.round_deadline_s,
                 seed=seed,
             )
             return
         jitter = random.Random(seed)
-        outage = Outage(self.retry)
+        outage = Outage(policy)
         session_no = 0
+        #: The last session's resume token, while resuming it may help (a lost connection).
+        resume_token: str | None = None
         while not gen.done:
             # Each session gets its own verifier seed, derived from the generation's seed, so a
             # seeded run is reproducible whatever the reconnects.
@@ -128,8 +142,13 @@ class EdgeAgent:
             transport: Transport | None = None
             try:
                 transport = await self.connect()
-                hello = self.hello(cfg, vseed, len(gen.committed) + gen.room)
-                welcome = await handshake(transport, hello, self.retry.handshake_timeout_s)
+                resume = None
+                if resume_token is not None:
+                    resume = Resume(resume_token, len(gen.committed))
+                hello = self.hello(cfg, vseed, len(gen.committed) + gen.room, resume)
+                resume_token = None
+                welcome = await handshake(transport, hello, policy.handshake_timeout_s)
+                resume_token = welcome.resume
                 if len(gen.committed) > welcome.max_fixed:
                     raise HandshakeError(
                         f"{len(gen.committed)} committed tokens exceed the verifier's limit of "
@@ -141,11 +160,14 @@ class EdgeAgent:
                     self.drafter,
                     self.worker,
                     transport,
-                    verdict_timeout_s=self.retry.verdict_timeout_s,
+                    verdict_timeout_s=policy.verdict_timeout_s,
                 )
             except AuthError:
                 raise  # PermissionError is an OSError, but retrying a refused token is pointless
-            except (LinkClosed, DesyncError, ProtocolError, asyncio.TimeoutError, OSError) as e:
+            except (DesyncError, ProtocolError, VerdictTimeout) as e:
+                resume_token = None  # that session is not to be trusted or is stuck
+                await self._failed(gen, cfg, rng, outage, jitter, e, committed_before)
+            except (LinkClosed, asyncio.TimeoutError, OSError) as e:
                 await self._failed(gen, cfg, rng, outage, jitter, e, committed_before)
             except VerifierError as e:
                 if e.fatal and e.code in FATAL_CODES:
@@ -165,27 +187,49 @@ class EdgeAgent:
         err: BaseException,
         committed_before: int,
     ) -> None:
-        """A session failed: count it, give up by the policy, else pause before the next."""
-        gen.stats.reconnects += 1
+        """A session failed: count it, give up by the policy, else pause before the next.
+
+        One INFO line per outage (its first failure); the attempts after it log at DEBUG, and a
+        give-up is the caller's one WARNING line. A busy verifier's refusal waits its
+        Retry-After (jittered) and is logged at INFO: it is not a failure of the link."""
+        busy = err if isinstance(err, VerifierBusy) else None
+        if busy is None:
+            gen.stats.reconnects += 1
+        else:
+            gen.stats.busy_refusals += 1
         if self.on_session_failed is not None:
             self.on_session_failed(err)
+        first = outage.since is None or len(gen.committed) > committed_before
         try:
             attempt = outage.failed(
                 time.monotonic(),
                 progressed=len(gen.committed) > committed_before,
                 cause=str(err) or type(err).__name__,
                 stalled=isinstance(err, VerdictTimeout),
+                busy=busy is not None,
             )
         except GiveUp as e:
             raise LinkClosed(str(e)) from err
-        log.warning("verifier session lost (%s); reconnecting (attempt %d)", err, attempt)
-        await self._pause(gen, cfg, rng, self.retry.delay(attempt, jitter))
+        policy = outage.policy
+        delay = policy.delay(attempt, jitter, None if busy is None else busy.retry_after)
+        if busy is not None:
+            log.info("%s; waiting %.1f s", err, delay)
+        elif first:
+            log.info("verifier session lost (%s); reconnecting", err)
+        else:
+            log.debug("verifier session lost (%s); reconnecting (attempt %d)", err, attempt)
+        await self._pause(gen, cfg, rng, policy, delay)
 
     async def _pause(
-        self, gen: Generation, cfg: PipelineConfig, rng: np.random.Generator, delay: float
+        self,
+        gen: Generation,
+        cfg: PipelineConfig,
+        rng: np.random.Generator,
+        policy: RetryPolicy,
+        delay: float,
     ) -> None:
         """Between reconnection attempts: wait, or (draft_only) generate with the draft alone."""
-        if self.retry.link_down != LinkDownPolicy.DRAFT_ONLY:
+        if policy.link_down != LinkDownPolicy.DRAFT_ONLY:
             await asyncio.sleep(delay)
             return
         deadline = time.monotonic() + delay

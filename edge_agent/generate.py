@@ -119,6 +119,9 @@ def result_json(gen: Generation, text: str, wall_s: float, cfg: PipelineConfig) 
         "unverified_tokens": gen.unverified_tokens,
         "unverified_spans": [list(span) for span in gen.unverified],
         "reconnects": st.reconnects,
+        "resumed_tokens": st.resumed_tokens,
+        "busy_refusals": st.busy_refusals,
+        "progress_frames": st.progress_frames,
         "uplink_bytes": st.uplink_bytes,
         "downlink_bytes": st.downlink_bytes,
         "uplink_bytes_per_round": round(st.uplink_bytes / st.proposes_sent, 2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -19,6 +20,31 @@ class AuthError(PermissionError):
 class LinkRefused(RuntimeError):
     """A failure that waiting cannot clear (no such host, no WebSocket endpoint at that path):
     not retried, the message names the cause."""
+
+
+class VerifierBusy(LinkClosed):
+    """The verifier refused a new session because it is busy (HTTP 503 or 429 with
+    Retry-After): it is alive, so the edge waits at least ``retry_after`` seconds (plus its own
+    jitter) and is not counting it as down. ``reason``: the verifier's X-Wanspec-Refusal
+    (overloaded, kv_full, busy, loading, stopping, token_limit, ...)."""
+
+    def __init__(self, message: str, reason: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+#: The verifier's header naming why it refused a session (cloud_verifier.app).
+REFUSAL_HEADER = "X-Wanspec-Refusal"
+#: Retry-After values past this are taken as this (seconds): a far date is not a plan.
+MAX_RETRY_AFTER_S = 300.0
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """Retry-After in seconds (delta-seconds only; an HTTP date or junk: None)."""
+    if value is None or not value.strip().isdigit():
+        return None
+    return min(float(value.strip()), MAX_RETRY_AFTER_S)
 
 
 class UntrustedCertificateError(AuthError):
@@ -69,14 +95,23 @@ class WebSocketTransport:
             await session.close()
             if e.status in (401, 403):
                 raise AuthError(f"verifier at {settings.url} refused the token ({e.status})") from e
-            if e.status == 503:
-                raise LinkClosed(
-                    f"verifier at {settings.url} is full or not ready (503: {e.message})"
-                ) from e
-            if e.status == 429:
-                raise LinkClosed(
-                    f"verifier at {settings.url}: this token holds its session limit (429)"
-                ) from e
+            headers: Mapping[str, str] = e.headers or {}
+            reason = str(headers.get(REFUSAL_HEADER, "")).strip()[:64]
+            after = retry_after_s(headers.get("Retry-After"))
+            if e.status in (429, 503):
+                why = reason or ("token_limit" if e.status == 429 else "unavailable")
+                text = {
+                    "overloaded": "is overloaded (its model queue is past max_queue_delay)",
+                    "kv_full": "has no free KV cache page (kv_full)",
+                    "busy": "holds its session limit (busy)",
+                    "loading": "is still loading its model",
+                    "stopping": "is draining or shutting down",
+                    "token_limit": "holds this token's session limit (429)",
+                }.get(why, f"refused the session ({e.status} {why})")
+                message = f"verifier at {settings.url} {text}"
+                if after is not None:
+                    raise VerifierBusy(f"{message}; retry after {after:g} s", why, after) from e
+                raise LinkClosed(message) from e
             if 400 <= e.status < 500:
                 raise LinkRefused(
                     f"verifier at {settings.url} answered {e.status} {e.message}: "

@@ -59,18 +59,25 @@ from shared.protocol import (
     Hedge,
     Hello,
     Message,
+    Progress,
     Propose,
     ProtocolError,
     ReplyMode,
     Resample,
+    Resume,
     Verdict,
     Welcome,
     WireContext,
     decode,
     encode,
+    text_digest,
 )
 from shared.rejection import Decision, recover, try_candidates
 from shared.sampling import Probs
+
+#: The verdict deadline grows by this many seconds per fixed token in the head batch (a first
+#: round carries the prompt, whose prefill takes time before any Progress can say so).
+PREFILL_ALLOWANCE_S: Final = 0.01
 
 #: Error codes after which reconnecting cannot help.
 FATAL_CODES: Final = frozenset({"fingerprint_mismatch", "unauthorized", "bad_hello", "unsupported"})
@@ -116,10 +123,12 @@ def hello_for(
     *,
     k: int = 10,
     end: int = 0,
+    resume: Resume | None = None,
 ) -> Hello:
     """The Hello of a single-verifier session (the verifier decides: PicoSpec). ``end``: the
     position where the generation stops at the latest (prompt + room), the bound of
-    co-generation (``cfg.cogen``)."""
+    co-generation (``cfg.cogen``); ``resume``: the lost session to pick up, if any. It always
+    asks for Progress frames (the verdict deadline follows them)."""
     return Hello(
         fingerprint=fingerprint,
         sampling=cfg.sampling,
@@ -129,6 +138,8 @@ def hello_for(
         bonus=cfg.mode == Mode.STOP_AND_WAIT,
         seed=seed,
         cogen_end=end if cfg.cogen else 0,
+        progress=True,
+        resume=resume,
     )
 
 
@@ -222,6 +233,8 @@ class Batch:
     #: Federated rounds: the replies received so far, per link.
     replies: dict[int, FederatedReply] = field(default_factory=dict)
     sent_at: float = 0.0
+    #: Fixed tokens its Propose carried (the prompt of a first round): prefill time.
+    fixed: int = 0
 
     @property
     def live(self) -> list[int]:
@@ -276,6 +289,9 @@ class Pipeline:
         self._hedged_version = 0
         #: Hedges sent, (pos, tokens from pos on), newest last: to count the verifier's hits.
         self.hedges: deque[tuple[int, list[int]]] = deque(maxlen=8)
+        #: The last Progress frame: when it came and the verifier's estimate of the time left.
+        self.progress_at: float | None = None
+        self.progress_eta_s = 0.0
 
     @property
     def gamma(self) -> int:
@@ -399,12 +415,29 @@ class Pipeline:
         return b
 
     def verdict_deadline(self, floor_s: float, factor: float = 4.0) -> float | None:
-        """When the head batch's verdict is overdue: ``floor_s``, or ``factor`` times the
-        slowest recent round when that is longer, after it was sent (None: nothing in flight)."""
+        """When the head batch's verdict is overdue (None: nothing in flight).
+
+        Busy is not dead: the deadline runs from the later of the batch's sending and the last
+        Progress frame since, each with its allowance. From the sending: ``floor_s`` (or
+        ``factor`` times the slowest recent round, when longer) plus the prefill allowance of
+        its fixed tokens. From a Progress frame: ``floor_s`` (or ``factor`` times the time the
+        verifier expects the work still takes). A verifier whose engine moves sends one at
+        least every few seconds, so only one that stopped progressing (or a path that swallows
+        frames) reaches the deadline."""
         if not self.inflight:
             return None
+        head = self.inflight[0]
         slowest = max(self.latencies, default=0.0)
-        return self.inflight[0].sent_at + max(floor_s, factor * slowest)
+        deadline = head.sent_at + max(floor_s, factor * slowest) + PREFILL_ALLOWANCE_S * head.fixed
+        if self.progress_at is not None and self.progress_at >= head.sent_at:
+            deadline = max(deadline, self.progress_at + max(floor_s, factor * self.progress_eta_s))
+        return deadline
+
+    def on_progress(self, p: Progress, now: float) -> None:
+        """A Progress frame at ``now``: the verifier's engine is moving this session's work."""
+        self.gen.stats.progress_frames += 1
+        self.progress_at = now
+        self.progress_eta_s = p.eta_ms / 1000.0
 
     def commit_round(self, b: Batch, accepted: int, now: float) -> None:
         """The head batch ``b`` was decided at ``now``: count it, commit its accepted prefix."""
@@ -475,6 +508,7 @@ class VerifierLink:
         fixed = list(committed[pos:])
         seq = self.next_seq
         b.seqs[index] = seq
+        b.fixed = len(fixed)
         self.verifier_len = pos + len(fixed) + len(b.draft)
         self.next_seq = (seq + 1) % SEQ_MODULUS
         q = (
@@ -498,6 +532,19 @@ class VerifierLink:
         if isinstance(msg, Error):
             raise VerifierError(msg.code, msg.message, msg.fatal)
         return msg
+
+
+def resumed_length(gen: Generation, welcome: Welcome) -> int:
+    """Where the verifier's cache of a resumed session ends: the next Propose starts there
+    (0 for a new session). Raises :class:`DesyncError` unless the kept tokens are exactly the
+    edge's committed ones (their digest), so nothing but the committed text is ever reused."""
+    r = welcome.resumed
+    if r is None:
+        return 0
+    if r.length > len(gen.committed) or r.digest != text_digest(gen.committed[: r.length]):
+        raise DesyncError(f"the resumed session's {r.length} cached tokens are not this text")
+    gen.stats.resumed_tokens += r.length
+    return r.length
 
 
 def gen_at(gen: Generation, pos: int) -> int | None:
@@ -529,6 +576,7 @@ class SingleCore:
             max_gamma=welcome.max_gamma,
         )
         self.link = VerifierLink(wire_context(hello, welcome))
+        self.link.verifier_len = resumed_length(gen, welcome)
         # The kind negotiated in the Hello; a greedy target always sends the token itself.
         self._correction_field = (
             "token" if hello.sampling.greedy else _CORRECTION_FIELD[hello.correction]
@@ -593,6 +641,9 @@ class SingleCore:
         DesyncError / ProtocolError."""
         self.gen.stats.downlink_bytes += len(data)
         msg = self.link.decode(data)
+        if isinstance(msg, Progress):
+            self.pipe.on_progress(msg, now)
+            return []
         if isinstance(msg, Verdict) and not self.pipe.recovering:
             return self._verdict(msg, len(data), now)
         if isinstance(msg, Generated) and not self.pipe.recovering:

@@ -35,6 +35,12 @@ class Stats:
     downlink_bytes: int = 0
     downlink_rejection_bytes: int = 0
     reconnects: int = 0
+    #: Progress frames received (the verifier's word that work waits or runs; busy, not dead).
+    progress_frames: int = 0
+    #: Session requests a busy verifier refused (503/429 with Retry-After), each waited out.
+    busy_refusals: int = 0
+    #: Cached tokens the verifier kept across reconnects (resumed sessions: no prefill of them).
+    resumed_tokens: int = 0
     drafter_wait_s: float = 0.0  # time the drafter sat idle (queue full / stop-and-wait)
 
     def count_accepted(self, n: int, gamma: int) -> None:

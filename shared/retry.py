@@ -44,6 +44,9 @@ class RetryPolicy:
     #: a stalled verifier still accepts connections, so waiting longer rarely helps, and a
     #: request must not hold the daemon's queue much beyond the verdict deadline.
     stall_rebuilds: int = 1
+    #: How long a verifier may keep refusing new sessions as busy (Retry-After) before the
+    #: generation fails: it is alive and answering, so this is not ``deadline_s``.
+    busy_deadline_s: float = 600.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "link_down", LinkDownPolicy.parse(self.link_down, "link_down"))
@@ -54,10 +57,15 @@ class RetryPolicy:
         if self.max_attempts is not None and self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
 
-    def delay(self, attempt: int, rng: random.Random) -> float:
-        """Exponential backoff with full jitter: attempt n waits in [cap/2, cap],
-        cap = min(backoff_max_s, backoff_initial_s · 2^(n−1))."""
+    def delay(self, attempt: int, rng: random.Random, retry_after: float | None = None) -> float:
+        """Exponential backoff with jitter: attempt n waits in [cap/2, cap],
+        cap = min(backoff_max_s, backoff_initial_s · 2^(n−1)). With the verifier's
+        ``retry_after`` (a busy refusal): in [base, 1.5·base], base = max(retry_after, cap), so
+        edges told the same Retry-After come back spread over half of it, never in lockstep."""
         cap = min(self.backoff_max_s, self.backoff_initial_s * 2 ** max(0, attempt - 1))
+        if retry_after is not None:
+            base = max(retry_after, cap)
+            return rng.uniform(base, 1.5 * base)
         return rng.uniform(cap / 2, cap)
 
 
@@ -73,14 +81,40 @@ class Outage:
     failures: int = 0
     stalls: int = 0
     since: float | None = None
+    busy: int = 0  # consecutive busy refusals
+    busy_since: float | None = None
 
-    def failed(self, now: float, *, progressed: bool, cause: str, stalled: bool = False) -> int:
+    def failed(
+        self,
+        now: float,
+        *,
+        progressed: bool,
+        cause: str,
+        stalled: bool = False,
+        busy: bool = False,
+    ) -> int:
         """Record a failed session; returns the attempt number (for :meth:`RetryPolicy.delay`).
         A session that made progress (committed something) ends the outage. Raises
         :class:`GiveUp` past ``max_attempts``, past ``stall_rebuilds`` consecutive stalls or,
-        under ``wait``, past ``deadline_s``."""
+        under ``wait``, past ``deadline_s``. A ``busy`` refusal (the verifier answered, with
+        Retry-After) is not the link being down: it counts apart, against
+        ``busy_deadline_s``, and restarts the down clock."""
         if progressed or self.since is None:
             self.failures, self.stalls, self.since = 0, 0, now
+            self.busy, self.busy_since = 0, None
+        if busy:
+            self.busy += 1
+            if self.busy_since is None:
+                self.busy_since = now
+            busy_for = now - self.busy_since
+            if busy_for > self.policy.busy_deadline_s:
+                raise GiveUp(
+                    f"the verifier stayed busy for {busy_for:.0f} s (busy_deadline "
+                    f"{self.policy.busy_deadline_s:g} s); last: {cause}"
+                )
+            self.since = now
+            return self.busy
+        self.busy, self.busy_since = 0, None
         self.failures += 1
         if stalled:
             self.stalls += 1
@@ -102,3 +136,4 @@ class Outage:
 
     def succeeded(self) -> None:
         self.failures, self.since = 0, None
+        self.busy, self.busy_since = 0, None

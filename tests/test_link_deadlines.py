@@ -253,10 +253,14 @@ async def test_a_full_verifier_is_reported_as_full(
 ) -> None:
     url = await serve_verifier(aiohttp_server, target, max_sessions=1)
     holder = await WebSocketTransport.connect(LinkSettings(url=url, token=TOKEN, heartbeat_s=0))
-    retry = RetryPolicy(backoff_initial_s=0.05, backoff_max_s=0.1, deadline_s=0.5)
+    # A full verifier is busy, not down: its refusals (503 with Retry-After) count against
+    # busy_deadline_s, and the give-up names the reason it gave.
+    retry = RetryPolicy(
+        backoff_initial_s=0.05, backoff_max_s=0.1, deadline_s=0.5, busy_deadline_s=0.5
+    )
     a = agent(draft, url, retry)
     try:
-        with pytest.raises(LinkClosed, match="is full"):
+        with pytest.raises(LinkClosed, match=r"stayed busy .* session limit \(busy\)"):
             await asyncio.wait_for(a.generate(PROMPT, GREEDY, max_new_tokens=4), 30)
     finally:
         a.close()
