@@ -14,7 +14,9 @@ Pure functions of the decoded JSON body (no I/O, no model): each parser has one 
 8. :func:`completion_budget`: the draft's context bounds prompt + completion,
 9. :func:`parse_stops`: ``stop``.
 
-The prompt itself: :func:`parse_messages` (chat) and :func:`parse_prompt` (completions).
+The prompt itself: :func:`parse_messages` (chat) and :func:`parse_prompt` (completions); the
+body before all of them: :func:`decode_body` (a JSON object, nested at most
+:data:`MAX_JSON_DEPTH` deep).
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard, TypeVar
 
 from edge_agent.api_errors import ApiError, bad_request
-from edge_agent.config import EdgeSettings
+from edge_agent.config import SEED_RANGE, EdgeSettings
 from shared.enums import TextEnum
 from shared.pipeline_config import Mode, PipelineConfig
 from shared.protocol import CorrectionMode
+from shared.sampling import MIN_TEMPERATURE
 
 Body = Mapping[str, Any]
 E = TypeVar("E", bound=TextEnum)
@@ -50,7 +53,59 @@ UNSUPPORTED = {
 #: Fields accepted only at 0.
 ZERO_ONLY = ("presence_penalty", "frequency_penalty")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
-SEED_RANGE = (-(2**63), 2**64 - 1)
+#: Containers nested in a request body, the body itself counting 1. Real requests need about 4
+#: (body, messages, a message, its content parts); deeper bodies are refused before any parser
+#: (or an error message's json.dumps) recurses through them.
+MAX_JSON_DEPTH = 32
+
+
+# ---------------------------------------------------------------------------- the body
+
+
+def json_depth(value: object, limit: int) -> int:
+    """How deep containers (objects, arrays) nest in ``value`` (a scalar: 0), counted up to
+    ``limit + 1`` (enough to say "too deep"). Iterative: no recursion, whatever the input."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children: Any
+        if isinstance(v, dict):
+            children = v.values()
+        elif isinstance(v, list):
+            children = v
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            break
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+def _too_deep() -> ApiError:
+    return ApiError(
+        400,
+        f"the request body nests JSON arrays/objects more than {MAX_JSON_DEPTH} levels deep",
+        code="invalid_json",
+    )
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The request body: a JSON object nested at most :data:`MAX_JSON_DEPTH` deep (400 else)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:  # nested past the interpreter's recursion limit
+        raise _too_deep() from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(
+            400, f"the request body is not valid JSON: {e}", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    if json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise _too_deep()
+    return body
 
 
 # ---------------------------------------------------------------------------- values
@@ -164,9 +219,21 @@ def parse_max_tokens(body: Body) -> int | None:
     return n if n is not None else opt_int(body, "max_tokens", 1)
 
 
+def parse_temperature(body: Body) -> float | None:
+    """``temperature``: 0 (greedy), or in [:data:`~shared.sampling.MIN_TEMPERATURE`, 2]."""
+    t = opt_num(body, "temperature", 0.0, 2.0)
+    if t is not None and 0.0 < t < MIN_TEMPERATURE:
+        raise bad_request(
+            "temperature",
+            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}: "
+            "smaller ones leave nothing to sample from",
+        )
+    return t
+
+
 def parse_sampling(body: Body) -> Sampling:
     return Sampling(
-        temperature=opt_num(body, "temperature", 0.0, 2.0),
+        temperature=parse_temperature(body),
         top_p=opt_num(body, "top_p", 0.0, 1.0, open_lo=True),
         top_k=opt_int(body, "top_k", 0),
         seed=opt_int(body, "seed", *SEED_RANGE),

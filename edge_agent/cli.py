@@ -56,6 +56,8 @@ _SETTINGS_HELP: dict[str, str] = {
     "insecure_skip_verify": "do not verify the verifier's TLS certificate",
     "heartbeat": "WebSocket ping interval to the verifier, seconds",
     "link_down_deadline": "seconds the verifier may stay unreachable before a request fails",
+    "link_down_fail_fast": "with fallback none and every verifier known down: seconds before a "
+    "request fails (0 = wait link_down_deadline)",
     "verdict_timeout": "seconds (at least) to wait for a Verdict before leaving a stalled verifier",
     "probe_interval": "seconds between probes of the verifier's /health",
     "fallback": "no verifier reachable: none (HTTP 503) or draft (unverified draft-only text)",
@@ -68,7 +70,7 @@ _SETTINGS_HELP: dict[str, str] = {
     "depth": "batches in flight D",
     "mode": "pipelined or stop-and-wait",
     "correction": "how a rejection is corrected at T > 0",
-    "temperature": "default temperature (0 = greedy)",
+    "temperature": "default temperature (0 = greedy; else at least 1e-4)",
     "top_p": "default top-p",
     "top_k": "default top-k (0 = off)",
     "max_tokens": "default completion length",
@@ -79,23 +81,31 @@ _SETTINGS_HELP: dict[str, str] = {
     "model_id": "model id the API offers",
     "max_queue": "requests allowed to wait before 429",
     "max_body": "largest request body, bytes",
+    "header_timeout": "seconds a connection has to send its request headers (and to idle "
+    "between requests)",
+    "max_pending_connections": "connections whose request has not reached a handler (half-sent "
+    "or idle in keep-alive); when all are taken a new one evicts the oldest, if old enough",
+    "max_pending_per_address": "such connections per client address (more: refused at once)",
     "log_level": "logging level",
 }
 
 
 # Flags a command accepts (one settings story) but does not list in its --help: they do not
 # concern it.
-_API = {"host", "port", "api_key_file", "model_id", "max_queue", "max_body", "probe_interval"}
+_HTTP = {"header_timeout", "max_pending_connections", "max_pending_per_address"}
+_API = {
+    "host", "port", "api_key_file", "model_id", "max_queue", "max_body", "probe_interval", *_HTTP,
+}  # fmt: skip
 _LINK = {
     "verifier", "failover", "weights", "k", "eps_target", "reconstruction", "round_deadline",
     "token_file", "ca_file", "insecure_skip_verify", "heartbeat", "link_down_deadline",
-    "verdict_timeout", "fallback",
+    "link_down_fail_fast", "verdict_timeout", "fallback",
 }  # fmt: skip
 _UNLISTED: dict[str, set[str]] = {
     "generate": _API,
     "demo": _API | _LINK,  # the demo starts its own verifier
     "serve": set(),
-    "chat": {"max_queue", "max_body", "probe_interval"},
+    "chat": {"max_queue", "max_body", "probe_interval", *_HTTP},
 }
 
 

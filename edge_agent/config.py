@@ -43,7 +43,7 @@ from shared.config import ConfigError, Source, load_settings
 from shared.model_spec import ModelSpecError, SpecKind, parse_model_spec
 from shared.pipeline_config import Mode, PipelineConfig
 from shared.protocol import CorrectionMode
-from shared.sampling import SamplingParams
+from shared.sampling import MIN_TEMPERATURE, SamplingParams
 
 ENV_PREFIX = "WANSPEC_EDGE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -63,6 +63,9 @@ Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 Fallback = Literal["none", "draft"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+
+#: Seeds are non-negative (numpy's generators refuse negative ones) and fit 64 bits.
+SEED_RANGE = (0, 2**64 - 1)
 
 
 def _b(lo: float, hi: float | None = None) -> dict[str, float]:
@@ -92,6 +95,9 @@ class EdgeSettings:
     heartbeat: float = field(default=10.0, metadata=_b(0.5))  # WebSocket ping interval, s
     # s a link may stay down (no session making progress) before a request fails (fallback none)
     link_down_deadline: float = field(default=60.0, metadata=_b(0.1, 86_400))
+    # s: with fallback "none" and every verifier known down (the probes or the last session said
+    # so), a request fails after this long instead of link_down_deadline; 0 = off
+    link_down_fail_fast: float = field(default=3.0, metadata=_b(0.0, 86_400))
     # s: the floor of the verdict deadline (a stalled verifier is left after max(this, 4 × RTT))
     verdict_timeout: float = field(default=10.0, metadata=_b(0.1, 3600))
     probe_interval: float = field(default=10.0, metadata=_b(0.2))  # verifier /health probe, s
@@ -121,7 +127,7 @@ class EdgeSettings:
     top_p: float = field(default=1.0, metadata=_b(0.0, 1.0))
     top_k: int = field(default=0, metadata=_b(0))
     max_tokens: int = field(default=512, metadata=_b(1, 1 << 20))
-    seed: int | None = None
+    seed: int | None = field(default=None, metadata=_b(*SEED_RANGE))
     # --- the local API
     host: str = "127.0.0.1"
     port: int = field(default=8760, metadata=_b(0, 65535))
@@ -129,6 +135,13 @@ class EdgeSettings:
     model_id: str = "wanspec"  # the id /v1/models lists
     max_queue: int = field(default=32, metadata=_b(1))  # waiting requests before 429
     max_body: int = field(default=1 << 20, metadata=_b(1024, 1 << 30))  # request bytes
+    # Before a request reaches a handler (shared.http_guard): its headers must arrive within
+    # header_timeout s (also the keep-alive idle limit between requests), and at most
+    # max_pending_connections such connections are held, max_pending_per_address of them per
+    # client address (more are refused at once with 503).
+    header_timeout: float = field(default=10.0, metadata=_b(0.1, 3600))
+    max_pending_connections: int = field(default=512, metadata=_b(1))
+    max_pending_per_address: int = field(default=128, metadata=_b(1))
     log_level: LogLevel = "info"
 
     def __post_init__(self) -> None:
@@ -150,6 +163,11 @@ class EdgeSettings:
             raise ConfigError("k", f"needs one positive integer, or {n} (one per verifier)")
         if self.top_p <= 0.0:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(
+                "temperature",
+                f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {self.temperature}",
+            )
         if not self.model_id.strip():
             raise ConfigError("model_id", "must not be empty")
 

@@ -13,6 +13,10 @@ Metric names (all ``wanspec_edge_``), and the query that reads each:
   rate(wanspec_edge_generated_tokens_total[5m])`` (and ``downlink``)
 * tokens/s: ``rate(wanspec_edge_generated_tokens_total[5m])``, or the last generation's
   ``wanspec_edge_tokens_per_second``
+* the API's connection guard (:mod:`shared.http_guard`): refusals
+  ``sum by (reason) (rate(wanspec_edge_http_connections_refused_total[5m])) > 0``, half-sent
+  requests cut ``rate(wanspec_edge_http_header_timeouts_total[5m])``, pending connections now
+  ``wanspec_edge_http_pending_connections``
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ if TYPE_CHECKING:
     from shared.generation import Generation
 
 log = logging.getLogger("wanspec.edge.link")
+
 
 class VerifierLinkState(TextEnum):
     """What the edge knows of a verifier: answered (``up``), loading its model (503), down."""
@@ -101,6 +106,27 @@ class EdgeMetrics:
             "wanspec_edge_verifier_up", "1 when the verifier answered its last probe.", ("url",)
         )
         self.model_ready = r.gauge("wanspec_edge_model_ready", "1 once the draft is loaded.")
+        # The API's connection guard (shared.http_guard.GuardMetrics).
+        self.http_pending = r.gauge(
+            "wanspec_edge_http_pending_connections",
+            "API connections whose request headers are not complete yet (or idle in keep-alive).",
+        )
+        self.http_refused = r.counter(
+            "wanspec_edge_http_connections_refused_total",
+            "API connections refused at once (503) by reason (max_pending_connections, "
+            "max_pending_per_address).",
+            labels=("reason",),
+        )
+        self.http_evicted = r.counter(
+            "wanspec_edge_http_pending_evicted_total",
+            "Pending API connections closed to admit a new one (max_pending_connections reached; "
+            "the oldest, if it had waited long enough).",
+        )
+        self.header_timeouts = r.counter(
+            "wanspec_edge_http_header_timeouts_total",
+            "API connections closed because their request headers did not arrive within "
+            "header_timeout.",
+        )
 
     def record(self, gen: Generation | None, wall: float, outcome: str) -> None:
         self.generations.inc(outcome=outcome)
@@ -259,9 +285,15 @@ class LinkMonitor:
             self._set(link, VerifierLinkState.DOWN, f"GET /health answered {status}")
 
     async def run(self) -> None:
-        """Probe every ``probe_interval`` seconds until cancelled."""
+        """Probe every ``probe_interval`` seconds until cancelled.
+
+        Each probe opens a fresh connection (``force_close``): a kept-alive one idles for
+        ``probe_interval`` between probes, and the verifier closes idle connections after its
+        ``header_timeout`` (10 s, the default probe interval too), so a probe on a reused
+        connection would race that cut and read a healthy verifier as down."""
         timeout = aiohttp.ClientTimeout(total=max(2.0, self.settings.probe_interval))
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             while True:
                 await self.probe_once(session)
                 await asyncio.sleep(self.settings.probe_interval)

@@ -7,6 +7,11 @@ generation carries our extension ``"wanspec": {...}`` (acceptance, bytes, rounds
 last chunk when streaming). Request bodies are checked by the pure parsers of
 :mod:`edge_agent.api_request`; errors are :class:`~edge_agent.api_errors.ApiError`.
 
+Connections are guarded before any work (:mod:`shared.http_guard`, as on the verifier): request
+headers must arrive within ``header_timeout``, and connections whose request has not reached a
+handler are capped (``max_pending_connections``, ``max_pending_per_address``; more get 503 at
+once). ``serve`` binds the port through the guard's :class:`~shared.http_guard.Listener`.
+
 Tasks and their owners: the model load, the verifier probe and the systemd watchdog run in tasks
 created and cancelled-and-awaited by a cleanup context. Request handlers are cancelled when
 their client disconnects (``handler_cancellation``), which cancels their generation.
@@ -29,7 +34,13 @@ from typing import Any
 from aiohttp import hdrs, web
 
 from edge_agent.api_errors import ApiError, bad_request, from_http
-from edge_agent.api_request import ApiRequest, parse_messages, parse_prompt, parse_request
+from edge_agent.api_request import (
+    ApiRequest,
+    decode_body,
+    parse_messages,
+    parse_prompt,
+    parse_request,
+)
 from edge_agent.config import EdgeSettings, listen_error, read_secret_file
 from edge_agent.generate import encode_prompt
 from edge_agent.progress import Progress, device_line, quiet_hub_progress
@@ -41,11 +52,15 @@ from edge_agent.service import (
     VerifierUnavailable,
 )
 from shared.edge_core import VerifierError
+from shared.http_guard import ConnectionGuard, Listener, http_logger
 from shared.metrics import CONTENT_TYPE
 from shared.sdnotify import Notifier
 from shared.service_status import ServiceStatus
 
 log = logging.getLogger("wanspec.edge.server")
+#: The logger of aiohttp's request handlers (:func:`make_runner`): a malformed request is a
+#: rate-limited INFO line, not an ERROR with a traceback.
+HTTP_LOG = http_logger("wanspec.edge.http")
 
 
 # ---------------------------------------------------------------------------- state
@@ -54,6 +69,7 @@ log = logging.getLogger("wanspec.edge.server")
 @dataclass
 class ServerState:
     service: EdgeService
+    guard: ConnectionGuard  # pending connections: the header timeout and the caps
     api_key: str | None = None
     notifier: Notifier = field(default_factory=lambda: Notifier(None))
     progress: Progress | None = None
@@ -121,15 +137,7 @@ def gen_request(api: ApiRequest, prompt_ids: list[int]) -> GenRequest:
 
 async def _read_body(request: web.Request) -> dict[str, Any]:
     raw = await request.read()  # HTTPRequestEntityTooLarge over client_max_size
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(
-            400, f"the request body is not valid JSON: {e}", code="invalid_json"
-        ) from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    return body
+    return decode_body(raw)
 
 
 def _check_model(state: ServerState, body: dict[str, Any]) -> str:
@@ -352,6 +360,7 @@ def health(state: ServerState) -> tuple[int, dict[str, Any]]:
         "link": link,
         "fallback": state.settings.fallback,
         "queue": {"busy": svc.queue.busy, "waiting": svc.queue.waiting},
+        "pending_connections": state.guard.pending,
     }
     if svc.loaded is not None:
         body["draft"] = svc.loaded.name
@@ -395,6 +404,18 @@ def _key_matches(given: str, key: str) -> bool:
     except UnicodeEncodeError:
         return False
     return hmac.compare_digest(raw, key.encode())
+
+
+@web.middleware
+async def guard_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Headers complete: the connection is no longer pending (``shared.http_guard``) until this
+    request is answered. The outermost middleware, so nothing runs before it."""
+    guard = request.app[STATE].guard
+    guard.request_started(request.transport)
+    try:
+        return await handler(request)
+    finally:
+        guard.request_finished(request.transport)
 
 
 @web.middleware
@@ -505,9 +526,23 @@ def build_app(
     progress: Progress | None = None,
 ) -> web.Application:
     """The API app; the model loads in the background once the app starts."""
-    app = web.Application(middlewares=[api_middleware], client_max_size=service.settings.max_body)
+    s = service.settings
+    app = web.Application(
+        middlewares=[guard_middleware, api_middleware], client_max_size=s.max_body
+    )
+    guard = ConnectionGuard(
+        header_timeout=s.header_timeout,
+        max_pending=s.max_pending_connections,
+        max_pending_per_address=s.max_pending_per_address,
+        metrics=service.metrics,
+        logger=log,
+    )
     app[STATE] = ServerState(
-        service=service, api_key=api_key, notifier=notifier or Notifier(None), progress=progress
+        service=service,
+        guard=guard,
+        api_key=api_key,
+        notifier=notifier or Notifier(None),
+        progress=progress,
     )
     app.router.add_post("/v1/chat/completions", chat_handler)
     app.router.add_post("/v1/completions", completions_handler)
@@ -520,8 +555,20 @@ def build_app(
 
 
 def make_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
-    """A runner that cancels a request's handler when its client disconnects."""
+    """A runner that cancels a request's handler when its client disconnects, logging request
+    errors through :data:`HTTP_LOG`. Serve it through :func:`make_listener` (as ``serve``
+    does): that is where the connection guard applies."""
+    kwargs.setdefault("logger", HTTP_LOG)
+    # The guard closes connections idle between requests after header_timeout; this is only
+    # aiohttp's own backstop.
+    kwargs.setdefault("keepalive_timeout", max(75.0, app[STATE].settings.header_timeout))
     return web.AppRunner(app, handler_cancellation=True, **kwargs)
+
+
+def make_listener(app: web.Application, host: str, port: int) -> Listener:
+    """The API's listening sockets, serving through the app's connection guard: ``bind()`` it
+    (OSError: the address is not usable), then ``start(runner)`` once the runner is set up."""
+    return Listener(app[STATE].guard, host, port)
 
 
 async def serve(settings: EdgeSettings) -> int:
@@ -535,6 +582,7 @@ async def serve(settings: EdgeSettings) -> int:
     app = build_app(service, api_key=api_key, notifier=notifier, progress=Progress(notifier))
     state = app[STATE]
     runner = make_runner(app, shutdown_timeout=5.0, access_log=None)
+    listener = make_listener(app, settings.host, settings.port)
     loop = asyncio.get_running_loop()
     stopping = False
 
@@ -548,13 +596,13 @@ async def serve(settings: EdgeSettings) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
     rc = 0
     try:
-        await runner.setup()  # starts the model load and the verifier probe
-        site = web.TCPSite(runner, settings.host, settings.port)
         try:
-            await site.start()
+            await listener.bind()  # before the model load starts
         except OSError as e:  # checked before loading; this is the race that check leaves
             raise listen_error(settings, (settings.host, settings.port), e) from None
-        for addr in runner.addresses:
+        await runner.setup()  # starts the model load and the verifier probe
+        await listener.start(runner)
+        for addr in listener.addresses:
             log.warning("edge-agent API on http://%s:%d/v1", addr[0], addr[1])
         announced = False
         while True:
@@ -574,7 +622,9 @@ async def serve(settings: EdgeSettings) -> int:
     finally:
         state.set_status(ServiceStatus.STOPPING, "shutting down")
         notifier.notify("STOPPING=1\nSTATUS=stopping")
+        listener.close()
         await runner.cleanup()
+        await listener.wait_closed()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     return rc

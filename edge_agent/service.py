@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -23,8 +24,14 @@ from edge_agent.config import EdgeSettings, read_secret_file
 from edge_agent.drafter import Drafter
 from edge_agent.federation import WorkerSpec
 from edge_agent.generate import TextStreamer, eos_ids, result_json, ssl_context
-from edge_agent.link import AuthError, LinkRefused, LinkSettings, WebSocketTransport
-from edge_agent.monitor import EdgeMetrics, LinkMonitor, TimedTransport
+from edge_agent.link import (
+    AuthError,
+    LinkRefused,
+    LinkSettings,
+    VerifierBusy,
+    WebSocketTransport,
+)
+from edge_agent.monitor import EdgeMetrics, LinkMonitor, TimedTransport, VerifierLinkState
 from edge_agent.pipeline import VerdictTimeout
 from edge_agent.tasks import ModelWorker
 from edge_agent.transport import LinkClosed, Transport
@@ -231,10 +238,13 @@ class EdgeService:
     # ------------------------------------------------------------------ the verifier link
 
     async def _connect(self) -> Transport:
-        """A session with the first verifier that answers, starting with the last good one."""
+        """A session with the first verifier that answers, starting with the last good one.
+        When none does and some refused as busy, a :class:`VerifierBusy` with the shortest
+        Retry-After (busy is not down: the agent waits it out)."""
         urls = self.settings.verifier_urls
         errors: list[str] = []
         permanent = 0
+        busy: list[VerifierBusy] = []
         for k in range(len(urls)):
             i = (self._preferred + k) % len(urls)
             link = LinkSettings(
@@ -244,6 +254,11 @@ class EdgeService:
                 transport = await WebSocketTransport.connect(link)
             except AuthError as e:
                 raise HandshakeError(str(e)) from e  # reconnecting cannot help
+            except VerifierBusy as e:
+                self.link.mark(urls[i], True)
+                errors.append(str(e))
+                busy.append(e)
+                continue
             except (LinkClosed, LinkRefused) as e:
                 self.link.mark(urls[i], False, str(e))
                 errors.append(str(e))
@@ -253,12 +268,17 @@ class EdgeService:
             return TimedTransport(transport, self._on_rtt)
         if permanent == len(urls):
             raise HandshakeError("; ".join(errors))  # waiting cannot clear any of them
+        if busy:
+            soonest = min(busy, key=lambda e: e.retry_after)
+            raise VerifierBusy("; ".join(errors), soonest.reason, soonest.retry_after)
         raise LinkClosed("; ".join(errors))
 
     def _on_session_failed(self, err: BaseException) -> None:
         """A verifier session failed (the agent retries): a stall shows in /health."""
         url = self.settings.verifier_urls[self._preferred]
-        if isinstance(err, VerdictTimeout):
+        if isinstance(err, VerifierBusy):
+            self.link.mark(url, True)  # busy is not down: it answered
+        elif isinstance(err, VerdictTimeout):
             self.link.mark_stalled(url, str(err))
         else:
             self.link.mark(url, False, str(err) or type(err).__name__)
@@ -287,18 +307,44 @@ class EdgeService:
             raise RuntimeError("the draft model is still loading")
         return self.loaded, self.agent
 
+    def fail_fast_policy(self, agent: EdgeAgent) -> RetryPolicy | None:
+        """This run's retry policy when it must not wait ``link_down_deadline`` for a link
+        known to be down: with ``fallback = "none"``, ``link_down_fail_fast`` > 0 and every
+        verifier DOWN (by the probes or the last session), the agent's policy with a deadline
+        of ``link_down_fail_fast`` s (when shorter); None (the agent's own policy) otherwise. A
+        verifier that is back answers the first attempt, so the short deadline only cuts the
+        wait for one that is not."""
+        fail_fast = self.settings.link_down_fail_fast
+        if (
+            self.settings.fallback != "none"
+            or not 0 < fail_fast < agent.retry.deadline_s
+            or self.link.state != VerifierLinkState.DOWN
+        ):
+            return None
+        return dataclasses.replace(agent.retry, deadline_s=fail_fast)
+
     async def _run(self, gen: Generation, req: GenRequest) -> None:
         """The agent's run; with ``fallback = "draft"`` the agent itself keeps generating with
-        the draft alone while no verifier answers (those tokens are flagged unverified)."""
+        the draft alone while no verifier answers (those tokens are flagged unverified). A run
+        that fails logs one WARNING line (the 503's message)."""
         _, agent = self.require()
+        retry = self.fail_fast_policy(agent)
         try:
-            await agent.run(gen, req.pipeline, seed=req.seed)
+            await agent.run(gen, req.pipeline, seed=req.seed, retry=retry)
         except (LinkClosed, OSError, HandshakeError, asyncio.TimeoutError) as e:
             if isinstance(e.__cause__, VerdictTimeout) and not self.settings.federated:
                 self.link.mark_stalled(self.settings.verifier_urls[self._preferred], str(e))
             else:
                 self.link.mark(None, False, str(e))
-            raise VerifierUnavailable(f"no verifier could be used: {e}") from e
+            if retry is not None:
+                why = (
+                    "no verifier could be used (every verifier was already down and fallback "
+                    f"is none: gave up after link_down_fail_fast = {retry.deadline_s:g} s)"
+                )
+            else:
+                why = "no verifier could be used"
+            log.warning("request failed: %s: %s", why, e)
+            raise VerifierUnavailable(f"{why}: {e}") from e
         if gen.unverified_tokens == 0 and not self.settings.federated:
             self.link.mark(self.settings.verifier_urls[self._preferred], True)
         elif gen.unverified_tokens == 0:

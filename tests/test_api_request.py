@@ -119,9 +119,10 @@ def test_max_tokens_prefers_the_new_name() -> None:
 
 def test_sampling() -> None:
     assert parse_sampling({}) == Sampling()
-    s = parse_sampling({"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": -1})
-    assert s == Sampling(0.7, 0.9, 40, -1)
+    s = parse_sampling({"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 0})
+    assert s == Sampling(0.7, 0.9, 40, 0)
     assert parse_sampling({"seed": 2**64 - 1}).seed == 2**64 - 1
+    assert fault(parse_sampling, {"seed": -1}).param == "seed"  # numpy refuses negative seeds
     assert fault(parse_sampling, {"seed": 2**64}).param == "seed"
     assert fault(parse_sampling, {"temperature": 5}).param == "temperature"
     assert fault(parse_sampling, {"top_p": 0}).param == "top_p"
