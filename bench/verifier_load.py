@@ -139,6 +139,10 @@ async def _engine_run(
         "--max-sessions", str(max(args.sessions)),
         "--max-sessions-per-token", "0",
         "--kv-cache-tokens", str(max(args.sessions) * 1024),
+        # every probe session runs on one token: the shares would bound the bench, not the engine
+        "--kv-session-share", "1", "--kv-token-share", "1",
+        # capacity is the point: never refuse a session for its queueing delay
+        "--max-queue-delay", "0",
         "--heartbeat", "0",
         "--batch-wait-ms", str(args.batch_wait_ms if ENGINES[name] > 1 else 0.0),
     ]  # fmt: skip

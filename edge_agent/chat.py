@@ -23,12 +23,18 @@ from typing import Any, Protocol, TextIO
 
 import aiohttp
 
-from edge_agent.config import EdgeSettings, check_link_files, check_model_specs, read_secret_file
+from edge_agent.config import (
+    SEED_RANGE,
+    EdgeSettings,
+    check_link_files,
+    check_model_specs,
+    read_secret_file,
+)
 from edge_agent.progress import Progress, check_cuda, device_line, quiet_hub_progress
 from edge_agent.service import EdgeService, Finished, GenRequest
 from shared.pipeline_config import Mode, PipelineConfig
 from shared.protocol import CorrectionMode
-from shared.sampling import SamplingParams
+from shared.sampling import MIN_TEMPERATURE, SamplingParams
 
 HELP = """Available commands:
   /set               Show the current settings
@@ -96,11 +102,13 @@ class ChatOptions:
             "max_tokens": (1, 1 << 20),
             "gamma": (1, 64),
             "depth": (1, 127),
-            "seed": (-(2**63), 2**64 - 1),
+            "seed": SEED_RANGE,
         }
         lo, hi = bounds[key]
         if not lo <= num <= hi:
             raise ValueError(f"{key} must be in [{lo:g}, {hi:g}], got {value}")
+        if key == "temperature" and 0.0 < num < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}")
         changes: dict[str, Any] = {key: num}
         return replace(self, **changes)
 
