@@ -35,7 +35,8 @@ from cloud_verifier.ratelog import LogLimiter
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.stats import VerifierMetrics
 from cloud_verifier.step_times import StallRule
-from cloud_verifier.targets import DeviceUnavailable, Target, load_target
+from cloud_verifier.targets import Target, load_target
+from shared.device import DeviceUnavailable
 from shared.metrics import CONTENT_TYPE
 from shared.protocol import (
     SUBPROTOCOL,

@@ -16,18 +16,17 @@ PagedKV`); the engine owns the slots' lengths and commits a forward by moving th
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import re
 import sys
-from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
 import torch
 
 from shared.batched_lm import BatchedLM, Row
+from shared.device import describe_device, resolve_device
 from shared.kv_pool import PagedKV
 from shared.protocol import Fingerprint
 
@@ -129,82 +128,6 @@ class TorchTarget:
 
     def forward(self, rows: Seq[Row]) -> torch.Tensor:
         return self.lm.forward(rows)
-
-
-class DeviceUnavailable(RuntimeError):
-    """``device=cuda`` was asked for and torch finds no CUDA device."""
-
-
-def cuda_hint(env: Mapping[str, str], nvidia_nodes: Seq[str]) -> str | None:
-    """Why this machine looks like it has a GPU (None: it does not)."""
-    if nvidia_nodes:
-        return f"{nvidia_nodes[0]} exists"
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() not in ("", "-1"):
-        return f"CUDA_VISIBLE_DEVICES={visible} is set"
-    return None
-
-
-def choose_device(
-    requested: str,
-    *,
-    cuda_available: bool,
-    env: Mapping[str, str],
-    nvidia_nodes: Seq[str],
-    torch_cuda: str | None = None,
-) -> tuple[str, str | None]:
-    """(device to load on, a warning to log or None). Pure. ``torch_cuda``: the CUDA version
-    torch was built with (None: a CPU-only build). Raises :class:`DeviceUnavailable` for
-    ``cuda`` without a CUDA device."""
-    why = (
-        "this torch is a CPU-only build"
-        if torch_cuda is None
-        else (
-            f"torch (CUDA {torch_cuda}) sees no device: check the driver, the device nodes' "
-            "permissions and CUDA_VISIBLE_DEVICES"
-        )
-    )
-    if requested == "cpu":
-        return "cpu", None
-    if cuda_available:
-        return "cuda", None
-    if requested == "cuda":
-        raise DeviceUnavailable(f"device=cuda was asked for but no CUDA device is usable: {why}")
-    hint = cuda_hint(env, nvidia_nodes)
-    if hint is None:
-        return "cpu", None
-    return "cpu", f"device=auto: {hint} but no CUDA device is usable ({why}); running on the CPU"
-
-
-def resolve_device(device: str) -> str:
-    """The device ``load_target`` uses for ``device`` (logs a warning when CUDA was expected
-    and is missing)."""
-    if device == "cpu":
-        return device
-    import torch
-
-    dev, warning = choose_device(
-        device,
-        cuda_available=torch.cuda.is_available(),
-        env=os.environ,
-        nvidia_nodes=sorted(glob.glob("/dev/nvidia[0-9]*")),
-        torch_cuda=torch.version.cuda,
-    )
-    if warning is not None:
-        log.warning("%s", warning)
-    return dev
-
-
-def describe_device(dev: str) -> str:
-    """``cpu`` or ``cuda:N (device name)``."""
-    if not dev.startswith("cuda"):
-        return dev
-    import torch
-
-    index = torch.device(dev).index
-    if index is None:
-        index = torch.cuda.current_device()
-    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
 def load_target(

@@ -140,7 +140,7 @@ class _Federation:
                 await transport.close()
                 raise
             attempt = 0
-            io = LinkIO(transport, max_queued=core.cfg.effective_depth + 4)
+            io = LinkIO(transport, max_queued=core.cfg.send_queue_bound)
             self.io[index] = io
             core.link_up(index, welcome, time.monotonic())
             self.signal.notify()

@@ -216,7 +216,7 @@ async def run_single(
     if core.gen.done:
         return
     signal = Signal()
-    io = LinkIO(transport, max_queued=max(core.cfg.effective_depth, core.cfg.max_depth) + 4)
+    io = LinkIO(transport, max_queued=core.cfg.send_queue_bound)
 
     def submit(plan: DraftPlan, draft: list[int], q_rows: list[Probs], rivals: list[Rival]) -> None:
         for data in core.propose(plan, draft, q_rows, time.monotonic(), rivals):

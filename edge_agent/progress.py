@@ -15,10 +15,10 @@ import os
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
-from pathlib import Path
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, TextIO
 
+from shared.device import cuda_hint
 from shared.sdnotify import Notifier
 
 log = logging.getLogger("wanspec.edge")
@@ -124,21 +124,6 @@ def quiet_hub_progress() -> None:
 # ---------------------------------------------------------------------------- the draft's device
 
 
-def cuda_hint(env: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> str | None:
-    """Why this machine should have CUDA, or None: ``CUDA_VISIBLE_DEVICES`` set (to something
-    other than "" or -1, which hide every GPU), or NVIDIA device nodes (``/dev/nvhost*`` on a
-    Jetson, ``/dev/nvidia*`` on a GPU box)."""
-    e = os.environ if env is None else env
-    visible = e.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() not in ("", "-1"):
-        return f"CUDA_VISIBLE_DEVICES={visible}"
-    with contextlib.suppress(OSError):
-        nodes = sorted(p.name for pattern in ("nvhost*", "nvidia*") for p in dev.glob(pattern))
-        if nodes:
-            return f"{dev / nodes[0]} exists"
-    return None
-
-
 def cuda_missing_reason() -> str | None:
     """None when torch sees a CUDA device; else why not, in words."""
     import torch
@@ -169,7 +154,7 @@ def check_cuda(device: str) -> str | None:
 
             raise ConfigError("device", f"cuda was asked for but {why}")
         return None
-    hint = cuda_hint()
+    hint = cuda_hint()  # shared.device's rule, as the verifier's
     if hint is None:
         return None
     why = cuda_missing_reason()

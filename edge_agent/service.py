@@ -35,6 +35,7 @@ from edge_agent.monitor import EdgeMetrics, LinkMonitor, TimedTransport, Verifie
 from edge_agent.pipeline import VerdictTimeout
 from edge_agent.tasks import ModelWorker
 from edge_agent.transport import LinkClosed, Transport
+from shared.device import resolve_device
 from shared.edge_core import VerifierError
 from shared.generation import Generation
 from shared.model_spec import SpecKind, parse_model_spec
@@ -157,14 +158,6 @@ def retry_policy(s: EdgeSettings) -> RetryPolicy:
     return RetryPolicy(
         link_down=policy, deadline_s=s.link_down_deadline, verdict_timeout_s=s.verdict_timeout
     )
-
-
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_draft_model(s: EdgeSettings, report: Callable[[str], None]) -> LoadedModel:

@@ -47,7 +47,7 @@ import numpy as np
 from shared.controller import Controller, ControllerLimits
 from shared.enums import TextEnum
 from shared.generation import Generation
-from shared.pipeline_config import Mode, PipelineConfig
+from shared.pipeline_config import Mode, PipelineConfig, max_inflight
 from shared.protocol import (
     SEQ_MODULUS,
     Candidates,
@@ -327,7 +327,7 @@ class Pipeline:
         if self.cfg.mode == Mode.STOP_AND_WAIT and self.inflight:
             return False
         # Decided batches still wait for their Verdicts: bounded too (batch numbers are 7-bit).
-        if len(self.inflight) >= min(SEQ_MODULUS - 1, 4 * self.depth):
+        if len(self.inflight) >= max_inflight(self.depth):
             return False
         return self.open_batches() < self.depth and self._room() > 0
 

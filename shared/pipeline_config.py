@@ -12,6 +12,16 @@ from shared.enums import TextEnum
 from shared.protocol import SEQ_MODULUS, CorrectionMode
 from shared.sampling import SamplingParams
 
+#: Frames besides Proposes a link may have waiting to be sent at once (a Hedge, a Rollback,
+#: a Resample, an Error).
+CONTROL_FRAMES = 4
+
+
+def max_inflight(depth: int) -> int:
+    """Batches a pipeline of depth ``depth`` may have in flight: ``depth`` still drafting, and
+    decided ones waiting for their Verdicts up to 4 × depth (batch numbers are 7-bit)."""
+    return min(SEQ_MODULUS - 1, 4 * depth)
+
 
 class Mode(TextEnum):
     """``pipelined``: up to D batches in flight (PicoSpec); ``stop-and-wait``: one batch, and a
@@ -78,3 +88,16 @@ class PipelineConfig:
     @property
     def effective_depth(self) -> int:
         return 1 if self.mode == Mode.STOP_AND_WAIT else self.depth
+
+    @property
+    def depth_bound(self) -> int:
+        """The deepest the pipeline can be: D, or ``max_depth`` when the controller adapts it."""
+        if self.mode == Mode.STOP_AND_WAIT:
+            return 1
+        return max(self.depth, self.max_depth) if self.auto_depth else self.depth
+
+    @property
+    def send_queue_bound(self) -> int:
+        """Frames one verifier link may have waiting to be sent: every batch in flight (none
+        sent yet, at the deepest) and the control frames. The one bound every driver uses."""
+        return max_inflight(self.depth_bound) + CONTROL_FRAMES

@@ -18,8 +18,9 @@ import torch
 
 from edge_agent.cli import _UNLISTED, build_parser
 from edge_agent.config import EdgeSettings
-from edge_agent.progress import check_cuda, cuda_hint, device_line
+from edge_agent.progress import check_cuda, device_line
 from shared.config import ConfigError
+from shared.device import cuda_hint
 from shared.models import LoadedModel, load_model
 from tests.edge_helpers import Servers
 

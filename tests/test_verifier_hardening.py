@@ -35,7 +35,8 @@ from cloud_verifier.cli import main as verifier_main
 from cloud_verifier.http_guard import Listener
 from cloud_verifier.ratelog import LogLimiter
 from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import DeviceUnavailable, NullTarget, choose_device
+from cloud_verifier.targets import NullTarget
+from shared.device import DeviceUnavailable, choose_device
 from shared.protocol import (
     SUBPROTOCOL,
     Error,
