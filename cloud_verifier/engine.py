@@ -1,25 +1,18 @@
 """The verifier's engine: one thread that owns the target, its KV pool and every session slot,
-and runs the sessions' model work in batches.
+and runs the sessions' model work in batched steps.
 
-Requests are typed: the core's :data:`~shared.verifier_core.Work` (``Verify``: prefill / extend
-with fixed tokens and verify a draft; ``Federate``; ``Crop``: rollback; ``Draw``: more
-candidates) for one :class:`Slot`. Each step of the engine's thread takes the pending requests in
-arrival order and
+Three parts (vLLM v1's EngineCore / Scheduler / ModelRunner split, on a small scale):
 
-* answers every ``Crop`` (a pointer move in the pool) and ``Draw`` (a device draw from the row
-  kept at the last rejection);
-* runs every ``Verify`` and ``Federate`` that fits in one **batched forward**: at most
-  ``max_batch_sessions`` rows and ``max_batch_tokens`` padded tokens (rows × longest row); the
-  oldest request always fits, so no session starves, and what does not fit is first in the next
-  step;
-* then, on the device and batched over the sessions (:mod:`shared.device_sampling`), applies the
-  sampling transform and decides: *accepted* prefix, *recovered* correction or *bonus* token, or
-  the federated rows. Only ids, counts and the few correction values reach the host.
+* this module: the thread, the queue and the futures, the public face the session handlers
+  use (:meth:`Engine.run`, :meth:`Engine.call`, :meth:`Engine.open`, :meth:`Engine.release`)
+  and what they may ask of it (:meth:`Engine.progress`, :meth:`Engine.queue_delay_s`);
+* :mod:`cloud_verifier.scheduler`: which queued requests make the next step (pure);
+* :mod:`cloud_verifier.runner`: the step itself, rows → one batched forward → decisions, and
+  the slots' model state (the one owner of each cache length).
 
-A session has at most one request in flight (its core waits for the result), so a step sees
-each slot at most once. Stale work never reaches the engine: the core drops it first. A forward
-is committed (the slots' lengths moved) only once it returned; a failure leaves each slot as it
-was before the request (:class:`~shared.verifier_core.Failed` says so).
+Requests are typed: the core's :data:`~shared.verifier_core.Work` for one :class:`Slot`. A
+session has at most one request in flight (its core waits for the result), so a step sees each
+slot at most once. Stale work never reaches the engine: the core drops it first.
 
 ``max_batch_sessions = 1`` is the serial engine (one session per forward, in arrival order), kept
 for the benchmark's comparison.
@@ -37,31 +30,35 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
-import numpy as np
 import torch
 
+from cloud_verifier.runner import FORWARDS, Runner, Shares, Slot, Timing, new_generator
+from cloud_verifier.scheduler import (
+    BatchLimits,
+    Kind,
+    Queued,
+    RunningStep,
+    plan_step,
+    queue_eta,
+    should_gather,
+)
 from cloud_verifier.step_times import StallRule, StepTimes
 from cloud_verifier.targets import Target
-from shared import device_sampling as ds
-from shared.batched_lm import Row
-from shared.kv_pool import OutOfPages, PagedKV, SlotPages
+from shared.kv_pool import PagedKV
 from shared.protocol import Hello
-from shared.verifier_core import (
-    Crop,
-    Cropped,
-    Draw,
-    Drawn,
-    Failed,
-    Federate,
-    Federated,
-    Generate,
-    Result,
-    Skipped,
-    Verified,
-    Verify,
-    Work,
-    WorkProgress,
-)
+from shared.verifier_core import Failed, Generate, Result, Skipped, Work, WorkProgress
+
+__all__ = [
+    "AUTO_KV_FRACTION",
+    "AUTO_KV_TOKENS_CPU",
+    "Engine",
+    "EngineClosed",
+    "EngineLimits",
+    "NoFreeSlot",
+    "Outcome",
+    "Slot",
+    "Timing",
+]
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +80,7 @@ class EngineLimits:
     ``kv_tokens``: pool size in tokens over all sessions (rounded up to whole pages); 0: auto
     (:func:`_auto_kv_tokens`).
     ``batch_wait_s``: how long a step may wait for the other open sessions' work
-    (:meth:`Engine._gather`)."""
+    (:func:`~cloud_verifier.scheduler.should_gather`)."""
 
     slots: int = 64
     max_batch_sessions: int = 64
@@ -110,25 +107,9 @@ class EngineLimits:
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
-
-@dataclass(frozen=True)
-class Timing:
-    forward_s: float  # the batched forward alone
-    job_s: float  # the step: forward + sampling transform + decisions
-    batch: int  # sessions in the forward
-
-
-@dataclass(frozen=True)
-class _Running:
-    """The step on the engine's thread: when it started, its padded tokens, its slots."""
-
-    started: float
-    tokens: int
-    slots: frozenset[int]
-
-
-#: Seconds over which observed queueing delays count for admission (Engine.queue_delay_s).
-WAIT_MEMORY_S: Final = 10.0
+    @property
+    def batch(self) -> BatchLimits:
+        return BatchLimits(self.max_batch_sessions, self.max_batch_tokens)
 
 
 @dataclass(frozen=True)
@@ -136,27 +117,6 @@ class Outcome:
     result: Result
     timing: Timing | None
     queued_s: float  # from submission to the start of its step
-
-
-@dataclass(eq=False)
-class Slot:
-    """One session's model side: its pages and tokens in the pool, its RNG, the sampling
-    parameters of its Hello, and p at the last rejected position (candidates mode, for Draw).
-    Touched only on the engine's thread once opened."""
-
-    index: int
-    hello: Hello
-    generator: torch.Generator | None
-    #: Who holds it (the bearer token's key): the KV quota counts a tenant's slots together.
-    tenant: str = ""
-    pages: SlotPages = field(default_factory=SlotPages)
-    tokens: list[int] = field(default_factory=list)
-    kept: tuple[torch.Tensor, int] | None = None  # ([V] probs on the device, rejected id)
-    released: bool = False
-
-    @property
-    def length(self) -> int:
-        return self.pages.length
 
 
 @dataclass(eq=False)
@@ -186,10 +146,24 @@ def _resolve(
         fut.set_result(value)
 
 
+def _queued(item: _Request | _Call) -> Queued:
+    """What the scheduler needs to know of a queue entry."""
+    if isinstance(item, _Call):
+        return Queued(Kind.CALL)
+    work = item.work
+    if isinstance(work, FORWARDS):
+        kind = Kind.COGEN if isinstance(work, Generate) else Kind.FORWARD
+        return Queued(kind, len(work.fixed) + len(work.draft) + 1)
+    return Queued(Kind.CHEAP)
+
+
 #: kv_tokens = 0 ("auto"): on the CPU (where untouched pages cost nothing) this many tokens; on
 #: CUDA, what ``AUTO_KV_FRACTION`` of the free memory after loading holds.
 AUTO_KV_TOKENS_CPU = 65536
 AUTO_KV_FRACTION = 0.8
+
+#: Seconds over which observed queueing delays count for admission (Engine.queue_delay_s).
+WAIT_MEMORY_S: Final = 10.0
 
 
 def _auto_kv_tokens(target: Target) -> int:
@@ -207,43 +181,24 @@ def _auto_kv_tokens(target: Target) -> int:
     return max(tokens, 1)
 
 
-#: Work that needs a forward of the target.
-_FORWARDS: Final = (Verify, Federate, Generate)
-
-
-def _wants_bonus(work: Work) -> bool:
-    return isinstance(work, Generate) or (isinstance(work, Verify) and work.want_bonus)
-
-
-@dataclass
-class _Planned:
-    request: _Request
-    row: Row
-    start: int  # the slot's length before the forward
-    work: Verify | Federate | Generate
-
-
 class Engine:
-    """The target model, its KV pool and the thread that runs every session's model work.
+    """The engine's thread and queue in front of a :class:`~cloud_verifier.runner.Runner`.
 
-    Invariants: ``target`` and ``pool`` are set once, by :meth:`load`; only the engine's thread
-    touches the pool, the slots' pages and tokens and the model; ``forwards`` (batched forward
-    passes) and ``rows_forwarded`` (session rows in them) are written by that thread only.
+    Invariants: ``runner`` is set once, by :meth:`load`; only the engine's thread touches the
+    runner (the pool, the slots' model state, the model); ``steps``, ``times``, the running
+    step, the queue and the tenants' slots are read and written under the lock.
     """
 
     def __init__(self, limits: EngineLimits | None = None) -> None:
         self.limits = limits or EngineLimits()
-        self.target: Target | None = None
-        self.pool: PagedKV | None = None
-        self.forwards = 0
+        self.runner: Runner | None = None
         self.cogen_skipped = 0  # Generates that found no room in a step (engine thread)
-        self.rows_forwarded = 0
         self.warm = False
         #: Steps completed (engine thread; read under the lock).
         self.steps = 0
         #: Step time against tokens (written and read under the lock).
         self.times = StepTimes()
-        self._running_step: _Running | None = None
+        self._running_step: RunningStep | None = None
         #: (when, seconds) the oldest request of each recent step waited in the queue.
         self._waits: deque[tuple[float, float]] = deque(maxlen=64)
         self._queue: deque[_Request | _Call] = deque()
@@ -258,22 +213,39 @@ class Engine:
     # ------------------------------------------------------------------ event-loop side
 
     @property
+    def target(self) -> Target | None:
+        return None if self.runner is None else self.runner.target
+
+    @property
+    def pool(self) -> PagedKV | None:
+        return None if self.runner is None else self.runner.pool
+
+    @property
+    def forwards(self) -> int:
+        """Batched forward passes so far."""
+        return 0 if self.runner is None else self.runner.forwards
+
+    @property
+    def rows_forwarded(self) -> int:
+        """Session rows in them."""
+        return 0 if self.runner is None else self.runner.rows_forwarded
+
+    @property
     def ready(self) -> bool:
-        return self.target is not None
+        return self.runner is not None
+
+    def require_runner(self) -> Runner:
+        if self.runner is None:
+            raise RuntimeError("the target model is not loaded yet")
+        return self.runner
 
     def require_target(self) -> Target:
-        if self.target is None:
-            raise RuntimeError("the target model is not loaded yet")
-        return self.target
+        return self.require_runner().target
 
     @property
     def max_context(self) -> int:
-        """Tokens one session may hold: the model's limit, capped by the session's share of
-        the pool."""
-        target = self.require_target()
-        assert self.pool is not None  # allocated with the target, by load()
-        pool_tokens = self.session_pages * self.pool.page_size
-        return pool_tokens if target.max_length is None else min(target.max_length, pool_tokens)
+        """Tokens one session may hold (:attr:`Runner.max_context`)."""
+        return self.require_runner().max_context
 
     def _put(self, item: _Request | _Call) -> None:
         with self._cv:
@@ -283,7 +255,7 @@ class Engine:
             self._cv.notify()
 
     async def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the engine's thread, between steps (load, warm-up, ping)."""
+        """Run ``fn`` on the engine's thread, between steps (load, warm-up, ping, adopt)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
         self._put(_Call(fn, fut, loop))
@@ -291,68 +263,49 @@ class Engine:
 
     async def load(self, loader: Callable[[], Target], *, warm_up: bool = True) -> Target:
         """Load the target on the engine's thread (so it lives where it runs), allocate the KV
-        pool and, with ``warm_up``, run one batched step of every bucketed shape class."""
+        pool and, with ``warm_up``, run one batched step of every bucketed shape class and time
+        the step-time anchors."""
+        lim = self.limits
 
-        def job() -> Target:
+        def job() -> Runner:
             target = loader()
-            tokens = self.limits.kv_tokens or _auto_kv_tokens(target)
-            pages = -(-tokens // self.limits.page_size)
-            self.pool = target.allocate(pages, self.limits.page_size)
-            return target
+            tokens = lim.kv_tokens or _auto_kv_tokens(target)
+            pool = target.allocate(-(-tokens // lim.page_size), lim.page_size)
+            shares = Shares(lim.session_share, lim.tenant_share)
+            return Runner(target, pool, shares, self._tenant_pages)
 
-        target = await self.call(job)
-        self.target = target
+        runner = await self.call(job)
+        self.runner = runner
         if warm_up:
-            await self.call(self._warm_up)
+            anchors = await self.call(lambda: runner.warm_up(lim.max_batch_sessions))
+            with self._cv:
+                for tokens, seconds in anchors:
+                    self.times.anchor(tokens, seconds)
         self.warm = True
-        return target
+        return runner.target
 
     def open(self, hello: Hello, tenant: str = "") -> Slot:
         """A slot for a session that said Hello (NoFreeSlot when all are taken)."""
-        self.require_target()
+        target = self.require_target()
         if not self._free_slots:
             raise NoFreeSlot(f"all {self.limits.slots} session slots are in use")
-        slot = Slot(self._free_slots.pop(), hello, self._generator(hello), tenant)
+        slot = Slot(self._free_slots.pop(), hello, new_generator(hello, target.device), tenant)
         with self._cv:
             self._tenants.setdefault(tenant, set()).add(slot)
         return slot
 
-    def _generator(self, hello: Hello) -> torch.Generator | None:
-        if hello.sampling.greedy:
-            return None
-        generator = torch.Generator(device=self.require_target().device)
-        if hello.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(hello.seed % (1 << 63))
-        return generator
-
     def adopt(self, slot: Slot, hello: Hello, keep: int) -> list[int]:
-        """On the engine's thread (:meth:`call`): hand a lost session's ``slot`` to a new
-        session of ``hello`` (its sampling, its RNG), its cache cut to at most ``keep`` tokens;
-        returns the tokens kept."""
+        """On the engine's thread (:meth:`call`): :meth:`Runner.adopt` of a lost session's
+        slot for a new session."""
         if slot.released:
             raise EngineClosed("the session's slot was released")
-        assert self.pool is not None
-        keep = max(0, min(keep, slot.length))
-        self.pool.crop(slot.pages, keep)
-        del slot.tokens[keep:]
-        slot.kept = None
-        slot.hello = hello
-        slot.generator = self._generator(hello)
-        return list(slot.tokens)
+        return self.require_runner().adopt(slot, hello, keep)
 
-    @property
-    def session_pages(self) -> int:
-        """Pages one session may hold (its share of the pool)."""
-        assert self.pool is not None
-        return max(1, int(self.pool.num_pages * self.limits.session_share))
-
-    @property
-    def tenant_pages(self) -> int:
-        """Pages the sessions of one tenant may hold together."""
-        assert self.pool is not None
-        return max(1, int(self.pool.num_pages * self.limits.tenant_share))
+    def _tenant_pages(self, slot: Slot) -> int:
+        """On the engine's thread: pages the open slots of ``slot``'s tenant hold now."""
+        with self._cv:
+            mates = list(self._tenants.get(slot.tenant, ()))
+        return sum(len(s.pages.pages) for s in mates if not s.released)
 
     def release(self, slot: Slot) -> None:
         """End a session: its pending work is dropped, its pages go back to the pool (on the
@@ -367,12 +320,13 @@ class Engine:
                 held.discard(slot)
                 if not held:
                     del self._tenants[slot.tenant]
-            if not self._closed:
+            runner = self.runner
+            if not self._closed and runner is not None:
                 loop = asyncio.get_running_loop()
                 fut: asyncio.Future[None] = loop.create_future()
                 # Nobody awaits it: take its outcome so that a shutdown's EngineClosed is quiet.
                 fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-                self._queue.append(_Call(lambda: self._free_pages(slot), fut, loop))
+                self._queue.append(_Call(lambda: runner.free(slot), fut, loop))
                 self._cv.notify()
 
     @property
@@ -395,23 +349,8 @@ class Engine:
 
     @property
     def pages_free(self) -> int:
-        return 0 if self.pool is None else len(self.pool.free)
-
-    def _eta(self, now: float, ahead_tokens: list[int]) -> tuple[float, bool]:
-        """Under the lock: seconds until the running step ends and the forward requests of
-        ``ahead_tokens`` (token counts, queue order) have run, and whether the running step
-        has stalled. Steps hold ``max_batch_sessions`` rows; each costs a + b·tokens."""
-        remaining, stalled = 0.0, False
-        run = self._running_step
-        if run is not None:
-            elapsed = now - run.started
-            remaining = max(0.0, self.times.estimate(run.tokens) - elapsed)
-            stalled = self.times.stalled(run.tokens, elapsed, self.limits.stall)
-        if ahead_tokens:
-            a, b = self.times.coefficients()
-            steps = -(-len(ahead_tokens) // self.limits.max_batch_sessions)
-            remaining += steps * a + b * sum(ahead_tokens)
-        return remaining, stalled
+        pool = self.pool
+        return 0 if pool is None else len(pool.free)
 
     def progress(self, slot: Slot) -> WorkProgress:
         """Where ``slot``'s work stands (read from the event loop, under the lock)."""
@@ -419,20 +358,29 @@ class Engine:
         with self._cv:
             run = self._running_step
             running = run is not None and slot.index in run.slots
-            tokens: list[int] = []
+            ahead: list[int] = []
             found = False
             if not running:
                 for item in self._queue:
                     if not isinstance(item, _Request):
                         continue
-                    if isinstance(item.work, _FORWARDS):
-                        tokens.append(len(item.work.fixed) + len(item.work.draft) + 1)
+                    q = _queued(item)
+                    if q.kind in (Kind.FORWARD, Kind.COGEN):
+                        ahead.append(q.tokens)
                     if item.slot is slot:
                         found = True
                         break
-            eta, stalled = self._eta(now, tokens if found else [])
-            ahead = max(0, len(tokens) - 1) if found else 0
-            return WorkProgress(self.steps, ahead, running, eta, stalled)
+            eta, stalled = queue_eta(
+                run,
+                now,
+                ahead if found else [],
+                self.times,
+                self.limits.batch,
+                self.limits.stall,
+            )
+            return WorkProgress(
+                self.steps, max(0, len(ahead) - 1) if found else 0, running, eta, stalled
+            )
 
     def queue_delay_s(self) -> float:
         """How long a forward submitted now would wait for its step: the larger of the
@@ -441,11 +389,11 @@ class Engine:
         now = time.perf_counter()
         with self._cv:
             tokens = [
-                len(item.work.fixed) + len(item.work.draft) + 1
-                for item in self._queue
-                if isinstance(item, _Request) and isinstance(item.work, _FORWARDS)
+                q.tokens for q in map(_queued, self._queue) if q.kind in (Kind.FORWARD, Kind.COGEN)
             ]
-            eta, _ = self._eta(now, tokens)
+            eta, _ = queue_eta(
+                self._running_step, now, tokens, self.times, self.limits.batch, self.limits.stall
+            )
             seen = max((w for t, w in self._waits if now - t <= WAIT_MEMORY_S), default=0.0)
         return max(eta, seen)
 
@@ -544,23 +492,15 @@ class Engine:
                         self._running_step = None
 
     def _gather(self) -> None:
-        """Under the lock, with work queued: wait up to ``batch_wait_s`` for the other open
-        sessions' forwards, unless every open session has one queued (or the step is full).
-
-        Sessions that just got their verdicts send their next Propose a moment later; a step
-        started at once would hold only the stragglers of the last one, and the sessions then
-        alternate between two half-full steps (each round then takes two steps)."""
+        """Under the lock, with work queued: wait up to ``batch_wait_s`` while the scheduler
+        says the other open sessions' forwards are worth waiting for."""
         wait = self.limits.batch_wait_s
         if wait <= 0:
             return
         deadline = time.monotonic() + wait
         while not self._closed:
-            forwards = sum(
-                1
-                for item in self._queue
-                if isinstance(item, _Request) and isinstance(item.work, _FORWARDS)
-            )
-            if forwards == 0 or forwards >= min(self.slots_used, self.limits.max_batch_sessions):
+            queue = [_queued(item) for item in self._queue]
+            if not should_gather(queue, self.slots_used, self.limits.batch):
                 return
             left = deadline - time.monotonic()
             if left <= 0:
@@ -568,63 +508,28 @@ class Engine:
             self._cv.wait(left)
 
     def _take(self) -> tuple[list[_Call], list[_Request]]:
-        """Under the lock: every call and cheap request in arrival order up to the first forward
-        that does not fit, and the forwards of one step (module docstring).
-
-        Co-generation gives way: a :class:`Generate` joins the step only in the room the
-        drafts to verify leave, and one that finds no room is answered :class:`Skipped` at once
-        (its session pauses co-generation until its edge sends a frame)."""
-        calls: list[_Call] = []
-        batch: list[_Request] = []
-        cogen: list[_Request] = []
-        forwards, longest = 0, 0
-        lim = self.limits
-
-        def fits(n: int) -> bool:
-            return forwards < lim.max_batch_sessions and (
-                (forwards + 1) * max(longest, n) <= lim.max_batch_tokens
-            )
-
-        while self._queue:
-            item = self._queue[0]
-            if isinstance(item, _Request) and isinstance(item.work, Generate):
-                self._queue.popleft()
-                cogen.append(item)
-                continue
-            if isinstance(item, _Request) and isinstance(item.work, (Verify, Federate)):
-                n = len(item.work.fixed) + len(item.work.draft) + 1
-                if forwards and not fits(n):
-                    break
-                forwards, longest = forwards + 1, max(longest, n)
-            if isinstance(item, _Call) and batch:
-                break  # a call runs between steps: after the step queued before it
+        """Under the lock: the scheduler's next step, taken off the queue; co-generations it
+        found no room for are answered Skipped at once."""
+        queue = list(self._queue)
+        plan = plan_step([_queued(item) for item in queue], self.limits.batch)
+        for _ in range(plan.taken):
             self._queue.popleft()
-            if isinstance(item, _Call):
-                calls.append(item)
-            else:
-                batch.append(item)
+        calls = [queue[i] for i in plan.calls]
+        batch = [queue[i] for i in plan.batch]
         t0 = time.perf_counter()
-        for req in cogen:
-            assert isinstance(req.work, Generate)
-            n = len(req.work.fixed) + len(req.work.draft) + 1
-            if forwards == 0 or fits(n):
-                forwards, longest = forwards + 1, max(longest, n)
-                batch.append(req)
-            else:
-                self.cogen_skipped += 1
-                self._finish(req, Skipped(), None, t0)
-        if batch:
-            self._running_step = _Running(
-                t0, forwards * longest, frozenset(r.slot.index for r in batch)
-            )
-            self._waits.append((t0, t0 - min(r.submitted for r in batch)))
-        return calls, batch
-
-    def _free_pages(self, slot: Slot) -> None:
-        if self.pool is not None:
-            self.pool.release(slot.pages)
-        slot.tokens.clear()
-        slot.kept = None
+        for i in plan.skipped:
+            req = queue[i]
+            assert isinstance(req, _Request)
+            self.cogen_skipped += 1
+            self._finish(req, Skipped(), None, t0)
+        assert all(isinstance(c, _Call) for c in calls)
+        assert all(isinstance(r, _Request) for r in batch)
+        requests = [r for r in batch if isinstance(r, _Request)]
+        if requests:
+            slots = frozenset(r.slot.index for r in requests)
+            self._running_step = RunningStep(t0, plan.padded_tokens, slots)
+            self._waits.append((t0, t0 - min(r.submitted for r in requests)))
+        return [c for c in calls if isinstance(c, _Call)], requests
 
     def _finish(self, req: _Request, result: Result, timing: Timing | None, t0: float) -> None:
         outcome = Outcome(result, timing, t0 - req.submitted)
@@ -632,259 +537,10 @@ class Engine:
 
     def _step(self, batch: list[_Request]) -> None:
         t0 = time.perf_counter()
-        planned: list[_Planned] = []
-        for req in batch:
-            slot, work = req.slot, req.work
-            if slot.released:
-                self._finish(req, Failed("the session ended", slot.length), None, t0)
-            elif isinstance(work, Crop):
-                self._finish(req, self._crop(slot, work.pos), None, t0)
-            elif isinstance(work, Draw):
-                self._finish(req, self._draw(slot, work.m), None, t0)
-            else:
-                plan = self._plan(req, work)
-                if isinstance(plan, Failed):
-                    self._finish(req, plan, None, t0)
-                else:
-                    planned.append(plan)
-        if planned:
-            self._forward(planned, t0)
-
-    def _crop(self, slot: Slot, pos: int) -> Result:
-        slot.kept = None
-        try:
-            assert self.pool is not None
-            self.pool.crop(slot.pages, pos)
-        except ValueError as e:
-            return Failed(f"ValueError: {e}", slot.length)
-        del slot.tokens[pos:]
-        return Cropped()
-
-    def _draw(self, slot: Slot, m: int) -> Result:
-        if slot.kept is None or slot.generator is None:
-            return Failed("RuntimeError: no rejected row kept for a Resample", slot.length)
-        row, rejected = slot.kept
-        try:
-            return Drawn(ds.draw_candidates(row, rejected, m, slot.generator))
-        except Exception as e:
-            return Failed(f"{type(e).__name__}: {e}", slot.length)
-
-    def _plan(self, req: _Request, work: Verify | Federate | Generate) -> _Planned | Failed:
-        """The forward row of one Verify/Federate: fixed + draft after the cache; with no fixed
-        tokens, the last cached token again (its row scores draft[0]; its keys are rewritten
-        with the same values)."""
-        slot = req.slot
-        slot.kept = None
-        start = slot.length
-        fixed, draft = work.fixed.tolist(), work.draft.tolist()
-        if fixed:
-            row_start, ids = start, [*fixed, *draft]
-        elif start == 0:
-            return Failed("ValueError: no tokens in the cache: nothing to predict from", start)
-        else:
-            row_start, ids = start - 1, [slot.tokens[-1], *draft]
-        target = self.require_target()
-        end = row_start + len(ids)
-        if target.max_length is not None and end > target.max_length:
-            return Failed(
-                f"ContextLengthError: context of {end} tokens exceeds the model's maximum of "
-                f"{target.max_length}",
-                start,
-            )
-        if min(ids) < 0 or max(ids) >= target.vocab_size:
-            return Failed(f"ValueError: token ids must be in [0, {target.vocab_size})", start)
-        quota = self._over_quota(slot, end)
-        if quota is not None:
-            return Failed(quota, start)
-        try:
-            assert self.pool is not None
-            self.pool.reserve(slot.pages, end)
-        except OutOfPages as e:
-            return Failed(f"OutOfPages: {e}", start)
-        return _Planned(req, Row(slot.pages, row_start, tuple(ids), len(draft) + 1), start, work)
-
-    def _over_quota(self, slot: Slot, end: int) -> str | None:
-        """Why growing ``slot`` to ``end`` tokens would pass its session's or its tenant's
-        share of the pool (None: it would not)."""
-        assert self.pool is not None
-        size = self.pool.page_size
-        need = -(-end // size) - len(slot.pages.pages)
-        if need <= 0:
-            return None
-        lim = self.limits
-        if lim.session_share < 1.0 and len(slot.pages.pages) + need > self.session_pages:
-            return (
-                f"KVQuota: {end} tokens exceed this session's share of the KV cache "
-                f"({self.session_pages * size} tokens)"
-            )
-        if lim.tenant_share >= 1.0:
-            return None
-        with self._cv:
-            mates = list(self._tenants.get(slot.tenant, ()))
-        held = sum(len(s.pages.pages) for s in mates if not s.released)
-        if held + need > self.tenant_pages:
-            return (
-                f"KVQuota: this token's sessions hold {held} of the {self.tenant_pages} KV pages "
-                f"they may share; {need} more needed"
-            )
-        return None
-
-    def _forward(self, planned: list[_Planned], t0: float) -> None:
-        target = self.require_target()
-        try:
-            f0 = time.perf_counter()
-            logits = target.forward([p.row for p in planned])  # [Σ (γ+1), V]
-            forward_s = time.perf_counter() - f0
-        except Exception as e:
-            self._failed(planned, e, t0)
-            return
-        self.forwards += 1
-        self.rows_forwarded += len(planned)
-        padded = len(planned) * max(len(p.row.ids) for p in planned)
-        with self._cv:
-            self.times.observe(padded, time.perf_counter() - t0)
-        for p in planned:  # commit
-            slot = p.request.slot
-            del slot.tokens[p.row.start :]
-            slot.tokens.extend(p.row.ids)
-            slot.pages.length = len(slot.tokens)
-        gammas = [len(p.work.draft) for p in planned]
-        cu = ds.cu_from_gammas(gammas)
-        verify = [i for i, p in enumerate(planned) if not isinstance(p.request.work, Federate)]
-        federate = [i for i, p in enumerate(planned) if isinstance(p.request.work, Federate)]
-        results: dict[int, Result] = {}
-        try:
-            for group, decide in ((verify, self._decide), (federate, self._federate)):
-                if not group:
-                    continue
-                rows = np.concatenate([np.arange(cu[i] + i, cu[i + 1] + i + 1) for i in group])
-                sub = logits if len(group) == len(planned) else logits[torch.as_tensor(rows)]
-                results.update(zip(group, decide([planned[i] for i in group], sub), strict=True))
-        except Exception as e:
-            self._failed(planned, e, t0)
-            return
-        timing = Timing(forward_s, time.perf_counter() - t0, len(planned))
-        for i, p in enumerate(planned):
-            self._finish(p.request, results[i], timing, t0)
-
-    def _failed(self, planned: list[_Planned], error: Exception, t0: float) -> None:
-        """A batch failed: undo it; one session fails alone, several are run again one by one
-        so that only the session whose work fails gets the error."""
-        for p in planned:
-            self._undo(p)
-        if len(planned) == 1:
-            p = planned[0]
-            self._finish(p.request, Failed(f"{type(error).__name__}: {error}", p.start), None, t0)
-            return
-        log.info("a batch of %d sessions failed (%s); running them one by one", len(planned), error)
-        for p in planned:
-            replanned = self._plan(p.request, p.work)
-            if isinstance(replanned, Failed):
-                self._finish(p.request, replanned, None, t0)
-            else:
-                self._forward([replanned], t0)
-
-    def _undo(self, p: _Planned) -> None:
-        """Back to the slot's state before the request (its length never went below it)."""
-        slot = p.request.slot
-        assert self.pool is not None
-        self.pool.crop(slot.pages, p.start)
-        del slot.tokens[p.start :]
-        slot.kept = None
-
-    def _decide(self, planned: list[_Planned], logits: torch.Tensor) -> list[Result]:
-        """Verdicts of the Verify group: accepted prefix, then recovered or bonus (sampling
-        transform on the device, only where a decision needs it: ``verify_logits``)."""
-        hellos = [p.request.slot.hello for p in planned]
-        gammas = [len(p.work.draft) for p in planned]
-        decisions = ds.verify_logits(
-            logits,
-            [h.sampling for h in hellos],
-            np.concatenate([p.work.draft for p in planned]),
-            np.concatenate([p.work.q for p in planned]),
-            ds.cu_from_gammas(gammas),
-            correction=[str(h.correction) for h in hellos],
-            want_bonus=[_wants_bonus(p.request.work) for p in planned],
-            generators=[p.request.slot.generator for p in planned],
-            k=[h.k for h in hellos],
-            eps_target=[h.eps_target for h in hellos],
-            m=[h.m for h in hellos],
-        )
-        out: list[Result] = []
-        row = 0
-        for p, d, g, h in zip(planned, decisions, gammas, hellos, strict=True):
-            slot = p.request.slot
-            kept = False
-            if d.accepted < g:
-                keep = p.start + len(p.work.fixed) + d.accepted
-                assert self.pool is not None
-                self.pool.crop(slot.pages, keep)
-                del slot.tokens[keep:]
-                if d.candidates is not None:
-                    # p at the rejected position, for Resamples: one row, kept on the device
-                    r = logits[row + d.accepted][None]
-                    s = h.sampling
-                    p_row = ds.transform_rows(r, s.temperature, s.top_k, s.top_p)[0]
-                    slot.kept = (p_row, int(p.work.draft[d.accepted]))
-                    kept = True
-            out.append(Verified(d, kept_row=kept))
-            row += g + 1
-        return out
-
-    def _federate(self, planned: list[_Planned], logits: torch.Tensor) -> list[Result]:
-        """SpecFed replies of the Federate group: γ+1 top-K rows, p_j(x_j), the l1 of both
-        reconstructions (every row transformed: the edge needs them all)."""
-        hellos = [p.request.slot.hello for p in planned]
-        gammas = [len(p.work.draft) for p in planned]
-        temp, top_k, top_p = ds.row_params([h.sampling for h in hellos], gammas)
-        rows = ds.federate_rows(
-            ds.transform_rows(logits, temp, top_k, top_p),
-            np.concatenate([p.work.draft for p in planned]),
-            ds.cu_from_gammas(gammas),
-            [h.k for h in hellos],
-            [h.eps_target for h in hellos],
-        )
-        return [Federated(dists, p_draft, l1) for dists, p_draft, l1 in rows]
-
-    def _warm_up(self) -> None:
-        """One batched step (and, compiled, one per shape bucket) on a scratch slot, so the
-        first session does not pay for lazy initialisation or compilation."""
-        target = self.require_target()
-        assert self.pool is not None
-        compiled = bool(getattr(target, "compiled", False))
-        sizes = [1, 2, 4, 8, 16, 32, 64] if compiled else [1]
-        for b in sizes:
-            if b > self.limits.max_batch_sessions:
-                break
-            slots = [SlotPages() for _ in range(b)]
-            try:
-                for s in slots:
-                    self.pool.reserve(s, 8)
-                target.forward([Row(s, 0, (0,) * 8, 8) for s in slots])
-            except OutOfPages:
-                log.info("warm-up stopped at batch %d: the KV pool is smaller", b)
-                break
-            finally:
-                for s in slots:
-                    self.pool.release(s)
-        self._anchor_times(target)
-
-    def _anchor_times(self, target: Target) -> None:
-        """Time one forward of 8 tokens and one of up to 128 (warm by now): the anchors of the
-        step-time fit, so that the first real steps have an estimate (StepTimes)."""
-        assert self.pool is not None
-        limit = min(128, self.pool.num_pages * self.pool.page_size)
-        if target.max_length is not None:
-            limit = min(limit, target.max_length)
-        for n in sorted({min(8, limit), limit}):
-            pages = SlotPages()
-            try:
-                self.pool.reserve(pages, n)
-                t0 = time.perf_counter()
-                target.forward([Row(pages, 0, (0,) * n, min(n, 8))])
-                with self._cv:
-                    self.times.anchor(n, time.perf_counter() - t0)
-            except OutOfPages:
-                break
-            finally:
-                self.pool.release(pages)
+        answers = self.require_runner().step([(req.slot, req.work) for req in batch])
+        for req, (result, timing) in zip(batch, answers, strict=True):
+            self._finish(req, result, timing, t0)
+        timing = next((t for _, t in answers if t is not None), None)
+        if timing is not None:
+            with self._cv:
+                self.times.observe(timing.padded_tokens, timing.job_s)

@@ -642,6 +642,42 @@ def verify_logits(
     )
 
 
+@dataclass(frozen=True)
+class VerifyBatch:
+    """What :func:`verify_batch` decides, besides the logits: per session (in row order) its
+    sampling parameters, correction mode, whether a full acceptance takes a bonus token, its
+    RNG (None for greedy), K, ε target and M; and the concatenated draft ids, their q(x) and
+    the cumulative draft lengths ``cu_draft`` ([B + 1])."""
+
+    params: Sequence[SamplingParams]
+    draft_ids: npt.ArrayLike
+    q_draft: npt.ArrayLike
+    cu_draft: npt.ArrayLike
+    correction: Sequence[CorrectionMode]
+    want_bonus: Sequence[bool]
+    generators: Sequence[torch.Generator | None]
+    k: Sequence[int]
+    eps_target: Sequence[float]
+    m: Sequence[int]
+
+
+def verify_batch(logits: torch.Tensor, batch: VerifyBatch) -> list[Decision]:
+    """:func:`verify_logits` of one typed :class:`VerifyBatch` (the engine's call)."""
+    return verify_logits(
+        logits,
+        batch.params,
+        batch.draft_ids,
+        batch.q_draft,
+        batch.cu_draft,
+        correction=[str(c) for c in batch.correction],
+        want_bonus=list(batch.want_bonus),
+        generators=batch.generators,
+        k=batch.k,
+        eps_target=batch.eps_target,
+        m=batch.m,
+    )
+
+
 def draw_candidates(
     p_row: torch.Tensor, exclude: int, m: int, generator: torch.Generator
 ) -> SparseDist:

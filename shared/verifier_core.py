@@ -284,11 +284,31 @@ class Draw:
 Work = Verify | Federate | Generate | Crop | Draw
 
 
+def cache_after(work: Verify | Federate | Generate | Crop, accepted: int = 0) -> int:
+    """The cache length once ``work`` is done with ``accepted`` draft tokens accepted: the one
+    crop rule. Verify / Generate: start + fixed + the accepted draft tokens (a rejection drops
+    the rest; a recovered, bonus or co-generated token is not cached: it is the next row's
+    input or comes back as a fixed token); Federate: every token (the edge rolls back);
+    Crop: its position. The model side applies it and reports the length it holds, which the
+    core adopts (the results' ``cache_len``)."""
+    if isinstance(work, Crop):
+        return work.pos
+    if isinstance(work, Generate):
+        return work.pos + len(work.fixed) + accepted
+    p = work.propose
+    if isinstance(work, Federate):
+        return p.pos + len(p.fixed) + len(p.draft)
+    return p.pos + len(p.fixed) + accepted
+
+
 @dataclass(frozen=True)
 class Verified:
     decision: Decision
     #: The model side kept p at the rejected position for later Resamples (candidates mode).
     kept_row: bool = False
+    #: The cache length the model side holds now (None: not reported; the core applies
+    #: :func:`cache_after` itself, as test doubles of the model side do).
+    cache_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -296,11 +316,12 @@ class Federated:
     dists: tuple[SparseDist, ...]  # γ+1
     p_draft: npt.NDArray[np.float32]  # [γ]
     l1: npt.NDArray[np.float32] | None  # [γ+1, 2]
+    cache_len: int | None = None
 
 
 @dataclass(frozen=True)
 class Cropped:
-    pass
+    cache_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -363,6 +384,11 @@ class Adopt:
 
 
 Event = Send | Run | Close | Note | Adopt
+
+
+def _reported(cache_len: int | None, work: Verify | Federate | Generate | Crop, n: int = 0) -> int:
+    """The cache length a result reports (the model side owns it), or the rule's."""
+    return cache_after(work, n) if cache_len is None else cache_len
 
 
 @dataclass(frozen=True)
@@ -923,11 +949,11 @@ class VerifierCore:
             return []
         if isinstance(work, Federate) and isinstance(result, Federated):
             p = work.propose
-            self.next_pos = self.cache_len = p.pos + len(p.fixed) + len(p.draft)
+            self.next_pos = self.cache_len = _reported(result.cache_len, work)
             self.text[p.pos :] = [*p.fixed.tolist(), *p.draft.tolist()]
             return [Send(FederatedReply(p.epoch, p.seq, result.dists, result.p_draft, result.l1))]
         if isinstance(work, Crop) and isinstance(result, Cropped):
-            self.cache_len = work.pos
+            self.cache_len = _reported(result.cache_len, work)
             return []
         if isinstance(work, Draw) and isinstance(result, Drawn):
             return [Send(Candidates(work.epoch, work.pos, result.candidates))]
@@ -939,13 +965,13 @@ class VerifierCore:
         decision's correction or bonus; the segments behind a rejection get nothing (they
         are of an old epoch now, as if they had been queued and dropped)."""
         p, d = work.propose, result.decision
-        f, g, n = len(p.fixed), len(work.draft), d.accepted
+        g, n = len(work.draft), d.accepted
         self.text[p.pos :] = [*p.fixed.tolist(), *work.draft[:n].tolist()]
         self.edge_ahead = False
+        # The model side cropped the cache to the accepted prefix on a rejection.
+        self.next_pos = self.cache_len = _reported(result.cache_len, work, n)
         if n < g:
-            # Rejection: the model side cropped the cache to the accepted prefix; every batch
-            # the edge sent behind this one is now of an old epoch.
-            self.next_pos = self.cache_len = p.pos + f + n
+            # Rejection: every batch the edge sent behind this one is now of an old epoch.
             self._new_epoch()
             if result.kept_row:
                 self._pending = _Pending(self.epoch, self.next_pos)
@@ -953,11 +979,9 @@ class VerifierCore:
                 self.text.append(d.token)  # the verifier's own recovered token
             else:
                 self.edge_ahead = True  # the edge draws it
-        else:
+        elif d.bonus is not None:
             # A bonus token is committed by the edge and comes back as a fixed token.
-            self.next_pos = self.cache_len = p.pos + f + g
-            if d.bonus is not None:
-                self.text.append(d.bonus)
+            self.text.append(d.bonus)
         out: list[Event] = []
         left = n + work.matched
         segments = work.segments
@@ -989,7 +1013,7 @@ class VerifierCore:
         token = d.token if d.accepted < len(work.draft) else d.bonus
         if token is None:
             raise TypeError("a Generate's result carries no token")
-        self.cache_len = work.pos + len(work.fixed) + d.accepted
+        self.cache_len = _reported(result.cache_len, work, d.accepted)
         tokens = [*work.draft[: d.accepted].tolist(), token]
         pos = len(self.text)
         self.text += tokens

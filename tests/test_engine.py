@@ -203,14 +203,15 @@ async def test_a_failing_session_fails_alone(target: TorchTarget) -> None:
     and its cache is as before the request."""
     engine = await _engine(target)
     a, b = _Session(engine, target), _Session(engine, target)
-    real = engine._decide
+    runner = engine.require_runner()
+    real = runner._decide
 
     def broken(planned: list[Any], probs: torch.Tensor) -> Any:
-        if any(p.request.slot is a.slot for p in planned):
+        if any(p.slot is a.slot for p in planned):
             raise RuntimeError("boom")
         return real(planned, probs)
 
-    engine._decide = broken  # type: ignore[method-assign]
+    runner._decide = broken  # type: ignore[method-assign]
     f, d = [5, 6, 7], _greedy(target, [5, 6, 7], 3, None)
     outs = await _together(engine, [a.verify([1, 2], [3]), b.verify(f, d)])
     assert isinstance(outs[0].result, Failed) and "boom" in outs[0].result.message
@@ -327,15 +328,16 @@ async def test_an_engine_bug_fails_the_step_and_the_engine_goes_on(target: Torch
     Failed instead of leaving its session waiting; the next step runs normally."""
     engine = await _engine(target)
     a = _Session(engine, target)
-    real = engine._plan
+    runner = engine.require_runner()
+    real = runner._plan
 
     def broken(*args: Any) -> Any:
         raise TypeError("a bug")
 
-    engine._plan = broken  # type: ignore[method-assign]
+    runner._plan = broken  # type: ignore[method-assign]
     out = await asyncio.wait_for(a.verify([1, 2], [3])(), 10)
     assert isinstance(out.result, Failed) and "internal engine error" in out.result.message
-    engine._plan = real  # type: ignore[method-assign]
+    runner._plan = real  # type: ignore[method-assign]
     f, d = [5, 6, 7], _greedy(target, [5, 6, 7], 3, None)
     a.check(f, d, await a.verify(f, d)())
     assert engine.worker_alive()

@@ -1,0 +1,445 @@
+"""The engine's model runner: a step's requests → rows → one batched forward → decisions.
+
+Runs on the engine's thread only (:mod:`cloud_verifier.engine` owns the thread, the queue and
+the futures; :mod:`cloud_verifier.scheduler` picks the step). The runner owns the target, its
+paged KV pool and every session slot's model state (pages, tokens, RNG, the p row kept for
+Resamples), and answers each request of a step with its :data:`~shared.verifier_core.Result`:
+
+* ``Crop`` (a pointer move in the pool) and ``Draw`` (a device draw from the kept row);
+* ``Verify``, ``Federate`` and ``Generate`` in **one batched forward**, then, on the device and
+  batched over the sessions (:mod:`shared.device_sampling`), the sampling transform and the
+  decisions: *accepted* prefix, *recovered* correction or *bonus* token, or the federated rows.
+  Only ids, counts and the few correction values reach the host.
+
+The slot's length is the one owner of the cache length: work names where it starts and the
+runner refuses work that does not start there; every result says the cache length after it,
+by the one crop rule (:func:`~shared.verifier_core.cache_after`), which the session's core
+adopts. A forward is committed (the slots' lengths moved) only once it returned; a failure
+leaves each slot as it was before the request (:class:`~shared.verifier_core.Failed` says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cloud_verifier.targets import Target
+from shared import device_sampling as ds
+from shared.batched_lm import Row
+from shared.kv_pool import OutOfPages, PagedKV, SlotPages
+from shared.protocol import Hello
+from shared.verifier_core import (
+    Crop,
+    Cropped,
+    Draw,
+    Drawn,
+    Failed,
+    Federate,
+    Federated,
+    Generate,
+    Result,
+    Verified,
+    Verify,
+    Work,
+    cache_after,
+)
+
+log = logging.getLogger(__name__)
+
+#: Work that needs a forward of the target.
+FORWARDS = (Verify, Federate, Generate)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One session's model side: its pages and tokens in the pool, its RNG, the sampling
+    parameters of its Hello, and p at the last rejected position (candidates mode, for Draw).
+    Touched only on the engine's thread once opened."""
+
+    index: int
+    hello: Hello
+    generator: torch.Generator | None
+    #: Who holds it (the bearer token's key): the KV quota counts a tenant's slots together.
+    tenant: str = ""
+    pages: SlotPages = field(default_factory=SlotPages)
+    tokens: list[int] = field(default_factory=list)
+    kept: tuple[torch.Tensor, int] | None = None  # ([V] probs on the device, rejected id)
+    released: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.pages.length
+
+
+@dataclass(frozen=True)
+class Timing:
+    forward_s: float  # the batched forward alone
+    job_s: float  # the step: forward + sampling transform + decisions
+    batch: int  # sessions in the forward
+    padded_tokens: int  # rows × longest row
+
+
+@dataclass(frozen=True)
+class Shares:
+    """Shares of the KV pool: one session may hold at most ``session`` of its pages, the
+    sessions of one tenant together ``tenant`` (1.0: no own limit)."""
+
+    session: float = 1.0
+    tenant: float = 1.0
+
+
+@dataclass
+class _Planned:
+    index: int  # in the step's requests
+    slot: Slot
+    row: Row
+    start: int  # the slot's length before the forward
+    work: Verify | Federate | Generate
+
+
+def work_start(work: Verify | Federate | Generate) -> int:
+    """Where ``work`` says the cache ends (its first new token's position)."""
+    return work.pos if isinstance(work, Generate) else work.propose.pos
+
+
+def new_generator(hello: Hello, device: torch.device) -> torch.Generator | None:
+    """The session's RNG on the target's device (None for greedy sampling)."""
+    if hello.sampling.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    if hello.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(hello.seed % (1 << 63))
+    return generator
+
+
+class Runner:
+    """The target, its KV pool and the slots' model state (module docstring).
+
+    ``tenant_pages(slot)``: pages the other open slots of ``slot``'s tenant hold now (the
+    engine keeps who holds what)."""
+
+    def __init__(
+        self,
+        target: Target,
+        pool: PagedKV,
+        shares: Shares,
+        tenant_pages: Callable[[Slot], int],
+    ) -> None:
+        self.target = target
+        self.pool = pool
+        self.shares = shares
+        self._tenant_pages = tenant_pages
+        self.forwards = 0  # batched forward passes
+        self.rows_forwarded = 0  # session rows in them
+
+    # ------------------------------------------------------------------ the pool's shares
+
+    @property
+    def session_pages(self) -> int:
+        """Pages one session may hold (its share of the pool)."""
+        return max(1, int(self.pool.num_pages * self.shares.session))
+
+    @property
+    def tenant_pages(self) -> int:
+        """Pages the sessions of one tenant may hold together."""
+        return max(1, int(self.pool.num_pages * self.shares.tenant))
+
+    @property
+    def max_context(self) -> int:
+        """Tokens one session may hold: the model's limit, capped by its share of the pool."""
+        tokens = self.session_pages * self.pool.page_size
+        limit = self.target.max_length
+        return tokens if limit is None else min(limit, tokens)
+
+    def _over_quota(self, slot: Slot, end: int) -> str | None:
+        """Why growing ``slot`` to ``end`` tokens would pass its session's or its tenant's
+        share of the pool (None: it would not)."""
+        size = self.pool.page_size
+        need = -(-end // size) - len(slot.pages.pages)
+        if need <= 0:
+            return None
+        if self.shares.session < 1.0 and len(slot.pages.pages) + need > self.session_pages:
+            return (
+                f"KVQuota: {end} tokens exceed this session's share of the KV cache "
+                f"({self.session_pages * size} tokens)"
+            )
+        if self.shares.tenant >= 1.0:
+            return None
+        held = self._tenant_pages(slot)
+        if held + need > self.tenant_pages:
+            return (
+                f"KVQuota: this token's sessions hold {held} of the {self.tenant_pages} KV pages "
+                f"they may share; {need} more needed"
+            )
+        return None
+
+    # ------------------------------------------------------------------ slots
+
+    def adopt(self, slot: Slot, hello: Hello, keep: int) -> list[int]:
+        """Hand a lost session's ``slot`` to a new session of ``hello`` (its sampling, its RNG),
+        its cache cut to at most ``keep`` tokens; returns the tokens kept."""
+        keep = max(0, min(keep, slot.length))
+        self.pool.crop(slot.pages, keep)
+        del slot.tokens[keep:]
+        slot.kept = None
+        slot.hello = hello
+        slot.generator = new_generator(hello, self.target.device)
+        return list(slot.tokens)
+
+    def free(self, slot: Slot) -> None:
+        self.pool.release(slot.pages)
+        slot.tokens.clear()
+        slot.kept = None
+
+    # ------------------------------------------------------------------ a step
+
+    def step(self, requests: Sequence[tuple[Slot, Work]]) -> list[tuple[Result, Timing | None]]:
+        """Every request of one step, answered in order (cheap ones at once, the rest from one
+        batched forward)."""
+        out: list[tuple[Result, Timing | None] | None] = [None] * len(requests)
+        planned: list[_Planned] = []
+        for i, (slot, work) in enumerate(requests):
+            if slot.released:
+                out[i] = (Failed("the session ended", slot.length), None)
+            elif isinstance(work, Crop):
+                out[i] = (self._crop(slot, work.pos), None)
+            elif isinstance(work, Draw):
+                out[i] = (self._draw(slot, work.m), None)
+            else:
+                plan = self._plan(i, slot, work)
+                if isinstance(plan, Failed):
+                    out[i] = (plan, None)
+                else:
+                    planned.append(plan)
+        if planned:
+            for i, answer in self._forward(planned):
+                out[i] = answer
+        assert all(a is not None for a in out)
+        return [a for a in out if a is not None]
+
+    def _crop(self, slot: Slot, pos: int) -> Result:
+        slot.kept = None
+        try:
+            self.pool.crop(slot.pages, pos)
+        except ValueError as e:
+            return Failed(f"ValueError: {e}", slot.length)
+        del slot.tokens[pos:]
+        return Cropped(cache_len=slot.length)
+
+    def _draw(self, slot: Slot, m: int) -> Result:
+        if slot.kept is None or slot.generator is None:
+            return Failed("RuntimeError: no rejected row kept for a Resample", slot.length)
+        row, rejected = slot.kept
+        try:
+            return Drawn(ds.draw_candidates(row, rejected, m, slot.generator))
+        except Exception as e:
+            return Failed(f"{type(e).__name__}: {e}", slot.length)
+
+    def _plan(
+        self, index: int, slot: Slot, work: Verify | Federate | Generate
+    ) -> _Planned | Failed:
+        """The forward row of one Verify/Federate/Generate: fixed + draft after the cache; with
+        no fixed tokens, the last cached token again (its row scores draft[0]; its keys are
+        rewritten with the same values)."""
+        slot.kept = None
+        start = slot.length
+        if work_start(work) != start:
+            return Failed(
+                f"Desync: the work starts at {work_start(work)}, the cache holds {start} tokens",
+                start,
+            )
+        fixed, draft = work.fixed.tolist(), work.draft.tolist()
+        if fixed:
+            row_start, ids = start, [*fixed, *draft]
+        elif start == 0:
+            return Failed("ValueError: no tokens in the cache: nothing to predict from", start)
+        else:
+            row_start, ids = start - 1, [slot.tokens[-1], *draft]
+        target = self.target
+        end = row_start + len(ids)
+        if target.max_length is not None and end > target.max_length:
+            return Failed(
+                f"ContextLengthError: context of {end} tokens exceeds the model's maximum of "
+                f"{target.max_length}",
+                start,
+            )
+        if min(ids) < 0 or max(ids) >= target.vocab_size:
+            return Failed(f"ValueError: token ids must be in [0, {target.vocab_size})", start)
+        quota = self._over_quota(slot, end)
+        if quota is not None:
+            return Failed(quota, start)
+        try:
+            self.pool.reserve(slot.pages, end)
+        except OutOfPages as e:
+            return Failed(f"OutOfPages: {e}", start)
+        row = Row(slot.pages, row_start, tuple(ids), len(draft) + 1)
+        return _Planned(index, slot, row, start, work)
+
+    def _forward(self, planned: list[_Planned]) -> list[tuple[int, tuple[Result, Timing | None]]]:
+        t0 = time.perf_counter()
+        try:
+            logits = self.target.forward([p.row for p in planned])  # [Σ (γ+1), V]
+            forward_s = time.perf_counter() - t0
+        except Exception as e:
+            return self._failed(planned, e)
+        self.forwards += 1
+        self.rows_forwarded += len(planned)
+        for p in planned:  # commit
+            slot = p.slot
+            del slot.tokens[p.row.start :]
+            slot.tokens.extend(p.row.ids)
+            slot.pages.length = len(slot.tokens)
+        gammas = [len(p.work.draft) for p in planned]
+        cu = ds.cu_from_gammas(gammas)
+        verify = [i for i, p in enumerate(planned) if not isinstance(p.work, Federate)]
+        federate = [i for i, p in enumerate(planned) if isinstance(p.work, Federate)]
+        results: dict[int, Result] = {}
+        try:
+            for group, decide in ((verify, self._decide), (federate, self._federate)):
+                if not group:
+                    continue
+                rows = np.concatenate([np.arange(cu[i] + i, cu[i + 1] + i + 1) for i in group])
+                sub = logits if len(group) == len(planned) else logits[torch.as_tensor(rows)]
+                results.update(zip(group, decide([planned[i] for i in group], sub), strict=True))
+        except Exception as e:
+            return self._failed(planned, e)
+        padded = len(planned) * max(len(p.row.ids) for p in planned)
+        timing = Timing(forward_s, time.perf_counter() - t0, len(planned), padded)
+        return [(p.index, (results[i], timing)) for i, p in enumerate(planned)]
+
+    def _failed(
+        self, planned: list[_Planned], error: Exception
+    ) -> list[tuple[int, tuple[Result, Timing | None]]]:
+        """A batch failed: undo it; one session fails alone, several are run again one by one
+        so that only the session whose work fails gets the error."""
+        for p in planned:
+            self._undo(p)
+        if len(planned) == 1:
+            p = planned[0]
+            return [(p.index, (Failed(f"{type(error).__name__}: {error}", p.start), None))]
+        log.info("a batch of %d sessions failed (%s); running them one by one", len(planned), error)
+        out: list[tuple[int, tuple[Result, Timing | None]]] = []
+        for p in planned:
+            replanned = self._plan(p.index, p.slot, p.work)
+            if isinstance(replanned, Failed):
+                out.append((p.index, (replanned, None)))
+            else:
+                out += self._forward([replanned])
+        return out
+
+    def _undo(self, p: _Planned) -> None:
+        """Back to the slot's state before the request (its length never went below it)."""
+        self.pool.crop(p.slot.pages, p.start)
+        del p.slot.tokens[p.start :]
+        p.slot.kept = None
+
+    def _decide(self, planned: list[_Planned], logits: torch.Tensor) -> list[Result]:
+        """Verdicts of the Verify/Generate group: accepted prefix, then recovered or bonus
+        (sampling transform on the device, only where a decision needs it: ``verify_logits``);
+        a rejection crops the cache by the one rule (``cache_after``)."""
+        hellos = [p.slot.hello for p in planned]
+        gammas = [len(p.work.draft) for p in planned]
+        decisions = ds.verify_batch(
+            logits,
+            ds.VerifyBatch(
+                params=[h.sampling for h in hellos],
+                draft_ids=np.concatenate([p.work.draft for p in planned]),
+                q_draft=np.concatenate([p.work.q for p in planned]),
+                cu_draft=ds.cu_from_gammas(gammas),
+                correction=[h.correction for h in hellos],
+                want_bonus=[_wants_bonus(p.work) for p in planned],
+                generators=[p.slot.generator for p in planned],
+                k=[h.k for h in hellos],
+                eps_target=[h.eps_target for h in hellos],
+                m=[h.m for h in hellos],
+            ),
+        )
+        out: list[Result] = []
+        row = 0
+        for p, d, g, h in zip(planned, decisions, gammas, hellos, strict=True):
+            slot = p.slot
+            kept = False
+            length = cache_after(p.work, d.accepted)
+            if length < slot.length:  # a rejection
+                self.pool.crop(slot.pages, length)
+                del slot.tokens[length:]
+                if d.candidates is not None:
+                    # p at the rejected position, for Resamples: one row, kept on the device
+                    r = logits[row + d.accepted][None]
+                    s = h.sampling
+                    p_row = ds.transform_rows(r, s.temperature, s.top_k, s.top_p)[0]
+                    slot.kept = (p_row, int(p.work.draft[d.accepted]))
+                    kept = True
+            out.append(Verified(d, kept_row=kept, cache_len=slot.length))
+            row += g + 1
+        return out
+
+    def _federate(self, planned: list[_Planned], logits: torch.Tensor) -> list[Result]:
+        """SpecFed replies of the Federate group: γ+1 top-K rows, p_j(x_j), the l1 of both
+        reconstructions (every row transformed: the edge needs them all)."""
+        hellos = [p.slot.hello for p in planned]
+        gammas = [len(p.work.draft) for p in planned]
+        temp, top_k, top_p = ds.row_params([h.sampling for h in hellos], gammas)
+        rows = ds.federate_rows(
+            ds.transform_rows(logits, temp, top_k, top_p),
+            np.concatenate([p.work.draft for p in planned]),
+            ds.cu_from_gammas(gammas),
+            [h.k for h in hellos],
+            [h.eps_target for h in hellos],
+        )
+        return [
+            Federated(dists, p_draft, l1, cache_len=p.slot.length)
+            for p, (dists, p_draft, l1) in zip(planned, rows, strict=True)
+        ]
+
+    # ------------------------------------------------------------------ warm-up
+
+    def warm_up(self, max_batch: int) -> list[tuple[int, float]]:
+        """One batched step (and, compiled, one per shape bucket up to ``max_batch`` rows) on
+        scratch pages, so the first session does not pay for lazy initialisation or
+        compilation; then the step-time anchors: (tokens, seconds) of one warm forward of 8
+        tokens and one of up to 128."""
+        target = self.target
+        compiled = bool(getattr(target, "compiled", False))
+        sizes = [1, 2, 4, 8, 16, 32, 64] if compiled else [1]
+        for b in sizes:
+            if b > max_batch:
+                break
+            slots = [SlotPages() for _ in range(b)]
+            try:
+                for s in slots:
+                    self.pool.reserve(s, 8)
+                target.forward([Row(s, 0, (0,) * 8, 8) for s in slots])
+            except OutOfPages:
+                log.info("warm-up stopped at batch %d: the KV pool is smaller", b)
+                break
+            finally:
+                for s in slots:
+                    self.pool.release(s)
+        limit = min(128, self.pool.num_pages * self.pool.page_size)
+        if target.max_length is not None:
+            limit = min(limit, target.max_length)
+        anchors: list[tuple[int, float]] = []
+        for n in sorted({min(8, limit), limit}):
+            pages = SlotPages()
+            try:
+                self.pool.reserve(pages, n)
+                t0 = time.perf_counter()
+                target.forward([Row(pages, 0, (0,) * n, min(n, 8))])
+                anchors.append((n, time.perf_counter() - t0))
+            except OutOfPages:
+                break
+            finally:
+                self.pool.release(pages)
+        return anchors
+
+
+def _wants_bonus(work: Work) -> bool:
+    return isinstance(work, Generate) or (isinstance(work, Verify) and work.want_bonus)
