@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_agent.drafter import Drafter
+from edge_agent.drafter import DraftStep
 from shared.lm import CausalLM, SupportsCausalLM
 from shared.sampling import Probs, SamplingParams
 
@@ -123,12 +123,9 @@ class OracleStats:
         return self.hits / n if n else None
 
 
-class OracleDrafter(Drafter):
-    """A drafter that proposes the target's greedy token with probability α (module docstring).
-
-    Plugs in wherever a :class:`~edge_agent.drafter.Drafter` does; it has no model, so
-    ``Drafter.__init__`` (which builds one) is not called.
-    """
+class OracleDrafter:
+    """A draft that proposes the target's greedy token with probability α (module docstring):
+    a :class:`~edge_agent.drafter.DraftModel` with no model."""
 
     def __init__(
         self,
@@ -147,9 +144,6 @@ class OracleDrafter(Drafter):
         self.alpha = alpha
         self.seed = seed
         self.forwards = 0  # Drafter's counter: an oracle runs none
-        #: The draft's confidence in its last token (Drafter.last_prob, the adaptive γ's early
-        #: cut): an oracle's is α, exactly calibrated and the same at every position.
-        self.last_prob = alpha
         self.stats = OracleStats()
         self._coins: dict[tuple[int, ...], np.ndarray] = {}
         self._last: tuple[int, ...] | None = None
@@ -206,7 +200,7 @@ class OracleDrafter(Drafter):
         path = self.paths.get(tuple(prompt))
         return path is not None and list(generated) == path[: len(generated)]
 
-    # ------------------------------------------------------------------ Drafter
+    # ------------------------------------------------------------------ DraftModel
 
     def _onehot(self, x: int) -> Probs:
         q: Probs = np.zeros(self.vocab_size, np.float64)
@@ -225,9 +219,12 @@ class OracleDrafter(Drafter):
         rng: np.random.Generator,
         *,
         deterministic: bool,
-    ) -> tuple[int, Probs]:
-        """(x, one-hot q): the oracle's token, whatever ``deterministic`` (module docstring)."""
+        rival: bool = False,
+    ) -> DraftStep:
+        """The oracle's token with a one-hot q, whatever ``deterministic`` (module docstring).
+        Its confidence is α (exactly calibrated, the same at every position: the adaptive γ's
+        early cut sees it); it has no rival (an oracle is never hedged)."""
         if not seq:
             raise ValueError("the draft needs at least one token of context")
         x = self.propose(seq)
-        return x, self._onehot(x)
+        return DraftStep(x, self._onehot(x), self.alpha)

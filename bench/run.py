@@ -96,11 +96,10 @@ from bench.oracle import GreedyPaths, OracleDrafter, is_oracle, parse_oracle
 from bench.tiny_models import build_tiny_model
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.agent import EdgeAgent, RetryPolicy
-from edge_agent.drafter import Drafter
+from edge_agent.drafter import Drafter, DraftModel, DraftStep
 from edge_agent.generate import eos_ids
 from edge_agent.link import LinkSettings, WebSocketTransport
 from edge_agent.transport import Transport
-from shared.edge_core import Rival
 from shared.lm import SupportsCausalLM
 from shared.model_spec import SpecKind, parse_model_spec
 from shared.models import LoadedModel, load_model
@@ -359,51 +358,26 @@ def verify_seconds(port: int) -> tuple[float, float]:
 # ------------------------------------------------------------------------------ the edge
 
 
-class TimedDrafter(Drafter):
-    """Wraps any drafter (a model's :class:`Drafter`, an :class:`~bench.oracle.OracleDrafter`):
-    pads each draft step to ``pad_s`` and records the step times.
+class TimedDrafter:
+    """Wraps any draft (a model's :class:`Drafter`, an :class:`~bench.oracle.OracleDrafter`):
+    pads each draft step to ``pad_s`` and records the step times. A
+    :class:`~edge_agent.drafter.DraftModel` itself."""
 
-    A wrapper has no model of its own: ``Drafter.__init__`` is not called, and attributes it
-    does not define (``lm``, ...) are the inner drafter's.
-    """
-
-    def __init__(self, inner: Drafter | SupportsCausalLM, pad_s: float) -> None:
-        """``inner``: a drafter, or a loaded model (a :class:`Drafter` of it is built)."""
-        self.inner = inner if isinstance(inner, Drafter) else Drafter(inner)
-        self.vocab_size = self.inner.vocab_size
+    def __init__(self, inner: DraftModel | SupportsCausalLM, pad_s: float) -> None:
+        """``inner``: a draft, or a loaded model (a :class:`Drafter` of it is built)."""
+        self.inner: DraftModel = inner if isinstance(inner, DraftModel) else Drafter(inner)
         self.pad_s = pad_s
         self.times: list[float] = []
         self.compute: list[float] = []
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":  # not set yet (copy, unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
 
     @property
-    def forwards(self) -> int:  # type: ignore[override]
-        return int(self.inner.forwards)
-
-    @property
-    def last_prob(self) -> float:  # type: ignore[override]
-        """The inner drafter's confidence in its last token (the adaptive γ's early cut)."""
-        return float(getattr(self.inner, "last_prob", 1.0))
-
-    @property
-    def rivals(self) -> bool:  # type: ignore[override]
-        return bool(getattr(self.inner, "rivals", False))
-
-    @rivals.setter
-    def rivals(self, on: bool) -> None:
-        """Hedging asks the inner drafter for rivals (an oracle has none)."""
-        if hasattr(self.inner, "rivals"):
-            self.inner.rivals = on
-
-    @property
-    def last_rival(self) -> Rival:  # type: ignore[override]
-        """The inner drafter's rival token and confidence (hedging; none for an oracle)."""
-        rival = getattr(self.inner, "last_rival", None)
-        return rival if isinstance(rival, Rival) else Rival(0, 1.0)
+    def forwards(self) -> int:
+        """The inner draft's model forwards (an oracle runs none)."""
+        return int(getattr(self.inner, "forwards", 0))
 
     def next_dist(self, seq: Sequence[int], params: SamplingParams) -> Probs:
         return self.inner.next_dist(seq, params)
@@ -415,9 +389,10 @@ class TimedDrafter(Drafter):
         rng: np.random.Generator,
         *,
         deterministic: bool,
-    ) -> tuple[int, Probs]:
+        rival: bool = False,
+    ) -> DraftStep:
         t0 = time.perf_counter()
-        out = self.inner.draft(seq, params, rng, deterministic=deterministic)
+        out = self.inner.draft(seq, params, rng, deterministic=deterministic, rival=rival)
         spent = time.perf_counter() - t0
         self.compute.append(spent)
         if spent < self.pad_s:
@@ -431,7 +406,7 @@ class DraftEntry:
     """One draft of the grid: its (unpadded) drafter, fingerprint, modes and RTTs."""
 
     name: str
-    drafter: Drafter
+    drafter: DraftModel
     fingerprint: Fingerprint
     modes: tuple[ModeSpec, ...]
     rtts: tuple[float, ...]

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from edge_agent.drafter import Drafter
+from edge_agent.drafter import DraftModel
 from edge_agent.federation import WorkerSpec, run_federated
 from edge_agent.link import AuthError, VerifierBusy
 from edge_agent.pipeline import VerdictTimeout, handshake, run_single
@@ -51,7 +51,7 @@ class EdgeAgent:
 
     def __init__(
         self,
-        drafter: Drafter,
+        drafter: DraftModel,
         fingerprint: Fingerprint,
         connect: Connect,
         *,
@@ -236,9 +236,9 @@ class EdgeAgent:
         deterministic = cfg.sampling.greedy
         while not gen.done:
             # The drafter's q is the best local guess; these tokens are flagged unverified.
-            x, _ = await self.worker.run(
+            step = await self.worker.run(
                 self.drafter.draft, gen.committed, cfg.sampling, rng, deterministic=deterministic
             )
-            gen.commit([x], verified=False)
+            gen.commit([step.token], verified=False)
             if time.monotonic() >= deadline:
                 break

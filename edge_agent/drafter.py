@@ -12,6 +12,8 @@ the event loop.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +21,45 @@ import numpy.typing as npt
 from shared.edge_core import Rival
 from shared.lm import CausalLM, SupportsCausalLM
 from shared.sampling import Probs, SamplingParams, sample, transform
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """One draft step: ``token`` drawn from ``q`` (the transformed draft distribution, or its
+    one-hot argmax when the draft is deterministic); ``prob``: the draft's probability of the
+    token before any one-hot (its confidence: the adaptive γ cuts a batch where it falls);
+    ``rival``: the draft's most likely other token and its temperature-1 probability of its
+    argmax (where that is lowest, a hedge drafts after the rival), when asked for."""
+
+    token: int
+    q: Probs
+    prob: float = 1.0
+    rival: Rival | None = None
+
+
+@runtime_checkable
+class DraftModel(Protocol):
+    """What the edge drafts with: the model draft (:class:`Drafter`) and the benchmark's oracle
+    and timed drafts alike. Blocking: call it on the agent's model worker."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def next_dist(self, seq: Sequence[int], params: SamplingParams) -> Probs:
+        """The draft distribution q after ``seq`` (non-empty)."""
+        ...
+
+    def draft(
+        self,
+        seq: Sequence[int],
+        params: SamplingParams,
+        rng: np.random.Generator,
+        *,
+        deterministic: bool,
+        rival: bool = False,
+    ) -> DraftStep:
+        """The next draft token after ``seq`` (``rival``: compute the step's rival too)."""
+        ...
 
 
 def _rival(logits: npt.NDArray[np.floating], q: Probs) -> Rival:
@@ -43,15 +84,6 @@ class Drafter:
         self.lm = CausalLM(loaded, logits_window=64)
         self.vocab_size = self.lm.vocab_size
         self.forwards = 0  # forwards run (for tests and stats)
-        #: The draft's probability of the last token drawn, before any one-hot (its confidence:
-        #: the adaptive controller cuts a batch where it falls).
-        self.last_prob = 1.0
-        #: The draft's most likely other token at the last step and its own probability of
-        #: the token drawn at temperature 1 (its confidence whatever the sampling): where it is
-        #: lowest, a hedge drafts after the rival (shared.edge_core.Pipeline.hedge_plan).
-        self.last_rival = Rival(0, 1.0)
-        #: Compute ``last_rival`` at each step (a pass over the vocabulary): only while hedging.
-        self.rivals = False
 
     def _sync(self, seq: Sequence[int]) -> None:
         """Make the cache hold exactly ``seq`` (crop to the common prefix, extend the rest)."""
@@ -89,20 +121,19 @@ class Drafter:
         rng: np.random.Generator,
         *,
         deterministic: bool,
-    ) -> tuple[int, Probs]:
-        """Draw the next draft token after ``seq``; returns (x, q) with q the distribution x was
-        drawn from: the transformed draft distribution, or its one-hot argmax when
-        ``deterministic`` (greedy decoding and the greedy-draft correction mode)."""
+        rival: bool = False,
+    ) -> DraftStep:
+        """Draw the next draft token after ``seq`` (:class:`DraftStep`): from the transformed
+        draft distribution, or its argmax when ``deterministic`` (greedy decoding and the
+        greedy-draft correction mode). ``rival`` costs a pass over the vocabulary: only
+        while hedging."""
         logits = self._logits(seq)
         q: Probs = transform(logits, params)
-        if self.rivals:
-            self.last_rival = _rival(logits, q)
+        found = _rival(logits, q) if rival else None
         if deterministic:
             x = int(np.argmax(q))
-            self.last_prob = float(q[x])
             onehot = np.zeros_like(q)
             onehot[x] = 1.0
-            return x, onehot
+            return DraftStep(x, onehot, float(q[x]), found)
         x = sample(q, rng)
-        self.last_prob = float(q[x])
-        return x, q
+        return DraftStep(x, q, float(q[x]), found)

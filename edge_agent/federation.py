@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_agent.drafter import Drafter
+from edge_agent.drafter import DraftModel
 from edge_agent.link import AuthError, LinkRefused
 from edge_agent.pipeline import LinkIO, Signal, draft_loop, handshake
 from edge_agent.tasks import ModelWorker, cancel_all, run_until_first_done
@@ -71,7 +71,7 @@ class _Federation:
         self,
         core: FederatedCore,
         specs: Sequence[WorkerSpec],
-        drafter: Drafter,
+        drafter: DraftModel,
         worker: ModelWorker,
         retry: RetryPolicy,
         seed: int | None,
@@ -254,7 +254,7 @@ async def run_federated(
     cfg: PipelineConfig,
     rng: np.random.Generator,
     *,
-    drafter: Drafter,
+    drafter: DraftModel,
     worker: ModelWorker,
     fingerprint: Fingerprint,
     workers: Sequence[WorkerSpec],
@@ -273,7 +273,7 @@ async def run_federated(
 
 
 async def generate_federated(
-    drafter: Drafter,
+    drafter: DraftModel,
     model_worker: ModelWorker,
     fingerprint: Fingerprint,
     workers: list[WorkerSpec],

@@ -19,10 +19,18 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from edge_agent.drafter import Drafter
+from edge_agent.drafter import DraftModel
 from edge_agent.tasks import ModelWorker, run_until_first_done
 from edge_agent.transport import LinkClosed, Transport
-from shared.edge_core import DraftPlan, HedgePlan, Pipeline, Rival, SingleCore, check_welcome
+from shared.edge_core import (
+    NO_RIVAL,
+    DraftPlan,
+    HedgePlan,
+    Pipeline,
+    Rival,
+    SingleCore,
+    check_welcome,
+)
 from shared.protocol import Hello, Welcome, encode
 from shared.sampling import Probs
 
@@ -104,29 +112,29 @@ class DraftingCore(Protocol):
 
 
 async def _draft_hedge(
-    core: DraftingCore, drafter: Drafter, worker: ModelWorker, hp: HedgePlan
+    core: DraftingCore, drafter: DraftModel, worker: ModelWorker, hp: HedgePlan
 ) -> list[int]:
     """Draft ``hp``'s continuation (greedy), stopping early as soon as the pipeline has room
     again (the next batch comes first) or the plan is void."""
     pipe = core.pipe
     out: list[int] = []
     while len(out) < hp.max_tokens and pipe.hedge_current(hp) and not core.may_draft():
-        x, _ = await worker.run(
+        step = await worker.run(
             drafter.draft,
             [*hp.context, hp.token, *out],
             pipe.cfg.sampling,
             pipe.rng,
             deterministic=True,
         )
-        out.append(x)
-        if x in pipe.gen.eos_ids:
+        out.append(step.token)
+        if step.token in pipe.gen.eos_ids:
             break
     return out
 
 
 async def draft_loop(
     core: DraftingCore,
-    drafter: Drafter,
+    drafter: DraftModel,
     worker: ModelWorker,
     signal: Signal,
     submit: Callable[[DraftPlan, list[int], list[Probs], list[Rival]], None],
@@ -137,7 +145,7 @@ async def draft_loop(
     with ``hedge``, the wait is first spent drafting hedges (``Pipeline.hedge_plan``)."""
     pipe = core.pipe
     gen = pipe.gen
-    drafter.rivals = hedge is not None and pipe.cfg.hedge > 0
+    want_rival = hedge is not None and pipe.cfg.hedge > 0
     while not gen.done:
         if not core.may_draft():
             hp = pipe.hedge_plan() if hedge is not None else None
@@ -156,20 +164,21 @@ async def draft_loop(
         prob = 1.0
         while pipe.wants_more(plan, draft, prob):
             t0 = time.perf_counter()
-            x, q = await worker.run(
+            step = await worker.run(
                 drafter.draft,
                 plan.context + draft,
                 pipe.cfg.sampling,
                 pipe.rng,
                 deterministic=plan.deterministic,
+                rival=want_rival,
             )
             pipe.controller.on_draft_step(time.perf_counter() - t0)
-            if not pipe.current(plan, [*draft, x]):
+            if not pipe.current(plan, [*draft, step.token]):
                 break  # a rejection (or a differing co-generated token) voided this batch
-            draft.append(x)
-            q_rows.append(q)
-            rivals.append(drafter.last_rival)
-            prob = drafter.last_prob
+            draft.append(step.token)
+            q_rows.append(step.q)
+            rivals.append(step.rival or NO_RIVAL)
+            prob = step.prob
         submit(plan, draft, q_rows, rivals)
         signal.notify()
 
@@ -204,7 +213,7 @@ async def verdict_watchdog(
 
 async def run_single(
     core: SingleCore,
-    drafter: Drafter,
+    drafter: DraftModel,
     worker: ModelWorker,
     transport: Transport,
     *,

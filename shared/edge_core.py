@@ -188,6 +188,10 @@ class Rival:
     conf: float
 
 
+#: A step whose rival was not computed: full confidence, never hedged.
+NO_RIVAL: Final = Rival(0, 1.0)
+
+
 @dataclass(frozen=True)
 class HedgePlan:
     """A hedge to draft (PipelineConfig.hedge): up to ``max_tokens`` tokens after ``context``
