@@ -69,7 +69,7 @@ from bench.harness import (
 )
 from bench.probe import Driver, ProbeClient, auth_headers, replies_match
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
-from edge_agent.link import AuthError
+from edge_agent.link import TokenRefused
 from edge_agent.transport import LinkClosed
 from shared.edge_core import VerifierError
 from shared.generation import Generation
@@ -1133,7 +1133,7 @@ def _hostile_welcome(real: bytes, r: random.Random) -> tuple[str, bytes]:
     return f"welcome_{kind}", pack_map(m)
 
 
-CLEAR_ERRORS = (HandshakeError, AuthError, VerifierError, LinkClosed)
+CLEAR_ERRORS = (HandshakeError, TokenRefused, VerifierError, LinkClosed)
 
 
 async def fuzz_edge(

@@ -37,6 +37,7 @@ from cloud_verifier.stats import VerifierMetrics
 from cloud_verifier.step_times import StallRule
 from cloud_verifier.targets import Target, load_target
 from shared.device import DeviceUnavailable
+from shared.errors import ErrorCode, WanspecError
 from shared.metrics import CONTENT_TYPE
 from shared.protocol import (
     SUBPROTOCOL,
@@ -747,7 +748,7 @@ class _Peer:
     transport: asyncio.BaseTransport | None
 
 
-class SlowReader(Exception):
+class SlowReader(WanspecError):
     """The peer does not read what it is sent: its session is closed to keep memory bounded."""
 
 
@@ -1099,7 +1100,7 @@ async def _run_session(peer: _Peer, state: VerifierState, tenant: str = "") -> N
         first = await asyncio.wait_for(ws.receive(), s.handshake_timeout)
     except asyncio.TimeoutError:
         state.metrics.sessions_refused.inc(reason="handshake")
-        err = Error("bad_handshake", f"no Hello within {s.handshake_timeout} s", fatal=True)
+        err = Error(ErrorCode.BAD_HANDSHAKE, f"no Hello within {s.handshake_timeout} s", fatal=True)
         await _fatal(peer, state, Close(err), core)
         return
     if first.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
@@ -1150,7 +1151,9 @@ async def _run_session(peer: _Peer, state: VerifierState, tenant: str = "") -> N
         ours = True
         log.exception("session %s: internal error", core.session_id)
         err = Error(
-            "internal", f"internal error ({type(e).__name__}); see the verifier's log", fatal=True
+            ErrorCode.INTERNAL,
+            f"internal error ({type(e).__name__}); see the verifier's log",
+            fatal=True,
         )
         await _fatal(peer, state, Close(err, WSCloseCode.INTERNAL_ERROR), core)
     finally:

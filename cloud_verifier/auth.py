@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from shared.errors import WanspecError
+
 log = logging.getLogger(__name__)
 
 
@@ -40,7 +42,7 @@ MAX_TOKEN_FILE = 1 << 20
 RevokeListener = Callable[[frozenset[str]], None]
 
 
-class AuthError(ValueError):
+class AuthError(WanspecError, ValueError):
     """The token file cannot be used (the message names it)."""
 
 

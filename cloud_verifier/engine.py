@@ -44,6 +44,7 @@ from cloud_verifier.scheduler import (
 )
 from cloud_verifier.step_times import StallRule, StepTimes
 from cloud_verifier.targets import Target
+from shared.errors import WanspecError
 from shared.kv_pool import PagedKV
 from shared.protocol import Hello
 from shared.verifier_core import Failed, Generate, Result, Skipped, Work, WorkProgress
@@ -65,11 +66,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class EngineClosed(RuntimeError):
+class EngineClosed(WanspecError, RuntimeError):
     """The engine was shut down; no more work runs."""
 
 
-class NoFreeSlot(RuntimeError):
+class NoFreeSlot(WanspecError, RuntimeError):
     """Every session slot is taken."""
 
 

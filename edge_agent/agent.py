@@ -22,18 +22,18 @@ import numpy as np
 
 from edge_agent.drafter import DraftModel
 from edge_agent.federation import WorkerSpec, run_federated
-from edge_agent.link import AuthError, VerifierBusy
+from edge_agent.link import TokenRefused, VerifierBusy
 from edge_agent.pipeline import VerdictTimeout, handshake, run_single
 from edge_agent.tasks import ModelWorker
 from edge_agent.transport import LinkClosed, Transport
 from shared.edge_core import (
-    FATAL_CODES,
     DesyncError,
     HandshakeError,
     SingleCore,
     VerifierError,
     hello_for,
 )
+from shared.errors import FATAL_CODES
 from shared.generation import Generation
 from shared.pipeline_config import PipelineConfig
 from shared.protocol import Fingerprint, Hello, ProtocolError, Resume
@@ -162,7 +162,7 @@ class EdgeAgent:
                     transport,
                     verdict_timeout_s=policy.verdict_timeout_s,
                 )
-            except AuthError:
+            except TokenRefused:
                 raise  # PermissionError is an OSError, but retrying a refused token is pointless
             except (DesyncError, ProtocolError, VerdictTimeout) as e:
                 resume_token = None  # that session is not to be trusted or is stuck

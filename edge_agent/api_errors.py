@@ -10,8 +10,10 @@ from typing import Any
 
 from aiohttp import web
 
+from shared.errors import WanspecError
 
-class ApiError(Exception):
+
+class ApiError(WanspecError):
     """An error answered in OpenAI's JSON shape."""
 
     def __init__(

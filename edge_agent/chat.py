@@ -32,6 +32,7 @@ from edge_agent.config import (
 )
 from edge_agent.progress import Progress, check_cuda, device_line, quiet_hub_progress
 from edge_agent.service import EdgeService, Finished, GenRequest
+from shared.errors import WanspecError
 from shared.pipeline_config import Mode, PipelineConfig
 from shared.protocol import CorrectionMode
 from shared.sampling import MIN_TEMPERATURE, SamplingParams
@@ -49,7 +50,7 @@ HELP = """Available commands:
 Use \"\"\" to begin and end a multi-line message. Ctrl-C stops an answer."""
 
 
-class ChatError(RuntimeError):
+class ChatError(WanspecError, RuntimeError):
     """A generation failed (the message says why); the REPL goes on."""
 
 

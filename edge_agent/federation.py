@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edge_agent.drafter import DraftModel
-from edge_agent.link import AuthError, LinkRefused
+from edge_agent.link import LinkRefused, TokenRefused
 from edge_agent.pipeline import LinkIO, Signal, draft_loop, handshake
 from edge_agent.tasks import ModelWorker, cancel_all, run_until_first_done
 from edge_agent.transport import LinkClosed, Transport
@@ -117,7 +117,7 @@ class _Federation:
         while not core.gen.done:
             try:
                 transport = await spec.connect()
-            except (AuthError, LinkRefused) as e:
+            except (TokenRefused, LinkRefused) as e:
                 self._give_up_on(spec, index, e)
                 return
             except (LinkClosed, OSError, asyncio.TimeoutError) as e:

@@ -10,14 +10,15 @@ from dataclasses import dataclass
 import aiohttp
 
 from edge_agent.transport import LinkClosed
+from shared.errors import WanspecError
 from shared.protocol import SUBPROTOCOL
 
 
-class AuthError(PermissionError):
+class TokenRefused(WanspecError, PermissionError):
     """The verifier refused the token (HTTP 401/403): reconnecting will not help."""
 
 
-class LinkRefused(RuntimeError):
+class LinkRefused(WanspecError, RuntimeError):
     """A failure that waiting cannot clear (no such host, no WebSocket endpoint at that path):
     not retried, the message names the cause."""
 
@@ -47,7 +48,7 @@ def retry_after_s(value: str | None) -> float | None:
     return min(float(value.strip()), MAX_RETRY_AFTER_S)
 
 
-class UntrustedCertificateError(AuthError):
+class UntrustedCertificateError(TokenRefused):
     """The verifier's TLS certificate failed verification (not retried: pass its CA, e.g. with
     ``ssl=ssl.create_default_context(cafile=...)``)."""
 
@@ -94,7 +95,9 @@ class WebSocketTransport:
         except aiohttp.WSServerHandshakeError as e:
             await session.close()
             if e.status in (401, 403):
-                raise AuthError(f"verifier at {settings.url} refused the token ({e.status})") from e
+                raise TokenRefused(
+                    f"verifier at {settings.url} refused the token ({e.status})"
+                ) from e
             headers: Mapping[str, str] = e.headers or {}
             reason = str(headers.get(REFUSAL_HEADER, "")).strip()[:64]
             after = retry_after_s(headers.get("Retry-After"))

@@ -25,9 +25,9 @@ from edge_agent.drafter import Drafter
 from edge_agent.federation import WorkerSpec
 from edge_agent.generate import TextStreamer, eos_ids, result_json, ssl_context
 from edge_agent.link import (
-    AuthError,
     LinkRefused,
     LinkSettings,
+    TokenRefused,
     VerifierBusy,
     WebSocketTransport,
 )
@@ -37,6 +37,7 @@ from edge_agent.tasks import ModelWorker
 from edge_agent.transport import LinkClosed, Transport
 from shared.device import resolve_device
 from shared.edge_core import VerifierError
+from shared.errors import WanspecError
 from shared.generation import Generation
 from shared.model_spec import SpecKind, parse_model_spec
 from shared.models import LoadedModel, load_model
@@ -46,11 +47,11 @@ from shared.retry import LinkDownPolicy
 log = logging.getLogger("wanspec.edge.service")
 
 
-class QueueFull(RuntimeError):
+class QueueFull(WanspecError, RuntimeError):
     """Too many requests are waiting (HTTP 429)."""
 
 
-class VerifierUnavailable(RuntimeError):
+class VerifierUnavailable(WanspecError, RuntimeError):
     """No verifier could be used and no fallback is configured (HTTP 503)."""
 
 
@@ -245,7 +246,7 @@ class EdgeService:
             )
             try:
                 transport = await WebSocketTransport.connect(link)
-            except AuthError as e:
+            except TokenRefused as e:
                 raise HandshakeError(str(e)) from e  # reconnecting cannot help
             except VerifierBusy as e:
                 self.link.mark(urls[i], True)

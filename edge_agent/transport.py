@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from shared.errors import WanspecError
 
-class LinkClosed(ConnectionError):
+
+class LinkClosed(WanspecError, ConnectionError):
     """The connection to the verifier is gone (the caller may reconnect and resume)."""
 
 

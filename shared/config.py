@@ -33,6 +33,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from shared.errors import WanspecError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 (the Jetson)
@@ -46,7 +48,7 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
-class ConfigError(ValueError):
+class ConfigError(WanspecError, ValueError):
     """A setting that cannot be used. ``key`` names it, ``source`` says where it came from."""
 
     def __init__(self, key: str, message: str, source: str = "") -> None:

@@ -16,13 +16,15 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from shared.errors import WanspecError
+
 log = logging.getLogger(__name__)
 
 #: Device nodes that say "this machine has an NVIDIA GPU" (a GPU box; a Jetson).
 NODE_PATTERNS = ("nvidia[0-9]*", "nvhost*")
 
 
-class DeviceUnavailable(RuntimeError):
+class DeviceUnavailable(WanspecError, RuntimeError):
     """``device=cuda`` was asked for and torch finds no CUDA device."""
 
 

@@ -46,6 +46,7 @@ import numpy as np
 
 from shared.controller import Controller, ControllerLimits
 from shared.enums import TextEnum
+from shared.errors import FATAL_CODES, WanspecError
 from shared.generation import Generation
 from shared.pipeline_config import Mode, PipelineConfig, max_inflight
 from shared.protocol import (
@@ -79,8 +80,6 @@ from shared.sampling import Probs
 #: round carries the prompt, whose prefill takes time before any Progress can say so).
 PREFILL_ALLOWANCE_S: Final = 0.01
 
-#: Error codes after which reconnecting cannot help.
-FATAL_CODES: Final = frozenset({"fingerprint_mismatch", "unauthorized", "bad_hello", "unsupported"})
 
 #: The Verdict field that carries a correction, per negotiated (wire) correction mode.
 _CORRECTION_FIELD: Final = {
@@ -90,7 +89,7 @@ _CORRECTION_FIELD: Final = {
 }
 
 
-class VerifierError(RuntimeError):
+class VerifierError(WanspecError, RuntimeError):
     """The verifier sent an Error frame. ``fatal`` ones end the session."""
 
     def __init__(self, code: str, message: str, fatal: bool) -> None:
@@ -99,11 +98,11 @@ class VerifierError(RuntimeError):
         self.fatal = fatal
 
 
-class DesyncError(RuntimeError):
+class DesyncError(WanspecError, RuntimeError):
     """A frame that does not match the session's state (the session must be rebuilt)."""
 
 
-class HandshakeError(RuntimeError):
+class HandshakeError(WanspecError, RuntimeError):
     """The verifier refused the session (e.g. a different tokenizer). Not retried."""
 
 

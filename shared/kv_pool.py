@@ -28,8 +28,10 @@ from typing import Any
 
 import torch
 
+from shared.errors import WanspecError
 
-class OutOfPages(RuntimeError):
+
+class OutOfPages(WanspecError, RuntimeError):
     """The pool has no free page for a slot that grows (the KV memory budget is spent)."""
 
 

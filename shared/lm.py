@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from shared.batched_lm import BatchedLM, Row
+from shared.errors import WanspecError
 from shared.kv_pool import OutOfPages, SlotPages
 
 __all__ = ["CausalLM", "ContextLengthError", "SupportsCausalLM"]
@@ -31,7 +32,7 @@ __all__ = ["CausalLM", "ContextLengthError", "SupportsCausalLM"]
 _PAGE = 64  # tokens per page of a CausalLM's pool (one slot: its pages stay consecutive)
 
 
-class ContextLengthError(ValueError):
+class ContextLengthError(WanspecError, ValueError):
     """Extending would exceed the model's maximum context (max_position_embeddings)."""
 
 

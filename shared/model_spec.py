@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.enums import TextEnum
+from shared.errors import WanspecError
 
 __all__ = [
     "DEFAULT_GGUF_FILE",
@@ -45,7 +46,7 @@ class SpecKind(TextEnum):
     SELF = "self"  # a layer-skip self-draft of a target model
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(WanspecError, ValueError):
     """A model spec that cannot be parsed or resolved (the message names the spec)."""
 
 

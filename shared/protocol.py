@@ -48,6 +48,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.enums import TextEnum
+from shared.errors import WanspecError
 from shared.sampling import MIN_TEMPERATURE, SamplingParams
 
 PROTOCOL_VERSION: Final = 1
@@ -61,7 +62,7 @@ IdArray = npt.NDArray[np.int64]
 ProbArray = npt.NDArray[np.float32]
 
 
-class ProtocolError(ValueError):
+class ProtocolError(WanspecError, ValueError):
     """A frame that cannot be accepted. ``field`` names the offending field (or "frame")."""
 
     def __init__(self, field: str, message: str) -> None:

@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass
 
 from shared.enums import TextEnum
+from shared.errors import WanspecError
 
 
 class LinkDownPolicy(TextEnum):
@@ -69,7 +70,7 @@ class RetryPolicy:
         return rng.uniform(cap / 2, cap)
 
 
-class GiveUp(Exception):
+class GiveUp(WanspecError):
     """Reconnecting is over: the reason names the attempts, the time and the last cause."""
 
 

@@ -70,6 +70,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.enums import TextEnum
+from shared.errors import ErrorCode
 from shared.protocol import (
     SEQ_MODULUS,
     Candidates,
@@ -102,19 +103,6 @@ CLOSE_OK: Final = 1000
 CLOSE_POLICY_VIOLATION: Final = 1008
 CLOSE_INTERNAL_ERROR: Final = 1011
 _U32_MAX: Final = 2**32 - 1
-
-#: Error codes that count as bad frames (towards ``max_bad_frames``).
-BAD_CODES: Final = (
-    "bad_frame",
-    "bad_seq",
-    "bad_epoch",
-    "bad_pos",
-    "bad_rollback",
-    "bad_resample",
-    "queue_full",
-    "stale_flood",
-    "edge_error",
-)
 
 
 class CoreState(TextEnum):
@@ -482,7 +470,7 @@ class VerifierCore:
                 Note(NoteKind.BAD_FRAME, "rate_limited"),
                 Close(
                     Error(
-                        "rate_limited",
+                        ErrorCode.RATE_LIMITED,
                         f"more than {rate:g} frames a second (burst {burst}) from this session",
                         fatal=True,
                     )
@@ -499,7 +487,9 @@ class VerifierCore:
         self._cogen_paused = False
         if self.state in (CoreState.BUSY, CoreState.RESUMING):
             if len(self._queue) >= self.limits.max_queued:
-                return self._bad("queue_full", f"more than {self.limits.max_queued} frames queued")
+                return self._bad(
+                    ErrorCode.QUEUE_FULL, f"more than {self.limits.max_queued} frames queued"
+                )
             self._queue.append(msg)
             return []
         out = self._handle(msg, now)
@@ -588,7 +578,7 @@ class VerifierCore:
             Note(NoteKind.IDLE),
             Close(
                 Error(
-                    "idle_timeout",
+                    ErrorCode.IDLE_TIMEOUT,
                     f"no Propose for {t:g} s (idle_timeout); the session's slot is freed",
                     fatal=True,
                 )
@@ -610,7 +600,7 @@ class VerifierCore:
 
     # ------------------------------------------------------------------ handshake
 
-    def _refuse(self, code: str, message: str, why: str) -> list[Event]:
+    def _refuse(self, code: ErrorCode, message: str, why: str) -> list[Event]:
         self.state = CoreState.CLOSED
         return [Note(NoteKind.REFUSED, why), Close(Error(code, message, fatal=True))]
 
@@ -620,18 +610,20 @@ class VerifierCore:
                 raise ProtocolError("frame", f"expected binary data, got {type(data).__name__}")
             msg = decode(data)
         except ProtocolError as e:
-            return self._refuse("bad_handshake", f"expected Hello: {e}", "handshake")
+            return self._refuse(ErrorCode.BAD_HANDSHAKE, f"expected Hello: {e}", "handshake")
         if not isinstance(msg, Hello):
             return self._refuse(
-                "bad_handshake", f"expected Hello first, got {type(msg).__name__}", "handshake"
+                ErrorCode.BAD_HANDSHAKE,
+                f"expected Hello first, got {type(msg).__name__}",
+                "handshake",
             )
         t, lim = self.target, self.limits
         reason = msg.fingerprint.compatible_with(t.fingerprint)
         if reason is not None:
-            return self._refuse("fingerprint_mismatch", reason, "fingerprint")
+            return self._refuse(ErrorCode.FINGERPRINT_MISMATCH, reason, "fingerprint")
         if msg.k > lim.max_k or msg.m > lim.max_k:
             return self._refuse(
-                "bad_hello",
+                ErrorCode.BAD_HELLO,
                 f"k = {msg.k} / m = {msg.m} exceed this verifier's limit {lim.max_k}",
                 "handshake",
             )
@@ -668,7 +660,7 @@ class VerifierCore:
 
     def _handle(self, msg: Message | ProtocolError, now: float) -> list[Event]:
         if isinstance(msg, ProtocolError):
-            return self._bad("bad_frame", str(msg))
+            return self._bad(ErrorCode.BAD_FRAME, str(msg))
         if isinstance(msg, Propose):
             out = self._propose(msg)
         elif isinstance(msg, Rollback):
@@ -683,12 +675,14 @@ class VerifierCore:
                 self._close()
                 return [
                     note,
-                    Close(Error("closing", f"edge error {msg.code}", fatal=True), CLOSE_OK),
+                    Close(Error(ErrorCode.CLOSING, f"edge error {msg.code}", fatal=True), CLOSE_OK),
                 ]
             # The edge never needs to send one: each counts, and gets no reply (no echo).
-            return [note, *self._bad("edge_error", msg.code, reply=False)]
+            return [note, *self._bad(ErrorCode.EDGE_ERROR, msg.code, reply=False)]
         else:
-            return self._bad("bad_frame", f"type: {type(msg).__name__} is not valid from the edge")
+            return self._bad(
+                ErrorCode.BAD_FRAME, f"type: {type(msg).__name__} is not valid from the edge"
+            )
         if self.state == CoreState.BUSY:
             self._active_at = now
         return out
@@ -697,7 +691,7 @@ class VerifierCore:
         self.state = CoreState.CLOSED
         self._queue.clear()
 
-    def _bad(self, code: str, message: str, *, reply: bool = True) -> list[Event]:
+    def _bad(self, code: ErrorCode, message: str, *, reply: bool = True) -> list[Event]:
         self.bad_frames += 1
         note = Note(NoteKind.BAD_FRAME, code)
         if self.bad_frames >= self.limits.max_bad_frames:
@@ -706,7 +700,7 @@ class VerifierCore:
                 note,
                 Close(
                     Error(
-                        "too_many_bad_frames",
+                        ErrorCode.TOO_MANY_BAD_FRAMES,
                         f"{self.bad_frames} bad frames in this session (last: {code}: {message})",
                         fatal=True,
                     )
@@ -722,7 +716,7 @@ class VerifierCore:
 
     def _propose(self, p: Propose) -> list[Event]:
         if p.seq != self.expected_seq:
-            return self._bad("bad_seq", f"seq {p.seq}, expected {self.expected_seq}")
+            return self._bad(ErrorCode.BAD_SEQ, f"seq {p.seq}, expected {self.expected_seq}")
         self.expected_seq = (p.seq + 1) % SEQ_MODULUS
         if p.epoch < self.epoch:
             # Sent before the edge saw a rejection: no work. An honest edge has at most its
@@ -730,28 +724,30 @@ class VerifierCore:
             self._stale_in_epoch += 1
             if self._stale_in_epoch > self.limits.max_stale_per_epoch:
                 return self._bad(
-                    "stale_flood",
+                    ErrorCode.STALE_FLOOD,
                     f"more than {self.limits.max_stale_per_epoch} Proposes of old epochs "
                     f"since epoch {self.epoch} began",
                 )
             return [Note(NoteKind.STALE)]
         if p.epoch > self.epoch:
-            return self._bad("bad_epoch", f"epoch {p.epoch} is ahead of the session's {self.epoch}")
+            return self._bad(
+                ErrorCode.BAD_EPOCH, f"epoch {p.epoch} is ahead of the session's {self.epoch}"
+            )
         f, g = len(p.fixed), len(p.draft)
         known = len(self.text)
         if self.cogen and not self.next_pos <= p.pos <= known:
             # The edge starts where it last knew the verifier to be; co-generated tokens may
             # have moved the verifier on since.
-            return self._bad("bad_pos", f"pos {p.pos} outside [{self.next_pos}, {known}]")
+            return self._bad(ErrorCode.BAD_POS, f"pos {p.pos} outside [{self.next_pos}, {known}]")
         if not self.cogen and p.pos != self.next_pos:
-            return self._bad("bad_pos", f"pos {p.pos}, expected {self.next_pos}")
+            return self._bad(ErrorCode.BAD_POS, f"pos {p.pos}, expected {self.next_pos}")
         if self.next_pos == 0 and f == 0:
-            return self._bad("bad_pos", "pos 0 needs at least one fixed token (the prompt)")
+            return self._bad(ErrorCode.BAD_POS, "pos 0 needs at least one fixed token (the prompt)")
         if p.pos + f + g > self.max_context:
             return [
                 Send(
                     Error(
-                        "context_full",
+                        ErrorCode.CONTEXT_FULL,
                         f"{p.pos} + {f} fixed + {g} draft tokens exceed the context limit "
                         f"{self.max_context}; start a new session",
                         fatal=False,
@@ -775,7 +771,9 @@ class VerifierCore:
         over = known - p.pos  # positions of this Propose the verifier already knows (>= 0)
         nf = min(f, over)
         if nf and p.fixed[:nf].tolist() != self.text[p.pos : p.pos + nf]:
-            return self._bad("bad_pos", f"fixed tokens at {p.pos} differ from the committed text")
+            return self._bad(
+                ErrorCode.BAD_POS, f"fixed tokens at {p.pos} differ from the committed text"
+            )
         nd = min(g, max(0, over - f))
         base = p.pos + f
         for i in range(nd):
@@ -843,10 +841,10 @@ class VerifierCore:
     def _hedge(self, h: Hedge) -> list[Event]:
         """Keep a side draft (no reply, no model work)."""
         if not self.cogen:
-            return self._bad("bad_hedge", "hedges need co-generation (Hello.cogen_end > 0)")
+            return self._bad(ErrorCode.BAD_HEDGE, "hedges need co-generation (Hello.cogen_end > 0)")
         if h.pos == 0 or h.pos + 1 + len(h.draft) > self.max_context:
             return self._bad(
-                "bad_hedge",
+                ErrorCode.BAD_HEDGE,
                 f"hedge at {h.pos} with {len(h.draft)} tokens outside [1, {self.max_context})",
             )
         self._hedges.append(h)
@@ -907,9 +905,9 @@ class VerifierCore:
 
     def _rollback(self, r: Rollback) -> list[Event]:
         if r.epoch <= self.epoch:
-            return self._bad("bad_rollback", f"epoch {r.epoch} is not after {self.epoch}")
+            return self._bad(ErrorCode.BAD_ROLLBACK, f"epoch {r.epoch} is not after {self.epoch}")
         if not 0 <= r.pos <= self.next_pos:
-            return self._bad("bad_rollback", f"pos {r.pos} outside [0, {self.next_pos}]")
+            return self._bad(ErrorCode.BAD_ROLLBACK, f"pos {r.pos} outside [0, {self.next_pos}]")
         self.epoch = r.epoch
         self._stale_in_epoch = 0
         self.next_pos = r.pos
@@ -924,11 +922,11 @@ class VerifierCore:
         if pr is None or (r.epoch, r.pos) != (pr.epoch, pr.pos):
             want = "none pending" if pr is None else f"pending: epoch {pr.epoch}, pos {pr.pos}"
             return self._bad(
-                "bad_resample", f"no correction at epoch {r.epoch}, pos {r.pos} ({want})"
+                ErrorCode.BAD_RESAMPLE, f"no correction at epoch {r.epoch}, pos {r.pos} ({want})"
             )
         if pr.used >= self.limits.max_resamples:
             return self._bad(
-                "bad_resample",
+                ErrorCode.BAD_RESAMPLE,
                 f"more than {self.limits.max_resamples} resamples for the correction at {r.pos}",
             )
         pr.used += 1
@@ -1033,8 +1031,10 @@ class VerifierCore:
             return [
                 note,
                 Close(
-                    Error("model_error", result.message + "; rebuild the session", fatal=True),
+                    Error(
+                        ErrorCode.MODEL_ERROR, result.message + "; rebuild the session", fatal=True
+                    ),
                     CLOSE_INTERNAL_ERROR,
                 ),
             ]
-        return [note, Send(Error("model_error", result.message, fatal=False))]
+        return [note, Send(Error(ErrorCode.MODEL_ERROR, result.message, fatal=False))]

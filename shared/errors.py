@@ -1,0 +1,58 @@
+"""One root for the project's errors, and the codes its Error frames carry.
+
+Every exception the product raises on purpose derives from :class:`WanspecError` besides the
+standard class that says what kind of failure it is (``ValueError`` for bad input,
+``ConnectionError`` for a lost link, ``PermissionError`` for a refused token, ...): a caller can
+catch one family or all of ours. :class:`ErrorCode` names every code the verifier and the edge
+put in an Error frame (a peer may send others: the wire carries any short string).
+"""
+
+from __future__ import annotations
+
+from shared.enums import TextEnum
+
+
+class WanspecError(Exception):
+    """The root of the project's own errors."""
+
+
+class ErrorCode(TextEnum):
+    """The ``code`` of an Error frame (shared.protocol.Error)."""
+
+    # handshake (fatal): the session is not opened
+    BAD_HANDSHAKE = "bad_handshake"
+    FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+    BAD_HELLO = "bad_hello"
+    UNSUPPORTED = "unsupported"
+    UNAUTHORIZED = "unauthorized"
+    # a frame refused (not fatal; counted towards max_bad_frames)
+    BAD_FRAME = "bad_frame"
+    BAD_SEQ = "bad_seq"
+    BAD_EPOCH = "bad_epoch"
+    BAD_POS = "bad_pos"
+    BAD_ROLLBACK = "bad_rollback"
+    BAD_RESAMPLE = "bad_resample"
+    BAD_HEDGE = "bad_hedge"
+    QUEUE_FULL = "queue_full"
+    STALE_FLOOD = "stale_flood"
+    EDGE_ERROR = "edge_error"
+    # the session's work
+    CONTEXT_FULL = "context_full"
+    MODEL_ERROR = "model_error"
+    # the session is closed
+    TOO_MANY_BAD_FRAMES = "too_many_bad_frames"
+    IDLE_TIMEOUT = "idle_timeout"
+    RATE_LIMITED = "rate_limited"
+    CLOSING = "closing"
+    INTERNAL = "internal"
+
+
+#: Error codes after which reconnecting cannot help.
+FATAL_CODES = frozenset(
+    {
+        ErrorCode.FINGERPRINT_MISMATCH,
+        ErrorCode.UNAUTHORIZED,
+        ErrorCode.BAD_HELLO,
+        ErrorCode.UNSUPPORTED,
+    }
+)
