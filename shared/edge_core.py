@@ -474,12 +474,14 @@ class Pipeline:
             raise DesyncError(f"tokens at {start} differ from the committed text")
         self.gen.commit(tokens[skip:])
 
-    def discard_inflight(self) -> None:
-        """Every batch in flight was drafted from a token that is now void: a new epoch."""
+    def discard_inflight(self, keep: Batch | None = None) -> None:
+        """Every batch in flight (behind ``keep``, when given) was drafted from a token that is
+        now void: they go, and a new epoch begins. The one place the epoch moves."""
         st = self.gen.stats
-        st.discarded_batches += len(self.inflight)
-        st.discarded_tokens += sum(len(x.draft) for x in self.inflight)
-        self.inflight.clear()
+        while self.inflight and self.inflight[-1] is not keep:
+            dropped = self.inflight.pop()
+            st.discarded_batches += 1
+            st.discarded_tokens += len(dropped.draft)
         self.epoch += 1
         self.version += 1
 
@@ -496,14 +498,29 @@ class Pipeline:
 # ------------------------------------------------------------------------------ one link
 
 
-@dataclass
 class VerifierLink:
-    """One verifier session's wire state (module docstring)."""
+    """One verifier session's wire state (module docstring).
 
-    ctx: WireContext
-    epoch: int = 0
-    next_seq: int = 0
-    verifier_len: int = 0  # a new session's verifier cache is empty
+    Its epoch is the pipeline's when the link is the session's only one (``pipe``: one
+    session, one epoch, one owner); a federation's worker links keep their own (each worker
+    enters an epoch when its Rollback is sent)."""
+
+    def __init__(self, ctx: WireContext, pipe: Pipeline | None = None) -> None:
+        self.ctx = ctx
+        self.pipe = pipe
+        self._epoch = 0
+        self.next_seq = 0
+        self.verifier_len = 0  # a new session's verifier cache is empty
+
+    @property
+    def epoch(self) -> int:
+        return self.pipe.epoch if self.pipe is not None else self._epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if self.pipe is not None:
+            raise AttributeError("this link's epoch is its pipeline's")
+        self._epoch = value
 
     def propose(self, committed: Sequence[int], b: Batch, index: int, with_q: bool) -> bytes:
         """The Propose of batch ``b`` for this link (registered under ``index``)."""
@@ -578,7 +595,7 @@ class SingleCore:
             deterministic_draft=cfg.deterministic_draft,
             max_gamma=welcome.max_gamma,
         )
-        self.link = VerifierLink(wire_context(hello, welcome))
+        self.link = VerifierLink(wire_context(hello, welcome), self.pipe)
         self.link.verifier_len = resumed_length(gen, welcome)
         # The kind negotiated in the Hello; a greedy target always sends the token itself.
         self._correction_field = (
@@ -683,15 +700,9 @@ class SingleCore:
         if b.draft[c - b.start] == g.token:
             return []
         b.doomed_at = c - b.start
-        while pipe.inflight[-1] is not b:
-            dropped = pipe.inflight.pop()
-            gen.stats.discarded_batches += 1
-            gen.stats.discarded_tokens += len(dropped.draft)
         # The verifier enters the next epoch when it rejects ``b``, before it reads anything
         # sent from now on; it knows the text up to the new token.
-        pipe.epoch += 1
-        pipe.version += 1
-        self.link.epoch += 1
+        pipe.discard_inflight(keep=b)
         self.link.verifier_len = c + 1
         return []
 
@@ -738,9 +749,8 @@ class SingleCore:
                 raise DesyncError("a rejection behind a co-generated token")
             st.rejections += 1
             st.downlink_rejection_bytes += size
-            pipe.discard_inflight()
             # The verifier cropped its cache to the accepted prefix and entered the next epoch.
-            self.link.epoch += 1
+            pipe.discard_inflight()
             self.link.verifier_len = len(self.gen.committed)
             q = b.q_rows[v.accepted]
             token = recover(decision, q, pipe.rng, reconstruction=self.cfg.reconstruction)
