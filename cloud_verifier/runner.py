@@ -67,13 +67,17 @@ class Slot:
     #: Who holds it (the bearer token's key): the KV quota counts a tenant's slots together.
     tenant: str = ""
     pages: SlotPages = field(default_factory=SlotPages)
-    tokens: list[int] = field(default_factory=list)
     kept: tuple[torch.Tensor, int] | None = None  # ([V] probs on the device, rejected id)
     released: bool = False
 
     @property
     def length(self) -> int:
         return self.pages.length
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids the cache holds (the pool moves them with the length)."""
+        return self.pages.tokens
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,6 @@ class Runner:
         its cache cut to at most ``keep`` tokens; returns the tokens kept."""
         keep = max(0, min(keep, slot.length))
         self.pool.crop(slot.pages, keep)
-        del slot.tokens[keep:]
         slot.kept = None
         slot.hello = hello
         slot.generator = new_generator(hello, self.target.device)
@@ -195,7 +198,6 @@ class Runner:
 
     def free(self, slot: Slot) -> None:
         self.pool.release(slot.pages)
-        slot.tokens.clear()
         slot.kept = None
 
     # ------------------------------------------------------------------ a step
@@ -230,7 +232,6 @@ class Runner:
             self.pool.crop(slot.pages, pos)
         except ValueError as e:
             return Failed(f"ValueError: {e}", slot.length)
-        del slot.tokens[pos:]
         return Cropped(cache_len=slot.length)
 
     def _draw(self, slot: Slot, m: int) -> Result:
@@ -292,10 +293,7 @@ class Runner:
         self.forwards += 1
         self.rows_forwarded += len(planned)
         for p in planned:  # commit
-            slot = p.slot
-            del slot.tokens[p.row.start :]
-            slot.tokens.extend(p.row.ids)
-            slot.pages.length = len(slot.tokens)
+            self.pool.commit(p.slot.pages, p.row.start, p.row.ids)
         gammas = [len(p.work.draft) for p in planned]
         cu = ds.cu_from_gammas(gammas)
         verify = [i for i, p in enumerate(planned) if not isinstance(p.work, Federate)]
@@ -337,7 +335,6 @@ class Runner:
     def _undo(self, p: _Planned) -> None:
         """Back to the slot's state before the request (its length never went below it)."""
         self.pool.crop(p.slot.pages, p.start)
-        del p.slot.tokens[p.start :]
         p.slot.kept = None
 
     def _decide(self, planned: list[_Planned], logits: torch.Tensor) -> list[Result]:
@@ -369,7 +366,6 @@ class Runner:
             length = cache_after(p.work, d.accepted)
             if length < slot.length:  # a rejection
                 self.pool.crop(slot.pages, length)
-                del slot.tokens[length:]
                 if d.candidates is not None:
                     # p at the rejected position, for Resamples: one row, kept on the device
                     r = logits[row + d.accepted][None]

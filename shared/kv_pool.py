@@ -37,10 +37,14 @@ class OutOfPages(WanspecError, RuntimeError):
 
 @dataclass
 class SlotPages:
-    """One slot's view of the pool (host bookkeeping only)."""
+    """One slot's view of the pool (host bookkeeping only): its pages, the positions its KV
+    holds and, where the owner records them (:meth:`PagedKV.commit`), the token ids at those
+    positions. Invariant for a recording slot: ``len(tokens) == length``; the pool is the one
+    place both move (commit, crop). A tensor-parallel follower's slot records no tokens."""
 
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    tokens: list[int] = field(default_factory=list)
 
 
 class PagedKV:
@@ -99,9 +103,22 @@ class PagedKV:
         if not 0 <= length <= slot.length:
             raise ValueError(f"crop({length}) out of range 0..{slot.length}")
         slot.length = length
+        del slot.tokens[length:]
         keep = -(-length // self.page_size)
         while len(slot.pages) > keep:
             heapq.heappush(self.free, slot.pages.pop())
+
+    def commit(self, slot: SlotPages, start: int, ids: Sequence[int]) -> None:
+        """A forward wrote ``ids`` at positions ``start, start+1, ...`` of ``slot`` (within its
+        reserved pages): they are its text from ``start`` on, and its length moves there."""
+        if not 0 <= start <= len(slot.tokens):
+            raise ValueError(f"commit at {start}: the slot records {len(slot.tokens)} tokens")
+        end = start + len(ids)
+        if -(-end // self.page_size) > len(slot.pages):
+            raise ValueError(f"commit to {end}: the slot's pages end before it")
+        del slot.tokens[start:]
+        slot.tokens.extend(int(t) for t in ids)
+        slot.length = end
 
     def release(self, slot: SlotPages) -> None:
         self.crop(slot, 0)

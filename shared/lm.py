@@ -49,7 +49,8 @@ class SupportsCausalLM(Protocol):
 class CausalLM:
     """Single-sequence incremental runner over a transformers causal LM.
 
-    Invariants: ``self._slot.length == len(self._tokens)``; ``self._rows[i]`` holds the
+    Invariants: the slot's tokens are the cache's (the pool moves them with its length:
+    ``PagedKV.commit`` / ``crop``); ``self._rows[i]`` holds the
     float32 logits for position ``self._rows_start + i`` (predicting the token after it) and the
     rows cover a suffix of positions ``[self._rows_start, length)``.
     """
@@ -78,7 +79,6 @@ class CausalLM:
             capacity = min(capacity, self.max_length)
         self._pool = self._lm.allocate(-(-capacity // _PAGE), _PAGE)
         self._slot = SlotPages()
-        self._tokens: list[int] = []
         self._rows: list[torch.Tensor] = []
         self._rows_start = 0
 
@@ -87,12 +87,12 @@ class CausalLM:
     @property
     def length(self) -> int:
         """Number of tokens in the KV cache."""
-        return len(self._tokens)
+        return self._slot.length
 
     @property
     def tokens(self) -> tuple[int, ...]:
         """Token ids in the KV cache, in order."""
-        return tuple(self._tokens)
+        return tuple(self._slot.tokens)
 
     @property
     def kv_length(self) -> int:
@@ -134,8 +134,7 @@ class CausalLM:
         keep = n if last_rows is None else last_rows
         # A failed forward commits nothing: the length pointer has not moved.
         logits = self._lm.forward([Row(self._slot, start, tuple(id_list), keep)])
-        self._tokens.extend(id_list)
-        self._slot.length = self.length
+        self._pool.commit(self._slot, start, id_list)
         self._store_rows(logits, first_pos=self.length - logits.shape[0])
         return logits
 
@@ -172,7 +171,6 @@ class CausalLM:
         if n == self.length:
             return
         self._pool.crop(self._slot, n)
-        del self._tokens[n:]
         if self._rows_start >= n:
             self._rows.clear()
             self._rows_start = n
@@ -188,6 +186,6 @@ class CausalLM:
         if self._rows and self._rows_start <= pos < self._rows_start + len(self._rows):
             return self._rows[pos - self._rows_start].clone()
         # Row evicted (crop beyond the window): recompute it with a one-token forward.
-        last = self._tokens[-1]
+        last = self._slot.tokens[-1]
         self.crop(pos)
         return self.extend([last])[0].clone()
