@@ -109,7 +109,7 @@ class VerifierSettings:
     progress_interval: float = field(default=1.0, metadata=_b(0.05, 60))
     # A running engine step counts as stalled (its sessions get no more Progress frames, so
     # their edges leave) once it has run 8 times its estimated time and at least this long.
-    stall_timeout: float = field(default=60.0, metadata=_b(1, 86_400))
+    stall_timeout: float = field(default=30.0, metadata=_b(1, 86_400))
     # Session resumption: a session whose connection is lost (not closed by its edge) keeps its
     # KV cache for this many seconds, for its edge to resume with the Welcome's token (same
     # bearer token only); at most resume_pages_share of the KV pool is held so, oldest dropped

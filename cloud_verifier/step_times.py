@@ -24,7 +24,7 @@ class StallRule:
     progresses, and their edges leave after their own verdict deadline."""
 
     factor: float = 8.0
-    floor_s: float = 60.0
+    floor_s: float = 30.0
 
 
 class StepTimes:
