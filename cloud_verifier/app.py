@@ -1159,6 +1159,7 @@ async def _run_session(peer: _Peer, state: VerifierState, tenant: str = "") -> N
     finally:
         del state.sessions[core.session_id]
         lost = not ours and not core.closed and ws.close_code != WSCloseCode.OK
+        lost = lost and core.hello.resumable  # an edge that cannot resume gets nothing kept
         kept = lost and token is not None and _park(state, token, slot, tenant)
         if not kept:
             state.engine.release(live.slot)

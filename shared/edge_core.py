@@ -139,6 +139,7 @@ def hello_for(
         cogen_end=end if cfg.cogen else 0,
         progress=True,
         resume=resume,
+        resumable=True,
     )
 
 

@@ -204,6 +204,9 @@ class Hello:
     progress: bool = False
     #: Resume a lost session's KV cache (left out: a new session).
     resume: Resume | None = None
+    #: This edge can resume: keep the session's KV cache a while if its connection is lost
+    #: (the Welcome then carries a resume token).
+    resumable: bool = False
 
 
 @dataclass(frozen=True)
@@ -1012,6 +1015,7 @@ _FRAMES: Final = (
             _Field("cogen", "cogen", _Int(0, _U32_MAX), "cogen_end", presence=_DEFAULTED),
             _Field("progress", "progress", _Flag(1), presence=_OPTIONAL),
             _Field("resume", "resume", _RESUME, presence=_OPTIONAL),
+            _Field("resumable", "resumable", _Flag(1), presence=_OPTIONAL),
         ],
     ),
     _Frame(

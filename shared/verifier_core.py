@@ -652,7 +652,7 @@ class VerifierCore:
             max_fixed=lim.max_fixed,
             max_context=self.max_context,
             max_frame=lim.max_frame,
-            resume=self.resume_token,
+            resume=self.resume_token if self.hello is not None and self.hello.resumable else None,
             resumed=resumed,
         )
 

@@ -108,8 +108,9 @@ def sent(events: list[Any]) -> list[Any]:
 
 def test_progress_is_due_after_an_interval_and_never_while_stalled() -> None:
     c = core(progress_interval_s=1.0)
-    welcome = opened(c, progress=True)
+    welcome = opened(c, progress=True, resumable=True)
     assert welcome.resume == "r" * 32 and welcome.resumed is None
+    assert opened(core()).resume is None  # an edge that cannot resume gets no token
     assert c.progress_due() is None  # no work
     events = c.receive(encode(propose(0, 0, [5, 6], PROMPT), c.ctx), 10.0)
     assert any(isinstance(e, Run) for e in events) and c.progress_due() == 11.0
@@ -367,7 +368,14 @@ async def test_a_lost_session_resumes_without_a_prefill_and_never_across_tenants
     v = await serve()
     m = v.state.metrics
     want = target_greedy(target, PROMPT, 4)
-    pc = await v.open(hello(target, progress=True))
+    plain = await v.open(hello(target))  # cannot resume: nothing is kept when it is lost
+    assert plain.welcome is not None and plain.welcome.resume is None
+    await _lose(plain)
+    await v.until(
+        lambda: plain.welcome is not None and plain.welcome.session_id not in v.state.sessions
+    )
+    assert not v.state.parked
+    pc = await v.open(hello(target, progress=True, resumable=True))
     assert pc.welcome is not None and pc.welcome.resume
     await pc.send(prompt_propose(0, want[:2]))
     assert (await pc.recv_as(Verdict)).accepted == 2
@@ -380,7 +388,7 @@ async def test_a_lost_session_resumes_without_a_prefill_and_never_across_tenants
     thief = await v.open(hello(target, resume=resume), token=OTHER)
     assert thief.welcome is not None and thief.welcome.resumed is None
     assert m.resume_misses.get(reason="tenant") == 1 and len(v.state.parked) == 1
-    back = await v.open(hello(target, resume=resume))
+    back = await v.open(hello(target, resume=resume, resumable=True))
     assert back.welcome is not None
     assert back.welcome.resumed == Resumed(len(committed), text_digest(committed))
     assert m.sessions_resumed.get() == 1 and not v.state.parked

@@ -147,6 +147,7 @@ ALL_MESSAGES = [
         seed=123,
         progress=True,
         resume=Resume("0123456789abcdef0123456789abcdef", 17),
+        resumable=True,
     ),
     Welcome(_fp(), "s-1", max_gamma=16, max_fixed=8192, max_context=8192, max_frame=1 << 20),
     Welcome(
