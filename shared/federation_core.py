@@ -293,7 +293,9 @@ class FederatedCore:
         for i in list(b.seqs):
             if i not in b.replies:
                 w = self.workers[i]
-                if w.state != WorkerState.DOWN:
+                # Only a LIVE worker was waited for (round_ready): one that was dropped since
+                # this batch was sent and has reconnected (READY) owes it nothing.
+                if w.state == WorkerState.LIVE:
                     self.link_down(i, "missed the round deadline", now)
                     out.append(Drop(i, "missed the round deadline"))
         if not b.replies:

@@ -17,9 +17,6 @@ import torch
 from aiohttp import web
 
 from bench.verifier import WrappedTarget
-from cloud_verifier.app import build_app as build_verifier_app
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import TorchTarget
 from edge_agent.config import EdgeSettings
 from edge_agent.server import build_app as build_edge_app
@@ -27,6 +24,7 @@ from edge_agent.server import make_runner
 from edge_agent.service import EdgeService
 from shared.batched_lm import Row
 from shared.models import LoadedModel
+from tests.verifiers import READY_TIMEOUT_S, ready, verifier_app
 
 T = TypeVar("T")
 TOKEN = "edge-test-token-0123456789"
@@ -61,6 +59,7 @@ class SlowTarget(WrappedTarget):
 
 
 def wait_http(url: str, timeout: float = 60.0, status: int = 200) -> None:
+    """Until ``url`` answers ``status`` (a server in this process's loop thread or elsewhere)."""
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:
@@ -102,15 +101,12 @@ class Servers:
         async def start() -> str:
             base: Any = TorchTarget(target)
             loaded = base if delay <= 0 else SlowTarget(base, delay)
-            app = build_verifier_app(
-                VerifierSettings(model="tiny", heartbeat=0.0),
-                auth=Authenticator([TOKEN]),
-                loader=lambda: loaded,
-            )
-            return await self._start(web.AppRunner(app, access_log=None))
+            app = verifier_app(lambda: loaded, auth=[TOKEN])
+            http = await self._start(web.AppRunner(app, access_log=None))
+            await ready(app)
+            return http
 
-        http = self.lt.run(start())
-        wait_http(http + "/health")
+        http = self.lt.run(start(), timeout=READY_TIMEOUT_S + 10)
         return http.replace("http://", "ws://") + "/v1/session"
 
     def edge(

@@ -3,14 +3,11 @@ upgrade, per-token session limits (429), and TLS with certificate verification a
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import hmac
 import ipaddress
 import os
 import ssl
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +20,7 @@ from cryptography.x509.oid import NameOID
 
 from bench.harness import free_port
 from bench.probe import auth_headers
-from cloud_verifier.app import STATE, build_app
+from cloud_verifier.app import STATE
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.cli import main as verifier_main
 from cloud_verifier.settings import VerifierSettings
@@ -34,24 +31,16 @@ from edge_agent.pipeline import handshake
 from shared.config import ConfigError
 from shared.protocol import SUBPROTOCOL, Fingerprint, Hello, Welcome
 from shared.sampling import SamplingParams
+from tests.verifiers import serve_process, serve_verifier, wait_healthy
+from tests.waits import until
 
-REPO = Path(__file__).resolve().parent.parent
 NULL_FP = Fingerprint("null", 64, "null")
 
 
 async def serve(aiohttp_server: Any, auth: Authenticator, **settings: Any) -> Any:
-    ssl_ctx = settings.pop("ssl", None)
-    app = build_app(
-        VerifierSettings(model="null:64", heartbeat=0.0, **settings),
-        auth=auth,
-        loader=lambda: NullTarget(64),
+    return await serve_verifier(
+        aiohttp_server, lambda: NullTarget(64), auth=auth, model="null:64", **settings
     )
-    server = await aiohttp_server(app, ssl=ssl_ctx)
-    for _ in range(500):
-        if app[STATE].status == "ready":
-            return server
-        await asyncio.sleep(0.01)
-    raise AssertionError("never ready")
 
 
 async def status_of(server: Any, token: str | None) -> int:
@@ -122,20 +111,15 @@ async def test_sessions_per_token_are_limited_before_the_upgrade(aiohttp_server:
         assert exc.value.headers is not None and exc.value.headers.get("Retry-After") == "1"
         b1 = await open_ws("token-b")  # another token is not affected
         await a1.close()
-        for _ in range(100):  # the server notices the close
-            if server.app[STATE].per_token.get(auth.identify("Bearer token-a") or "") == 1:
-                break
-            await asyncio.sleep(0.01)
+        key = auth.identify("Bearer token-a") or ""
+        await until(lambda: server.app[STATE].per_token.get(key) == 1, 5.0, "the close noticed")
         a3 = await open_ws("token-a")
         for ws in (a2, a3, b1):
             await ws.close()
     m = server.app[STATE].metrics.render()
     assert 'wanspec_sessions_refused_total{reason="token_limit"} 1' in m
-    for _ in range(100):
-        if not server.app[STATE].per_token:
-            break
-        await asyncio.sleep(0.01)
-    assert server.app[STATE].per_token == {}  # no entry left behind per token ever seen
+    # no entry left behind per token ever seen
+    await until(lambda: server.app[STATE].per_token == {}, 5.0, "no per-token entry left")
 
 
 # ---------------------------------------------------------------------------------------- TLS
@@ -226,25 +210,13 @@ async def test_serve_with_tls_flags(tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path)
     (tmp_path / "tokens").write_text("svc-token\n")
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cloud_verifier.cli", "serve", "--model", "null:64",
-         "--port", str(port), "--token-file", str(tmp_path / "tokens"),
-         "--tls-cert", str(cert), "--tls-key", str(key), "--heartbeat", "0"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = serve_process(
+        "--model", "null:64", "--port", str(port), "--token-file", str(tmp_path / "tokens"),
+        "--tls-cert", str(cert), "--tls-key", str(key),
     )  # fmt: skip
     try:
         trusted = ssl.create_default_context(cafile=str(cert))
-        async with aiohttp.ClientSession() as http:
-            for _ in range(300):
-                try:
-                    async with http.get(f"https://127.0.0.1:{port}/health", ssl=trusted) as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)
-            else:
-                raise AssertionError("the TLS verifier never answered /health")
+        await wait_healthy(f"https://127.0.0.1:{port}", proc=proc, ssl=trusted)
         link = LinkSettings(
             url=f"wss://127.0.0.1:{port}/v1/session", token="svc-token", ssl=trusted
         )
@@ -256,5 +228,5 @@ async def test_serve_with_tls_flags(tmp_path: Path) -> None:
             await transport.close()
     finally:
         proc.terminate()
-        out = proc.communicate(timeout=20)[0].decode()
+        out = "".join(proc.communicate(timeout=20))
     assert "(https/wss)" in out, out

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ import orjson
 import pytest
 import torch
 
+from bench.harness import free_port
 from bench.oracle import OracleDrafter, greedy_continuation, parse_oracle
 from bench.probe import Driver, ProbeClient
 from bench.run import BenchConfig, Regime, TimedDrafter, ceiling, estimate, parse_mode
@@ -30,6 +29,7 @@ from shared.kv_pool import SlotPages
 from shared.pipeline_config import Mode
 from shared.protocol import SUBPROTOCOL, Fingerprint, Hello
 from shared.sampling import SamplingParams
+from tests.verifiers import serve_process, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -109,10 +109,11 @@ def test_oracle_drafter_follows_the_greedy_path() -> None:
     never = OracleDrafter(paths, 32, 0.0)
     for k in range(len(path)):
         seq = list(prompt) + path[:k]
-        x, q = always.draft(seq, params, rng, deterministic=True)
-        assert x == path[k]
+        step = always.draft(seq, params, rng, deterministic=True)
+        x, q = step.token, step.q
+        assert x == path[k] and step.prob == 1.0 and step.rival is None
         assert q.dtype == np.float64 and q.shape == (32,) and q[x] == 1.0 and q.sum() == 1.0
-        assert never.draft(seq, params, rng, deterministic=True)[0] == (path[k] + 1) % 32
+        assert never.draft(seq, params, rng, deterministic=True).token == (path[k] + 1) % 32
     assert always.stats.hits == len(path) and never.stats.misses == len(path)
     # off the path (an earlier draft wrong), past the continuation, another prompt
     assert always.propose([*prompt, 10, 99]) == path[2]
@@ -135,7 +136,8 @@ def test_oracle_drafter_follows_the_greedy_path() -> None:
     assert 0.45 < np.mean(hits_a) < 0.55 and 0.75 < np.mean(hits_b) < 0.85
     assert all(hb for ha, hb in zip(hits_a, hits_b, strict=True) if ha)
     assert a.stats.alpha_measured == pytest.approx(np.mean(hits_a))
-    assert half.last_prob == 0.5 and a.on_path(long, greedy[:7]) and not a.on_path(long, [0])
+    assert half.draft(list(long), params, rng, deterministic=True).prob == 0.5
+    assert a.on_path(long, greedy[:7]) and not a.on_path(long, [0])
 
 
 def test_oracle_greedy_path_and_timed_padding(tiny_model_dir: Path) -> None:
@@ -153,13 +155,13 @@ def test_oracle_greedy_path_and_timed_padding(tiny_model_dir: Path) -> None:
     oracle = OracleDrafter({tuple(prompt): path}, target.vocab_size, 1.0)
     timed = TimedDrafter(oracle, 0.02)
     t0 = time.perf_counter()
-    x, q = timed.draft(
+    step = timed.draft(
         prompt + path[:3], SamplingParams(0.0), np.random.default_rng(0), deterministic=True
     )
     assert time.perf_counter() - t0 >= 0.019
-    assert x == path[3] and q.shape == (target.vocab_size,)
-    assert timed.vocab_size == target.vocab_size and timed.last_prob == 1.0
-    assert timed.stats is oracle.stats  # attributes pass through
+    assert step.token == path[3] and step.q.shape == (target.vocab_size,)
+    assert timed.vocab_size == target.vocab_size and step.prob == 1.0
+    assert timed.inner is oracle and timed.forwards == 0
 
 
 def test_time_estimate_runs_oracles_cheaper() -> None:
@@ -186,35 +188,17 @@ def test_padded_target_pads_and_keeps_logits() -> None:
     assert padded.fingerprint == inner.fingerprint
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_padded_verifier_process_pads_forwards() -> None:
     """``python -m bench.verifier``: the product's serve path, every forward padded."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANSPEC_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.verifier", "--model", "null:64", "--insecure-no-auth",
-         "--port", str(port), "--heartbeat", "0", "--log-level", "warning",
-         "--emulate-verify-ms", "80"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = serve_process(
+        "--model", "null:64", "--insecure-no-auth", "--port", str(port), "--log-level",
+        "warning", "--emulate-verify-ms", "80", env=env, module="bench.verifier",
     )  # fmt: skip
     try:
+        health = await wait_healthy(f"http://127.0.0.1:{port}", proc=proc)
         async with aiohttp.ClientSession() as http:
-            health: dict[str, object] = {}
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    async with http.get(f"http://127.0.0.1:{port}/health") as r:
-                        health = await r.json()
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.1)
             assert health.get("status") == "ready", health
             assert "forwards padded to 80 ms" in str(health["reason"])
             ws = await http.ws_connect(

@@ -20,6 +20,7 @@ from edge_agent.service import Finished
 from shared.models import LoadedModel, load_model
 from shared.protocol import CorrectionMode
 from tests.edge_helpers import Servers, edge_settings
+from tests.waits import POLL_S, poll
 
 TOKEN_RE = r"\bt\d+"
 STATS_RE = r"tok/s · acceptance [^\r\n]* accepted/round · [^\r\n]* B/token · RTT [^\r\n]*"
@@ -259,8 +260,8 @@ def test_the_spinner_turns_at_once() -> None:
     try:
         assert "starting (0 s)" in stream.getvalue()  # drawn before start() returns
         progress.report("loading")
-        time.sleep(0.25)
-        assert "loading" in stream.getvalue()  # animated by its own thread
+        # animated by its own thread
+        poll(lambda: "loading" in stream.getvalue(), 5.0, "the spinner redrawn", POLL_S)
     finally:
         progress.stop(True)
     assert stream.getvalue().endswith("\n") and "✓ loading" in stream.getvalue()

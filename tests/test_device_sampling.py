@@ -2,9 +2,9 @@
 
 Deterministic parts (the transform, greedy decisions, top-K corrections, federated rows) must
 equal the reference; the random parts are held to the target distribution by the chi-square
-tests of tests/test_exactness.py (same N, thresholds and settings), run through batches of many
-sessions with different γ at once, with a negative control the same test must reject. The
-tests run on CUDA when torch sees one, on the CPU otherwise.
+tests of tests/test_exactness.py (same N, thresholds and settings, from tests/stats.py), run
+through batches of many sessions with different γ at once, with a negative control the same
+test must reject. The tests run on CUDA when torch sees one, on the CPU otherwise.
 
 Tolerances: float64 on the device equals the NumPy transform to 1e-12 (observed ~5e-16) with
 the same support on every row; float32 only to 1e-6 (observed ~2.5e-7), and its federated l1
@@ -25,7 +25,7 @@ from shared import device_sampling as D
 from shared.protocol import CorrectionMode, SparseDist
 from shared.rejection import Decision, one_hot, recover, try_candidates, verify_batch
 from shared.sampling import SamplingParams, transform
-from tests.test_exactness import ALPHA, SETTINGS, N, _bigram, _logits, chi_square_pvalue
+from tests.stats import ALPHA, SETTINGS, N, bigram, chi_square_pvalue, logit_pair
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = D.DEVICE_DTYPE
@@ -349,7 +349,7 @@ def _first_tokens(
 @pytest.mark.parametrize("params", SETTINGS, ids=str)
 @pytest.mark.parametrize("path", ["probs", "logits"])
 def test_exact_modes_match_target(v: int, mode: str, params: SamplingParams, path: str) -> None:
-    tl, dl = _logits(v * 7 + 1, v)
+    tl, dl = logit_pair(v * 7 + 1, v)
     tl = tl.astype(np.float32).astype(np.float64)  # what a model emits
     p = D.transform_rows(_t(tl[None]), params.temperature, params.top_k, params.top_p)[0]
     p_np, q = p.cpu().numpy(), transform(dl, params)
@@ -363,7 +363,7 @@ def test_exact_modes_match_target(v: int, mode: str, params: SamplingParams, pat
 def test_lossless_topk_matches_target(v: int) -> None:
     """top-K with K = V is exact: the edge's residual from the full p."""
     params = SETTINGS[5]
-    tl, dl = _logits(v * 7 + 1, v)
+    tl, dl = logit_pair(v * 7 + 1, v)
     p, q = transform(tl, params), transform(dl, params)
     pv = chi_square_pvalue(_first_tokens(p, q, "topk_full", seed=v + 1), p)
     assert pv > ALPHA, f"topk_full: chi-square p-value {pv:.2e}"
@@ -374,7 +374,7 @@ def test_negative_control_q_not_transformed_like_p() -> None:
     reported. The same test must reject it."""
     v = 16
     params = SamplingParams(0.5)
-    tl, dl = _logits(3, v)
+    tl, dl = logit_pair(3, v)
     p, q = transform(tl, params), transform(dl, params)
     q_raw = transform(dl, SamplingParams(1.0))
     out = _first_tokens(p, q, CorrectionMode.CANDIDATES, seed=5, q_sampled=q_raw)
@@ -457,7 +457,7 @@ def test_multi_position_rounds_match_target_joint() -> None:
     """Both exact modes in one batch, γ ∈ {1, 2, 3} mixed: per mode, the joint law of the first
     three tokens equals P(t1|0) P(t2|t1) P(t3|t2)."""
     v = 5
-    P, Q = _bigram(v, 2, SamplingParams(1.0))
+    P, Q = bigram(v, 2, SamplingParams(1.0))
     joint = (P[0][:, None, None] * P[:, :, None] * P[None, :, :]).reshape(-1)
     modes = [CorrectionMode.CANDIDATES, CorrectionMode.GREEDY_DRAFT] * N
     gammas = 1 + (np.arange(2 * N) // 2) % 3

@@ -19,21 +19,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import numpy as np
 import orjson
 import pytest
 import torch
-from scipy import stats
 
 from bench.tiny_models import build_tiny_model
-from cloud_verifier.app import STATE, VerifierState, build_app
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.app import STATE, VerifierState
 from cloud_verifier.targets import Target, TorchTarget
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.drafter import Drafter
-from edge_agent.link import AuthError, LinkSettings, WebSocketTransport
+from edge_agent.link import LinkSettings, TokenRefused, WebSocketTransport
 from edge_agent.transport import LinkClosed, Transport
 from shared.lm import CausalLM
 from shared.models import LoadedModel, load_model
@@ -41,6 +37,8 @@ from shared.pipeline_config import Mode, PipelineConfig
 from shared.protocol import CorrectionMode
 from shared.sampling import SamplingParams, transform
 from tests.edge_helpers import SlowTarget
+from tests.stats import sequential_chi_square
+from tests.verifiers import KillAfter, serve_verifier, session_url
 
 TOKEN = "e2e-token-abcdef0123456789"
 PROMPT = [1, 10, 20, 30, 40]
@@ -59,18 +57,10 @@ def draft(tiny_draft_dir: Path) -> LoadedModel:
 async def serve_app(
     aiohttp_server: Any, loader: Callable[[], Target], **overrides: Any
 ) -> tuple[str, VerifierState]:
-    """A verifier on ``loader``'s target, once healthy: its session URL and its state."""
-    settings = VerifierSettings(model="tiny", heartbeat=0.0, **overrides)
-    app = build_app(settings, auth=Authenticator([TOKEN]), loader=loader)
-    server = await aiohttp_server(app)
-    url = str(server.make_url("/v1/session")).replace("http://", "ws://")
-    async with aiohttp.ClientSession() as s:
-        for _ in range(500):  # the model loads in the background
-            async with s.get(str(server.make_url("/health"))) as r:
-                if r.status == 200:
-                    return url, app[STATE]
-            await asyncio.sleep(0.01)
-    raise AssertionError("verifier never became healthy")
+    """A verifier on ``loader``'s target, once ready: its session URL and its state (kept here
+    under this name: tests/test_overload.py uses it)."""
+    server = await serve_verifier(aiohttp_server, loader, auth=[TOKEN], **overrides)
+    return session_url(server), server.app[STATE]
 
 
 async def serve(aiohttp_server: Any, target: LoadedModel, **overrides: Any) -> str:
@@ -229,19 +219,6 @@ def target_rows(
     return transform(logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)].numpy(), params)
 
 
-def sequential_chi_square(tokens: np.ndarray, rows: np.ndarray) -> float:
-    """p-value of Pearson's statistic with E_j = Σ_t p_t(j) (ids with E_j < 5 pooled)."""
-    observed = np.bincount(tokens, minlength=rows.shape[1]).astype(np.float64)
-    expected = rows.sum(axis=0)
-    big = expected >= 5
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    return float(stats.chi2.sf(stat, len(obs) - 1))
-
-
 @pytest.mark.parametrize("correction", [CorrectionMode.CANDIDATES, CorrectionMode.GREEDY_DRAFT])
 async def test_sampled_output_is_distributed_as_the_target(
     aiohttp_server: Any, target: LoadedModel, draft: LoadedModel, correction: str
@@ -283,39 +260,6 @@ def test_chi_square_has_power_negative_control(target: LoadedModel, draft: Loade
         all_toks += toks
         rows.append(target_rows(target, prompt, toks, params))
     assert sequential_chi_square(np.array(all_toks), np.concatenate(rows)) < 1e-6
-
-
-class KillAfter:
-    """Wraps connect(): the k-th session's link dies after ``after[k]`` received frames."""
-
-    def __init__(self, connect: Any, after: list[int]) -> None:
-        self.connect = connect
-        self.after = list(after)
-        self.kills = 0
-
-    async def __call__(self) -> Transport:
-        inner = await self.connect()
-        budget = self.after.pop(0) if self.after else None
-        outer = self
-
-        class Dying:
-            received = 0
-
-            async def send(self, data: bytes) -> None:
-                await inner.send(data)
-
-            async def recv(self) -> bytes:
-                if budget is not None and self.received >= budget:
-                    outer.kills += 1
-                    await inner.close()  # the real socket goes down
-                    raise LinkClosed("killed by the test")
-                self.received += 1
-                return await inner.recv()
-
-            async def close(self) -> None:
-                await inner.close()
-
-        return Dying()
 
 
 @pytest.mark.parametrize("mode", [Mode.PIPELINED, Mode.STOP_AND_WAIT])
@@ -377,7 +321,7 @@ async def test_wrong_token_and_wrong_tokenizer_are_clear_errors(
         agent.close()
     bad = agent_for(target, url, token="wrong")
     try:
-        with pytest.raises(AuthError, match="refused the token"):
+        with pytest.raises(TokenRefused, match="refused the token"):
             await bad.generate(PROMPT, cfg, max_new_tokens=4)
     finally:
         bad.close()

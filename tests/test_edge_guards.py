@@ -13,7 +13,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -24,13 +24,6 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from cloud_verifier.app import STATE as VERIFIER_STATE
-from cloud_verifier.app import build_app as build_verifier_app
-from cloud_verifier.app import make_runner as make_verifier_runner
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.http_guard import Listener
-from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import NullTarget
 from edge_agent.api_errors import ApiError
 from edge_agent.api_request import MAX_JSON_DEPTH, decode_body, parse_sampling
 from edge_agent.config import EdgeSettings, load_edge_settings
@@ -41,16 +34,10 @@ from shared.config import ConfigError
 from shared.protocol import Fingerprint, Hello, ProtocolError, decode, encode
 from shared.sampling import MIN_TEMPERATURE, SamplingParams, sample, transform
 from shared.service_status import ServiceStatus
+from tests.verifiers import guarded_verifier
+from tests.waits import until
 
 HALF_SENT = b"POST /v1/chat/completions HTTP/1.1\r\nHo"
-
-
-async def until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout} s")
-        await asyncio.sleep(0.01)
 
 
 def dead_url() -> str:
@@ -317,25 +304,8 @@ async def test_a_verifier_refusal_reaches_the_503_message(tiny_draft_dir: Path) 
 @asynccontextmanager
 async def null_verifier(**overrides: Any) -> AsyncIterator[str]:
     """The verifier as ``serve`` runs it (guarded listener), null target; yields its ws:// URL."""
-    app = build_verifier_app(
-        VerifierSettings(model="null:64", heartbeat=0.0, **overrides),
-        auth=Authenticator(["t"]),
-        loader=lambda: NullTarget(64),
-    )
-    state = app[VERIFIER_STATE]
-    listener = Listener(state.guard, "127.0.0.1", 0)
-    await listener.bind()
-    runner = make_verifier_runner(app)
-    await runner.setup()
-    try:
-        await listener.start(runner)
-        await until(lambda: state.status == "ready", 10.0, "verifier ready")
-        host, port = listener.addresses[0]
-        yield f"ws://{host}:{port}/v1/session"
-    finally:
-        listener.close()
-        await runner.cleanup()
-        await listener.wait_closed()
+    async with guarded_verifier(["t"], **overrides) as (_, base):
+        yield base.replace("http://", "ws://", 1) + "/v1/session"
 
 
 async def watch_probes(url: str, interval: float, probes: int) -> list[VerifierLinkState]:

@@ -13,7 +13,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from shared.models import LoadedModel, load_model
 from shared.pipeline_config import PipelineConfig
 from shared.sampling import SamplingParams
 from tests.edge_helpers import TOKEN, Servers, edge_settings, wait_http
+from tests.waits import poll, until
 
 PROMPT_IDS = [1, 10, 20, 30, 40]
 
@@ -345,13 +345,6 @@ def read_until(sock: socket.socket, marker: bytes) -> bytes:
     return data
 
 
-def poll(fn: Any, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not fn():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
-
-
 def test_client_disconnect_cancels_its_generation_and_frees_its_place(
     servers: Servers, target: LoadedModel, tiny_draft_dir: Path
 ) -> None:
@@ -392,30 +385,19 @@ async def test_cancelling_a_generation_is_clean(
 ) -> None:
     """EdgeAgent.run cancelled mid-generation: no task left behind, the model worker and the
     draft cache still right (the next greedy generation equals a fresh agent's)."""
-    import aiohttp
-
-    from cloud_verifier.app import STATE, build_app
-    from cloud_verifier.auth import Authenticator
-    from cloud_verifier.settings import VerifierSettings
+    from cloud_verifier.app import STATE
     from cloud_verifier.targets import TorchTarget
     from edge_agent.agent import EdgeAgent, RetryPolicy
     from edge_agent.drafter import Drafter
     from edge_agent.link import LinkSettings, WebSocketTransport
     from shared.generation import Generation
     from tests.edge_helpers import SlowTarget
+    from tests.verifiers import serve_verifier, session_url
 
-    app = build_app(
-        VerifierSettings(model="tiny", heartbeat=0.0),
-        auth=Authenticator([TOKEN]),
-        loader=lambda: SlowTarget(TorchTarget(target), 0.01),
+    server = await serve_verifier(
+        aiohttp_server, lambda: SlowTarget(TorchTarget(target), 0.01), auth=[TOKEN]
     )
-    server = await aiohttp_server(app)
-    url = str(server.make_url("/v1/session")).replace("http://", "ws://")
-    while True:
-        async with aiohttp.ClientSession() as s, s.get(str(server.make_url("/health"))) as r:
-            if r.status == 200:
-                break
-        await asyncio.sleep(0.01)
+    url = session_url(server)
     draft = load_model(str(tiny_draft_dir))
 
     async def connect() -> Any:
@@ -432,15 +414,14 @@ async def test_cancelling_a_generation_is_clean(
     with pytest.raises(asyncio.CancelledError):
         await task
     assert 0 < len(gen.generated) < 300
-    await asyncio.sleep(0.05)
-    leftover = [t for t in asyncio.all_tasks() - before if t is not asyncio.current_task()]
-    assert not [t for t in leftover if "_loop" in repr(t.get_coro())], leftover
-    sessions = app[STATE].sessions
-    for _ in range(100):
-        if not sessions:
-            break
-        await asyncio.sleep(0.02)
-    assert not sessions  # the WebSocket was closed
+
+    def loops_left() -> list[asyncio.Task[Any]]:
+        left = asyncio.all_tasks() - before - {asyncio.current_task()}
+        return [t for t in left if "_loop" in repr(t.get_coro())]
+
+    await until(lambda: not loops_left(), 2.0, "the agent's loops ended")
+    sessions = server.app[STATE].sessions
+    await until(lambda: not sessions, 2.0, "the WebSocket was closed")
     again = await agent.generate(PROMPT_IDS, cfg, max_new_tokens=20)
     fresh = EdgeAgent(Drafter(load_model(str(tiny_draft_dir))), draft.fingerprint, connect)
     try:

@@ -12,50 +12,17 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from scipy import stats
 
 from shared import compression as C
 from shared.protocol import CorrectionMode
 from shared.rejection import Decision, draw_candidates, one_hot, recover, verify_batch
 from shared.sampling import SamplingParams, sample, total_variation, transform
 
-N = 20_000
-# Per-case size of the test. ~50 cases run, so Bonferroni at a family-wise 0.5% gives 1e-4; the
-# negative control must fall below 1e-6, so the test keeps its power. Seeds are fixed: every run
-# is identical, and a failure is a reproducible one.
-ALPHA = 1e-4
+# ALPHA and chi_square_pvalue stay importable from here too (test_cogen, test_engine and
+# test_federated_core take them from this module).
+from tests.stats import ALPHA, SETTINGS, N, bigram, chi_square_pvalue, logit_pair
 
-SETTINGS = [
-    SamplingParams(0.7),
-    SamplingParams(1.0),
-    SamplingParams(1.3),
-    SamplingParams(1.0, top_k=6),
-    SamplingParams(0.7, top_p=0.8),
-    SamplingParams(1.3, top_k=10, top_p=0.9),
-]
 EXACT_MODES = [CorrectionMode.CANDIDATES, CorrectionMode.GREEDY_DRAFT, "topk_full"]
-
-
-def chi_square_pvalue(samples: np.ndarray, p: np.ndarray) -> float:
-    """Pearson chi-square of sample counts against p; bins expected < 5 are pooled."""
-    n = len(samples)
-    observed = np.bincount(samples, minlength=len(p)).astype(np.float64)
-    assert observed[p == 0].sum() == 0, "emitted a token the target can never produce"
-    expected = p * n
-    big = expected >= 5
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    exp *= obs.sum() / exp.sum()
-    return float(stats.chisquare(obs, exp).pvalue)
-
-
-def _logits(seed: int, v: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    target = rng.normal(0, 1.5, v)
-    draft = target + rng.normal(0, 1.0, v)  # a correlated, imperfect draft
-    return target, draft
 
 
 def speculative_step(
@@ -99,7 +66,7 @@ def run_steps(step: Callable[[np.random.Generator], int], seed: int) -> np.ndarr
 @pytest.mark.parametrize("mode", EXACT_MODES)
 @pytest.mark.parametrize("params", SETTINGS, ids=str)
 def test_exact_modes_match_target(v: int, mode: str, params: SamplingParams) -> None:
-    tl, dl = _logits(v * 7 + 1, v)
+    tl, dl = logit_pair(v * 7 + 1, v)
     p, q = transform(tl, params), transform(dl, params)
     out = run_steps(lambda rng: speculative_step(p, q, mode, rng, k=v), seed=v)
     pv = chi_square_pvalue(out, p)
@@ -110,7 +77,7 @@ def test_negative_control_q_not_transformed_like_p() -> None:
     """The known bug class: the draft samples from untransformed q but reports transformed q."""
     v = 16
     params = SamplingParams(0.5)
-    tl, dl = _logits(3, v)
+    tl, dl = logit_pair(3, v)
     p, q = transform(tl, params), transform(dl, params)
     q_raw = transform(dl, SamplingParams(1.0))  # what x is really drawn from
     out = run_steps(
@@ -125,7 +92,7 @@ def test_negative_control_q_not_transformed_like_p() -> None:
 @pytest.mark.parametrize("params", SETTINGS[:3], ids=str)
 def test_lossy_topk_within_tv_bound(k: int, params: SamplingParams) -> None:
     v = 32
-    tl, dl = _logits(11, v)
+    tl, dl = logit_pair(11, v)
     p, q = transform(tl, params), transform(dl, params)
     eps = C.top_k(p, k).eps
     bound = C.lossy_correction_tv_bound(eps)
@@ -146,13 +113,6 @@ def test_lossy_topk_within_tv_bound(k: int, params: SamplingParams) -> None:
 
 
 # ------------------------------------------------------------------ multi-position rounds
-
-
-def _bigram(v: int, seed: int, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    tl = rng.normal(0, 1.5, (v, v))
-    dl = tl + rng.normal(0, 0.8, (v, v))
-    return transform(tl, params), transform(dl, params)
 
 
 def _generate(
@@ -197,7 +157,7 @@ def _generate(
 def test_multi_position_rounds_match_target_joint(mode: str, gamma: int) -> None:
     """The joint law of the first three tokens equals P(t1|0) P(t2|t1) P(t3|t2)."""
     v = 5
-    P, Q = _bigram(v, 2, SamplingParams(1.0))
+    P, Q = bigram(v, 2, SamplingParams(1.0))
     rng = np.random.default_rng(gamma)
     seqs = np.array([_generate(P, Q, gamma, mode, rng, 3)[:3] for _ in range(N)])
     cells = seqs[:, 0] * v * v + seqs[:, 1] * v + seqs[:, 2]

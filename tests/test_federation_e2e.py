@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import numpy as np
 import pytest
 import torch
 
 from bench.tiny_models import build_tiny_model
-from cloud_verifier.app import build_app
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import TorchTarget
 from edge_agent.drafter import Drafter
 from edge_agent.federation import WorkerSpec, generate_federated
@@ -26,7 +21,8 @@ from shared.lm import CausalLM
 from shared.models import LoadedModel, load_model
 from shared.pipeline_config import PipelineConfig
 from shared.sampling import SamplingParams, transform
-from tests.test_edge_e2e import KillAfter, sequential_chi_square
+from tests.stats import sequential_chi_square
+from tests.verifiers import KillAfter, serve_verifier, session_url
 
 TOKEN = "fed-token-0123456789abcdef"
 PROMPT = [1, 12, 7, 33]
@@ -48,19 +44,8 @@ def draft(tiny_draft_dir: Path) -> LoadedModel:
 
 
 async def serve(aiohttp_server: Any, target: LoadedModel) -> str:
-    app = build_app(
-        VerifierSettings(model="tiny", heartbeat=0.0),
-        auth=Authenticator([TOKEN]),
-        loader=lambda: TorchTarget(target),
-    )
-    server = await aiohttp_server(app)
-    async with aiohttp.ClientSession() as s:
-        for _ in range(500):
-            async with s.get(str(server.make_url("/health"))) as r:
-                if r.status == 200:
-                    break
-            await asyncio.sleep(0.01)
-    return str(server.make_url("/v1/session")).replace("http://", "ws://")
+    server = await serve_verifier(aiohttp_server, lambda: TorchTarget(target), auth=[TOKEN])
+    return session_url(server)
 
 
 def spec(url: str, name: str, weight: float, k: int) -> WorkerSpec:

@@ -6,7 +6,6 @@ process and a real edge agent while an honest session checks its verdicts."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,7 @@ from hypothesis import strategies as st
 
 from bench.fuzz import FuzzConfig, Shadow, corpus_frames, mutate_bytes, mutate_map, run
 from bench.probe import Driver, ProbeClient, auth_headers
-from cloud_verifier.app import STATE, build_app
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.app import STATE
 from cloud_verifier.targets import TorchTarget
 from shared.edge_core import DesyncError, SingleCore, VerifierError, hello_for
 from shared.generation import Generation
@@ -48,6 +45,7 @@ from shared.protocol import (
     encode,
 )
 from shared.sampling import SamplingParams
+from tests.verifiers import ready, verifier_app
 
 CORPUS = Path(__file__).resolve().parent / "fuzz_corpus"
 V = 64
@@ -147,14 +145,9 @@ async def test_corpus_against_a_live_session(aiohttp_client: Any, target: TorchT
     """Each corpus frame, as the first frame of a greedy session, gets the reply the session
     rules predict (an error, nothing, or the close) and the session (if still open) and the
     service keep working for a second, honest session."""
-    app = build_app(
-        VerifierSettings(model="tiny", heartbeat=0.0, max_k=64),
-        auth=Authenticator(["c-token"]),
-        loader=lambda: target,
-    )
+    app = verifier_app(lambda: target, auth=["c-token"], max_k=64)
     client = await aiohttp_client(app)
-    while app[STATE].status != "ready":
-        await asyncio.sleep(0.01)
+    await ready(app)
     hello = Hello(target.fingerprint, SamplingParams(0.0), correction=CorrectionMode.GREEDY_DRAFT)
     honest = ProbeClient(
         await client.ws_connect(

@@ -13,16 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import numpy as np
 import openai
 import pytest
 import torch
 from aiohttp import web
 
-from cloud_verifier.app import build_app
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import TorchTarget
 from edge_agent.agent import EdgeAgent, RetryPolicy
 from edge_agent.config import EdgeSettings
@@ -41,6 +37,7 @@ from shared.retry import GiveUp, Outage
 from shared.sampling import SamplingParams
 from shared.verifier_core import Send, SessionLimits, TargetInfo, VerifierCore
 from tests.edge_helpers import TOKEN, Servers, edge_settings
+from tests.verifiers import serve_verifier, session_url
 
 PROMPT = [1, 10, 20, 30, 40]
 GREEDY = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0))
@@ -89,20 +86,9 @@ def stalling_app(fp: Fingerprint) -> web.Application:
     return app
 
 
-async def serve_verifier(aiohttp_server: Any, target: LoadedModel, **kw: Any) -> str:
-    app = build_app(
-        VerifierSettings(model="tiny", heartbeat=0.0, **kw),
-        auth=Authenticator([TOKEN]),
-        loader=lambda: TorchTarget(target),
-    )
-    server = await aiohttp_server(app)
-    async with aiohttp.ClientSession() as s:
-        for _ in range(500):
-            async with s.get(str(server.make_url("/health"))) as r:
-                if r.status == 200:
-                    return str(server.make_url("/v1/session")).replace("http://", "ws://")
-            await asyncio.sleep(0.01)
-    raise AssertionError("verifier never became healthy")
+async def serve(aiohttp_server: Any, target: LoadedModel, **kw: Any) -> str:
+    server = await serve_verifier(aiohttp_server, lambda: TorchTarget(target), auth=[TOKEN], **kw)
+    return session_url(server)
 
 
 def get_json(url: str) -> tuple[int, Any]:
@@ -149,7 +135,7 @@ class Swallow:
 async def test_a_stalled_session_is_rebuilt_and_the_text_is_unchanged(
     aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
 ) -> None:
-    url = await serve_verifier(aiohttp_server, target)
+    url = await serve(aiohttp_server, target)
     a = agent(draft, url, RetryPolicy(backoff_initial_s=0.01, verdict_timeout_s=0.3))
     inner = a.connect
     calls = 0
@@ -177,7 +163,7 @@ async def test_a_verifier_that_never_verifies_fails_after_one_rebuild(
     aiohttp_server: Any, draft: LoadedModel
 ) -> None:
     server = await aiohttp_server(stalling_app(draft.fingerprint))
-    url = str(server.make_url("/v1/session")).replace("http://", "ws://")
+    url = session_url(server)
     retry = RetryPolicy(
         backoff_initial_s=0.05, backoff_max_s=0.1, verdict_timeout_s=0.3, deadline_s=1.5
     )
@@ -236,7 +222,7 @@ async def test_give_up_names_the_last_cause_even_when_it_has_no_message(
     app = web.Application()
     app.router.add_get("/v1/session", mute)
     server = await aiohttp_server(app)
-    url = str(server.make_url("/v1/session")).replace("http://", "ws://")
+    url = session_url(server)
     retry = RetryPolicy(
         backoff_initial_s=0.05, backoff_max_s=0.1, handshake_timeout_s=0.2, deadline_s=0.8
     )
@@ -251,7 +237,7 @@ async def test_give_up_names_the_last_cause_even_when_it_has_no_message(
 async def test_a_full_verifier_is_reported_as_full(
     aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
 ) -> None:
-    url = await serve_verifier(aiohttp_server, target, max_sessions=1)
+    url = await serve(aiohttp_server, target, max_sessions=1)
     holder = await WebSocketTransport.connect(LinkSettings(url=url, token=TOKEN, heartbeat_s=0))
     # A full verifier is busy, not down: its refusals (503 with Retry-After) count against
     # busy_deadline_s, and the give-up names the reason it gave.
@@ -270,7 +256,7 @@ async def test_a_full_verifier_is_reported_as_full(
 async def test_failures_that_waiting_cannot_clear_fail_at_once(
     aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
 ) -> None:
-    url = await serve_verifier(aiohttp_server, target)
+    url = await serve(aiohttp_server, target)
     slow_policy = RetryPolicy(backoff_initial_s=1.0, deadline_s=60.0)
     for bad, match in (
         (url.replace("/v1/session", "/v2/wrong"), "404"),

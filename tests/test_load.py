@@ -17,12 +17,11 @@ from aiohttp import WSCloseCode
 
 from bench.load import LoadConfig, run
 from bench.probe import Driver, ProbeClient, auth_headers
-from cloud_verifier.app import STATE, _buffered, _close_sessions, build_app
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.app import STATE, _buffered, _close_sessions
 from cloud_verifier.targets import NullTarget
 from shared.protocol import SUBPROTOCOL, Fingerprint, Hello, Propose, ReplyMode, encode
 from shared.sampling import SamplingParams
+from tests.verifiers import ready, verifier_app
 
 BIG_V = 49152
 FP = Fingerprint("null", BIG_V, "null")
@@ -40,14 +39,14 @@ async def test_reduced_load_run(tmp_path: Path) -> None:
 
 
 async def start(aiohttp_client: Any, **settings: Any) -> Any:
-    app = build_app(
-        VerifierSettings(model=f"null:{BIG_V}", heartbeat=0.0, **settings),
-        auth=Authenticator(["slow-token", "honest-token"]),
-        loader=lambda: NullTarget(BIG_V),
+    app = verifier_app(
+        lambda: NullTarget(BIG_V),
+        auth=["slow-token", "honest-token"],
+        model=f"null:{BIG_V}",
+        **settings,
     )
     client = await aiohttp_client(app)
-    while app[STATE].status != "ready":
-        await asyncio.sleep(0.01)
+    await ready(app)
     return client
 
 

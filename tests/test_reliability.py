@@ -14,7 +14,7 @@ import pytest
 
 from bench.reliability import FAULTS, ChaosConfig, run
 from bench.wanem import LinkConfig, WanEmulator
-from cloud_verifier.app import STATE, build_app
+from cloud_verifier.app import build_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import NullTarget
@@ -22,6 +22,7 @@ from edge_agent.link import LinkSettings, WebSocketTransport
 from edge_agent.pipeline import handshake
 from edge_agent.transport import LinkClosed
 from shared.protocol import Fingerprint, Hello
+from tests.verifiers import serve_verifier
 
 
 async def test_chaos_every_generation_survives_with_identical_text(tmp_path: Path) -> None:
@@ -57,14 +58,9 @@ async def test_chaos_every_generation_survives_with_identical_text(tmp_path: Pat
 async def test_heartbeat_detects_a_stalled_link(aiohttp_server: Any, heartbeat_s: float) -> None:
     """LinkSettings.heartbeat_s: a link that delivers nothing (both directions stalled, TCP
     still up) is closed within ~1.5 heartbeats; without a heartbeat it would wait forever."""
-    app = build_app(
-        VerifierSettings(model="null:64", heartbeat=0.0),
-        auth=Authenticator(["hb-token"]),
-        loader=lambda: NullTarget(64),
+    server = await serve_verifier(
+        aiohttp_server, lambda: NullTarget(64), auth=["hb-token"], model="null:64"
     )
-    server = await aiohttp_server(app)
-    while app[STATE].status != "ready":
-        await asyncio.sleep(0.01)
     async with WanEmulator(upstream=("127.0.0.1", server.port), link=LinkConfig()) as emu:
         link = LinkSettings(
             url=f"ws://127.0.0.1:{emu.port}/v1/session", token="hb-token", heartbeat_s=heartbeat_s

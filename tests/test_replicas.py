@@ -40,6 +40,7 @@ from shared.models import LoadedModel, load_model
 from shared.pipeline_config import PipelineConfig
 from shared.protocol import SUBPROTOCOL, Hello
 from shared.sampling import SamplingParams
+from tests.waits import until
 
 TOKEN = "replica-token-0123456789abcdef"
 PROMPT = [1, 10, 20, 30, 40]
@@ -236,8 +237,9 @@ async def test_drain_ends_with_the_last_session_or_at_its_deadline() -> None:
 
     state = _Draining(2)
     task = asyncio.create_task(drain(state, 30.0, poll_s=0.01))  # type: ignore[arg-type]
-    await asyncio.sleep(0.05)
-    assert state.status == ServiceStatus.STOPPING and not task.done()
+    await until(lambda: state.status == ServiceStatus.STOPPING, 5.0, "draining")
+    await asyncio.sleep(0.05)  # a few of its polls: it waits for the sessions
+    assert not task.done()
     state.connections = 0
     await asyncio.wait_for(task, 1.0)  # ends at once, long before its 30 s
     stuck = _Draining(1)

@@ -41,6 +41,8 @@ from shared.protocol import (
     encode,
 )
 from shared.sampling import SamplingParams, transform
+from tests.verifiers import ready
+from tests.waits import until
 
 TOKEN = "test-token-0123456789"
 GREEDY = SamplingParams(temperature=0.0)
@@ -104,8 +106,8 @@ async def start(
         loader=loader or (lambda: target),
     )
     svc = Service(await aiohttp_client(app), engine)
-    while wait and svc.state.status == "loading":
-        await asyncio.sleep(0.01)
+    if wait:
+        await ready(app)
     return svc
 
 
@@ -384,8 +386,7 @@ async def test_max_sessions_and_health_while_loading(
         await svc.connect()
     assert e.value.status == 503
     gate.set()
-    while svc.state.status == "loading":
-        await asyncio.sleep(0.01)
+    await ready(svc.state)
     resp = await svc.client.get("/health")
     assert resp.status == 200 and (await resp.json())["vocab_size"] == 64
     await svc.open(hello_for(target))
@@ -436,8 +437,7 @@ async def test_kv_cache_full_answers_503_and_is_in_metrics(
     health = await (await svc.client.get("/health")).json()
     assert health["kv_cache"] == {"pages_used": 2, "pages_total": 2}
     await pc.send(Rollback(epoch=3, pos=0))  # a rollback frees the pages: sessions come in
-    await asyncio.sleep(0.05)
-    assert svc.engine.pages_free == 2
+    await until(lambda: svc.engine.pages_free == 2, 5.0, "the rollback's pages freed")
     await svc.open(hello_for(target))
 
 
@@ -552,21 +552,21 @@ async def test_model_error_is_reported_to_that_session_only(
     svc = await start(aiohttp_client, target)
     pc = await svc.open(hello_for(target))
     sess = svc.server_session(pc)
-    engine = svc.engine
-    real = engine._decide
+    runner = svc.engine.require_runner()
+    real = runner._decide
 
     def broken(planned: list[Any], probs: Any) -> Any:
         # the forward ran, then deciding fails for this session: its cache must be restored
-        if any(p.request.slot is sess.slot for p in planned):
+        if any(p.slot is sess.slot for p in planned):
             raise RuntimeError("boom")
         return real(planned, probs)
 
-    engine._decide = broken  # type: ignore[method-assign]
+    runner._decide = broken  # type: ignore[method-assign]
     await pc.send(propose(0, 0, 0, [8, 9], [4, 5]))
     err = await pc.recv_as(Error)
     assert err.code == "model_error" and not err.fatal and "boom" in err.message
     assert sess.slot.length == 0
-    engine._decide = real  # type: ignore[method-assign]
+    runner._decide = real  # type: ignore[method-assign]
     await pc.send(propose(0, 1, 0, [8, 9], [4, 5]))
     assert isinstance(await pc.recv(), Verdict)
 
@@ -581,9 +581,7 @@ async def test_shutdown_closes_sessions_going_away(
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
-    state = app[STATE]
-    while state.status == "loading":
-        await asyncio.sleep(0.01)
+    state = await ready(app)
     async with aiohttp.ClientSession() as http:
         ws = await http.ws_connect(
             f"http://127.0.0.1:{port}/v1/session",

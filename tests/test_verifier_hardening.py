@@ -15,8 +15,6 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +27,9 @@ from bench.fuzz import TOKEN as FUZZ_TOKEN
 from bench.fuzz import _raw_request, http_fixed_cases
 from bench.harness import free_port
 from bench.probe import ProbeClient, auth_headers
-from cloud_verifier.app import STATE, VerifierState, build_app, make_runner
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.cli import main as verifier_main
-from cloud_verifier.http_guard import Listener
 from cloud_verifier.ratelog import LogLimiter
-from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import NullTarget
 from shared.device import DeviceUnavailable, choose_device
 from shared.protocol import (
     SUBPROTOCOL,
@@ -48,49 +42,12 @@ from shared.protocol import (
     encode,
 )
 from shared.sampling import SamplingParams
+from tests.verifiers import guarded_verifier, serve_process, wait_healthy
+from tests.waits import until
 
 REPO = Path(__file__).resolve().parent.parent
 FP = Fingerprint("null", 64, "null")
 HELLO = Hello(FP, SamplingParams(0.0))
-
-
-@asynccontextmanager
-async def verifier(
-    auth: Authenticator, **settings: Any
-) -> AsyncIterator[tuple[VerifierState, str]]:
-    """The verifier as ``serve`` runs it (runner, guarded listener) on 127.0.0.1; yields its
-    state and base URL."""
-    settings.setdefault("heartbeat", 0.0)
-    app = build_app(
-        VerifierSettings(model="null:64", **settings),
-        auth=auth,
-        loader=lambda: NullTarget(64),
-    )
-    state = app[STATE]
-    listener = Listener(state.guard, "127.0.0.1", 0)
-    await listener.bind()
-    runner = make_runner(app)
-    await runner.setup()
-    try:
-        await listener.start(runner)
-        for _ in range(500):
-            if state.status == "ready":
-                break
-            await asyncio.sleep(0.01)
-        host, port = listener.addresses[0]
-        yield state, f"http://{host}:{port}"
-    finally:
-        listener.close()
-        await runner.cleanup()
-        await listener.wait_closed()
-
-
-async def until(cond: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 async def open_session(http: aiohttp.ClientSession, url: str, token: str) -> ProbeClient:
@@ -125,7 +82,7 @@ async def test_a_session_that_only_answers_pings_is_closed_and_frees_its_slot() 
     idle_timeout with 1008 ``idle_timeout``; its slot (the only one) serves the next client."""
     auth = Authenticator(["idle-token"])
     async with (
-        verifier(auth, idle_timeout=0.5, heartbeat=0.1, max_sessions=1) as (state, url),
+        guarded_verifier(auth, idle_timeout=0.5, heartbeat=0.1, max_sessions=1) as (state, url),
         aiohttp.ClientSession() as http,
     ):
         pc = await open_session(http, url, "idle-token")
@@ -158,7 +115,10 @@ async def test_a_session_that_only_answers_pings_is_closed_and_frees_its_slot() 
 
 async def test_model_work_keeps_a_session_open_and_zero_turns_the_timeout_off() -> None:
     auth = Authenticator(["busy-token"])
-    async with verifier(auth, idle_timeout=0.6) as (_, url), aiohttp.ClientSession() as http:
+    async with (
+        guarded_verifier(auth, idle_timeout=0.6) as (_, url),
+        aiohttp.ClientSession() as http,
+    ):
         pc = await open_session(http, url, "busy-token")
         t0 = time.monotonic()
         for epoch in range(1, 7):  # model work (a Rollback's crop) every 0.2 s for 1.2 s
@@ -168,7 +128,10 @@ async def test_model_work_keeps_a_session_open_and_zero_turns_the_timeout_off() 
         await pc.send(Propose(6, 0, 0, np.array([5]), np.ones(1, np.float32), np.array([1, 2])))
         v = await asyncio.wait_for(pc.recv_as(Verdict), 5)
         assert v.epoch == 6 and not pc.ws.closed
-    async with verifier(auth, idle_timeout=0) as (state, url), aiohttp.ClientSession() as http:
+    async with (
+        guarded_verifier(auth, idle_timeout=0) as (state, url),
+        aiohttp.ClientSession() as http,
+    ):
         pc = await open_session(http, url, "busy-token")
         assert next(iter(state.sessions.values())).core.idle_deadline() is None
 
@@ -201,7 +164,7 @@ async def test_half_sent_requests_are_cut_and_capped_per_address() -> None:
         pytest.skip(f"cannot use 127.0.0.2 as a source address: {e}")
     auth = Authenticator(["slow-token"])
     settings = dict(header_timeout=0.6, max_pending_per_address=8, max_pending_connections=12)
-    async with verifier(auth, **settings) as (state, url), aiohttp.ClientSession() as http:
+    async with guarded_verifier(auth, **settings) as (state, url), aiohttp.ClientSession() as http:
         port = int(url.rsplit(":", 1)[1])
         conns = []
         t0 = time.monotonic()
@@ -248,7 +211,7 @@ async def test_a_full_pending_table_still_admits_new_clients() -> None:
         pytest.skip(f"cannot use 127.0.0.5 as a source address: {e}")
     auth = Authenticator(["t"])
     settings = dict(header_timeout=2.0, max_pending_per_address=4, max_pending_connections=12)
-    async with verifier(auth, **settings) as (state, url):
+    async with guarded_verifier(auth, **settings) as (state, url):
         port = int(url.rsplit(":", 1)[1])
         assert state.guard.min_age == 1.0
         t0 = time.monotonic()
@@ -285,7 +248,7 @@ async def test_a_full_pending_table_still_admits_new_clients() -> None:
 
 
 async def test_idle_keep_alive_connections_are_closed_after_the_header_timeout() -> None:
-    async with verifier(Authenticator(["t"]), header_timeout=0.3) as (state, url):
+    async with guarded_verifier(Authenticator(["t"]), header_timeout=0.3) as (state, url):
         port = int(url.rsplit(":", 1)[1])
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -307,7 +270,7 @@ async def test_every_malformed_request_gets_a_4xx_and_no_traceback(
     """The fixed HTTP fuzz cases (non-ASCII and invalid header bytes included): each answered
     4xx (or closed unanswered); nothing logged at ERROR, no traceback."""
     caplog.set_level(logging.INFO)
-    async with verifier(Authenticator([FUZZ_TOKEN])) as (state, url):
+    async with guarded_verifier(Authenticator([FUZZ_TOKEN])) as (state, url):
         port = int(url.rsplit(":", 1)[1])
         cases = http_fixed_cases(port)
         names = {n for n, _ in cases}
@@ -407,11 +370,12 @@ async def test_the_service_reports_a_broken_token_file(tmp_path: Path) -> None:
     f.write_text("token-one\n")
     auth = Authenticator(token_file=f, recheck_s=0.05)
     async with (
-        verifier(auth, token_reload_interval=0.05) as (_, url),
+        guarded_verifier(auth, token_reload_interval=0.05) as (_, url),
         aiohttp.ClientSession() as http,
     ):
         f.write_text("")
-        await asyncio.sleep(0.3)  # the background poll reads it (no request needed)
+        # the background poll reads it (no request needed)
+        await until(lambda: auth.error is not None, 5.0, "the empty file noticed")
         async with http.get(url + "/health") as r:
             body = await r.json()
         assert r.status == 200 and "holds no token" in body["token_file"]
@@ -420,7 +384,7 @@ async def test_the_service_reports_a_broken_token_file(tmp_path: Path) -> None:
         assert "wanspec_token_file_ok 0\n" in text and "wanspec_tokens_configured 1\n" in text
         assert await session_status(http, url, "token-one") == 101
         f.write_text("token-one\n")
-        await asyncio.sleep(0.3)
+        await until(lambda: auth.error is None, 5.0, "the file usable again")
         async with http.get(url + "/health") as r:
             assert (await r.json())["token_file"] == "ok"
         async with http.get(url + "/metrics") as r:
@@ -432,7 +396,7 @@ async def test_sessions_of_a_revoked_token_are_closed(tmp_path: Path) -> None:
     f.write_text("token-old\ntoken-new\n")
     auth = Authenticator(token_file=f, recheck_s=0.05)
     async with (
-        verifier(auth, token_reload_interval=0.05) as (state, url),
+        guarded_verifier(auth, token_reload_interval=0.05) as (state, url),
         aiohttp.ClientSession() as http,
     ):
         old = await open_session(http, url, "token-old")
@@ -461,7 +425,7 @@ async def test_ten_thousand_edge_errors_do_not_write_ten_thousand_log_lines(
     caplog.set_level(logging.DEBUG, logger="cloud_verifier")
     auth = Authenticator(["flood-token"])
     async with (
-        verifier(auth, max_bad_frames=100_000, max_frame_rate=0) as (state, url),
+        guarded_verifier(auth, max_bad_frames=100_000, max_frame_rate=0) as (state, url),
         aiohttp.ClientSession() as http,
     ):
         pc = await open_session(http, url, "flood-token")
@@ -497,7 +461,7 @@ async def test_refusals_are_counted_by_reason_and_logged_rate_limited(
 ) -> None:
     caplog.set_level(logging.INFO, logger="cloud_verifier")
     async with (
-        verifier(Authenticator(["right-token"])) as (state, url),
+        guarded_verifier(Authenticator(["right-token"])) as (state, url),
         aiohttp.ClientSession() as http,
     ):
         for _ in range(30):
@@ -512,19 +476,12 @@ async def test_refusals_are_counted_by_reason_and_logged_rate_limited(
     assert 1 <= len(refused) <= 5 and all(r.levelno == logging.INFO for r in refused)
 
 
-def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "cloud_verifier.cli", "serve", "--heartbeat", "0", *args],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
 def test_a_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = _serve("--model", "null:64", "--insecure-no-auth", "--port", str(port))
+        proc = serve_process("--model", "null:64", "--insecure-no-auth", "--port", str(port))
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 2, (out, err)
     lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -595,30 +552,22 @@ async def test_serve_startup_lines_sighup_and_a_quiet_stop(
     port = free_port()
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="0", HF_HUB_OFFLINE="1")
     env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
-    proc = _serve(
+    proc = serve_process(
         "--model", str(tiny_model_dir), "--device", "auto", "--port", str(port),
         "--token-file", str(f), "--token-reload-interval", "0", env=env,
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
+        await wait_healthy(url, proc=proc)
         async with aiohttp.ClientSession() as http:
-            for _ in range(600):
-                try:
-                    async with http.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)
-            else:
-                raise AssertionError("never ready")
             rewrite_keeping_stat(f, "token-bbbb\n")
             assert await session_status(http, url, "token-aaaa") == 101  # not seen yet
             proc.send_signal(signal.SIGHUP)
-            for _ in range(200):
-                if await session_status(http, url, "token-bbbb") == 101:
-                    break
-                await asyncio.sleep(0.02)
+
+            async def reloaded() -> bool:
+                return await session_status(http, url, "token-bbbb") == 101
+
+            await until(reloaded, 10.0, "token-bbbb accepted after SIGHUP")
             assert await session_status(http, url, "token-aaaa") == 401
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import numpy as np
@@ -10,23 +9,17 @@ import pytest
 import torch
 
 from bench.probe import ProbeClient, auth_headers
-from cloud_verifier.app import STATE, build_app
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import TorchTarget
 from shared.protocol import SUBPROTOCOL, Hello, Propose, Verdict
 from shared.sampling import SamplingParams
+from tests.verifiers import ready, verifier_app
 
 
 @pytest.mark.slow
 async def test_default_model_verifies_through_the_service(aiohttp_client: Any) -> None:
-    settings = VerifierSettings(model="default", device="cpu", heartbeat=0.0)
-    app = build_app(settings, auth=Authenticator(["slow-token"]))
+    app = verifier_app(None, auth=["slow-token"], model="default", device="cpu")
     client = await aiohttp_client(app)
-    state = app[STATE]
-    while state.status == "loading":
-        await asyncio.sleep(0.1)
-    assert state.status == "ready", state.reason
+    state = await ready(app, timeout=240)  # the real model, on the CPU
     target = state.engine.require_target()
     assert isinstance(target, TorchTarget)
     assert target.vocab_size == 49152 and "SmolLM2" in target.fingerprint.model_name

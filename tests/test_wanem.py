@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 
 from bench.wanem import DEFAULT_BANDWIDTH_BPS, LinkConfig, WanEmulator
+from tests.waits import until
 
 LOCAL = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
@@ -97,14 +98,6 @@ async def _is_dead(reader: asyncio.StreamReader, timeout: float = 2.0) -> bool:
         return await asyncio.wait_for(reader.read(1 << 16), timeout) == b""
     except (ConnectionError, OSError):
         return True
-
-
-async def _wait_until(cond: Callable[[], bool], timeout: float = 3.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 async def _close(writer: asyncio.StreamWriter) -> None:
@@ -214,7 +207,7 @@ async def test_bandwidth_cap_paces_a_megabyte(direction: str) -> None:
         if direction == "up":
             start = loop.time()
             writer.write(payload)
-            await _wait_until(lambda: bool(sinks))
+            await until(lambda: bool(sinks))
             end = await asyncio.wait_for(sinks[0].reached, 5)
             assert bytes(sinks[0].data) == payload
         else:
@@ -318,14 +311,14 @@ async def test_drop_after_bytes_cuts_exactly(direction: str) -> None:
             transport, _ = await loop.create_connection(lambda: client, LOCAL, emu.port)
             assert isinstance(transport, asyncio.Transport)
             transport.write(payload)
-            await _wait_until(lambda: bool(sinks))
+            await until(lambda: bool(sinks))
             await asyncio.wait_for(sinks[0].done, 5)
             assert bytes(sinks[0].data) == payload[:n]
         else:
             transport, _ = await loop.create_connection(lambda: client, LOCAL, emu.port)
             assert isinstance(transport, asyncio.Transport)
             transport.write(b"hello")
-            await _wait_until(lambda: len(client.data) == 5)
+            await until(lambda: len(client.data) == 5)
             emu.drop_after_bytes("down", n)  # the connection open now
             transport.write(payload)
         await asyncio.wait_for(client.done, 5)
@@ -348,7 +341,7 @@ async def test_stall_delays_delivery_by_the_stall(direction: str) -> None:
         assert await _echo_rtt(reader, writer) < 0.05  # the stall is over
         emu.stall("both", 5.0)
         writer.write(b"abc")
-        await asyncio.sleep(0.05)
+        await until(lambda: emu.connections[0].queued_up == 3, 5.0, "the bytes held")
         emu.stall("both", 0)  # ends early: held bytes flow at once
         assert await asyncio.wait_for(reader.readexactly(3), 1) == b"abc"
         assert emu.stats.faults_by_kind == {"stall": 2}
@@ -444,9 +437,9 @@ async def test_stop_cancels_and_awaits_every_task() -> None:
         for _, writer in clients:
             writer.write(b"y" * 300_000)  # in flight, queued, paced
         emu.stall("down", 10)
-        await _wait_until(lambda: len(emu.connections) == 3)
-        await asyncio.sleep(0.05)
-        assert len(set(asyncio.all_tasks()) - before) == 6  # one writer per direction each
+        await until(lambda: len(emu.connections) == 3)
+        # one writer per direction each
+        await until(lambda: len(set(asyncio.all_tasks()) - before) == 6, 5.0, "6 writer tasks")
         await emu.stop()
         assert set(asyncio.all_tasks()) == before
         assert emu.stats.connections_active == 0
@@ -503,7 +496,7 @@ async def test_half_close_is_forwarded_after_the_data() -> None:
         writer.write(b"last words" * 1000)
         writer.write_eof()  # FIN travels behind the bytes; the echo server closes after it
         assert await asyncio.wait_for(reader.read(), 2) == b"last words" * 1000
-        await _wait_until(lambda: emu.stats.connections_active == 0)
+        await until(lambda: emu.stats.connections_active == 0)
         await _close(writer)
 
 
