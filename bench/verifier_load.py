@@ -92,7 +92,7 @@ async def _session(
 
 async def _measure(
     url: str, token: str, fp: Fingerprint, n: int, args: argparse.Namespace
-) -> dict[str, float]:
+) -> dict[str, Any]:
     rng = np.random.default_rng(n)
     async with aiohttp.ClientSession() as http:
         clients = await asyncio.gather(*(_session(http, url, token, fp, i) for i in range(n)))
@@ -119,18 +119,26 @@ async def _measure(
         for c in clients:
             with contextlib.suppress(Exception):
                 await c.ws.close()
+    return {"times": times, "elapsed": elapsed, "rounds": float(sum(rounds))}
+
+
+def _pooled(parts: list[dict[str, Any]], gamma: int) -> dict[str, float]:
+    """One figure from several measuring windows of the same engine and N."""
+    times = [t for p in parts for t in p["times"]]
     ms = np.array(times) * 1e3
+    rounds = sum(p["rounds"] for p in parts)
     return {
-        "tokens_per_s": sum(rounds) * args.gamma / elapsed,
+        "tokens_per_s": rounds * gamma / sum(p["elapsed"] for p in parts),
         "p50_ms": float(np.percentile(ms, 50)),
         "p99_ms": float(np.percentile(ms, 99)),
-        "rounds": float(sum(rounds)),
+        "rounds": rounds,
     }
 
 
-async def _engine_run(
+async def _start_engine(
     name: str, args: argparse.Namespace, tmp: Path, token: str
-) -> list[dict[str, float]]:
+) -> VerifierProcess:
+    """The engine's ``serve`` process, ready and warm (its caller kills it)."""
     port = free_port()
     extra = [
         "--device", args.device,
@@ -155,23 +163,36 @@ async def _engine_run(
         threads=args.threads,
     )
     proc.start()
-    try:
-        await proc.wait_ready(timeout=600)
-        fp = _fingerprint(args.model)
-        warm = argparse.Namespace(**{**vars(args), "seconds": 2.0})
-        await _measure(proc.url, token, fp, 1, warm)  # first-use costs, not measured
-        out = []
-        for n in args.sessions:
-            r = await _measure(proc.url, token, fp, n, args)
+    await proc.wait_ready(timeout=600)
+    warm = argparse.Namespace(**{**vars(args), "seconds": 2.0})
+    await _measure(proc.url, token, _fingerprint(args.model), 1, warm)  # first-use costs
+    return proc
+
+
+async def _measure_engines(
+    procs: dict[str, VerifierProcess], args: argparse.Namespace, token: str
+) -> dict[str, list[dict[str, float]]]:
+    """Every engine at every N, in ABBA order within each N (each engine measured twice for
+    half the seconds, the order reversed the second time), so that neither pays for going
+    first (a machine's state drifts: measured here, the engine run first was 10-25 % slower
+    at N = 1 whichever it was)."""
+    fp = _fingerprint(args.model)
+    half = argparse.Namespace(**{**vars(args), "seconds": args.seconds / 2})
+    rows: dict[str, list[dict[str, float]]] = {e: [] for e in procs}
+    names = list(procs)
+    for n in args.sessions:
+        parts: dict[str, list[dict[str, Any]]] = {e: [] for e in names}
+        for e in [*names, *reversed(names)]:
+            parts[e].append(await _measure(procs[e].url, token, fp, n, half))
+        for e in names:
+            r = _pooled(parts[e], args.gamma)
             print(
-                f"{name:8s} N={n:3d}  {r['tokens_per_s']:8.1f} tok/s  "
+                f"{e:8s} N={n:3d}  {r['tokens_per_s']:8.1f} tok/s  "
                 f"p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms",
                 flush=True,
             )
-            out.append(r)
-        return out
-    finally:
-        await proc.kill()
+            rows[e].append(r)
+    return rows
 
 
 def _plot(path: Path, result: dict[str, Any]) -> None:
@@ -221,8 +242,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         tmp = Path(d)
         token = generate_token()
         write_tokens(tmp / "tokens", [token])
-        for e in engines:
-            rows = await _engine_run(e, args, tmp, token)
+        procs: dict[str, VerifierProcess] = {}
+        try:
+            for e in engines:
+                procs[e] = await _start_engine(e, args, tmp, token)
+            measured = await _measure_engines(procs, args, token)
+        finally:
+            for proc in procs.values():
+                await proc.kill()
+        for e, rows in measured.items():
             for key in ("tokens_per_s", "p50_ms", "p99_ms"):
                 result[f"{e}_{key}"] = [round(r[key], 2) for r in rows]
     if "batched" in engines and "serial" in engines:
