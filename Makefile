@@ -89,12 +89,12 @@ test: lint balancer
 FAST_TESTS := \
 	tests/test_protocol.py \
 	tests/test_verifier_core.py \
-	tests/test_pipeline.py \
+	tests/test_edge_core.py \
 	tests/test_controller.py \
 	tests/test_scheduler.py \
 	tests/test_sampling_core.py \
-	tests/test_federated_core.py \
-	tests/test_federation_rules.py \
+	tests/test_federated.py \
+	tests/test_federation_core.py \
 	tests/test_session_properties.py \
 	tests/test_api_request.py \
 	tests/test_verifier_units.py \

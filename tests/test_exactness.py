@@ -19,7 +19,7 @@ from shared.rejection import Decision, draw_candidates, one_hot, recover, verify
 from shared.sampling import SamplingParams, sample, total_variation, transform
 
 # ALPHA and chi_square_pvalue stay importable from here too (test_cogen, test_engine and
-# test_federated_core take them from this module).
+# test_federated take them from this module).
 from tests.stats import ALPHA, SETTINGS, N, bigram, chi_square_pvalue, logit_pair
 
 EXACT_MODES = [CorrectionMode.CANDIDATES, CorrectionMode.GREEDY_DRAFT, "topk_full"]
