@@ -35,7 +35,7 @@ from shared.protocol import Fingerprint, Hello, ProtocolError, decode, encode
 from shared.sampling import MIN_TEMPERATURE, SamplingParams, sample, transform
 from shared.service_status import ServiceStatus
 from tests.verifiers import guarded_verifier
-from tests.waits import until
+from tests.waits import closed_within, until
 
 HALF_SENT = b"POST /v1/chat/completions HTTP/1.1\r\nHo"
 
@@ -85,16 +85,6 @@ async def post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, Any]:
     to = aiohttp.ClientTimeout(total=timeout)
     async with aiohttp.ClientSession(timeout=to) as http, http.post(url, data=body) as r:
         return r.status, await r.json(content_type=None)
-
-
-async def closed_within(reader: asyncio.StreamReader, timeout: float) -> bytes | None:
-    """What the server sent before closing, or None if it is still open after ``timeout``."""
-    try:
-        return await asyncio.wait_for(reader.read(), timeout)
-    except asyncio.TimeoutError:
-        return None
-    except ConnectionError:
-        return b""
 
 
 def needs_loopback_alias(address: str) -> None:

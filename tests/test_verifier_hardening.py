@@ -43,7 +43,7 @@ from shared.protocol import (
 )
 from shared.sampling import SamplingParams
 from tests.verifiers import guarded_verifier, serve_process, wait_healthy
-from tests.waits import until
+from tests.waits import closed_within, until
 
 REPO = Path(__file__).resolve().parent.parent
 FP = Fingerprint("null", 64, "null")
@@ -143,16 +143,6 @@ async def _connect_from(address: str, port: int) -> tuple[asyncio.StreamReader, 
     return await asyncio.open_connection("127.0.0.1", port, local_addr=(address, 0))
 
 
-async def _closed_within(reader: asyncio.StreamReader, timeout: float) -> bytes | None:
-    """What the server sent before closing, or None if it is still open after ``timeout``."""
-    try:
-        return await asyncio.wait_for(reader.read(), timeout)
-    except asyncio.TimeoutError:
-        return None
-    except ConnectionError:
-        return b""
-
-
 async def test_half_sent_requests_are_cut_and_capped_per_address() -> None:
     """20 connections from one address each send half a request line: 8 (the per-address cap)
     are held and cut after header_timeout with a 408, the other 12 get 503 at once; meanwhile
@@ -172,7 +162,7 @@ async def test_half_sent_requests_are_cut_and_capped_per_address() -> None:
             reader, writer = await _connect_from("127.0.0.2", port)
             writer.write(b"GET /v1/sess")
             conns.append((reader, writer))
-        answers = await asyncio.gather(*(_closed_within(r, 0.3) for r, _ in conns))
+        answers = await asyncio.gather(*(closed_within(r, 0.3) for r, _ in conns))
         refused = [a for a in answers if a is not None]
         assert len(refused) == 12 and all(a.startswith(b"HTTP/1.1 503") for a in refused)
         assert state.guard.per_address == {"127.0.0.2": 8}
@@ -185,7 +175,7 @@ async def test_half_sent_requests_are_cut_and_capped_per_address() -> None:
         assert isinstance(await pc.recv(), Verdict)
         # The held ones are cut after header_timeout (0.6 s) with a 408.
         held = [r for (r, _), a in zip(conns, answers, strict=True) if a is None]
-        cut = await asyncio.gather(*(_closed_within(r, 3.0) for r in held))
+        cut = await asyncio.gather(*(closed_within(r, 3.0) for r in held))
         freed_after = time.monotonic() - t0
         assert all(c is not None and c.startswith(b"HTTP/1.1 408") for c in cut), cut
         assert 0.5 <= freed_after < 3.0
@@ -223,7 +213,7 @@ async def test_a_full_pending_table_still_admits_new_clients() -> None:
                 conns.append((reader, writer))
         await until(lambda: state.guard.pending == 12)
         young, _ = await _connect_from("127.0.0.6", port)
-        answer = await _closed_within(young, 0.5)
+        answer = await closed_within(young, 0.5)
         if answer is None and time.monotonic() - t0 >= state.guard.min_age:  # pragma: no cover
             pytest.skip("this machine took longer than min_age to open 13 connections")
         assert (answer or b"").startswith(b"HTTP/1.1 503")
@@ -239,7 +229,7 @@ async def test_a_full_pending_table_still_admits_new_clients() -> None:
         # The oldest were evicted (503) to admit them; the rest are cut at the timeout (408).
         evicted = state.guard.evicted
         assert evicted in (1, 2)  # the session may reuse /health's connection
-        answers = await asyncio.gather(*(_closed_within(r, 3.0) for r, _ in conns))
+        answers = await asyncio.gather(*(closed_within(r, 3.0) for r, _ in conns))
         kinds = sorted(a[:12] for a in answers if a)
         assert kinds == [b"HTTP/1.1 408"] * (12 - evicted) + [b"HTTP/1.1 503"] * evicted, answers
         for _, w in conns:
@@ -257,7 +247,7 @@ async def test_idle_keep_alive_connections_are_closed_after_the_header_timeout()
         length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
         await reader.readexactly(length)
         assert state.guard.pending == 1  # idle in keep-alive: pending again
-        assert await _closed_within(reader, 2.0) == b""  # closed silently, no 408
+        assert await closed_within(reader, 2.0) == b""  # closed silently, no 408
         writer.close()
 
 

@@ -43,3 +43,13 @@ def poll(
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not met within {timeout:g} s")
         time.sleep(interval)
+
+
+async def closed_within(reader: asyncio.StreamReader, timeout: float) -> bytes | None:
+    """What the server sent before closing, or None if it is still open after ``timeout``."""
+    try:
+        return await asyncio.wait_for(reader.read(), timeout)
+    except asyncio.TimeoutError:
+        return None
+    except ConnectionError:
+        return b""
