@@ -24,8 +24,8 @@ import numpy as np
 from aiohttp import WSMsgType, web
 
 from cloud_verifier.auth import Authenticator
-from shared.lm import CausalLM
-from shared.models import load_model
+from edge_agent.lm import CausalLM
+from shared.runtime.models import load_model
 
 log = logging.getLogger("wanspec.ar")
 

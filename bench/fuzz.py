@@ -68,14 +68,31 @@ from bench.harness import (
     write_tokens,
 )
 from bench.probe import Driver, ProbeClient, auth_headers, replies_match
+from cloud_verifier.core import (
+    Close,
+    Crop,
+    Cropped,
+    Draw,
+    Drawn,
+    Failed,
+    Federated,
+    Run,
+    Send,
+    SessionLimits,
+    TargetInfo,
+    Verified,
+    VerifierCore,
+)
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
+from edge_agent.core import VerifierError
+from edge_agent.generation import Generation
 from edge_agent.link import TokenRefused
+from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.transport import LinkClosed
-from shared.edge_core import VerifierError
-from shared.generation import Generation
-from shared.models import LoadedModel
-from shared.pipeline_config import PipelineConfig
-from shared.protocol import (
+from shared.maths.rejection import Decision
+from shared.runtime.models import LoadedModel
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import (
     SEQ_MODULUS,
     SUBPROTOCOL,
     Candidates,
@@ -98,23 +115,6 @@ from shared.protocol import (
     decode,
     encode,
     message_equal,
-)
-from shared.rejection import Decision
-from shared.sampling import SamplingParams
-from shared.verifier_core import (
-    Close,
-    Crop,
-    Cropped,
-    Draw,
-    Drawn,
-    Failed,
-    Federated,
-    Run,
-    Send,
-    SessionLimits,
-    TargetInfo,
-    Verified,
-    VerifierCore,
 )
 
 log = logging.getLogger("bench.fuzz")

@@ -8,7 +8,7 @@ Target: one verification step (batched forward of fixed 1 + γ draft tokens per 
 512-token context, then the device-side decision, ``verify_logits``), p50 over ``--reps``
 steps, for batch 1 / 8 / 32, eager and compiled (``torch.compile``). After each step every
 session is rolled back to its context (a pointer move), so every step sees the same shapes.
-Draft: one decode step of :class:`shared.lm.CausalLM` at the same context, eager and compiled.
+Draft: one decode step of :class:`edge_agent.lm.CausalLM` at the same context, eager and compiled.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared import device_sampling as ds
-from shared.batched_lm import BatchedLM, Row
-from shared.kv_pool import SlotPages
-from shared.lm import CausalLM
-from shared.sampling import SamplingParams
+from cloud_verifier import device_sampling as ds
+from edge_agent.lm import CausalLM
+from shared.runtime.batched_lm import BatchedLM, Row
+from shared.runtime.kv_pool import SlotPages
+from shared.wire.params import SamplingParams
 
 QWEN3_32B = dict(
     hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,

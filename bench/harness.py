@@ -26,10 +26,10 @@ from bench.tiny_models import build_tiny_model
 from edge_agent.agent import EdgeAgent, RetryPolicy
 from edge_agent.drafter import Drafter
 from edge_agent.link import LinkSettings, WebSocketTransport
+from edge_agent.lm import CausalLM
 from edge_agent.tasks import ModelWorker
 from edge_agent.transport import Transport
-from shared.lm import CausalLM
-from shared.models import LoadedModel, load_model
+from shared.runtime.models import LoadedModel, load_model
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 64  # tiny models: word-level tokenizer of 64 ids; 0..3 are specials (2 = EOS)

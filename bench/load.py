@@ -43,9 +43,9 @@ from bench.harness import (
 )
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.agent import RetryPolicy
+from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.tasks import ModelWorker
-from shared.pipeline_config import PipelineConfig
-from shared.sampling import SamplingParams
+from shared.wire.params import SamplingParams
 
 log = logging.getLogger("bench.load")
 

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from edge_agent.drafter import DraftStep
-from shared.lm import CausalLM, SupportsCausalLM
-from shared.sampling import Probs, SamplingParams
+from edge_agent.lm import CausalLM, SupportsCausalLM
+from shared.maths.sampling import Probs
+from shared.wire.params import SamplingParams
 
 __all__ = [
     "GreedyPaths",

@@ -32,9 +32,9 @@ from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator, generate_token
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import Target, load_target
-from shared.batched_lm import Row
-from shared.protocol import SUBPROTOCOL, CorrectionMode, Hello, ReplyMode, Verdict
-from shared.sampling import SamplingParams
+from shared.runtime.batched_lm import Row
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import SUBPROTOCOL, CorrectionMode, Hello, ReplyMode, Verdict
 
 
 class _TimedTarget(WrappedTarget):

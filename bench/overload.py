@@ -78,13 +78,14 @@ from bench.run import TimedDrafter, parse_mode
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.agent import EdgeAgent
 from edge_agent.config import EdgeSettings
+from edge_agent.core import wire_context
 from edge_agent.link import LinkSettings, WebSocketTransport
+from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.service import retry_policy
 from edge_agent.transport import Transport
-from shared.edge_core import wire_context
-from shared.models import LoadedModel
-from shared.pipeline_config import PipelineConfig
-from shared.protocol import (
+from shared.runtime.models import LoadedModel
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import (
     SUBPROTOCOL,
     Fingerprint,
     Hello,
@@ -96,7 +97,6 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.sampling import SamplingParams
 
 #: Everyday chat questions: 106–268 tokens each with the default model's chat template.
 CHAT_PROMPTS: tuple[str, ...] = (
@@ -670,8 +670,8 @@ async def reconnect_cost(b: Bench, strip: bool) -> dict[str, Any]:
 
 def _workload(cfg: OverloadConfig, workdir: Path) -> tuple[str, LoadedModel, list[list[int]]]:
     """(the verifier's --model, the target loaded here, the prompts' ids)."""
-    from edge_agent.generate import encode_prompt
-    from shared.models import load_model
+    from edge_agent.text import encode_prompt
+    from shared.runtime.models import load_model
 
     if cfg.model == "tiny":
         pair = tiny_pair(workdir / "models")
@@ -689,7 +689,7 @@ def _workload(cfg: OverloadConfig, workdir: Path) -> tuple[str, LoadedModel, lis
 async def run(
     cfg: OverloadConfig, workdir: Path, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
-    from edge_agent.generate import eos_ids
+    from edge_agent.text import eos_ids
 
     t_start = time.monotonic()
     spec, target, prompts = await asyncio.to_thread(_workload, cfg, workdir)

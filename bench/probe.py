@@ -1,8 +1,8 @@
 """A minimal verifier client for tests and benchmarks: stop-and-wait rounds of random drafts.
 
 :class:`ProbeClient` wraps an aiohttp client WebSocket; :class:`Driver` plays rounds against a
-session through the edge's own session core (:class:`shared.edge_core.SingleCore`; in federated
-mode the same :class:`~shared.edge_core.Pipeline` and :class:`~shared.edge_core.VerifierLink`,
+session through the edge's own session core (:class:`edge_agent.core.SingleCore`; in federated
+mode the same :class:`~edge_agent.core.Pipeline` and :class:`~edge_agent.core.VerifierLink`,
 accepting every draft since a probe has no aggregate to decide with). It keeps no draft model:
 drafts are random ids with q drawn log-uniform.
 """
@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 import numpy as np
 from aiohttp import ClientWebSocketResponse, WSMsgType
 
-from shared.edge_core import Pipeline, SingleCore, VerifierLink, wire_context
-from shared.generation import Generation
-from shared.pipeline_config import Mode, PipelineConfig
-from shared.protocol import (
+from edge_agent.core import Pipeline, SingleCore, VerifierLink, wire_context
+from edge_agent.generation import Generation
+from edge_agent.pipeline_config import Mode, PipelineConfig
+from shared.wire.protocol import (
     CorrectionMode,
     Error,
     FederatedReply,

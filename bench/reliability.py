@@ -51,10 +51,10 @@ from bench.harness import (
 )
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.agent import EdgeAgent, RetryPolicy
+from edge_agent.generation import Generation
+from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.transport import LinkClosed, Transport
-from shared.generation import Generation
-from shared.pipeline_config import PipelineConfig
-from shared.sampling import SamplingParams
+from shared.wire.params import SamplingParams
 
 log = logging.getLogger("bench.reliability")
 

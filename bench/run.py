@@ -97,15 +97,16 @@ from bench.tiny_models import build_tiny_model
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.agent import EdgeAgent, RetryPolicy
 from edge_agent.drafter import Drafter, DraftModel, DraftStep
-from edge_agent.generate import eos_ids
 from edge_agent.link import LinkSettings, WebSocketTransport
+from edge_agent.lm import SupportsCausalLM
+from edge_agent.pipeline_config import Mode, PipelineConfig
+from edge_agent.text import eos_ids
 from edge_agent.transport import Transport
-from shared.lm import SupportsCausalLM
-from shared.model_spec import SpecKind, parse_model_spec
-from shared.models import LoadedModel, load_model
-from shared.pipeline_config import Mode, PipelineConfig
-from shared.protocol import Fingerprint
-from shared.sampling import Probs, SamplingParams
+from shared.maths.sampling import Probs
+from shared.runtime.model_spec import SpecKind, parse_model_spec
+from shared.runtime.models import LoadedModel, load_model
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import Fingerprint
 
 DATA = Path(__file__).parent / "data"
 
@@ -569,7 +570,7 @@ def ceiling(
 
     Checks: r = 1 with n̄ = 1 (every draft wrong) gives 1/T_v, the target decoding alone, at
     any RTT; r = 0 gives the ceiling without co-generation. This is the model of the edge's
-    controller (:mod:`shared.controller`). The co-generated tokens themselves mostly coincide
+    controller (:mod:`edge_agent.controller`). The co-generated tokens themselves mostly coincide
     with drafts accepted later (the runs record ``cogen_overlap``); what they buy is time: each
     commits its position before the verdict, and one that contradicts a draft in flight voids
     that batch at once rather than a round trip later. Counting them as extra tokens prices

@@ -1,5 +1,5 @@
 """Tiny random models for smoke runs and tests: a small Llama plus a word-level tokenizer, written
-to a folder that :func:`shared.models.load_model` loads like any Hugging Face model folder.
+to a folder that :func:`shared.runtime.models.load_model` loads like any Hugging Face model folder.
 
 Built in-process and offline; the weights are random (from a seed), so the
 text means nothing, but drafts and targets built with the same ``vocab_size`` share a tokenizer.

@@ -21,8 +21,8 @@ import torch
 from cloud_verifier.cli import add_serve_arguments, run_serve
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import Target, load_target
-from shared.batched_lm import Row
-from shared.kv_pool import PagedKV
+from shared.runtime.batched_lm import Row
+from shared.runtime.kv_pool import PagedKV
 
 
 class WrappedTarget:

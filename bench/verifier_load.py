@@ -37,8 +37,8 @@ import numpy as np
 from bench.harness import VerifierProcess, free_port, write_tokens
 from bench.probe import Driver, ProbeClient, auth_headers
 from cloud_verifier.auth import generate_token
-from shared.protocol import SUBPROTOCOL, Fingerprint, Hello
-from shared.sampling import SamplingParams
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello
 
 ENGINES = {"batched": 64, "serial": 1}
 
@@ -76,7 +76,7 @@ def _fingerprint(spec: str) -> Fingerprint:
     vocab = parse_null_spec(spec)
     if vocab is not None:
         return NullTarget(vocab).fingerprint
-    from shared.models import load_model
+    from shared.runtime.models import load_model
 
     return load_model(spec).fingerprint
 

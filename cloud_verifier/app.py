@@ -29,38 +29,16 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, hdrs, web
 
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import Engine, EngineLimits, NoFreeSlot, Outcome, Slot
-from cloud_verifier.http_guard import HTTP_LOG, ConnectionGuard
-from cloud_verifier.ratelog import LogLimiter
-from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.stats import VerifierMetrics
-from cloud_verifier.step_times import StallRule
-from cloud_verifier.targets import Target, load_target
-from shared.device import DeviceUnavailable
-from shared.errors import ErrorCode, WanspecError
-from shared.metrics import CONTENT_TYPE
-from shared.protocol import (
-    SUBPROTOCOL,
-    Error,
-    FederatedReply,
-    Hello,
-    Message,
-    Progress,
-    Verdict,
-    encode,
-)
-from shared.sdnotify import Notifier
-from shared.service_status import ServiceStatus
-from shared.verifier_core import (
+from cloud_verifier.core import (
     CLOSE_OK,
     Adopt,
     Close,
+    CoGenerate,
     Crop,
     Draw,
     Event,
     Failed,
     Federate,
-    Generate,
     Note,
     NoteKind,
     Run,
@@ -72,6 +50,28 @@ from shared.verifier_core import (
     VerifierCore,
     Verify,
     Work,
+)
+from cloud_verifier.engine import Engine, EngineLimits, NoFreeSlot, Outcome, Slot
+from cloud_verifier.http_guard import HTTP_LOG, ConnectionGuard
+from cloud_verifier.ratelog import LogLimiter
+from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.stats import VerifierMetrics
+from cloud_verifier.step_times import StallRule
+from cloud_verifier.targets import Target, load_target
+from shared.errors import ErrorCode, WanspecError
+from shared.runtime.device import DeviceUnavailable
+from shared.service.metrics import CONTENT_TYPE
+from shared.service.sdnotify import Notifier
+from shared.service.status import ServiceStatus
+from shared.wire.protocol import (
+    SUBPROTOCOL,
+    Error,
+    FederatedReply,
+    Hello,
+    Message,
+    Progress,
+    Verdict,
+    encode,
 )
 
 log = logging.getLogger(__name__)
@@ -873,14 +873,14 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
     m = state.metrics
     result, timing = outcome.result, outcome.timing
     m.queue_seconds.observe(outcome.queued_s)
-    if isinstance(work, Generate):
+    if isinstance(work, CoGenerate):
         if isinstance(result, Verified):
             d = result.decision
             m.cogen_tokens.inc(d.accepted + 1)
             m.hedge_tokens.inc(d.accepted)
         elif isinstance(result, Skipped):
             m.cogen_skipped.inc()
-    if isinstance(work, (Verify, Federate, Generate)) and timing is not None:
+    if isinstance(work, (Verify, Federate, CoGenerate)) and timing is not None:
         f = len(work.fixed)
         m.model_forwards.inc()
         m.fixed_tokens.inc(f)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cloud_verifier.settings import ENV_PREFIX, TOML_SECTION, VerifierSettings
-from shared.config import ConfigError, load_settings
+from shared.service.config import ConfigError, load_settings
 
 if TYPE_CHECKING:
     from cloud_verifier.targets import Target
@@ -120,7 +120,7 @@ def _check_model_spec(spec: str) -> None:
 
     if parse_null_spec(spec) is not None:
         return
-    from shared.model_spec import ModelSpecError, parse_model_spec
+    from shared.runtime.model_spec import ModelSpecError, parse_model_spec
 
     try:
         parse_model_spec(spec)
@@ -141,8 +141,8 @@ async def serve(
     """
     from cloud_verifier.app import STATE, build_app, drain, make_runner, reload_tokens
     from cloud_verifier.http_guard import Listener
-    from shared.sdnotify import Notifier
-    from shared.service_status import ServiceStatus
+    from shared.service.sdnotify import Notifier
+    from shared.service.status import ServiceStatus
 
     notifier = Notifier.from_env()
     app = build_app(settings, auth=auth, loader=loader, notifier=notifier)

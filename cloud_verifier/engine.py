@@ -10,7 +10,7 @@ Three parts (vLLM v1's EngineCore / Scheduler / ModelRunner split, on a small sc
 * :mod:`cloud_verifier.runner`: the step itself, rows → one batched forward → decisions, and
   the slots' model state (the one owner of each cache length).
 
-Requests are typed: the core's :data:`~shared.verifier_core.Work` for one :class:`Slot`. A
+Requests are typed: the core's :data:`~cloud_verifier.core.Work` for one :class:`Slot`. A
 session has at most one request in flight (its core waits for the result), so a step sees each
 slot at most once. Stale work never reaches the engine: the core drops it first.
 
@@ -32,6 +32,7 @@ from typing import Any, Final, TypeVar
 
 import torch
 
+from cloud_verifier.core import CoGenerate, Failed, Result, Skipped, Work, WorkProgress
 from cloud_verifier.runner import FORWARDS, Runner, Shares, Slot, Timing, new_generator
 from cloud_verifier.scheduler import (
     BatchLimits,
@@ -45,9 +46,8 @@ from cloud_verifier.scheduler import (
 from cloud_verifier.step_times import StallRule, StepTimes
 from cloud_verifier.targets import Target
 from shared.errors import WanspecError
-from shared.kv_pool import PagedKV
-from shared.protocol import Hello
-from shared.verifier_core import Failed, Generate, Result, Skipped, Work, WorkProgress
+from shared.runtime.kv_pool import PagedKV
+from shared.wire.protocol import Hello
 
 __all__ = [
     "AUTO_KV_FRACTION",
@@ -153,7 +153,7 @@ def _queued(item: _Request | _Call) -> Queued:
         return Queued(Kind.CALL)
     work = item.work
     if isinstance(work, FORWARDS):
-        kind = Kind.COGEN if isinstance(work, Generate) else Kind.FORWARD
+        kind = Kind.COGEN if isinstance(work, CoGenerate) else Kind.FORWARD
         return Queued(kind, len(work.fixed) + len(work.draft) + 1)
     return Queued(Kind.CHEAP)
 

@@ -1,5 +1,5 @@
 """The verifier's connection guard: a header-read timeout and caps on pending connections,
-enforced before any authentication work (:mod:`shared.http_guard`, which the edge's API uses
+enforced before any authentication work (:mod:`shared.service.http_guard`, which the edge's API uses
 too, holds the mechanism and its rules).
 
 :class:`ConnectionGuard` is built by ``build_app`` from ``header_timeout``,
@@ -12,7 +12,7 @@ rate-limited INFO line without a traceback instead of an ERROR with one.
 
 from __future__ import annotations
 
-from shared.http_guard import ConnectionGuard, Listener, http_logger
+from shared.service.http_guard import ConnectionGuard, Listener, http_logger
 
 __all__ = ["HTTP_LOG", "ConnectionGuard", "Listener"]
 

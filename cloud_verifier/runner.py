@@ -3,19 +3,19 @@
 Runs on the engine's thread only (:mod:`cloud_verifier.engine` owns the thread, the queue and
 the futures; :mod:`cloud_verifier.scheduler` picks the step). The runner owns the target, its
 paged KV pool and every session slot's model state (pages, tokens, RNG, the p row kept for
-Resamples), and answers each request of a step with its :data:`~shared.verifier_core.Result`:
+Resamples), and answers each request of a step with its :data:`~cloud_verifier.core.Result`:
 
 * ``Crop`` (a pointer move in the pool) and ``Draw`` (a device draw from the kept row);
-* ``Verify``, ``Federate`` and ``Generate`` in **one batched forward**, then, on the device and
-  batched over the sessions (:mod:`shared.device_sampling`), the sampling transform and the
+* ``Verify``, ``Federate`` and ``CoGenerate`` in **one batched forward**, then, on the device and
+  batched over the sessions (:mod:`cloud_verifier.device_sampling`), the sampling transform and the
   decisions: *accepted* prefix, *recovered* correction or *bonus* token, or the federated rows.
   Only ids, counts and the few correction values reach the host.
 
 The slot's length is the one owner of the cache length: work names where it starts and the
 runner refuses work that does not start there; every result says the cache length after it,
-by the one crop rule (:func:`~shared.verifier_core.cache_after`), which the session's core
+by the one crop rule (:func:`~cloud_verifier.core.cache_after`), which the session's core
 adopts. A forward is committed (the slots' lengths moved) only once it returned; a failure
-leaves each slot as it was before the request (:class:`~shared.verifier_core.Failed` says so).
+leaves each slot as it was before the request (:class:`~cloud_verifier.core.Failed` says so).
 """
 
 from __future__ import annotations
@@ -28,12 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cloud_verifier.targets import Target
-from shared import device_sampling as ds
-from shared.batched_lm import Row
-from shared.kv_pool import OutOfPages, PagedKV, SlotPages
-from shared.protocol import Hello
-from shared.verifier_core import (
+from cloud_verifier import device_sampling as ds
+from cloud_verifier.core import (
+    CoGenerate,
     Crop,
     Cropped,
     Draw,
@@ -41,18 +38,21 @@ from shared.verifier_core import (
     Failed,
     Federate,
     Federated,
-    Generate,
     Result,
     Verified,
     Verify,
     Work,
     cache_after,
 )
+from cloud_verifier.targets import Target
+from shared.runtime.batched_lm import Row
+from shared.runtime.kv_pool import OutOfPages, PagedKV, SlotPages
+from shared.wire.protocol import Hello
 
 log = logging.getLogger(__name__)
 
 #: Work that needs a forward of the target.
-FORWARDS = (Verify, Federate, Generate)
+FORWARDS = (Verify, Federate, CoGenerate)
 
 
 @dataclass(eq=False)
@@ -103,12 +103,12 @@ class _Planned:
     slot: Slot
     row: Row
     start: int  # the slot's length before the forward
-    work: Verify | Federate | Generate
+    work: Verify | Federate | CoGenerate
 
 
-def work_start(work: Verify | Federate | Generate) -> int:
+def work_start(work: Verify | Federate | CoGenerate) -> int:
     """Where ``work`` says the cache ends (its first new token's position)."""
-    return work.pos if isinstance(work, Generate) else work.propose.pos
+    return work.pos if isinstance(work, CoGenerate) else work.propose.pos
 
 
 def new_generator(hello: Hello, device: torch.device) -> torch.Generator | None:
@@ -244,9 +244,9 @@ class Runner:
             return Failed(f"{type(e).__name__}: {e}", slot.length)
 
     def _plan(
-        self, index: int, slot: Slot, work: Verify | Federate | Generate
+        self, index: int, slot: Slot, work: Verify | Federate | CoGenerate
     ) -> _Planned | Failed:
-        """The forward row of one Verify/Federate/Generate: fixed + draft after the cache; with
+        """The forward row of one Verify/Federate/CoGenerate: fixed + draft after the cache; with
         no fixed tokens, the last cached token again (its row scores draft[0]; its keys are
         rewritten with the same values)."""
         slot.kept = None
@@ -338,7 +338,7 @@ class Runner:
         p.slot.kept = None
 
     def _decide(self, planned: list[_Planned], logits: torch.Tensor) -> list[Result]:
-        """Verdicts of the Verify/Generate group: accepted prefix, then recovered or bonus
+        """Verdicts of the Verify/CoGenerate group: accepted prefix, then recovered or bonus
         (sampling transform on the device, only where a decision needs it: ``verify_logits``);
         a rejection crops the cache by the one rule (``cache_after``)."""
         hellos = [p.slot.hello for p in planned]
@@ -438,4 +438,4 @@ class Runner:
 
 
 def _wants_bonus(work: Work) -> bool:
-    return isinstance(work, Generate) or (isinstance(work, Verify) and work.want_bonus)
+    return isinstance(work, CoGenerate) or (isinstance(work, Verify) and work.want_bonus)

@@ -10,7 +10,7 @@ adopting a lost session) and the sessions' model work, each described here by it
   forwards of one step: at most ``max_sessions`` rows and ``max_tokens`` padded tokens (rows ×
   longest row). The oldest forward always fits, so no session starves; what does not fit is
   first in the next step. A call after work in the prefix ends it (it runs between steps);
-* co-generation gives way: a Generate in the prefix joins the step only in the room the other
+* co-generation gives way: a CoGenerate in the prefix joins the step only in the room the other
   forwards leave, and one that finds none is answered Skipped at once.
 
 A session has at most one request queued (its core waits for the result), so a step sees each
@@ -30,7 +30,7 @@ from cloud_verifier.step_times import StallRule, StepTimes
 class Kind(Enum):
     CALL = "call"  # a function to run between steps
     FORWARD = "forward"  # Verify / Federate: a row in the step's forward
-    COGEN = "cogen"  # Generate: a row only where the step has room
+    COGEN = "cogen"  # CoGenerate: a row only where the step has room
     CHEAP = "cheap"  # Crop / Draw: no forward
 
 

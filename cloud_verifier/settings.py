@@ -1,4 +1,5 @@
-"""The verifier's settings (``cloud-verifier serve``), read by ``shared.config.load_settings``.
+"""The verifier's settings (``cloud-verifier serve``), read by
+``shared.service.config.load_settings``.
 
 Sources, highest first: command line, ``WANSPEC_*`` environment variables, a TOML file
 (``--config F``: top-level keys, or a ``[verifier]`` table), these defaults.
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from shared.config import ConfigError
+from shared.service.config import ConfigError
 
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -29,7 +30,7 @@ def _b(lo: float, hi: float | None = None) -> dict[str, float]:
 class VerifierSettings:
     """Everything ``serve`` needs. Limits are per process unless they say per session."""
 
-    model: str = "default"  # a spec for shared.models.load_model, or null:VOCAB
+    model: str = "default"  # a spec for shared.runtime.models.load_model, or null:VOCAB
     host: str = "127.0.0.1"
     port: int = field(default=8765, metadata=_b(0, 65535))
     token_file: Path | None = None  # one bearer token per line; # comments, blank lines ignored

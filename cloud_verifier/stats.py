@@ -6,7 +6,7 @@ Only verdict-mode rounds count as drafts: in federated mode the edge decides acc
 
 from __future__ import annotations
 
-from shared.metrics import Registry
+from shared.service.metrics import Registry
 
 #: Buckets for per-round and per-forward times (seconds).
 _TIME_BUCKETS = (

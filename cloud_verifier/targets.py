@@ -25,10 +25,10 @@ from typing import Any, Protocol
 
 import torch
 
-from shared.batched_lm import BatchedLM, Row
-from shared.device import describe_device, resolve_device
-from shared.kv_pool import PagedKV
-from shared.protocol import Fingerprint
+from shared.runtime.batched_lm import BatchedLM, Row
+from shared.runtime.device import describe_device, resolve_device
+from shared.runtime.kv_pool import PagedKV
+from shared.wire.protocol import Fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,8 @@ def parse_null_spec(spec: str) -> int | None:
 
 
 class TorchTarget:
-    """A loaded transformers model (see ``shared.models.load_model``) run by a
-    :class:`~shared.batched_lm.BatchedLM` over the engine's paged KV pool."""
+    """A loaded transformers model (see ``shared.runtime.models.load_model``) run by a
+    :class:`~shared.runtime.batched_lm.BatchedLM` over the engine's paged KV pool."""
 
     def __init__(self, loaded: Any, *, compile_forward: bool = False) -> None:
         self.loaded = loaded
@@ -157,7 +157,7 @@ def load_target(
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    from shared.models import load_model
+    from shared.runtime.models import load_model
 
     dev = resolve_device(device)
     if tp_size > 1 and dev.startswith("cuda"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 
-from shared.config import ConfigError
+from shared.service.config import ConfigError
 
 
 def server_context(cert: Path, key: Path) -> ssl.SSLContext:

@@ -42,9 +42,9 @@ from typing import Any, Final
 import torch
 import torch.distributed as dist
 
-from shared.batched_lm import Row
-from shared.kv_pool import PagedKV, SlotPages
-from shared.protocol import Fingerprint
+from shared.runtime.batched_lm import Row
+from shared.runtime.kv_pool import PagedKV, SlotPages
+from shared.wire.protocol import Fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """The edge agent: one draft model, its verifier link(s), generations that survive lost links.
 
 :meth:`EdgeAgent.run` runs one generation. With one verifier it connects (Hello/Welcome with the
-fingerprint check), runs a :class:`~shared.edge_core.SingleCore` over the link
-(:func:`~edge_agent.pipeline.run_single`) and, when the link drops or desynchronises, reconnects
-with the :class:`~shared.retry.RetryPolicy` backoff and resumes from the committed ids (the new
+fingerprint check), runs a :class:`~edge_agent.core.SingleCore` over the link
+(:func:`~edge_agent.driver.run_single`) and, when the link drops or desynchronises, reconnects
+with the :class:`~edge_agent.retry.RetryPolicy` backoff and resumes from the committed ids (the new
 session's first Propose carries them all as fixed tokens, so the verifier re-prefills). With a
 federation it hands the generation to :func:`~edge_agent.federation.run_federated`, which
 reconnects each worker by the same policy. Committed text is never lost or duplicated: only the
-:class:`~shared.generation.Generation` holds it, and a session only ever appends to it.
+:class:`~edge_agent.generation.Generation` holds it, and a session only ever appends to it.
 """
 
 from __future__ import annotations
@@ -20,24 +20,24 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from edge_agent.drafter import DraftModel
-from edge_agent.federation import WorkerSpec, run_federated
-from edge_agent.link import TokenRefused, VerifierBusy
-from edge_agent.pipeline import VerdictTimeout, handshake, run_single
-from edge_agent.tasks import ModelWorker
-from edge_agent.transport import LinkClosed, Transport
-from shared.edge_core import (
+from edge_agent.core import (
     DesyncError,
     HandshakeError,
     SingleCore,
     VerifierError,
     hello_for,
 )
+from edge_agent.drafter import DraftModel
+from edge_agent.driver import VerdictTimeout, handshake, run_single
+from edge_agent.federation import WorkerSpec, run_federated
+from edge_agent.generation import Generation
+from edge_agent.link import TokenRefused, VerifierBusy
+from edge_agent.pipeline_config import PipelineConfig
+from edge_agent.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy
+from edge_agent.tasks import ModelWorker
+from edge_agent.transport import LinkClosed, Transport
 from shared.errors import FATAL_CODES
-from shared.generation import Generation
-from shared.pipeline_config import PipelineConfig
-from shared.protocol import Fingerprint, Hello, ProtocolError, Resume
-from shared.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy
+from shared.wire.protocol import Fingerprint, Hello, ProtocolError, Resume
 
 __all__ = ["Connect", "EdgeAgent", "HandshakeError", "RetryPolicy"]
 

@@ -29,10 +29,10 @@ from typing import Any, TypeGuard, TypeVar
 
 from edge_agent.api_errors import ApiError, bad_request
 from edge_agent.config import SEED_RANGE, EdgeSettings
+from edge_agent.pipeline_config import Mode, PipelineConfig
 from shared.enums import TextEnum
-from shared.pipeline_config import Mode, PipelineConfig
-from shared.protocol import CorrectionMode
-from shared.sampling import MIN_TEMPERATURE
+from shared.wire.params import MIN_TEMPERATURE
+from shared.wire.protocol import CorrectionMode
 
 Body = Mapping[str, Any]
 E = TypeVar("E", bound=TextEnum)
@@ -220,7 +220,7 @@ def parse_max_tokens(body: Body) -> int | None:
 
 
 def parse_temperature(body: Body) -> float | None:
-    """``temperature``: 0 (greedy), or in [:data:`~shared.sampling.MIN_TEMPERATURE`, 2]."""
+    """``temperature``: 0 (greedy), or in [:data:`~shared.wire.params.MIN_TEMPERATURE`, 2]."""
     t = opt_num(body, "temperature", 0.0, 2.0)
     if t is not None and 0.0 < t < MIN_TEMPERATURE:
         raise bad_request(

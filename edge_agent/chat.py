@@ -30,12 +30,12 @@ from edge_agent.config import (
     check_model_specs,
     read_secret_file,
 )
+from edge_agent.pipeline_config import Mode, PipelineConfig
 from edge_agent.progress import Progress, check_cuda, device_line, quiet_hub_progress
 from edge_agent.service import EdgeService, Finished, GenRequest
 from shared.errors import WanspecError
-from shared.pipeline_config import Mode, PipelineConfig
-from shared.protocol import CorrectionMode
-from shared.sampling import MIN_TEMPERATURE, SamplingParams
+from shared.wire.params import MIN_TEMPERATURE, SamplingParams
+from shared.wire.protocol import CorrectionMode
 
 HELP = """Available commands:
   /set               Show the current settings

@@ -282,8 +282,8 @@ async def _load(settings: EdgeSettings, progress: Progress) -> EdgeService:
 async def _generate_once(
     service: EdgeService, prompt: str, chat: bool, write: Callable[[str], None]
 ) -> dict[str, Any]:
-    from edge_agent.generate import encode_prompt
     from edge_agent.service import Finished, GenRequest
+    from edge_agent.text import encode_prompt
 
     s = service.settings
     loaded, _ = service.require()
@@ -472,8 +472,8 @@ def _check(args: argparse.Namespace, env: Mapping[str, str]) -> EdgeSettings:
         retired_env_warnings,
         setting_sources,
     )
-    from shared.config import ConfigError
-    from shared.model_spec import ModelSpecError, parse_model_spec
+    from shared.runtime.model_spec import ModelSpecError, parse_model_spec
+    from shared.service.config import ConfigError
 
     cli = _cli_values(args)
     settings = load_edge_settings(config=args.config, env=env, cli=cli)

@@ -1,7 +1,7 @@
 """The edge agent's settings (every ``edge-agent`` command: ``generate``, ``demo``, ``serve``,
 ``chat``): one frozen dataclass, one loader, one set of checks.
 
-Sources, highest precedence first (:func:`shared.config.load_settings`):
+Sources, highest precedence first (:func:`shared.service.config.load_settings`):
 
 1. command-line flags,
 2. ``WANSPEC_EDGE_<NAME>`` environment variables (e.g. ``WANSPEC_EDGE_PORT``; the ``EDGE_`` infix
@@ -11,7 +11,7 @@ Sources, highest precedence first (:func:`shared.config.load_settings`):
    top-level keys, spelled like the fields (``-`` or ``_``),
 4. the defaults below.
 
-Unknown keys and bad values raise :class:`~shared.config.ConfigError` naming the key and its
+Unknown keys and bad values raise :class:`~shared.service.config.ConfigError` naming the key and its
 source. Secrets never live here: ``token_file`` and ``api_key_file`` name files that hold them.
 
 :func:`check_before_loading` runs the checks a command can make before it imports torch or loads a
@@ -38,12 +38,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 (the Jetson)
     import tomli as tomllib
 
-from shared.compression import Reconstruction
-from shared.config import ConfigError, Source, load_settings
-from shared.model_spec import ModelSpecError, SpecKind, parse_model_spec
-from shared.pipeline_config import Mode, PipelineConfig
-from shared.protocol import CorrectionMode
-from shared.sampling import MIN_TEMPERATURE, SamplingParams
+from edge_agent.pipeline_config import Mode, PipelineConfig
+from shared.maths.compression import Reconstruction
+from shared.runtime.model_spec import ModelSpecError, SpecKind, parse_model_spec
+from shared.service.config import ConfigError, Source, load_settings
+from shared.wire.params import MIN_TEMPERATURE, SamplingParams
+from shared.wire.protocol import CorrectionMode
 
 ENV_PREFIX = "WANSPEC_EDGE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -54,8 +54,9 @@ RETIRED_ENV = {
     "WANSPEC_TOKEN_FILE": ENV_PREFIX + "TOKEN_FILE",
 }
 
-# Settings files and flags spell choices as strings (shared.config checks Literal choices): the
-# values of Mode, CorrectionMode and Reconstruction (tests/test_edge_config.py keeps them equal).
+# Settings files and flags spell choices as strings (shared.service.config checks Literal choices):
+# the values of Mode, CorrectionMode and Reconstruction (tests/test_edge_config.py keeps them
+# equal).
 ModeName = Literal["pipelined", "stop-and-wait"]
 CorrectionName = Literal["candidates", "greedy_draft", "topk"]
 ReconstructionName = Literal["A", "B"]
@@ -112,7 +113,7 @@ class EdgeSettings:
     threads: int | None = field(default=None, metadata=_b(1, 1024))  # torch CPU threads
     # --- speculation
     # "auto": the online controller picks γ and D from the session's own measurements
-    # (shared.controller); a number fixes them.
+    # (edge_agent.controller); a number fixes them.
     gamma: int | Literal["auto"] = field(default="auto", metadata=_b(1, 64))
     depth: int | Literal["auto"] = field(default="auto", metadata=_b(1, 127))
     # co-generation: the verifier decodes on its own while no draft of this session is queued
@@ -135,7 +136,7 @@ class EdgeSettings:
     model_id: str = "wanspec"  # the id /v1/models lists
     max_queue: int = field(default=32, metadata=_b(1))  # waiting requests before 429
     max_body: int = field(default=1 << 20, metadata=_b(1024, 1 << 30))  # request bytes
-    # Before a request reaches a handler (shared.http_guard): its headers must arrive within
+    # Before a request reaches a handler (shared.service.http_guard): its headers must arrive within
     # header_timeout s (also the keep-alive idle limit between requests), and at most
     # max_pending_connections such connections are held, max_pending_per_address of them per
     # client address (more are refused at once with 503).
@@ -291,8 +292,8 @@ def setting_sources(
     cli: Mapping[str, Any] | None = None,
 ) -> dict[str, str]:
     """Where each explicitly given setting came from (the winner of CLI > environment > file), as
-    :class:`~shared.config.ConfigError` spells it; settings left at their default are absent.
-    Call it after :func:`load_edge_settings` succeeded with the same arguments."""
+    :class:`~shared.service.config.ConfigError` spells it; settings left at their default are
+    absent. Call it after :func:`load_edge_settings` succeeded with the same arguments."""
     e = dict(os.environ) if env is None else dict(env)
     out: dict[str, str] = {}
     path = config_path(config, e)

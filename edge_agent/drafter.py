@@ -18,9 +18,10 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from shared.edge_core import Rival
-from shared.lm import CausalLM, SupportsCausalLM
-from shared.sampling import Probs, SamplingParams, sample, transform
+from edge_agent.core import Rival
+from edge_agent.lm import CausalLM, SupportsCausalLM
+from shared.maths.sampling import Probs, sample, transform
+from shared.wire.params import SamplingParams
 
 
 @dataclass(frozen=True)

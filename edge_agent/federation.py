@@ -1,8 +1,8 @@
 """The asyncio side of federated verification (SpecFed): one link task per worker, the drafter
-and the round decider, all feeding one :class:`~shared.federation_core.FederatedCore`.
+and the round decider, all feeding one :class:`~edge_agent.federation_core.FederatedCore`.
 
 Tasks and their owner (:func:`run_federated`): each worker's link task connects (with the same
-:class:`~shared.retry.RetryPolicy` backoff and handshake timeout as the single-verifier agent),
+:class:`~edge_agent.retry.RetryPolicy` backoff and handshake timeout as the single-verifier agent),
 tells the core, then reads frames into it and writes the frames the core addressed to it until
 the link fails or the core drops it; then it reconnects. The decider waits until the head batch
 is answered by every live worker or its deadline passes (the core says which), decides and writes
@@ -23,13 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge_agent.core import DesyncError, DraftPlan, HandshakeError, Rival, VerifierError
 from edge_agent.drafter import DraftModel
-from edge_agent.link import LinkRefused, TokenRefused
-from edge_agent.pipeline import LinkIO, Signal, draft_loop, handshake
-from edge_agent.tasks import ModelWorker, cancel_all, run_until_first_done
-from edge_agent.transport import LinkClosed, Transport
-from shared.edge_core import DesyncError, DraftPlan, HandshakeError, Rival, VerifierError
-from shared.federation_core import (
+from edge_agent.driver import LinkIO, Signal, draft_loop, handshake
+from edge_agent.federation_core import (
     Drop,
     FederatedCore,
     FederationStats,
@@ -37,11 +34,14 @@ from shared.federation_core import (
     Output,
     WorkerParams,
 )
-from shared.generation import Generation
-from shared.pipeline_config import PipelineConfig
-from shared.protocol import Fingerprint, ProtocolError
-from shared.retry import RetryPolicy
-from shared.sampling import Probs
+from edge_agent.generation import Generation
+from edge_agent.link import LinkRefused, TokenRefused
+from edge_agent.pipeline_config import PipelineConfig
+from edge_agent.retry import RetryPolicy
+from edge_agent.tasks import ModelWorker, cancel_all, run_until_first_done
+from edge_agent.transport import LinkClosed, Transport
+from shared.maths.sampling import Probs
+from shared.wire.protocol import Fingerprint, ProtocolError
 
 log = logging.getLogger("wanspec.federation")
 

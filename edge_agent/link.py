@@ -11,7 +11,7 @@ import aiohttp
 
 from edge_agent.transport import LinkClosed
 from shared.errors import WanspecError
-from shared.protocol import SUBPROTOCOL
+from shared.wire.protocol import SUBPROTOCOL
 
 
 class TokenRefused(WanspecError, PermissionError):

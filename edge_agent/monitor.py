@@ -13,7 +13,7 @@ Metric names (all ``wanspec_edge_``), and the query that reads each:
   rate(wanspec_edge_generated_tokens_total[5m])`` (and ``downlink``)
 * tokens/s: ``rate(wanspec_edge_generated_tokens_total[5m])``, or the last generation's
   ``wanspec_edge_tokens_per_second``
-* the API's connection guard (:mod:`shared.http_guard`): refusals
+* the API's connection guard (:mod:`shared.service.http_guard`): refusals
   ``sum by (reason) (rate(wanspec_edge_http_connections_refused_total[5m])) > 0``, half-sent
   requests cut ``rate(wanspec_edge_http_header_timeouts_total[5m])``, pending connections now
   ``wanspec_edge_http_pending_connections``
@@ -31,14 +31,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from edge_agent.generate import ssl_context
+from edge_agent.text import ssl_context
 from edge_agent.transport import Transport
 from shared.enums import TextEnum
-from shared.metrics import Registry
+from shared.service.metrics import Registry
 
 if TYPE_CHECKING:
     from edge_agent.config import EdgeSettings
-    from shared.generation import Generation
+    from edge_agent.generation import Generation
 
 log = logging.getLogger("wanspec.edge.link")
 
@@ -106,7 +106,7 @@ class EdgeMetrics:
             "wanspec_edge_verifier_up", "1 when the verifier answered its last probe.", ("url",)
         )
         self.model_ready = r.gauge("wanspec_edge_model_ready", "1 once the draft is loaded.")
-        # The API's connection guard (shared.http_guard.GuardMetrics).
+        # The API's connection guard (shared.service.http_guard.GuardMetrics).
         self.http_pending = r.gauge(
             "wanspec_edge_http_pending_connections",
             "API connections whose request headers are not complete yet (or idle in keep-alive).",

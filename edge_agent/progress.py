@@ -18,8 +18,8 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, TextIO
 
-from shared.device import cuda_hint
-from shared.sdnotify import Notifier
+from shared.runtime.device import cuda_hint
+from shared.service.sdnotify import Notifier
 
 log = logging.getLogger("wanspec.edge")
 
@@ -150,11 +150,11 @@ def check_cuda(device: str) -> str | None:
     if device == "cuda":
         why = cuda_missing_reason()
         if why is not None:
-            from shared.config import ConfigError
+            from shared.service.config import ConfigError
 
             raise ConfigError("device", f"cuda was asked for but {why}")
         return None
-    hint = cuda_hint()  # shared.device's rule, as the verifier's
+    hint = cuda_hint()  # shared.runtime.device's rule, as the verifier's
     if hint is None:
         return None
     why = cuda_missing_reason()
@@ -165,7 +165,7 @@ def check_cuda(device: str) -> str | None:
 
 def device_line(loaded: Any) -> str:
     """One line naming the draft and where it runs: ``cpu (float32, 4 threads)`` or
-    ``cuda:0 (Orin, float16)``. ``loaded``: a :class:`shared.models.LoadedModel`."""
+    ``cuda:0 (Orin, float16)``. ``loaded``: a :class:`shared.runtime.models.LoadedModel`."""
     import torch
 
     param = next(loaded.model.parameters())

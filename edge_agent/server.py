@@ -7,10 +7,10 @@ generation carries our extension ``"wanspec": {...}`` (acceptance, bytes, rounds
 last chunk when streaming). Request bodies are checked by the pure parsers of
 :mod:`edge_agent.api_request`; errors are :class:`~edge_agent.api_errors.ApiError`.
 
-Connections are guarded before any work (:mod:`shared.http_guard`, as on the verifier): request
-headers must arrive within ``header_timeout``, and connections whose request has not reached a
-handler are capped (``max_pending_connections``, ``max_pending_per_address``; more get 503 at
-once). ``serve`` binds the port through the guard's :class:`~shared.http_guard.Listener`.
+Connections are guarded before any work (:mod:`shared.service.http_guard`, as on the verifier):
+request headers must arrive within ``header_timeout``, and connections whose request has not reached
+a handler are capped (``max_pending_connections``, ``max_pending_per_address``; more get 503 at
+once). ``serve`` binds the port through the guard's :class:`~shared.service.http_guard.Listener`.
 
 Tasks and their owners: the model load, the verifier probe and the systemd watchdog run in tasks
 created and cancelled-and-awaited by a cleanup context. Request handlers are cancelled when
@@ -42,7 +42,7 @@ from edge_agent.api_request import (
     parse_request,
 )
 from edge_agent.config import EdgeSettings, listen_error, read_secret_file
-from edge_agent.generate import encode_prompt
+from edge_agent.core import VerifierError
 from edge_agent.progress import Progress, device_line, quiet_hub_progress
 from edge_agent.service import (
     EdgeService,
@@ -51,11 +51,11 @@ from edge_agent.service import (
     QueueFull,
     VerifierUnavailable,
 )
-from shared.edge_core import VerifierError
-from shared.http_guard import ConnectionGuard, Listener, http_logger
-from shared.metrics import CONTENT_TYPE
-from shared.sdnotify import Notifier
-from shared.service_status import ServiceStatus
+from edge_agent.text import encode_prompt
+from shared.service.http_guard import ConnectionGuard, Listener, http_logger
+from shared.service.metrics import CONTENT_TYPE
+from shared.service.sdnotify import Notifier
+from shared.service.status import ServiceStatus
 
 log = logging.getLogger("wanspec.edge.server")
 #: The logger of aiohttp's request handlers (:func:`make_runner`): a malformed request is a
@@ -408,8 +408,8 @@ def _key_matches(given: str, key: str) -> bool:
 
 @web.middleware
 async def guard_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Headers complete: the connection is no longer pending (``shared.http_guard``) until this
-    request is answered. The outermost middleware, so nothing runs before it."""
+    """Headers complete: the connection is no longer pending (``shared.service.http_guard``) until
+    this request is answered. The outermost middleware, so nothing runs before it."""
     guard = request.app[STATE].guard
     guard.request_started(request.transport)
     try:

@@ -21,9 +21,11 @@ from typing import Any
 
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.config import EdgeSettings, read_secret_file
+from edge_agent.core import VerifierError
 from edge_agent.drafter import Drafter
+from edge_agent.driver import VerdictTimeout
 from edge_agent.federation import WorkerSpec
-from edge_agent.generate import TextStreamer, eos_ids, result_json, ssl_context
+from edge_agent.generation import Generation
 from edge_agent.link import (
     LinkRefused,
     LinkSettings,
@@ -32,17 +34,15 @@ from edge_agent.link import (
     WebSocketTransport,
 )
 from edge_agent.monitor import EdgeMetrics, LinkMonitor, TimedTransport, VerifierLinkState
-from edge_agent.pipeline import VerdictTimeout
+from edge_agent.pipeline_config import PipelineConfig
+from edge_agent.retry import LinkDownPolicy
 from edge_agent.tasks import ModelWorker
+from edge_agent.text import TextStreamer, eos_ids, result_json, ssl_context
 from edge_agent.transport import LinkClosed, Transport
-from shared.device import resolve_device
-from shared.edge_core import VerifierError
 from shared.errors import WanspecError
-from shared.generation import Generation
-from shared.model_spec import SpecKind, parse_model_spec
-from shared.models import LoadedModel, load_model
-from shared.pipeline_config import PipelineConfig
-from shared.retry import LinkDownPolicy
+from shared.runtime.device import resolve_device
+from shared.runtime.model_spec import SpecKind, parse_model_spec
+from shared.runtime.models import LoadedModel, load_model
 
 log = logging.getLogger("wanspec.edge.service")
 

@@ -2,7 +2,7 @@
 
 The drivers only ever call :meth:`Transport.send` and :meth:`Transport.recv`; the WebSocket link
 (:mod:`edge_agent.link`) implements it, and tests test the session rules without any transport
-(:mod:`shared.edge_core` is pure).
+(:mod:`edge_agent.core` is pure).
 """
 
 from __future__ import annotations

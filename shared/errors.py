@@ -17,7 +17,7 @@ class WanspecError(Exception):
 
 
 class ErrorCode(TextEnum):
-    """The ``code`` of an Error frame (shared.protocol.Error)."""
+    """The ``code`` of an Error frame (shared.wire.protocol.Error)."""
 
     # handshake (fatal): the session is not opened
     BAD_HANDSHAKE = "bad_handshake"

@@ -22,8 +22,8 @@ from edge_agent.config import EdgeSettings
 from edge_agent.server import build_app as build_edge_app
 from edge_agent.server import make_runner
 from edge_agent.service import EdgeService
-from shared.batched_lm import Row
-from shared.models import LoadedModel
+from shared.runtime.batched_lm import Row
+from shared.runtime.models import LoadedModel
 from tests.verifiers import READY_TIMEOUT_S, ready, verifier_app
 
 T = TypeVar("T")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 from scipy import stats
 
-from shared.sampling import SamplingParams, transform
+from shared.maths.sampling import transform
+from shared.wire.params import SamplingParams
 
 #: Samples per case.
 N = 20_000

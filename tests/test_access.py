@@ -26,11 +26,11 @@ from cloud_verifier.cli import main as verifier_main
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import NullTarget
 from cloud_verifier.tls import server_context
+from edge_agent.driver import handshake
 from edge_agent.link import LinkSettings, UntrustedCertificateError, WebSocketTransport
-from edge_agent.pipeline import handshake
-from shared.config import ConfigError
-from shared.protocol import SUBPROTOCOL, Fingerprint, Hello, Welcome
-from shared.sampling import SamplingParams
+from shared.service.config import ConfigError
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello, Welcome
 from tests.verifiers import serve_process, serve_verifier, wait_healthy
 from tests.waits import until
 

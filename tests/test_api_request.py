@@ -30,8 +30,8 @@ from edge_agent.api_request import (
     parse_streaming,
 )
 from edge_agent.config import EdgeSettings
-from shared.pipeline_config import Mode
-from shared.protocol import CorrectionMode
+from edge_agent.pipeline_config import Mode
+from shared.wire.protocol import CorrectionMode
 
 
 def fault(fn: Any, *args: Any, **kwargs: Any) -> ApiError:

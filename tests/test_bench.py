@@ -24,11 +24,11 @@ from bench.verifier import PaddedTarget
 from bench.verifier import main as padded_verifier_main
 from cloud_verifier.cli import main as verifier_main
 from cloud_verifier.targets import NullTarget
-from shared.batched_lm import Row
-from shared.kv_pool import SlotPages
-from shared.pipeline_config import Mode
-from shared.protocol import SUBPROTOCOL, Fingerprint, Hello
-from shared.sampling import SamplingParams
+from edge_agent.pipeline_config import Mode
+from shared.runtime.batched_lm import Row
+from shared.runtime.kv_pool import SlotPages
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello
 from tests.verifiers import serve_process, wait_healthy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,8 +141,8 @@ def test_oracle_drafter_follows_the_greedy_path() -> None:
 
 
 def test_oracle_greedy_path_and_timed_padding(tiny_model_dir: Path) -> None:
-    from shared.lm import CausalLM
-    from shared.models import load_model
+    from edge_agent.lm import CausalLM
+    from shared.runtime.models import load_model
 
     target = load_model(str(tiny_model_dir))
     prompt = [1, 7, 9, 11]

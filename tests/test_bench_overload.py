@@ -12,7 +12,8 @@ import orjson
 
 from bench.overload import Tap, parse_metrics
 from edge_agent.transport import Transport
-from shared.protocol import (
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import (
     Fingerprint,
     Hello,
     Propose,
@@ -23,7 +24,6 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 LOAD_KEYS = {

@@ -26,19 +26,32 @@ import pytest
 from bench.probe import ProbeClient, auth_headers
 from cloud_verifier.app import REFUSAL_HEADER, STATE, VerifierState, build_app
 from cloud_verifier.auth import Authenticator
+from cloud_verifier.core import (
+    Adopt,
+    Close,
+    CoreState,
+    Run,
+    Send,
+    SessionLimits,
+    TargetInfo,
+    VerifierCore,
+    Verify,
+    WorkProgress,
+)
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.step_times import StallRule, StepTimes
 from cloud_verifier.targets import TorchTarget
 from edge_agent.agent import EdgeAgent, RetryPolicy
+from edge_agent.core import PREFILL_ALLOWANCE_S, DesyncError, Pipeline, resumed_length
 from edge_agent.drafter import Drafter
+from edge_agent.generation import Generation
 from edge_agent.link import LinkSettings, VerifierBusy, WebSocketTransport, retry_after_s
+from edge_agent.lm import CausalLM
+from edge_agent.pipeline_config import PipelineConfig
+from edge_agent.retry import GiveUp, Outage
 from edge_agent.transport import LinkClosed, Transport
-from shared.edge_core import PREFILL_ALLOWANCE_S, DesyncError, Pipeline, resumed_length
-from shared.generation import Generation
-from shared.lm import CausalLM
-from shared.models import LoadedModel, load_model
-from shared.pipeline_config import PipelineConfig
-from shared.protocol import (
+from shared.runtime.models import LoadedModel, load_model
+from shared.wire.protocol import (
     SUBPROTOCOL,
     Error,
     Fingerprint,
@@ -54,19 +67,6 @@ from shared.protocol import (
     Welcome,
     encode,
     text_digest,
-)
-from shared.retry import GiveUp, Outage
-from shared.verifier_core import (
-    Adopt,
-    Close,
-    CoreState,
-    Run,
-    Send,
-    SessionLimits,
-    TargetInfo,
-    VerifierCore,
-    Verify,
-    WorkProgress,
 )
 from tests.edge_helpers import SlowTarget
 

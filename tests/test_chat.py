@@ -17,8 +17,8 @@ from edge_agent.chat import ChatOptions, Event, Repl, stats_line
 from edge_agent.config import EdgeSettings
 from edge_agent.progress import Progress
 from edge_agent.service import Finished
-from shared.models import LoadedModel, load_model
-from shared.protocol import CorrectionMode
+from shared.runtime.models import LoadedModel, load_model
+from shared.wire.protocol import CorrectionMode
 from tests.edge_helpers import Servers, edge_settings
 from tests.waits import POLL_S, poll
 

@@ -1,6 +1,6 @@
 """Co-generation keeps the output the target's: both session cores, coupled in memory, with a
 stochastic bigram target and draft at T = 1, and a random schedule that decides when the
-verifier's own Generate work completes (co-generation forced on at random points: before,
+verifier's own CoGenerate work completes (co-generation forced on at random points: before,
 between or after the edge's Proposes arrive). The joint law of the first three generated
 tokens is compared with the target's by a chi-square test; a broken verifier that co-generates
 from the draft's law instead of p must fail the same test (the test has power). With hedges
@@ -15,18 +15,12 @@ from collections import deque
 import numpy as np
 import pytest
 
-from shared.edge_core import Rival, SingleCore, hello_for
-from shared.generation import Generation
-from shared.pipeline_config import PipelineConfig
-from shared.protocol import CorrectionMode, Fingerprint, Welcome, decode, encode
-from shared.rejection import Decision, draw_candidates, verify_batch
-from shared.sampling import SamplingParams, sample
-from shared.verifier_core import (
+from cloud_verifier.core import (
+    CoGenerate,
     Crop,
     Cropped,
     Draw,
     Drawn,
-    Generate,
     Result,
     Run,
     Send,
@@ -37,6 +31,13 @@ from shared.verifier_core import (
     Verify,
     Work,
 )
+from edge_agent.core import Rival, SingleCore, hello_for
+from edge_agent.generation import Generation
+from edge_agent.pipeline_config import PipelineConfig
+from shared.maths.rejection import Decision, draw_candidates, verify_batch
+from shared.maths.sampling import sample
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import CorrectionMode, Fingerprint, Welcome, decode, encode
 from tests.test_exactness import ALPHA, chi_square_pvalue
 
 V = 4
@@ -58,7 +59,7 @@ P, Q = _bigram(2)
 
 
 class BigramTarget:
-    """The verifier's model side: p(· | text) = P[last token]; ``cogen_law`` is what Generate
+    """The verifier's model side: p(· | text) = P[last token]; ``cogen_law`` is what CoGenerate
     samples from (P; Q in the negative control)."""
 
     def __init__(
@@ -71,15 +72,15 @@ class BigramTarget:
         self.kept: tuple[np.ndarray, int] | None = None
 
     def run(self, work: Work, core: VerifierCore) -> Result:
-        if isinstance(work, Generate) and self.trust_hedges and len(work.draft):
+        if isinstance(work, CoGenerate) and self.trust_hedges and len(work.draft):
             self.cache += work.fixed.tolist() + work.draft.tolist()
             bonus = sample(self.cogen_law[self.cache[-1]], self.rng)
             return Verified(Decision(len(work.draft), bonus=bonus))
-        if isinstance(work, Generate) and len(work.draft) == 0:
+        if isinstance(work, CoGenerate) and len(work.draft) == 0:
             assert work.pos == len(self.cache) == core.cache_len
             self.cache += work.fixed.tolist()
             return Verified(Decision(0, bonus=sample(self.cogen_law[self.cache[-1]], self.rng)))
-        if isinstance(work, (Verify, Generate)):
+        if isinstance(work, (Verify, CoGenerate)):
             pos = work.propose.pos if isinstance(work, Verify) else work.pos
             assert pos == len(self.cache) == core.cache_len
             self.cache += work.fixed.tolist()
@@ -96,7 +97,7 @@ class BigramTarget:
                 greedy=False,
                 correction=str(core.hello.correction),
                 rng=self.rng,
-                want_bonus=isinstance(work, Generate) or work.want_bonus,
+                want_bonus=isinstance(work, CoGenerate) or work.want_bonus,
             )
             self.cache += draft[: d.accepted]
             kept = False

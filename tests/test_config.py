@@ -1,4 +1,5 @@
-"""shared.config: precedence CLI > environment > TOML file > defaults, and error messages."""
+"""shared.service.config: precedence CLI > environment > TOML file > defaults, and error
+messages."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Literal
 import pytest
 
 from cloud_verifier.settings import VerifierSettings
-from shared.config import ConfigError, load_settings, parse_bool
+from shared.service.config import ConfigError, load_settings, parse_bool
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The device path (shared.device_sampling) against the NumPy reference it replaces.
+"""The device path (cloud_verifier.device_sampling) against the NumPy reference it replaces.
 
 Deterministic parts (the transform, greedy decisions, top-K corrections, federated rows) must
 equal the reference; the random parts are held to the target distribution by the chi-square
@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from shared import compression as C
-from shared import device_sampling as D
-from shared.protocol import CorrectionMode, SparseDist
-from shared.rejection import Decision, one_hot, recover, try_candidates, verify_batch
-from shared.sampling import SamplingParams, transform
+from cloud_verifier import device_sampling as D
+from shared.maths import compression as C
+from shared.maths.rejection import Decision, one_hot, recover, try_candidates, verify_batch
+from shared.maths.sampling import transform
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import CorrectionMode, SparseDist
 from tests.stats import ALPHA, SETTINGS, N, bigram, chi_square_pvalue, logit_pair
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

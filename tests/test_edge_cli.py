@@ -19,9 +19,9 @@ import torch
 from edge_agent.cli import _UNLISTED, build_parser
 from edge_agent.config import EdgeSettings
 from edge_agent.progress import check_cuda, device_line
-from shared.config import ConfigError
-from shared.device import cuda_hint
-from shared.models import LoadedModel, load_model
+from shared.runtime.device import cuda_hint
+from shared.runtime.models import LoadedModel, load_model
+from shared.service.config import ConfigError
 from tests.edge_helpers import Servers
 
 REPO = Path(__file__).resolve().parent.parent

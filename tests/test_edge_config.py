@@ -23,10 +23,10 @@ from edge_agent.config import (
     retired_env_warnings,
     setting_sources,
 )
-from shared.compression import Reconstruction
-from shared.config import ConfigError
-from shared.pipeline_config import Mode
-from shared.protocol import CorrectionMode
+from edge_agent.pipeline_config import Mode
+from shared.maths.compression import Reconstruction
+from shared.service.config import ConfigError
+from shared.wire.protocol import CorrectionMode
 
 
 def write(path: Path, text: str) -> Path:

@@ -1,4 +1,4 @@
-"""The edge's session rules (:class:`shared.edge_core.SingleCore`) as pure functions over scripted
+"""The edge's session rules (:class:`edge_agent.core.SingleCore`) as pure functions over scripted
 event sequences: no sockets, no models, no event loop, no sleeps. The test decides every
 interleaving (when the drafter runs, when a Verdict arrives), so each sequence below is exact.
 """
@@ -11,10 +11,12 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from shared.edge_core import DesyncError, EdgeState, SingleCore, VerifierError, hello_for
-from shared.generation import Generation
-from shared.pipeline_config import Mode, PipelineConfig
-from shared.protocol import (
+from edge_agent.core import DesyncError, EdgeState, SingleCore, VerifierError, hello_for
+from edge_agent.generation import Generation
+from edge_agent.pipeline_config import Mode, PipelineConfig
+from shared.maths.sampling import Probs
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import (
     Candidates,
     CorrectionMode,
     Error,
@@ -28,7 +30,6 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.sampling import Probs, SamplingParams
 
 V = 16
 FP = Fingerprint("t", V, "test")

@@ -30,12 +30,13 @@ from cloud_verifier.targets import Target, TorchTarget
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.drafter import Drafter
 from edge_agent.link import LinkSettings, TokenRefused, WebSocketTransport
+from edge_agent.lm import CausalLM
+from edge_agent.pipeline_config import Mode, PipelineConfig
 from edge_agent.transport import LinkClosed, Transport
-from shared.lm import CausalLM
-from shared.models import LoadedModel, load_model
-from shared.pipeline_config import Mode, PipelineConfig
-from shared.protocol import CorrectionMode
-from shared.sampling import SamplingParams, transform
+from shared.maths.sampling import transform
+from shared.runtime.models import LoadedModel, load_model
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import CorrectionMode
 from tests.edge_helpers import SlowTarget
 from tests.stats import sequential_chi_square
 from tests.verifiers import KillAfter, serve_verifier, session_url

@@ -30,10 +30,11 @@ from edge_agent.config import EdgeSettings, load_edge_settings
 from edge_agent.monitor import EdgeMetrics, LinkMonitor, VerifierLinkState
 from edge_agent.server import STATE, ServerState, build_app, make_listener, make_runner
 from edge_agent.service import EdgeService
-from shared.config import ConfigError
-from shared.protocol import Fingerprint, Hello, ProtocolError, decode, encode
-from shared.sampling import MIN_TEMPERATURE, SamplingParams, sample, transform
-from shared.service_status import ServiceStatus
+from shared.maths.sampling import sample, transform
+from shared.service.config import ConfigError
+from shared.service.status import ServiceStatus
+from shared.wire.params import MIN_TEMPERATURE, SamplingParams
+from shared.wire.protocol import Fingerprint, Hello, ProtocolError, decode, encode
 from tests.verifiers import guarded_verifier
 from tests.waits import closed_within, until
 

@@ -23,11 +23,11 @@ import openai
 import pytest
 import torch
 
+from edge_agent.lm import CausalLM
+from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.service import EdgeService, FairQueue, QueueFull, StopScanner
-from shared.lm import CausalLM
-from shared.models import LoadedModel, load_model
-from shared.pipeline_config import PipelineConfig
-from shared.sampling import SamplingParams
+from shared.runtime.models import LoadedModel, load_model
+from shared.wire.params import SamplingParams
 from tests.edge_helpers import TOKEN, Servers, edge_settings, wait_http
 from tests.waits import poll, until
 
@@ -389,8 +389,8 @@ async def test_cancelling_a_generation_is_clean(
     from cloud_verifier.targets import TorchTarget
     from edge_agent.agent import EdgeAgent, RetryPolicy
     from edge_agent.drafter import Drafter
+    from edge_agent.generation import Generation
     from edge_agent.link import LinkSettings, WebSocketTransport
-    from shared.generation import Generation
     from tests.edge_helpers import SlowTarget
     from tests.verifiers import serve_verifier, session_url
 

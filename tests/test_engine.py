@@ -16,15 +16,16 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from cloud_verifier.core import Crop, Cropped, Draw, Drawn, Failed, Verified, Verify
 from cloud_verifier.engine import Engine, EngineLimits, NoFreeSlot, Outcome, Slot
 from cloud_verifier.targets import NullTarget, Target, TorchTarget
-from shared.batched_lm import BatchedLM, Row
-from shared.kv_pool import SlotPages
-from shared.models import load_model
-from shared.protocol import CorrectionMode, Fingerprint, Hello, Propose
-from shared.rejection import try_candidates
-from shared.sampling import SamplingParams, transform
-from shared.verifier_core import Crop, Cropped, Draw, Drawn, Failed, Verified, Verify
+from shared.maths.rejection import try_candidates
+from shared.maths.sampling import transform
+from shared.runtime.batched_lm import BatchedLM, Row
+from shared.runtime.kv_pool import SlotPages
+from shared.runtime.models import load_model
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import CorrectionMode, Fingerprint, Hello, Propose
 from tests.test_exactness import ALPHA, chi_square_pvalue
 
 GREEDY = SamplingParams(temperature=0.0)

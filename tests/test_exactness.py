@@ -13,10 +13,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from shared import compression as C
-from shared.protocol import CorrectionMode
-from shared.rejection import Decision, draw_candidates, one_hot, recover, verify_batch
-from shared.sampling import SamplingParams, sample, total_variation, transform
+from shared.maths import compression as C
+from shared.maths.rejection import Decision, draw_candidates, one_hot, recover, verify_batch
+from shared.maths.sampling import sample, total_variation, transform
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import CorrectionMode
 
 # ALPHA and chi_square_pvalue stay importable from here too (test_cogen, test_engine and
 # test_federated take them from this module).
@@ -99,7 +100,7 @@ def test_lossy_topk_within_tv_bound(k: int, params: SamplingParams) -> None:
     # the exact emitted distribution of a top-K step, and the sampled one
     p_hat = C.reconstruct(C.top_k(p, k), v)
     beta = 1.0 - np.minimum(p, q).sum()
-    from shared.sampling import residual
+    from shared.maths.sampling import residual
 
     analytic = np.minimum(p, q) + beta * residual(p_hat, q)
     assert total_variation(analytic, p) <= bound + 1e-9

@@ -7,10 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import compression as C
-from shared.federated import decide
-from shared.protocol import FederatedReply
-from shared.sampling import SamplingParams, sample, transform
+from edge_agent.aggregation import decide
+from shared.maths import compression as C
+from shared.maths.sampling import sample, transform
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import FederatedReply
 from tests.test_exactness import ALPHA, chi_square_pvalue
 
 

@@ -1,4 +1,4 @@
-"""The federation's worker rules (:class:`shared.federation_core.FederatedCore`) as pure
+"""The federation's worker rules (:class:`edge_agent.federation_core.FederatedCore`) as pure
 functions: one case per row of its worker state table, plus rounds, deadlines and Rollbacks.
 No sockets, no event loop; time is passed in."""
 
@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.federation_core import Drop, FederatedCore, Frame, WorkerParams, WorkerState
-from shared.generation import Generation
-from shared.pipeline_config import PipelineConfig
-from shared.protocol import (
+from edge_agent.federation_core import Drop, FederatedCore, Frame, WorkerParams, WorkerState
+from edge_agent.generation import Generation
+from edge_agent.pipeline_config import PipelineConfig
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import (
     Error,
     FederatedReply,
     Fingerprint,
@@ -21,7 +22,6 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.sampling import SamplingParams
 
 V = 16
 FP = Fingerprint("t", V, "test")

@@ -14,13 +14,14 @@ from cloud_verifier.targets import TorchTarget
 from edge_agent.drafter import Drafter
 from edge_agent.federation import WorkerSpec, generate_federated
 from edge_agent.link import LinkSettings, WebSocketTransport
+from edge_agent.lm import CausalLM
+from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.tasks import ModelWorker
 from edge_agent.transport import Transport
-from shared import compression as C
-from shared.lm import CausalLM
-from shared.models import LoadedModel, load_model
-from shared.pipeline_config import PipelineConfig
-from shared.sampling import SamplingParams, transform
+from shared.maths import compression as C
+from shared.maths.sampling import transform
+from shared.runtime.models import LoadedModel, load_model
+from shared.wire.params import SamplingParams
 from tests.stats import sequential_chi_square
 from tests.verifiers import KillAfter, serve_verifier, session_url
 

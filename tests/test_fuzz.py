@@ -20,11 +20,12 @@ from bench.fuzz import FuzzConfig, Shadow, corpus_frames, mutate_bytes, mutate_m
 from bench.probe import Driver, ProbeClient, auth_headers
 from cloud_verifier.app import STATE
 from cloud_verifier.targets import TorchTarget
-from shared.edge_core import DesyncError, SingleCore, VerifierError, hello_for
-from shared.generation import Generation
-from shared.models import load_model
-from shared.pipeline_config import PipelineConfig
-from shared.protocol import (
+from edge_agent.core import DesyncError, SingleCore, VerifierError, hello_for
+from edge_agent.generation import Generation
+from edge_agent.pipeline_config import PipelineConfig
+from shared.runtime.models import load_model
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import (
     SUBPROTOCOL,
     Candidates,
     CorrectionMode,
@@ -44,7 +45,6 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.sampling import SamplingParams
 from tests.verifiers import ready, verifier_app
 
 CORPUS = Path(__file__).resolve().parent / "fuzz_corpus"

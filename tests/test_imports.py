@@ -8,6 +8,12 @@
    process environment): checked in a fresh interpreter, against a baseline taken after running
    the product's third-party import statements alone (torch, for one, sets
    ``TORCHINDUCTOR_CACHE_DIR`` when ``torch._dynamo`` is imported: not the product's doing).
+4. The layers of ``shared`` (:data:`LAYERS`): each imports only the layers below it and none of the
+   third-party packages its layer forbids (wire and maths: no torch, no asyncio, no aiohttp;
+   nothing below the runtime imports torch); ``shared`` never imports the edge or the verifier,
+   and they never import each other.
+5. A module lives in the package of its only user: every ``shared`` module is used (directly or
+   through other ``shared`` modules) by both ``edge_agent`` and ``cloud_verifier``.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ class Import:
     line: int
 
     def where(self) -> str:
-        return f"{self.path.relative_to(REPO)}:{self.line}"
+        path = self.path.relative_to(REPO) if self.path.is_relative_to(REPO) else self.path
+        return f"{path}:{self.line}"
 
 
 def product_modules() -> dict[str, Path]:
@@ -218,6 +225,98 @@ def find_cycles() -> list[str]:
     return found
 
 
+#: The layers, bottom up: a module's layer is the first whose prefix it has.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "base": ("shared.enums", "shared.errors"),  # the error root and its codes, TextEnum
+    "wire": ("shared.wire",),  # frames, their codec, the sampling parameters they carry
+    "maths": ("shared.maths",),  # the sampling transform, rejection, compression (numpy)
+    "runtime": ("shared.runtime",),  # torch: devices, the paged KV, the batched forward, models
+    "service": ("shared.service",),  # daemons: settings, metrics, HTTP guards, systemd
+    "edge": ("edge_agent",),
+    "verifier": ("cloud_verifier",),
+}
+
+_BELOW_SERVICES = {"base", "wire", "maths", "runtime", "service"}
+
+#: The product layers each layer may import (besides itself).
+MAY_IMPORT: dict[str, set[str]] = {
+    "base": set(),
+    "wire": {"base"},
+    "maths": {"base", "wire"},
+    "runtime": {"base", "wire", "maths"},
+    "service": {"base", "wire"},
+    "edge": _BELOW_SERVICES,
+    "verifier": _BELOW_SERVICES,
+}
+
+_IO = {"asyncio", "aiohttp", "socket", "ssl", "threading"}
+_TORCH = {"torch", "transformers"}
+
+#: Third-party (and I/O) packages each layer must not import.
+FORBIDDEN_PACKAGES: dict[str, set[str]] = {
+    "base": {"numpy", "msgpack", *_TORCH, *_IO},
+    "wire": {*_TORCH, *_IO},
+    "maths": {"msgpack", *_TORCH, *_IO},
+    "runtime": {"asyncio", "aiohttp", "socket", "ssl"},
+    "service": _TORCH,
+}
+
+
+def layer_of(module: str) -> str | None:
+    for layer, prefixes in LAYERS.items():
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return layer
+    return None
+
+
+def layer_violations(modules: dict[str, Path]) -> list[str]:
+    """One line per import that breaks :data:`MAY_IMPORT` or :data:`FORBIDDEN_PACKAGES`, and
+    per product module in no layer."""
+    bad = []
+    for module, path in modules.items():
+        layer = layer_of(module)
+        if layer is None:
+            if module.count(".") > 0 or module not in PRODUCT:
+                bad.append(f"{module} is in no layer (tests/test_imports.py: LAYERS)")
+            continue
+        for imp in imports_of(module, path):
+            top = imp.target.split(".")[0]
+            if top in PRODUCT:
+                target = _owner(imp.target, modules) or imp.target
+                other = layer_of(target)
+                if other is not None and other != layer and other not in MAY_IMPORT[layer]:
+                    bad.append(f"{imp.where()}: {module} ({layer}) imports {target} ({other})")
+            elif top in FORBIDDEN_PACKAGES.get(layer, set()):
+                bad.append(f"{imp.where()}: {module} ({layer}) imports {imp.target}")
+    return sorted(set(bad))
+
+
+def single_user_modules(modules: dict[str, Path]) -> list[str]:
+    """``shared`` modules that ``edge_agent`` or ``cloud_verifier`` never reaches (directly or
+    through other ``shared`` modules): they belong in the package of their user."""
+    graph, _ = import_graph()
+    reached: dict[str, set[str]] = {}
+    for package in ("edge_agent", "cloud_verifier"):
+        seen: set[str] = set()
+        todo = [m for m in graph if m.split(".")[0] == package]
+        while todo:
+            for child in graph[todo.pop()]:
+                if child.startswith("shared.") and child not in seen:
+                    seen.add(child)
+                    todo.append(child)
+        reached[package] = seen
+    out = []
+    for module in sorted(modules):
+        if not module.startswith("shared.") or module.endswith("__init__"):
+            continue
+        if modules[module].name == "__init__.py":
+            continue
+        users = [p for p in ("edge_agent", "cloud_verifier") if module in reached[p]]
+        if len(users) < 2:
+            out.append(f"{module}: used by {users or 'nobody'}")
+    return out
+
+
 # --------------------------------------------------------------------------- the checker's own
 
 
@@ -245,7 +344,7 @@ def test_imports_are_found_everywhere(tmp_path: Path) -> None:
         "import os.path\n"
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n"
-        "    from shared.protocol import Hello\n"
+        "    from shared.wire.protocol import Hello\n"
         "def f():\n"
         "    import edge_agent.agent\n"
         "    from . import sibling\n"
@@ -255,7 +354,7 @@ def test_imports_are_found_everywhere(tmp_path: Path) -> None:
     names = {i.target for i in imports_of("pkg.sub.mod", src)}
     assert {
         "os.path",
-        "shared.protocol.Hello",
+        "shared.wire.protocol.Hello",
         "edge_agent.agent",
         "pkg.sub.sibling",
         "pkg.up.thing",
@@ -269,6 +368,26 @@ def test_imports_are_found_everywhere(tmp_path: Path) -> None:
 def test_no_import_cycles_among_product_modules() -> None:
     cycles = find_cycles()
     assert not cycles, "import cycles among product modules:\n" + "\n".join(cycles)
+
+
+def test_the_layer_checker_sees_a_violation(tmp_path: Path) -> None:
+    (tmp_path / "wire").mkdir()
+    bad = tmp_path / "wire" / "codec.py"
+    bad.write_text("import torch\nfrom shared.runtime.models import load_model\n")
+    found = layer_violations({"shared.wire.codec": bad, "shared.stray": bad})
+    assert any("imports torch" in line for line in found)
+    assert any("(runtime)" in line for line in found)
+    assert any("shared.stray is in no layer" in line for line in found)
+
+
+def test_shared_is_layered() -> None:
+    bad = layer_violations(product_modules())
+    assert not bad, "layer contracts broken:\n" + "\n".join(bad)
+
+
+def test_shared_holds_only_what_both_ends_use() -> None:
+    bad = single_user_modules(product_modules())
+    assert not bad, "shared modules with one user (move them to it):\n" + "\n".join(bad)
 
 
 def test_product_never_imports_bench_or_tests() -> None:

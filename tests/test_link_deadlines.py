@@ -19,23 +19,23 @@ import pytest
 import torch
 from aiohttp import web
 
+from cloud_verifier.core import Send, SessionLimits, TargetInfo, VerifierCore
 from cloud_verifier.targets import TorchTarget
 from edge_agent.agent import EdgeAgent, RetryPolicy
 from edge_agent.config import EdgeSettings
+from edge_agent.core import DraftPlan, Pipeline
 from edge_agent.drafter import Drafter
+from edge_agent.driver import VerdictTimeout
+from edge_agent.generation import Generation
 from edge_agent.link import LinkRefused, LinkSettings, WebSocketTransport
-from edge_agent.pipeline import VerdictTimeout
+from edge_agent.lm import CausalLM
+from edge_agent.pipeline_config import PipelineConfig
+from edge_agent.retry import GiveUp, Outage
 from edge_agent.service import retry_policy
 from edge_agent.transport import LinkClosed, Transport
-from shared.edge_core import DraftPlan, Pipeline
-from shared.generation import Generation
-from shared.lm import CausalLM
-from shared.models import LoadedModel, load_model
-from shared.pipeline_config import PipelineConfig
-from shared.protocol import SUBPROTOCOL, Fingerprint, encode
-from shared.retry import GiveUp, Outage
-from shared.sampling import SamplingParams
-from shared.verifier_core import Send, SessionLimits, TargetInfo, VerifierCore
+from shared.runtime.models import LoadedModel, load_model
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import SUBPROTOCOL, Fingerprint, encode
 from tests.edge_helpers import TOKEN, Servers, edge_settings
 from tests.verifiers import serve_verifier, session_url
 

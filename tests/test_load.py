@@ -19,8 +19,8 @@ from bench.load import LoadConfig, run
 from bench.probe import Driver, ProbeClient, auth_headers
 from cloud_verifier.app import STATE, _buffered, _close_sessions
 from cloud_verifier.targets import NullTarget
-from shared.protocol import SUBPROTOCOL, Fingerprint, Hello, Propose, ReplyMode, encode
-from shared.sampling import SamplingParams
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello, Propose, ReplyMode, encode
 from tests.verifiers import ready, verifier_app
 
 BIG_V = 49152

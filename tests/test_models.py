@@ -1,6 +1,6 @@
-"""Tests for model specs, offline loading and self-drafts (shared.model_spec, shared.model_cache,
-shared.gguf, shared.layer_skip, shared.fingerprint, shared.models) and shared.lm (incremental
-decoding)."""
+"""Tests for model specs, offline loading and self-drafts (shared.runtime.model_spec,
+shared.runtime.model_cache, shared.runtime.gguf, shared.runtime.layer_skip,
+shared.runtime.fingerprint, shared.runtime.models) and edge_agent.lm (incremental decoding)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from bench.tiny_models import build_tiny_model
-from shared.fingerprint import tokenizer_hash
-from shared.lm import CausalLM, ContextLengthError
-from shared.model_cache import cache_dir, file_sha256
-from shared.model_spec import ModelSpecError, SpecKind, parse_model_spec
-from shared.models import LoadedModel, load_model
+from edge_agent.lm import CausalLM, ContextLengthError
+from shared.runtime.fingerprint import tokenizer_hash
+from shared.runtime.model_cache import cache_dir, file_sha256
+from shared.runtime.model_spec import ModelSpecError, SpecKind, parse_model_spec
+from shared.runtime.models import LoadedModel, load_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -118,12 +118,12 @@ import huggingface_hub.constants, tokenizers, torch, transformers
 import transformers.modeling_utils
 
 before = dict(os.environ)
-import bench.tiny_models, shared.fingerprint, shared.gguf, shared.layer_skip
-import shared.model_cache, shared.model_spec, shared.models
+import bench.tiny_models, shared.runtime.fingerprint, shared.runtime.gguf, shared.runtime.layer_skip
+import shared.runtime.model_cache, shared.runtime.model_spec, shared.runtime.models
 changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
 offline_after_import = huggingface_hub.constants.is_offline_mode()
 
-loaded = shared.models.load_model(sys.argv[1])
+loaded = shared.runtime.models.load_model(sys.argv[1])
 with torch.inference_mode():
     logits = loaded.model(input_ids=torch.tensor([[1, 5, 6]])).logits
 print(json.dumps({

@@ -57,9 +57,9 @@ from bench.oracle import greedy_continuation
 from bench.overload import CHAT_PROMPTS, parse_metrics, probe_round_s
 from bench.verifier import PaddedTarget, WrappedTarget
 from cloud_verifier.targets import Target, TorchTarget
-from edge_agent.generate import encode_prompt, eos_ids
-from shared.batched_lm import Row
-from shared.models import LoadedModel, load_model
+from edge_agent.text import encode_prompt, eos_ids
+from shared.runtime.batched_lm import Row
+from shared.runtime.models import LoadedModel, load_model
 from tests.test_edge_cli import clean_env
 from tests.verifiers import serve_verifier, session_url
 

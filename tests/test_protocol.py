@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.protocol import (
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import (
     _FRAMES,
     HANDSHAKE_MAX_FRAME,
     Candidates,
@@ -49,7 +50,6 @@ from shared.protocol import (
     peek_type,
     text_digest,
 )
-from shared.sampling import SamplingParams
 
 SMOL = WireContext(vocab_size=49152)  # SmolLM2's vocabulary
 # Realistic mid-generation values: a thousand rejections in, position 4000.

@@ -18,10 +18,10 @@ from cloud_verifier.app import build_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import NullTarget
+from edge_agent.driver import handshake
 from edge_agent.link import LinkSettings, WebSocketTransport
-from edge_agent.pipeline import handshake
 from edge_agent.transport import LinkClosed
-from shared.protocol import Fingerprint, Hello
+from shared.wire.protocol import Fingerprint, Hello
 from tests.verifiers import serve_verifier
 
 

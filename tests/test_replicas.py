@@ -36,10 +36,10 @@ from bench.harness import REPO, VerifierProcess, free_port, make_agent, target_g
 from bench.probe import ProbeClient, auth_headers
 from bench.tiny_models import build_tiny_model
 from edge_agent.agent import RetryPolicy
-from shared.models import LoadedModel, load_model
-from shared.pipeline_config import PipelineConfig
-from shared.protocol import SUBPROTOCOL, Hello
-from shared.sampling import SamplingParams
+from edge_agent.pipeline_config import PipelineConfig
+from shared.runtime.models import LoadedModel, load_model
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import SUBPROTOCOL, Hello
 from tests.waits import until
 
 TOKEN = "replica-token-0123456789abcdef"
@@ -233,7 +233,7 @@ class _Draining:
 
 async def test_drain_ends_with_the_last_session_or_at_its_deadline() -> None:
     from cloud_verifier.app import drain
-    from shared.service_status import ServiceStatus
+    from shared.service.status import ServiceStatus
 
     state = _Draining(2)
     task = asyncio.create_task(drain(state, 30.0, poll_s=0.01))  # type: ignore[arg-type]

@@ -8,16 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from shared import compression as C
-from shared.rejection import Decision, draw_candidates, recover, verify_batch
-from shared.sampling import (
-    SamplingParams,
-    acceptance_rate,
-    residual,
-    sample,
-    total_variation,
-    transform,
-)
+from shared.maths import compression as C
+from shared.maths.rejection import Decision, draw_candidates, recover, verify_batch
+from shared.maths.sampling import acceptance_rate, residual, sample, total_variation, transform
+from shared.wire.params import SamplingParams
 
 TOL = 1e-9
 

@@ -21,30 +21,14 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.edge_core import DesyncError, SingleCore, VerifierError, hello_for
-from shared.federation_core import Drop, FederatedCore, Frame, WorkerParams
-from shared.generation import Generation
-from shared.pipeline_config import Mode, PipelineConfig
-from shared.protocol import (
-    Error,
-    Fingerprint,
-    Propose,
-    ProtocolError,
-    SparseDist,
-    Welcome,
-    decode,
-    encode,
-)
-from shared.rejection import Decision
-from shared.sampling import SamplingParams
-from shared.verifier_core import (
+from cloud_verifier.core import (
     Close,
+    CoGenerate,
     Crop,
     Cropped,
     Draw,
     Federate,
     Federated,
-    Generate,
     Result,
     Run,
     Send,
@@ -54,6 +38,22 @@ from shared.verifier_core import (
     VerifierCore,
     Verify,
     Work,
+)
+from edge_agent.core import DesyncError, SingleCore, VerifierError, hello_for
+from edge_agent.federation_core import Drop, FederatedCore, Frame, WorkerParams
+from edge_agent.generation import Generation
+from edge_agent.pipeline_config import Mode, PipelineConfig
+from shared.maths.rejection import Decision
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import (
+    Error,
+    Fingerprint,
+    Propose,
+    ProtocolError,
+    SparseDist,
+    Welcome,
+    decode,
+    encode,
 )
 
 V = 32
@@ -106,7 +106,7 @@ class FakeModel:
                 return Verified(Decision(n, token=want[n]))
             bonus = target_next(self.cache) if work.want_bonus else None
             return Verified(Decision(n, bonus=bonus))
-        if isinstance(work, Generate):
+        if isinstance(work, CoGenerate):
             assert work.pos == len(self.cache) == core.cache_len, (work.pos, len(self.cache))
             self.cache += work.fixed.tolist()
             return Verified(Decision(0, bonus=target_next(self.cache)))
@@ -211,7 +211,7 @@ def test_single_sessions_under_random_events(
     actions: list[str], hits: list[bool], gamma: int, depth: int, stop_and_wait: bool, cogen: bool
 ) -> None:
     """With co-generation (``cogen``) the verifier decodes whenever it has no valid draft
-    queued: at random points of the event sequence ("model" completes its Generate)."""
+    queued: at random points of the event sequence ("model" completes its CoGenerate)."""
     mode = Mode.STOP_AND_WAIT if stop_and_wait else Mode.PIPELINED
     cfg = PipelineConfig(gamma=gamma, depth=depth, mode=mode, sampling=SamplingParams(0.0))
     n = 24

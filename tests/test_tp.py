@@ -30,11 +30,12 @@ from bench.harness import REPO, VerifierProcess, free_port, make_agent, target_g
 from bench.probe import ProbeClient, auth_headers
 from bench.tiny_models import build_tiny_model
 from cloud_verifier.tp import Rank, decode_rows, encode_rows, rank_from_env, torchrun_args
-from shared.batched_lm import Row
-from shared.kv_pool import SlotPages
-from shared.models import LoadedModel, check_tp_size, load_model
-from shared.pipeline_config import PipelineConfig
-from shared.protocol import (
+from edge_agent.pipeline_config import PipelineConfig
+from shared.runtime.batched_lm import Row
+from shared.runtime.kv_pool import SlotPages
+from shared.runtime.models import LoadedModel, check_tp_size, load_model
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import (
     SUBPROTOCOL,
     CorrectionMode,
     FederatedReply,
@@ -43,7 +44,6 @@ from shared.protocol import (
     ReplyMode,
     Welcome,
 )
-from shared.sampling import SamplingParams
 
 TOKEN = "tp-token-0123456789abcdef"
 PROMPT = [1, 10, 20, 30, 40]
@@ -82,7 +82,7 @@ def test_the_launcher_hands_the_systemd_watchdog_to_rank_0(
     import torch.distributed.run
 
     from cloud_verifier.tp import launch_ranks
-    from shared.sdnotify import Notifier
+    from shared.service.sdnotify import Notifier
 
     seen: dict[str, object] = {}
 
@@ -152,9 +152,7 @@ def _ranks(torchrun_pid: int) -> dict[int, int]:
     for child in Path(f"/proc/{torchrun_pid}/task").glob("*/children"):
         for pid in child.read_text().split():
             with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(
-                    kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv
-                )
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
             if b"RANK" in env:
                 out[int(env[b"RANK"])] = int(pid)
     return out
@@ -260,4 +258,3 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:
         return True
-

@@ -22,8 +22,10 @@ from cloud_verifier.auth import Authenticator
 from cloud_verifier.engine import Engine
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import Target, TorchTarget
-from shared.models import load_model
-from shared.protocol import (
+from shared.maths.sampling import transform
+from shared.runtime.models import load_model
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import (
     SUBPROTOCOL,
     Candidates,
     CorrectionMode,
@@ -40,7 +42,6 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.sampling import SamplingParams, transform
 from tests.verifiers import ready
 from tests.waits import until
 

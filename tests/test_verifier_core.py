@@ -1,4 +1,4 @@
-"""The verifier's session rules (:class:`shared.verifier_core.VerifierCore`) as pure functions:
+"""The verifier's session rules (:class:`cloud_verifier.core.VerifierCore`) as pure functions:
 one case per row of its state table. No sockets, no model, no event loop."""
 
 from __future__ import annotations
@@ -6,7 +6,33 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.protocol import (
+from cloud_verifier.core import (
+    CLOSE_INTERNAL_ERROR,
+    CLOSE_OK,
+    Close,
+    CoGenerate,
+    CoreState,
+    Crop,
+    Cropped,
+    Draw,
+    Drawn,
+    Event,
+    Failed,
+    Federate,
+    Federated,
+    Note,
+    NoteKind,
+    Run,
+    Send,
+    SessionLimits,
+    TargetInfo,
+    Verified,
+    VerifierCore,
+    Verify,
+)
+from shared.maths.rejection import Decision
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import (
     Candidates,
     CorrectionMode,
     Error,
@@ -24,32 +50,6 @@ from shared.protocol import (
     Welcome,
     WireContext,
     encode,
-)
-from shared.rejection import Decision
-from shared.sampling import SamplingParams
-from shared.verifier_core import (
-    CLOSE_INTERNAL_ERROR,
-    CLOSE_OK,
-    Close,
-    CoreState,
-    Crop,
-    Cropped,
-    Draw,
-    Drawn,
-    Event,
-    Failed,
-    Federate,
-    Federated,
-    Generate,
-    Note,
-    NoteKind,
-    Run,
-    Send,
-    SessionLimits,
-    TargetInfo,
-    Verified,
-    VerifierCore,
-    Verify,
 )
 
 V = 64
@@ -398,7 +398,7 @@ def test_a_silent_edge_holds_bounded_cogeneration_and_then_times_out() -> None:
     generated = 0
     while ev and any(isinstance(e, Run) for e in ev):
         work = run_of(ev).work
-        assert isinstance(work, Generate) and work.pos == core.cache_len
+        assert isinstance(work, CoGenerate) and work.pos == core.cache_len
         ev = core.work_done(Verified(Decision(0, bonus=9)), now=2.0 + generated)
         assert any(isinstance(e, Send) and isinstance(e.msg, Generated) for e in ev)
         generated += 1
@@ -429,7 +429,7 @@ def test_a_hedge_that_matches_the_correction_is_verified_in_the_cogeneration_for
     ev = core.work_done(Verified(Decision(1, token=5)))
     assert _verdicts(ev)[0].token == 5 and core.text == [1, 2, 7, 5]
     work = run_of(ev).work
-    assert isinstance(work, Generate) and work.draft.tolist() == [6, 4]
+    assert isinstance(work, CoGenerate) and work.draft.tolist() == [6, 4]
     assert work.fixed.tolist() == [5] and work.pos == 3  # the cache lacks the recovered token
     # 6 accepted, 4 rejected: the verifier's own correction 11 follows it.
     ev = core.work_done(Verified(Decision(1, token=11)))
@@ -439,7 +439,7 @@ def test_a_hedge_that_matches_the_correction_is_verified_in_the_cogeneration_for
     assert core.hedge_tokens == 1 and core.cogen_tokens == 2
     # The hedge is spent: the next forward is a plain one-token step.
     work = run_of(ev).work
-    assert isinstance(work, Generate) and len(work.draft) == 0
+    assert isinstance(work, CoGenerate) and len(work.draft) == 0
 
 
 def test_hedges_that_do_not_match_the_text_cost_nothing() -> None:
@@ -449,7 +449,7 @@ def test_hedges_that_do_not_match_the_text_cost_nothing() -> None:
     core.receive(hedge(core, 2, 9, [6]))  # ... and of 7 is 9
     ev = core.work_done(Verified(Decision(1, token=13)))  # ... but the verifier drew 13
     work = run_of(ev).work
-    assert isinstance(work, Generate) and len(work.draft) == 0
+    assert isinstance(work, CoGenerate) and len(work.draft) == 0
 
 
 def test_a_hedge_is_used_within_the_cogeneration_bound_and_past_a_partial_match() -> None:
@@ -458,11 +458,11 @@ def test_a_hedge_is_used_within_the_cogeneration_bound_and_past_a_partial_match(
     core.receive(hedge(core, 3, 5, [6, 4, 2, 8, 9]))
     ev = core.work_done(Verified(Decision(1)))  # [7] accepted, no bonus: nothing known past it
     work = run_of(ev).work
-    assert isinstance(work, Generate) and len(work.draft) == 0  # the text has not reached 3
+    assert isinstance(work, CoGenerate) and len(work.draft) == 0  # the text has not reached 3
     ev = core.work_done(Verified(Decision(0, bonus=5)))  # co-generated 5: the hedge's token
     work = run_of(ev).work
     # 3 past the last Propose's end (3) at most: 5 is one, then [6] and the bonus after it.
-    assert isinstance(work, Generate) and work.draft.tolist() == [6]
+    assert isinstance(work, CoGenerate) and work.draft.tolist() == [6]
 
 
 def test_hedge_refusals() -> None:
@@ -494,4 +494,4 @@ def test_no_hedge_where_the_edge_draws_the_correction() -> None:
     core.receive(hedge(core, 3, 5, [6]))
     ev = core.work_done(Verified(Decision(1, bonus=5)))
     work = run_of(ev).work
-    assert isinstance(work, Generate) and len(work.draft) == 0
+    assert isinstance(work, CoGenerate) and len(work.draft) == 0

@@ -30,8 +30,9 @@ from bench.probe import ProbeClient, auth_headers
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.cli import main as verifier_main
 from cloud_verifier.ratelog import LogLimiter
-from shared.device import DeviceUnavailable, choose_device
-from shared.protocol import (
+from shared.runtime.device import DeviceUnavailable, choose_device
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import (
     SUBPROTOCOL,
     Error,
     Fingerprint,
@@ -41,7 +42,6 @@ from shared.protocol import (
     Verdict,
     encode,
 )
-from shared.sampling import SamplingParams
 from tests.verifiers import guarded_verifier, serve_process, wait_healthy
 from tests.waits import closed_within, until
 

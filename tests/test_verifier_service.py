@@ -17,9 +17,9 @@ from aiohttp import WSCloseCode, WSMsgType
 
 from bench.probe import ProbeClient, auth_headers
 from cloud_verifier.cli import main
-from shared.protocol import SUBPROTOCOL, Fingerprint, Hello
-from shared.sampling import SamplingParams
-from shared.sdnotify import Notifier
+from shared.service.sdnotify import Notifier
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello
 
 REPO = Path(__file__).resolve().parent.parent
 

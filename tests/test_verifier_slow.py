@@ -10,8 +10,8 @@ import torch
 
 from bench.probe import ProbeClient, auth_headers
 from cloud_verifier.targets import TorchTarget
-from shared.protocol import SUBPROTOCOL, Hello, Propose, Verdict
-from shared.sampling import SamplingParams
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import SUBPROTOCOL, Hello, Propose, Verdict
 from tests.verifiers import ready, verifier_app
 
 

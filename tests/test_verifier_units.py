@@ -12,9 +12,9 @@ import torch
 from cloud_verifier.auth import Authenticator, AuthError, parse_tokens
 from cloud_verifier.stats import VerifierMetrics
 from cloud_verifier.targets import NullTarget, parse_null_spec
-from shared.batched_lm import Row
-from shared.kv_pool import SlotPages
-from shared.metrics import Registry
+from shared.runtime.batched_lm import Row
+from shared.runtime.kv_pool import SlotPages
+from shared.service.metrics import Registry
 
 
 def test_metrics_render() -> None:

@@ -36,7 +36,7 @@ from cloud_verifier.http_guard import Listener
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import NullTarget, Target
 from edge_agent.transport import LinkClosed, Transport
-from shared.service_status import ServiceStatus
+from shared.service.status import ServiceStatus
 from tests.waits import POLL_S
 
 REPO = Path(__file__).resolve().parent.parent

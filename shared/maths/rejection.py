@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from shared import compression
-from shared.protocol import CorrectionMode, SparseDist
-from shared.sampling import Probs, accept, residual, sample
+from shared.maths import compression
+from shared.maths.sampling import Probs, accept, residual, sample
+from shared.wire.protocol import CorrectionMode, SparseDist
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The edge's side of a session as synchronous state machines: no I/O, no clock, no model.
 
 Two pieces, composed by the single-verifier :class:`SingleCore` here and by the federated core
-(:mod:`shared.federation_core`):
+(:mod:`edge_agent.federation_core`):
 
 * :class:`Pipeline` holds the rules every edge session shares: which text to draft from (the
   committed ids plus every in-flight draft, the *tail*), when drafting may go on (fewer than D
@@ -44,12 +44,14 @@ from typing import Final
 
 import numpy as np
 
-from shared.controller import Controller, ControllerLimits
+from edge_agent.controller import Controller, ControllerLimits
+from edge_agent.generation import Generation
+from edge_agent.pipeline_config import Mode, PipelineConfig, max_inflight
 from shared.enums import TextEnum
 from shared.errors import FATAL_CODES, WanspecError
-from shared.generation import Generation
-from shared.pipeline_config import Mode, PipelineConfig, max_inflight
-from shared.protocol import (
+from shared.maths.rejection import Decision, recover, try_candidates
+from shared.maths.sampling import Probs
+from shared.wire.protocol import (
     SEQ_MODULUS,
     Candidates,
     CorrectionMode,
@@ -73,8 +75,6 @@ from shared.protocol import (
     encode,
     text_digest,
 )
-from shared.rejection import Decision, recover, try_candidates
-from shared.sampling import Probs
 
 #: The verdict deadline grows by this many seconds per fixed token in the head batch (a first
 #: round carries the prompt, whose prefill takes time before any Progress can say so).
@@ -668,12 +668,12 @@ class SingleCore:
         if isinstance(msg, Verdict) and not self.pipe.recovering:
             return self._verdict(msg, len(data), now)
         if isinstance(msg, Generated) and not self.pipe.recovering:
-            return self._generated(msg)
+            return self._commit_cogenerated(msg)
         if isinstance(msg, Candidates) and self._resample is not None:
             return self._candidates(msg)
         raise DesyncError(f"unexpected {type(msg).__name__} in state {self.state}")
 
-    def _generated(self, g: Generated) -> list[bytes]:
+    def _commit_cogenerated(self, g: Generated) -> list[bytes]:
         """A co-generated token: commit it and rebase the tail on it. A draft in flight at its
         position that agrees stands; one that differs dooms its batch (the verifier will reject
         it there, at no model cost) and voids every batch behind it, like a rejection."""

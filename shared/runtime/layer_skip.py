@@ -10,7 +10,7 @@ import re
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from shared.model_spec import ModelSpec, ModelSpecError, SpecKind
+from shared.runtime.model_spec import ModelSpec, ModelSpecError, SpecKind
 
 __all__ = ["kept_layers", "layer_skip_draft"]
 

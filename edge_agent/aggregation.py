@@ -10,7 +10,7 @@ sparse distribution of its p_i,j and the exact scalars p_i,j(x_j) of the drafted
   p̂̄_j = Σ w_i p̂_i,j is the aggregate of the reconstructions (A or B); with every token accepted
   the bonus token comes from p̂̄_γ. With k_i = |V| everything is exact.
 
-Measured on every position (never assumed), against the bounds of :mod:`shared.compression`:
+Measured on every position (never assumed), against the bounds of :mod:`shared.maths.compression`:
 ε_i,j; the workers' own exact ‖p̂_i,j − p_i,j‖₁ when they report it; Σ_i w_i ‖p̂_i − p_i‖₁, which
 bounds the aggregation bias ‖p̂̄ − p̄‖₁ from above and must stay below 2 Σ w_i ε_i.
 """
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from shared import compression
-from shared.protocol import FederatedReply
-from shared.sampling import Probs, accept, residual, sample
+from shared.maths import compression
+from shared.maths.sampling import Probs, accept, residual, sample
+from shared.wire.protocol import FederatedReply
 
 #: Tolerance for float32 values on the wire when checking a bound.
 BOUND_TOL = 1e-4

@@ -1,7 +1,7 @@
 """Sparse top-K compression of a distribution, its reconstructions, aggregation and their bounds.
 
 A verifier sends the K most likely ids of p with their exact probabilities (a
-:class:`~shared.protocol.SparseDist`); ε = 1 − Σ kept is the mass it leaves out. The receiver
+:class:`~shared.wire.protocol.SparseDist`); ε = 1 − Σ kept is the mass it leaves out. The receiver
 rebuilds a full distribution p̂ one of two ways (SpecFed):
 
 * **A, renormalised**: p̂ = p / (1 − ε) on the kept ids, 0 elsewhere. ‖p̂ − p‖₁ = 2ε exactly.
@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.enums import TextEnum
-from shared.protocol import SparseDist
+from shared.wire.protocol import SparseDist
 
 Probs = npt.NDArray[np.float64]
 

@@ -1,10 +1,10 @@
 """Federated verification (SpecFed) at the edge as a synchronous state machine: no I/O, no clock.
 
-It composes the :class:`~shared.edge_core.Pipeline` with one
-:class:`~shared.edge_core.VerifierLink` per worker. Each batch is proposed to every *live*
-worker; each answers with a :class:`~shared.protocol.FederatedReply`; the edge decides
-(:func:`shared.federated.decide`) once every worker that was sent the head batch has replied, or
-its round deadline has passed (``now`` is passed in). A worker that misses the deadline, errs or
+It composes the :class:`~edge_agent.core.Pipeline` with one
+:class:`~edge_agent.core.VerifierLink` per worker. Each batch is proposed to every *live*
+worker; each answers with a :class:`~shared.wire.protocol.FederatedReply`; the edge decides
+(:func:`edge_agent.aggregation.decide`) once every worker that was sent the head batch has replied,
+or its round deadline has passed (``now`` is passed in). A worker that misses the deadline, errs or
 sends a frame that does not fit is dropped from the round (the remaining weights are
 renormalised, and this is counted) and the driver is told to close its link (:class:`Drop`).
 
@@ -35,12 +35,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared import federated
-from shared.edge_core import Batch, DesyncError, DraftPlan, Pipeline, VerifierError, VerifierLink
+from edge_agent import aggregation
+from edge_agent.core import Batch, DesyncError, DraftPlan, Pipeline, VerifierError, VerifierLink
+from edge_agent.generation import Generation
+from edge_agent.pipeline_config import Mode, PipelineConfig
 from shared.enums import TextEnum
-from shared.generation import Generation
-from shared.pipeline_config import Mode, PipelineConfig
-from shared.protocol import (
+from shared.maths.sampling import Probs
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import (
     CorrectionMode,
     FederatedReply,
     Fingerprint,
@@ -52,7 +54,6 @@ from shared.protocol import (
     WireContext,
     encode,
 )
-from shared.sampling import Probs, SamplingParams
 
 log = logging.getLogger("wanspec.federation")
 
@@ -330,7 +331,7 @@ class FederatedCore:
         weights = [self.workers[i].params.weight for i in idx]
         # As in single mode, only stop-and-wait takes bonus tokens: a pipelined edge has
         # already drafted past the batch.
-        d = federated.decide(
+        d = aggregation.decide(
             [b.replies[i] for i in idx],
             weights,
             b.draft,

@@ -13,10 +13,10 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-from shared.generation import Generation
-from shared.model_spec import SpecKind, parse_model_spec
-from shared.models import LoadedModel, load_model
-from shared.pipeline_config import PipelineConfig
+from edge_agent.generation import Generation
+from edge_agent.pipeline_config import PipelineConfig
+from shared.runtime.model_spec import SpecKind, parse_model_spec
+from shared.runtime.models import LoadedModel, load_model
 
 
 def load_draft(spec: str, base_spec: str, *, device: str = "cpu") -> LoadedModel:

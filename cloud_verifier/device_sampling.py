@@ -1,9 +1,9 @@
 """Sampling and rejection on the target's device, batched over sessions.
 
-The torch twin of :mod:`shared.sampling` + :mod:`shared.rejection` + the verifier's federated
-reply: the verifier runs one forward over many sessions, and everything that follows, from the
-sampling transform to the per-session :class:`~shared.rejection.Decision`, stays on the device.
-Only ids, counts and the few correction values (top-K values, candidates' p(y), l1 scalars)
+The torch twin of :mod:`shared.maths.sampling` + :mod:`shared.maths.rejection` + the verifier's
+federated reply: the verifier runs one forward over many sessions, and everything that follows, from
+the sampling transform to the per-session :class:`~shared.maths.rejection.Decision`, stays on the
+device. Only ids, counts and the few correction values (top-K values, candidates' p(y), l1 scalars)
 come back to the host, each call in one or two small copies (all through :func:`_to_host`);
 no ``[rows, V]`` tensor is ever copied.
 
@@ -18,8 +18,9 @@ draft tokens and γ_b + 1 rows (row i scores draft[i], row γ_b is the bonus pos
 Per-session and per-row parameters (temperature, top-k, top-p, γ, modes, k, ε, m) are host
 arrays: the host built the batch, and knowing them there costs no device synchronisation.
 
-Semantics are :func:`shared.sampling.transform` and :func:`shared.rejection.verify_batch`
-exactly (tests/test_device_sampling.py holds them to it row by row and by chi-square):
+Semantics are :func:`shared.maths.sampling.transform` and
+:func:`shared.maths.rejection.verify_batch` exactly (tests/test_device_sampling.py holds them to it
+row by row and by chi-square):
 
 * transform: temperature, then top-k (every logit >= the k-th largest kept, ties included), then
   top-p on the probabilities sorted ascending with a *stable* sort (ties: the lower id is
@@ -27,10 +28,10 @@ exactly (tests/test_device_sampling.py holds them to it row by row and by chi-sq
 * acceptance: u·q(x) < p(x) with u ~ U[0, 1) from the session's generator; greedy targets accept
   on p(x) >= 1 (x is the argmax) and consume no random numbers.
 * every draw (greedy-draft recovered token, candidates, bonus) is an inverse-CDF draw exactly as
-  :func:`shared.sampling.sample`: a float64 cumulative sum, u·total, the first index whose sum
+  :func:`shared.maths.sampling.sample`: a float64 cumulative sum, u·total, the first index whose sum
   exceeds it, moved down to the last id with mass if rounding ran past it. One scan serves the
   m candidates of a row (an exponential race would need m·V exponentials for them).
-* top-K corrections are :func:`shared.compression.compress`: torch.topk, ids of equal
+* top-K corrections are :func:`shared.maths.compression.compress`: torch.topk, ids of equal
   probability in ascending order, adaptive K = the smallest K whose kept mass reaches
   1 − ε − 1e-12 capped at k, zero-probability ids dropped. Which of several ids tied *at* the
   K-th value is kept is the backend's choice, as it is numpy's argpartition's.
@@ -45,7 +46,7 @@ for a draw are float64 whatever the dtype. What tests/test_device_sampling.py sh
   (ties, T = 0, top-k and top-p included); float32 only to ~2.5e-7 (tested at 1e-6).
 * federated replies: float64 l1 agrees with the NumPy path to float32 rounding; float32 is off by
   ~94% of itself at ε ~ 2e-8 (K = V) and the adaptive K of ~2% of rows (V = 4096, ε <= 1e-2)
-  differs from :func:`~shared.compression.compress`: a correction with a different support.
+  differs from :func:`~shared.maths.compression.compress`: a correction with a different support.
 * the chi-square suites (28 cases, N = 20 000 each) pass in both dtypes with similar p-values,
   so they cannot decide it: a 1e-7 bias is far below what they see.
 
@@ -76,9 +77,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from shared.protocol import CorrectionMode, SparseDist
-from shared.rejection import Decision
-from shared.sampling import SamplingParams
+from shared.maths.rejection import Decision
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import CorrectionMode, SparseDist
 
 #: The dtype probabilities are computed in on the device (module docstring: why float64).
 DEVICE_DTYPE: Final = torch.float64
@@ -192,7 +193,7 @@ def transform_rows(
     *,
     dtype: torch.dtype = DEVICE_DTYPE,
 ) -> torch.Tensor:
-    """:func:`shared.sampling.transform` row by row on the logits' device.
+    """:func:`shared.maths.sampling.transform` row by row on the logits' device.
 
     logits: [N, V] (any float dtype; not modified). temperature, top_k, top_p: host arrays [N]
     (or scalars), validated like :class:`SamplingParams`. Returns probs [N, V] in ``dtype``.
@@ -264,8 +265,8 @@ def _draw(
     w: torch.Tensor, counts: Sequence[int], generators: Sequence[torch.Generator]
 ) -> torch.Tensor:
     """counts[i] i.i.d. draws from row i of w ([n, V], >= 0, each row with mass), by the
-    inverse CDF of :func:`shared.sampling.sample`. Returns ids [n, max(counts)] (int64); entries
-    past counts[i] are padding. Uniforms come from row i's generator."""
+    inverse CDF of :func:`shared.maths.sampling.sample`. Returns ids [n, max(counts)] (int64);
+    entries past counts[i] are padding. Uniforms come from row i's generator."""
     n, v = int(w.shape[0]), int(w.shape[1])
     dev = w.device
     mmax = max(counts)
@@ -283,7 +284,7 @@ def _draw(
 def _top_k(
     p: torch.Tensor, k: npt.NDArray[np.int64], eps: npt.NDArray[np.float64]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`shared.compression.compress` of each row of p ([n, V]) with its own k and ε.
+    """:func:`shared.maths.compression.compress` of each row of p ([n, V]) with its own k and ε.
 
     Returns (values [n, kk] in p's dtype, ids [n, kk], K [n]) with kk = min(max k, V): row i
     keeps its first K[i] entries whose value is > 0 (decreasing, ties by ascending id)."""
@@ -365,7 +366,7 @@ def verify(
     eps_target: float | Sequence[float] = 0.0,
     m: int | Sequence[int] = 8,
 ) -> list[Decision]:
-    """:func:`shared.rejection.verify_batch` for B sessions at once, on probs' device.
+    """:func:`shared.maths.rejection.verify_batch` for B sessions at once, on probs' device.
 
     probs: [T + B, V] (after :func:`transform_rows`), laid out as the module docstring says.
     draft_ids, q_draft: host [T]. cu_draft: host [B + 1]. Per session: greedy (T = 0 target),
@@ -502,7 +503,7 @@ def _verify(
         if ex:
             w[_idx([i for i, _ in ex], dev), _idx([e for _, e in ex], dev)] = 0.0
         mass = w.sum(dim=-1, keepdim=True) > 0
-        # greedy-draft residual with no mass outside x: norm(p) (shared.sampling.residual)
+        # greedy-draft residual with no mass outside x: norm(p) (shared.maths.sampling.residual)
         w = torch.where(mass, w, p_rows)
         ids = _draw(w, [n.count for n in draws], [_gen(generators, n.session) for n in draws])
         pieces += [mass, ids, p_rows.gather(1, ids)]
@@ -681,8 +682,8 @@ def verify_batch(logits: torch.Tensor, batch: VerifyBatch) -> list[Decision]:
 def draw_candidates(
     p_row: torch.Tensor, exclude: int, m: int, generator: torch.Generator
 ) -> SparseDist:
-    """:func:`shared.rejection.draw_candidates` on the device (a Resample): m i.i.d. draws from
-    p_row ([V]) with ``exclude`` removed, each with its p(y). One copy of 2·m numbers."""
+    """:func:`shared.maths.rejection.draw_candidates` on the device (a Resample): m i.i.d. draws
+    from p_row ([V]) with ``exclude`` removed, each with its p(y). One copy of 2·m numbers."""
     if p_row.ndim != 1 or not 0 <= exclude < p_row.shape[0] or m <= 0:
         raise ValueError(f"p_row {tuple(p_row.shape)}, exclude {exclude}, m {m}")
     p = p_row[None]
@@ -708,7 +709,7 @@ def federate_rows(
     eps_target: float | Sequence[float] = 0.0,
 ) -> list[FederatedRows]:
     """The federated (SpecFed) reply of every session, as ``SessionModel._federate`` builds it:
-    per row the top-K (:func:`shared.compression.compress`), p_j(x_j) of the draft tokens and
+    per row the top-K (:func:`shared.maths.compression.compress`), p_j(x_j) of the draft tokens and
     ‖p̂ − p‖₁ of reconstructions A and B (computed on the device). One device→host copy."""
     cu, x, tok_rows = _rows_and_tokens(probs, draft_ids, cu_draft)
     b = len(cu) - 1

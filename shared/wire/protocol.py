@@ -49,7 +49,7 @@ import numpy.typing as npt
 
 from shared.enums import TextEnum
 from shared.errors import WanspecError
-from shared.sampling import MIN_TEMPERATURE, SamplingParams
+from shared.wire.params import MIN_TEMPERATURE, SamplingParams
 
 PROTOCOL_VERSION: Final = 1
 #: WebSocket subprotocol naming the protocol version.

@@ -7,7 +7,7 @@ and returns those rows' float32 logits, ``[Σ keep, V]``, on the model's device,
 Rows of different lengths and positions share the forward: ids padded to the longest row,
 per-row ``position_ids``, a 4D additive mask (causal within the row's own positions, nothing past
 them), the lm head applied only to the rows asked for. The caller owns the slots' lengths: a
-forward writes keys at the rows' positions and commits nothing (:mod:`shared.kv_pool`).
+forward writes keys at the rows' positions and commits nothing (:mod:`shared.runtime.kv_pool`).
 
 ``compile_forward``: the model call goes through ``torch.compile`` and shapes are bucketed
 (batch and tokens to powers of two, key length to a multiple of 64) so that few graphs are
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from shared.kv_pool import PagedKV, SlotPages, StepCache
+from shared.runtime.kv_pool import PagedKV, SlotPages, StepCache
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ Every load is local: :func:`load_model` first switches the process to offline mo
 nothing here ever reaches a model hub. Importing this module changes nothing (no environment
 variables are set at import).
 
-What a spec may name is in :mod:`shared.model_spec`; GGUF files are converted by
-:mod:`shared.gguf`, ``self:`` drafts are built by :mod:`shared.layer_skip`, and fingerprints come
-from :mod:`shared.fingerprint`.
+What a spec may name is in :mod:`shared.runtime.model_spec`; GGUF files are converted by
+:mod:`shared.runtime.gguf`, ``self:`` drafts are built by :mod:`shared.runtime.layer_skip`, and
+fingerprints come from :mod:`shared.runtime.fingerprint`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from shared.fingerprint import model_fingerprint
-from shared.gguf import converted_gguf_folder
-from shared.layer_skip import layer_skip_draft
-from shared.model_spec import ModelSpec, ModelSpecError, SpecKind, parse_model_spec
-from shared.protocol import Fingerprint
+from shared.runtime.fingerprint import model_fingerprint
+from shared.runtime.gguf import converted_gguf_folder
+from shared.runtime.layer_skip import layer_skip_draft
+from shared.runtime.model_spec import ModelSpec, ModelSpecError, SpecKind, parse_model_spec
+from shared.wire.protocol import Fingerprint
 
 __all__ = ["LoadedModel", "enforce_offline", "load_model"]
 

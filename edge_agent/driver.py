@@ -1,10 +1,10 @@
 """The asyncio side of an edge session: read frames, feed the core, write what it returns.
 
-The rules live in :mod:`shared.edge_core` (and :mod:`shared.federation_core`); this module only
+The rules live in :mod:`edge_agent.core` (and :mod:`edge_agent.federation_core`); this module only
 moves bytes and runs the draft model:
 
 * :func:`draft_loop`: whenever the core says drafting may go on, draft up to γ tokens from its
-  :class:`~shared.edge_core.DraftPlan` on the model worker, checking after each step that no
+  :class:`~edge_agent.core.DraftPlan` on the model worker, checking after each step that no
   rejection voided the plan, then hand the batch to the core and write its frames;
 * :class:`LinkIO`: one verifier link's bounded send queue and its writer task, so frames leave in
   exactly the order the core produced them (a Rollback before any Propose of the new epoch);
@@ -19,10 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from edge_agent.drafter import DraftModel
-from edge_agent.tasks import ModelWorker, run_until_first_done
-from edge_agent.transport import LinkClosed, Transport
-from shared.edge_core import (
+from edge_agent.core import (
     NO_RIVAL,
     DraftPlan,
     HedgePlan,
@@ -31,8 +28,11 @@ from shared.edge_core import (
     SingleCore,
     check_welcome,
 )
-from shared.protocol import Hello, Welcome, encode
-from shared.sampling import Probs
+from edge_agent.drafter import DraftModel
+from edge_agent.tasks import ModelWorker, run_until_first_done
+from edge_agent.transport import LinkClosed, Transport
+from shared.maths.sampling import Probs
+from shared.wire.protocol import Hello, Welcome, encode
 
 
 class VerdictTimeout(LinkClosed):
@@ -96,7 +96,7 @@ class LinkIO:
 
 
 async def handshake(transport: Transport, hello: Hello, timeout_s: float) -> Welcome:
-    """Send Hello, await Welcome (see :func:`shared.edge_core.check_welcome`)."""
+    """Send Hello, await Welcome (see :func:`edge_agent.core.check_welcome`)."""
     await transport.send(encode(hello))
     data = await asyncio.wait_for(transport.recv(), timeout_s)
     return check_welcome(hello, data)
@@ -187,7 +187,7 @@ async def verdict_watchdog(
     pipe: Pipeline, signal: Signal, floor_s: float, now: Callable[[], float] = time.monotonic
 ) -> None:
     """Raise :class:`VerdictTimeout` when the head batch passes its verdict deadline
-    (:meth:`~shared.edge_core.Pipeline.verdict_deadline`) with no Verdict."""
+    (:meth:`~edge_agent.core.Pipeline.verdict_deadline`) with no Verdict."""
     while not pipe.gen.done:
         deadline = pipe.verdict_deadline(floor_s)
         if deadline is None:

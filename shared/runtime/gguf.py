@@ -1,7 +1,7 @@
 """GGUF → transformers conversion: a GGUF file becomes a float32 Hugging Face model folder, once.
 
 The converted folder lives in the cache (``<cache_dir>/converted/<sha256[:16]>``, see
-:func:`shared.model_cache.cache_dir`), keyed by the GGUF file's content hash, so every later
+:func:`shared.runtime.model_cache.cache_dir`), keyed by the GGUF file's content hash, so every later
 load of the same file is a plain folder load. Reads local files only (``local_files_only=True``).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.model_cache import cache_dir, file_sha256
+from shared.runtime.model_cache import cache_dir, file_sha256
 
 __all__ = ["converted_gguf_folder"]
 

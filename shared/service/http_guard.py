@@ -41,8 +41,8 @@ from typing import Protocol
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from shared.metrics import Counter, Gauge
-from shared.ratelog import LogLimiter
+from shared.service.metrics import Counter, Gauge
+from shared.service.ratelog import LogLimiter
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.compression import Reconstruction
 from shared.enums import TextEnum
-from shared.protocol import SEQ_MODULUS, CorrectionMode
-from shared.sampling import SamplingParams
+from shared.maths.compression import Reconstruction
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import SEQ_MODULUS, CorrectionMode
 
 #: Frames besides Proposes a link may have waiting to be sent at once (a Hedge, a Rollback,
 #: a Resample, an Error).
@@ -40,7 +40,7 @@ class PipelineConfig:
     correction: CorrectionMode = CorrectionMode.TOPK
     reconstruction: Reconstruction = Reconstruction.RENORMALISED
     #: Co-generation: the verifier decodes on its own whenever no valid draft of this session
-    #: is queued, and streams its tokens down (:mod:`shared.verifier_core`).
+    #: is queued, and streams its tokens down (:mod:`cloud_verifier.core`).
     cogen: bool = True
     #: Hedging (with co-generation, where the verifier draws corrections itself): while the
     #: pipeline is full, draft this many tokens after the draft's second choice at its least
@@ -50,7 +50,7 @@ class PipelineConfig:
     hedge_below: float = 0.8
     #: Adaptive draft length / depth (``--gamma auto`` / ``--depth auto``): ``gamma`` and
     #: ``depth`` are then the starting values and ``max_gamma`` / ``max_depth`` the bounds of
-    #: the online controller (:mod:`shared.controller`).
+    #: the online controller (:mod:`edge_agent.controller`).
     auto_gamma: bool = False
     auto_depth: bool = False
     max_gamma: int = 12

@@ -71,7 +71,8 @@ import numpy.typing as npt
 
 from shared.enums import TextEnum
 from shared.errors import ErrorCode
-from shared.protocol import (
+from shared.maths.rejection import Decision
+from shared.wire.protocol import (
     SEQ_MODULUS,
     Candidates,
     CorrectionMode,
@@ -96,7 +97,6 @@ from shared.protocol import (
     decode,
     text_digest,
 )
-from shared.rejection import Decision
 
 #: WebSocket close codes the core asks for (RFC 6455).
 CLOSE_OK: Final = 1000
@@ -240,7 +240,7 @@ _NO_PROBS: Final = np.zeros(0, np.float32)
 
 
 @dataclass(frozen=True)
-class Generate:
+class CoGenerate:
     """Co-generation: run the target over ``fixed`` (the known tokens the cache lacks; none:
     the last cached token is scored again) from ``pos`` (= the cache length) and sample the next
     token from p — a *bonus* token with no draft before it. With a hedge that matches the text,
@@ -269,19 +269,19 @@ class Draw:
     m: int
 
 
-Work = Verify | Federate | Generate | Crop | Draw
+Work = Verify | Federate | CoGenerate | Crop | Draw
 
 
-def cache_after(work: Verify | Federate | Generate | Crop, accepted: int = 0) -> int:
+def cache_after(work: Verify | Federate | CoGenerate | Crop, accepted: int = 0) -> int:
     """The cache length once ``work`` is done with ``accepted`` draft tokens accepted: the one
-    crop rule. Verify / Generate: start + fixed + the accepted draft tokens (a rejection drops
+    crop rule. Verify / CoGenerate: start + fixed + the accepted draft tokens (a rejection drops
     the rest; a recovered, bonus or co-generated token is not cached: it is the next row's
     input or comes back as a fixed token); Federate: every token (the edge rolls back);
     Crop: its position. The model side applies it and reports the length it holds, which the
     core adopts (the results' ``cache_len``)."""
     if isinstance(work, Crop):
         return work.pos
-    if isinstance(work, Generate):
+    if isinstance(work, CoGenerate):
         return work.pos + len(work.fixed) + accepted
     p = work.propose
     if isinstance(work, Federate):
@@ -327,7 +327,7 @@ class Failed:
 
 @dataclass(frozen=True)
 class Skipped:
-    """The engine gave a :class:`Generate` no forward (it is saturated with drafts to verify):
+    """The engine gave a :class:`CoGenerate` no forward (it is saturated with drafts to verify):
     co-generation pauses until the next frame."""
 
 
@@ -374,7 +374,9 @@ class Adopt:
 Event = Send | Run | Close | Note | Adopt
 
 
-def _reported(cache_len: int | None, work: Verify | Federate | Generate | Crop, n: int = 0) -> int:
+def _reported(
+    cache_len: int | None, work: Verify | Federate | CoGenerate | Crop, n: int = 0
+) -> int:
     """The cache length a result reports (the model side owns it), or the rule's."""
     return cache_after(work, n) if cache_len is None else cache_len
 
@@ -502,7 +504,7 @@ class VerifierCore:
             raise RuntimeError("work_done without work running")
         self._now = now
         self._running = None
-        if not isinstance(work, Generate):  # co-generation is not the edge's activity
+        if not isinstance(work, CoGenerate):  # co-generation is not the edge's activity
             self._active_at = now
         self.state = CoreState.OPEN
         out = self._apply(work, result)
@@ -836,7 +838,7 @@ class VerifierCore:
         # ``ahead`` tokens in all, within the co-generation bound and the context.
         room = min(ahead, min(self.hello.cogen_end, self.max_context) - known) - 1
         draft, q = self._hedge_draft(known, room)
-        return self._start(Generate(self.cache_len, fixed, draft, q))
+        return self._start(CoGenerate(self.cache_len, fixed, draft, q))
 
     def _hedge(self, h: Hedge) -> list[Event]:
         """Keep a side draft (no reply, no model work)."""
@@ -940,9 +942,9 @@ class VerifierCore:
             return self._failed(work, result)
         if isinstance(work, Verify) and isinstance(result, Verified):
             return self._verified(work, result)
-        if isinstance(work, Generate) and isinstance(result, Verified):
-            return self._generated(work, result)
-        if isinstance(work, Generate) and isinstance(result, Skipped):
+        if isinstance(work, CoGenerate) and isinstance(result, Verified):
+            return self._cogen_done(work, result)
+        if isinstance(work, CoGenerate) and isinstance(result, Skipped):
             self._cogen_paused = True
             return []
         if isinstance(work, Federate) and isinstance(result, Federated):
@@ -1003,14 +1005,14 @@ class VerifierCore:
             break
         return out
 
-    def _generated(self, work: Generate, result: Verified) -> list[Event]:
+    def _cogen_done(self, work: CoGenerate, result: Verified) -> list[Event]:
         """Co-generated tokens: the hedge's *accepted* prefix (if any), then the *recovered* or
         *bonus* token, each drawn after the known text (law p, whatever the edge drafts for
         these positions later). One Generated frame each."""
         d = result.decision
         token = d.token if d.accepted < len(work.draft) else d.bonus
         if token is None:
-            raise TypeError("a Generate's result carries no token")
+            raise TypeError("a CoGenerate's result carries no token")
         self.cache_len = _reported(result.cache_len, work, d.accepted)
         tokens = [*work.draft[: d.accepted].tolist(), token]
         pos = len(self.text)
@@ -1023,7 +1025,7 @@ class VerifierCore:
         note = Note(NoteKind.MODEL_ERROR, result.message)
         expected = self.cache_len  # the engine restores the cache to its length before the work
         self.cache_len = result.cache_len
-        if isinstance(work, Generate) and result.cache_len == expected:
+        if isinstance(work, CoGenerate) and result.cache_len == expected:
             self._cogen_paused = True  # the edge asked for nothing: no error frame
             return [note]
         if result.cache_len != expected:  # the cache could not be restored

@@ -1,10 +1,10 @@
 """Incremental decoding of one sequence over a KV cache (the edge's drafter, reference runs).
 
 One :class:`CausalLM` holds one sequence (batch size 1) on the verifier's runtime
-(:class:`shared.batched_lm.BatchedLM` over a :class:`shared.kv_pool.PagedKV`): the token ids
-in its KV cache, the cache itself (one slot; rolling back moves its length pointer, nothing is
-copied or recomputed) and the logits of the most recent positions so that, after rolling back
-with :meth:`CausalLM.crop`, the distribution for the next token is available without
+(:class:`shared.runtime.batched_lm.BatchedLM` over a :class:`shared.runtime.kv_pool.PagedKV`): the
+token ids in its KV cache, the cache itself (one slot; rolling back moves its length pointer,
+nothing is copied or recomputed) and the logits of the most recent positions so that, after rolling
+back with :meth:`CausalLM.crop`, the distribution for the next token is available without
 recomputing. The pool starts at ``capacity`` tokens and doubles when the sequence outgrows it
 (up to the model's context); with ``compile_forward`` (default: on CUDA) the forward goes
 through ``torch.compile``.
@@ -23,9 +23,9 @@ from typing import Any, Protocol
 
 import torch
 
-from shared.batched_lm import BatchedLM, Row
 from shared.errors import WanspecError
-from shared.kv_pool import OutOfPages, SlotPages
+from shared.runtime.batched_lm import BatchedLM, Row
+from shared.runtime.kv_pool import OutOfPages, SlotPages
 
 __all__ = ["CausalLM", "ContextLengthError", "SupportsCausalLM"]
 
@@ -37,7 +37,8 @@ class ContextLengthError(WanspecError, ValueError):
 
 
 class SupportsCausalLM(Protocol):
-    """What :class:`CausalLM` needs from a loaded model (e.g. ``shared.models.LoadedModel``)."""
+    """What :class:`CausalLM` needs from a loaded model (e.g.
+    ``shared.runtime.models.LoadedModel``)."""
 
     @property
     def model(self) -> Any: ...
