@@ -17,6 +17,7 @@ import numpy as np
 from aiohttp import ClientWebSocketResponse, WSMsgType
 
 from edge_agent.core import Pipeline, SingleCore, VerifierLink, wire_context
+from edge_agent.events import Fail, Send
 from edge_agent.generation import Generation
 from edge_agent.pipeline_config import Mode, PipelineConfig
 from shared.wire.protocol import (
@@ -145,7 +146,8 @@ class Driver:
             row[x] = qx
             q_rows.append(row)
         if self._core is not None:
-            frames = self._core.propose(plan, draft, q_rows)
+            events = self._core.propose(plan, draft, q_rows)
+            frames = [e.data for e in events if isinstance(e, Send)]
         else:
             b = pipe.push(plan, draft, q_rows, 0.0)
             frames = [link.propose(pipe.gen.committed, b, 0, link.ctx.draft_probs)]
@@ -161,8 +163,11 @@ class Driver:
         if isinstance(reply, Error):
             raise RuntimeError(f"verifier error {reply.code}: {reply.message}")
         if self._core is not None:
-            for f in self._core.receive(m.data):  # a Resample: never, q(y) = 0 off the draft
-                await self.client.ws.send_bytes(f)
+            for e in self._core.receive(m.data):  # a Resample: never, q(y) = 0 off the draft
+                if isinstance(e, Fail):
+                    raise e.error
+                if isinstance(e, Send):
+                    await self.client.ws.send_bytes(e.data)
         elif isinstance(reply, FederatedReply):
             pipe.commit_round(pipe.inflight[0], len(draft), 0.0)
         else:

@@ -32,7 +32,11 @@ any        Verdict for another batch, a missing  :class:`DesyncError` (rebuild t
            or foreign correction, a bonus with
            batches in flight; other frames
 any        Error frame                           :class:`VerifierError`
+FAILED     anything                              the same failure again
 ========== ===================================== =============================================
+
+Every call returns :mod:`edge_agent.events`: the frames to send (:class:`~edge_agent.events.Send`)
+and, where the table says an error, a :class:`~edge_agent.events.Fail` carrying it (state FAILED).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Final
 import numpy as np
 
 from edge_agent.controller import Controller, ControllerLimits
+from edge_agent.events import EdgeEvent, Fail, Send
 from edge_agent.generation import Generation
 from edge_agent.pipeline_config import Mode, PipelineConfig, max_inflight
 from shared.enums import TextEnum
@@ -110,6 +115,7 @@ class EdgeState(TextEnum):
     RUNNING = "running"
     RECOVERING = "recovering"  # a rejection's recovered token waits for more candidates
     DONE = "done"
+    FAILED = "failed"  # the session cannot go on (a Fail event said why)
 
 
 # ------------------------------------------------------------------------------ handshake
@@ -437,6 +443,20 @@ class Pipeline:
             deadline = max(deadline, self.progress_at + max(floor_s, factor * self.progress_eta_s))
         return deadline
 
+    def overdue(self, now: float, deadline: float) -> str:
+        """Why the head batch passed ``deadline`` (:meth:`verdict_deadline`) at ``now``."""
+        head = self.inflight[0]
+        slowest = max(self.latencies, default=0.0)
+        return (
+            f"no Verdict for a batch sent {now - head.sent_at:.1f} s ago (deadline "
+            f"{deadline - head.sent_at:.1f} s; slowest recent round {slowest:.2f} s): "
+            "the verifier is stalled"
+        )
+
+    def on_draft_step(self, seconds: float) -> None:
+        """One draft step took ``seconds`` on the model (the controller's T_d)."""
+        self.controller.on_draft_step(seconds)
+
     def on_progress(self, p: Progress, now: float) -> None:
         """A Progress frame at ``now``: the verifier's engine is moving this session's work."""
         self.gen.stats.progress_frames += 1
@@ -575,7 +595,8 @@ def gen_at(gen: Generation, pos: int) -> int | None:
 
 class SingleCore:
     """One generation over one verifier session that decides (PicoSpec). See the state table in
-    the module docstring. ``propose`` and ``receive`` return the frames to send, in order."""
+    the module docstring. ``propose``, ``hedge`` and ``receive`` return the events to carry out,
+    in order (:mod:`edge_agent.events`)."""
 
     LINK: Final = 0
 
@@ -603,6 +624,7 @@ class SingleCore:
             "token" if hello.sampling.greedy else _CORRECTION_FIELD[hello.correction]
         )
         self._resample: tuple[int, Probs] | None = None  # (pos, q) of the pending correction
+        self._failed: Fail | None = None
 
     @property
     def gen(self) -> Generation:
@@ -610,6 +632,8 @@ class SingleCore:
 
     @property
     def state(self) -> EdgeState:
+        if self._failed is not None:
+            return EdgeState.FAILED
         if self.gen.done:
             return EdgeState.DONE
         return EdgeState.RECOVERING if self.pipe.recovering else EdgeState.RUNNING
@@ -617,7 +641,7 @@ class SingleCore:
     # ---------------------------------------------------------------- drafting
 
     def may_draft(self) -> bool:
-        return self.pipe.may_draft()
+        return self._failed is None and self.pipe.may_draft()
 
     def propose(
         self,
@@ -626,8 +650,10 @@ class SingleCore:
         q_rows: list[Probs],
         now: float = 0.0,
         rivals: Sequence[Rival] = (),
-    ) -> list[bytes]:
-        """Register a drafted batch and return its Propose; nothing if ``plan`` is void."""
+    ) -> list[EdgeEvent]:
+        """Register a drafted batch and send its Propose; nothing if ``plan`` is void."""
+        if self._failed is not None:
+            return [self._failed]
         if not draft or not self.pipe.current(plan, draft):
             return []
         # Co-generated tokens committed while this batch was drafted agree with its head:
@@ -640,10 +666,12 @@ class SingleCore:
         b = self.pipe.push(plan, draft, q_rows, now, rivals)
         data = self.link.propose(self.gen.committed, b, self.LINK, self.link.ctx.draft_probs)
         self.gen.stats.uplink_bytes += len(data)
-        return [data]
+        return [Send(data)]
 
-    def hedge(self, hp: HedgePlan, draft: list[int]) -> list[bytes]:
-        """The Hedge frame of ``hp`` with its drafted continuation; nothing if it is void."""
+    def hedge(self, hp: HedgePlan, draft: list[int]) -> list[EdgeEvent]:
+        """Send the Hedge frame of ``hp`` with its drafted continuation; nothing if it is void."""
+        if self._failed is not None:
+            return [self._failed]
         if not draft or not self.pipe.hedge_current(hp):
             return []
         msg = Hedge(hp.pos, hp.token, np.array(draft, np.int64), np.ones(len(draft), np.float32))
@@ -653,13 +681,23 @@ class SingleCore:
         st.hedge_bytes += len(data)
         st.uplink_bytes += len(data)
         self.pipe.hedges.append((hp.pos, [hp.token, *draft]))
-        return [data]
+        return [Send(data)]
 
     # ---------------------------------------------------------------- frames
 
-    def receive(self, data: bytes, now: float = 0.0) -> list[bytes]:
-        """One frame from the verifier, received at ``now``. Raises VerifierError /
-        DesyncError / ProtocolError."""
+    def receive(self, data: bytes, now: float = 0.0) -> list[EdgeEvent]:
+        """One frame from the verifier, received at ``now``. An Error frame, a frame that does
+        not decode or one that does not fit the session ends it: a :class:`Fail` with the
+        VerifierError / ProtocolError / DesyncError."""
+        if self._failed is not None:
+            return [self._failed]
+        try:
+            return self._receive(data, now)
+        except (VerifierError, DesyncError, ProtocolError) as e:
+            self._failed = Fail(e)
+            return [self._failed]
+
+    def _receive(self, data: bytes, now: float) -> list[EdgeEvent]:
         self.gen.stats.downlink_bytes += len(data)
         msg = self.link.decode(data)
         if isinstance(msg, Progress):
@@ -673,7 +711,7 @@ class SingleCore:
             return self._candidates(msg)
         raise DesyncError(f"unexpected {type(msg).__name__} in state {self.state}")
 
-    def _commit_cogenerated(self, g: Generated) -> list[bytes]:
+    def _commit_cogenerated(self, g: Generated) -> list[EdgeEvent]:
         """A co-generated token: commit it and rebase the tail on it. A draft in flight at its
         position that agrees stands; one that differs dooms its batch (the verifier will reject
         it there, at no model cost) and voids every batch behind it, like a rejection."""
@@ -707,7 +745,7 @@ class SingleCore:
         self.link.verifier_len = c + 1
         return []
 
-    def _verdict(self, v: Verdict, size: int, now: float) -> list[bytes]:
+    def _verdict(self, v: Verdict, size: int, now: float) -> list[EdgeEvent]:
         pipe, st = self.pipe, self.gen.stats
         if not pipe.inflight:
             raise DesyncError(f"Verdict seq {v.seq} with nothing in flight")
@@ -764,7 +802,7 @@ class SingleCore:
             pipe.commit_bonus(v.bonus, end)
         return []
 
-    def _ask_resample(self, q: Probs) -> list[bytes]:
+    def _ask_resample(self, q: Probs) -> list[EdgeEvent]:
         """Every candidate failed: ask for more (drafting waits for the recovered token)."""
         pos = self.link.verifier_len
         self._resample = (pos, q)
@@ -772,9 +810,9 @@ class SingleCore:
         self.gen.stats.resamples += 1
         data = encode(Resample(self.link.epoch, pos), self.link.ctx)
         self.gen.stats.uplink_bytes += len(data)
-        return [data]
+        return [Send(data)]
 
-    def _candidates(self, c: Candidates) -> list[bytes]:
+    def _candidates(self, c: Candidates) -> list[EdgeEvent]:
         assert self._resample is not None
         pos, q = self._resample
         if (c.epoch, c.pos) != (self.link.epoch, pos):

@@ -1,4 +1,4 @@
-"""The asyncio side of an edge session: read frames, feed the core, write what it returns.
+"""The asyncio side of an edge session: read frames, feed the core, carry out its events.
 
 The rules live in :mod:`edge_agent.core` (and :mod:`edge_agent.federation_core`); this module only
 moves bytes and runs the draft model:
@@ -29,6 +29,7 @@ from edge_agent.core import (
     check_welcome,
 )
 from edge_agent.drafter import DraftModel
+from edge_agent.events import EdgeEvent, Fail, Send
 from edge_agent.tasks import ModelWorker, run_until_first_done
 from edge_agent.transport import LinkClosed, Transport
 from shared.maths.sampling import Probs
@@ -172,7 +173,7 @@ async def draft_loop(
                 deterministic=plan.deterministic,
                 rival=want_rival,
             )
-            pipe.controller.on_draft_step(time.perf_counter() - t0)
+            pipe.on_draft_step(time.perf_counter() - t0)
             if not pipe.current(plan, [*draft, step.token]):
                 break  # a rejection (or a differing co-generated token) voided this batch
             draft.append(step.token)
@@ -202,13 +203,7 @@ async def verdict_watchdog(
         try:
             await signal.wait_for(moved, max(0.0, deadline - now()))
         except asyncio.TimeoutError:
-            head = pipe.inflight[0]
-            slowest = max(pipe.latencies, default=0.0)
-            raise VerdictTimeout(
-                f"no Verdict for a batch sent {now() - head.sent_at:.1f} s ago (deadline "
-                f"{deadline - head.sent_at:.1f} s; slowest recent round {slowest:.2f} s): "
-                "the verifier is stalled"
-            ) from None
+            raise VerdictTimeout(pipe.overdue(now(), deadline)) from None
 
 
 async def run_single(
@@ -227,19 +222,25 @@ async def run_single(
     signal = Signal()
     io = LinkIO(transport, max_queued=core.cfg.send_queue_bound)
 
+    def carry_out(events: list[EdgeEvent]) -> None:
+        for event in events:
+            if isinstance(event, Send):
+                io.write(event.data)
+            elif isinstance(event, Fail):
+                raise event.error
+            else:  # a single session has no worker links to drop
+                raise AssertionError(f"{event} from a single-verifier core")
+
     def submit(plan: DraftPlan, draft: list[int], q_rows: list[Probs], rivals: list[Rival]) -> None:
-        for data in core.propose(plan, draft, q_rows, time.monotonic(), rivals):
-            io.write(data)
+        carry_out(core.propose(plan, draft, q_rows, time.monotonic(), rivals))
 
     def hedge(hp: HedgePlan, draft: list[int]) -> None:
-        for data in core.hedge(hp, draft):
-            io.write(data)
+        carry_out(core.hedge(hp, draft))
 
     async def reader() -> None:
         while not core.gen.done:
             data = await transport.recv()
-            for out in core.receive(data, time.monotonic()):
-                io.write(out)
+            carry_out(core.receive(data, time.monotonic()))
             signal.notify()
 
     await run_until_first_done(

@@ -26,14 +26,8 @@ import numpy as np
 from edge_agent.core import DesyncError, DraftPlan, HandshakeError, Rival, VerifierError
 from edge_agent.drafter import DraftModel
 from edge_agent.driver import LinkIO, Signal, draft_loop, handshake
-from edge_agent.federation_core import (
-    Drop,
-    FederatedCore,
-    FederationStats,
-    Frame,
-    Output,
-    WorkerParams,
-)
+from edge_agent.events import Drop, EdgeEvent, Fail, Send
+from edge_agent.federation_core import FederatedCore, FederationStats, WorkerParams
 from edge_agent.generation import Generation
 from edge_agent.link import LinkRefused, TokenRefused
 from edge_agent.pipeline_config import PipelineConfig
@@ -88,18 +82,20 @@ class _Federation:
         self.causes: dict[int, str] = {}
         self.gave_up: set[int] = set()  # workers whose failure waiting cannot clear
 
-    def _emit(self, outputs: list[Output]) -> None:
-        for o in outputs:
-            io = self.io.get(o.index)
+    def _emit(self, events: list[EdgeEvent]) -> None:
+        for event in events:
+            if isinstance(event, Fail):  # the federated core drops workers instead
+                raise AssertionError(f"{event} from the federated core")
+            io = self.io.get(event.link)
             if io is None:
                 continue  # the link went down meanwhile: its worker re-syncs when it rejoins
-            if isinstance(o, Drop):
+            if isinstance(event, Drop):
                 io.dropped.set()
-            elif isinstance(o, Frame):
+            elif isinstance(event, Send):
                 try:
-                    io.write(o.data)
+                    io.write(event.data)
                 except LinkClosed as e:
-                    self.core.link_down(o.index, str(e), time.monotonic())
+                    self.core.link_down(event.link, str(e), time.monotonic())
                     io.dropped.set()
         self.signal.notify()
 

@@ -6,7 +6,8 @@ worker; each answers with a :class:`~shared.wire.protocol.FederatedReply`; the e
 (:func:`edge_agent.aggregation.decide`) once every worker that was sent the head batch has replied,
 or its round deadline has passed (``now`` is passed in). A worker that misses the deadline, errs or
 sends a frame that does not fit is dropped from the round (the remaining weights are
-renormalised, and this is counted) and the driver is told to close its link (:class:`Drop`).
+renormalised, and this is counted) and the driver is told to close its link
+(:class:`~edge_agent.events.Drop`). Every feed returns :mod:`edge_agent.events` to carry out.
 
 Worker states:
 
@@ -37,6 +38,7 @@ import numpy as np
 
 from edge_agent import aggregation
 from edge_agent.core import Batch, DesyncError, DraftPlan, Pipeline, VerifierError, VerifierLink
+from edge_agent.events import Drop, EdgeEvent, Send
 from edge_agent.generation import Generation
 from edge_agent.pipeline_config import Mode, PipelineConfig
 from shared.enums import TextEnum
@@ -106,25 +108,6 @@ class Worker:
     state: WorkerState = WorkerState.DOWN
     link: VerifierLink | None = None
     joins: int = 0  # times it became live (more than one: it was re-synced)
-
-
-@dataclass(frozen=True)
-class Frame:
-    """Send ``data`` on worker ``index``'s link."""
-
-    index: int
-    data: bytes
-
-
-@dataclass(frozen=True)
-class Drop:
-    """Close worker ``index``'s link (the driver reconnects it)."""
-
-    index: int
-    why: str
-
-
-Output = Frame | Drop
 
 
 class FederatedCore:
@@ -228,23 +211,23 @@ class FederatedCore:
 
     def propose(
         self, plan: DraftPlan, draft: list[int], q_rows: list[Probs], now: float
-    ) -> list[Output]:
+    ) -> list[EdgeEvent]:
         """Broadcast a drafted batch to every live worker; nothing if ``plan`` is void."""
         live = self.live()
         if not draft or not live or not self.pipe.current(plan):
             return []
         b = self.pipe.push(plan, draft, q_rows, now)
-        out: list[Output] = []
+        out: list[EdgeEvent] = []
         for w in live:
             assert w.link is not None
             data = w.link.propose(self.gen.committed, b, w.index, with_q=False)
             self.gen.stats.uplink_bytes += len(data)
-            out.append(Frame(w.index, data))
+            out.append(Send(data, w.index))
         return out
 
     # ------------------------------------------------------------------ replies
 
-    def receive(self, index: int, data: bytes, now: float) -> list[Output]:
+    def receive(self, index: int, data: bytes, now: float) -> list[EdgeEvent]:
         """One frame from worker ``index``."""
         w = self.workers[index]
         if w.state == WorkerState.DOWN or w.link is None:
@@ -264,7 +247,7 @@ class FederatedCore:
                 return []
         return []  # a reply to a batch discarded by a rejection: its work is void
 
-    def _drop(self, w: Worker, why: str, now: float) -> list[Output]:
+    def _drop(self, w: Worker, why: str, now: float) -> list[EdgeEvent]:
         self.link_down(w.index, why, now)
         return [Drop(w.index, why)]
 
@@ -286,11 +269,11 @@ class FederatedCore:
         ]
         return not waiting or now >= b.sent_at + self.deadline_s
 
-    def decide(self, now: float) -> list[Output]:
+    def decide(self, now: float) -> list[EdgeEvent]:
         """Decide the head batch (call when :meth:`round_ready`)."""
         pipe = self.pipe
         b = pipe.inflight[0]
-        out: list[Output] = []
+        out: list[EdgeEvent] = []
         for i in list(b.seqs):
             if i not in b.replies:
                 w = self.workers[i]
@@ -309,16 +292,16 @@ class FederatedCore:
         self._join_at_boundary()
         return out
 
-    def _rollback_all(self, keep: int) -> list[Output]:
+    def _rollback_all(self, keep: int) -> list[EdgeEvent]:
         """Every live worker keeps ``keep`` tokens and enters a new epoch."""
-        out: list[Output] = []
+        out: list[EdgeEvent] = []
         for w in self.live():
             assert w.link is not None
             w.link.epoch += 1
             w.link.verifier_len = min(w.link.verifier_len, keep)
             data = encode(Rollback(w.link.epoch, w.link.verifier_len), w.link.ctx)
             self.gen.stats.uplink_bytes += len(data)
-            out.append(Frame(w.index, data))
+            out.append(Send(data, w.index))
         self._join_at_boundary()
         return out
 

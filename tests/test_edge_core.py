@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from edge_agent.core import DesyncError, EdgeState, SingleCore, VerifierError, hello_for
+from edge_agent.events import Fail
 from edge_agent.generation import Generation
 from edge_agent.pipeline_config import Mode, PipelineConfig
 from shared.maths.sampling import Probs
@@ -30,6 +31,7 @@ from shared.wire.protocol import (
     decode,
     encode,
 )
+from tests.edge_events import sent
 
 V = 16
 FP = Fingerprint("t", V, "test")
@@ -70,7 +72,7 @@ class Edge:
             x, q = counting_draft(plan.context + draft, plan.deterministic)
             draft.append(x)
             q_rows.append(q)
-        self._log(self.core.propose(plan, draft, q_rows))
+        self._log(sent(self.core.propose(plan, draft, q_rows)))
         return True
 
     def fill(self) -> None:
@@ -94,7 +96,7 @@ class Edge:
         p = self.head()
         n = min(accepted, len(p.draft))
         v = Verdict(p.epoch, p.seq, n, **fields)  # type: ignore[arg-type]
-        self._log(self.core.receive(encode(v, self.core.link.ctx)))
+        self._log(sent(self.core.receive(encode(v, self.core.link.ctx))))
 
     def proposes(self) -> list[tuple[int, int, int, list[int], list[int]]]:
         """(epoch, seq, pos, fixed, draft) of every Propose, in order."""
@@ -226,9 +228,9 @@ def test_candidates_resample_when_all_fail_and_no_drafting_meanwhile() -> None:
     # While the Resample round trip is pending, the drafter must not draft from a text that
     # lacks the recovered token.
     assert not e.core.may_draft() and e.core.pipe.plan() is None
-    e._log(e.core.receive(encode(Candidates(1, 1, HOPELESS), e.core.link.ctx)))
+    e._log(sent(e.core.receive(encode(Candidates(1, 1, HOPELESS), e.core.link.ctx))))
     assert isinstance(e.sent[-1], Resample) and e.gen.stats.resamples == 2
-    e._log(e.core.receive(encode(Candidates(1, 1, SURE), e.core.link.ctx)))
+    e._log(sent(e.core.receive(encode(Candidates(1, 1, SURE), e.core.link.ctx))))
     assert e.core.state == EdgeState.RUNNING and e.gen.generated == [6]
     e.draft_batch()
     assert e.proposes()[-1][:4] == (1, 4, 1, [6])  # the next Propose carries it as fixed
@@ -239,7 +241,7 @@ def test_candidates_for_another_position_is_a_desync() -> None:
     e.fill()
     e.answer(0, candidates=HOPELESS)
     with pytest.raises(DesyncError, match="Candidates for epoch 1, pos 7"):
-        e.core.receive(encode(Candidates(1, 7, SURE), e.core.link.ctx))
+        sent(e.core.receive(encode(Candidates(1, 7, SURE), e.core.link.ctx)))
 
 
 @pytest.mark.parametrize(
@@ -258,24 +260,42 @@ def test_verdicts_that_do_not_fit_are_desyncs(verdict: Verdict, match: str) -> N
     e = edge(PipelineConfig(gamma=2, depth=1, sampling=GREEDY), max_new=10)
     e.fill()
     with pytest.raises(DesyncError, match=match):
-        e.core.receive(encode(verdict, e.core.link.ctx))
+        sent(e.core.receive(encode(verdict, e.core.link.ctx)))
     assert e.gen.generated == []
 
 
 def test_verdict_with_nothing_in_flight_and_bonus_behind_batches() -> None:
     e = edge(PipelineConfig(gamma=1, depth=2, sampling=GREEDY), max_new=10)
     with pytest.raises(DesyncError, match="nothing in flight"):
-        e.core.receive(encode(Verdict(0, 0, 1), e.core.link.ctx))
+        sent(e.core.receive(encode(Verdict(0, 0, 1), e.core.link.ctx)))
+    e = edge(PipelineConfig(gamma=1, depth=2, sampling=GREEDY), max_new=10)
     e.fill()
     with pytest.raises(DesyncError, match="bonus token while batches are in flight"):
-        e.core.receive(encode(Verdict(0, 0, 1, bonus=2), e.core.link.ctx))
+        sent(e.core.receive(encode(Verdict(0, 0, 1, bonus=2), e.core.link.ctx)))
+
+
+def test_a_failure_is_an_event_and_the_core_stays_failed() -> None:
+    """The core raises nothing into its driver: a frame that does not fit the session is a Fail
+    event, and every later feed answers the same Fail (nothing is sent, nothing committed)."""
+    e = edge(PipelineConfig(gamma=1, depth=2, sampling=GREEDY), max_new=10)
+    e.fill()
+    committed = list(e.gen.committed)
+    events = e.core.receive(encode(Verdict(0, 0, 1, bonus=2), e.core.link.ctx))
+    assert len(events) == 1 and isinstance(events[0], Fail)
+    assert isinstance(events[0].error, DesyncError)
+    assert e.core.state == EdgeState.FAILED and not e.core.may_draft()
+    plan = e.core.pipe.plan()
+    if plan is not None:
+        assert e.core.propose(plan, [3], [np.eye(V)[3]]) == events
+    assert e.core.receive(encode(Verdict(0, 1, 1), e.core.link.ctx)) == events
+    assert e.gen.committed == committed
 
 
 def test_verifier_error_frames_raise() -> None:
     e = edge(PipelineConfig(gamma=1, sampling=GREEDY), max_new=10)
     e.fill()
     with pytest.raises(VerifierError) as info:
-        e.core.receive(encode(Error("context_full", "full", fatal=False)))
+        sent(e.core.receive(encode(Error("context_full", "full", fatal=False))))
     assert info.value.code == "context_full" and not info.value.fatal
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_agent.federation_core import Drop, FederatedCore, Frame, WorkerParams, WorkerState
+from edge_agent.events import Drop, Send
+from edge_agent.federation_core import FederatedCore, WorkerParams, WorkerState
 from edge_agent.generation import Generation
 from edge_agent.pipeline_config import PipelineConfig
 from shared.wire.params import SamplingParams
@@ -41,17 +42,17 @@ def core(workers: int = 2, deadline_s: float = 1.0) -> FederatedCore:
     return c
 
 
-def draft(c: FederatedCore, tokens: list[int], now: float = 0.0) -> list[Frame]:
+def draft(c: FederatedCore, tokens: list[int], now: float = 0.0) -> list[Send]:
     plan = c.pipe.plan()
     assert plan is not None
     out = c.propose(plan, tokens, [np.eye(V)[x] for x in tokens], now)
-    assert all(isinstance(o, Frame) for o in out)
+    assert all(isinstance(o, Send) for o in out)
     return out  # type: ignore[return-value]
 
 
-def reply_to(c: FederatedCore, frame: Frame, greedy: list[int]) -> bytes:
+def reply_to(c: FederatedCore, frame: Send, greedy: list[int]) -> bytes:
     """A worker's reply whose greedy token at each position is ``greedy[j]``."""
-    w = c.workers[frame.index]
+    w = c.workers[frame.link]
     assert w.link is not None
     p = decode(frame.data, w.link.ctx)
     assert isinstance(p, Propose)
@@ -85,10 +86,10 @@ def test_a_rejection_rolls_every_live_worker_back_before_the_next_propose() -> N
     c.link_up(1, WELCOME, 0.0)
     frames = draft(c, [2, 3])
     for f in frames:
-        c.receive(f.index, reply_to(c, f, [2, 9, 9]), 0.1)
+        c.receive(f.link, reply_to(c, f, [2, 9, 9]), 0.1)
     out = c.decide(0.1)
     assert c.gen.generated == [2, 9]  # 2 accepted, 3 rejected → 9
-    rollbacks = [decode(o.data, c.workers[o.index].link.ctx) for o in out]  # type: ignore[union-attr]
+    rollbacks = [decode(o.data, c.workers[o.link].link.ctx) for o in out]  # type: ignore[union-attr]
     assert rollbacks == [Rollback(1, 2), Rollback(1, 2)]  # keep [1, 2]: before the recovered 9
     frames = draft(c, [10])
     p = decode(frames[0].data, c.workers[0].link.ctx)  # type: ignore[union-attr]

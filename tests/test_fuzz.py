@@ -45,6 +45,7 @@ from shared.wire.protocol import (
     decode,
     encode,
 )
+from tests.edge_events import sent
 from tests.verifiers import ready, verifier_app
 
 CORPUS = Path(__file__).resolve().parent / "fuzz_corpus"
@@ -196,7 +197,7 @@ def test_edge_refuses_each_corpus_frame(name: str, frame: bytes) -> None:
     draft = [(plan.context[-1] + 1 + i) % V for i in range(plan.max_tokens)]
     assert core.propose(plan, draft, [np.eye(V)[x] for x in draft])
     with pytest.raises((ProtocolError, DesyncError, VerifierError)):
-        core.receive(frame)
+        sent(core.receive(frame))
     assert gen.committed == [1, 9], name
 
 
