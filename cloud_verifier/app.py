@@ -132,6 +132,8 @@ class VerifierState:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     #: Lost sessions kept for resumption, by resume token, oldest first.
     parked: OrderedDict[str, Parked] = field(default_factory=OrderedDict)
+    #: The engine's busy seconds the metric has counted so far (metrics_handler).
+    busy_reported_s: float = 0.0
 
     def set_status(self, status: ServiceStatus, reason: str) -> None:
         self.status, self.reason = status, reason
@@ -562,6 +564,10 @@ async def metrics_handler(request: web.Request) -> web.Response:
     mem = state.engine.memory()
     state.metrics.kv_bytes_used.set(mem["bytes_used"])
     state.metrics.kv_pages_used.set(mem["pages_used"])
+    # The engine owns its busy time; the counter follows it at each scrape.
+    busy = state.engine.busy_seconds()
+    state.metrics.busy_seconds.inc(max(0.0, busy - state.busy_reported_s))
+    state.busy_reported_s = max(busy, state.busy_reported_s)
     _token_metrics(state)
     body = state.metrics.render().encode()
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE})

@@ -197,6 +197,9 @@ class Engine:
         self.warm = False
         #: Steps completed (engine thread; read under the lock).
         self.steps = 0
+        #: Seconds the engine spent in steps (forwards and decisions): the verifier's busy time
+        #: (engine thread; read under the lock).
+        self.busy_s = 0.0
         #: Step time against tokens (written and read under the lock).
         self.times = StepTimes()
         self._running_step: RunningStep | None = None
@@ -333,6 +336,11 @@ class Engine:
     @property
     def slots_used(self) -> int:
         return self.limits.slots - len(self._free_slots)
+
+    def busy_seconds(self) -> float:
+        """Seconds spent in steps since the engine started (the verifier's busy time)."""
+        with self._cv:
+            return self.busy_s
 
     def memory(self) -> dict[str, int]:
         """KV pool figures for /metrics and /health (read without a lock: gauges)."""
@@ -542,6 +550,7 @@ class Engine:
         for req, (result, timing) in zip(batch, answers, strict=True):
             self._finish(req, result, timing, t0)
         timing = next((t for _, t in answers if t is not None), None)
-        if timing is not None:
-            with self._cv:
+        with self._cv:
+            self.busy_s += time.perf_counter() - t0
+            if timing is not None:
                 self.times.observe(timing.padded_tokens, timing.job_s)

@@ -162,6 +162,11 @@ class VerifierMetrics:
             "wanspec_coalesced_proposes_total",
             "Proposes verified in the forward of the Propose queued before them (coalescing).",
         )
+        self.busy_seconds = r.counter(
+            "wanspec_engine_busy_seconds_total",
+            "Seconds the engine spent in steps (target forwards and decisions, co-generation "
+            "included): the verifier's GPU time; per committed token, divide by the tokens.",
+        )
         self.cogen_tokens = r.counter(
             "wanspec_cogen_tokens_total",
             "Tokens the verifier co-generated (decoded on its own while a session had no valid "

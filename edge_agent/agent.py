@@ -30,7 +30,7 @@ from edge_agent.core import (
 from edge_agent.drafter import DraftModel
 from edge_agent.driver import VerdictTimeout, handshake, run_single
 from edge_agent.federation import WorkerSpec, run_federated
-from edge_agent.generation import Generation
+from edge_agent.generation import Generation, TokenSource
 from edge_agent.link import TokenRefused, VerifierBusy
 from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy
@@ -239,6 +239,6 @@ class EdgeAgent:
             step = await self.worker.run(
                 self.drafter.draft, gen.committed, cfg.sampling, rng, deterministic=deterministic
             )
-            gen.commit([step.token], verified=False)
+            gen.commit([step.token], TokenSource.LOCAL_DRAFT)
             if time.monotonic() >= deadline:
                 break

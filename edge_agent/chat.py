@@ -33,6 +33,7 @@ from edge_agent.config import (
 from edge_agent.pipeline_config import Mode, PipelineConfig
 from edge_agent.progress import Progress, check_cuda, device_line, quiet_hub_progress
 from edge_agent.service import EdgeService, Finished, GenRequest
+from edge_agent.text import sources_line
 from shared.errors import WanspecError
 from shared.wire.params import MIN_TEMPERATURE, SamplingParams
 from shared.wire.protocol import CorrectionMode
@@ -353,6 +354,8 @@ def stats_line(st: dict[str, Any]) -> str:
         f"{fmt(st.get('bytes_per_token'), '.1f')} B/token",
         f"RTT {fmt(st.get('rtt_ms'), '.1f', ' ms')}",
     ]
+    if st.get("token_sources"):
+        parts.append(f"tokens from: {sources_line(st['token_sources'])}")
     if st.get("verified") is False:
         parts.append("UNVERIFIED (draft only)")
     return " · ".join(parts)

@@ -222,11 +222,15 @@ def _error(e: BaseException) -> int:
 
 
 def _summary(r: dict[str, Any]) -> str:
+    from edge_agent.text import sources_line
+
     acc = r["acceptance_rate"]
     per_rej = r["downlink_bytes_per_rejection"]
+    means = "" if r["gamma_mean"] is None else f" (mean {r['gamma_mean']:g}/{r['depth_mean']:g})"
     return (
         f"{r['tokens']} tokens in {r['wall_s']:.2f} s ({r['tokens_per_s']} tok/s) · "
-        f"{r['mode']} γ={r['gamma']} D={r['depth']} · acceptance "
+        f"tokens from: {sources_line(r['token_sources'])} · "
+        f"{r['mode']} γ={r['gamma']} D={r['depth']}{means} · acceptance "
         f"{'n/a' if acc is None else f'{acc:.0%}'}, {r['mean_accepted_per_round']} accepted/round"
         f" over {r['rounds']} rounds · {r['rejections']} rejections, "
         f"{r['discarded_batches']} discarded batches · up {r['uplink_bytes']} B "

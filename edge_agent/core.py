@@ -50,7 +50,7 @@ import numpy as np
 
 from edge_agent.controller import Controller, ControllerLimits
 from edge_agent.events import EdgeEvent, Fail, Send
-from edge_agent.generation import Generation
+from edge_agent.generation import Generation, TokenSource
 from edge_agent.pipeline_config import Mode, PipelineConfig, max_inflight
 from shared.enums import TextEnum
 from shared.errors import FATAL_CODES, WanspecError
@@ -478,13 +478,15 @@ class Pipeline:
         gamma = len(b.draft)
         self.controller.on_verdict(gamma, accepted, latency)
         st.depth_sum += self.depth
+        st.gamma_sum += self.gamma
+        st.gamma_last, st.depth_last = self.gamma, self.depth
         st.rounds += 1
         st.draft_tokens += gamma
         st.accepted_tokens += accepted
         st.count_accepted(accepted, gamma)
-        self.commit_at(b.start, b.draft[:accepted])
+        self.commit_at(b.start, b.draft[:accepted], TokenSource.EDGE_DRAFT)
 
-    def commit_at(self, start: int, tokens: Sequence[int]) -> None:
+    def commit_at(self, start: int, tokens: Sequence[int], source: TokenSource) -> None:
         """Commit ``tokens`` as the text from position ``start``: positions already committed
         (co-generated tokens) must hold the same tokens."""
         c = len(self.gen.committed)
@@ -493,7 +495,7 @@ class Pipeline:
             raise DesyncError(f"tokens for position {start}, but {c} are committed")
         if list(tokens[:skip]) != self.gen.committed[start : start + skip]:
             raise DesyncError(f"tokens at {start} differ from the committed text")
-        self.gen.commit(tokens[skip:])
+        self.gen.commit(tokens[skip:], source)
 
     def discard_inflight(self, keep: Batch | None = None) -> None:
         """Every batch in flight (behind ``keep``, when given) was drafted from a token that is
@@ -508,12 +510,12 @@ class Pipeline:
 
     def commit_recovered(self, token: int) -> None:
         self.gen.stats.recovered_tokens += 1
-        self.gen.commit([token])
+        self.gen.commit([token], TokenSource.CORRECTION)
 
     def commit_bonus(self, token: int, pos: int) -> None:
         if not self.gen.done:
             self.gen.stats.bonus_tokens += 1
-            self.commit_at(pos, [token])
+            self.commit_at(pos, [token], TokenSource.BONUS)
 
 
 # ------------------------------------------------------------------------------ one link
@@ -730,7 +732,7 @@ class SingleCore:
         ):
             gen.stats.hedge_hits += 1
         b = next((b for b in pipe.inflight if b.start <= c < b.start + len(b.live)), None)
-        gen.commit([g.token])
+        gen.commit([g.token], TokenSource.COGENERATED)
         if b is None:
             # Past every draft in flight: the batch being drafted (if any) goes on while it
             # agrees with the new token (Pipeline.current); the verifier knows the text to here.

@@ -10,6 +10,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.enums import TextEnum
+
+
+class TokenSource(TextEnum):
+    """Where a committed token came from. Every generated token has exactly one source, counted
+    where it is committed (:meth:`Generation.commit`), so the counts add up to the text."""
+
+    EDGE_DRAFT = "edge_draft"  # an edge draft token the target accepted
+    CORRECTION = "correction"  # the recovered token of a rejection (from the target's residual)
+    BONUS = "bonus"  # the target's token after a fully accepted batch
+    COGENERATED = "cogenerated"  # decoded by the verifier while no edge draft was queued
+    LOCAL_DRAFT = "local_draft"  # the draft's own, no verifier (link-down fallback = draft)
+
 
 @dataclass
 class Stats:
@@ -27,6 +40,7 @@ class Stats:
     hedge_bytes: int = 0  # their bytes (part of uplink_bytes)
     hedge_hits: int = 0  # co-generated tokens that continue a hedge sent (as it drafted them)
     depth_sum: int = 0  # Σ over verdicts of the pipeline depth then (mean D = depth_sum / rounds)
+    gamma_sum: int = 0  # Σ over verdicts of the draft length γ then (mean γ = gamma_sum / rounds)
     discarded_batches: int = 0
     discarded_tokens: int = 0
     resamples: int = 0
@@ -42,6 +56,10 @@ class Stats:
     #: Cached tokens the verifier kept across reconnects (resumed sessions: no prefill of them).
     resumed_tokens: int = 0
     drafter_wait_s: float = 0.0  # time the drafter sat idle (queue full / stop-and-wait)
+    #: Committed generated tokens by source (they add up to the generated text).
+    sources: dict[TokenSource, int] = field(default_factory=lambda: dict.fromkeys(TokenSource, 0))
+    gamma_last: int = 0  # γ when the last verdict came (the controller's, in auto mode)
+    depth_last: int = 0  # D when the last verdict came
 
     def count_accepted(self, n: int, gamma: int) -> None:
         if len(self.accepted_per_position) < gamma:
@@ -93,10 +111,10 @@ class Generation:
     def unverified_tokens(self) -> int:
         return sum(b - a for a, b in self.unverified)
 
-    def commit(self, ids: Sequence[int], *, verified: bool = True) -> None:
-        """Append ids, stopping at an end-of-sequence id or the token limit.
+    def commit(self, ids: Sequence[int], source: TokenSource) -> None:
+        """Append ids from ``source``, stopping at an end-of-sequence id or the token limit.
 
-        ``verified=False`` marks them as the draft's own (link-down fallback): they are
+        :attr:`TokenSource.LOCAL_DRAFT` ids are the draft's own (link-down fallback): they are
         committed like any other, and recorded in :attr:`unverified`.
         """
         start = len(self.generated)
@@ -110,7 +128,8 @@ class Generation:
                 self.done, self.finish_reason = True, "stop"
             elif self.room <= 0:
                 self.done, self.finish_reason = True, "length"
-        if new and not verified:
+        self.stats.sources[source] += len(new)
+        if new and source == TokenSource.LOCAL_DRAFT:
             end = start + len(new)
             if self.unverified and self.unverified[-1][1] == start:
                 self.unverified[-1] = (self.unverified[-1][0], end)

@@ -13,7 +13,7 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-from edge_agent.generation import Generation
+from edge_agent.generation import Generation, TokenSource
 from edge_agent.pipeline_config import PipelineConfig
 from shared.runtime.model_spec import SpecKind, parse_model_spec
 from shared.runtime.models import LoadedModel, load_model
@@ -134,12 +134,37 @@ def result_json(gen: Generation, text: str, wall_s: float, cfg: PipelineConfig) 
         "bytes_per_token": round((st.uplink_bytes + st.downlink_bytes) / n, 2) if n else None,
         "drafter_idle_s": round(st.drafter_wait_s, 4),
         "federation": federation_json(gen),
+        "token_sources": {str(s): n for s, n in st.sources.items()},
         "mode": cfg.mode,
-        "gamma": cfg.gamma,
-        "depth": cfg.effective_depth,
+        # The values used (in auto mode, the controller's): at the last verdict, and the mean
+        # over verdicts; the configured start values before any verdict.
+        "gamma": st.gamma_last or cfg.gamma,
+        "depth": st.depth_last or cfg.effective_depth,
+        "gamma_mean": round(st.gamma_sum / st.rounds, 3) if st.rounds else None,
+        "depth_mean": round(st.depth_sum / st.rounds, 3) if st.rounds else None,
         "correction": cfg.wire_correction,
         "temperature": cfg.sampling.temperature,
     }
+
+
+#: How :func:`sources_line` names each token source.
+_SOURCE_WORDS: dict[str, str] = {
+    TokenSource.EDGE_DRAFT: "edge drafts",
+    TokenSource.CORRECTION: "corrections",
+    TokenSource.BONUS: "bonus",
+    TokenSource.COGENERATED: "co-generated",
+    TokenSource.LOCAL_DRAFT: "draft alone (unverified)",
+}
+
+
+def sources_line(sources: dict[str, int]) -> str:
+    """``token_sources`` (:func:`result_json`) for people: each source with its count and share,
+    the largest first, sources with no token left out."""
+    total = sum(sources.values())
+    if total == 0:
+        return "none"
+    parts = sorted(((n, s) for s, n in sources.items() if n), key=lambda x: -x[0])
+    return ", ".join(f"{_SOURCE_WORDS.get(s, s)} {n} ({n / total:.0%})" for n, s in parts)
 
 
 def federation_json(gen: Generation) -> dict[str, Any] | None:

@@ -44,7 +44,7 @@ from cloud_verifier.targets import TorchTarget
 from edge_agent.agent import EdgeAgent, RetryPolicy
 from edge_agent.core import PREFILL_ALLOWANCE_S, DesyncError, Pipeline, resumed_length
 from edge_agent.drafter import Drafter
-from edge_agent.generation import Generation
+from edge_agent.generation import Generation, TokenSource
 from edge_agent.link import LinkSettings, VerifierBusy, WebSocketTransport, retry_after_s
 from edge_agent.lm import CausalLM
 from edge_agent.pipeline_config import PipelineConfig
@@ -196,7 +196,7 @@ def test_verdict_deadline_follows_progress_and_the_prompt_length() -> None:
 
 def test_a_resumed_cache_must_hold_the_committed_text() -> None:
     gen = Generation(PROMPT, 8)
-    gen.commit([7, 8])
+    gen.commit([7, 8], TokenSource.EDGE_DRAFT)
     w = Welcome(FP, "s", 4, 100, 100, 4096)
     assert resumed_length(gen, w) == 0
     ok = Welcome(FP, "s", 4, 100, 100, 4096, resumed=Resumed(6, text_digest([*PROMPT, 7])))

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pexpect
 import pytest
@@ -178,16 +179,19 @@ def test_options_and_stats_line() -> None:
     for key, value in [("top_k", "-1"), ("temperature", "hot"), ("nope", "1"), ("mode", "x")]:
         with pytest.raises(ValueError):
             opts.with_setting(key, value)
-    line = stats_line(
-        {
-            "tokens_per_s": 12.345,
-            "acceptance_rate": 0.75,
-            "mean_accepted_per_round": 3.1,
-            "bytes_per_token": 4.25,
-            "rtt_ms": 12.0,
-        }
-    )
+    st: dict[str, Any] = {
+        "tokens_per_s": 12.345,
+        "acceptance_rate": 0.75,
+        "mean_accepted_per_round": 3.1,
+        "bytes_per_token": 4.25,
+        "rtt_ms": 12.0,
+    }
+    line = stats_line(st)
     assert line == "12.3 tok/s · acceptance 75% · 3.10 accepted/round · 4.2 B/token · RTT 12.0 ms"
+    st["token_sources"] = {"edge_draft": 9, "correction": 1, "bonus": 0, "cogenerated": 0}
+    assert stats_line(st).endswith(
+        " · RTT 12.0 ms · tokens from: edge drafts 9 (90%), corrections 1 (10%)"
+    )
 
 
 def test_multi_line_reading() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from edge_agent.core import DesyncError, EdgeState, SingleCore, VerifierError, hello_for
 from edge_agent.events import Fail
-from edge_agent.generation import Generation
+from edge_agent.generation import Generation, TokenSource
 from edge_agent.pipeline_config import Mode, PipelineConfig
 from shared.maths.sampling import Probs
 from shared.wire.params import SamplingParams
@@ -143,6 +143,8 @@ def test_pipelined_commits_rollbacks_and_discards() -> None:
     assert st.accepted_tokens == 2 + 1 + 2 + 0 + 1
     assert st.accepted_per_position == [4, 2]
     assert e.core.pipe.epoch == 2
+    assert st.sources[TokenSource.EDGE_DRAFT] == 6 and st.sources[TokenSource.CORRECTION] == 2
+    assert sum(st.sources.values()) == len(gen.generated)
 
 
 @pytest.mark.parametrize("depth", [1, 3])
@@ -174,6 +176,15 @@ def test_stop_and_wait_with_bonus_tokens() -> None:
     ]
     assert e.gen.generated == [1, 2, 3, 5, 6, 0, 1, 2, 3]
     assert e.gen.stats.bonus_tokens == 1  # the last bonus fell past max_new_tokens
+    # Every generated token has one source, counted where it was committed.
+    assert e.gen.stats.sources == {
+        TokenSource.EDGE_DRAFT: 3 + 1 + 3,
+        TokenSource.CORRECTION: 1,
+        TokenSource.BONUS: 1,
+        TokenSource.COGENERATED: 0,
+        TokenSource.LOCAL_DRAFT: 0,
+    }
+    assert (e.gen.stats.gamma_last, e.gen.stats.gamma_sum, e.gen.stats.depth_last) == (3, 9, 1)
 
 
 def test_eos_stops_drafting_and_generation() -> None:
