@@ -5,6 +5,7 @@ raw sockets — can drive them from the test)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 import urllib.error
@@ -28,6 +29,14 @@ from tests.verifiers import READY_TIMEOUT_S, ready, verifier_app
 
 T = TypeVar("T")
 TOKEN = "edge-test-token-0123456789"
+
+
+def clean_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """No WANSPEC_* variable and no default config file from the machine running the tests."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANSPEC_")}
+    env["XDG_CONFIG_HOME"] = str(tmp / "xdg")
+    env.update(extra)
+    return env
 
 
 class LoopThread:

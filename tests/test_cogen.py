@@ -16,29 +16,22 @@ import numpy as np
 import pytest
 
 from cloud_verifier.core import (
-    CoGenerate,
-    Crop,
-    Cropped,
-    Draw,
-    Drawn,
-    Result,
     Run,
     Send,
     SessionLimits,
     TargetInfo,
-    Verified,
     VerifierCore,
-    Verify,
     Work,
 )
 from edge_agent.core import Rival, SingleCore, hello_for
-from edge_agent.generation import Generation
+from edge_agent.generation import Generation, TokenSource
 from edge_agent.pipeline_config import PipelineConfig
-from shared.maths.rejection import Decision, draw_candidates, verify_batch
 from shared.maths.sampling import sample
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import CorrectionMode, Fingerprint, Welcome, decode, encode
-from tests.test_exactness import ALPHA, chi_square_pvalue
+from tests.edge_events import sent
+from tests.fake_model import FakeTargetModel, bigram_law
+from tests.stats import ALPHA, chi_square_pvalue
 
 V = 4
 FP = Fingerprint("t", V, "bigram")
@@ -58,59 +51,6 @@ def _bigram(seed: int) -> tuple[np.ndarray, np.ndarray]:
 P, Q = _bigram(2)
 
 
-class BigramTarget:
-    """The verifier's model side: p(· | text) = P[last token]; ``cogen_law`` is what CoGenerate
-    samples from (P; Q in the negative control)."""
-
-    def __init__(
-        self, rng: np.random.Generator, cogen_law: np.ndarray, trust_hedges: bool = False
-    ) -> None:
-        self.cache: list[int] = []
-        self.rng = rng
-        self.cogen_law = cogen_law
-        self.trust_hedges = trust_hedges  # broken: accept a hedge's draft unverified
-        self.kept: tuple[np.ndarray, int] | None = None
-
-    def run(self, work: Work, core: VerifierCore) -> Result:
-        if isinstance(work, CoGenerate) and self.trust_hedges and len(work.draft):
-            self.cache += work.fixed.tolist() + work.draft.tolist()
-            bonus = sample(self.cogen_law[self.cache[-1]], self.rng)
-            return Verified(Decision(len(work.draft), bonus=bonus))
-        if isinstance(work, CoGenerate) and len(work.draft) == 0:
-            assert work.pos == len(self.cache) == core.cache_len
-            self.cache += work.fixed.tolist()
-            return Verified(Decision(0, bonus=sample(self.cogen_law[self.cache[-1]], self.rng)))
-        if isinstance(work, (Verify, CoGenerate)):
-            pos = work.propose.pos if isinstance(work, Verify) else work.pos
-            assert pos == len(self.cache) == core.cache_len
-            self.cache += work.fixed.tolist()
-            draft = work.draft.tolist()
-            ctx = self.cache[-1]
-            rows = []
-            for x in [ctx, *draft]:
-                rows.append(P[x])
-            assert core.hello is not None
-            d = verify_batch(
-                np.stack(rows),
-                draft,
-                work.q,
-                greedy=False,
-                correction=str(core.hello.correction),
-                rng=self.rng,
-                want_bonus=isinstance(work, CoGenerate) or work.want_bonus,
-            )
-            self.cache += draft[: d.accepted]
-            kept = False
-            if d.rejected and d.candidates is not None:
-                self.kept, kept = (rows[d.accepted], draft[d.accepted]), True
-            return Verified(d, kept_row=kept)
-        if isinstance(work, Crop):
-            del self.cache[work.pos :]
-            return Cropped()
-        assert isinstance(work, Draw) and self.kept is not None
-        return Drawn(draw_candidates(self.kept[0], self.kept[1], work.m, self.rng))
-
-
 def _greedy_q(x: int) -> tuple[int, np.ndarray, Rival]:
     """The deterministic draft after ``x``: its token, one-hot q, and its rival."""
     row = Q[x]
@@ -125,7 +65,7 @@ def _hedges(edge: SingleCore) -> list[bytes]:
         cont = [hp.token]
         while len(cont) <= hp.max_tokens:
             cont.append(_greedy_q(cont[-1])[0])
-        out += edge.hedge(hp, cont[1:])
+        out += sent(edge.hedge(hp, cont[1:]))
     return out
 
 
@@ -149,7 +89,7 @@ def generate_once(
     )
     gen = Generation(PROMPT, n)
     core = VerifierCore(TargetInfo(FP, V), SessionLimits(max_gamma=8), "s")
-    model = BigramTarget(rng, cogen_law, trust_hedges)
+    model = FakeTargetModel(bigram_law(P), rng, bigram_law(cogen_law), trust_hedges)
     hello = hello_for(FP, cfg, 0, end=len(PROMPT) + n)
     welcome = decode(encode(core.receive(encode(hello))[-1].msg))  # type: ignore[union-attr]
     assert isinstance(welcome, Welcome)
@@ -181,7 +121,7 @@ def generate_once(
                     x = sample(row, rng)
                 draft.append(x)
                 q_rows.append(row)
-            up.extend(edge.propose(plan, draft, q_rows, rivals=rivals))
+            up.extend(sent(edge.propose(plan, draft, q_rows, rivals=rivals)))
             if hedge and rng.integers(2):
                 up.extend(_hedges(edge))  # right behind the Propose
         elif choice == 4 and not edge.may_draft():
@@ -191,7 +131,11 @@ def generate_once(
         elif choice == 2 and pending:
             act(list(core.work_done(model.run(pending.pop(), core))))
         elif choice == 3 and down:
-            up.extend(edge.receive(down.popleft()))
+            up.extend(sent(edge.receive(down.popleft())))
+    # Every token has one source: co-generated ones are counted as such, not as accepted drafts.
+    sources = gen.stats.sources
+    assert sum(sources.values()) == len(gen.generated)
+    assert sources[TokenSource.COGENERATED] <= gen.stats.cogen_tokens
     return gen.generated[:n], gen.stats.cogen_tokens, core.hedge_tokens
 
 

@@ -4,7 +4,6 @@ imported; a real ``generate`` and ``serve`` name the draft's device and draw no 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from edge_agent.progress import check_cuda, device_line
 from shared.runtime.device import cuda_hint
 from shared.runtime.models import LoadedModel, load_model
 from shared.service.config import ConfigError
-from tests.edge_helpers import Servers
+from tests.edge_helpers import Servers, clean_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,14 +64,6 @@ _MAIN_WITH_TQDM_SPY = textwrap.dedent(
     """
 )
 TQDM_OFF = "<<tqdm imported, TQDM_DISABLE=1>>"
-
-
-def clean_env(tmp: Path, **extra: str) -> dict[str, str]:
-    """No WANSPEC_* variable and no default config file from the machine running the tests."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANSPEC_")}
-    env["XDG_CONFIG_HOME"] = str(tmp / "xdg")
-    env.update(extra)
-    return env
 
 
 def run_mains(argvs: list[list[str]], env: dict[str, str]) -> dict[str, object]:
@@ -296,7 +287,12 @@ def test_summary_with_no_rejection_says_n_a_not_none() -> None:
         "mode": "pipelined", "gamma": 4, "depth": 4, "mean_accepted_per_round": 4.0,
         "rounds": 2, "rejections": 0, "discarded_batches": 0, "uplink_bytes": 60,
         "uplink_bytes_per_round": 30.0, "downlink_bytes": 20,
-        "downlink_bytes_per_rejection": None,
+        "downlink_bytes_per_rejection": None, "gamma_mean": 4.0, "depth_mean": 3.5,
+        "token_sources": {"edge_draft": 2, "correction": 0, "bonus": 0, "cogenerated": 6,
+                          "local_draft": 0},
     }  # fmt: skip
     line = _summary(r)
     assert "(n/a B/rejection)" in line and "None" not in line
+    # Where the tokens came from, the largest source first; the values used, with their means.
+    assert "tokens from: co-generated 6 (75%), edge drafts 2 (25%) · " in line
+    assert "γ=4 D=4 (mean 4/3.5)" in line

@@ -121,17 +121,15 @@ async def test_fair_queue_is_fifo_and_a_cancelled_waiter_frees_its_place() -> No
             await gate.wait()
 
     a = asyncio.create_task(job("a"))
-    await asyncio.sleep(0)
+    await until(lambda: order == ["a"], 5.0, "a holds the slot")
     b = asyncio.create_task(job("b"))
     c = asyncio.create_task(job("c"))
-    await asyncio.sleep(0)
-    assert q.waiting == 2
+    await until(lambda: q.waiting == 2, 5.0, "b and c waiting")
     with pytest.raises(QueueFull):
         async with q.slot():
             pass
     b.cancel()
-    await asyncio.sleep(0)
-    assert q.waiting == 1
+    await until(lambda: q.waiting == 1, 5.0, "the cancelled b's place freed")
     gate.set()
     await asyncio.gather(a, c)
     assert order == ["a", "c"] and not q.busy
@@ -296,6 +294,12 @@ def test_metrics_count_requests_and_speculation(
     ):
         assert metric(base, name) > 0, name
     assert metric(base, "wanspec_edge_accepted_tokens_total") >= 0
+    # Every generated token is counted under one source.
+    sources = ("edge_draft", "correction", "bonus", "cogenerated", "local_draft")
+    by_source = [
+        metric(base, f'wanspec_edge_tokens_by_source_total{{source="{s}"}}') for s in sources
+    ]
+    assert sum(by_source) == metric(base, "wanspec_edge_generated_tokens_total")
 
 
 def test_api_key_is_required_when_configured(

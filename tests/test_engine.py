@@ -26,7 +26,8 @@ from shared.runtime.kv_pool import SlotPages
 from shared.runtime.models import load_model
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import CorrectionMode, Fingerprint, Hello, Propose
-from tests.test_exactness import ALPHA, chi_square_pvalue
+from tests.stats import ALPHA, chi_square_pvalue
+from tests.waits import until
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -91,11 +92,16 @@ async def _engine(target: Target, **limits: Any) -> Engine:
 async def _together(engine: Engine, jobs: list[Callable[[], Awaitable[Outcome]]]) -> list[Outcome]:
     """Run jobs so that they reach the engine in one step: the engine's thread is held until
     every job has queued its request."""
-    gate = threading.Event()
-    held = asyncio.ensure_future(engine.call(gate.wait))
-    await asyncio.sleep(0.01)
+    holding, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        gate.wait()
+
+    held = asyncio.ensure_future(engine.call(hold))
+    await until(holding.is_set, 10.0, "the engine's thread held")
     tasks = [asyncio.ensure_future(job()) for job in jobs]
-    await asyncio.sleep(0.01)
+    await until(lambda: len(engine._queue) == len(jobs), 10.0, "every job's request queued")
     gate.set()
     await held
     return list(await asyncio.gather(*tasks))

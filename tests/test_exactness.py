@@ -18,9 +18,6 @@ from shared.maths.rejection import Decision, draw_candidates, one_hot, recover, 
 from shared.maths.sampling import sample, total_variation, transform
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import CorrectionMode
-
-# ALPHA and chi_square_pvalue stay importable from here too (test_cogen, test_engine and
-# test_federated take them from this module).
 from tests.stats import ALPHA, SETTINGS, N, bigram, chi_square_pvalue, logit_pair
 
 EXACT_MODES = [CorrectionMode.CANDIDATES, CorrectionMode.GREEDY_DRAFT, "topk_full"]

@@ -12,7 +12,7 @@ from shared.maths import compression as C
 from shared.maths.sampling import sample, transform
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import FederatedReply
-from tests.test_exactness import ALPHA, chi_square_pvalue
+from tests.stats import ALPHA, chi_square_pvalue
 
 
 def reply_for(ps: np.ndarray, draft: list[int], k: int) -> FederatedReply:

@@ -22,6 +22,7 @@ from cloud_verifier.targets import NullTarget
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello, Propose, ReplyMode, encode
 from tests.verifiers import ready, verifier_app
+from tests.waits import until
 
 BIG_V = 49152
 FP = Fingerprint("null", BIG_V, "null")
@@ -110,10 +111,7 @@ async def test_a_slow_reader_is_disconnected(aiohttp_client: Any) -> None:
     t0 = time.monotonic()
     slowest = await honest_rounds(client, 20)  # meanwhile, others are served as usual
     assert slowest < 2.0
-    deadline = time.monotonic() + 10
-    while state.sessions and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert not state.sessions, "the session that does not read was never closed"
+    await until(lambda: not state.sessions, 10.0, "the session that does not read closed")
     assert time.monotonic() - t0 < 6.0
     assert "wanspec_slow_readers_total 1" in state.metrics.render()
     assert not state.websockets and state.connections == 0 and state.per_token == {}
@@ -138,9 +136,6 @@ async def test_shutdown_is_bounded_with_a_client_that_does_not_read(aiohttp_clie
     msg = await other.receive(timeout=5)
     assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == WSCloseCode.GOING_AWAY
     await other.close()
-    deadline = time.monotonic() + 5
-    while state.sessions and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert not state.sessions
+    await until(lambda: not state.sessions, 5.0, "every session closed")
     with contextlib.suppress(Exception):
         await ws.close()

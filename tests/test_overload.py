@@ -60,7 +60,7 @@ from cloud_verifier.targets import Target, TorchTarget
 from edge_agent.text import encode_prompt, eos_ids
 from shared.runtime.batched_lm import Row
 from shared.runtime.models import LoadedModel, load_model
-from tests.test_edge_cli import clean_env
+from tests.edge_helpers import clean_env
 from tests.verifiers import serve_verifier, session_url
 
 TOKEN = "overload-token-0123456789abcdef"

@@ -124,11 +124,11 @@ async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
         for r in replicas:
             await r.wait_ready(120)
         # The balancer routes to a replica once its checks pass (rise 2 × inter 1 s).
-        deadline = time.monotonic() + 30
-        while not all(f"verifiers/v{i + 1} is UP" in _read(tmp_path / "haproxy.log") for i in
-                      range(len(replicas))):  # fmt: skip
-            assert time.monotonic() < deadline, _read(tmp_path / "haproxy.log")
-            await asyncio.sleep(0.1)
+        ups = [f"verifiers/v{i + 1} is UP" for i in range(len(replicas))]
+        try:
+            await until(lambda: all(up in _read(tmp_path / "haproxy.log") for up in ups), 30.0)
+        except AssertionError as e:
+            raise AssertionError(_read(tmp_path / "haproxy.log")) from e
         yield Fleet(replicas, listen, load_model(str(target_dir)), load_model(str(draft_dir)))
     finally:
         lb.send_signal(signal.SIGTERM)
@@ -195,10 +195,7 @@ async def test_a_draining_replica_gets_no_new_sessions(fleet: Fleet) -> None:
         before_a, before_b = sessions_total(a.port), sessions_total(b.port)
         assert a.proc is not None
         a.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while health(a.port)[0] != 503:
-            assert time.monotonic() < deadline, "no 503 from /health while draining"
-            await asyncio.sleep(0.05)
+        await until(lambda: health(a.port)[0] == 503, 10.0, "a 503 from /health while draining")
         status, body = health(a.port)
         assert status == 503 and body["status"] == "stopping"
         # New sessions through the balancer, at once (before its check marks a down: any that
@@ -221,11 +218,22 @@ async def test_a_draining_replica_gets_no_new_sessions(fleet: Fleet) -> None:
 
 
 class _Draining:
-    """What :func:`cloud_verifier.app.drain` reads of the service state."""
+    """What :func:`cloud_verifier.app.drain` reads of the service state; ``looks`` counts its
+    reads of ``connections``."""
 
     def __init__(self, connections: int) -> None:
-        self.connections = connections
+        self._connections = connections
+        self.looks = 0
         self.status: object = None
+
+    @property
+    def connections(self) -> int:
+        self.looks += 1
+        return self._connections
+
+    @connections.setter
+    def connections(self, n: int) -> None:
+        self._connections = n
 
     def set_status(self, status: object, reason: str) -> None:
         self.status = status
@@ -238,7 +246,7 @@ async def test_drain_ends_with_the_last_session_or_at_its_deadline() -> None:
     state = _Draining(2)
     task = asyncio.create_task(drain(state, 30.0, poll_s=0.01))  # type: ignore[arg-type]
     await until(lambda: state.status == ServiceStatus.STOPPING, 5.0, "draining")
-    await asyncio.sleep(0.05)  # a few of its polls: it waits for the sessions
+    await until(lambda: state.looks >= 4, 5.0, "a few of drain's polls")  # it waits for them
     assert not task.done()
     state.connections = 0
     await asyncio.wait_for(task, 1.0)  # ends at once, long before its 30 s

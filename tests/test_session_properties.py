@@ -23,38 +23,31 @@ from hypothesis import strategies as st
 
 from cloud_verifier.core import (
     Close,
-    CoGenerate,
-    Crop,
-    Cropped,
-    Draw,
-    Federate,
-    Federated,
-    Result,
     Run,
     Send,
     SessionLimits,
     TargetInfo,
-    Verified,
     VerifierCore,
-    Verify,
     Work,
 )
 from edge_agent.core import DesyncError, SingleCore, VerifierError, hello_for
-from edge_agent.federation_core import Drop, FederatedCore, Frame, WorkerParams
+from edge_agent.events import Drop
+from edge_agent.events import Send as EdgeSend
+from edge_agent.federation_core import FederatedCore, WorkerParams
 from edge_agent.generation import Generation
 from edge_agent.pipeline_config import Mode, PipelineConfig
-from shared.maths.rejection import Decision
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import (
     Error,
     Fingerprint,
     Propose,
     ProtocolError,
-    SparseDist,
     Welcome,
     decode,
     encode,
 )
+from tests.edge_events import sent
+from tests.fake_model import FakeTargetModel, greedy_law
 
 V = 32
 FP = Fingerprint("t", V, "test")
@@ -73,49 +66,9 @@ def target_text(prompt: list[int], n: int) -> list[int]:
     return out[len(prompt) :]
 
 
-class FakeModel:
-    """The verifier's model side for a greedy target: a token cache and exact decisions."""
-
-    def __init__(self) -> None:
-        self.cache: list[int] = []
-
-    def run(self, work: Work, core: VerifierCore) -> Result:
-        if isinstance(work, (Verify, Federate)):
-            p = work.propose
-            draft = work.draft  # with coalescing, every segment's draft in order
-            # Stale work never reaches the model: it starts where the cache ends, this epoch.
-            assert p.pos == len(self.cache) == core.cache_len, (p.pos, len(self.cache))
-            assert p.epoch == core.epoch
-            self.cache += work.fixed.tolist()
-            want = [target_next(self.cache + draft[:i].tolist()) for i in range(len(draft))]
-            if isinstance(work, Federate):
-                self.cache += draft.tolist()
-                bonus = target_next(self.cache)
-                rows = [*want, bonus]
-                dists = tuple(SparseDist(np.array([t]), np.ones(1, np.float32)) for t in rows)
-                p_draft = np.array(
-                    [1.0 if x == t else 0.0 for x, t in zip(draft, want, strict=True)],
-                    np.float32,
-                )
-                return Federated(dists, p_draft, np.zeros((len(rows), 2), np.float32))
-            n = 0
-            while n < len(draft) and int(draft[n]) == want[n]:
-                n += 1
-            self.cache += draft[:n].tolist()
-            if n < len(draft):
-                return Verified(Decision(n, token=want[n]))
-            bonus = target_next(self.cache) if work.want_bonus else None
-            return Verified(Decision(n, bonus=bonus))
-        if isinstance(work, CoGenerate):
-            assert work.pos == len(self.cache) == core.cache_len, (work.pos, len(self.cache))
-            self.cache += work.fixed.tolist()
-            return Verified(Decision(0, bonus=target_next(self.cache)))
-        if isinstance(work, Crop):
-            assert work.pos <= len(self.cache)
-            del self.cache[work.pos :]
-            return Cropped()
-        assert not isinstance(work, Draw), "greedy sessions never resample"
-        raise AssertionError(work)
+#: The verifier's model side decides exactly against it (greedy sessions) and checks that stale
+#: work never reaches it.
+TARGET = greedy_law(target_next, V)
 
 
 @dataclass
@@ -123,7 +76,7 @@ class Verifier:
     """One verifier session: its core, its model, the work it is running, its replies."""
 
     core: VerifierCore
-    model: FakeModel = field(default_factory=FakeModel)
+    model: FakeTargetModel = field(default_factory=lambda: FakeTargetModel(TARGET))
     pending: Work | None = None
     last_epoch: int = 0
 
@@ -279,7 +232,7 @@ def test_single_sessions_under_random_events(
         e, v = edge(), verifier()
         if action == "draft" and e.may_draft():
             draft, (plan, q_rows) = draft_batch(e, drafter)  # type: ignore[misc]
-            send_up(e.propose(plan, draft, q_rows))  # type: ignore[arg-type]
+            send_up(sent(e.propose(plan, draft, q_rows)))  # type: ignore[arg-type]
         elif action == "up" and uplink():
             if not down(v.feed(list(v.core.receive(uplink().popleft())))):
                 assert state["replayed"], "the verifier closed an honest session"
@@ -290,7 +243,7 @@ def test_single_sessions_under_random_events(
                 connect()
         elif action == "down" and downlink():
             try:
-                send_up(e.receive(downlink().popleft()))
+                send_up(sent(e.receive(downlink().popleft())))
             except (DesyncError, VerifierError, ProtocolError) as err:
                 # Between honest ends only a replayed frame can break a session.
                 assert state["replayed"], err
@@ -360,9 +313,9 @@ def test_federated_sessions_under_random_events(
     def emit(outputs: list[object]) -> None:
         for o in outputs:
             if isinstance(o, Drop):
-                links.pop(o.index, None)
-            elif isinstance(o, Frame) and o.index in links:
-                links[o.index][1].append(o.data)
+                links.pop(o.link, None)
+            elif isinstance(o, EdgeSend) and o.link in links:
+                links[o.link][1].append(o.data)
 
     for i in range(workers):
         join(i)

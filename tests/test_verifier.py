@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -197,6 +198,10 @@ async def test_greedy_verdicts_equal_direct_argmax(
     m = svc.metrics
     assert m.num_drafts.get() == 8
     assert m.bonus_tokens.get() + m.corrections.get(kind="token") == 8
+    # The verifier's busy time: the engine's seconds in steps, followed at each scrape.
+    text = await (await svc.client.get("/metrics")).text()
+    busy = float(re.search(r"^wanspec_engine_busy_seconds_total (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+    assert 0 < busy <= svc.engine.busy_seconds()
 
 
 async def test_rejection_crops_and_stale_proposes_cost_nothing(
@@ -467,10 +472,8 @@ async def test_a_flood_while_its_work_runs_closes_only_that_session(
     assert codes == ["bad_frame"] * 7 + ["too_many_bad_frames"], codes
     assert msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING)
     assert isinstance(await other.round(), Verdict)  # the engine serves the other session
-    deadline = asyncio.get_running_loop().time() + 10
-    while len(svc.state.sessions) > 1 and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.01)
-    assert len(svc.state.sessions) == 1, "the flooding session was never closed"
+    await until(lambda: len(svc.state.sessions) <= 1, 10.0, "the flooding session closed")
+    assert len(svc.state.sessions) == 1
     assert svc.engine.slots_used == 1 and svc.engine.worker_alive()
 
 

@@ -218,7 +218,10 @@ async def test_a_full_pending_table_still_admits_new_clients() -> None:
             pytest.skip("this machine took longer than min_age to open 13 connections")
         assert (answer or b"").startswith(b"HTTP/1.1 503")
         assert state.guard.refused == {"max_pending_connections": 1}
-        await asyncio.sleep(state.guard.min_age - (time.monotonic() - t0) + 0.05)
+        # Until the oldest pending connection is min_age old, by the guard's own clock.
+        guard, loop = state.guard, asyncio.get_running_loop()
+        oldest = next(iter(guard._order)).since
+        await until(lambda: loop.time() - oldest >= guard.min_age, 5.0, "min_age passed")
         async with aiohttp.ClientSession() as http:  # new connections from 127.0.0.1
             async with http.get(url + "/health") as r:
                 assert r.status == 200
