@@ -68,7 +68,7 @@ install: $(VENV)/.installed
 balancer:
 	@command -v haproxy >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO=sudo; \
-	  else echo "make: HAProxy is missing: run 'sudo apt-get install haproxy' (tests/test_replicas.py needs it)" >&2; exit 1; fi; \
+	  else echo "make: HAProxy is missing: run 'sudo apt-get install haproxy' (tests/system/test_replicas.py needs it)" >&2; exit 1; fi; \
 	  echo "installing HAProxy (apt-get)"; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq haproxy >/dev/null; }
 
@@ -87,21 +87,21 @@ test: lint balancer
 # (test_exactness, test_cogen, test_device_sampling: 20,000-sample chi-square tests, 30-80 s
 # each) and the engine's tests. A listed file that does not exist yet is reported and skipped.
 FAST_TESTS := \
-	tests/test_protocol.py \
-	tests/test_verifier_core.py \
-	tests/test_edge_core.py \
-	tests/test_controller.py \
-	tests/test_scheduler.py \
-	tests/test_sampling_core.py \
-	tests/test_federated.py \
-	tests/test_federation_core.py \
-	tests/test_session_properties.py \
-	tests/test_api_request.py \
-	tests/test_verifier_units.py \
-	tests/test_config.py \
-	tests/test_edge_config.py \
-	tests/test_imports.py \
-	tests/test_errors.py
+	tests/shared/test_protocol.py \
+	tests/shared/test_maths.py \
+	tests/shared/test_config.py \
+	tests/shared/test_errors.py \
+	tests/shared/test_imports.py \
+	tests/verifier/test_verifier_core.py \
+	tests/verifier/test_scheduler.py \
+	tests/verifier/test_verifier_units.py \
+	tests/edge/test_edge_core.py \
+	tests/edge/test_federation_core.py \
+	tests/edge/test_aggregation.py \
+	tests/edge/test_controller.py \
+	tests/edge/test_api_request.py \
+	tests/edge/test_edge_config.py \
+	tests/system/test_session_properties.py
 FAST_MISSING := $(filter-out $(wildcard $(FAST_TESTS)),$(FAST_TESTS))
 
 check: lint

@@ -31,8 +31,8 @@ client can detect; such generations are counted apart and only checked for no cr
 
 **HTTP.** Malformed and oversized requests to /health, /metrics and /v1/session must get 4xx.
 
-Mutations draw from a ``random.Random``; ``tests/test_fuzz.py`` drives the same mutators from
-hypothesis (``st.randoms()``) and replays the committed corpus in ``tests/fuzz_corpus/``.
+Mutations draw from a ``random.Random``; ``tests/system/test_fuzz.py`` drives the same mutators from
+hypothesis (``st.randoms()``) and replays the committed corpus in ``tests/system/fuzz_corpus/``.
 """
 
 from __future__ import annotations
@@ -1502,7 +1502,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def corpus_frames(seed: int = 0) -> list[tuple[str, str, bytes]]:
-    """(target, name, frame): a small fixed corpus, replayed by ``tests/test_fuzz.py``.
+    """(target, name, frame): a small fixed corpus, replayed by ``tests/system/test_fuzz.py``.
 
     ``verifier`` frames are sent as the first frame after Welcome of a greedy session
     (epoch 0, seq 0, pos 0); ``edge`` frames are the reply to an edge's first Propose

@@ -19,8 +19,8 @@ Per-session and per-row parameters (temperature, top-k, top-p, γ, modes, k, ε,
 arrays: the host built the batch, and knowing them there costs no device synchronisation.
 
 Semantics are :func:`shared.maths.sampling.transform` and
-:func:`shared.maths.rejection.verify_batch` exactly (tests/test_device_sampling.py holds them to it
-row by row and by chi-square):
+:func:`shared.maths.rejection.verify_batch` exactly (tests/verifier/test_device_sampling.py holds
+them to it row by row and by chi-square):
 
 * transform: temperature, then top-k (every logit >= the k-th largest kept, ties included), then
   top-p on the probabilities sorted ascending with a *stable* sort (ties: the lower id is
@@ -40,7 +40,7 @@ Random streams differ from the NumPy path (each session has a ``torch.Generator`
 seeded by the session); the distributions are the same.
 
 Dtype: float64 on the device (:data:`DEVICE_DTYPE`); uniforms and every cumulative sum used
-for a draw are float64 whatever the dtype. What tests/test_device_sampling.py shows (CPU):
+for a draw are float64 whatever the dtype. What tests/verifier/test_device_sampling.py shows (CPU):
 
 * transform: float64 equals the NumPy reference to <= 5e-16 with the same support on every row
   (ties, T = 0, top-k and top-p included); float32 only to ~2.5e-7 (tested at 1e-6).
@@ -572,7 +572,7 @@ def verify_logits(
     * rows with no top-k / top-p: p(x) = exp(l_x/T − logsumexp(l/T)), the max and the sum of
       exps over the row in the logits' float32 (one pass), the rest in float64: p(x) carries
       float32 rounding (relative error ~1e-6, far below what any test can see; the suites in
-      tests/test_device_sampling.py run on this path too);
+      tests/verifier/test_device_sampling.py run on this path too);
     * rows with top-k / top-p: the full :func:`transform_rows` of those rows.
 
     Only the decision rows (at most one per session: the rejected position or the bonus

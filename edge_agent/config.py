@@ -55,7 +55,7 @@ RETIRED_ENV = {
 }
 
 # Settings files and flags spell choices as strings (shared.service.config checks Literal choices):
-# the values of Mode, CorrectionMode and Reconstruction (tests/test_edge_config.py keeps them
+# the values of Mode, CorrectionMode and Reconstruction (tests/edge/test_edge_config.py keeps them
 # equal).
 ModeName = Literal["pipelined", "stop-and-wait"]
 CorrectionName = Literal["candidates", "greedy_draft", "topk"]

@@ -1,6 +1,6 @@
 """Bad input never harms others: hostile frames at the verifier and at the edge's link, malformed
 HTTP. Hypothesis drives the mutators of ``bench.fuzz`` over every message type; the committed
-corpus (``tests/fuzz_corpus/``) is replayed against a live verifier session and a live edge
+corpus (``tests/system/fuzz_corpus/``) is replayed against a live verifier session and a live edge
 pipeline; and a reduced ``python -m bench.fuzz`` run throws hundreds of frames at a real verifier
 process and a real edge agent while an honest session checks its verdicts."""
 

@@ -45,7 +45,7 @@ from shared.wire.protocol import (
 from tests.verifiers import guarded_verifier, serve_process, wait_healthy
 from tests.waits import closed_within, until
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FP = Fingerprint("null", 64, "null")
 HELLO = Hello(FP, SamplingParams(0.0))
 

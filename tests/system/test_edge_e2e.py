@@ -59,7 +59,7 @@ async def serve_app(
     aiohttp_server: Any, loader: Callable[[], Target], **overrides: Any
 ) -> tuple[str, VerifierState]:
     """A verifier on ``loader``'s target, once ready: its session URL and its state (kept here
-    under this name: tests/test_overload.py uses it)."""
+    under this name: tests/system/test_overload.py uses it)."""
     server = await serve_verifier(aiohttp_server, loader, auth=[TOKEN], **overrides)
     return session_url(server), server.app[STATE]
 

@@ -30,7 +30,7 @@ from cloud_verifier.tls import server_context
 from edge_agent import cli as edge_cli
 from edge_agent.config import read_secret_file
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "systemd" / "install.sh"
 NOBODY = 65534  # an unprivileged uid standing in for the DynamicUser; no user is created
 IS_ROOT = os.geteuid() == 0

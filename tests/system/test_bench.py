@@ -31,7 +31,7 @@ from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello
 from tests.verifiers import serve_process, wait_healthy
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_ceiling_formula() -> None:

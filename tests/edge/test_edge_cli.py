@@ -23,7 +23,7 @@ from shared.runtime.models import LoadedModel, load_model
 from shared.service.config import ConfigError
 from tests.edge_helpers import Servers, clean_env
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # Runs main() once per argv in one fresh interpreter; reports each exit status and stderr, and
 # whether torch/transformers were imported by the end.

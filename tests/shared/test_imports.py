@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("shared", "edge_agent", "cloud_verifier")
 FORBIDDEN = ("bench", "tests")
 
@@ -277,7 +277,7 @@ def layer_violations(modules: dict[str, Path]) -> list[str]:
         layer = layer_of(module)
         if layer is None:
             if module.count(".") > 0 or module not in PRODUCT:
-                bad.append(f"{module} is in no layer (tests/test_imports.py: LAYERS)")
+                bad.append(f"{module} is in no layer (tests/shared/test_imports.py: LAYERS)")
             continue
         for imp in imports_of(module, path):
             top = imp.target.split(".")[0]

@@ -22,7 +22,7 @@ from shared.runtime.model_cache import cache_dir, file_sha256
 from shared.runtime.model_spec import ModelSpecError, SpecKind, parse_model_spec
 from shared.runtime.models import LoadedModel, load_model
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

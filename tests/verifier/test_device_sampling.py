@@ -2,7 +2,7 @@
 
 Deterministic parts (the transform, greedy decisions, top-K corrections, federated rows) must
 equal the reference; the random parts are held to the target distribution by the chi-square
-tests of tests/test_exactness.py (same N, thresholds and settings, from tests/stats.py), run
+tests of tests/shared/test_exactness.py (same N, thresholds and settings, from tests/stats.py), run
 through batches of many sessions with different γ at once, with a negative control the same
 test must reject. The tests run on CUDA when torch sees one, on the CPU otherwise.
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shared.errors import FATAL_CODES, ErrorCode, WanspecError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("shared", "edge_agent", "cloud_verifier")
 
 

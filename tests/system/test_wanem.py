@@ -23,7 +23,7 @@ from bench.wanem import DEFAULT_BANDWIDTH_BPS, LinkConfig, WanEmulator
 from tests.waits import until
 
 LOCAL = "127.0.0.1"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- loopback servers and clients built on protocols (they create no tasks) ------------------

@@ -25,7 +25,7 @@ from shared.wire.protocol import (
     encode,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LOAD_KEYS = {
     "offered_sessions",
     "completed",
