@@ -29,6 +29,7 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, hdrs, web
 
 from cloud_verifier.auth import Authenticator
+from cloud_verifier.cloud_draft import CloudDraft
 from cloud_verifier.core import (
     CLOSE_OK,
     Adopt,
@@ -166,6 +167,8 @@ def limits_from(settings: VerifierSettings) -> SessionLimits:
         idle_timeout_s=settings.idle_timeout,
         max_coalesced=settings.max_coalesced,
         max_cogen_ahead=settings.cogen_ahead,
+        cloud_draft=CloudDraft(settings.cloud_draft),
+        cloud_draft_tokens=settings.cloud_draft_tokens,
         max_frame_rate=settings.max_frame_rate,
         frame_burst=settings.frame_burst,
         progress_interval_s=settings.progress_interval,
@@ -883,7 +886,9 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
         if isinstance(result, Verified):
             d = result.decision
             m.cogen_tokens.inc(d.accepted + 1)
-            m.hedge_tokens.inc(d.accepted)
+            (m.cloud_draft_tokens if work.cloud else m.hedge_tokens).inc(d.accepted)
+            if work.cloud:
+                m.cloud_draft_proposed.inc(len(work.draft))
         elif isinstance(result, Skipped):
             m.cogen_skipped.inc()
     if isinstance(work, (Verify, Federate, CoGenerate)) and timing is not None:

@@ -69,6 +69,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from cloud_verifier.cloud_draft import CloudDraft, ngram_draft
 from shared.enums import TextEnum
 from shared.errors import ErrorCode
 from shared.maths.rejection import Decision
@@ -150,6 +151,10 @@ class SessionLimits:
     max_cogen_ahead: int = 64
     #: Hedges (side drafts for likely rejection points) kept per session, the newest.
     max_hedges: int = 8
+    #: Cloud-side speculation in co-generation (no matching hedge): the verifier's own draft,
+    #: at most ``cloud_draft_tokens`` tokens, verified in the co-generation forward.
+    cloud_draft: CloudDraft = CloudDraft.OFF
+    cloud_draft_tokens: int = 8
     #: Frames a session may send per second, sustained, and in a burst (a token bucket over
     #: the ``now`` passed in); past it the session is closed (rate_limited). 0 = no limit.
     max_frame_rate: float = 0.0
@@ -244,13 +249,16 @@ class CoGenerate:
     """Co-generation: run the target over ``fixed`` (the known tokens the cache lacks; none:
     the last cached token is scored again) from ``pos`` (= the cache length) and sample the next
     token from p — a *bonus* token with no draft before it. With a hedge that matches the text,
-    ``draft`` is its continuation: verified as a Propose's draft would be (*accepted* prefix,
-    then the *recovered* or *bonus* token, which the verifier draws itself)."""
+    or a cloud draft (``cloud``: :mod:`cloud_verifier.cloud_draft`), ``draft`` is verified as a
+    deterministic draft (q a point mass): *accepted* prefix, then the *recovered* token drawn
+    from p with the rejected token removed, or the *bonus* token; the verifier draws both itself
+    (the greedy-draft rule, whatever the session's correction mode)."""
 
     pos: int
     fixed: npt.NDArray[np.int64]
     draft: npt.NDArray[np.int64] = field(default_factory=lambda: _NO_IDS)
     q: npt.NDArray[np.float32] = field(default_factory=lambda: _NO_PROBS)
+    cloud: bool = False  # the draft is the verifier's own (not a hedge's)
 
 
 @dataclass(frozen=True)
@@ -448,6 +456,7 @@ class VerifierCore:
         #: Side drafts from the edge (Hedge frames), newest last; matched against the text.
         self._hedges: deque[Hedge] = deque(maxlen=limits.max_hedges)
         self.hedge_tokens = 0  # hedge draft tokens accepted (co-generated in one forward)
+        self.cloud_draft_tokens = 0  # the verifier's own draft tokens accepted (cloud_draft)
         self._bucket = float(limits.frame_burst)  # frame-rate tokens left
         self._bucket_at: float | None = None
         self._now = 0.0  # the ``now`` of the input being handled
@@ -838,7 +847,12 @@ class VerifierCore:
         # ``ahead`` tokens in all, within the co-generation bound and the context.
         room = min(ahead, min(self.hello.cogen_end, self.max_context) - known) - 1
         draft, q = self._hedge_draft(known, room)
-        return self._start(CoGenerate(self.cache_len, fixed, draft, q))
+        cloud = False
+        if not len(draft) and self.limits.cloud_draft == CloudDraft.NGRAM:
+            ids = ngram_draft(self.text, min(room, self.limits.cloud_draft_tokens))
+            if ids:
+                draft, q, cloud = np.array(ids, np.int64), np.ones(len(ids), np.float32), True
+        return self._start(CoGenerate(self.cache_len, fixed, draft, q, cloud))
 
     def _hedge(self, h: Hedge) -> list[Event]:
         """Keep a side draft (no reply, no model work)."""
@@ -856,16 +870,13 @@ class VerifierCore:
         self, known: int, room: int
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
         """The draft tokens of the newest hedge that agrees with the text and continues past
-        it (at most ``room``): empty if none. Only where the verifier draws the recovered token
-        itself (greedy target, greedy-draft mode), since co-generation needs the whole text.
+        it (at most ``room``): empty if none.
 
-        Exact: a hedge token after position ``known`` was drawn by the draft model after
-        the text up to there (the match checks it), with its own randomness, before the
-        verifier drew anything there; its verification is then a Propose's."""
+        Exact: a hedge is drafted greedily (q a point mass) by the draft model after the text
+        up to its position (the match checks it), before the verifier drew anything past
+        ``known``; CoGenerate verifies it by the greedy-draft rule."""
         assert self.hello is not None
-        if room <= 0 or not (
-            self.hello.sampling.greedy or self.hello.correction == CorrectionMode.GREEDY_DRAFT
-        ):
+        if room <= 0:
             return _NO_IDS, _NO_PROBS
         for h in reversed(self._hedges):
             ids = [h.token, *h.draft.tolist()]
@@ -1018,7 +1029,10 @@ class VerifierCore:
         pos = len(self.text)
         self.text += tokens
         self.cogen_tokens += len(tokens)
-        self.hedge_tokens += d.accepted
+        if work.cloud:
+            self.cloud_draft_tokens += d.accepted
+        else:
+            self.hedge_tokens += d.accepted
         return [Send(Generated(self.epoch, pos + i, t)) for i, t in enumerate(tokens)]
 
     def _failed(self, work: Work, result: Failed) -> list[Event]:

@@ -47,7 +47,7 @@ from cloud_verifier.core import (
 from cloud_verifier.targets import Target
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import OutOfPages, PagedKV, SlotPages
-from shared.wire.protocol import Hello
+from shared.wire.protocol import CorrectionMode, Hello
 
 log = logging.getLogger(__name__)
 
@@ -350,7 +350,12 @@ class Runner:
                 draft_ids=np.concatenate([p.work.draft for p in planned]),
                 q_draft=np.concatenate([p.work.q for p in planned]),
                 cu_draft=ds.cu_from_gammas(gammas),
-                correction=[h.correction for h in hellos],
+                # A CoGenerate's draft (a hedge's or the verifier's own) is deterministic: the
+                # verifier draws its recovered token itself (the greedy-draft rule).
+                correction=[
+                    CorrectionMode.GREEDY_DRAFT if isinstance(p.work, CoGenerate) else h.correction
+                    for p, h in zip(planned, hellos, strict=True)
+                ],
                 want_bonus=[_wants_bonus(p.work) for p in planned],
                 generators=[p.slot.generator for p in planned],
                 k=[h.k for h in hellos],

@@ -74,6 +74,11 @@ class VerifierSettings:
     # verifier decodes that session's next tokens itself, at most this many beyond the end of
     # its last Propose, and only in room the drafts to verify leave in a step; 0 = off.
     cogen_ahead: int = field(default=64, metadata=_b(0, 65536))
+    # Cloud-side speculation in co-generation: "ngram" (prompt lookup over the session's own
+    # text) verifies up to cloud_draft_tokens draft tokens of the verifier's own in each
+    # co-generation forward, exactly (a deterministic draft); "off" decodes one token a forward.
+    cloud_draft: Literal["off", "ngram"] = "off"
+    cloud_draft_tokens: int = field(default=8, metadata=_b(1, 64))
     handshake_timeout: float = field(default=10.0, metadata=_b(0.1))  # seconds to send Hello
     # An open session with no model work (no valid Propose, Rollback or Resample) for this many
     # seconds is closed (1008, idle_timeout) and its slot freed; 0 = never.

@@ -176,6 +176,14 @@ class VerifierMetrics:
             "wanspec_hedge_tokens_total",
             "Co-generated tokens that were a hedge's draft tokens, accepted in one forward.",
         )
+        self.cloud_draft_proposed = r.counter(
+            "wanspec_cloud_draft_tokens_proposed_total",
+            "Draft tokens the verifier made for itself (cloud_draft), verified in co-generation.",
+        )
+        self.cloud_draft_tokens = r.counter(
+            "wanspec_cloud_draft_tokens_accepted_total",
+            "Of those, accepted (co-generated in one forward with the next token).",
+        )
         self.cogen_skipped = r.counter(
             "wanspec_cogen_skipped_total",
             "Co-generation steps given no forward: the engine's step was full of drafts to verify.",

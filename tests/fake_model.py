@@ -51,7 +51,8 @@ class FakeTargetModel:
     """The verifier's model side over ``law``: it holds the tokens a KV cache would hold and
     decides as the verifier does (greedy sessions exactly, others by rejection sampling with
     ``rng``). ``cogen_law``: what CoGenerate samples from (default ``law``; another law is a
-    broken verifier). ``trust_hedges``: broken on purpose, a hedge's draft accepted unverified.
+    broken verifier). ``trust_hedges``: broken on purpose, a CoGenerate's draft (a hedge's or a
+    cloud draft) accepted unverified.
 
     Checks that stale work never reaches the model: work starts where the cache ends, in the
     core's current epoch."""
@@ -103,7 +104,9 @@ class FakeTargetModel:
             draft,
             work.q,
             greedy=greedy,
-            correction=str(hello.correction),
+            # A CoGenerate's draft (a hedge's or the verifier's own) is deterministic: the
+            # verifier draws the recovered token itself, as the engine's runner does.
+            correction="greedy_draft" if isinstance(work, CoGenerate) else str(hello.correction),
             rng=self.rng,
             want_bonus=isinstance(work, CoGenerate) or work.want_bonus,
         )

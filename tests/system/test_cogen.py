@@ -15,6 +15,7 @@ from collections import deque
 import numpy as np
 import pytest
 
+from cloud_verifier.cloud_draft import CloudDraft
 from cloud_verifier.core import (
     Run,
     Send,
@@ -76,9 +77,10 @@ def generate_once(
     cogen_law: np.ndarray,
     hedge: int = 0,
     trust_hedges: bool = False,
+    cloud: CloudDraft = CloudDraft.OFF,
 ) -> tuple[list[int], int, int]:
     """One generation of ``n`` tokens over a random schedule; returns (tokens, co-generated,
-    hedge tokens accepted)."""
+    draft tokens accepted in co-generation: hedges' and cloud drafts')."""
     cfg = PipelineConfig(
         gamma=2,
         depth=2,
@@ -88,7 +90,7 @@ def generate_once(
         hedge_below=1.0,
     )
     gen = Generation(PROMPT, n)
-    core = VerifierCore(TargetInfo(FP, V), SessionLimits(max_gamma=8), "s")
+    core = VerifierCore(TargetInfo(FP, V), SessionLimits(max_gamma=8, cloud_draft=cloud), "s")
     model = FakeTargetModel(bigram_law(P), rng, bigram_law(cogen_law), trust_hedges)
     hello = hello_for(FP, cfg, 0, end=len(PROMPT) + n)
     welcome = decode(encode(core.receive(encode(hello))[-1].msg))  # type: ignore[union-attr]
@@ -136,11 +138,12 @@ def generate_once(
     sources = gen.stats.sources
     assert sum(sources.values()) == len(gen.generated)
     assert sources[TokenSource.COGENERATED] <= gen.stats.cogen_tokens
-    return gen.generated[:n], gen.stats.cogen_tokens, core.hedge_tokens
+    drafted = core.hedge_tokens + core.cloud_draft_tokens
+    return gen.generated[:n], gen.stats.cogen_tokens, drafted
 
 
 def joint_pvalue(
-    mode: CorrectionMode, cogen_law: np.ndarray, seed: int, n: int = 3, **kw: int | bool
+    mode: CorrectionMode, cogen_law: np.ndarray, seed: int, n: int = 3, **kw: object
 ) -> tuple[float, float, float]:
     """(p-value of the first 3 tokens, share of the ``n`` tokens co-generated, share accepted
     from hedges)."""
@@ -175,8 +178,8 @@ def test_negative_control_cogen_from_the_draft_law() -> None:
 
 
 def test_hedged_cogeneration_keeps_the_target_joint_law() -> None:
-    """Every draft position hedged (greedy-draft mode): the verifier verifies hedge drafts in
-    its co-generation forwards; the law of the output is still p."""
+    """Every draft position hedged (the edge hedges its greedy-draft sessions): the verifier
+    verifies hedge drafts in its co-generation forwards; the law of the output is still p."""
     pv, share, hedged = joint_pvalue(CorrectionMode.GREEDY_DRAFT, P, seed=11, n=6, hedge=3)
     assert hedged > 0.03, f"hedges hardly used ({hedged:.1%} of tokens): the test is void"
     assert pv > ALPHA, f"chi-square p-value {pv:.2e} ({share:.0%} co-generated)"
@@ -188,4 +191,25 @@ def test_negative_control_hedges_accepted_unverified() -> None:
         CorrectionMode.GREEDY_DRAFT, P, seed=11, n=6, hedge=3, trust_hedges=True
     )
     assert hedged > 0.03
+    assert pv < 1e-6, f"the broken variant passed (p-value {pv:.2e}): the test has no power"
+
+
+@pytest.mark.parametrize(
+    "mode", [CorrectionMode.GREEDY_DRAFT, CorrectionMode.CANDIDATES, CorrectionMode.TOPK]
+)
+def test_cloud_ngram_drafts_keep_the_target_joint_law(mode: CorrectionMode) -> None:
+    """Cloud-side speculation (cloud_draft = ngram): in its co-generation forwards the verifier
+    verifies drafts of its own (prompt lookup over the text) as deterministic drafts; the joint
+    law of the output is still p, in every correction mode."""
+    pv, share, drafted = joint_pvalue(mode, P, seed=13, n=6, cloud=CloudDraft.NGRAM)
+    assert drafted > 0.05, f"cloud drafts hardly accepted ({drafted:.1%} of tokens): void"
+    assert pv > ALPHA, f"{mode}: chi-square p-value {pv:.2e} ({share:.0%} co-generated)"
+
+
+def test_negative_control_cloud_drafts_accepted_unverified() -> None:
+    """A model side that takes the verifier's own draft without verifying it is caught."""
+    pv, _, drafted = joint_pvalue(
+        CorrectionMode.GREEDY_DRAFT, P, seed=13, n=6, cloud=CloudDraft.NGRAM, trust_hedges=True
+    )
+    assert drafted > 0.05
     assert pv < 1e-6, f"the broken variant passed (p-value {pv:.2e}): the test has no power"

@@ -16,7 +16,16 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from cloud_verifier.core import Crop, Cropped, Draw, Drawn, Failed, Verified, Verify
+from cloud_verifier.core import (
+    CoGenerate,
+    Crop,
+    Cropped,
+    Draw,
+    Drawn,
+    Failed,
+    Verified,
+    Verify,
+)
 from cloud_verifier.engine import Engine, EngineLimits, NoFreeSlot, Outcome, Slot
 from cloud_verifier.targets import NullTarget, Target, TorchTarget
 from shared.maths.rejection import try_candidates
@@ -287,6 +296,49 @@ async def test_engine_path_is_exact_chi_square() -> None:
             engine.release(slot)
     pv = chi_square_pvalue(np.array(out), p)
     assert pv > ALPHA, f"chi-square p-value {pv:.2e}"
+    engine.shutdown()
+
+
+async def test_a_cloud_draft_in_a_topk_session_is_exact_through_the_engine() -> None:
+    """A CoGenerate's draft (the verifier's own, q a point mass) in a sampled topk session: the
+    runner decides it by the greedy-draft rule (a recovered *token*, never a sparse
+    correction), and the first token committed is distributed as p."""
+    v, n, chunk = 8, 6000, 200
+    null = NullTarget(v)
+    engine = await _engine(
+        null, slots=chunk, max_batch_sessions=chunk, kv_tokens=chunk * 4, page_size=4
+    )
+    params = SamplingParams(temperature=0.8, top_k=6)
+    fixed = 5
+    p = transform(null._rows[(fixed * 31) % len(null._rows)].numpy(), params)
+    x = int(np.argmax(p))  # the draft: the likeliest token (accepted with probability p(x))
+    out: list[int] = []
+    for c0 in range(0, n, chunk):
+        slots = [
+            engine.open(
+                Hello(
+                    fingerprint=null.fingerprint,
+                    sampling=params,
+                    correction=CorrectionMode.TOPK,
+                    seed=c0 + i,
+                )
+            )
+            for i in range(chunk)
+        ]
+        work = CoGenerate(
+            0, np.array([fixed], np.int64), np.array([x], np.int64), np.ones(1, np.float32), True
+        )
+        jobs = [lambda slot=slot, work=work: engine.run(slot, work) for slot in slots]
+        for o in await _together(engine, jobs):
+            assert isinstance(o.result, Verified)
+            d = o.result.decision
+            assert d.sparse is None and d.candidates is None
+            out.append(x if d.accepted else int(d.token))  # type: ignore[arg-type]
+        for slot in slots:
+            engine.release(slot)
+    pv = chi_square_pvalue(np.array(out), p)
+    assert pv > ALPHA, f"chi-square p-value {pv:.2e}"
+    assert 0.2 < out.count(x) / n < 0.95  # both branches ran
     engine.shutdown()
 
 

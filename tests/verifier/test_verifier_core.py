@@ -3,9 +3,12 @@ one case per row of its state table. No sockets, no model, no event loop."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
+from cloud_verifier.cloud_draft import CloudDraft
 from cloud_verifier.core import (
     CLOSE_INTERNAL_ERROR,
     CLOSE_OK,
@@ -409,7 +412,7 @@ def test_a_silent_edge_holds_bounded_cogeneration_and_then_times_out() -> None:
     assert core.closed and any(isinstance(e, Close) for e in closed)
 
 
-def _cogen_core(**limits: int) -> VerifierCore:
+def _cogen_core(**limits: Any) -> VerifierCore:
     core = VerifierCore(TargetInfo(FP, V, max_length=64), SessionLimits(**limits), "s1")
     core.receive(encode(Hello(FP, SamplingParams(0.0), cogen_end=60)))
     return core
@@ -485,8 +488,10 @@ def test_hedges_kept_are_bounded_and_a_rollback_drops_them() -> None:
     assert isinstance(run_of(ev).work, Crop) and not core._hedges
 
 
-def test_no_hedge_where_the_edge_draws_the_correction() -> None:
-    """topk at T > 0: the verifier does not know the recovered token; a hedge is never used."""
+def test_a_hedge_in_a_sampled_topk_session_is_verified_too() -> None:
+    """topk at T > 0: once the verifier knows the text (here a bonus), a matching hedge is
+    verified in the co-generation forward like any deterministic draft (the runner decides
+    CoGenerate rows by the greedy-draft rule whatever the session's mode)."""
     core = VerifierCore(TargetInfo(FP, V, max_length=64), SessionLimits(), "s1")
     hello = Hello(FP, SamplingParams(1.0), correction=CorrectionMode.TOPK, cogen_end=60)
     core.receive(encode(hello))
@@ -494,4 +499,34 @@ def test_no_hedge_where_the_edge_draws_the_correction() -> None:
     core.receive(hedge(core, 3, 5, [6]))
     ev = core.work_done(Verified(Decision(1, bonus=5)))
     work = run_of(ev).work
+    assert isinstance(work, CoGenerate) and work.draft.tolist() == [6] and not work.cloud
+
+
+def test_the_verifier_drafts_for_itself_in_cogeneration() -> None:
+    """cloud_draft = ngram: with no matching hedge, a co-generation forward verifies the
+    verifier's own draft (prompt lookup over the text, q a point mass); accepted tokens and
+    the token after them are streamed like any co-generated ones."""
+    core = _cogen_core(cloud_draft=CloudDraft.NGRAM, cloud_draft_tokens=3)
+    core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2, 3, 4, 5, 1, 2]))
+    ev = core.work_done(Verified(Decision(1)))  # the text is [1, 2, 3, 4, 5, 1, 2, 3]
+    work = run_of(ev).work
+    assert isinstance(work, CoGenerate) and work.cloud
+    assert work.draft.tolist() == [4, 5, 1] and work.q.tolist() == [1.0, 1.0, 1.0]
+    ev = core.work_done(Verified(Decision(2, token=9)))  # 4, 5 accepted; 1 rejected: 9
+    gen = [e.msg for e in ev if isinstance(e, Send) and isinstance(e.msg, Generated)]
+    assert [(g.pos, g.token) for g in gen] == [(8, 4), (9, 5), (10, 9)]
+    assert (core.cloud_draft_tokens, core.hedge_tokens, core.cogen_tokens) == (2, 0, 3)
+    work = run_of(ev).work  # [..., 5, 9]: 9 never occurred before, a plain step
+    assert isinstance(work, CoGenerate) and not work.cloud and len(work.draft) == 0
+
+
+def test_a_matching_hedge_comes_before_the_cloud_draft_and_off_means_off() -> None:
+    core = _cogen_core(cloud_draft=CloudDraft.NGRAM)
+    core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2, 3, 4, 1, 2]))
+    core.receive(hedge(core, 6, 3, [8]))
+    work = run_of(core.work_done(Verified(Decision(1)))).work
+    assert isinstance(work, CoGenerate) and not work.cloud and work.draft.tolist() == [8]
+    core = _cogen_core()  # cloud_draft off (the default)
+    core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2, 3, 4, 1, 2]))
+    work = run_of(core.work_done(Verified(Decision(1)))).work
     assert isinstance(work, CoGenerate) and len(work.draft) == 0

@@ -1,0 +1,51 @@
+"""Cloud-side speculation: drafts the verifier makes for itself, from the session's own text.
+
+Used in co-generation (:class:`~cloud_verifier.core.CoGenerate`): while a session has no valid
+edge draft queued, the verifier does not decode one token per forward but verifies a draft of
+its own in that forward, so a gap in the edge's drafts costs fewer target forwards.
+
+Exactness: a cloud draft is a deterministic function of the text known before any of the
+positions it drafts, so its q is a point mass; the verifier accepts a draft token x with
+probability min(1, p(x)/1) = p(x) and, on a rejection, draws the recovered token from
+norm(max(0, p − δ_x)) (the greedy-draft rule, :data:`~shared.wire.protocol.CorrectionMode`
+``GREEDY_DRAFT``), whatever correction mode the session negotiated: the committed text keeps the
+target's law (Leviathan et al., Theorem 1, with a deterministic draft).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from shared.enums import TextEnum
+
+
+class CloudDraft(TextEnum):
+    """Which drafts the verifier makes for itself."""
+
+    OFF = "off"
+    #: Prompt lookup: the tokens that followed the latest earlier occurrence of the text's last
+    #: n tokens (no model: repeated names, numbers, code and quoted text).
+    NGRAM = "ngram"
+
+
+def ngram_draft(
+    text: Sequence[int], max_tokens: int, *, max_n: int = 3, window: int = 4096
+) -> list[int]:
+    """Prompt lookup over the last ``window`` tokens of ``text``: for n from ``max_n`` down to 1,
+    the latest earlier position where the text's last n tokens occur, and up to ``max_tokens``
+    tokens that followed it there (empty: no match, or no room)."""
+    if max_tokens <= 0 or len(text) < 2:
+        return []
+    arr = np.asarray(text[-window:], dtype=np.int64)
+    size = len(arr)
+    for n in range(min(max_n, size - 1), 0, -1):
+        # Windows arr[i : i + n] with a token after them (i + n <= size - 1).
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: size - 1], n)
+        hits = np.flatnonzero((windows == arr[size - n :]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            out: list[int] = arr[start : start + max_tokens].tolist()
+            return out
+    return []
