@@ -528,7 +528,8 @@ async def run_spec(
         else None,
         "gamma_mean": stat_mean(st, "gamma"),
         "depth_mean": stat_mean(st, "depth"),
-        "stats": asdict(st),
+        # (token sources keyed by their names: JSON keys are strings)
+        "stats": {**asdict(st), "sources": {str(k): n for k, n in st.sources.items()}},
         "text_ids": gen.generated,
     }
 
