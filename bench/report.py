@@ -81,10 +81,10 @@ def speed_table(rows: list[dict[str, Any]], draft: str) -> list[str]:
 
 def detail_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
-        "| RTT ms | mode | tok/s | decode tok/s | × AR | acceptance | accepted/round | "
-        "co-gen tok/gen | up B/round | down B/rejection | B/token | ceiling tok/s | "
-        "of ceiling |",
-        "|" + "---|" * 13,
+        "| RTT ms | mode | tok/s | decode tok/s | × AR | verifier busy s / 100 tokens | "
+        "acceptance | accepted/round | co-gen tok/gen | up B/round | down B/rejection | "
+        "B/token | ceiling tok/s | of ceiling |",
+        "|" + "---|" * 14,
     ]
     for r in rows:
         cap = _fmt(r.get("ceiling_tokens_per_s"))
@@ -93,6 +93,7 @@ def detail_table(rows: list[dict[str, Any]]) -> list[str]:
         out.append(
             f"| {r['rtt_ms']:g} | {r['mode']} | {_fmt(r['tokens_per_s'])} | "
             f"{_fmt(r['decode_tokens_per_s'])} | {_fmt(r.get('speedup_vs_ar'))} | "
+            f"{_fmt(r.get('verifier_busy_s_per_100_tokens'))} | "
             f"{_fmt(r.get('acceptance'))} | {_fmt(r.get('mean_accepted_per_round'))} | "
             f"{_fmt(r.get('cogen_tokens_per_generation'), 1)} | "
             f"{_fmt(r.get('uplink_bytes_per_round'), 1)} | "

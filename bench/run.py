@@ -356,6 +356,15 @@ def verify_seconds(port: int) -> tuple[float, float]:
     return (float(total.group(1)) if total else 0.0, float(count.group(1)) if count else 0.0)
 
 
+def engine_busy_seconds(port: int) -> float:
+    """The verifier's ``wanspec_engine_busy_seconds_total``: its engine's seconds in steps
+    (target forwards and decisions, co-generation included; padded ones at their pad)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    busy = re.search(r"^wanspec_engine_busy_seconds_total\s+(\S+)", text, re.M)
+    return float(busy.group(1)) if busy else 0.0
+
+
 # ------------------------------------------------------------------------------ the edge
 
 
@@ -701,6 +710,7 @@ async def _spec_run(
 ) -> Run:
     s = regime.scale
     t_v0 = verify_seconds(vport)
+    busy0 = engine_busy_seconds(vport)
     up0, down0 = vemu.stats.bytes_up, vemu.stats.bytes_down
     timed.times.clear()
     timed.compute.clear()
@@ -708,8 +718,11 @@ async def _spec_run(
     o0 = replace(oracle.stats) if oracle is not None else None
     res = await run_spec(agent, mode.pipeline_config(), ids, cfg.tokens, eos)
     t_v1 = verify_seconds(vport)
+    busy1 = engine_busy_seconds(vport)
     stamps = res.pop("stamps")
     extra = dict(res)
+    # The verifier's GPU time for this generation, in emulated seconds (the pads are × S).
+    extra["verifier_busy_s"] = (busy1 - busy0) / s
     extra["wire_bytes_up"] = vemu.stats.bytes_up - up0
     extra["wire_bytes_down"] = vemu.stats.bytes_down - down0
     nv = t_v1[1] - t_v0[1]
@@ -868,7 +881,13 @@ def summarise(
         spec = specs.get(first.mode_spec or "")
         if spec is not None:
             row |= _spec_figures(sel, spec, rtt, tokens, dtps)
+            busy = [r.extra.get("verifier_busy_s") for r in sel]
+            if tokens and all(b is not None for b in busy):
+                row["verifier_busy_s_per_100_tokens"] = 100 * sum(busy) / tokens  # type: ignore[arg-type]
         elif mode == "ar":
+            # The autoregressive service decodes without pause: busy for every decoded token.
+            if dtps:
+                row["verifier_busy_s_per_100_tokens"] = 100 / dtps
             row["bytes_per_token"] = sum(r.extra["downlink_bytes"] for r in sel) / tokens
             row["wire_bytes_per_token"] = (
                 sum(r.extra["wire_bytes_up"] + r.extra["wire_bytes_down"] for r in sel) / tokens

@@ -260,6 +260,8 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
     assert scales[("picospec", None)] == 1.0
     for row in rows:
         assert row["tokens_per_s"] > 0
+        if row["mode"] == "ar":
+            assert row["verifier_busy_s_per_100_tokens"] > 0
         if row["mode"] != "ar" and row["regime"] == "picospec":
             ar = [
                 r
@@ -279,6 +281,8 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
                 "fraction_of_ceiling",
             ):
                 assert row[key] is not None, key
+            # what the verifier's engine spent on the text (forwards, pads included)
+            assert row["verifier_busy_s_per_100_tokens"] > 0
             # ids + q, not distributions (one is |V| × 4 = 1024 B here); with co-generation a
             # 6-token generation may send a single Propose, whose fixed tokens are the prompt
             assert row["uplink_bytes_per_round"] < 400
