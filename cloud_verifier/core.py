@@ -457,6 +457,7 @@ class VerifierCore:
         self._hedges: deque[Hedge] = deque(maxlen=limits.max_hedges)
         self.hedge_tokens = 0  # hedge draft tokens accepted (co-generated in one forward)
         self.cloud_draft_tokens = 0  # the verifier's own draft tokens accepted (cloud_draft)
+        self._cloud_off = False  # a cloud draft's work failed: this session co-generates without
         self._bucket = float(limits.frame_burst)  # frame-rate tokens left
         self._bucket_at: float | None = None
         self._now = 0.0  # the ``now`` of the input being handled
@@ -848,7 +849,7 @@ class VerifierCore:
         room = min(ahead, min(self.hello.cogen_end, self.max_context) - known) - 1
         draft, q = self._hedge_draft(known, room)
         cloud = False
-        if not len(draft) and self.limits.cloud_draft == CloudDraft.NGRAM:
+        if not len(draft) and self.limits.cloud_draft == CloudDraft.NGRAM and not self._cloud_off:
             ids = ngram_draft(self.text, min(room, self.limits.cloud_draft_tokens))
             if ids:
                 draft, q, cloud = np.array(ids, np.int64), np.ones(len(ids), np.float32), True
@@ -882,7 +883,10 @@ class VerifierCore:
             ids = [h.token, *h.draft.tolist()]
             k = known - h.pos  # hedge tokens already in the text
             if 0 < k < len(ids) and self.text[h.pos : known] == ids[:k]:
-                return h.draft[k - 1 : k - 1 + room], h.q[k - 1 : k - 1 + room]
+                draft = h.draft[k - 1 : k - 1 + room]
+                # A point mass whatever the frame's q says: the greedy-draft rule recovers from
+                # p without x, which is exact only for q(x) = 1.
+                return draft, np.ones(len(draft), np.float32)
         return _NO_IDS, _NO_PROBS
 
     def _coalesce(self, p: Propose) -> tuple[Propose, ...]:
@@ -1040,6 +1044,11 @@ class VerifierCore:
         expected = self.cache_len  # the engine restores the cache to its length before the work
         self.cache_len = result.cache_len
         if isinstance(work, CoGenerate) and result.cache_len == expected:
+            if work.cloud and not self._cloud_off:
+                # The draft's extra tokens may not fit the session's KV share: co-generation
+                # goes on without cloud drafts in this session.
+                self._cloud_off = True
+                return [note, *self._maybe_cogen()]
             self._cogen_paused = True  # the edge asked for nothing: no error frame
             return [note]
         if result.cache_len != expected:  # the cache could not be restored

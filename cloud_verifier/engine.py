@@ -546,11 +546,14 @@ class Engine:
 
     def _step(self, batch: list[_Request]) -> None:
         t0 = time.perf_counter()
-        answers = self.require_runner().step([(req.slot, req.work) for req in batch])
+        try:
+            answers = self.require_runner().step([(req.slot, req.work) for req in batch])
+        finally:  # a step that raised was busy time too
+            with self._cv:
+                self.busy_s += time.perf_counter() - t0
         for req, (result, timing) in zip(batch, answers, strict=True):
             self._finish(req, result, timing, t0)
         timing = next((t for _, t in answers if t is not None), None)
-        with self._cv:
-            self.busy_s += time.perf_counter() - t0
-            if timing is not None:
+        if timing is not None:
+            with self._cv:
                 self.times.observe(timing.padded_tokens, timing.job_s)

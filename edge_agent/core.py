@@ -476,10 +476,11 @@ class Pipeline:
             self.controller.on_service(now - last)
         self._last_verdict_at = now
         gamma = len(b.draft)
-        self.controller.on_verdict(gamma, accepted, latency)
+        # γ and D in effect for this round (before the controller moves them for the next).
         st.depth_sum += self.depth
         st.gamma_sum += self.gamma
         st.gamma_last, st.depth_last = self.gamma, self.depth
+        self.controller.on_verdict(gamma, accepted, latency)
         st.rounds += 1
         st.draft_tokens += gamma
         st.accepted_tokens += accepted
@@ -513,9 +514,11 @@ class Pipeline:
         self.gen.commit([token], TokenSource.CORRECTION)
 
     def commit_bonus(self, token: int, pos: int) -> None:
-        if not self.gen.done:
+        if self.gen.done:
+            return
+        if pos >= len(self.gen.committed):  # not co-generated already
             self.gen.stats.bonus_tokens += 1
-            self.commit_at(pos, [token], TokenSource.BONUS)
+        self.commit_at(pos, [token], TokenSource.BONUS)
 
 
 # ------------------------------------------------------------------------------ one link

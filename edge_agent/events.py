@@ -1,9 +1,11 @@
 """What the edge's cores ask of their drivers (as wsproto's events sit beside its codec).
 
 A core (:class:`~edge_agent.core.SingleCore`, :class:`~edge_agent.federation_core.FederatedCore`)
-does no I/O and raises nothing into its driver: every call that feeds it (a drafted batch, a
-hedge, a frame from a verifier, a round's deadline) returns a list of these events, in the order
-they must be carried out. A driver only reads the core's state, feeds it and carries out events.
+does no I/O: every call that feeds it (a drafted batch, a hedge, a frame from a verifier, a
+round's deadline) returns a list of these events, in the order they must be carried out. What a
+peer sends never raises into the driver (a frame that does not fit is a :class:`Fail`, or a
+:class:`Drop` of its worker); only a driver's own misuse (a call out of order) raises. A driver
+only reads the core's state, feeds it and carries out events.
 """
 
 from __future__ import annotations

@@ -327,10 +327,11 @@ class Generated:
 class Hedge:
     """Edge → verifier: a *side draft* for a likely rejection point. If the committed text turns
     out to hold ``token`` at ``pos`` (the draft's second choice where its confidence was
-    lowest), ``draft`` (drawn by the draft model after that token, ``q`` as in Propose) is what
-    the edge would draft next: the verifier, co-generating after the rejection, verifies it in
-    one forward instead of decoding one token, with no round trip. It costs the verifier nothing
-    until the text reaches ``pos``; it is matched against the text, never trusted."""
+    lowest), ``draft`` (drafted greedily by the draft model after that token: a deterministic
+    draft, whatever ``q`` says) is what the edge would draft next: the verifier, co-generating
+    after the rejection, verifies it in one forward instead of decoding one token, with no round
+    trip (as a point mass: a token is accepted with probability p(x)). It costs the verifier
+    nothing until the text reaches ``pos``; it is matched against the text, never trusted."""
 
     pos: int
     token: int

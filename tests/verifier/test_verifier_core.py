@@ -520,6 +520,35 @@ def test_the_verifier_drafts_for_itself_in_cogeneration() -> None:
     assert isinstance(work, CoGenerate) and not work.cloud and len(work.draft) == 0
 
 
+def test_a_hedge_is_a_point_mass_whatever_its_q() -> None:
+    """The greedy-draft rule recovers from p without x, exact only for q(x) = 1: a hedge's
+    draft is verified as a point mass, whatever q its frame carries."""
+    core = VerifierCore(TargetInfo(FP, V, max_length=64), SessionLimits(), "s1")
+    hello = Hello(FP, SamplingParams(1.0), correction=CorrectionMode.TOPK, cogen_end=60)
+    core.receive(encode(hello))
+    core.receive(propose(core, 0, 0, 0, [7], fixed=[1, 2]))
+    low_q = Hedge(3, 5, np.array([6, 4]), np.array([0.25, 0.5], np.float32))
+    core.receive(encode(low_q, ctx(core)))
+    work = run_of(core.work_done(Verified(Decision(1, bonus=5)))).work
+    assert isinstance(work, CoGenerate) and work.q.tolist() == [1.0, 1.0]
+
+
+def test_a_cloud_draft_that_fails_turns_cloud_drafts_off_for_the_session() -> None:
+    """A cloud draft's extra tokens may not fit the session's KV share: its work fails with the
+    cache restored, and co-generation goes on at once without cloud drafts (no pause)."""
+    core = _cogen_core(cloud_draft=CloudDraft.NGRAM)
+    core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2, 3, 4, 1, 2]))
+    work = run_of(core.work_done(Verified(Decision(1)))).work
+    assert isinstance(work, CoGenerate) and work.cloud
+    ev = core.work_done(Failed("kv share", core.cache_len))
+    assert not errors(ev)
+    work = run_of(ev).work
+    assert isinstance(work, CoGenerate) and not work.cloud and len(work.draft) == 0
+    ev = core.work_done(Verified(Decision(0, bonus=1)))  # text ... 3, 1: [1] occurred before
+    work = run_of(ev).work
+    assert isinstance(work, CoGenerate) and not work.cloud and len(work.draft) == 0
+
+
 def test_a_matching_hedge_comes_before_the_cloud_draft_and_off_means_off() -> None:
     core = _cogen_core(cloud_draft=CloudDraft.NGRAM)
     core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2, 3, 4, 1, 2]))
