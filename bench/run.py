@@ -22,6 +22,9 @@ no compute), each padded to the regime's draft time. Modes (``--modes`` for mode
   co-generation (the verifier decodes on its own while no valid draft is queued);
   ``pipe:GxD:nocogen`` (``... no-cogen``) without it;
 * ``auto``: adaptive γ and D (``PipelineConfig(auto_gamma, auto_depth, gamma=4, depth=4)``);
+* ``hybrid``: ``auto`` against a verifier that also speculates by itself in the gaps
+  (``cloud_draft = ngram``: co-generation verifies its own prompt-lookup draft, a second
+  verifier process of the same regime);
 * ``assisted``: transformers' ``generate(assistant_model=...)`` with each model draft, one
   process, RTT 0 (raw regime only: its internals cannot be padded).
 
@@ -83,7 +86,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -143,7 +146,7 @@ class Regime:
 @dataclass(frozen=True)
 class ModeSpec:
     """One speculative mode of the grid (module docstring): ``saw:G``,
-    ``pipe:GxD[:nocogen|:hedge]``, ``auto[:nocogen|:hedge]``."""
+    ``pipe:GxD[:nocogen|:hedge]``, ``auto[:nocogen|:hedge]``, ``hybrid``."""
 
     spec: str
     kind: Mode
@@ -152,10 +155,13 @@ class ModeSpec:
     cogen: bool
     auto: bool = False
     hedge: int = 0  # tokens per hedge (PipelineConfig.hedge)
+    cloud_draft: bool = False  # against the verifier with cloud_draft = ngram
 
     @property
     def label(self) -> str:
         """The summary's ``mode``."""
+        if self.cloud_draft:
+            return "hybrid"
         suffix = "" if self.cogen else " no-cogen"
         suffix += " hedge" if self.hedge else ""
         if self.auto:
@@ -186,6 +192,8 @@ _AUTO = re.compile(r"^auto(:nocogen|:hedge)?$")
 
 def parse_mode(spec: str) -> ModeSpec:
     s = spec.strip()
+    if s == "hybrid":
+        return ModeSpec(s, Mode.PIPELINED, 4, 4, cogen=True, auto=True, cloud_draft=True)
     if m := _AUTO.match(s):
         opt = m.group(1)
         hedge = HEDGE_TOKENS if opt == ":hedge" else 0
@@ -203,7 +211,8 @@ def parse_mode(spec: str) -> ModeSpec:
             hedge=HEDGE_TOKENS if opt == ":hedge" else 0,
         )
     raise ValueError(
-        f"bad mode {spec!r}: expected saw:G, pipe:GxD[:nocogen|:hedge] or auto[:nocogen|:hedge]"
+        f"bad mode {spec!r}: expected saw:G, pipe:GxD[:nocogen|:hedge], auto[:nocogen|:hedge] "
+        "or hybrid"
     )
 
 
@@ -289,11 +298,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def cloud_processes(target: str, token_file: Path, regime: Regime) -> Iterator[tuple[int, int]]:
+def cloud_processes(
+    target: str, token_file: Path, regime: Regime, hybrid: bool = False
+) -> Iterator[tuple[int, int, int | None]]:
     """The verifier and the autoregressive service, each in its own single-threaded process,
-    padded for ``regime`` at its time scale ``regime.scale``."""
+    padded for ``regime`` at its time scale ``regime.scale``; with ``hybrid``, a second verifier
+    that also drafts for itself (``--cloud-draft ngram``). Yields their ports (None: no hybrid)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    vport, aport = free_port(), free_port()
+    vport, aport, hport = free_port(), free_port(), free_port()
     s = regime.scale
     verifier = [
         sys.executable, "-m", "bench.verifier", "--model", target,
@@ -306,11 +318,17 @@ def cloud_processes(target: str, token_file: Path, regime: Regime) -> Iterator[t
         sys.executable, "-m", "bench.ar_server", "--model", target, "--port", str(aport),
         "--token-file", str(token_file), "--pad-ms", str(regime.ar_ms * s),
     ]  # fmt: skip
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.DEVNULL) for c in (verifier, ar)]
+    cmds = [verifier, ar]
+    if hybrid:
+        at = verifier.index(str(vport))
+        cmds.append([*verifier[:at], str(hport), *verifier[at + 1 :], "--cloud-draft", "ngram"])
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.DEVNULL) for c in cmds]
     try:
         wait_http(procs[0], f"http://127.0.0.1:{vport}/health", 900)
         wait_tcp(procs[1], aport, 900)
-        yield vport, aport
+        if hybrid:
+            wait_http(procs[2], f"http://127.0.0.1:{hport}/health", 900)
+        yield vport, aport, (hport if hybrid else None)
     finally:
         for p in procs:
             p.terminate()
@@ -611,31 +629,45 @@ async def sweep(
     eos: list[int],
     rtts: Sequence[float],
     with_ar: bool,
+    hport: int | None = None,
 ) -> list[Run]:
     """One (regime, S) group: for each RTT and prompt, ``ar`` (if ``with_ar``) and every mode
-    of every draft in ``entries`` that runs at that RTT."""
+    of every draft in ``entries`` that runs at that RTT (``hybrid`` against the verifier on
+    ``hport``)."""
     s = regime.scale
     runs: list[Run] = []
     link = LinkConfig(rtt_ms=0, bandwidth_bps=cfg.bandwidth_mbit * 1e6 / s, seed=cfg.seed)
-    async with WanEmulator(("127.0.0.1", vport), link) as vemu, \
-            WanEmulator(("127.0.0.1", aport), link) as aemu:  # fmt: skip
-        settings = LinkSettings(
-            url=f"ws://127.0.0.1:{vemu.port}/v1/session", token=token, heartbeat_s=0
+    async with contextlib.AsyncExitStack() as stack:
+        vemu = await stack.enter_async_context(WanEmulator(("127.0.0.1", vport), link))
+        aemu = await stack.enter_async_context(WanEmulator(("127.0.0.1", aport), link))
+        hemu = (
+            await stack.enter_async_context(WanEmulator(("127.0.0.1", hport), link))
+            if hport is not None
+            else None
         )
 
-        async def connect() -> Transport:
-            return await WebSocketTransport.connect(settings)
+        def connector(emu: WanEmulator) -> Callable[[], Awaitable[Transport]]:
+            settings = LinkSettings(
+                url=f"ws://127.0.0.1:{emu.port}/v1/session", token=token, heartbeat_s=0
+            )
 
-        agents: list[tuple[DraftEntry, TimedDrafter, EdgeAgent]] = []
+            async def connect() -> Transport:
+                return await WebSocketTransport.connect(settings)
+
+            return connect
+
+        # Per draft: its padded drafter and an agent per verifier (plain, and hybrid if any).
+        agents: list[tuple[DraftEntry, TimedDrafter, EdgeAgent, EdgeAgent | None]] = []
         for e in entries:
             timed = TimedDrafter(e.drafter, regime.draft_ms * s / 1000)
-            agent = EdgeAgent(
-                timed,
-                e.fingerprint,
-                connect,
-                retry=RetryPolicy(max_attempts=2, handshake_timeout_s=120),
+            retry = RetryPolicy(max_attempts=2, handshake_timeout_s=120)
+            agent = EdgeAgent(timed, e.fingerprint, connector(vemu), retry=retry)
+            hagent = (
+                EdgeAgent(timed, e.fingerprint, connector(hemu), retry=retry)
+                if hemu is not None
+                else None
             )
-            agents.append((e, timed, agent))
+            agents.append((e, timed, agent, hagent))
 
         def record(run: Run) -> None:
             runs.append(run)
@@ -648,8 +680,9 @@ async def sweep(
 
         try:
             for rtt in rtts:
-                for emu in (vemu, aemu):
-                    emu.set_link(rtt_ms=rtt * s)
+                for emu in (vemu, aemu, hemu):
+                    if emu is not None:
+                        emu.set_link(rtt_ms=rtt * s)
                 for p, ids in prompts:
                     if with_ar:
                         a_up0, a_down0 = aemu.stats.bytes_up, aemu.stats.bytes_down
@@ -679,18 +712,26 @@ async def sweep(
                                 scale=s,
                             )
                         )
-                    for e, timed, agent in agents:
+                    for e, timed, agent, hagent in agents:
                         if rtt not in e.rtts:
                             continue
                         for m in e.modes:
+                            if m.cloud_draft:
+                                if hagent is None or hemu is None or hport is None:
+                                    raise RuntimeError("a hybrid mode without its verifier")
+                                port, emu, use = hport, hemu, hagent
+                            else:
+                                port, emu, use = vport, vemu, agent
                             record(
                                 await _spec_run(
-                                    cfg, regime, vport, vemu, agent, timed, e, m, p, ids, eos, rtt
+                                    cfg, regime, port, emu, use, timed, e, m, p, ids, eos, rtt
                                 )
                             )
         finally:
-            for _, _, agent in agents:
+            for _, _, agent, hagent in agents:
                 agent.close()
+                if hagent is not None:
+                    hagent.close()
     return runs
 
 
@@ -1131,7 +1172,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.smoke:
         args.rtts = args.oracle_rtts = "0,50"
         args.tokens, args.prompts = 6, 1
-        args.modes = "saw:4,pipe:4x2,pipe:4x2:hedge,auto"
+        args.modes = "saw:4,pipe:4x2,pipe:4x2:hedge,auto,hybrid"
         args.oracle_modes = "pipe:4x2:nocogen,auto"
         args.draft_ms_per_token, args.verify_ms, args.ar_ms_per_token = 2.0, 10.0, 8.0
         args.time_scale, args.oracle_time_scale = 1.0, 2.0  # two groups: exercise the split
@@ -1206,9 +1247,12 @@ def main(argv: list[str] | None = None) -> int:
                 reg = replace(regime, scale=scale)
                 with_ar = scale == ar_scale
                 rtts = cfg.all_rtts if with_ar else sorted({r for e in group for r in e.rtts})
-                with cloud_processes(cfg.target, token_file, reg) as (vport, aport):
+                hybrid = any(m.cloud_draft for e in group for m in e.modes)
+                with cloud_processes(cfg.target, token_file, reg, hybrid) as (vport, aport, hport):
                     runs += asyncio.run(
-                        sweep(cfg, reg, vport, aport, token, group, encoded, eos, rtts, with_ar)
+                        sweep(
+                            cfg, reg, vport, aport, token, group, encoded, eos, rtts, with_ar, hport
+                        )
                     )
     from bench.report import write_outputs
 

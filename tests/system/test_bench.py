@@ -248,7 +248,7 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
     modes = {(r["regime"], r["draft"], r["mode"]) for r in rows}
     for regime in ("raw", "picospec"):
         assert (regime, None, "ar") in modes  # once per RTT, for every draft
-        for mode in ("stop-and-wait", "pipelined γ=4 D=2", "auto"):
+        for mode in ("stop-and-wait", "pipelined γ=4 D=2", "auto", "hybrid"):
             assert (regime, model, mode) in modes
         for mode in ("pipelined γ=4 D=2 no-cogen", "auto"):
             assert (regime, oracle, mode) in modes
