@@ -77,6 +77,12 @@ class LinkIO:
         self.transport = transport
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue(max_queued)
         self.dropped = asyncio.Event()  # the core dropped this link: its tasks end
+        self.why = "dropped"  # the core's reason, once it dropped the link
+
+    def drop(self, why: str) -> None:
+        """End this link's tasks, for ``why``."""
+        self.why = why
+        self.dropped.set()
 
     def write(self, data: bytes) -> None:
         """Queue a frame (never blocks). A link that does not drain its queue is broken."""

@@ -90,13 +90,13 @@ class _Federation:
             if io is None:
                 continue  # the link went down meanwhile: its worker re-syncs when it rejoins
             if isinstance(event, Drop):
-                io.dropped.set()
+                io.drop(event.why)
             elif isinstance(event, Send):
                 try:
                     io.write(event.data)
                 except LinkClosed as e:
                     self.core.link_down(event.link, str(e), time.monotonic())
-                    io.dropped.set()
+                    io.drop(str(e))
         self.signal.notify()
 
     def _submit(
@@ -143,6 +143,7 @@ class _Federation:
             why = "dropped"
             try:
                 await run_until_first_done(self._read(index, io), io.writer(), io.until_dropped())
+                why = io.why  # the core dropped it (a missed deadline, a bad frame, ...)
             except (LinkClosed, ProtocolError) as e:
                 why = str(e) or type(e).__name__
             finally:
