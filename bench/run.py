@@ -307,21 +307,23 @@ def cloud_processes(
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     vport, aport, hport = free_port(), free_port(), free_port()
     s = regime.scale
-    verifier = [
-        sys.executable, "-m", "bench.verifier", "--model", target,
-        "--port", str(vport), "--token-file", str(token_file), "--heartbeat", "0",
-        "--log-level", "warning", "--emulate-verify-ms", str(regime.verify_ms * s),
-        # a co-generation step is one autoregressive step: padded like the AR baseline's
-        "--emulate-decode-ms", str(regime.ar_ms * s),
-    ]  # fmt: skip
+
+    def verifier(port: int, *extra: str) -> list[str]:
+        return [
+            sys.executable, "-m", "bench.verifier", "--model", target,
+            "--port", str(port), "--token-file", str(token_file), "--heartbeat", "0",
+            "--log-level", "warning", "--emulate-verify-ms", str(regime.verify_ms * s),
+            # a co-generation step is one autoregressive step: padded like the AR baseline's
+            "--emulate-decode-ms", str(regime.ar_ms * s), *extra,
+        ]  # fmt: skip
+
     ar = [
         sys.executable, "-m", "bench.ar_server", "--model", target, "--port", str(aport),
         "--token-file", str(token_file), "--pad-ms", str(regime.ar_ms * s),
     ]  # fmt: skip
-    cmds = [verifier, ar]
+    cmds = [verifier(vport), ar]
     if hybrid:
-        at = verifier.index(str(vport))
-        cmds.append([*verifier[:at], str(hport), *verifier[at + 1 :], "--cloud-draft", "ngram"])
+        cmds.append(verifier(hport, "--cloud-draft", "ngram"))
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.DEVNULL) for c in cmds]
     try:
         wait_http(procs[0], f"http://127.0.0.1:{vport}/health", 900)
@@ -365,22 +367,31 @@ def wait_tcp(proc: subprocess.Popen[bytes], port: int, timeout: float) -> None:
     raise RuntimeError(f"port {port} not open in {timeout:.0f} s")
 
 
-def verify_seconds(port: int) -> tuple[float, float]:
-    """(sum, count) of the verifier's wanspec_verify_seconds histogram."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    total = re.search(r"^wanspec_verify_seconds_sum\s+(\S+)", text, re.M)
-    count = re.search(r"^wanspec_verify_seconds_count\s+(\S+)", text, re.M)
-    return (float(total.group(1)) if total else 0.0, float(count.group(1)) if count else 0.0)
+@dataclass(frozen=True)
+class VerifierCounts:
+    """What the verifier's /metrics say about its model work so far."""
+
+    verify_s: float  # wanspec_verify_seconds_sum
+    verifies: float  # wanspec_verify_seconds_count
+    #: wanspec_engine_busy_seconds_total: the engine's seconds in steps (target forwards and
+    #: decisions, co-generation included; padded ones at their pad)
+    busy_s: float
 
 
-def engine_busy_seconds(port: int) -> float:
-    """The verifier's ``wanspec_engine_busy_seconds_total``: its engine's seconds in steps
-    (target forwards and decisions, co-generation included; padded ones at their pad)."""
+def verifier_counts(port: int) -> VerifierCounts:
+    """One read of the verifier's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
-    busy = re.search(r"^wanspec_engine_busy_seconds_total\s+(\S+)", text, re.M)
-    return float(busy.group(1)) if busy else 0.0
+
+    def value(name: str) -> float:
+        m = re.search(rf"^{name}\s+(\S+)", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    return VerifierCounts(
+        value("wanspec_verify_seconds_sum"),
+        value("wanspec_verify_seconds_count"),
+        value("wanspec_engine_busy_seconds_total"),
+    )
 
 
 # ------------------------------------------------------------------------------ the edge
@@ -750,24 +761,22 @@ async def _spec_run(
     rtt: float,
 ) -> Run:
     s = regime.scale
-    t_v0 = verify_seconds(vport)
-    busy0 = engine_busy_seconds(vport)
+    before = verifier_counts(vport)
     up0, down0 = vemu.stats.bytes_up, vemu.stats.bytes_down
     timed.times.clear()
     timed.compute.clear()
     oracle = entry.oracle
     o0 = replace(oracle.stats) if oracle is not None else None
     res = await run_spec(agent, mode.pipeline_config(), ids, cfg.tokens, eos)
-    t_v1 = verify_seconds(vport)
-    busy1 = engine_busy_seconds(vport)
+    after = verifier_counts(vport)
     stamps = res.pop("stamps")
     extra = dict(res)
     # The verifier's GPU time for this generation, in emulated seconds (the pads are × S).
-    extra["verifier_busy_s"] = (busy1 - busy0) / s
+    extra["verifier_busy_s"] = (after.busy_s - before.busy_s) / s
     extra["wire_bytes_up"] = vemu.stats.bytes_up - up0
     extra["wire_bytes_down"] = vemu.stats.bytes_down - down0
-    nv = t_v1[1] - t_v0[1]
-    extra["verify_s_mean"] = (t_v1[0] - t_v0[0]) / nv if nv else None
+    nv = after.verifies - before.verifies
+    extra["verify_s_mean"] = (after.verify_s - before.verify_s) / nv if nv else None
     extra["draft_step_s_mean"] = float(np.mean(timed.times)) if timed.times else None
     extra["draft_compute_s_mean"] = float(np.mean(timed.compute)) if timed.compute else None
     if oracle is not None and o0 is not None:

@@ -133,8 +133,6 @@ class VerifierState:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     #: Lost sessions kept for resumption, by resume token, oldest first.
     parked: OrderedDict[str, Parked] = field(default_factory=OrderedDict)
-    #: The engine's busy seconds the metric has counted so far (metrics_handler).
-    busy_reported_s: float = 0.0
 
     def set_status(self, status: ServiceStatus, reason: str) -> None:
         self.status, self.reason = status, reason
@@ -409,9 +407,8 @@ def _token_metrics(state: VerifierState) -> None:
     auth, m = state.auth, state.metrics
     m.tokens_configured.set(auth.count if auth.enabled else 0)
     m.token_file_ok.set(0 if auth.error else 1)
-    for counter, value in ((m.token_reloads, auth.reloads), (m.token_file_errors, auth.errors)):
-        if value > counter.get():
-            counter.inc(value - counter.get())
+    m.token_reloads.follow(auth.reloads)
+    m.token_file_errors.follow(auth.errors)
 
 
 def _revoke(state: VerifierState, keys: frozenset[str]) -> None:
@@ -567,10 +564,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
     mem = state.engine.memory()
     state.metrics.kv_bytes_used.set(mem["bytes_used"])
     state.metrics.kv_pages_used.set(mem["pages_used"])
-    # The engine owns its busy time; the counter follows it at each scrape.
-    busy = state.engine.busy_seconds()
-    state.metrics.busy_seconds.inc(max(0.0, busy - state.busy_reported_s))
-    state.busy_reported_s = max(busy, state.busy_reported_s)
+    state.metrics.busy_seconds.follow(state.engine.busy_seconds())  # the engine owns it
     _token_metrics(state)
     body = state.metrics.render().encode()
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE})

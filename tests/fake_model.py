@@ -23,7 +23,7 @@ from cloud_verifier.core import (
 )
 from shared.maths.rejection import Decision, draw_candidates, one_hot, verify_batch
 from shared.maths.sampling import sample
-from shared.wire.protocol import SparseDist
+from shared.wire.protocol import CorrectionMode, SparseDist
 
 Row = npt.NDArray[np.float64]
 #: A target: the text so far -> p(· | text), a float64 row over V (after the session's
@@ -106,7 +106,9 @@ class FakeTargetModel:
             greedy=greedy,
             # A CoGenerate's draft (a hedge's or the verifier's own) is deterministic: the
             # verifier draws the recovered token itself, as the engine's runner does.
-            correction="greedy_draft" if isinstance(work, CoGenerate) else str(hello.correction),
+            correction=str(
+                CorrectionMode.GREEDY_DRAFT if isinstance(work, CoGenerate) else hello.correction
+            ),
             rng=self.rng,
             want_bonus=isinstance(work, CoGenerate) or work.want_bonus,
         )

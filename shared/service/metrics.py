@@ -127,6 +127,13 @@ class Counter(_Value):
             raise ValueError(f"{self.name}: a counter cannot decrease (inc({amount}))")
         self._add(self._key(labels), amount)
 
+    def follow(self, total: float, **labels: str) -> None:
+        """Up to ``total``, a monotone count another object owns (read at scrape time); a total
+        below the value already counted is left as it is: a counter never decreases."""
+        key = self._key(labels)
+        with self._lock:
+            self._values[key] = max(self._values.get(key, 0.0), total)
+
     def labels(self, **labels: str) -> _CounterChild:
         return _CounterChild(self, self._key(labels))
 

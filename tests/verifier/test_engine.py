@@ -235,6 +235,18 @@ async def test_a_failing_session_fails_alone(target: TorchTarget) -> None:
     b.check(f, d, outs[1])
 
 
+def _open_many(
+    engine: Engine, target: Target, params: SamplingParams, first_seed: int, n: int, **hello: Any
+) -> list[Slot]:
+    """``n`` sampled sessions, seeds ``first_seed`` on (one generator each)."""
+    return [
+        engine.open(
+            Hello(fingerprint=target.fingerprint, sampling=params, seed=first_seed + i, **hello)
+        )
+        for i in range(n)
+    ]
+
+
 async def test_engine_path_is_exact_chi_square() -> None:
     """Sampled verification through the engine (many sessions per batched forward, each with its
     own generator): the first emitted token is distributed as p (candidates mode, Resample
@@ -252,18 +264,9 @@ async def test_engine_path_is_exact_chi_square() -> None:
     rng = np.random.default_rng(7)
     out: list[int] = []
     for c0 in range(0, n, chunk):
-        slots = [
-            engine.open(
-                Hello(
-                    fingerprint=null.fingerprint,
-                    sampling=params,
-                    correction=CorrectionMode.CANDIDATES,
-                    m=2,
-                    seed=c0 + i,
-                )
-            )
-            for i in range(chunk)
-        ]
+        slots = _open_many(
+            engine, null, params, c0, chunk, correction=CorrectionMode.CANDIDATES, m=2
+        )
         drafts = rng.choice(v, chunk, p=q)
         jobs = []
         for slot, x in zip(slots, drafts, strict=True):
@@ -314,17 +317,7 @@ async def test_a_cloud_draft_in_a_topk_session_is_exact_through_the_engine() -> 
     x = int(np.argmax(p))  # the draft: the likeliest token (accepted with probability p(x))
     out: list[int] = []
     for c0 in range(0, n, chunk):
-        slots = [
-            engine.open(
-                Hello(
-                    fingerprint=null.fingerprint,
-                    sampling=params,
-                    correction=CorrectionMode.TOPK,
-                    seed=c0 + i,
-                )
-            )
-            for i in range(chunk)
-        ]
+        slots = _open_many(engine, null, params, c0, chunk, correction=CorrectionMode.TOPK)
         work = CoGenerate(
             0, np.array([fixed], np.int64), np.array([x], np.int64), np.ones(1, np.float32), True
         )

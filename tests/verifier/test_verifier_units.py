@@ -41,6 +41,10 @@ def test_metrics_render() -> None:
     assert h.count() == 3 and h.sum() == pytest.approx(5.55)
     with pytest.raises(ValueError, match="decrease"):
         c.inc(-1)
+    c.follow(7.5)  # a total another object owns: up to it, never down
+    c.follow(4.0)
+    lab.follow(2, thing="b")
+    assert c.get() == 7.5 and lab.get(thing="b") == 2
     with pytest.raises(ValueError, match="labels"):
         lab.inc(other="x")
     with pytest.raises(ValueError, match="already"):
