@@ -29,7 +29,8 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, hdrs, web
 
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.cloud_draft import CloudDraft
+from cloud_verifier.cloud_draft import parse_cloud_drafts
+from cloud_verifier.cloud_drafter import load_draft_target
 from cloud_verifier.core import (
     CLOSE_OK,
     Adopt,
@@ -112,6 +113,8 @@ class VerifierState:
     metrics: VerifierMetrics
     limits: SessionLimits
     loader: Callable[[], Target]
+    #: The cloud draft model's loader (cloud_draft_model), None without one.
+    draft_loader: Callable[[Target], Target] | None
     notifier: Notifier
     guard: ConnectionGuard
     status: ServiceStatus = ServiceStatus.LOADING
@@ -165,7 +168,8 @@ def limits_from(settings: VerifierSettings) -> SessionLimits:
         idle_timeout_s=settings.idle_timeout,
         max_coalesced=settings.max_coalesced,
         max_cogen_ahead=settings.cogen_ahead,
-        cloud_draft=CloudDraft(settings.cloud_draft),
+        cloud_draft=parse_cloud_drafts(settings.cloud_draft),
+        cloud_model=bool(settings.cloud_draft_model),
         cloud_draft_tokens=settings.cloud_draft_tokens,
         max_frame_rate=settings.max_frame_rate,
         frame_burst=settings.frame_burst,
@@ -187,12 +191,28 @@ def engine_limits(settings: VerifierSettings) -> EngineLimits:
     )
 
 
+def default_draft_loader(settings: VerifierSettings) -> Callable[[Target], Target] | None:
+    """Loads ``settings.cloud_draft_model`` beside the target (None: no cloud draft model)."""
+    spec = settings.cloud_draft_model
+    if not spec:
+        return None
+
+    def load(target: Target) -> Target:
+        compiled = settings.compile == "on" or (
+            settings.compile == "auto" and target.device.type == "cuda"
+        )
+        return load_draft_target(spec, target, compile_forward=compiled)
+
+    return load
+
+
 def build_app(
     settings: VerifierSettings,
     *,
     auth: Authenticator,
     engine: Engine | None = None,
     loader: Callable[[], Target] | None = None,
+    draft_loader: Callable[[Target], Target] | None = None,
     notifier: Notifier | None = None,
     metrics: VerifierMetrics | None = None,
 ) -> web.Application:
@@ -217,6 +237,7 @@ def build_app(
         metrics=metrics,
         limits=limits_from(settings),
         loader=loader,
+        draft_loader=draft_loader or default_draft_loader(settings),
         notifier=notifier or Notifier(None),
         guard=ConnectionGuard(
             header_timeout=settings.header_timeout,
@@ -289,7 +310,7 @@ async def _load_model(state: VerifierState) -> None:
     log.info("loading model %s", spec)
     t0 = time.perf_counter()
     try:
-        target = await state.engine.load(state.loader)
+        target = await state.engine.load(state.loader, draft_loader=state.draft_loader)
     except Exception as e:
         # A missing CUDA device is a configuration problem: its message says it all.
         log.error(
@@ -882,7 +903,8 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
             m.cogen_tokens.inc(d.accepted + 1)
             (m.cloud_draft_tokens if work.cloud else m.hedge_tokens).inc(d.accepted)
             if work.cloud:
-                m.cloud_draft_proposed.inc(len(work.draft))
+                drafted = work.draft if result.drafted is None else result.drafted
+                m.cloud_draft_proposed.inc(len(drafted))
         elif isinstance(result, Skipped):
             m.cogen_skipped.inc()
     if isinstance(work, (Verify, Federate, CoGenerate)) and timing is not None:

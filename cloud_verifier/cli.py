@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 #: Builds the model loader (run on the model worker) from the resolved settings.
 LoaderFactory = Callable[[VerifierSettings], Callable[[], "Target"]]
+#: Builds the cloud draft model's loader (None: the default, from cloud_draft_model).
+DraftLoaderFactory = Callable[[VerifierSettings], Callable[["Target"], "Target"] | None]
 
 log = logging.getLogger("cloud_verifier")
 
@@ -115,17 +117,17 @@ def load_cli_settings(args: argparse.Namespace, env: dict[str, str]) -> Verifier
     )
 
 
-def _check_model_spec(spec: str) -> None:
+def _check_model_spec(spec: str, key: str = "model") -> None:
     from cloud_verifier.targets import parse_null_spec
 
-    if parse_null_spec(spec) is not None:
+    if key == "model" and parse_null_spec(spec) is not None:
         return
     from shared.runtime.model_spec import ModelSpecError, parse_model_spec
 
     try:
         parse_model_spec(spec)
     except ModelSpecError as e:
-        raise ConfigError("model", str(e)) from None
+        raise ConfigError(key, str(e)) from None
 
 
 async def serve(
@@ -134,10 +136,12 @@ async def serve(
     ssl_context: Any = None,
     *,
     loader: Callable[[], Target] | None = None,
+    draft_loader: Callable[[Target], Target] | None = None,
 ) -> int:
     """Run until SIGTERM/SIGINT. Returns the exit status (1 if the model failed to load).
 
-    ``loader`` (run on the model worker) defaults to loading ``settings.model``.
+    ``loader`` (run on the model worker) defaults to loading ``settings.model``,
+    ``draft_loader`` to loading ``settings.cloud_draft_model`` (if any) beside it.
     """
     from cloud_verifier.app import STATE, build_app, drain, make_runner, reload_tokens
     from cloud_verifier.http_guard import Listener
@@ -145,7 +149,9 @@ async def serve(
     from shared.service.status import ServiceStatus
 
     notifier = Notifier.from_env()
-    app = build_app(settings, auth=auth, loader=loader, notifier=notifier)
+    app = build_app(
+        settings, auth=auth, loader=loader, draft_loader=draft_loader, notifier=notifier
+    )
     state = app[STATE]
     listener = Listener(state.guard, settings.host, settings.port, ssl_context=ssl_context)
     try:
@@ -216,14 +222,22 @@ def _busy_threads(wait_s: float) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
 
 
-def run_serve(args: argparse.Namespace, *, make_loader: LoaderFactory | None = None) -> int:
+def run_serve(
+    args: argparse.Namespace,
+    *,
+    make_loader: LoaderFactory | None = None,
+    make_draft_loader: DraftLoaderFactory | None = None,
+) -> int:
     """``serve`` from arguments parsed by :func:`add_serve_arguments`; ``make_loader`` builds
-    the model loader from the resolved settings (default: load ``settings.model``)."""
+    the model loader from the resolved settings (default: load ``settings.model``),
+    ``make_draft_loader`` the cloud draft model's (default: ``settings.cloud_draft_model``)."""
     from cloud_verifier.auth import Authenticator, AuthError
 
     try:
         settings = load_cli_settings(args, dict(os.environ))
         _check_model_spec(settings.model)
+        if settings.cloud_draft_model:
+            _check_model_spec(settings.cloud_draft_model, "cloud_draft_model")
         if settings.token_file is not None:
             try:
                 auth = Authenticator(
@@ -257,6 +271,7 @@ def run_serve(args: argparse.Namespace, *, make_loader: LoaderFactory | None = N
         log.warning("authentication is OFF (--insecure-no-auth): anyone can open sessions")
     _check_open_files(settings)
     loader = make_loader(settings) if make_loader is not None else None
+    draft_loader = make_draft_loader(settings) if make_draft_loader is not None else None
     from cloud_verifier.tp import launch_ranks, rank_from_env, run_follower
 
     try:
@@ -278,7 +293,7 @@ def run_serve(args: argparse.Namespace, *, make_loader: LoaderFactory | None = N
         if not rank.leader:
             return run_follower(rank, lambda: _load_shards(settings, rank))
         loader = _leader_loader(settings, rank)
-    rc = asyncio.run(serve(settings, auth, ssl_context, loader=loader))
+    rc = asyncio.run(serve(settings, auth, ssl_context, loader=loader, draft_loader=draft_loader))
     busy = _busy_threads(1.0)
     if busy:
         # The model worker is still inside a load or a forward that cannot be interrupted;

@@ -2,7 +2,16 @@
 
 Used in co-generation (:class:`~cloud_verifier.core.CoGenerate`): while a session has no valid
 edge draft queued, the verifier does not decode one token per forward but verifies a draft of
-its own in that forward, so a gap in the edge's drafts costs fewer target forwards.
+its own in that forward, so a gap in the edge's drafts costs fewer target forwards; an edge
+with no draft model at all (cloud-only speculative decoding) gets every token so. Sources, in
+the order a co-generation step tries them (a hedge of the edge's comes first):
+
+* ``tail``: after a rejection, the rejected draft's remaining tokens, re-aligned one position
+  on, behind the correction (a draft that differs from the target in one token often goes on
+  as the target does);
+* ``ngram``: prompt lookup over the session's own text (:func:`ngram_draft`);
+* a draft model (the ``cloud_draft_model`` setting: a model spec, on the verifier's device,
+  batched across sessions: :mod:`cloud_verifier.cloud_drafter`), greedy.
 
 Exactness: a cloud draft is a deterministic function of the text known before any of the
 positions it drafts, so its q is a point mass; the verifier accepts a draft token x with
@@ -19,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from shared.enums import TextEnum
+from shared.errors import WanspecError
 
 
 class CloudDraft(TextEnum):
@@ -28,6 +38,24 @@ class CloudDraft(TextEnum):
     #: Prompt lookup: the tokens that followed the latest earlier occurrence of the text's last
     #: n tokens (no model: repeated names, numbers, code and quoted text).
     NGRAM = "ngram"
+    #: The rest of a rejected draft, one position on behind the correction.
+    TAIL = "tail"
+
+
+class CloudDraftError(WanspecError, ValueError):
+    """A ``cloud_draft`` setting that names no known source."""
+
+
+def parse_cloud_drafts(text: str) -> frozenset[CloudDraft]:
+    """``"ngram,tail"`` → the sources named (``off`` alone, or nothing: none)."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    try:
+        sources = {CloudDraft.parse(x, "cloud_draft") for x in names}
+    except ValueError as e:
+        raise CloudDraftError(str(e)) from None
+    if CloudDraft.OFF in sources and len(sources) > 1:
+        raise CloudDraftError(f"cloud_draft {text!r}: 'off' cannot be combined with a source")
+    return frozenset(sources - {CloudDraft.OFF})
 
 
 def ngram_draft(
@@ -49,3 +77,22 @@ def ngram_draft(
             out: list[int] = arr[start : start + max_tokens].tolist()
             return out
     return []
+
+
+def tail_draft(
+    tail: tuple[int, Sequence[int]] | None, text: Sequence[int], max_tokens: int
+) -> list[int]:
+    """The kept tail ``(pos, tokens)`` (tokens[i] drafted for position pos + i) where it
+    continues ``text``: the text from ``pos`` on agrees with its head, and up to
+    ``max_tokens`` tokens after that (empty: none kept, no agreement, or nothing left).
+
+    Exact as a deterministic draft: the tokens were fixed by the edge before the verifier
+    drew any token at ``pos`` or after; which of them is proposed depends only on the text
+    before the position drafted."""
+    if tail is None or max_tokens <= 0:
+        return []
+    pos, tokens = tail
+    k = len(text) - pos  # tail tokens the text already has
+    if k < 0 or k >= len(tokens) or list(text[pos:]) != list(tokens[:k]):
+        return []
+    return list(tokens[k : k + max_tokens])

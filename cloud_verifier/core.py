@@ -69,7 +69,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from cloud_verifier.cloud_draft import CloudDraft, ngram_draft
+from cloud_verifier.cloud_draft import CloudDraft, ngram_draft, tail_draft
 from shared.enums import TextEnum
 from shared.errors import ErrorCode
 from shared.maths.rejection import Decision
@@ -152,8 +152,11 @@ class SessionLimits:
     #: Hedges (side drafts for likely rejection points) kept per session, the newest.
     max_hedges: int = 8
     #: Cloud-side speculation in co-generation (no matching hedge): the verifier's own draft,
-    #: at most ``cloud_draft_tokens`` tokens, verified in the co-generation forward.
-    cloud_draft: CloudDraft = CloudDraft.OFF
+    #: at most ``cloud_draft_tokens`` tokens, verified in the co-generation forward. Sources
+    #: without a model (:mod:`cloud_verifier.cloud_draft`), tried in the order tail, ngram;
+    #: then, with ``cloud_model``, the model side's draft model.
+    cloud_draft: frozenset[CloudDraft] = frozenset()
+    cloud_model: bool = False
     cloud_draft_tokens: int = 8
     #: Frames a session may send per second, sustained, and in a burst (a token bucket over
     #: the ``now`` passed in); past it the session is closed (rate_limited). 0 = no limit.
@@ -252,13 +255,16 @@ class CoGenerate:
     or a cloud draft (``cloud``: :mod:`cloud_verifier.cloud_draft`), ``draft`` is verified as a
     deterministic draft (q a point mass): *accepted* prefix, then the *recovered* token drawn
     from p with the rejected token removed, or the *bonus* token; the verifier draws both itself
-    (the greedy-draft rule, whatever the session's correction mode)."""
+    (the greedy-draft rule, whatever the session's correction mode). With ``model_tokens`` (and
+    no ``draft``), the model side first drafts up to that many tokens with its draft model,
+    greedily after the known text, and verifies them so (the result's ``drafted``)."""
 
     pos: int
     fixed: npt.NDArray[np.int64]
     draft: npt.NDArray[np.int64] = field(default_factory=lambda: _NO_IDS)
     q: npt.NDArray[np.float32] = field(default_factory=lambda: _NO_PROBS)
     cloud: bool = False  # the draft is the verifier's own (not a hedge's)
+    model_tokens: int = 0  # the model side drafts up to this many tokens (cloud_draft_model)
 
 
 @dataclass(frozen=True)
@@ -305,6 +311,8 @@ class Verified:
     #: The cache length the model side holds now (None: not reported; the core applies
     #: :func:`cache_after` itself, as test doubles of the model side do).
     cache_len: int | None = None
+    #: A CoGenerate with ``model_tokens``: the draft the model side made and verified.
+    drafted: npt.NDArray[np.int64] | None = None
 
 
 @dataclass(frozen=True)
@@ -458,6 +466,8 @@ class VerifierCore:
         self.hedge_tokens = 0  # hedge draft tokens accepted (co-generated in one forward)
         self.cloud_draft_tokens = 0  # the verifier's own draft tokens accepted (cloud_draft)
         self._cloud_off = False  # a cloud draft's work failed: this session co-generates without
+        #: The rest of the last rejected draft: (its position, its tokens) (cloud_draft tail).
+        self._tail: tuple[int, list[int]] | None = None
         self._bucket = float(limits.frame_burst)  # frame-rate tokens left
         self._bucket_at: float | None = None
         self._now = 0.0  # the ``now`` of the input being handled
@@ -794,6 +804,7 @@ class VerifierCore:
                 # recovered / bonus token) before this draft token was looked at.
                 self.next_pos = base + i
                 self._new_epoch()
+                self._tail = (base + i + 1, p.draft[i + 1 :].tolist())
                 return [Send(Verdict(p.epoch, p.seq, accepted=i, token=self.text[base + i]))]
         want_bonus = p.want_bonus or self.hello.bonus
         if nd == g and (not want_bonus or known > base + g):
@@ -848,12 +859,24 @@ class VerifierCore:
         # ``ahead`` tokens in all, within the co-generation bound and the context.
         room = min(ahead, min(self.hello.cogen_end, self.max_context) - known) - 1
         draft, q = self._hedge_draft(known, room)
-        cloud = False
-        if not len(draft) and self.limits.cloud_draft == CloudDraft.NGRAM and not self._cloud_off:
-            ids = ngram_draft(self.text, min(room, self.limits.cloud_draft_tokens))
-            if ids:
-                draft, q, cloud = np.array(ids, np.int64), np.ones(len(ids), np.float32), True
-        return self._start(CoGenerate(self.cache_len, fixed, draft, q, cloud))
+        if len(draft) or self._cloud_off or room <= 0:
+            return self._start(CoGenerate(self.cache_len, fixed, draft, q))
+        n = min(room, self.limits.cloud_draft_tokens)
+        ids = self._own_draft(n)
+        if ids:
+            draft, q = np.array(ids, np.int64), np.ones(len(ids), np.float32)
+            return self._start(CoGenerate(self.cache_len, fixed, draft, q, cloud=True))
+        model = n if self.limits.cloud_model else 0
+        return self._start(CoGenerate(self.cache_len, fixed, cloud=model > 0, model_tokens=model))
+
+    def _own_draft(self, n: int) -> list[int]:
+        """Up to ``n`` draft tokens of the verifier's own without a model (tail, then ngram);
+        empty: none of them has one."""
+        sources = self.limits.cloud_draft
+        ids = tail_draft(self._tail, self.text, n) if CloudDraft.TAIL in sources else []
+        if not ids and CloudDraft.NGRAM in sources:
+            ids = ngram_draft(self.text, n)
+        return ids
 
     def _hedge(self, h: Hedge) -> list[Event]:
         """Keep a side draft (no reply, no model work)."""
@@ -932,6 +955,7 @@ class VerifierCore:
         self.edge_ahead = False
         self._pending = None
         self._hedges.clear()
+        self._tail = None
         return self._start(Crop(r.pos))
 
     def _resample(self, r: Resample) -> list[Event]:
@@ -988,6 +1012,7 @@ class VerifierCore:
         if n < g:
             # Rejection: every batch the edge sent behind this one is now of an old epoch.
             self._new_epoch()
+            self._tail = (self.next_pos + 1, work.draft[n + 1 :].tolist())
             if result.kept_row:
                 self._pending = _Pending(self.epoch, self.next_pos)
             if d.token is not None:
@@ -1025,11 +1050,12 @@ class VerifierCore:
         *bonus* token, each drawn after the known text (law p, whatever the edge drafts for
         these positions later). One Generated frame each."""
         d = result.decision
-        token = d.token if d.accepted < len(work.draft) else d.bonus
+        draft = work.draft if result.drafted is None else result.drafted
+        token = d.token if d.accepted < len(draft) else d.bonus
         if token is None:
             raise TypeError("a CoGenerate's result carries no token")
         self.cache_len = _reported(result.cache_len, work, d.accepted)
-        tokens = [*work.draft[: d.accepted].tolist(), token]
+        tokens = [*draft[: d.accepted].tolist(), token]
         pos = len(self.text)
         self.text += tokens
         self.cogen_tokens += len(tokens)

@@ -32,6 +32,7 @@ from typing import Any, Final, TypeVar
 
 import torch
 
+from cloud_verifier.cloud_drafter import CloudDrafter
 from cloud_verifier.core import CoGenerate, Failed, Result, Skipped, Work, WorkProgress
 from cloud_verifier.runner import FORWARDS, Runner, Shares, Slot, Timing, new_generator
 from cloud_verifier.scheduler import (
@@ -265,10 +266,17 @@ class Engine:
         self._put(_Call(fn, fut, loop))
         return await fut
 
-    async def load(self, loader: Callable[[], Target], *, warm_up: bool = True) -> Target:
+    async def load(
+        self,
+        loader: Callable[[], Target],
+        *,
+        warm_up: bool = True,
+        draft_loader: Callable[[Target], Target] | None = None,
+    ) -> Target:
         """Load the target on the engine's thread (so it lives where it runs), allocate the KV
         pool and, with ``warm_up``, run one batched step of every bucketed shape class and time
-        the step-time anchors."""
+        the step-time anchors. ``draft_loader``: the cloud draft model, from the target
+        (cloud_draft_model), with a KV pool of as many pages as the target's."""
         lim = self.limits
 
         def job() -> Runner:
@@ -276,7 +284,14 @@ class Engine:
             tokens = lim.kv_tokens or _auto_kv_tokens(target)
             pool = target.allocate(-(-tokens // lim.page_size), lim.page_size)
             shares = Shares(lim.session_share, lim.tenant_share)
-            return Runner(target, pool, shares, self._tenant_pages)
+            drafter = None
+            if draft_loader is not None:
+                draft = draft_loader(target)
+                pages = pool.num_pages
+                drafter = CloudDrafter(
+                    draft, draft.allocate(pages, lim.page_size), target.vocab_size
+                )
+            return Runner(target, pool, shares, self._tenant_pages, drafter)
 
         runner = await self.call(job)
         self.runner = runner

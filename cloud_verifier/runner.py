@@ -6,6 +6,8 @@ paged KV pool and every session slot's model state (pages, tokens, RNG, the p ro
 Resamples), and answers each request of a step with its :data:`~cloud_verifier.core.Result`:
 
 * ``Crop`` (a pointer move in the pool) and ``Draw`` (a device draw from the kept row);
+* ``CoGenerate`` with ``model_tokens``: first the draft model's greedy draft, every such
+  session of the step batched (:mod:`cloud_verifier.cloud_drafter`);
 * ``Verify``, ``Federate`` and ``CoGenerate`` in **one batched forward**, then, on the device and
   batched over the sessions (:mod:`cloud_verifier.device_sampling`), the sampling transform and the
   decisions: *accepted* prefix, *recovered* correction or *bonus* token, or the federated rows.
@@ -23,12 +25,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from cloud_verifier import device_sampling as ds
+from cloud_verifier.cloud_drafter import CloudDrafter, DraftRequest
 from cloud_verifier.core import (
     CoGenerate,
     Crop,
@@ -67,6 +70,8 @@ class Slot:
     #: Who holds it (the bearer token's key): the KV quota counts a tenant's slots together.
     tenant: str = ""
     pages: SlotPages = field(default_factory=SlotPages)
+    #: The draft model's cache of this session's text (cloud_draft_model), lazily in step.
+    draft_pages: SlotPages = field(default_factory=SlotPages)
     kept: tuple[torch.Tensor, int] | None = None  # ([V] probs on the device, rejected id)
     released: bool = False
 
@@ -135,8 +140,10 @@ class Runner:
         pool: PagedKV,
         shares: Shares,
         tenant_pages: Callable[[Slot], int],
+        drafter: CloudDrafter | None = None,
     ) -> None:
         self.target = target
+        self.drafter = drafter
         self.pool = pool
         self.shares = shares
         self._tenant_pages = tenant_pages
@@ -198,6 +205,8 @@ class Runner:
 
     def free(self, slot: Slot) -> None:
         self.pool.release(slot.pages)
+        if self.drafter is not None:
+            self.drafter.release(slot.draft_pages)
         slot.kept = None
 
     # ------------------------------------------------------------------ a step
@@ -207,8 +216,12 @@ class Runner:
         batched forward)."""
         out: list[tuple[Result, Timing | None] | None] = [None] * len(requests)
         planned: list[_Planned] = []
-        for i, (slot, work) in enumerate(requests):
-            if slot.released:
+        drafted = self._model_drafts(requests)
+        for i, (slot, asked) in enumerate(requests):
+            work = drafted.get(i, asked)
+            if isinstance(work, Failed):
+                out[i] = (work, None)
+            elif slot.released:
                 out[i] = (Failed("the session ended", slot.length), None)
             elif isinstance(work, Crop):
                 out[i] = (self._crop(slot, work.pos), None)
@@ -225,6 +238,37 @@ class Runner:
                 out[i] = answer
         assert all(a is not None for a in out)
         return [a for a in out if a is not None]
+
+    def _model_drafts(
+        self, requests: Sequence[tuple[Slot, Work]]
+    ) -> dict[int, CoGenerate | Failed]:
+        """The CoGenerates of the step that ask for a model draft, with the draft in place
+        (one batched draft forward per token, every session together); Failed for each when
+        the draft model fails (the session then co-generates without cloud drafts)."""
+        todo: list[tuple[int, Slot, CoGenerate]] = [
+            (i, slot, work)
+            for i, (slot, work) in enumerate(requests)
+            if isinstance(work, CoGenerate)
+            and work.model_tokens > 0
+            and not slot.released
+            and work.pos == slot.length
+        ]
+        if not todo or self.drafter is None:
+            return {}
+        asks = [
+            DraftRequest(slot.draft_pages, [*slot.tokens, *work.fixed.tolist()], work.model_tokens)
+            for _, slot, work in todo
+        ]
+        try:
+            drafts = self.drafter.draft(asks)
+        except Exception as e:
+            log.warning("the cloud draft model failed: %s: %s", type(e).__name__, e)
+            why = f"cloud draft model: {type(e).__name__}: {e}"
+            return {i: Failed(why, slot.length) for i, slot, _ in todo}
+        return {
+            i: replace(work, draft=np.array(ids, np.int64), q=np.ones(len(ids), np.float32))
+            for (i, _, work), ids in zip(todo, drafts, strict=True)
+        }
 
     def _crop(self, slot: Slot, pos: int) -> Result:
         slot.kept = None
@@ -378,7 +422,10 @@ class Runner:
                     p_row = ds.transform_rows(r, s.temperature, s.top_k, s.top_p)[0]
                     slot.kept = (p_row, int(p.work.draft[d.accepted]))
                     kept = True
-            out.append(Verified(d, kept_row=kept, cache_len=slot.length))
+            drafted = (
+                p.work.draft if isinstance(p.work, CoGenerate) and p.work.model_tokens else None
+            )
+            out.append(Verified(d, kept_row=kept, cache_len=slot.length, drafted=drafted))
             row += g + 1
         return out
 

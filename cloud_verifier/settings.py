@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from cloud_verifier.cloud_draft import CloudDraftError, parse_cloud_drafts
 from shared.service.config import ConfigError
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -74,10 +75,16 @@ class VerifierSettings:
     # verifier decodes that session's next tokens itself, at most this many beyond the end of
     # its last Propose, and only in room the drafts to verify leave in a step; 0 = off.
     cogen_ahead: int = field(default=64, metadata=_b(0, 65536))
-    # Cloud-side speculation in co-generation: "ngram" (prompt lookup over the session's own
-    # text) verifies up to cloud_draft_tokens draft tokens of the verifier's own in each
-    # co-generation forward, exactly (a deterministic draft); "off" decodes one token a forward.
-    cloud_draft: Literal["off", "ngram"] = "off"
+    # Cloud-side speculation in co-generation (and so for edges with no draft model: cloud-only
+    # speculative decoding): each co-generation forward verifies up to cloud_draft_tokens draft
+    # tokens of the verifier's own, exactly (a deterministic draft). Sources, comma-separated,
+    # tried in this order: "tail" (the rest of a rejected draft), "ngram" (prompt lookup over the
+    # session's own text), then cloud_draft_model; "off" alone: none of the first two.
+    cloud_draft: str = "off"
+    # A draft model on the verifier's device (a model spec: self:skip=N shares the target's
+    # weights, or a folder / .gguf of the same tokenizer), batched across sessions, greedy;
+    # "" = none.
+    cloud_draft_model: str = ""
     cloud_draft_tokens: int = field(default=8, metadata=_b(1, 64))
     handshake_timeout: float = field(default=10.0, metadata=_b(0.1))  # seconds to send Hello
     # An open session with no model work (no valid Propose, Rollback or Resample) for this many
@@ -133,6 +140,12 @@ class VerifierSettings:
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     def __post_init__(self) -> None:
+        try:
+            parse_cloud_drafts(self.cloud_draft)
+        except CloudDraftError as e:
+            raise ConfigError("cloud_draft", str(e)) from None
+        if self.cloud_draft_model and self.tp > 1:
+            raise ConfigError("cloud_draft_model", "a cloud draft model needs tp = 1")
         # Neither set is refused by `serve` only: tests and the demo pass a generated token.
         if self.token_file is not None and self.insecure_no_auth:
             raise ConfigError("insecure_no_auth", "cannot be combined with a token_file (pick one)")

@@ -77,7 +77,7 @@ def generate_once(
     cogen_law: np.ndarray,
     hedge: int = 0,
     trust_hedges: bool = False,
-    cloud: CloudDraft = CloudDraft.OFF,
+    cloud: frozenset[CloudDraft] = frozenset(),
 ) -> tuple[list[int], int, int]:
     """One generation of ``n`` tokens over a random schedule; returns (tokens, co-generated,
     draft tokens accepted in co-generation: hedges' and cloud drafts')."""
@@ -201,7 +201,7 @@ def test_cloud_ngram_drafts_keep_the_target_joint_law(mode: CorrectionMode) -> N
     """Cloud-side speculation (cloud_draft = ngram): in its co-generation forwards the verifier
     verifies drafts of its own (prompt lookup over the text) as deterministic drafts; the joint
     law of the output is still p, in every correction mode."""
-    pv, share, drafted = joint_pvalue(mode, P, seed=13, n=6, cloud=CloudDraft.NGRAM)
+    pv, share, drafted = joint_pvalue(mode, P, seed=13, n=6, cloud=frozenset({CloudDraft.NGRAM}))
     assert drafted > 0.05, f"cloud drafts hardly accepted ({drafted:.1%} of tokens): void"
     assert pv > ALPHA, f"{mode}: chi-square p-value {pv:.2e} ({share:.0%} co-generated)"
 
@@ -209,7 +209,7 @@ def test_cloud_ngram_drafts_keep_the_target_joint_law(mode: CorrectionMode) -> N
 def test_negative_control_cloud_drafts_accepted_unverified() -> None:
     """A model side that takes the verifier's own draft without verifying it is caught."""
     pv, _, drafted = joint_pvalue(
-        CorrectionMode.GREEDY_DRAFT, P, seed=13, n=6, cloud=CloudDraft.NGRAM, trust_hedges=True
+        CorrectionMode.GREEDY_DRAFT, P, seed=13, n=6, cloud=frozenset({CloudDraft.NGRAM}), trust_hedges=True
     )
     assert drafted > 0.05
     assert pv < 1e-6, f"the broken variant passed (p-value {pv:.2e}): the test has no power"

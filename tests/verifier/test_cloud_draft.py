@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cloud_verifier.cloud_draft import ngram_draft
+from cloud_verifier.cloud_draft import (
+    CloudDraft,
+    CloudDraftError,
+    ngram_draft,
+    parse_cloud_drafts,
+    tail_draft,
+)
+from cloud_verifier.settings import VerifierSettings
+from shared.service.config import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -48,3 +56,27 @@ def test_agrees_with_a_plain_search_on_random_texts() -> None:
                 want = text[starts[-1] + n : starts[-1] + n + 4]
                 break
         assert ngram_draft(text, 4) == want, text
+
+
+def test_cloud_draft_settings_name_sources_and_bad_ones_are_refused() -> None:
+    assert parse_cloud_drafts("off") == frozenset()
+    assert parse_cloud_drafts("") == frozenset()
+    assert parse_cloud_drafts(" tail , ngram ") == {CloudDraft.TAIL, CloudDraft.NGRAM}
+    with pytest.raises(CloudDraftError, match="cloud_draft must be one of off, ngram, tail"):
+        parse_cloud_drafts("ngram,eagle")
+    with pytest.raises(CloudDraftError, match="'off' cannot be combined"):
+        parse_cloud_drafts("off,ngram")
+    with pytest.raises(ConfigError, match="setting 'cloud_draft'"):
+        VerifierSettings(cloud_draft="ngarm")
+    with pytest.raises(ConfigError, match=r"setting 'cloud_draft_model'.*tp = 1"):
+        VerifierSettings(cloud_draft_model="self:skip=12", tp=2)
+
+
+def test_a_tail_drafts_only_where_the_text_agrees_with_its_head() -> None:
+    tail = (3, [7, 8, 9])  # drafted for positions 3, 4, 5
+    assert tail_draft(tail, [1, 2, 4], 2) == [7, 8]  # text ends at 3: from the tail's start
+    assert tail_draft(tail, [1, 2, 4, 7], 5) == [8, 9]  # one agreed: the rest
+    assert tail_draft(tail, [1, 2, 4, 6], 5) == []  # the text left it
+    assert tail_draft(tail, [1, 2, 4, 7, 8, 9], 5) == []  # nothing left
+    assert tail_draft(tail, [1, 2], 5) == []  # the text does not reach it
+    assert tail_draft(None, [1, 2], 5) == [] and tail_draft(tail, [1, 2, 4], 0) == []

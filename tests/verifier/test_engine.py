@@ -393,3 +393,91 @@ async def test_an_engine_bug_fails_the_step_and_the_engine_goes_on(target: Torch
     f, d = [5, 6, 7], _greedy(target, [5, 6, 7], 3, None)
     a.check(f, d, await a.verify(f, d)())
     assert engine.worker_alive()
+
+
+async def test_a_cloud_draft_model_drafts_for_sessions_together_and_is_exact_greedy(
+    tiny_model_dir: Path,
+) -> None:
+    """cloud_draft_model through the real loading path (``self:skip=1`` of the target, weights
+    shared): three greedy sessions co-generate with model drafts in shared steps (one draft
+    forward per draft token for all of them), and each text is the target's own greedy text."""
+    from cloud_verifier.cloud_drafter import load_draft_target
+
+    target = TorchTarget(load_model(str(tiny_model_dir)))
+    engine = Engine(EngineLimits(slots=4, page_size=4, kv_tokens=512))
+    await engine.load(lambda: target, draft_loader=lambda t: load_draft_target("self:skip=1", t))
+    runner = engine.require_runner()
+    assert runner.drafter is not None
+    prompts = [[1, 2, 3], [7, 8], [9, 10, 11, 12]]
+    slots = [engine.open(Hello(fingerprint=target.fingerprint, sampling=GREEDY)) for _ in prompts]
+    texts = [list(p) for p in prompts]
+    drafted_any = 0
+    for _ in range(4):
+        jobs = []
+        for slot, text in zip(slots, texts, strict=True):
+            fixed = np.array(text[slot.length :], np.int64)
+            work = CoGenerate(slot.length, fixed, cloud=True, model_tokens=3)
+            jobs.append(lambda slot=slot, work=work: engine.run(slot, work))
+        before = runner.drafter.forwards
+        outs = await _together(engine, jobs)
+        assert runner.drafter.forwards - before == 3  # batched: one forward per draft token
+        for text, o in zip(texts, outs, strict=True):
+            assert isinstance(o.result, Verified) and o.result.drafted is not None
+            d, drafted = o.result.decision, o.result.drafted.tolist()
+            assert len(drafted) == 3
+            drafted_any += d.accepted
+            token = d.token if d.accepted < 3 else d.bonus
+            text += [*drafted[: d.accepted], token]
+    for prompt, text in zip(prompts, texts, strict=True):
+        n = len(text) - len(prompt)
+        assert text == prompt + _greedy(target, prompt, n, None)
+    assert drafted_any > 0  # the self-draft of a 2-layer model agrees now and then
+    engine.shutdown()
+
+
+async def test_cloud_model_drafts_keep_the_joint_law_of_two_tokens() -> None:
+    """Sampled sessions co-generating with a cloud draft model (the target's own argmax: a
+    greedy draft, q a point mass): the joint law of the first two committed tokens is the
+    target's (chi-square over V² cells), with both acceptance and rejection exercised."""
+    v, n, chunk = 8, 6000, 200
+    null = NullTarget(v)
+    limits = EngineLimits(slots=chunk, max_batch_sessions=chunk, kv_tokens=chunk * 8, page_size=4)
+    engine = Engine(limits)
+    await engine.load(lambda: null, draft_loader=lambda t: NullTarget(v))
+    params = SamplingParams(temperature=1.0)
+    rows = null._rows.numpy()
+    fixed = 5
+    p1 = transform(rows[(fixed * 31) % len(rows)], params)
+    joint = np.concatenate(
+        [p1[a] * transform(rows[(a * 31 + 1) % len(rows)], params) for a in range(v)]
+    )
+    out: list[int] = []
+    accepted = 0
+    for c0 in range(0, n, chunk):
+        slots = _open_many(engine, null, params, c0, chunk)
+        first = CoGenerate(0, np.array([fixed], np.int64), cloud=True, model_tokens=2)
+        jobs = [lambda slot=slot, w=first: engine.run(slot, w) for slot in slots]
+        pairs: list[list[int]] = []
+        for o in await _together(engine, jobs):
+            assert isinstance(o.result, Verified) and o.result.drafted is not None
+            d, drafted = o.result.decision, o.result.drafted.tolist()
+            accepted += d.accepted
+            pairs.append([*drafted[: d.accepted], int(d.token if d.accepted < 2 else d.bonus)])  # type: ignore[arg-type]
+        short = [i for i, pr in enumerate(pairs) if len(pr) < 2]
+        more = [
+            lambda slot=slots[i], t=pairs[i][0]: engine.run(
+                slot, CoGenerate(slot.length, np.array([t], np.int64), cloud=True, model_tokens=2)
+            )
+            for i in short
+        ]
+        for i, o in zip(short, await _together(engine, more), strict=True):
+            assert isinstance(o.result, Verified) and o.result.drafted is not None
+            d, drafted = o.result.decision, o.result.drafted.tolist()
+            pairs[i].append(drafted[0] if d.accepted else int(d.token))  # type: ignore[arg-type]
+        out += [a * v + b for a, b, *_ in pairs]
+        for slot in slots:
+            engine.release(slot)
+    pv = chi_square_pvalue(np.array(out), joint)
+    assert pv > ALPHA, f"chi-square p-value {pv:.2e}"
+    assert 0.1 < accepted / n < 1.9  # drafts accepted and rejected
+    engine.shutdown()

@@ -56,6 +56,7 @@ from shared.wire.protocol import (
 )
 
 V = 64
+NGRAM = frozenset({CloudDraft.NGRAM})
 FP = Fingerprint("t", V, "test")
 SD = SparseDist(np.array([3]), np.ones(1, np.float32))
 
@@ -506,7 +507,7 @@ def test_the_verifier_drafts_for_itself_in_cogeneration() -> None:
     """cloud_draft = ngram: with no matching hedge, a co-generation forward verifies the
     verifier's own draft (prompt lookup over the text, q a point mass); accepted tokens and
     the token after them are streamed like any co-generated ones."""
-    core = _cogen_core(cloud_draft=CloudDraft.NGRAM, cloud_draft_tokens=3)
+    core = _cogen_core(cloud_draft=NGRAM, cloud_draft_tokens=3)
     core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2, 3, 4, 5, 1, 2]))
     ev = core.work_done(Verified(Decision(1)))  # the text is [1, 2, 3, 4, 5, 1, 2, 3]
     work = run_of(ev).work
@@ -536,7 +537,7 @@ def test_a_hedge_is_a_point_mass_whatever_its_q() -> None:
 def test_a_cloud_draft_that_fails_turns_cloud_drafts_off_for_the_session() -> None:
     """A cloud draft's extra tokens may not fit the session's KV share: its work fails with the
     cache restored, and co-generation goes on at once without cloud drafts (no pause)."""
-    core = _cogen_core(cloud_draft=CloudDraft.NGRAM)
+    core = _cogen_core(cloud_draft=NGRAM)
     core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2, 3, 4, 1, 2]))
     work = run_of(core.work_done(Verified(Decision(1)))).work
     assert isinstance(work, CoGenerate) and work.cloud
@@ -550,7 +551,7 @@ def test_a_cloud_draft_that_fails_turns_cloud_drafts_off_for_the_session() -> No
 
 
 def test_a_matching_hedge_comes_before_the_cloud_draft_and_off_means_off() -> None:
-    core = _cogen_core(cloud_draft=CloudDraft.NGRAM)
+    core = _cogen_core(cloud_draft=NGRAM)
     core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2, 3, 4, 1, 2]))
     core.receive(hedge(core, 6, 3, [8]))
     work = run_of(core.work_done(Verified(Decision(1)))).work
@@ -559,3 +560,35 @@ def test_a_matching_hedge_comes_before_the_cloud_draft_and_off_means_off() -> No
     core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2, 3, 4, 1, 2]))
     work = run_of(core.work_done(Verified(Decision(1)))).work
     assert isinstance(work, CoGenerate) and len(work.draft) == 0
+
+
+def test_the_tail_of_a_rejected_draft_is_the_next_cloud_draft() -> None:
+    """cloud_draft = tail: after a rejection the rest of the rejected draft, one position on
+    behind the correction, is verified in the next co-generation forward (point mass); once
+    the text leaves it, it is no draft."""
+    core = _cogen_core(cloud_draft=frozenset({CloudDraft.TAIL}), cloud_draft_tokens=2)
+    core.receive(propose(core, 0, 0, 0, [5, 6, 7, 8], fixed=[1, 2]))
+    ev = core.work_done(Verified(Decision(1, token=9)))  # 5 accepted; 6 rejected: 9
+    work = run_of(ev).work  # text [1, 2, 5, 9]: the tail [7, 8] drafted for 4, 5
+    assert isinstance(work, CoGenerate) and work.cloud and work.draft.tolist() == [7, 8]
+    assert work.q.tolist() == [1.0, 1.0]
+    ev = core.work_done(Verified(Decision(1, token=3)))  # 7 accepted, 8 rejected: 3
+    work = run_of(ev).work  # the tail [7, 8] left the text at 5: nothing more of it
+    assert isinstance(work, CoGenerate) and not work.cloud and len(work.draft) == 0
+
+
+def test_a_cloud_draft_model_is_asked_for_when_no_other_source_drafts() -> None:
+    """With a cloud draft model (limits.cloud_model), a co-generation forward with no hedge,
+    tail or prompt-lookup draft asks the model side to draft (model_tokens, within the
+    co-generation room); the Generated tokens are the model side's ``drafted`` prefix and the
+    token after it."""
+    core = _cogen_core(cloud_draft=NGRAM, cloud_model=True, cloud_draft_tokens=3)
+    core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2]))
+    work = run_of(core.work_done(Verified(Decision(1)))).work  # text [1, 2, 3]: no n-gram
+    assert isinstance(work, CoGenerate) and work.cloud and work.model_tokens == 3
+    assert len(work.draft) == 0
+    drafted = np.array([4, 5, 6], np.int64)
+    ev = core.work_done(Verified(Decision(2, token=7), drafted=drafted))
+    gen = [e.msg for e in ev if isinstance(e, Send) and isinstance(e.msg, Generated)]
+    assert [(g.pos, g.token) for g in gen] == [(3, 4), (4, 5), (5, 7)]
+    assert core.cloud_draft_tokens == 2
