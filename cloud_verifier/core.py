@@ -765,6 +765,9 @@ class VerifierCore:
             return self._bad(ErrorCode.BAD_POS, f"pos {p.pos}, expected {self.next_pos}")
         if self.next_pos == 0 and f == 0:
             return self._bad(ErrorCode.BAD_POS, "pos 0 needs at least one fixed token (the prompt)")
+        assert self.hello is not None
+        if g == 0 and self.hello.reply_mode == ReplyMode.FEDERATED:
+            return self._bad(ErrorCode.BAD_FRAME, "a federated Propose needs draft tokens")
         if p.pos + f + g > self.max_context:
             return [
                 Send(
@@ -807,7 +810,8 @@ class VerifierCore:
                 self._tail = (base + i + 1, p.draft[i + 1 :].tolist())
                 return [Send(Verdict(p.epoch, p.seq, accepted=i, token=self.text[base + i]))]
         want_bonus = p.want_bonus or self.hello.bonus
-        if nd == g and (not want_bonus or known > base + g):
+        # Every position of this Propose is known (its fixed tokens too): no model work.
+        if nd == g and known >= base and (not want_bonus or known > base + g):
             self.next_pos = base + g
             bonus = self.text[base + g] if want_bonus else None
             return [Send(Verdict(p.epoch, p.seq, accepted=g, bonus=bonus))]
@@ -1063,7 +1067,11 @@ class VerifierCore:
             self.cloud_draft_tokens += d.accepted
         else:
             self.hedge_tokens += d.accepted
-        return [Send(Generated(self.epoch, pos + i, t)) for i, t in enumerate(tokens)]
+        own = work.cloud  # the accepted draft tokens are the verifier's own
+        return [
+            Send(Generated(self.epoch, pos + i, t, cloud=own and i < d.accepted))
+            for i, t in enumerate(tokens)
+        ]
 
     def _failed(self, work: Work, result: Failed) -> list[Event]:
         note = Note(NoteKind.MODEL_ERROR, result.message)

@@ -47,11 +47,14 @@ Connect = Callable[[], Awaitable[Transport]]
 
 
 class EdgeAgent:
-    """Holds the draft model and its worker; runs generations against a verifier."""
+    """Holds the draft model and its worker; runs generations against a verifier. With no
+    draft model (``drafter`` None), generations are cloud-only speculative decoding: the
+    verifier's co-generation, with its own cloud drafts, writes the text (one verifier, and
+    ``PipelineConfig.cogen`` on)."""
 
     def __init__(
         self,
-        drafter: DraftModel,
+        drafter: DraftModel | None,
         fingerprint: Fingerprint,
         connect: Connect,
         *,
@@ -64,6 +67,8 @@ class EdgeAgent:
         """``federation``: two or more verifiers that all verify every draft (SpecFed mode,
         :mod:`edge_agent.federation`); ``connect`` is then unused. ``on_session_failed`` hears
         of every session that fails and is retried (a stalled or lost link)."""
+        if drafter is None and federation:
+            raise ValueError("federated verification needs a draft model on the edge")
         self.drafter = drafter
         self.fingerprint = fingerprint
         self.connect = connect
@@ -114,7 +119,10 @@ class EdgeAgent:
         instead of the agent's (e.g. a short deadline while the link is known to be down)."""
         policy = retry or self.retry
         rng = np.random.default_rng(seed)
+        if self.drafter is None and not cfg.cogen:
+            raise ValueError("with no draft model the verifier writes the text: cogen must be on")
         if self.federation:
+            assert self.drafter is not None  # __init__
             await run_federated(
                 gen,
                 cfg,
@@ -229,7 +237,7 @@ class EdgeAgent:
         delay: float,
     ) -> None:
         """Between reconnection attempts: wait, or (draft_only) generate with the draft alone."""
-        if policy.link_down != LinkDownPolicy.DRAFT_ONLY:
+        if policy.link_down != LinkDownPolicy.DRAFT_ONLY or self.drafter is None:
             await asyncio.sleep(delay)
             return
         deadline = time.monotonic() + delay

@@ -13,6 +13,13 @@ Two pieces, composed by the single-verifier :class:`SingleCore` here and by the 
   processed and accepted; the next Propose starts there, carrying ``committed[verifier_len:]``
   as fixed tokens (the prompt, a recovered or a bonus token).
 
+Cloud-only speculative decoding (no draft model on the edge): the edge drafts nothing and the
+verifier's co-generation (with its own cloud drafts) writes the text. The edge sends *credits*
+(:meth:`SingleCore.credit`): empty Proposes at its committed end, the first carrying the prompt
+and asking for the prefill's bonus token. Each tells the verifier how far the edge has read, so
+its co-generation may run up to its ``max_cogen_ahead`` past it; at most one is in flight, the
+next once :data:`CREDIT_EVERY` tokens more have come.
+
 Invariant: accepting tokens moves them from the tail to ``committed`` and leaves
 ``committed + tail`` unchanged, so only a rejection (epoch bump) voids drafting in progress; a
 driver checks :meth:`Pipeline.current` after every draft step.
@@ -84,6 +91,11 @@ from shared.wire.protocol import (
 #: The verdict deadline grows by this many seconds per fixed token in the head batch (a first
 #: round carries the prompt, whose prefill takes time before any Progress can say so).
 PREFILL_ALLOWANCE_S: Final = 0.01
+
+
+#: Cloud-only sessions: tokens received between credits (the verifier may co-generate its
+#: ``max_cogen_ahead`` past the last credit, 64 by default, so it never waits on one).
+CREDIT_EVERY: Final = 8
 
 
 #: The Verdict field that carries a correction, per negotiated (wire) correction mode.
@@ -463,6 +475,12 @@ class Pipeline:
         self.progress_at = now
         self.progress_eta_s = p.eta_ms / 1000.0
 
+    def push_credit(self, now: float) -> Batch:
+        """A credit (cloud-only sessions): an empty batch at the committed end."""
+        b = Batch(self.epoch, [], [], start=len(self.gen.committed), sent_at=now)
+        self.inflight.append(b)
+        return b
+
     def commit_round(self, b: Batch, accepted: int, now: float) -> None:
         """The head batch ``b`` was decided at ``now``: count it, commit its accepted prefix."""
         st = self.gen.stats
@@ -470,6 +488,8 @@ class Pipeline:
         self.inflight.popleft()
         latency = max(0.0, now - b.sent_at)
         self.latencies.append(latency)
+        if not b.draft:
+            return  # a credit: no round of drafting
         last = self._last_verdict_at
         if last is not None and b.sent_at <= last:
             # b was in flight when the previous verdict came: the gap is the verifier's time
@@ -548,7 +568,14 @@ class VerifierLink:
             raise AttributeError("this link's epoch is its pipeline's")
         self._epoch = value
 
-    def propose(self, committed: Sequence[int], b: Batch, index: int, with_q: bool) -> bytes:
+    def propose(
+        self,
+        committed: Sequence[int],
+        b: Batch,
+        index: int,
+        with_q: bool,
+        want_bonus: bool = False,
+    ) -> bytes:
         """The Propose of batch ``b`` for this link (registered under ``index``)."""
         pos = self.verifier_len
         fixed = list(committed[pos:])
@@ -569,6 +596,7 @@ class VerifierLink:
             draft=np.array(b.draft, np.int64),
             q=q,
             fixed=np.array(fixed, np.int64),
+            want_bonus=want_bonus,
         )
         return encode(msg, self.ctx)
 
@@ -630,6 +658,7 @@ class SingleCore:
         )
         self._resample: tuple[int, Probs] | None = None  # (pos, q) of the pending correction
         self._failed: Fail | None = None
+        self._credited: int | None = None  # the committed length at the last credit
 
     @property
     def gen(self) -> Generation:
@@ -670,6 +699,29 @@ class SingleCore:
                 return []
         b = self.pipe.push(plan, draft, q_rows, now, rivals)
         data = self.link.propose(self.gen.committed, b, self.LINK, self.link.ctx.draft_probs)
+        self.gen.stats.uplink_bytes += len(data)
+        return [Send(data)]
+
+    def wants_credit(self) -> bool:
+        """Cloud-only: is a credit due? None in flight, and none sent yet in this session or
+        :data:`CREDIT_EVERY` tokens more committed since the last."""
+        if self._failed is not None or self.gen.done or self.pipe.inflight:
+            return False
+        return self._credited is None or len(self.gen.committed) - self._credited >= CREDIT_EVERY
+
+    def credit(self, now: float = 0.0) -> list[EdgeEvent]:
+        """Send a credit (module docstring): an empty Propose at the committed end; with
+        tokens the verifier lacks (the prompt), they go as fixed tokens and the Propose asks
+        for the bonus token of their forward."""
+        if self._failed is not None:
+            return [self._failed]
+        if not self.cfg.cogen:
+            raise ValueError("cloud-only sessions need co-generation (PipelineConfig.cogen)")
+        committed = self.gen.committed
+        self._credited = len(committed)
+        b = self.pipe.push_credit(now)
+        fixed = self.link.verifier_len < len(committed)
+        data = self.link.propose(committed, b, self.LINK, False, want_bonus=fixed)
         self.gen.stats.uplink_bytes += len(data)
         return [Send(data)]
 
@@ -735,7 +787,7 @@ class SingleCore:
         ):
             gen.stats.hedge_hits += 1
         b = next((b for b in pipe.inflight if b.start <= c < b.start + len(b.live)), None)
-        gen.commit([g.token], TokenSource.COGENERATED)
+        gen.commit([g.token], TokenSource.CLOUD_DRAFT if g.cloud else TokenSource.COGENERATED)
         if b is None:
             # Past every draft in flight: the batch being drafted (if any) goes on while it
             # agrees with the new token (Pipeline.current); the verifier knows the text to here.

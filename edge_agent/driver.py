@@ -8,8 +8,11 @@ moves bytes and runs the draft model:
   rejection voided the plan, then hand the batch to the core and write its frames;
 * :class:`LinkIO`: one verifier link's bounded send queue and its writer task, so frames leave in
   exactly the order the core produced them (a Rollback before any Propose of the new epoch);
-* :func:`run_single`: the drafter, the reader, the writer and the verdict watchdog of one
-  verifier session, owned here until the generation is done or the link fails.
+* :func:`credit_loop`: with no draft model (cloud-only speculative decoding), the credits
+  that let the verifier's co-generation run on (:meth:`~edge_agent.core.SingleCore.credit`);
+* :func:`run_single`: the drafter (or the credits), the reader, the writer and the verdict
+  watchdog of one verifier session, owned here until the generation is done or the link
+  fails.
 """
 
 from __future__ import annotations
@@ -190,6 +193,16 @@ async def draft_loop(
         signal.notify()
 
 
+async def credit_loop(
+    core: SingleCore, signal: Signal, carry_out: Callable[[list[EdgeEvent]], None]
+) -> None:
+    """Cloud-only sessions: send each credit as soon as the core says one is due."""
+    while not core.gen.done:
+        if core.wants_credit():
+            carry_out(core.credit(time.monotonic()))
+        await signal.wait_for(lambda: core.gen.done or core.wants_credit())
+
+
 async def verdict_watchdog(
     pipe: Pipeline, signal: Signal, floor_s: float, now: Callable[[], float] = time.monotonic
 ) -> None:
@@ -214,13 +227,14 @@ async def verdict_watchdog(
 
 async def run_single(
     core: SingleCore,
-    drafter: DraftModel,
+    drafter: DraftModel | None,
     worker: ModelWorker,
     transport: Transport,
     *,
     verdict_timeout_s: float = 10.0,
 ) -> None:
-    """Run ``core``'s generation over one established session until it is done. Raises
+    """Run ``core``'s generation over one established session until it is done (``drafter``
+    None: cloud-only, the verifier's co-generation writes the text). Raises
     LinkClosed (VerdictTimeout for a stalled verifier) / VerifierError / DesyncError /
     ProtocolError when the session fails."""
     if core.gen.done:
@@ -250,7 +264,11 @@ async def run_single(
             signal.notify()
 
     await run_until_first_done(
-        draft_loop(core, drafter, worker, signal, submit, hedge),
+        (
+            credit_loop(core, signal, carry_out)
+            if drafter is None
+            else draft_loop(core, drafter, worker, signal, submit, hedge)
+        ),
         reader(),
         io.writer(),
         verdict_watchdog(core.pipe, signal, verdict_timeout_s),

@@ -21,6 +21,7 @@ class TokenSource(TextEnum):
     CORRECTION = "correction"  # the recovered token of a rejection (from the target's residual)
     BONUS = "bonus"  # the target's token after a fully accepted batch
     COGENERATED = "cogenerated"  # decoded by the verifier while no edge draft was queued
+    CLOUD_DRAFT = "cloud_draft"  # the verifier's own draft token, accepted (co-generation)
     LOCAL_DRAFT = "local_draft"  # the draft's own, no verifier (link-down fallback = draft)
 
 

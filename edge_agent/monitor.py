@@ -80,7 +80,7 @@ class EdgeMetrics:
         self.sources = r.counter(
             "wanspec_edge_tokens_by_source_total",
             "Committed generated tokens by source (edge_draft, correction, bonus, cogenerated, "
-            "local_draft); they add up to wanspec_edge_generated_tokens_total.",
+            "cloud_draft, local_draft); they add up to wanspec_edge_generated_tokens_total.",
             ("source",),
         )
         self.draft_tokens = r.counter("wanspec_edge_draft_tokens_total", "Draft tokens verified.")

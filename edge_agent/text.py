@@ -153,6 +153,7 @@ _SOURCE_WORDS: dict[str, str] = {
     TokenSource.CORRECTION: "corrections",
     TokenSource.BONUS: "bonus",
     TokenSource.COGENERATED: "co-generated",
+    TokenSource.CLOUD_DRAFT: "cloud drafts",
     TokenSource.LOCAL_DRAFT: "draft alone (unverified)",
 }
 

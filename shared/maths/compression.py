@@ -72,9 +72,7 @@ def compress(p: npt.ArrayLike, k: int, eps_target: float = 0.0) -> SparseDist:
     return top_k(p, k)
 
 
-def reconstruct(
-    d: SparseDist, vocab_size: int, how: Reconstruction | str = RENORMALISED
-) -> Probs:
+def reconstruct(d: SparseDist, vocab_size: int, how: Reconstruction | str = RENORMALISED) -> Probs:
     """Full [V] distribution from a sparse one, reconstruction A or B (module docstring)."""
     out = np.zeros(vocab_size, dtype=np.float64)
     kept = d.probs.astype(np.float64)
@@ -135,9 +133,7 @@ def aggregation_bias_bound(weights: Sequence[float] | npt.ArrayLike, eps: npt.Ar
     return 2.0 * float(normalise_weights(weights) @ np.asarray(eps, np.float64))
 
 
-def acceptance_change_bound(
-    weights: Sequence[float] | npt.ArrayLike, eps: npt.ArrayLike
-) -> float:
+def acceptance_change_bound(weights: Sequence[float] | npt.ArrayLike, eps: npt.ArrayLike) -> float:
     """|α(p̂̄, q) − α(p̄, q)| <= ½ ‖p̂̄ − p̄‖₁ <= Σ w_i ε_i."""
     return 0.5 * aggregation_bias_bound(weights, eps)
 

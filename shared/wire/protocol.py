@@ -316,11 +316,14 @@ class Candidates:
 class Generated:
     """Verifier → edge (co-generation): ``token``, sampled by the verifier from p, is the
     committed token at position ``pos`` (= the edge's committed length when it arrives).
-    In-flight draft tokens at ``pos`` that differ from it are rejected there at no model cost."""
+    In-flight draft tokens at ``pos`` that differ from it are rejected there at no model cost.
+    ``cloud``: the token is a draft token of the verifier's own that it accepted (cloud-side
+    speculation), not one it sampled."""
 
     epoch: int
     pos: int
     token: int
+    cloud: bool = False
 
 
 @dataclass(frozen=True)
@@ -666,7 +669,11 @@ class _Sparse(_Kind):
 class _Draft(_Kind):
     """Propose's (draft, q): γ ids, then γ float32 q values unless the session is greedy-draft
     (``draft_probs`` off: q is all ones and not sent). γ, the blob length over the bytes per
-    token, is in [1, max_gamma]."""
+    token, is in [``min_gamma``, max_gamma]: a Propose may carry no draft (a credit of a
+    cloud-only edge, or fixed tokens alone), a Hedge may not."""
+
+    def __init__(self, min_gamma: int = 1) -> None:
+        self.min_gamma = min_gamma
 
     def read(self, v: Any, name: str, ctx: WireContext | None) -> tuple[IdArray, ProbArray]:
         assert ctx is not None
@@ -675,8 +682,8 @@ class _Draft(_Kind):
         if len(blob) % per:
             raise ProtocolError(name, f"length {len(blob)} is not a multiple of {per}")
         gamma = len(blob) // per
-        if not 1 <= gamma <= ctx.max_gamma:
-            raise ProtocolError(name, f"γ = {gamma} outside [1, {ctx.max_gamma}]")
+        if not self.min_gamma <= gamma <= ctx.max_gamma:
+            raise ProtocolError(name, f"γ = {gamma} outside [{self.min_gamma}, {ctx.max_gamma}]")
         draft = unpack_ids(blob[: gamma * w], w, ctx.vocab_size, name + ".ids")
         if not ctx.draft_probs:
             return draft, np.ones(gamma, np.float32)
@@ -1049,7 +1056,7 @@ _FRAMES: Final = (
             _Field(K_EPOCH, "epoch", _U32),
             _Field(K_SEQ, "seq", _SEQ),
             _Field(K_POS, "pos", _U32),
-            _Field(K_A, "draft", _Draft(), ("draft", "q")),
+            _Field(K_A, "draft", _Draft(min_gamma=0), ("draft", "q")),
             _Field(K_B, "fixed", _Ids(limit=attrgetter("max_fixed")), presence=_OPTIONAL),
             _Field(K_C, "flags", _Flag(_FLAG_BONUS), "want_bonus", presence=_OPTIONAL),
         ],
@@ -1106,6 +1113,7 @@ _FRAMES: Final = (
             _Field(K_EPOCH, "epoch", _U32),
             _Field(K_POS, "pos", _U32),
             _Field(K_C, "token", _TOKEN),
+            _Field(K_D, "cloud", _Flag(1), presence=_OPTIONAL),
         ],
     ),
     _Frame(

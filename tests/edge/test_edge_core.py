@@ -182,6 +182,7 @@ def test_stop_and_wait_with_bonus_tokens() -> None:
         TokenSource.CORRECTION: 1,
         TokenSource.BONUS: 1,
         TokenSource.COGENERATED: 0,
+        TokenSource.CLOUD_DRAFT: 0,
         TokenSource.LOCAL_DRAFT: 0,
     }
     assert (e.gen.stats.gamma_last, e.gen.stats.gamma_sum, e.gen.stats.depth_last) == (3, 9, 1)

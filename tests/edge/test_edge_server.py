@@ -295,7 +295,7 @@ def test_metrics_count_requests_and_speculation(
         assert metric(base, name) > 0, name
     assert metric(base, "wanspec_edge_accepted_tokens_total") >= 0
     # Every generated token is counted under one source.
-    sources = ("edge_draft", "correction", "bonus", "cogenerated", "local_draft")
+    sources = ("edge_draft", "correction", "bonus", "cogenerated", "cloud_draft", "local_draft")
     by_source = [
         metric(base, f'wanspec_edge_tokens_by_source_total{{source="{s}"}}') for s in sources
     ]

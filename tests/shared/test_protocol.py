@@ -113,6 +113,16 @@ def test_hedge_needs_a_draft_token() -> None:
         decode(msgpack.packb(raw), ctx)
 
 
+def test_a_propose_may_carry_no_draft() -> None:
+    """γ = 0: a cloud-only edge's credit (or fixed tokens alone); small, and it round-trips."""
+    ctx = WireContext(vocab_size=49152, draft_probs=False)
+    credit = Propose(EPOCH, SEQ, POS, np.zeros(0, np.int64), np.zeros(0, np.float32))
+    data = encode(credit, ctx)
+    assert len(data) <= 16
+    back = decode(data, ctx)
+    assert isinstance(back, Propose) and len(back.draft) == 0 and len(back.q) == 0
+
+
 def test_budget_greedy_draft_propose_sends_no_q() -> None:
     ctx = WireContext(vocab_size=49152, draft_probs=False)
     assert len(encode(_propose(4), ctx)) <= 24
@@ -181,6 +191,7 @@ ALL_MESSAGES = [
     Resample(EPOCH, POS),
     Candidates(EPOCH, POS, SparseDist(np.array([1, 2]), np.array([0.5, 0.25], np.float32))),
     Generated(EPOCH, POS, 49151),
+    Generated(EPOCH, POS, 7, cloud=True),
     Hedge(POS, 49151, np.array([1, 2, 3]), np.array([1.0, 0.5, 0.25], np.float32)),
     Progress(steps=2**32 - 1, ahead=3, eta_ms=1500, running=True),
     Progress(steps=0, ahead=0, eta_ms=0),
@@ -283,7 +294,6 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("missing draft", _mutate(k4=_DROP), "draft"),
     ("draft is a list", _mutate(k4=[1, 2, 3]), "draft"),
     ("draft ragged", _mutate(k4=b"\x01\x02\x03"), "draft"),
-    ("gamma zero", _mutate(k4=b""), "draft"),
     ("gamma too large", _mutate(k4=_draft_blob([1] * 65, [0.5] * 65)), "draft"),
     ("id >= vocab", _mutate(k4=_draft_blob([1, 2, 3, 49152], [0.5] * 4)), "draft.ids"),
     ("q NaN", _mutate(k4=_draft_blob([1, 2, 3, 4], [0.5, float("nan"), 0.5, 0.5])), "draft.q"),

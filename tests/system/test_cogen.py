@@ -38,6 +38,7 @@ V = 4
 FP = Fingerprint("t", V, "bigram")
 N = 6000
 PROMPT = [0]
+NGRAM = frozenset({CloudDraft.NGRAM})
 
 
 def _bigram(seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,6 +79,7 @@ def generate_once(
     hedge: int = 0,
     trust_hedges: bool = False,
     cloud: frozenset[CloudDraft] = frozenset(),
+    cloud_only: bool = False,
 ) -> tuple[list[int], int, int]:
     """One generation of ``n`` tokens over a random schedule; returns (tokens, co-generated,
     draft tokens accepted in co-generation: hedges' and cloud drafts')."""
@@ -109,7 +111,10 @@ def generate_once(
 
     while not gen.done:
         choice = rng.integers(5 if hedge else 4)
-        if choice == 0 and edge.may_draft():
+        if choice == 0 and cloud_only:
+            if edge.wants_credit():  # no draft model: credits only
+                up.extend(sent(edge.credit()))
+        elif choice == 0 and edge.may_draft():
             plan = edge.pipe.plan()
             assert plan is not None
             draft, q_rows, rivals = [], [], []
@@ -137,7 +142,12 @@ def generate_once(
     # Every token has one source: co-generated ones are counted as such, not as accepted drafts.
     sources = gen.stats.sources
     assert sum(sources.values()) == len(gen.generated)
-    assert sources[TokenSource.COGENERATED] <= gen.stats.cogen_tokens
+    assert (
+        sources[TokenSource.COGENERATED] + sources[TokenSource.CLOUD_DRAFT]
+        <= gen.stats.cogen_tokens
+    )
+    # Accepted cloud drafts are told apart (Generated.cloud) and counted as their own source.
+    assert sources[TokenSource.CLOUD_DRAFT] <= core.cloud_draft_tokens
     drafted = core.hedge_tokens + core.cloud_draft_tokens
     return gen.generated[:n], gen.stats.cogen_tokens, drafted
 
@@ -201,7 +211,7 @@ def test_cloud_ngram_drafts_keep_the_target_joint_law(mode: CorrectionMode) -> N
     """Cloud-side speculation (cloud_draft = ngram): in its co-generation forwards the verifier
     verifies drafts of its own (prompt lookup over the text) as deterministic drafts; the joint
     law of the output is still p, in every correction mode."""
-    pv, share, drafted = joint_pvalue(mode, P, seed=13, n=6, cloud=frozenset({CloudDraft.NGRAM}))
+    pv, share, drafted = joint_pvalue(mode, P, seed=13, n=6, cloud=NGRAM)
     assert drafted > 0.05, f"cloud drafts hardly accepted ({drafted:.1%} of tokens): void"
     assert pv > ALPHA, f"{mode}: chi-square p-value {pv:.2e} ({share:.0%} co-generated)"
 
@@ -209,7 +219,47 @@ def test_cloud_ngram_drafts_keep_the_target_joint_law(mode: CorrectionMode) -> N
 def test_negative_control_cloud_drafts_accepted_unverified() -> None:
     """A model side that takes the verifier's own draft without verifying it is caught."""
     pv, _, drafted = joint_pvalue(
-        CorrectionMode.GREEDY_DRAFT, P, seed=13, n=6, cloud=frozenset({CloudDraft.NGRAM}), trust_hedges=True
+        CorrectionMode.GREEDY_DRAFT,
+        P,
+        seed=13,
+        n=6,
+        cloud=NGRAM,
+        trust_hedges=True,
     )
     assert drafted > 0.05
     assert pv < 1e-6, f"the broken variant passed (p-value {pv:.2e}): the test has no power"
+
+
+TAIL_NGRAM = frozenset({CloudDraft.TAIL, CloudDraft.NGRAM})
+
+
+def test_tail_and_ngram_cloud_drafts_keep_the_target_joint_law() -> None:
+    """cloud_draft = tail, ngram: after a rejection the verifier verifies the rest of the
+    rejected draft (re-aligned behind the correction) in its co-generation forward, else its
+    prompt-lookup draft; the joint law of the output is still p."""
+    pv, share, drafted = joint_pvalue(CorrectionMode.CANDIDATES, P, seed=17, n=6, cloud=TAIL_NGRAM)
+    assert drafted > 0.05, f"cloud drafts hardly accepted ({drafted:.1%} of tokens): void"
+    assert pv > ALPHA, f"chi-square p-value {pv:.2e} ({share:.0%} co-generated)"
+
+
+@pytest.mark.parametrize("trust", [False, True], ids=["exact", "negative-control"])
+def test_cloud_only_speculation_keeps_the_target_joint_law(trust: bool) -> None:
+    """No draft model on the edge (cloud-only speculative decoding): the edge sends credits,
+    the verifier writes every token by co-generation with its own drafts; the joint law is p,
+    and a model side that accepts those drafts unverified is caught by the same test."""
+    pv, share, drafted = joint_pvalue(
+        CorrectionMode.GREEDY_DRAFT,
+        P,
+        seed=19,
+        n=6,
+        cloud=NGRAM,
+        cloud_only=True,
+        trust_hedges=trust,
+    )
+    # Every token but the first (the bonus of the prompt's forward) is co-generated.
+    assert share == 5 / 6, f"{share:.0%} of the tokens co-generated: the edge drafted"
+    assert drafted > 0.05, f"cloud drafts hardly accepted ({drafted:.1%} of tokens): void"
+    if trust:
+        assert pv < 1e-6, f"the broken variant passed (p-value {pv:.2e}): the test has no power"
+    else:
+        assert pv > ALPHA, f"chi-square p-value {pv:.2e}"

@@ -29,6 +29,7 @@ from cloud_verifier.app import STATE, VerifierState
 from cloud_verifier.targets import Target, TorchTarget
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.drafter import Drafter
+from edge_agent.generation import TokenSource
 from edge_agent.link import LinkSettings, TokenRefused, WebSocketTransport
 from edge_agent.lm import CausalLM
 from edge_agent.pipeline_config import Mode, PipelineConfig
@@ -435,3 +436,45 @@ async def test_link_down_draft_only_policy_flags_and_resyncs(
     assert gen.generated[:start] == target_greedy(target, PROMPT, start)
     last = gen.unverified[-1][1]
     assert gen.generated[last:] == target_greedy(target, PROMPT + gen.generated[:last], n - last)
+
+
+@pytest.mark.parametrize("edge_draft", [False, True], ids=["cloud-only", "hybrid"])
+async def test_cloud_speculation_keeps_the_target_text(
+    aiohttp_server: Any, target: LoadedModel, draft: LoadedModel, edge_draft: bool
+) -> None:
+    """A verifier that speculates by itself (cloud_draft = tail, ngram and a cloud draft model,
+    ``self:skip=1`` of the target through the real loading path): with no draft model on the
+    edge (cloud-only speculative decoding: the edge sends credits, the verifier writes the
+    text) and with the edge drafting too (hybrid), the greedy text is the target's own, and
+    the token sources say who wrote it."""
+    url, state = await serve_app(
+        aiohttp_server,
+        lambda: TorchTarget(target),
+        cloud_draft="tail,ngram",
+        cloud_draft_model="self:skip=1",
+    )
+    if edge_draft:
+        agent = agent_for(draft, url)
+    else:
+        link = LinkSettings(url=url, token=TOKEN, heartbeat_s=0)
+
+        async def connect() -> Transport:
+            return await WebSocketTransport.connect(link)
+
+        agent = EdgeAgent(None, target.fingerprint, connect)
+    try:
+        cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0))
+        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+    finally:
+        agent.close()
+    assert gen.generated == target_greedy(target, PROMPT, 40)
+    sources = gen.stats.sources
+    assert sum(sources.values()) == 40
+    assert sources[TokenSource.CLOUD_DRAFT] > 0
+    assert state.metrics.cloud_draft_tokens.get() >= sources[TokenSource.CLOUD_DRAFT]
+    if not edge_draft:
+        assert sources[TokenSource.EDGE_DRAFT] == 0 and sources[TokenSource.BONUS] == 1
+    with pytest.raises(ValueError, match="cogen must be on"):
+        await EdgeAgent(None, target.fingerprint, agent.connect).generate(
+            PROMPT, PipelineConfig(cogen=False), max_new_tokens=4
+        )

@@ -33,6 +33,7 @@ from cloud_verifier.core import (
     VerifierCore,
     Verify,
 )
+from shared.errors import ErrorCode
 from shared.maths.rejection import Decision
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import (
@@ -592,3 +593,26 @@ def test_a_cloud_draft_model_is_asked_for_when_no_other_source_drafts() -> None:
     gen = [e.msg for e in ev if isinstance(e, Send) and isinstance(e.msg, Generated)]
     assert [(g.pos, g.token) for g in gen] == [(3, 4), (4, 5), (5, 7)]
     assert core.cloud_draft_tokens == 2
+
+
+def test_an_empty_propose_is_a_credit_or_fixed_tokens_alone() -> None:
+    """γ = 0: inside the known text it is answered at no model cost (a cloud-only edge's
+    credit, which moves the co-generation bound); with fixed tokens the verifier lacks, they
+    are verified (cached) like any, bonus or not; a federated session refuses it."""
+    core = _cogen_core()
+    ev = core.receive(propose(core, 0, 0, 0, [], fixed=[1, 2]))
+    work = run_of(ev).work  # fixed tokens the verifier lacks: model work, no bonus asked
+    assert isinstance(work, Verify) and work.fixed.tolist() == [1, 2] and not work.want_bonus
+    ev = core.work_done(Verified(Decision(0)))
+    verdict = [e.msg for e in ev if isinstance(e, Send) and isinstance(e.msg, Verdict)]
+    assert verdict[0].accepted == 0 and core.text == [1, 2]
+    work = run_of(ev).work  # co-generation from the end of the text
+    assert isinstance(work, CoGenerate)
+    core.work_done(Verified(Decision(0, bonus=5)))  # text [1, 2, 5]
+    assert not core.receive(propose(core, 0, 1, 3, []))  # a credit: queued behind the work
+    ev = core.work_done(Verified(Decision(0, bonus=6)))  # text [1, 2, 5, 6]; then the credit
+    verdict = [e.msg for e in ev if isinstance(e, Send) and isinstance(e.msg, Verdict)]
+    assert verdict[0].accepted == 0 and verdict[0].bonus is None and core._proposed_end == 3
+    core = opened(ReplyMode.FEDERATED)
+    ev = core.receive(propose(core, 0, 0, 0, [], fixed=[1, 2]))
+    assert errors(ev) == [ErrorCode.BAD_FRAME]
