@@ -60,7 +60,9 @@ def speed_table(rows: list[dict[str, Any]], draft: str) -> list[str]:
     rtts = sorted({r["rtt_ms"] for r in sel})
     by = {(r["rtt_ms"], r["mode"]): r for r in sel}
     out = [
-        "| RTT ms | ar tok/s | " + " | ".join(f"{m} tok/s (× AR)" for m in modes) + " |",
+        "| RTT ms | ar tok/s | "
+        + " | ".join(f"{m} tok/s (× AR, × cloud-sd)" for m in modes)
+        + " |",
         "|" + "---|" * (len(modes) + 2),
     ]
     for rtt in rtts:
@@ -68,7 +70,10 @@ def speed_table(rows: list[dict[str, Any]], draft: str) -> list[str]:
         for m in modes:
             r = by.get((rtt, m))
             cells.append(
-                "–" if r is None else f"{_fmt(r['tokens_per_s'])} ({_fmt(r.get('speedup_vs_ar'))})"
+                "–"
+                if r is None
+                else f"{_fmt(r['tokens_per_s'])} ({_fmt(r.get('speedup_vs_ar'))}, "
+                f"{_fmt(r.get('speedup_vs_cloud_sd'))})"
             )
         base = ar.get(rtt)
         out.append(
@@ -79,12 +84,33 @@ def speed_table(rows: list[dict[str, Any]], draft: str) -> list[str]:
     return out
 
 
+#: Short names of the token sources in the tables.
+_SOURCE_ABBREV = {
+    "edge_draft": "edge",
+    "correction": "corr",
+    "bonus": "bonus",
+    "cogenerated": "cogen",
+    "cloud_draft": "cloud",
+    "local_draft": "local",
+}
+
+
+def _sources(row: dict[str, Any]) -> str:
+    """The shares of the committed tokens by source, largest first ("edge 71 %, cogen 20 %")."""
+    shares = row.get("token_sources")
+    if not shares:
+        return "–"
+    parts = sorted(((v, k) for k, v in shares.items() if v > 0), reverse=True)
+    return ", ".join(f"{_SOURCE_ABBREV.get(k, k)} {v:.0%}" for v, k in parts)
+
+
 def detail_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
-        "| RTT ms | mode | tok/s | decode tok/s | × AR | verifier busy s / 100 tokens | "
+        "| RTT ms | mode | tok/s | decode tok/s | × AR | × cloud-sd | "
+        "verifier busy s / 100 tokens | token sources | "
         "acceptance | accepted/round | co-gen tok/gen | up B/round | down B/rejection | "
         "B/token | ceiling tok/s | of ceiling |",
-        "|" + "---|" * 14,
+        "|" + "---|" * 16,
     ]
     for r in rows:
         cap = _fmt(r.get("ceiling_tokens_per_s"))
@@ -93,7 +119,8 @@ def detail_table(rows: list[dict[str, Any]]) -> list[str]:
         out.append(
             f"| {r['rtt_ms']:g} | {r['mode']} | {_fmt(r['tokens_per_s'])} | "
             f"{_fmt(r['decode_tokens_per_s'])} | {_fmt(r.get('speedup_vs_ar'))} | "
-            f"{_fmt(r.get('verifier_busy_s_per_100_tokens'))} | "
+            f"{_fmt(r.get('speedup_vs_cloud_sd'))} | "
+            f"{_fmt(r.get('verifier_busy_s_per_100_tokens'))} | {_sources(r)} | "
             f"{_fmt(r.get('acceptance'))} | {_fmt(r.get('mean_accepted_per_round'))} | "
             f"{_fmt(r.get('cogen_tokens_per_generation'), 1)} | "
             f"{_fmt(r.get('uplink_bytes_per_round'), 1)} | "
@@ -128,7 +155,11 @@ def tables(rows: list[dict[str, Any]], regimes: list[Any]) -> str:
             out.append("")
     if rows:
         out.append(
-            "× AR: speed-up over the cloud-only autoregressive baseline at the same RTT. "
+            "× AR: speed-up over the cloud-only autoregressive baseline at the same RTT; "
+            "× cloud-sd: over cloud-only speculative decoding (the verifier drafting for itself "
+            "with the draft model, no edge draft) at the same RTT. Token sources: accepted edge "
+            "drafts, corrections, bonus tokens, tokens the verifier decoded (cogen) and its own "
+            "accepted draft tokens (cloud). "
             "≈: ceiling from assumed γ = 4 / D = 4 (the edge did not report the means).\n"
         )
         out.append(
@@ -154,7 +185,10 @@ def plots(out: Path, rows: list[dict[str, Any]], regimes: list[Any]) -> list[str
         panels = [(reg.name, "") for reg in regimes if any(x["regime"] == reg.name for x in rows)]
     cols = min(4, max(1, len(panels)))
     nrows = -(-len(panels) // cols) if panels else 1
-    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False)
+    # One y axis, from zero, shared by the panels that are compared.
+    fig, axes = plt.subplots(
+        nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False, sharey=True
+    )
     colors: dict[str, Any] = {}
     cmap = plt.get_cmap("tab10")
     for ax, (name, draft) in zip(axes.flat, panels, strict=False):
@@ -181,6 +215,7 @@ def plots(out: Path, rows: list[dict[str, Any]], regimes: list[Any]) -> list[str
         )
         ax.set_xlabel("RTT (ms)")
         ax.set_ylabel("tokens/s")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:
@@ -189,6 +224,8 @@ def plots(out: Path, rows: list[dict[str, Any]], regimes: list[Any]) -> list[str
     fig.savefig(out / "tokens_per_s_vs_rtt.png", dpi=110)
     plt.close(fig)
     written.append("tokens_per_s_vs_rtt.png")
+
+    written += _busy_plot(out, rows, plt)
 
     fig, ax = plt.subplots(figsize=(8, 4.2))
     modes = [
@@ -212,6 +249,38 @@ def plots(out: Path, rows: list[dict[str, Any]], regimes: list[Any]) -> list[str
     plt.close(fig)
     written.append("bytes_per_token.png")
     return written
+
+
+def _busy_plot(out: Path, rows: list[dict[str, Any]], plt: Any) -> list[str]:
+    """The cloud's cost: verifier busy seconds per 100 committed tokens against RTT, a line
+    per mode of the emulated regime's real draft (y from zero)."""
+    sel = [
+        r
+        for r in rows
+        if r["regime"] != "raw" and r.get("verifier_busy_s_per_100_tokens") is not None
+    ]
+    drafts = [d for d in _drafts(sel) if not d.startswith("oracle:")]
+    if not sel or not drafts:
+        return []
+    sel = [r for r in sel if r["mode"] == "ar" or r.get("draft") == drafts[0]]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for mode in _modes(sel):
+        pts = sorted(
+            (r["rtt_ms"], r["verifier_busy_s_per_100_tokens"]) for r in sel if r["mode"] == mode
+        )
+        xs, ys = zip(*pts, strict=True)
+        style = {"color": "black", "linestyle": "--"} if mode == "ar" else {}
+        ax.plot(xs, ys, marker="o", label=mode, **style)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("RTT (ms)")
+    ax.set_ylabel("verifier busy s per 100 tokens")
+    ax.set_title(f"the cloud's GPU time per token ({drafts[0]}, emulated)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "verifier_busy_per_token.png", dpi=110)
+    plt.close(fig)
+    return ["verifier_busy_per_token.png"]
 
 
 def write_outputs(
@@ -245,7 +314,7 @@ def write_outputs(
         f"transformers {machine['transformers']}; commit {machine['git_commit']}; "
         f"{machine['date']}.\n",
         f"Target `{cfg.target}`, drafts {drafts}; greedy, {cfg.tokens} new tokens per prompt, "
-        f"{cfg.prompts_per_dataset} prompt(s) per dataset (GSM8K, HumanEval), link "
+        f"{cfg.prompts_per_dataset} prompt(s) per dataset (GSM8K, everyday chat, HumanEval), link "
         f"{cfg.bandwidth_mbit:g} Mbit/s each way. Modes of model drafts: "
         f"`{','.join(cfg.modes)}` at RTTs {', '.join(f'{x:g}' for x in cfg.rtts_ms)} ms; "
         f"of oracle drafts: `{','.join(cfg.oracle_modes)}` at RTTs "

