@@ -31,8 +31,8 @@ from edge_agent.config import (
     read_secret_file,
 )
 from edge_agent.pipeline_config import Mode, PipelineConfig
-from edge_agent.progress import Progress, check_cuda, device_line, quiet_hub_progress
-from edge_agent.service import EdgeService, Finished, GenRequest
+from edge_agent.progress import Progress, check_cuda, quiet_hub_progress
+from edge_agent.service import EdgeService, Finished, GenRequest, loading_line
 from edge_agent.text import sources_line
 from shared.errors import WanspecError
 from shared.wire.params import MIN_TEMPERATURE, SamplingParams
@@ -237,8 +237,7 @@ class LocalBackend:
     def __init__(self, service: EdgeService) -> None:
         self.service = service
         urls = ", ".join(service.settings.verifier_urls)
-        loaded, _ = service.require()
-        self.description = f"in-process agent: {device_line(loaded)} → {urls}"
+        self.description = f"in-process agent: {service.describe()} → {urls}"
 
     async def close(self) -> None:
         self.service.close()
@@ -322,7 +321,7 @@ async def open_backend(s: EdgeSettings, progress: Progress) -> tuple[Backend, li
     # Nothing answers there: this process runs the agent. Cheap checks first, then torch.
     check_model_specs(s)
     check_link_files(s)
-    progress.report(f"loading the draft {s.draft}")
+    progress.report(loading_line(s))
     quiet_hub_progress()
     if s.threads is not None:
         import torch
@@ -347,10 +346,17 @@ def stats_line(st: dict[str, Any]) -> str:
     def fmt(v: Any, spec: str, unit: str = "") -> str:
         return "n/a" if v is None else f"{v:{spec}}{unit}"
 
+    if st.get("cloud_only"):
+        # No edge drafts: no acceptance of the edge's to report.
+        speculation = ["cloud-only: no edge drafts"]
+    else:
+        speculation = [
+            f"acceptance {fmt(st.get('acceptance_rate'), '.0%')}",
+            f"{fmt(st.get('mean_accepted_per_round'), '.2f')} accepted/round",
+        ]
     parts = [
         f"{fmt(st.get('tokens_per_s'), '.1f')} tok/s",
-        f"acceptance {fmt(st.get('acceptance_rate'), '.0%')}",
-        f"{fmt(st.get('mean_accepted_per_round'), '.2f')} accepted/round",
+        *speculation,
         f"{fmt(st.get('bytes_per_token'), '.1f')} B/token",
         f"RTT {fmt(st.get('rtt_ms'), '.1f', ' ms')}",
     ]
@@ -437,10 +443,13 @@ class Repl:
             self.say(f"  {k:<30} {v}")
         t = self.totals
         acc = t["accepted_tokens"] / t["draft_tokens"] if t["draft_tokens"] else None
-        self.say(
-            f"  session: {t['answers']} answers, {t['tokens']} tokens, acceptance "
-            + ("n/a" if acc is None else f"{acc:.0%}")
-        )
+        if self.last.get("cloud_only"):
+            speculation = "cloud-only: no edge drafts"
+        else:
+            speculation = "acceptance " + ("n/a" if acc is None else f"{acc:.0%}")
+        if self.last.get("token_sources"):
+            self.say(f"  tokens from: {sources_line(self.last['token_sources'])}")
+        self.say(f"  session: {t['answers']} answers, {t['tokens']} tokens, {speculation}")
 
     def cut_note(self, tokens: int) -> str:
         """The marker under an answer that stopped at its length limit, not at its end."""

@@ -61,8 +61,10 @@ _SETTINGS_HELP: dict[str, str] = {
     "verdict_timeout": "seconds (at least) to wait for a Verdict before leaving a stalled verifier",
     "probe_interval": "seconds between probes of the verifier's /health",
     "fallback": "no verifier reachable: none (HTTP 503) or draft (unverified draft-only text)",
-    "draft": "draft model spec (self:skip=..., a folder, a .gguf, a cached hub id)",
-    "draft_base": "model whose weights a self:... draft shares",
+    "draft": "draft model spec (self:skip=..., a folder, a .gguf, a cached hub id), or none: "
+    "no draft model, the verifier drafts and writes the text (needs cogen)",
+    "draft_base": "model whose weights a self:... draft shares (draft none: whose tokenizer "
+    "is loaded)",
     "device": "where the draft runs",
     "dtype": "draft weights' dtype (auto: float16 on cuda, float32 on the CPU)",
     "threads": "torch CPU threads",
@@ -224,12 +226,20 @@ def _error(e: BaseException) -> int:
 def _summary(r: dict[str, Any]) -> str:
     from edge_agent.text import sources_line
 
+    head = (
+        f"{r['tokens']} tokens in {r['wall_s']:.2f} s ({r['tokens_per_s']} tok/s) · "
+        f"tokens from: {sources_line(r['token_sources'])} · "
+    )
+    if r.get("cloud_only"):
+        # No edge drafts: no acceptance, rounds or rejections of the edge's to report.
+        return (
+            head + f"cloud-only: no edge drafts · up {r['uplink_bytes']} B, "
+            f"down {r['downlink_bytes']} B"
+        )
     acc = r["acceptance_rate"]
     per_rej = r["downlink_bytes_per_rejection"]
     means = "" if r["gamma_mean"] is None else f" (mean {r['gamma_mean']:g}/{r['depth_mean']:g})"
-    return (
-        f"{r['tokens']} tokens in {r['wall_s']:.2f} s ({r['tokens_per_s']} tok/s) · "
-        f"tokens from: {sources_line(r['token_sources'])} · "
+    return head + (
         f"{r['mode']} γ={r['gamma']} D={r['depth']}{means} · acceptance "
         f"{'n/a' if acc is None else f'{acc:.0%}'}, {r['mean_accepted_per_round']} accepted/round"
         f" over {r['rounds']} rounds · {r['rejections']} rejections, "
@@ -267,19 +277,18 @@ def _prepare_torch(settings: EdgeSettings) -> None:
 
 
 async def _load(settings: EdgeSettings, progress: Progress) -> EdgeService:
-    from edge_agent.progress import device_line
-    from edge_agent.service import EdgeService
+    from edge_agent.service import EdgeService, loading_line
 
     service = EdgeService(settings)
     try:
-        progress.report(f"loading the draft {settings.draft}")
+        progress.report(loading_line(settings))
         async with progress.spinner():
             await service.load(progress.report)
-        loaded, _ = service.require()
+        line = service.describe()
     except BaseException:
         service.close()
         raise
-    _say(f"[edge] {device_line(loaded)}")
+    _say(f"[edge] {line}")
     return service
 
 
@@ -401,7 +410,8 @@ def _demo(args: argparse.Namespace, settings: EdgeSettings) -> int:
             service = await _load(settings, Progress())
             try:
                 await asyncio.to_thread(_wait_healthy, proc, port, 600)
-                _say(f"[demo] verifier ready; drafting with {settings.draft}\n")
+                how = "cloud-only" if settings.cloud_only else f"drafting with {settings.draft}"
+                _say(f"[demo] verifier ready; {how}\n")
                 return await _generate_once(service, args.prompt, args.chat, _write)
             finally:
                 service.close()

@@ -65,6 +65,10 @@ DType = Literal["auto", "float32", "float16", "bfloat16"]
 Fallback = Literal["none", "draft"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
+#: The ``draft`` that names no draft model: the edge loads the tokenizer of ``draft_base`` only and
+#: the verifier's co-generation, with its own drafts, writes the text (cloud-only speculation).
+NO_DRAFT = "none"
+
 #: Seeds are non-negative (numpy's generators refuse negative ones) and fit 64 bits.
 SEED_RANGE = (0, 2**64 - 1)
 
@@ -106,7 +110,9 @@ class EdgeSettings:
     #: (generate with the draft alone; the answer is marked unverified).
     fallback: Fallback = "none"
     # --- the draft model
-    draft: str = "self:skip=12"  # model spec; self:... shares the weights of draft_base
+    # model spec; self:... shares the weights of draft_base; "none": no draft model, only the
+    # tokenizer of draft_base (the verifier drafts: cloud-only, for devices too weak to draft)
+    draft: str = "self:skip=12"
     draft_base: str = "default"
     device: Device = "auto"  # auto: cuda when available
     dtype: DType = "auto"  # auto: float16 on cuda, float32 on the CPU
@@ -171,6 +177,38 @@ class EdgeSettings:
             )
         if not self.model_id.strip():
             raise ConfigError("model_id", "must not be empty")
+        if self.cloud_only:
+            self._check_cloud_only()
+
+    def _check_cloud_only(self) -> None:
+        """``draft = "none"``: what needs a draft model on the edge is refused, one line each."""
+        if not self.cogen:
+            raise ConfigError(
+                "cogen", "must be true with draft = none (the verifier writes the text)"
+            )
+        if self.fallback == "draft":
+            raise ConfigError(
+                "fallback",
+                "cannot be 'draft' with draft = none (no draft model to answer alone while the "
+                "link is down)",
+            )
+        if self.federated:
+            raise ConfigError(
+                "verifier",
+                "draft = none needs one verifier (several only with failover = true): "
+                "federated verification needs a draft model on the edge",
+            )
+        if self.draft_base.strip().startswith("self:"):
+            raise ConfigError(
+                "draft_base",
+                f"{self.draft_base!r} is a self-draft; draft = none loads the tokenizer of "
+                "draft_base, which must name a model (default, a folder, a .gguf, a hub id)",
+            )
+
+    @property
+    def cloud_only(self) -> bool:
+        """``draft = "none"``: no draft model on the edge; the verifier writes the text."""
+        return self.draft.strip().lower() == NO_DRAFT
 
     @property
     def verifier_urls(self) -> tuple[str, ...]:
@@ -342,14 +380,16 @@ def read_secret_file(path: Path, key: str) -> str:
 
 
 def check_model_specs(s: EdgeSettings, sources: Mapping[str, str] | None = None) -> None:
-    """The draft (and, for a ``self:`` draft, its base) names a model that is there: parsing a
-    spec resolves paths and the local hub cache only, nothing is loaded."""
+    """The draft (and, for a ``self:`` draft or draft none, its base) names a model that is
+    there: parsing a spec resolves paths and the local hub cache only, nothing is loaded."""
     src = sources or {}
-    try:
-        kind = parse_model_spec(s.draft).kind
-    except ModelSpecError as e:
-        raise ConfigError("draft", str(e), src.get("draft", "")) from None
-    if kind == SpecKind.SELF:
+    uses_base = s.cloud_only  # draft none: only draft_base's tokenizer is loaded
+    if not s.cloud_only:
+        try:
+            uses_base = parse_model_spec(s.draft).kind == SpecKind.SELF
+        except ModelSpecError as e:
+            raise ConfigError("draft", str(e), src.get("draft", "")) from None
+    if uses_base:
         try:
             parse_model_spec(s.draft_base)
         except ModelSpecError as e:

@@ -43,7 +43,7 @@ from edge_agent.api_request import (
 )
 from edge_agent.config import EdgeSettings, listen_error, read_secret_file
 from edge_agent.core import VerifierError
-from edge_agent.progress import Progress, device_line, quiet_hub_progress
+from edge_agent.progress import Progress, quiet_hub_progress
 from edge_agent.service import (
     EdgeService,
     Finished,
@@ -321,14 +321,14 @@ async def completions_handler(request: web.Request) -> web.StreamResponse:
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
-    loaded = state.service.loaded
+    draft = state.service.draft_name
     return {
         "id": state.settings.model_id,
         "object": "model",
         "created": state.started,
         "owned_by": "wanspec",
         "wanspec": {
-            "draft": loaded.name if loaded else state.settings.draft,
+            "draft": draft if draft is not None else state.settings.draft,
             "verifiers": list(state.settings.verifier_urls),
         },
     }
@@ -363,7 +363,7 @@ def health(state: ServerState) -> tuple[int, dict[str, Any]]:
         "pending_connections": state.guard.pending,
     }
     if svc.loaded is not None:
-        body["draft"] = svc.loaded.name
+        body["draft"] = svc.draft_name
     if state.status != ServiceStatus.READY:
         return 503, body
     if link["state"] != "up":
@@ -469,11 +469,10 @@ async def _load(state: ServerState) -> None:
         state.notifier.notify(f"STATUS=draft model failed to load: {e}")
         state.set_status(ServiceStatus.FAILED, f"the draft model failed to load: {e}")
         return
-    if state.service.loaded is not None:
-        log.warning("%s", device_line(state.service.loaded))
-    state.set_status(
-        ServiceStatus.READY, f"serving {state.service.loaded.name if state.service.loaded else ''}"
-    )
+    log.warning("%s", state.service.describe())
+    loaded, _ = state.service.require()
+    what = "cloud-only (no draft model)" if state.settings.cloud_only else loaded.name
+    state.set_status(ServiceStatus.READY, f"serving {what}")
 
 
 def _link_status(state: ServerState) -> None:

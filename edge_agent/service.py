@@ -1,6 +1,7 @@
 """The daemon's core, shared by ``edge-agent serve`` (HTTP) and ``edge-agent chat`` (in-process):
-one draft model, one :class:`~edge_agent.agent.EdgeAgent`, requests run one at a time in
-arrival order, text streamed as it is committed, stop strings, metrics.
+one draft model (or, with ``draft = "none"``, the target family's tokenizer alone: cloud-only
+speculation), one :class:`~edge_agent.agent.EdgeAgent`, requests run one at a time in arrival
+order, text streamed as it is committed, stop strings, metrics.
 
 :meth:`EdgeService.stream` is the whole interface: an async iterator of text pieces ending with
 one :class:`Finished`. Leaving the iteration early (a client that disconnects) or cancelling the
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
-from edge_agent.config import EdgeSettings, read_secret_file
+from edge_agent.config import NO_DRAFT, EdgeSettings, read_secret_file
 from edge_agent.core import VerifierError
 from edge_agent.drafter import Drafter
 from edge_agent.driver import VerdictTimeout
@@ -35,6 +36,7 @@ from edge_agent.link import (
 )
 from edge_agent.monitor import EdgeMetrics, LinkMonitor, TimedTransport, VerifierLinkState
 from edge_agent.pipeline_config import PipelineConfig
+from edge_agent.progress import device_line
 from edge_agent.retry import LinkDownPolicy
 from edge_agent.tasks import ModelWorker
 from edge_agent.text import TextStreamer, eos_ids, result_json, ssl_context
@@ -42,7 +44,7 @@ from edge_agent.transport import LinkClosed, Transport
 from shared.errors import WanspecError
 from shared.runtime.device import resolve_device
 from shared.runtime.model_spec import SpecKind, parse_model_spec
-from shared.runtime.models import LoadedModel, load_model
+from shared.runtime.models import LoadedModel, LoadedTokenizer, load_model, load_tokenizer
 
 log = logging.getLogger("wanspec.edge.service")
 
@@ -178,8 +180,25 @@ def load_draft_model(s: EdgeSettings, report: Callable[[str], None]) -> LoadedMo
     return load_model(spec, device=device, dtype=dtype)
 
 
+def loading_line(s: EdgeSettings) -> str:
+    """What :meth:`EdgeService.load` is about to load, for a progress display."""
+    if s.cloud_only:
+        return f"loading the tokenizer of {s.draft_base} (draft none: the verifier drafts)"
+    return f"loading the draft {s.draft}"
+
+
+def load_edge_tokenizer(s: EdgeSettings, report: Callable[[str], None]) -> LoadedTokenizer:
+    """``draft = "none"`` (blocking): the tokenizer of ``draft_base`` alone, no weights."""
+    report(loading_line(s))
+    return load_tokenizer(s.draft_base)
+
+
 class EdgeService:
-    """The draft model, the agent, the request queue and the metrics of one process."""
+    """The draft model, the agent, the request queue and the metrics of one process.
+
+    ``loaded`` is what the edge holds of the model family (its tokenizer, vocabulary size and
+    fingerprint): the draft model, or with ``draft = "none"`` the tokenizer alone, and then
+    ``drafter`` stays None (the agent sends credits; the verifier writes the text)."""
 
     def __init__(self, settings: EdgeSettings, metrics: EdgeMetrics | None = None) -> None:
         self.settings = settings
@@ -187,7 +206,7 @@ class EdgeService:
         self.link = LinkMonitor(settings, self.metrics)
         self.queue = FairQueue(settings.max_queue)
         self.worker = ModelWorker("draft-model")
-        self.loaded: LoadedModel | None = None
+        self.loaded: LoadedModel | LoadedTokenizer | None = None
         self.agent: EdgeAgent | None = None
         self.drafter: Drafter | None = None
         self.eos: list[int] = []
@@ -205,16 +224,23 @@ class EdgeService:
         return self.agent is not None
 
     async def load(self, report: Callable[[str], None] = lambda _: None) -> None:
-        """Load the draft on the model worker (the event loop stays free)."""
+        """Load the draft (or, draft none, the tokenizer) on the model worker (the event loop
+        stays free)."""
         t0 = time.perf_counter()
-        loaded = await self.worker.run(load_draft_model, self.settings, report)
-        drafter = await self.worker.run(Drafter, loaded)
-        self.loaded, self.drafter = loaded, drafter
-        self.eos = eos_ids(loaded)
-        self.max_context = drafter.lm.max_length
+        loaded: LoadedModel | LoadedTokenizer
+        if self.settings.cloud_only:
+            loaded = await self.worker.run(load_edge_tokenizer, self.settings, report)
+            self.eos, self.max_context = eos_ids(loaded), loaded.max_length
+            what = f"tokenizer of {loaded.name}"
+        else:
+            loaded = await self.worker.run(load_draft_model, self.settings, report)
+            self.drafter = await self.worker.run(Drafter, loaded)
+            self.eos, self.max_context = eos_ids(loaded), self.drafter.lm.max_length
+            what = f"draft {loaded.name}"
+        self.loaded = loaded
         retry = retry_policy(self.settings)
         self.agent = EdgeAgent(
-            drafter,
+            self.drafter,
             loaded.fingerprint,
             self._connect,
             retry=retry,
@@ -224,7 +250,21 @@ class EdgeService:
             on_session_failed=self._on_session_failed,
         )
         self.metrics.model_ready.set(1)
-        report(f"draft {loaded.name} ready in {time.perf_counter() - t0:.1f} s")
+        report(f"{what} ready in {time.perf_counter() - t0:.1f} s")
+
+    @property
+    def draft_name(self) -> str | None:
+        """The draft model's name, ``"none"`` with no draft model; None while loading."""
+        if self.settings.cloud_only:
+            return NO_DRAFT
+        return None if self.loaded is None else self.loaded.name
+
+    def describe(self) -> str:
+        """One line: the draft and where it runs, or (draft none) that the verifier drafts."""
+        loaded, _ = self.require()
+        if isinstance(loaded, LoadedTokenizer):
+            return f"no draft model (cloud-only: the verifier drafts); tokenizer of {loaded.name}"
+        return device_line(loaded)
 
     def close(self) -> None:
         self.worker.close()
@@ -296,7 +336,7 @@ class EdgeService:
 
     # ------------------------------------------------------------------ generation
 
-    def require(self) -> tuple[LoadedModel, EdgeAgent]:
+    def require(self) -> tuple[LoadedModel | LoadedTokenizer, EdgeAgent]:
         if self.loaded is None or self.agent is None:
             raise RuntimeError("the draft model is still loading")
         return self.loaded, self.agent
@@ -410,7 +450,7 @@ class EdgeService:
                 self.metrics.record(gen, time.perf_counter() - t0, outcome)
 
     def _stats(self, gen: Generation, wall: float, req: GenRequest) -> dict[str, Any]:
-        out = result_json(gen, "", wall, req.pipeline)
+        out = result_json(gen, "", wall, req.pipeline, cloud_only=self.settings.cloud_only)
         del out["text"]
         out["prompt_tokens"] = len(req.prompt_ids)
         out["rtt_ms"] = round(1000 * min(self._rtts), 2) if self._rtts else None

@@ -16,7 +16,7 @@ from typing import Any
 from edge_agent.generation import Generation, TokenSource
 from edge_agent.pipeline_config import PipelineConfig
 from shared.runtime.model_spec import SpecKind, parse_model_spec
-from shared.runtime.models import LoadedModel, load_model
+from shared.runtime.models import LoadedModel, LoadedTokenizer, load_model
 
 
 def load_draft(spec: str, base_spec: str, *, device: str = "cpu") -> LoadedModel:
@@ -28,11 +28,15 @@ def load_draft(spec: str, base_spec: str, *, device: str = "cpu") -> LoadedModel
     return load_model(parsed, device=device)
 
 
-def eos_ids(loaded: LoadedModel) -> list[int]:
+def eos_ids(loaded: LoadedModel | LoadedTokenizer) -> list[int]:
+    """The ids that end a generation: the tokenizer's and the generation config's."""
     ids: set[int] = set()
     tok_eos = loaded.tokenizer.eos_token_id
     if isinstance(tok_eos, int):
         ids.add(tok_eos)
+    if isinstance(loaded, LoadedTokenizer):
+        ids.update(loaded.generation_eos_ids)
+        return sorted(ids)
     gen_cfg = getattr(loaded.model, "generation_config", None)
     cfg_eos = getattr(gen_cfg, "eos_token_id", None)
     if isinstance(cfg_eos, int):
@@ -42,7 +46,7 @@ def eos_ids(loaded: LoadedModel) -> list[int]:
     return sorted(ids)
 
 
-def encode_prompt(loaded: LoadedModel, prompt: str, *, chat: bool) -> list[int]:
+def encode_prompt(loaded: LoadedModel | LoadedTokenizer, prompt: str, *, chat: bool) -> list[int]:
     tok: Any = loaded.tokenizer
     if chat:
         if not getattr(tok, "chat_template", None):
@@ -91,13 +95,17 @@ def ssl_context(ca_file: str | None, insecure: bool) -> ssl.SSLContext | bool:
     return True
 
 
-def result_json(gen: Generation, text: str, wall_s: float, cfg: PipelineConfig) -> dict[str, Any]:
-    """The ``--json`` summary of one generation."""
+def result_json(
+    gen: Generation, text: str, wall_s: float, cfg: PipelineConfig, *, cloud_only: bool = False
+) -> dict[str, Any]:
+    """The ``--json`` summary of one generation. ``cloud_only``: the edge had no draft model
+    (``draft = "none"``; the verifier's own drafts are counted in ``token_sources``)."""
     st = gen.stats
     n = len(gen.generated)
-    return {
+    out = {
         "text": text,
         "tokens": n,
+        "cloud_only": cloud_only,
         "finish_reason": gen.finish_reason,
         "wall_s": round(wall_s, 4),
         "tokens_per_s": round(n / wall_s, 3) if wall_s > 0 else None,
@@ -145,6 +153,7 @@ def result_json(gen: Generation, text: str, wall_s: float, cfg: PipelineConfig) 
         "correction": cfg.wire_correction,
         "temperature": cfg.sampling.temperature,
     }
+    return out
 
 
 #: How :func:`sources_line` names each token source.

@@ -1,9 +1,10 @@
-"""Offline loading of real causal language models: :func:`load_model` → :class:`LoadedModel`.
+"""Offline loading of real causal language models: :func:`load_model` → :class:`LoadedModel`,
+and of a model's tokenizer alone: :func:`load_tokenizer` → :class:`LoadedTokenizer`.
 
-Every load is local: :func:`load_model` first switches the process to offline mode
-(:func:`enforce_offline`) and every ``from_pretrained`` call passes ``local_files_only=True``;
-nothing here ever reaches a model hub. Importing this module changes nothing (no environment
-variables are set at import).
+Every load is local: :func:`load_model` and :func:`load_tokenizer` first switch the process to
+offline mode (:func:`enforce_offline`) and every ``from_pretrained`` call passes
+``local_files_only=True``; nothing here ever reaches a model hub. Importing this module changes
+nothing (no environment variables are set at import).
 
 What a spec may name is in :mod:`shared.runtime.model_spec`; GGUF files are converted by
 :mod:`shared.runtime.gguf`, ``self:`` drafts are built by :mod:`shared.runtime.layer_skip`, and
@@ -22,6 +23,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -32,7 +34,7 @@ from shared.runtime.layer_skip import layer_skip_draft
 from shared.runtime.model_spec import ModelSpec, ModelSpecError, SpecKind, parse_model_spec
 from shared.wire.protocol import Fingerprint
 
-__all__ = ["LoadedModel", "enforce_offline", "load_model"]
+__all__ = ["LoadedModel", "LoadedTokenizer", "enforce_offline", "load_model", "load_tokenizer"]
 
 _OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
@@ -56,13 +58,30 @@ class LoadedModel:
         return int(_text_config(self.model).num_hidden_layers)
 
 
+@dataclass(frozen=True)
+class LoadedTokenizer:
+    """A model's tokenizer and what a peer must know of the model, with no weights loaded.
+
+    Invariant: ``name``, ``vocab_size`` and ``fingerprint`` are those :func:`load_model` gives
+    for the same spec, so a verifier pairs with it as with the loaded model."""
+
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    vocab_size: int  # logits width (config.vocab_size), may exceed len(tokenizer)
+    fingerprint: Fingerprint
+    #: The end-of-sequence ids of the model's generation config (generation_config.json, else
+    #: the model config's, as a loaded model's ``generation_config`` has them).
+    generation_eos_ids: tuple[int, ...]
+    max_length: int | None  # max_position_embeddings, when the config has one
+
+
 def enforce_offline() -> None:
     """Put this process (and the processes it starts from now on) in Hugging Face offline mode.
 
     Invariant after the call: nothing in this process downloads from a model hub. Sets
     ``HF_HUB_OFFLINE`` and ``TRANSFORMERS_OFFLINE``; ``huggingface_hub`` reads them once, when it
     is first imported (transformers imports it), so its already-loaded flag is switched on too.
-    Idempotent; called by :func:`load_model`.
+    Idempotent; called by :func:`load_model` and :func:`load_tokenizer`.
     """
     for name in _OFFLINE_ENV:
         os.environ[name] = "1"
@@ -71,10 +90,14 @@ def enforce_offline() -> None:
     huggingface_hub.constants.HF_HUB_OFFLINE = True
 
 
-def _text_config(model: PreTrainedModel) -> Any:
-    config = model.config
+def _text_of(config: Any) -> Any:
+    """The text model's part of ``config`` (a multimodal config nests it)."""
     getter = getattr(config, "get_text_config", None)
     return getter() if callable(getter) else config
+
+
+def _text_config(model: PreTrainedModel) -> Any:
+    return _text_of(model.config)
 
 
 def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str) -> LoadedModel:
@@ -93,7 +116,7 @@ def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: st
 def check_tp_size(config: Any, tp_size: int) -> None:
     """Tensor parallelism splits the attention heads and the KV heads evenly over the ranks:
     a clear error, before any weight is loaded, when they do not divide."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_of(config)
     heads = int(text.num_attention_heads)
     kv = int(getattr(text, "num_key_value_heads", None) or heads)
     if tp_size < 1 or heads % tp_size or kv % tp_size:
@@ -150,10 +173,54 @@ def load_model(
         draft = layer_skip_draft(parsed, base.model, base.name)
         suffix = parsed.spec.removeprefix("self:")
         return _finish(draft, base.tokenizer, f"{base.name}:{suffix}")
+    folder, name = _folder_and_name(parsed)
+    return _load_folder(folder, name, device, dtype, tp_size)
+
+
+def _folder_and_name(parsed: ModelSpec) -> tuple[Path, str]:
+    """The Hugging Face folder a (non-self) spec loads from, converting a GGUF file once, and
+    the model's name."""
     assert parsed.path is not None  # invariant of ModelSpec for non-self kinds
     if parsed.kind in (SpecKind.DEFAULT, SpecKind.GGUF):
-        folder = converted_gguf_folder(parsed.path)
-        name = parsed.path.name.removesuffix(".gguf")
-        return _load_folder(folder, name, device, dtype, tp_size)
-    name = parsed.hub_id if parsed.hub_id is not None else parsed.path.name
-    return _load_folder(parsed.path, name, device, dtype, tp_size)
+        return converted_gguf_folder(parsed.path), parsed.path.name.removesuffix(".gguf")
+    return parsed.path, parsed.hub_id if parsed.hub_id is not None else parsed.path.name
+
+
+def _eos_list(value: Any) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(int(t) for t in value)
+    return ()
+
+
+def load_tokenizer(spec: str | ModelSpec) -> LoadedTokenizer:
+    """The tokenizer of the model ``spec`` names, offline, without its weights (a GGUF file is
+    still converted once, as :func:`load_model` does). A ``self:`` spec names no tokenizer of
+    its own: ModelSpecError."""
+    enforce_offline()
+    parsed = parse_model_spec(spec) if isinstance(spec, str) else spec
+    if parsed.kind == SpecKind.SELF:
+        raise ModelSpecError(
+            f"model spec {parsed.spec!r}: a self-draft has no tokenizer of its own; "
+            "name the model it is derived from"
+        )
+    folder, name = _folder_and_name(parsed)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    text = _text_of(config)
+    vocab_size = int(text.vocab_size)
+    # As a loaded model's generation_config: the folder's file, else derived from the config.
+    if (folder / "generation_config.json").is_file():
+        gen = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+    else:
+        gen = GenerationConfig.from_model_config(config)
+    limit = getattr(text, "max_position_embeddings", None)
+    return LoadedTokenizer(
+        tokenizer=tokenizer,
+        name=name,
+        vocab_size=vocab_size,
+        fingerprint=model_fingerprint(tokenizer, vocab_size, name),
+        generation_eos_ids=_eos_list(getattr(gen, "eos_token_id", None)),
+        max_length=int(limit) if limit is not None else None,
+    )
