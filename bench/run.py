@@ -350,6 +350,8 @@ def cloud_processes(
             # a co-generation step is one autoregressive step: padded like the AR baseline's
             "--emulate-decode-ms", str(regime.ar_ms * s),
             "--cloud-draft-tokens", str(cfg.cloud_draft_tokens),
+            # a few sessions at a time: a small pool (the CPU default, 65536 tokens, is GBs)
+            "--kv-cache-tokens", "16384",
         ]  # fmt: skip
         if side == CloudSide.NGRAM:
             cmd += ["--cloud-draft", "ngram"]

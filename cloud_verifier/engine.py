@@ -168,8 +168,11 @@ AUTO_KV_FRACTION = 0.8
 WAIT_MEMORY_S: Final = 10.0
 
 
-def _auto_kv_tokens(target: Target) -> int:
-    per_token = target.kv_bytes_per_token()
+def _auto_kv_tokens(target: Target, draft: Target | None = None) -> int:
+    """Tokens of the KV pool (and of the draft model's, which has as many pages): on CUDA,
+    :data:`AUTO_KV_FRACTION` of the memory free after loading, over both pools' bytes per
+    token."""
+    per_token = target.kv_bytes_per_token() + (draft.kv_bytes_per_token() if draft else 0)
     if target.device.type != "cuda" or per_token == 0:
         return AUTO_KV_TOKENS_CPU
     free, _total = torch.cuda.mem_get_info(target.device)
@@ -281,16 +284,14 @@ class Engine:
 
         def job() -> Runner:
             target = loader()
-            tokens = lim.kv_tokens or _auto_kv_tokens(target)
+            draft = draft_loader(target) if draft_loader is not None else None
+            tokens = lim.kv_tokens or _auto_kv_tokens(target, draft)
             pool = target.allocate(-(-tokens // lim.page_size), lim.page_size)
             shares = Shares(lim.session_share, lim.tenant_share)
             drafter = None
-            if draft_loader is not None:
-                draft = draft_loader(target)
-                pages = pool.num_pages
-                drafter = CloudDrafter(
-                    draft, draft.allocate(pages, lim.page_size), target.vocab_size
-                )
+            if draft is not None:
+                draft_pool = draft.allocate(pool.num_pages, lim.page_size)
+                drafter = CloudDrafter(draft, draft_pool, target.vocab_size)
             return Runner(target, pool, shares, self._tenant_pages, drafter)
 
         runner = await self.call(job)

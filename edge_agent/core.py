@@ -709,10 +709,12 @@ class SingleCore:
             return False
         return self._credited is None or len(self.gen.committed) - self._credited >= CREDIT_EVERY
 
-    def credit(self, now: float = 0.0) -> list[EdgeEvent]:
+    def credit(self, now: float = 0.0, *, bonus: bool = True) -> list[EdgeEvent]:
         """Send a credit (module docstring): an empty Propose at the committed end; with
         tokens the verifier lacks (the prompt), they go as fixed tokens and the Propose asks
-        for the bonus token of their forward."""
+        for the bonus token of their forward (``bonus``: a cloud-only session; an edge that
+        drafts too sends its prompt so, bonus off, before its first batch is drafted, so
+        that the verifier prefills, and co-generates, while it drafts)."""
         if self._failed is not None:
             return [self._failed]
         if not self.cfg.cogen:
@@ -721,7 +723,7 @@ class SingleCore:
         self._credited = len(committed)
         b = self.pipe.push_credit(now)
         fixed = self.link.verifier_len < len(committed)
-        data = self.link.propose(committed, b, self.LINK, False, want_bonus=fixed)
+        data = self.link.propose(committed, b, self.LINK, False, want_bonus=fixed and bonus)
         self.gen.stats.uplink_bytes += len(data)
         return [Send(data)]
 

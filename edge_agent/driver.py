@@ -257,6 +257,11 @@ async def run_single(
     def hedge(hp: HedgePlan, draft: list[int]) -> None:
         carry_out(core.hedge(hp, draft))
 
+    if drafter is not None and core.cfg.cogen and core.link.verifier_len < len(core.gen.committed):
+        # The prompt goes up at once: the verifier prefills it, and co-generates, while the
+        # first batch is drafted.
+        carry_out(core.credit(time.monotonic(), bonus=False))
+
     async def reader() -> None:
         while not core.gen.done:
             data = await transport.recv()

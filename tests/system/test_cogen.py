@@ -80,6 +80,7 @@ def generate_once(
     trust_hedges: bool = False,
     cloud: frozenset[CloudDraft] = frozenset(),
     cloud_only: bool = False,
+    prompt_first: bool = False,
 ) -> tuple[list[int], int, int]:
     """One generation of ``n`` tokens over a random schedule; returns (tokens, co-generated,
     draft tokens accepted in co-generation: hedges' and cloud drafts')."""
@@ -109,6 +110,8 @@ def generate_once(
             elif isinstance(ev, Run):
                 pending.append(ev.work)
 
+    if prompt_first:  # as the driver does: the prompt goes up before the first batch
+        up.extend(sent(edge.credit(bonus=False)))
     while not gen.done:
         choice = rng.integers(5 if hedge else 4)
         if choice == 0 and cloud_only:
@@ -178,6 +181,15 @@ def test_cogeneration_keeps_the_target_joint_law(mode: CorrectionMode) -> None:
     pv, share, _ = joint_pvalue(mode, P, seed=len(str(mode)))
     assert share > 0.1, f"co-generation hardly ran ({share:.0%} of tokens): the test is void"
     assert pv > ALPHA, f"{mode}: chi-square p-value {pv:.2e} ({share:.0%} co-generated)"
+
+
+def test_cogeneration_after_a_prompt_credit_keeps_the_target_joint_law() -> None:
+    """The edge sends its prompt at once (an empty Propose, no bonus) and drafts meanwhile, as
+    its driver does: the verifier prefills and co-generates before the first batch; the joint
+    law is still p."""
+    pv, share, _ = joint_pvalue(CorrectionMode.CANDIDATES, P, seed=23, prompt_first=True)
+    assert share > 0.1, f"co-generation hardly ran ({share:.0%} of tokens): the test is void"
+    assert pv > ALPHA, f"chi-square p-value {pv:.2e} ({share:.0%} co-generated)"
 
 
 def test_negative_control_cogen_from_the_draft_law() -> None:

@@ -100,7 +100,10 @@ GREEDY_CASES = [(g, d, Mode.PIPELINED) for g in (1, 3, 6) for d in (1, 2, 4)] + 
 async def test_greedy_equals_target_only(
     aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
 ) -> None:
-    url = await serve(aiohttp_server, target)
+    """Every γ, D and mode: the text is the target's greedy text. The verifier does not
+    co-generate (cogen_ahead = 0), so the edge's rounds write it all and each case runs the
+    rollback path (with co-generation a fast verifier writes a short text alone)."""
+    url = await serve(aiohttp_server, target, cogen_ahead=0)
     n = 40
     expected = target_greedy(target, PROMPT, n)
     agent = agent_for(draft, url)
