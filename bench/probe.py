@@ -173,3 +173,38 @@ class Driver:
         else:
             raise AssertionError(f"unexpected reply {reply}")
         return reply
+
+
+class CloudOnlyDriver:
+    """A cloud-only session (no draft model: :meth:`edge_agent.core.SingleCore.credit`): the
+    prompt goes up in a credit, the verifier writes the text by co-generation with its own
+    drafts, and a credit follows every few tokens. ``hello`` must ask for co-generation
+    (:func:`edge_agent.core.hello_for` with ``end``)."""
+
+    def __init__(self, client: ProbeClient, prompt: list[int], max_new: int) -> None:
+        hello, welcome = client.sent_hello, client.welcome
+        assert hello is not None and welcome is not None, "call ProbeClient.hello first"
+        assert hello.cogen_end > 0, "a cloud-only session needs co-generation"
+        self.client = client
+        cfg = PipelineConfig(sampling=hello.sampling, correction=hello.correction, cogen=True)
+        self.gen = Generation(prompt, max_new)
+        self.core = SingleCore(self.gen, cfg, np.random.default_rng(0), hello, welcome)
+
+    async def _send(self, events: list[Any]) -> None:
+        for e in events:
+            if isinstance(e, Fail):
+                raise e.error
+            if isinstance(e, Send):
+                await self.client.ws.send_bytes(e.data)
+
+    async def run(self, until: float, min_tokens: int = 0) -> None:
+        """Until ``until`` (perf_counter) and at least ``min_tokens`` generated, or the end."""
+        while not self.gen.done and (
+            time.perf_counter() < until or len(self.gen.generated) < min_tokens
+        ):
+            if self.core.wants_credit():
+                await self._send(self.core.credit(time.perf_counter()))
+            m = await self.client.ws.receive(timeout=60.0)
+            if m.type != WSMsgType.BINARY:
+                raise ConnectionError(f"no frame: {m.type.name} {m.data!r} {m.extra!r}")
+            await self._send(self.core.receive(m.data, time.perf_counter()))

@@ -13,6 +13,13 @@ capacity):
 * verified tokens/s: draft tokens the verifier scored (γ per round), summed over sessions;
 * round p50 / p99: Propose sent → reply received.
 
+Engine ``cloud-sd`` (``--engines …,cloud-sd``): the batched engine speculating by itself
+(``cloud_draft = tail,ngram`` and ``--cloud-model``, ``--cloud-draft-tokens`` per step), its
+sessions cloud-only (:class:`~bench.probe.CloudOnlyDriver`: no edge draft, credits only).
+Its figure is the text it writes, **tokens/s summed over sessions**: the capacity trade-off
+against edge drafting, where the verifier only scores drafts (what an edge-drafted session
+commits per verified draft token is its draft's acceptance, measured by ``python -m bench``).
+
 Writes ``docs/results/verifier_load.json`` (``--out``): ``sessions`` and, aligned with it,
 ``batched_tokens_per_s``, ``serial_tokens_per_s``, ``batched_p50_ms``, ``batched_p99_ms``,
 ``serial_p50_ms``, ``serial_p99_ms``; and a plot beside it (``.png``).
@@ -35,12 +42,13 @@ import aiohttp
 import numpy as np
 
 from bench.harness import VerifierProcess, free_port, write_tokens
-from bench.probe import Driver, ProbeClient, auth_headers
+from bench.probe import CloudOnlyDriver, Driver, ProbeClient, auth_headers
 from cloud_verifier.auth import generate_token
+from edge_agent.generation import TokenSource
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello
 
-ENGINES = {"batched": 64, "serial": 1}
+ENGINES = {"batched": 64, "serial": 1, "cloud-sd": 64}
 
 
 def _parse_sessions(text: str) -> list[int]:
@@ -63,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
     p.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
     p.add_argument("--engines", default="batched,serial", help="which engines, in order")
+    p.add_argument(
+        "--cloud-model",
+        default="self:skip=12",
+        help="the cloud-sd engine's draft model (a model spec; '' = tail and ngram only)",
+    )
+    p.add_argument("--cloud-draft-tokens", type=int, default=4, help="the cloud-sd engine's")
     p.add_argument("--threads", type=int, default=2, help="the verifier's torch threads")
     p.add_argument("--batch-wait-ms", type=float, default=2.0, help="the batched engine's")
     p.add_argument("--out", type=Path, default=Path("docs/results/verifier_load.json"))
@@ -82,12 +96,44 @@ def _fingerprint(spec: str) -> Fingerprint:
 
 
 async def _session(
-    http: aiohttp.ClientSession, url: str, token: str, fp: Fingerprint, seed: int
+    http: aiohttp.ClientSession, url: str, token: str, fp: Fingerprint, seed: int, end: int = 0
 ) -> ProbeClient:
+    """A greedy session; ``end`` > 0: co-generation up to that position (cloud-only)."""
     ws = await http.ws_connect(url, protocols=(SUBPROTOCOL,), headers=auth_headers(token))
     client = ProbeClient(ws)
-    await client.hello(Hello(fingerprint=fp, sampling=SamplingParams(0.0), seed=seed))
+    hello = Hello(fingerprint=fp, sampling=SamplingParams(0.0), seed=seed, cogen_end=end)
+    await client.hello(hello)
     return client
+
+
+async def _measure_cloud(
+    url: str, token: str, fp: Fingerprint, n: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """``n`` cloud-only sessions: tokens the verifier wrote in the window, and the share of
+    them that were its own accepted draft tokens."""
+    rng = np.random.default_rng(n)
+    # Within a session's part of the pool (_start_engine: 1024 tokens per session at most N).
+    max_new = 1024 - args.prompt - 16
+    async with aiohttp.ClientSession() as http:
+        prompts = [rng.integers(4, fp.vocab_size, args.prompt).tolist() for _ in range(n)]
+        clients = await asyncio.gather(
+            *(_session(http, url, token, fp, i, args.prompt + max_new) for i in range(n))
+        )
+        drivers = [CloudOnlyDriver(c, p, max_new) for c, p in zip(clients, prompts, strict=True)]
+        # prefills and first tokens, not measured
+        await asyncio.gather(*(d.run(0.0, min_tokens=1) for d in drivers))
+        before = [len(d.gen.generated) for d in drivers]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(d.run(t0 + args.seconds) for d in drivers))
+        elapsed = time.perf_counter() - t0
+        for c in clients:
+            with contextlib.suppress(Exception):
+                await c.ws.close()
+    tokens = sum(len(d.gen.generated) - b for d, b in zip(drivers, before, strict=True))
+    cloud = sum(d.gen.stats.sources[TokenSource.CLOUD_DRAFT] for d in drivers)
+    total = sum(len(d.gen.generated) for d in drivers)
+    return {"times": [elapsed], "elapsed": elapsed, "tokens": float(tokens),
+            "cloud_share": cloud / total if total else 0.0}  # fmt: skip
 
 
 async def _measure(
@@ -126,9 +172,17 @@ def _pooled(parts: list[dict[str, Any]], gamma: int) -> dict[str, float]:
     """One figure from several measuring windows of the same engine and N."""
     times = [t for p in parts for t in p["times"]]
     ms = np.array(times) * 1e3
+    elapsed = sum(p["elapsed"] for p in parts)
+    if "tokens" in parts[0]:  # cloud-only sessions: the text written
+        return {
+            "tokens_per_s": sum(p["tokens"] for p in parts) / elapsed,
+            "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99)),
+            "cloud_share": float(np.mean([p["cloud_share"] for p in parts])),
+        }
     rounds = sum(p["rounds"] for p in parts)
     return {
-        "tokens_per_s": rounds * gamma / sum(p["elapsed"] for p in parts),
+        "tokens_per_s": rounds * gamma / elapsed,
         "p50_ms": float(np.percentile(ms, 50)),
         "p99_ms": float(np.percentile(ms, 99)),
         "rounds": rounds,
@@ -154,6 +208,15 @@ async def _start_engine(
         "--heartbeat", "0",
         "--batch-wait-ms", str(args.batch_wait_ms if ENGINES[name] > 1 else 0.0),
     ]  # fmt: skip
+    if name == "cloud-sd":
+        extra += [
+            "--cloud-draft",
+            "tail,ngram",
+            "--cloud-draft-tokens",
+            str(args.cloud_draft_tokens),
+        ]
+        if args.cloud_model:
+            extra += ["--cloud-draft-model", args.cloud_model]
     proc = VerifierProcess(
         args.model,
         port,
@@ -165,7 +228,8 @@ async def _start_engine(
     proc.start()
     await proc.wait_ready(timeout=600)
     warm = argparse.Namespace(**{**vars(args), "seconds": 2.0})
-    await _measure(proc.url, token, _fingerprint(args.model), 1, warm)  # first-use costs
+    measure = _measure_cloud if name == "cloud-sd" else _measure
+    await measure(proc.url, token, _fingerprint(args.model), 1, warm)  # first-use costs
     return proc
 
 
@@ -183,7 +247,8 @@ async def _measure_engines(
     for n in args.sessions:
         parts: dict[str, list[dict[str, Any]]] = {e: [] for e in names}
         for e in [*names, *reversed(names)]:
-            parts[e].append(await _measure(procs[e].url, token, fp, n, half))
+            measure = _measure_cloud if e == "cloud-sd" else _measure
+            parts[e].append(await measure(procs[e].url, token, fp, n, half))
         for e in names:
             r = _pooled(parts[e], args.gamma)
             print(
@@ -203,7 +268,11 @@ def _plot(path: Path, result: dict[str, Any]) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     n = result["sessions"]
-    for name, color in (("batched", "tab:blue"), ("serial", "tab:orange")):
+    for name, color in (
+        ("batched", "tab:blue"),
+        ("serial", "tab:orange"),
+        ("cloud-sd", "tab:green"),
+    ):
         if f"{name}_tokens_per_s" in result:
             a.plot(n, result[f"{name}_tokens_per_s"], marker="o", color=color, label=name)
             b.plot(n, result[f"{name}_p99_ms"], marker="o", color=color, label=f"{name} p99")
@@ -251,8 +320,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for proc in procs.values():
                 await proc.kill()
         for e, rows in measured.items():
-            for key in ("tokens_per_s", "p50_ms", "p99_ms"):
-                result[f"{e}_{key}"] = [round(r[key], 2) for r in rows]
+            for key in ("tokens_per_s", "p50_ms", "p99_ms", "cloud_share"):
+                if key in rows[0]:
+                    result[f"{e}_{key}"] = [round(r[key], 3) for r in rows]
     if "batched" in engines and "serial" in engines:
         result["ratio"] = [
             round(b / s, 2)

@@ -47,6 +47,7 @@ from cloud_verifier.core import (
     Work,
     cache_after,
 )
+from cloud_verifier.scheduler import model_drafts_allowed
 from cloud_verifier.targets import Target
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import OutOfPages, PagedKV, SlotPages
@@ -148,6 +149,7 @@ class Runner:
         self.shares = shares
         self._tenant_pages = tenant_pages
         self.forwards = 0  # batched forward passes
+        self.drafts_deferred = 0  # model drafts not made: the step had edge-drafted work
         self.rows_forwarded = 0  # session rows in them
 
     # ------------------------------------------------------------------ the pool's shares
@@ -244,7 +246,9 @@ class Runner:
     ) -> dict[int, CoGenerate | Failed]:
         """The CoGenerates of the step that ask for a model draft, with the draft in place
         (one batched draft forward per token, every session together); Failed for each when
-        the draft model fails (the session then co-generates without cloud drafts)."""
+        the draft model fails (the session then co-generates without cloud drafts). None in a
+        step with edge-drafted work (:func:`~cloud_verifier.scheduler.model_drafts_allowed`):
+        those co-generations decode one token."""
         todo: list[tuple[int, Slot, CoGenerate]] = [
             (i, slot, work)
             for i, (slot, work) in enumerate(requests)
@@ -254,6 +258,9 @@ class Runner:
             and work.pos == slot.length
         ]
         if not todo or self.drafter is None:
+            return {}
+        if not model_drafts_allowed(sum(isinstance(w, (Verify, Federate)) for _, w in requests)):
+            self.drafts_deferred += len(todo)
             return {}
         asks = [
             DraftRequest(slot.draft_pages, [*slot.tokens, *work.fixed.tolist()], work.model_tokens)

@@ -11,7 +11,9 @@ adopting a lost session) and the sessions' model work, each described here by it
   longest row). The oldest forward always fits, so no session starves; what does not fit is
   first in the next step. A call after work in the prefix ends it (it runs between steps);
 * co-generation gives way: a CoGenerate in the prefix joins the step only in the room the other
-  forwards leave, and one that finds none is answered Skipped at once.
+  forwards leave, and one that finds none is answered Skipped at once;
+* so does the verifier's own draft model (:func:`model_drafts_allowed`): only in steps with no
+  edge-drafted work.
 
 A session has at most one request queued (its core waits for the result), so a step sees each
 session at most once, in arrival order: every open session gets its turn each step (its fair
@@ -96,6 +98,16 @@ def plan_step(queue: Sequence[Queued], limits: BatchLimits) -> StepPlan:
         else:
             skipped.append(i)
     return StepPlan(taken, tuple(calls), tuple(batch), tuple(skipped), forwards * longest)
+
+
+def model_drafts_allowed(edge_forwards: int) -> bool:
+    """May the step's co-generations draft with the verifier's draft model? Capacity first:
+    model drafting runs one draft forward per draft token before the step's target forward, so
+    it delays every row of the step. It runs only in a step with no edge-drafted work (Verify
+    or Federate rows, ``edge_forwards``): a verifier busy with edge-drafted sessions gives them
+    the room (their drafts cost it nothing to make), and its own drafting fills idle capacity.
+    Drafts without a model (tail, ngram) cost no forward and always run."""
+    return edge_forwards == 0
 
 
 def should_gather(queue: Sequence[Queued], open_sessions: int, limits: BatchLimits) -> bool:

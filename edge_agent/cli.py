@@ -402,6 +402,10 @@ def _demo(args: argparse.Namespace, settings: EdgeSettings) -> int:
             "--log-level",
             "warning",
         ]
+        if settings.cloud_only:
+            # No draft on the edge: the verifier drafts for itself (the edge's default draft,
+            # on the verifier), so the demo is cloud-only speculative decoding.
+            cmd += ["--cloud-draft", "tail,ngram", "--cloud-draft-model", EdgeSettings.draft]
         _say(f"[demo] starting a local verifier ({args.target}) on 127.0.0.1:{port} …")
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
 

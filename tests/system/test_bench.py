@@ -350,14 +350,18 @@ def test_gpu_bench_refuses_without_cuda_and_runs_small_on_the_cpu(
 
 
 def test_verifier_load_smoke(tmp_path: Path) -> None:
-    """Both engines, N = 1 and 3, against null:256: the keys the README table is built from."""
+    """Every engine (cloud-sd: cloud-only sessions, tail and ngram drafts), N = 1 and 3,
+    against null:256: the keys the README table is built from."""
     out = tmp_path / "load.json"
     cmd = [sys.executable, "-m", "bench.verifier_load", "--model", "null:256", "--sessions", "1,3",
-           "--seconds", "0.5", "--min-rounds", "2", "--out", str(out)]  # fmt: skip
+           "--seconds", "0.5", "--min-rounds", "2", "--out", str(out),
+           "--engines", "batched,serial,cloud-sd", "--cloud-model", ""]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = orjson.loads(out.read_bytes())
     assert result["sessions"] == [1, 3]
-    for key in ("batched_tokens_per_s", "serial_tokens_per_s", "batched_p99_ms", "serial_p99_ms"):
+    for key in ("batched_tokens_per_s", "serial_tokens_per_s", "batched_p99_ms", "serial_p99_ms",
+                "cloud-sd_tokens_per_s"):  # fmt: skip
         assert len(result[key]) == 2 and all(x > 0 for x in result[key]), key
+    assert all(0 <= x <= 1 for x in result["cloud-sd_cloud_share"])
     assert out.with_suffix(".png").stat().st_size > 1000

@@ -481,3 +481,29 @@ async def test_cloud_model_drafts_keep_the_joint_law_of_two_tokens() -> None:
     assert pv > ALPHA, f"chi-square p-value {pv:.2e}"
     assert 0.1 < accepted / n < 1.9  # drafts accepted and rejected
     engine.shutdown()
+
+
+async def test_model_drafts_give_way_to_edge_drafted_work() -> None:
+    """A step with an edge-drafted Verify: the co-generation beside it decodes one token (no
+    draft forward delays the edge's row); alone, it drafts (model_drafts_allowed)."""
+    v = 16
+    null = NullTarget(v)
+    engine = Engine(EngineLimits(slots=4, page_size=4, kv_tokens=256))
+    await engine.load(lambda: null, draft_loader=lambda t: NullTarget(v))
+    runner = engine.require_runner()
+    assert runner.drafter is not None
+    edge, cloud = (engine.open(Hello(fingerprint=null.fingerprint, sampling=GREEDY)) for _ in "ab")
+    verify = Verify(_propose([1, 2], [3, 4], 0), want_bonus=True)
+    cogen = CoGenerate(0, np.array([5, 6], np.int64), cloud=True, model_tokens=3)
+    outs = await _together(
+        engine, [lambda: engine.run(edge, verify), lambda: engine.run(cloud, cogen)]
+    )
+    result = outs[1].result
+    assert isinstance(result, Verified) and result.drafted is not None
+    assert len(result.drafted) == 0 and runner.drafter.forwards == 0
+    assert runner.drafts_deferred == 1
+    alone = CoGenerate(cloud.length, np.zeros(0, np.int64), cloud=True, model_tokens=3)
+    result = (await engine.run(cloud, alone)).result
+    assert isinstance(result, Verified) and result.drafted is not None
+    assert len(result.drafted) == 3 and runner.drafter.forwards == 3
+    engine.shutdown()

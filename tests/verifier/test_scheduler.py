@@ -10,6 +10,7 @@ from cloud_verifier.scheduler import (
     Queued,
     RunningStep,
     StepPlan,
+    model_drafts_allowed,
     plan_step,
     queue_eta,
     should_gather,
@@ -88,3 +89,8 @@ def test_queue_eta_and_stall() -> None:
     eta, _ = queue_eta(run, 100.5, [10] * 4, times, LIM, rule)
     assert eta == pytest.approx(0.7 + 2 * 0.1 + 0.01 * 40)
     assert queue_eta(run, 160.5, [], times, LIM, rule) == (0.0, True)
+
+
+def test_model_drafts_only_in_steps_without_edge_drafted_work() -> None:
+    assert model_drafts_allowed(0)
+    assert not model_drafts_allowed(1) and not model_drafts_allowed(64)
