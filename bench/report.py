@@ -215,9 +215,11 @@ def plots(out: Path, rows: list[dict[str, Any]], regimes: list[Any]) -> list[str
         )
         ax.set_xlabel("RTT (ms)")
         ax.set_ylabel("tokens/s")
-        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    top = max((r["tokens_per_s"] for r in rows if r["mode"] != "assisted"), default=1.0)
+    for ax in axes.flat:
+        ax.set_ylim(0, 1.05 * top)  # from zero, one scale for every panel
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     fig.tight_layout()

@@ -22,9 +22,12 @@ no compute), each padded to the regime's draft time. Modes (``--modes`` for mode
   co-generation (the verifier decodes on its own while no valid draft is queued);
   ``pipe:GxD:nocogen`` (``... no-cogen``) without it;
 * ``auto``: adaptive γ and D (``PipelineConfig(auto_gamma, auto_depth, gamma=4, depth=4)``);
-* ``hybrid``: ``auto`` against a verifier that also speculates by itself in the gaps
-  (``cloud_draft = ngram``: co-generation verifies its own prompt-lookup draft, a second
-  verifier process of the same regime);
+* ``cloud-sd``: cloud-only speculative decoding, what a user would pick instead: no draft on
+  the edge (credits only), a second verifier process of the regime that drafts for itself
+  (``cloud_draft = tail,ngram`` and ``cloud_draft_model = --cloud-model``, ``--cloud-draft-tokens``
+  a step, each draft step padded to ``--cloud-draft-ms-per-token``, by default verify ×
+  2.7/24.6 as measured in ../shared/MODELS.md); ``cloud-sd:ngram``: a third, prompt lookup only;
+* ``hybrid``: ``auto`` against the ``cloud-sd`` verifier (edge drafts, cloud drafts in the gaps);
 * ``assisted``: transformers' ``generate(assistant_model=...)`` with each model draft, one
   process, RTT 0 (raw regime only: its internals cannot be padded).
 
