@@ -52,8 +52,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class CloudDrafter:
-    """A draft model and its KV pool (module docstring). ``vocab_size``: the target's; a
-    drafted id outside it ends that session's draft."""
+    """A draft model and its KV pool (module docstring). ``vocab_size``: the target's; the
+    argmax is taken over its ids only (a draft model's logits may be wider)."""
 
     def __init__(self, model: Target, pool: PagedKV, vocab_size: int) -> None:
         self.model = model
@@ -88,9 +88,9 @@ class CloudDrafter:
             following: list[tuple[int, Row]] = []
             for (i, row), token in zip(live, ids, strict=True):
                 self.pool.commit(row.slot, row.start, row.ids)
-                out[i].append(int(token))
+                out[i].append(token)
                 if len(out[i]) < requests[i].n:
-                    following.append((i, Row(row.slot, row.start + len(row.ids), (int(token),), 1)))
+                    following.append((i, Row(row.slot, row.start + len(row.ids), (token,), 1)))
             live = following
         return out
 
@@ -108,8 +108,8 @@ def load_draft_target(spec: str, target: Target, *, compile_forward: bool = Fals
             raise ValueError(f"cloud_draft_model {spec!r}: a self-draft needs a model target")
         loaded = load_model(parsed, base=target.loaded)
     else:
-        dtype = next(target.model.parameters()).dtype if isinstance(target, TorchTarget) else None
-        loaded = load_model(parsed, device=str(target.device), dtype=dtype or torch.float32)
+        dtype = target.lm.dtype if isinstance(target, TorchTarget) else torch.float32
+        loaded = load_model(parsed, device=str(target.device), dtype=dtype)
     draft = TorchTarget(loaded, compile_forward=compile_forward)
     why = draft.fingerprint.compatible_with(target.fingerprint)
     if why is not None:

@@ -21,9 +21,8 @@ from typing import Any
 
 import openai
 import pytest
-import torch
 
-from edge_agent.lm import CausalLM
+from bench.harness import target_greedy
 from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.service import EdgeService, FairQueue, QueueFull, StopScanner
 from shared.runtime.models import LoadedModel, load_model
@@ -59,16 +58,6 @@ def edge(servers: Servers, verifier_url: str, tiny_draft_dir: Path) -> tuple[str
 @pytest.fixture(scope="module")
 def client(edge: tuple[str, EdgeService]) -> openai.OpenAI:
     return openai.OpenAI(base_url=edge[0] + "/v1", api_key="unused", max_retries=0)
-
-
-def target_greedy(target: LoadedModel, prompt: list[int], n: int) -> list[int]:
-    lm = CausalLM(target)
-    logits = lm.extend(prompt)[-1]
-    out: list[int] = []
-    for _ in range(n):
-        out.append(int(torch.argmax(logits)))
-        logits = lm.extend([out[-1]])[0]
-    return out
 
 
 def post_raw(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Any]:

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
-import torch
 from aiohttp import web
 
+from bench.harness import target_greedy
 from cloud_verifier.core import Send, SessionLimits, TargetInfo, VerifierCore
 from cloud_verifier.targets import TorchTarget
 from edge_agent.agent import EdgeAgent, RetryPolicy
@@ -28,7 +28,6 @@ from edge_agent.drafter import Drafter
 from edge_agent.driver import VerdictTimeout
 from edge_agent.generation import Generation
 from edge_agent.link import LinkRefused, LinkSettings, WebSocketTransport
-from edge_agent.lm import CausalLM
 from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.retry import GiveUp, Outage
 from edge_agent.service import retry_policy
@@ -51,16 +50,6 @@ def target(tiny_model_dir: Path) -> LoadedModel:
 @pytest.fixture(scope="module")
 def draft(tiny_draft_dir: Path) -> LoadedModel:
     return load_model(str(tiny_draft_dir))
-
-
-def target_greedy(target: LoadedModel, n: int) -> list[int]:
-    lm = CausalLM(target)
-    logits = lm.extend(PROMPT)[-1]
-    out: list[int] = []
-    for _ in range(n):
-        out.append(int(torch.argmax(logits)))
-        logits = lm.extend([out[-1]])[0]
-    return out
 
 
 def stalling_app(fp: Fingerprint) -> web.Application:
@@ -154,7 +143,7 @@ async def test_a_stalled_session_is_rebuilt_and_the_text_is_unchanged(
         gen = await asyncio.wait_for(a.generate(PROMPT, GREEDY, max_new_tokens=24), 30)
     finally:
         a.close()
-    assert gen.generated == target_greedy(target, 24)
+    assert gen.generated == target_greedy(target, PROMPT, 24)
     assert calls == 2 and len(failures) == 1 and isinstance(failures[0], VerdictTimeout)
     assert "stalled" in str(failures[0]) and time.monotonic() - t0 < 15
 

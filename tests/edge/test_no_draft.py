@@ -19,8 +19,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-import torch
 
+from bench.harness import target_greedy
 from cloud_verifier.targets import TorchTarget
 from edge_agent.chat import ChatOptions, LocalBackend, Repl, stats_line
 from edge_agent.cli import _summary, main
@@ -44,16 +44,6 @@ URL = "ws://127.0.0.1:1/v1/session"
 @pytest.fixture(scope="module")
 def target(tiny_model_dir: Path) -> LoadedModel:
     return load_model(str(tiny_model_dir))
-
-
-def target_greedy(target: LoadedModel, prompt: list[int], n: int) -> list[int]:
-    lm = CausalLM(target)
-    logits = lm.extend(prompt)[-1]
-    out: list[int] = []
-    for _ in range(n):
-        out.append(int(torch.argmax(logits)))
-        logits = lm.extend([out[-1]])[0]
-    return out
 
 
 # ---------------------------------------------------------------------------- settings

@@ -23,6 +23,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from bench.harness import target_greedy
 from bench.probe import ProbeClient, auth_headers
 from cloud_verifier.app import REFUSAL_HEADER, STATE, VerifierState, build_app
 from cloud_verifier.auth import Authenticator
@@ -46,7 +47,6 @@ from edge_agent.core import PREFILL_ALLOWANCE_S, DesyncError, Pipeline, resumed_
 from edge_agent.drafter import Drafter
 from edge_agent.generation import Generation, TokenSource
 from edge_agent.link import LinkSettings, VerifierBusy, WebSocketTransport, retry_after_s
-from edge_agent.lm import CausalLM
 from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.retry import GiveUp, Outage
 from edge_agent.transport import LinkClosed, Transport
@@ -251,16 +251,6 @@ def target(tiny_model_dir: Path) -> LoadedModel:
 @pytest.fixture(scope="module")
 def draft(tiny_draft_dir: Path) -> LoadedModel:
     return load_model(str(tiny_draft_dir))
-
-
-def target_greedy(target: LoadedModel, prompt: list[int], n: int) -> list[int]:
-    lm = CausalLM(target)
-    logits = lm.extend(prompt)[-1]
-    out: list[int] = []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = lm.extend([out[-1]])[0]
-    return out
 
 
 class Verifier:

@@ -24,6 +24,7 @@ import orjson
 import pytest
 import torch
 
+from bench.harness import target_greedy
 from bench.tiny_models import build_tiny_model
 from cloud_verifier.app import STATE, VerifierState
 from cloud_verifier.targets import Target, TorchTarget
@@ -78,18 +79,6 @@ def agent_for(draft: LoadedModel, url: str, token: str = TOKEN) -> EdgeAgent:
 
     retry = RetryPolicy(max_attempts=3, backoff_initial_s=0.01, backoff_max_s=0.05)
     return EdgeAgent(Drafter(draft), draft.fingerprint, connect, retry=retry)
-
-
-def target_greedy(target: LoadedModel, prompt: list[int], n: int) -> list[int]:
-    """Target-only greedy decoding, one token per forward."""
-    lm = CausalLM(target)
-    logits = lm.extend(prompt)[-1]
-    out: list[int] = []
-    for _ in range(n):
-        t = int(torch.argmax(logits))
-        out.append(t)
-        logits = lm.extend([t])[0]
-    return out
 
 
 GREEDY_CASES = [(g, d, Mode.PIPELINED) for g in (1, 3, 6) for d in (1, 2, 4)] + [
