@@ -19,6 +19,9 @@ sessions cloud-only (:class:`~bench.probe.CloudOnlyDriver`: no edge draft, credi
 Its figure is the text it writes, **tokens/s summed over sessions**: the capacity trade-off
 against edge drafting, where the verifier only scores drafts (what an edge-drafted session
 commits per verified draft token is its draft's acceptance, measured by ``python -m bench``).
+Its model drafts are as long as each session's measured acceptance pays for
+(``cloud_draft_length = auto``); engine ``cloud-sd-fixed`` is the same with
+``cloud_draft_length = fixed`` (always ``--cloud-draft-tokens``), the choice's trade-off.
 
 Writes ``docs/results/verifier_load.json`` (``--out``): ``sessions`` and, aligned with it,
 ``batched_tokens_per_s``, ``serial_tokens_per_s``, ``batched_p50_ms``, ``batched_p99_ms``,
@@ -48,7 +51,9 @@ from edge_agent.generation import TokenSource
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello
 
-ENGINES = {"batched": 64, "serial": 1, "cloud-sd": 64}
+ENGINES = {"batched": 64, "serial": 1, "cloud-sd": 64, "cloud-sd-fixed": 64}
+#: The engines whose sessions are cloud-only (their figure: the text written per second).
+CLOUD = ("cloud-sd", "cloud-sd-fixed")
 
 
 def _parse_sessions(text: str) -> list[int]:
@@ -208,12 +213,14 @@ async def _start_engine(
         "--heartbeat", "0",
         "--batch-wait-ms", str(args.batch_wait_ms if ENGINES[name] > 1 else 0.0),
     ]  # fmt: skip
-    if name == "cloud-sd":
+    if name in CLOUD:
         extra += [
             "--cloud-draft",
             "tail,ngram",
             "--cloud-draft-tokens",
             str(args.cloud_draft_tokens),
+            "--cloud-draft-length",
+            "fixed" if name == "cloud-sd-fixed" else "auto",
         ]
         if args.cloud_model:
             extra += ["--cloud-draft-model", args.cloud_model]
@@ -228,7 +235,7 @@ async def _start_engine(
     proc.start()
     await proc.wait_ready(timeout=600)
     warm = argparse.Namespace(**{**vars(args), "seconds": 2.0})
-    measure = _measure_cloud if name == "cloud-sd" else _measure
+    measure = _measure_cloud if name in CLOUD else _measure
     await measure(proc.url, token, _fingerprint(args.model), 1, warm)  # first-use costs
     return proc
 
@@ -247,12 +254,12 @@ async def _measure_engines(
     for n in args.sessions:
         parts: dict[str, list[dict[str, Any]]] = {e: [] for e in names}
         for e in [*names, *reversed(names)]:
-            measure = _measure_cloud if e == "cloud-sd" else _measure
+            measure = _measure_cloud if e in CLOUD else _measure
             parts[e].append(await measure(procs[e].url, token, fp, n, half))
         for e in names:
             r = _pooled(parts[e], args.gamma)
             print(
-                f"{e:8s} N={n:3d}  {r['tokens_per_s']:8.1f} tok/s  "
+                f"{e:14s} N={n:3d}  {r['tokens_per_s']:8.1f} tok/s  "
                 f"p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms",
                 flush=True,
             )
@@ -272,6 +279,7 @@ def _plot(path: Path, result: dict[str, Any]) -> None:
         ("batched", "tab:blue"),
         ("serial", "tab:orange"),
         ("cloud-sd", "tab:green"),
+        ("cloud-sd-fixed", "tab:olive"),
     ):
         if f"{name}_tokens_per_s" in result:
             a.plot(n, result[f"{name}_tokens_per_s"], marker="o", color=color, label=name)

@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, hdrs, web
 
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.cloud_draft import parse_cloud_drafts
+from cloud_verifier.cloud_draft import DraftLength, parse_cloud_drafts
 from cloud_verifier.cloud_drafter import load_draft_target
 from cloud_verifier.core import (
     CLOSE_OK,
@@ -171,6 +171,7 @@ def limits_from(settings: VerifierSettings) -> SessionLimits:
         cloud_draft=parse_cloud_drafts(settings.cloud_draft),
         cloud_model=bool(settings.cloud_draft_model),
         cloud_draft_tokens=settings.cloud_draft_tokens,
+        cloud_draft_length=DraftLength(settings.cloud_draft_length),
         max_frame_rate=settings.max_frame_rate,
         frame_burst=settings.frame_burst,
         progress_interval_s=settings.progress_interval,
@@ -905,6 +906,8 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
             if work.cloud:
                 drafted = work.draft if result.drafted is None else result.drafted
                 m.cloud_draft_proposed.inc(len(drafted))
+            if result.withheld is not None:
+                m.cloud_drafts_withheld.inc(reason=result.withheld.value)
         elif isinstance(result, Skipped):
             m.cogen_skipped.inc()
     if isinstance(work, (Verify, Federate, CoGenerate)) and timing is not None:

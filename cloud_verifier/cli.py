@@ -59,6 +59,15 @@ _HELP: dict[str, str] = {
     "max_frame": "bytes per WebSocket frame (larger frames close the session)",
     "max_bad_frames": "refused frames per session before it is closed",
     "max_resamples": "Resample requests per rejection",
+    "cogen_ahead": "co-generation: tokens the verifier may decode for a session past its last "
+    "Propose (0: off)",
+    "cloud_draft": "the verifier's own drafts in co-generation: tail, ngram (comma-separated) "
+    "or off",
+    "cloud_draft_model": "a draft model on the verifier's device (self:skip=N, a folder, a "
+    ".gguf; '': none)",
+    "cloud_draft_tokens": "at most this many tokens per cloud draft",
+    "cloud_draft_length": "model draft length: auto (per session, what its measured acceptance "
+    "pays for) or fixed (cloud_draft_tokens)",
     "handshake_timeout": "seconds a client has to send Hello",
     "idle_timeout": "seconds a session may go without model work before it is closed (0: never)",
     "header_timeout": "seconds a connection has to send its request headers (and to idle "

@@ -96,3 +96,79 @@ def tail_draft(
     if k < 0 or k >= len(tokens) or list(text[pos:]) != list(tokens[:k]):
         return []
     return list(tokens[k : k + max_tokens])
+
+
+class DraftLength(TextEnum):
+    """How long a co-generation's model draft is (the ``cloud_draft_length`` setting)."""
+
+    #: Per session: the length that maximises the expected tokens per unit of verifier time,
+    #: from the session's measured acceptance and the measured cost of a draft forward
+    #: (:func:`draft_length`); 0 (no model draft) where drafting does not pay.
+    AUTO = "auto"
+    #: Always ``cloud_draft_tokens`` (within the room the co-generation bound leaves).
+    FIXED = "fixed"
+
+
+class Withheld(TextEnum):
+    """Why a co-generation that asked for a model draft got none (it decodes one token)."""
+
+    #: The step had edge-drafted work (:func:`~cloud_verifier.scheduler.model_drafts_allowed`).
+    LOAD = "load"
+    #: The session's acceptance does not pay for a draft forward (:func:`draft_length` = 0).
+    COST = "cost"
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E[tokens per verify] of a γ-token draft whose tokens are each accepted with
+    probability α, independently (Leviathan et al., eq. 1): (1 − α^(γ+1)) / (1 − α)."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def draft_length(alpha: float, cost: float, cap: int) -> int:
+    """The draft length γ in [0, cap] that maximises the expected tokens per unit of target
+    time, ``expected_tokens(α, γ) / (1 + γ·c)``, where c (``cost``) is a draft forward's time
+    relative to a target forward's (Leviathan et al., Theorem 3.8: the walltime improvement
+    factor). γ = 0 (decode one token, no draft) has value 1; γ = 1 beats it iff α > c. Ties go
+    to the shorter draft (less draft work for the same expectation)."""
+    alpha = min(max(alpha, 0.0), 1.0)
+    cost = max(cost, 0.0)
+    best, best_value = 0, 1.0
+    for gamma in range(1, cap + 1):
+        value = expected_tokens(alpha, gamma) / (1.0 + gamma * cost)
+        if value > best_value * (1.0 + 1e-9):
+            best, best_value = gamma, value
+    return best
+
+
+class DraftAcceptance:
+    """A session's per-token acceptance α of its model drafts, estimated from the drafts
+    verified so far: a draft of n tokens with k accepted is k successes and, if k < n, one
+    failure of a geometric law (the tokens after a rejection are never tried). Older evidence
+    fades by ``decay`` at each co-generation that asked for a draft, whether one was made or
+    not, so a session whose drafts stopped paying is tried again once the prior outweighs its
+    old failures. The prior (``prior`` with the weight of ``weight`` trials) is optimistic: a new
+    session drafts. With every draft rejected at once, α settles at
+    prior·weight / (1/(1 − decay) + weight) (0.064 by default, below a GPU's c ≈ 0.11), and
+    after k co-generations with no draft at prior·weight / (decay^k/(1 − decay) + weight)."""
+
+    def __init__(self, prior: float = 0.7, weight: float = 1.0, decay: float = 0.9) -> None:
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.accepted = 0.0  # faded successes
+        self.trials = 0.0  # faded successes + failures
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verified draft of ``drafted`` tokens, ``accepted`` of them accepted."""
+        failure = 1.0 if accepted < drafted else 0.0
+        self.accepted = self.decay * self.accepted + accepted
+        self.trials = self.decay * self.trials + accepted + failure
+
+    def fade(self) -> None:
+        """A co-generation that asked for a draft and got none: no evidence, older fades."""
+        self.accepted *= self.decay
+        self.trials *= self.decay
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + self.prior * self.weight) / (self.trials + self.weight)

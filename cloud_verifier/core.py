@@ -69,7 +69,14 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from cloud_verifier.cloud_draft import CloudDraft, ngram_draft, tail_draft
+from cloud_verifier.cloud_draft import (
+    CloudDraft,
+    DraftAcceptance,
+    DraftLength,
+    Withheld,
+    ngram_draft,
+    tail_draft,
+)
 from shared.enums import TextEnum
 from shared.errors import ErrorCode
 from shared.maths.rejection import Decision
@@ -158,6 +165,7 @@ class SessionLimits:
     cloud_draft: frozenset[CloudDraft] = frozenset()
     cloud_model: bool = False
     cloud_draft_tokens: int = 8
+    cloud_draft_length: DraftLength = DraftLength.AUTO
     #: Frames a session may send per second, sustained, and in a burst (a token bucket over
     #: the ``now`` passed in); past it the session is closed (rate_limited). 0 = no limit.
     max_frame_rate: float = 0.0
@@ -265,6 +273,12 @@ class CoGenerate:
     q: npt.NDArray[np.float32] = field(default_factory=lambda: _NO_PROBS)
     cloud: bool = False  # the draft is the verifier's own (not a hedge's)
     model_tokens: int = 0  # the model side drafts up to this many tokens (cloud_draft_model)
+    #: The session's measured acceptance α of its model drafts: the model side drafts the
+    #: length that pays for itself (:func:`~cloud_verifier.cloud_draft.draft_length`) up to
+    #: ``model_tokens``; None: ``model_tokens`` as asked (``cloud_draft_length = fixed``).
+    model_alpha: float | None = None
+    #: Set by the model side: why it made no model draft (None: it made one, or none was asked).
+    withheld: Withheld | None = None
 
 
 @dataclass(frozen=True)
@@ -313,6 +327,8 @@ class Verified:
     cache_len: int | None = None
     #: A CoGenerate with ``model_tokens``: the draft the model side made and verified.
     drafted: npt.NDArray[np.int64] | None = None
+    #: A CoGenerate with ``model_tokens`` and no draft made: why (CoGenerate.withheld).
+    withheld: Withheld | None = None
 
 
 @dataclass(frozen=True)
@@ -466,6 +482,7 @@ class VerifierCore:
         self.hedge_tokens = 0  # hedge draft tokens accepted (co-generated in one forward)
         self.cloud_draft_tokens = 0  # the verifier's own draft tokens accepted (cloud_draft)
         self._cloud_off = False  # a cloud draft's work failed: this session co-generates without
+        self._model_alpha = DraftAcceptance()  # its model drafts' acceptance (cloud_draft_length)
         #: The rest of the last rejected draft: (its position, its tokens) (cloud_draft tail).
         self._tail: tuple[int, list[int]] | None = None
         self._bucket = float(limits.frame_burst)  # frame-rate tokens left
@@ -871,7 +888,16 @@ class VerifierCore:
             draft, q = np.array(ids, np.int64), np.ones(len(ids), np.float32)
             return self._start(CoGenerate(self.cache_len, fixed, draft, q, cloud=True))
         model = n if self.limits.cloud_model else 0
-        return self._start(CoGenerate(self.cache_len, fixed, cloud=model > 0, model_tokens=model))
+        alpha = (
+            self._model_alpha.alpha
+            if model and self.limits.cloud_draft_length == DraftLength.AUTO
+            else None
+        )
+        return self._start(
+            CoGenerate(
+                self.cache_len, fixed, cloud=model > 0, model_tokens=model, model_alpha=alpha
+            )
+        )
 
     def _own_draft(self, n: int) -> list[int]:
         """Up to ``n`` draft tokens of the verifier's own without a model (tail, then ngram);
@@ -1067,6 +1093,11 @@ class VerifierCore:
             self.cloud_draft_tokens += d.accepted
         else:
             self.hedge_tokens += d.accepted
+        if work.model_tokens:
+            if len(draft):
+                self._model_alpha.observe(len(draft), d.accepted)
+            else:
+                self._model_alpha.fade()
         own = work.cloud  # the accepted draft tokens are the verifier's own
         return [
             Send(Generated(self.epoch, pos + i, t, cloud=own and i < d.accepted))

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from cloud_verifier import device_sampling as ds
+from cloud_verifier.cloud_draft import Withheld, draft_length
 from cloud_verifier.cloud_drafter import CloudDrafter, DraftRequest
 from cloud_verifier.core import (
     CoGenerate,
@@ -48,6 +49,7 @@ from cloud_verifier.core import (
     cache_after,
 )
 from cloud_verifier.scheduler import model_drafts_allowed
+from cloud_verifier.step_times import DraftCost
 from cloud_verifier.targets import Target
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import OutOfPages, PagedKV, SlotPages
@@ -150,6 +152,9 @@ class Runner:
         self._tenant_pages = tenant_pages
         self.forwards = 0  # batched forward passes
         self.drafts_deferred = 0  # model drafts not made: the step had edge-drafted work
+        self.drafts_declined = 0  # model drafts not made: the session's acceptance did not pay
+        #: c, a draft forward's time relative to a target forward's (the draft length's cost).
+        self.draft_cost = DraftCost()
         self.rows_forwarded = 0  # session rows in them
 
     # ------------------------------------------------------------------ the pool's shares
@@ -246,9 +251,14 @@ class Runner:
     ) -> dict[int, CoGenerate | Failed]:
         """The CoGenerates of the step that ask for a model draft, with the draft in place
         (one batched draft forward per token, every session together); Failed for each when
-        the draft model fails (the session then co-generates without cloud drafts). None in a
-        step with edge-drafted work (:func:`~cloud_verifier.scheduler.model_drafts_allowed`):
-        those co-generations decode one token."""
+        the draft model fails (the session then co-generates without cloud drafts).
+
+        Whether a session's co-generation gets a draft, and how long, is decided per session
+        and per step: none in a step with edge-drafted work
+        (:func:`~cloud_verifier.scheduler.model_drafts_allowed`: capacity first), and none, or
+        a shorter one, where the session's measured acceptance does not pay for the draft
+        forwards at their measured cost (:func:`~cloud_verifier.cloud_draft.draft_length`).
+        A co-generation given no draft decodes one token, its ``withheld`` saying why."""
         todo: list[tuple[int, Slot, CoGenerate]] = [
             (i, slot, work)
             for i, (slot, work) in enumerate(requests)
@@ -261,21 +271,36 @@ class Runner:
             return {}
         if not model_drafts_allowed(sum(isinstance(w, (Verify, Federate)) for _, w in requests)):
             self.drafts_deferred += len(todo)
-            return {}
-        asks = [
-            DraftRequest(slot.draft_pages, [*slot.tokens, *work.fixed.tolist()], work.model_tokens)
-            for _, slot, work in todo
-        ]
+            return {i: replace(work, withheld=Withheld.LOAD) for i, _, work in todo}
+        out: dict[int, CoGenerate | Failed] = {}
+        asks: list[tuple[int, Slot, CoGenerate, int]] = []
+        for i, slot, work in todo:
+            n = work.model_tokens
+            if work.model_alpha is not None:
+                n = draft_length(work.model_alpha, self.draft_cost.ratio, n)
+            if n > 0:
+                asks.append((i, slot, work, n))
+            else:
+                self.drafts_declined += 1
+                out[i] = replace(work, withheld=Withheld.COST)
+        if not asks:
+            return out
+        forwards, t0 = self.drafter.forwards, time.perf_counter()
         try:
-            drafts = self.drafter.draft(asks)
+            drafts = self.drafter.draft(
+                [
+                    DraftRequest(slot.draft_pages, [*slot.tokens, *work.fixed.tolist()], n)
+                    for _, slot, work, n in asks
+                ]
+            )
         except Exception as e:
             log.warning("the cloud draft model failed: %s: %s", type(e).__name__, e)
             why = f"cloud draft model: {type(e).__name__}: {e}"
             return {i: Failed(why, slot.length) for i, slot, _ in todo}
-        return {
-            i: replace(work, draft=np.array(ids, np.int64), q=np.ones(len(ids), np.float32))
-            for (i, _, work), ids in zip(todo, drafts, strict=True)
-        }
+        self.draft_cost.observe_draft(self.drafter.forwards - forwards, time.perf_counter() - t0)
+        for (i, _, work, _), ids in zip(asks, drafts, strict=True):
+            out[i] = replace(work, draft=np.array(ids, np.int64), q=np.ones(len(ids), np.float32))
+        return out
 
     def _crop(self, slot: Slot, pos: int) -> Result:
         slot.kept = None
@@ -339,6 +364,9 @@ class Runner:
         try:
             logits = self.target.forward([p.row for p in planned])  # [Σ (γ+1), V]
             forward_s = time.perf_counter() - t0
+            if any(isinstance(p.work, CoGenerate) and p.work.model_tokens for p in planned):
+                # c is relative to the forwards that verify model drafts (no long prefills)
+                self.draft_cost.observe_target(forward_s)
         except Exception as e:
             return self._failed(planned, e)
         self.forwards += 1
@@ -432,7 +460,12 @@ class Runner:
             drafted = (
                 p.work.draft if isinstance(p.work, CoGenerate) and p.work.model_tokens else None
             )
-            out.append(Verified(d, kept_row=kept, cache_len=slot.length, drafted=drafted))
+            withheld = p.work.withheld if isinstance(p.work, CoGenerate) else None
+            out.append(
+                Verified(
+                    d, kept_row=kept, cache_len=slot.length, drafted=drafted, withheld=withheld
+                )
+            )
             row += g + 1
         return out
 

@@ -86,6 +86,11 @@ class VerifierSettings:
     # "" = none.
     cloud_draft_model: str = ""
     cloud_draft_tokens: int = field(default=8, metadata=_b(1, 64))
+    # The model draft's length per co-generation: "auto" picks it per session, up to
+    # cloud_draft_tokens, from the session's measured acceptance and the measured cost of a draft
+    # forward against a target forward (none where drafting does not pay); "fixed": always
+    # cloud_draft_tokens.
+    cloud_draft_length: Literal["auto", "fixed"] = "auto"
     handshake_timeout: float = field(default=10.0, metadata=_b(0.1))  # seconds to send Hello
     # An open session with no model work (no valid Propose, Rollback or Resample) for this many
     # seconds is closed (1008, idle_timeout) and its slot freed; 0 = never.

@@ -184,6 +184,13 @@ class VerifierMetrics:
             "wanspec_cloud_draft_tokens_accepted_total",
             "Of those, accepted (co-generated in one forward with the next token).",
         )
+        self.cloud_drafts_withheld = r.counter(
+            "wanspec_cloud_drafts_withheld_total",
+            "Co-generations that asked for a cloud model draft and decoded one token instead: "
+            "reason=load (the step verified edge drafts), reason=cost (the session's acceptance "
+            "did not pay for the draft forwards).",
+            labels=("reason",),
+        )
         self.cogen_skipped = r.counter(
             "wanspec_cogen_skipped_total",
             "Co-generation steps given no forward: the engine's step was full of drafts to verify.",

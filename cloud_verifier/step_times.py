@@ -87,3 +87,31 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
         b = sum(n * t for n, t in points) / sum(n * n for n, _ in points)
         return 0.0, b
     return a, b
+
+
+class DraftCost:
+    """c: the time of one forward of the verifier's draft model relative to one target forward
+    (Leviathan et al.'s cost coefficient), from moving averages of observed times. 0 until
+    both have been seen (a first draft is made at the length asked)."""
+
+    def __init__(self, weight: float = 0.1) -> None:
+        self.weight = weight  # of the newest observation in each moving average
+        self._draft_s: float | None = None  # per draft forward
+        self._target_s: float | None = None  # per target forward
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else (1.0 - self.weight) * old + self.weight * new
+
+    def observe_draft(self, forwards: int, seconds: float) -> None:
+        """``forwards`` batched draft forwards took ``seconds`` together."""
+        if forwards > 0:
+            self._draft_s = self._mix(self._draft_s, max(0.0, seconds) / forwards)
+
+    def observe_target(self, seconds: float) -> None:
+        self._target_s = self._mix(self._target_s, max(0.0, seconds))
+
+    @property
+    def ratio(self) -> float:
+        if self._draft_s is None or not self._target_s:
+            return 0.0
+        return self._draft_s / self._target_s

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from cloud_verifier.cloud_draft import Withheld, draft_length
 from cloud_verifier.core import (
     CoGenerate,
     Crop,
@@ -27,6 +28,7 @@ from cloud_verifier.core import (
     Verify,
 )
 from cloud_verifier.engine import Engine, EngineLimits, NoFreeSlot, Outcome, Slot
+from cloud_verifier.step_times import DraftCost
 from cloud_verifier.targets import NullTarget, Target, TorchTarget
 from shared.maths.rejection import try_candidates
 from shared.maths.sampling import transform
@@ -501,9 +503,58 @@ async def test_model_drafts_give_way_to_edge_drafted_work() -> None:
     result = outs[1].result
     assert isinstance(result, Verified) and result.drafted is not None
     assert len(result.drafted) == 0 and runner.drafter.forwards == 0
-    assert runner.drafts_deferred == 1
+    assert runner.drafts_deferred == 1 and result.withheld == Withheld.LOAD
     alone = CoGenerate(cloud.length, np.zeros(0, np.int64), cloud=True, model_tokens=3)
     result = (await engine.run(cloud, alone)).result
     assert isinstance(result, Verified) and result.drafted is not None
     assert len(result.drafted) == 3 and runner.drafter.forwards == 3
+    engine.shutdown()
+
+
+class _FixedCost(DraftCost):
+    """c held at a value (the engine's own steps would move the measured one)."""
+
+    def __init__(self, ratio: float) -> None:
+        super().__init__()
+        self._ratio = ratio
+
+    @property
+    def ratio(self) -> float:
+        return self._ratio
+
+
+async def test_a_sessions_model_draft_is_as_long_as_its_acceptance_pays_for() -> None:
+    """cloud_draft_length = auto: per session and step, the model side drafts the length that
+    maximises the expected tokens per unit of target time at the measured draft cost c
+    (draft_length), none where the session's acceptance is below c (withheld: cost, no draft
+    forward, one token decoded); sessions of one step draft together, each its own length."""
+    v = 16
+    null = NullTarget(v)
+    engine = Engine(EngineLimits(slots=4, page_size=4, kv_tokens=256))
+    await engine.load(lambda: null, draft_loader=lambda t: NullTarget(v))
+    runner = engine.require_runner()
+    assert runner.drafter is not None
+    runner.draft_cost = _FixedCost(0.5)
+    poor, fair, good = (
+        engine.open(Hello(fingerprint=null.fingerprint, sampling=GREEDY)) for _ in "abc"
+    )
+    works = {
+        slot: CoGenerate(0, np.array([5, 6], np.int64), cloud=True, model_tokens=4, model_alpha=a)
+        for slot, a in ((poor, 0.3), (fair, 0.7), (good, 0.97))
+    }
+    outs = await _together(engine, [lambda s=s, w=w: engine.run(s, w) for s, w in works.items()])
+    lengths = []
+    for o in outs:
+        assert isinstance(o.result, Verified) and o.result.drafted is not None
+        lengths.append(len(o.result.drafted))
+    assert lengths == [draft_length(a, 0.5, 4) for a in (0.3, 0.7, 0.97)] == [0, 1, 4]
+    first = outs[0].result
+    assert isinstance(first, Verified) and first.withheld == Withheld.COST
+    assert runner.drafts_declined == 1
+    assert runner.drafter.forwards == 4  # batched: the longest draft's forwards
+    # Fixed length (no acceptance carried): drafted as asked, whatever c.
+    fixed = CoGenerate(poor.length, np.zeros(0, np.int64), cloud=True, model_tokens=3)
+    result = (await engine.run(poor, fixed)).result
+    assert isinstance(result, Verified) and result.drafted is not None
+    assert len(result.drafted) == 3 and result.withheld is None
     engine.shutdown()

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cloud_verifier.cloud_draft import CloudDraft
+from cloud_verifier.cloud_draft import CloudDraft, DraftLength, Withheld
 from cloud_verifier.core import (
     CLOSE_INTERNAL_ERROR,
     CLOSE_OK,
@@ -593,6 +593,35 @@ def test_a_cloud_draft_model_is_asked_for_when_no_other_source_drafts() -> None:
     gen = [e.msg for e in ev if isinstance(e, Send) and isinstance(e.msg, Generated)]
     assert [(g.pos, g.token) for g in gen] == [(3, 4), (4, 5), (5, 7)]
     assert core.cloud_draft_tokens == 2
+
+
+def test_a_model_draft_carries_the_sessions_measured_acceptance() -> None:
+    """cloud_draft_length = auto: each co-generation that asks for a model draft carries the
+    session's acceptance estimate (its model side picks the length from it); drafts rejected at
+    once bring it down, co-generations given no draft (withheld) let the old evidence fade back
+    toward the prior; fixed: none carried (model_tokens as asked)."""
+    core = _cogen_core(cloud_model=True, cloud_draft_tokens=3)
+    core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2]))
+    work = run_of(core.work_done(Verified(Decision(1)))).work
+    assert isinstance(work, CoGenerate) and work.model_alpha == pytest.approx(0.7)  # the prior
+    alphas = []
+    for t in range(10, 16):  # every draft rejected at its first token
+        drafted = np.array([t + 100, t + 101, t + 102], np.int64)
+        work = run_of(core.work_done(Verified(Decision(0, token=t), drafted=drafted))).work
+        assert isinstance(work, CoGenerate) and work.model_alpha is not None
+        alphas.append(work.model_alpha)
+    assert alphas == sorted(alphas, reverse=True) and alphas[-1] < 0.15
+    empty = np.zeros(0, np.int64)
+    ev = core.work_done(Verified(Decision(0, bonus=20), drafted=empty, withheld=Withheld.COST))
+    work = run_of(ev).work
+    assert isinstance(work, CoGenerate) and work.model_alpha is not None
+    assert work.model_alpha > alphas[-1]  # faded toward the prior
+    fixed = _cogen_core(
+        cloud_model=True, cloud_draft_tokens=3, cloud_draft_length=DraftLength.FIXED
+    )
+    fixed.receive(propose(fixed, 0, 0, 0, [3], fixed=[1, 2]))
+    work = run_of(fixed.work_done(Verified(Decision(1)))).work
+    assert isinstance(work, CoGenerate) and work.model_tokens == 3 and work.model_alpha is None
 
 
 def test_an_empty_propose_is_a_credit_or_fixed_tokens_alone() -> None:
