@@ -22,6 +22,10 @@ no compute), each padded to the regime's draft time. Modes (``--modes`` for mode
   co-generation (the verifier decodes on its own while no valid draft is queued);
   ``pipe:GxD:nocogen`` (``... no-cogen``) without it;
 * ``auto``: adaptive γ and D (``PipelineConfig(auto_gamma, auto_depth, gamma=4, depth=4)``);
+  ``auto:predraft`` (``auto predraft``) with outcome pre-drafting (``PipelineConfig.predraft``:
+  up to 4 branches prepared while the pipeline is full; its rows add ``predraft_hit_rate``,
+  the rejections answered from a prepared branch, and ``gap_per_rejection_ms``, from a
+  rejection's verdict at the edge to the next batch sent, in emulated ms);
 * ``cloud-sd``: cloud-only speculative decoding, what a user would pick instead: no draft on
   the edge (credits only), a second verifier process of the regime that drafts for itself
   (``cloud_draft = tail,ngram`` and ``cloud_draft_model = --cloud-model``, ``--cloud-draft-tokens``
@@ -166,7 +170,7 @@ class CloudSide(TextEnum):
 @dataclass(frozen=True)
 class ModeSpec:
     """One speculative mode of the grid (module docstring): ``saw:G``,
-    ``pipe:GxD[:nocogen|:hedge]``, ``auto[:nocogen|:hedge]``, ``hybrid``."""
+    ``pipe:GxD[:nocogen|:hedge]``, ``auto[:nocogen|:hedge|:predraft]``, ``hybrid``."""
 
     spec: str
     kind: Mode
@@ -175,6 +179,7 @@ class ModeSpec:
     cogen: bool
     auto: bool = False
     hedge: int = 0  # tokens per hedge (PipelineConfig.hedge)
+    predraft: int = 0  # branches prepared at most (PipelineConfig.predraft)
     #: Which verifier process: the plain one, or one that speculates by itself.
     cloud: CloudSide = CloudSide.PLAIN
     #: False: no draft model on the edge (cloud-only speculative decoding, credits only).
@@ -189,6 +194,7 @@ class ModeSpec:
             return "hybrid"
         suffix = "" if self.cogen else " no-cogen"
         suffix += " hedge" if self.hedge else ""
+        suffix += " predraft" if self.predraft else ""
         if self.auto:
             return "auto" + suffix
         if self.kind == Mode.STOP_AND_WAIT:
@@ -205,14 +211,17 @@ class ModeSpec:
             auto_gamma=self.auto,
             auto_depth=self.auto,
             hedge=self.hedge,
+            predraft=self.predraft,
         )
 
 
+#: Branches prepared at most in the ``:predraft`` modes.
+PREDRAFT_BRANCHES = 4
 #: Tokens a hedge carries after its rival token in the ``:hedge`` modes.
 HEDGE_TOKENS = 3
 _SAW = re.compile(r"^saw:(\d+)$")
 _PIPE = re.compile(r"^pipe:(\d+)x(\d+)(:nocogen|:hedge)?$")
-_AUTO = re.compile(r"^auto(:nocogen|:hedge)?$")
+_AUTO = re.compile(r"^auto(:nocogen|:hedge|:predraft)?$")
 
 
 def parse_mode(spec: str) -> ModeSpec:
@@ -225,7 +234,17 @@ def parse_mode(spec: str) -> ModeSpec:
     if m := _AUTO.match(s):
         opt = m.group(1)
         hedge = HEDGE_TOKENS if opt == ":hedge" else 0
-        return ModeSpec(s, Mode.PIPELINED, 4, 4, cogen=opt != ":nocogen", auto=True, hedge=hedge)
+        predraft = PREDRAFT_BRANCHES if opt == ":predraft" else 0
+        return ModeSpec(
+            s,
+            Mode.PIPELINED,
+            4,
+            4,
+            cogen=opt != ":nocogen",
+            auto=True,
+            hedge=hedge,
+            predraft=predraft,
+        )
     if m := _SAW.match(s):
         return ModeSpec(s, Mode.STOP_AND_WAIT, int(m.group(1)), 1, cogen=False)
     if m := _PIPE.match(s):
@@ -239,7 +258,8 @@ def parse_mode(spec: str) -> ModeSpec:
             hedge=HEDGE_TOKENS if opt == ":hedge" else 0,
         )
     raise ValueError(
-        f"bad mode {spec!r}: expected saw:G, pipe:GxD[:nocogen|:hedge], auto[:nocogen|:hedge], "
+        f"bad mode {spec!r}: expected saw:G, pipe:GxD[:nocogen|:hedge], "
+        "auto[:nocogen|:hedge|:predraft], "
         "hybrid, cloud-sd or cloud-sd:ngram"
     )
 
@@ -994,6 +1014,10 @@ def summarise(
     return rows
 
 
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
 def _spec_figures(
     sel: list[Run], spec: ModeSpec, rtt: float, tokens: int, dtps: float
 ) -> dict[str, Any]:
@@ -1020,6 +1044,19 @@ def _spec_figures(
         if tokens
         else None,
         "hedge_hits_per_generation": sum(e["stats"].get("hedge_hits", 0) for e in ex) / len(ex),
+        "predraft": spec.predraft,
+        # Rejections answered from a prepared branch (a batch sent from one, per rejection).
+        "predraft_hit_rate": _ratio(sum(e["stats"].get("predraft_hits", 0) for e in ex), rej),
+        "predraft_unused_tokens_per_generation": sum(
+            e["stats"].get("predraft_tokens", 0) - e["stats"].get("predraft_used_tokens", 0)
+            for e in ex
+        )
+        / len(ex),
+        # From a rejection's verdict at the edge to the next batch sent, emulated ms.
+        "gap_per_rejection_ms": _ratio(
+            1000 * sum(e["stats"].get("rejection_gap_s", 0.0) for e in ex) / s,
+            sum(e["stats"].get("rejection_gaps", 0) for e in ex),
+        ),
         "uplink_bytes_per_round": up / max(1, sum(e["proposes"] for e in ex)),
         "downlink_bytes_per_rejection": sum(e["downlink_rejection_bytes"] for e in ex) / rej
         if rej

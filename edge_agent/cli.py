@@ -70,6 +70,12 @@ _SETTINGS_HELP: dict[str, str] = {
     "threads": "torch CPU threads",
     "gamma": "draft length γ",
     "depth": "batches in flight D",
+    "cogen": "co-generation: the verifier decodes on its own while no draft of this session "
+    "is queued",
+    "hedge": "hedging: tokens drafted after the draft's second choice at its least confident "
+    "position while the pipeline is full, sent for the verifier (0 = off)",
+    "predraft": "outcome pre-drafting: branches prepared while the pipeline is full, sent at "
+    "once when a rejection's correction opens one (0 = off)",
     "mode": "pipelined or stop-and-wait",
     "correction": "how a rejection is corrected at T > 0",
     "temperature": "default temperature (0 = greedy; else at least 1e-4)",

@@ -127,6 +127,10 @@ class EdgeSettings:
     # hedging: tokens drafted after the draft's second choice at its least confident position
     # while the pipeline is full, for the verifier to go on after a rejection there; 0 = off
     hedge: int = field(default=0, metadata=_b(0, 64))
+    # outcome pre-drafting: branches prepared while the pipeline is full, each γ tokens after the
+    # draft's second choice at a least confident position in flight; a rejection whose
+    # correction opens one sends it at once; 0 = off
+    predraft: int = field(default=0, metadata=_b(0, 64))
     mode: ModeName = "pipelined"
     correction: CorrectionName = "candidates"
     # --- sampling defaults (a request's own values win)
@@ -276,6 +280,7 @@ class EdgeSettings:
             auto_depth=d == "auto",
             cogen=self.cogen,
             hedge=self.hedge,
+            predraft=self.predraft,
             mode=Mode.parse(pick(mode, self.mode), "mode"),
             correction=CorrectionMode.parse(pick(correction, self.correction), "correction"),
             reconstruction=Reconstruction.parse(self.reconstruction, "reconstruction"),

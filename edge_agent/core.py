@@ -224,6 +224,33 @@ class HedgePlan:
 
 
 @dataclass(frozen=True)
+class PredraftPlan:
+    """An outcome to prepare (PipelineConfig.predraft): ``token``, the draft's second choice at
+    ``pos``, is the likeliest correction should the draft token there be rejected; draft up to
+    ``max_tokens`` tokens after ``context`` (the text before ``pos``) + ``token``, as the next
+    batch would be drafted then (``deterministic`` as the pipeline's drafts)."""
+
+    pos: int
+    token: int
+    context: list[int]
+    max_tokens: int
+    deterministic: bool
+
+
+@dataclass
+class Branch:
+    """A prepared outcome: draft tokens after ``context``, each with the q row it was drawn from
+    and its rival; ``prob``: the draft's probability of the last one. Should the committed text
+    become ``context`` (and nothing in flight extend it), it is the next batch."""
+
+    context: list[int]
+    draft: list[int]
+    q_rows: list[Probs]
+    rivals: list[Rival]
+    prob: float = 1.0
+
+
+@dataclass(frozen=True)
 class DraftPlan:
     """What the drafter may do now: extend ``context`` by up to ``max_tokens`` tokens (stopping
     after an end-of-sequence id) while the pipeline's epoch is still ``epoch``."""
@@ -314,6 +341,13 @@ class Pipeline:
         #: The last Progress frame: when it came and the verifier's estimate of the time left.
         self.progress_at: float | None = None
         self.progress_eta_s = 0.0
+        #: Prepared outcomes (PipelineConfig.predraft), at most cfg.predraft of them.
+        self.branches: list[Branch] = []
+        #: (pos, token) outcomes planned since the version last changed (each prepared once).
+        self._predrafted: set[tuple[int, int]] = set()
+        self._predrafted_version = 0
+        #: When the last rejection came (None: the batch after it has been sent).
+        self.rejected_at: float | None = None
 
     @property
     def gamma(self) -> int:
@@ -422,6 +456,113 @@ class Pipeline:
     def hedge_current(self, hp: HedgePlan) -> bool:
         return hp.version == self.version and not self.gen.done
 
+    # ------------------------------------------------------------ outcome pre-drafting
+
+    def _open_to(self, text: Sequence[int]) -> bool:
+        """May the committed text still become ``text`` or run into it (it is a prefix of
+        ``text``)? Only the tail after the committed text can still change."""
+        c = self.gen.committed
+        return len(c) <= len(text) and list(text[: len(c)]) == c
+
+    def _prune_branches(self) -> None:
+        """Drop the branches the committed text has left (it disagrees with their context or
+        their draft, or has passed their end)."""
+        self.branches = [b for b in self.branches if self._open_to([*b.context, *b.draft])]
+
+    def predraft_plan(self) -> PredraftPlan | None:
+        """The outcome to prepare next, or None: the least confident undecided draft token in
+        flight whose rival has no branch yet (marked planned now), while fewer than
+        ``cfg.predraft`` branches are kept and there is room after it.
+
+        Exact (why a branch may be sent as an ordinary batch): its tokens are drawn from q
+        after its own context with randomness the verifier never sees, before the verdict at
+        ``pos`` is known; it is used only when the committed text turns out to be that context,
+        an event that does not depend on the branch's draws. Given that event, the branch is
+        distributed as a batch drafted after the verdict would be, and it is verified like one
+        with the q rows it was drawn from."""
+        cfg = self.cfg
+        if not cfg.predraft or self.gen.done:
+            return None
+        self._prune_branches()
+        if len(self.branches) >= cfg.predraft:
+            return None
+        if self._predrafted_version != self.version:
+            self._predrafted.clear()
+            self._predrafted_version = self.version
+        c = len(self.gen.committed)
+        best: tuple[float, int, int] | None = None  # (conf, pos, rival)
+        for b in self.inflight:
+            for i, r in enumerate(b.rivals[: len(b.live)]):
+                pos = b.start + i
+                if pos < c or r.conf >= 1.0 or (pos, r.token) in self._predrafted:
+                    continue
+                if best is None or r.conf < best[0]:
+                    best = (r.conf, pos, r.token)
+        if best is None:
+            return None
+        _, pos, token = best
+        self._predrafted.add((pos, token))
+        room = self.gen.room - (pos + 1 - c)
+        if room <= 0 or token in self.gen.eos_ids:
+            return None
+        text = self.gen.committed + self.tail
+        return PredraftPlan(
+            pos, token, text[:pos], min(self.gamma, room), deterministic=self.deterministic_draft
+        )
+
+    def predraft_current(self, pp: PredraftPlan, draft: Sequence[int] = ()) -> bool:
+        """Is preparing ``pp`` (``draft`` so far) still worth it: the committed text may still
+        become its context, and the session is not done."""
+        return not self.gen.done and self._open_to([*pp.context, pp.token, *draft])
+
+    def add_branch(
+        self,
+        pp: PredraftPlan,
+        draft: list[int],
+        q_rows: list[Probs],
+        rivals: Sequence[Rival],
+        prob: float,
+    ) -> None:
+        """Keep the branch drafted for ``pp`` (if it is still open and has tokens)."""
+        if not draft or not self.predraft_current(pp, draft):
+            return
+        st = self.gen.stats
+        st.predraft_branches += 1
+        st.predraft_tokens += len(draft)
+        self._prune_branches()
+        if len(self.branches) >= self.cfg.predraft:
+            return
+        ctx = [*pp.context, pp.token]
+        self.branches.append(Branch(ctx, list(draft), list(q_rows), list(rivals), prob))
+
+    def take_branch(self, plan: DraftPlan) -> Branch | None:
+        """The prepared branch that continues ``plan``'s context, cut to what the plan still
+        needs (its head may already be committed: co-generated tokens that agree with it),
+        removed from those kept; None if none does."""
+        self._prune_branches()
+        ctx = plan.context
+        for i, br in enumerate(self.branches):
+            n = len(br.context)
+            k = len(ctx) - n  # branch tokens the plan's context already holds
+            if k < 0 or k >= len(br.draft) or ctx[:n] != br.context:
+                continue
+            if ctx[n:] != br.draft[:k]:
+                continue
+            del self.branches[i]
+            end = k + plan.max_tokens
+            out = Branch(ctx, br.draft[k:end], br.q_rows[k:end], br.rivals[k:end], br.prob)
+            st = self.gen.stats
+            st.predraft_hits += 1
+            st.predraft_used_tokens += len(out.draft)
+            return out
+        return None
+
+    def on_rejection(self, now: float) -> None:
+        """A rejection (or a co-generated token that dooms a batch) at ``now``: its gap runs
+        until the next batch is sent."""
+        if self.rejected_at is None:
+            self.rejected_at = now
+
     def push(
         self,
         plan: DraftPlan,
@@ -433,7 +574,12 @@ class Pipeline:
         start = len(self.gen.committed) + len(self.tail)
         b = Batch(plan.epoch, draft, q_rows, list(rivals), start=start, sent_at=now)
         self.inflight.append(b)
-        self.gen.stats.proposes_sent += 1
+        st = self.gen.stats
+        st.proposes_sent += 1
+        if self.rejected_at is not None:
+            st.rejection_gap_s += max(0.0, now - self.rejected_at)
+            st.rejection_gaps += 1
+            self.rejected_at = None
         return b
 
     def verdict_deadline(self, floor_s: float, factor: float = 4.0) -> float | None:
@@ -765,12 +911,12 @@ class SingleCore:
         if isinstance(msg, Verdict) and not self.pipe.recovering:
             return self._verdict(msg, len(data), now)
         if isinstance(msg, Generated) and not self.pipe.recovering:
-            return self._commit_cogenerated(msg)
+            return self._commit_cogenerated(msg, now)
         if isinstance(msg, Candidates) and self._resample is not None:
             return self._candidates(msg)
         raise DesyncError(f"unexpected {type(msg).__name__} in state {self.state}")
 
-    def _commit_cogenerated(self, g: Generated) -> list[EdgeEvent]:
+    def _commit_cogenerated(self, g: Generated, now: float = 0.0) -> list[EdgeEvent]:
         """A co-generated token: commit it and rebase the tail on it. A draft in flight at its
         position that agrees stands; one that differs dooms its batch (the verifier will reject
         it there, at no model cost) and voids every batch behind it, like a rejection."""
@@ -798,6 +944,7 @@ class SingleCore:
         if b.draft[c - b.start] == g.token:
             return []
         b.doomed_at = c - b.start
+        pipe.on_rejection(now)
         # The verifier enters the next epoch when it rejects ``b``, before it reads anything
         # sent from now on; it knows the text up to the new token.
         pipe.discard_inflight(keep=b)
@@ -847,6 +994,7 @@ class SingleCore:
                 raise DesyncError("a rejection behind a co-generated token")
             st.rejections += 1
             st.downlink_rejection_bytes += size
+            pipe.on_rejection(now)
             # The verifier cropped its cache to the accepted prefix and entered the next epoch.
             pipe.discard_inflight()
             self.link.verifier_len = len(self.gen.committed)

@@ -27,6 +27,7 @@ from edge_agent.core import (
     DraftPlan,
     HedgePlan,
     Pipeline,
+    PredraftPlan,
     Rival,
     SingleCore,
     check_welcome,
@@ -142,6 +143,35 @@ async def _draft_hedge(
     return out
 
 
+async def _predraft(
+    core: DraftingCore, drafter: DraftModel, worker: ModelWorker, pp: PredraftPlan
+) -> None:
+    """Prepare ``pp``'s branch (:meth:`~edge_agent.core.Pipeline.predraft_plan`), stopping as
+    soon as the pipeline has room again (a verdict came: the next batch comes first, and may
+    be this branch, as far as it got) or the committed text left it; keep what was drafted."""
+    pipe = core.pipe
+    draft: list[int] = []
+    q_rows: list[Probs] = []
+    rivals: list[Rival] = []
+    prob = 1.0
+    while len(draft) < pp.max_tokens and pipe.predraft_current(pp, draft) and not core.may_draft():
+        step = await worker.run(
+            drafter.draft,
+            [*pp.context, pp.token, *draft],
+            pipe.cfg.sampling,
+            pipe.rng,
+            deterministic=pp.deterministic,
+            rival=True,
+        )
+        draft.append(step.token)
+        q_rows.append(step.q)
+        rivals.append(step.rival or NO_RIVAL)
+        prob = step.prob
+        if step.token in pipe.gen.eos_ids:
+            break
+    pipe.add_branch(pp, draft, q_rows, rivals, prob)
+
+
 async def draft_loop(
     core: DraftingCore,
     drafter: DraftModel,
@@ -152,12 +182,18 @@ async def draft_loop(
 ) -> None:
     """Draft batches while the generation runs; ``submit`` hands each to the core and writes
     its frames. Waiting for room (backpressure, stop-and-wait) is counted as drafter idle time;
-    with ``hedge``, the wait is first spent drafting hedges (``Pipeline.hedge_plan``)."""
+    it is first spent preparing outcomes (``Pipeline.predraft_plan``: a batch that a rejection
+    opens is then sent at once, ``Pipeline.take_branch``), then, with ``hedge``, drafting hedges
+    (``Pipeline.hedge_plan``)."""
     pipe = core.pipe
     gen = pipe.gen
-    want_rival = hedge is not None and pipe.cfg.hedge > 0
+    want_rival = (hedge is not None and pipe.cfg.hedge > 0) or pipe.cfg.predraft > 0
     while not gen.done:
         if not core.may_draft():
+            pp = pipe.predraft_plan()
+            if pp is not None:
+                await _predraft(core, drafter, worker, pp)
+                continue
             hp = pipe.hedge_plan() if hedge is not None else None
             if hedge is not None and hp is not None:
                 hedge(hp, await _draft_hedge(core, drafter, worker, hp))
@@ -168,10 +204,11 @@ async def draft_loop(
             continue
         plan = pipe.plan()
         assert plan is not None
-        draft: list[int] = []
-        q_rows: list[Probs] = []
-        rivals: list[Rival] = []
-        prob = 1.0
+        ready = pipe.take_branch(plan)
+        draft: list[int] = [] if ready is None else ready.draft
+        q_rows: list[Probs] = [] if ready is None else ready.q_rows
+        rivals: list[Rival] = [] if ready is None else ready.rivals
+        prob = 1.0 if ready is None else ready.prob
         while pipe.wants_more(plan, draft, prob):
             t0 = time.perf_counter()
             step = await worker.run(

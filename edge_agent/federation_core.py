@@ -341,6 +341,7 @@ class FederatedCore:
             if d.token is None:
                 raise DesyncError("a federated rejection without a recovered token")
             st.rejections += 1
+            pipe.on_rejection(now)
             pipe.discard_inflight()
             pipe.commit_recovered(d.token)
             return True

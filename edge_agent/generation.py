@@ -40,6 +40,16 @@ class Stats:
     hedges_sent: int = 0  # Hedge frames sent
     hedge_bytes: int = 0  # their bytes (part of uplink_bytes)
     hedge_hits: int = 0  # co-generated tokens that continue a hedge sent (as it drafted them)
+    #: Outcome pre-drafting (PipelineConfig.predraft): branches prepared, their draft tokens,
+    #: the batches sent from one (a rejection answered from memory) and the tokens they carried.
+    predraft_branches: int = 0
+    predraft_tokens: int = 0
+    predraft_hits: int = 0
+    predraft_used_tokens: int = 0
+    #: The gap a rejection leaves: from its Verdict (or the co-generated token that dooms a
+    #: batch) to the next batch sent, summed, and the rejections so measured.
+    rejection_gap_s: float = 0.0
+    rejection_gaps: int = 0
     depth_sum: int = 0  # Σ over verdicts of the pipeline depth then (mean D = depth_sum / rounds)
     gamma_sum: int = 0  # Σ over verdicts of the draft length γ then (mean γ = gamma_sum / rounds)
     discarded_batches: int = 0

@@ -48,6 +48,12 @@ class PipelineConfig:
     #: rejection there is followed by a verified forward, not a one-token step; 0 = off.
     hedge: int = 0
     hedge_below: float = 0.8
+    #: Outcome pre-drafting: while the pipeline is full, the drafter prepares up to this many
+    #: branches, each up to γ draft tokens after the draft's second choice at one of its least
+    #: confident positions in flight (the likeliest correction should the draft token there be
+    #: rejected); a rejection whose correction opens a prepared branch sends it as the next
+    #: batch at once (:meth:`~edge_agent.core.Pipeline.take_branch`); 0 = off.
+    predraft: int = 0
     #: Adaptive draft length / depth (``--gamma auto`` / ``--depth auto``): ``gamma`` and
     #: ``depth`` are then the starting values and ``max_gamma`` / ``max_depth`` the bounds of
     #: the online controller (:mod:`edge_agent.controller`).
@@ -65,6 +71,8 @@ class PipelineConfig:
             raise ValueError(f"max_gamma must be in 1..64, got {self.max_gamma}")
         if not 0 <= self.hedge <= 64:
             raise ValueError(f"hedge must be in 0..64, got {self.hedge}")
+        if not 0 <= self.predraft <= 64:
+            raise ValueError(f"predraft must be in 0..64, got {self.predraft}")
         if not 0.0 <= self.hedge_below <= 1.0:
             raise ValueError(f"hedge_below must be in [0, 1], got {self.hedge_below}")
         if not 1 <= self.max_depth < SEQ_MODULUS:

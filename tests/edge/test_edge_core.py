@@ -11,7 +11,16 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from edge_agent.core import DesyncError, EdgeState, SingleCore, VerifierError, hello_for
+from edge_agent.core import (
+    Branch,
+    DesyncError,
+    DraftPlan,
+    EdgeState,
+    Rival,
+    SingleCore,
+    VerifierError,
+    hello_for,
+)
 from edge_agent.events import Fail
 from edge_agent.generation import Generation, TokenSource
 from edge_agent.pipeline_config import Mode, PipelineConfig
@@ -324,3 +333,75 @@ def test_a_new_session_resumes_from_the_committed_ids() -> None:
     again.fill()
     assert again.proposes()[0] == (0, 0, 0, [0, 1, 2], [3, 4])
     assert gen.generated == [1, 2]
+
+
+def _batch_with_rivals(e: Edge, draft: list[int], rivals: list[tuple[int, float]]) -> None:
+    """Send one batch of ``draft`` with the given (rival, confidence) per token."""
+    plan = e.core.pipe.plan()
+    assert plan is not None
+    q_rows = [counting_draft([x - 1], True)[1] for x in draft]
+    rv = [Rival(t, c) for t, c in rivals]
+    e._log(sent(e.core.propose(plan, draft, q_rows, rivals=rv)))
+
+
+def _branch(e: Edge, tokens: list[int]) -> tuple[int, int]:
+    """Plan the next outcome and keep ``tokens`` as its branch; returns its (pos, token)."""
+    pp = e.core.pipe.predraft_plan()
+    assert pp is not None
+    rows = [counting_draft([t - 1], True)[1] for t in tokens]
+    e.core.pipe.add_branch(pp, tokens, rows, [], 0.9)
+    return pp.pos, pp.token
+
+
+def test_predrafted_outcomes_are_planned_least_confident_first_and_sent_on_a_hit() -> None:
+    """Pre-drafting: while the batch is in flight the pipeline plans outcomes at its least
+    confident positions first (the rival after the text before them), keeps at most
+    ``predraft`` branches, and a rejection whose correction opens a branch sends it as the next
+    batch at once (no draft step); a correction that opens none drops the branches it left."""
+    cfg = PipelineConfig(gamma=3, depth=1, sampling=GREEDY, cogen=False, predraft=2)
+    e = edge(cfg, max_new=12)
+    _batch_with_rivals(e, [1, 2, 3], [(9, 0.9), (10, 0.4), (11, 0.6)])
+    assert not e.core.may_draft()
+    pp = e.core.pipe.predraft_plan()
+    assert pp is not None and (pp.pos, pp.token, pp.context, pp.max_tokens) == (2, 10, [0, 1], 3)
+    rows = [counting_draft([t - 1], True)[1] for t in [5, 6, 7]]
+    e.core.pipe.add_branch(pp, [5, 6, 7], rows, [Rival(8, 0.5), Rival(9, 0.7), Rival(9, 0.8)], 0.9)
+    assert _branch(e, [12, 13]) == (3, 11)  # the next least confident
+    assert e.core.pipe.predraft_plan() is None  # two branches kept: the budget
+    e.core.receive(encode(Verdict(0, 0, 1, token=10), e.core.link.ctx), now=5.0)  # 2 rejected: 10
+    assert e.gen.committed == [0, 1, 10]
+    plan = e.core.pipe.plan()
+    assert plan is not None
+    ready = e.core.pipe.take_branch(plan)
+    assert ready is not None and ready.draft == [5, 6, 7] and len(ready.q_rows) == 3
+    e._log(sent(e.core.propose(plan, ready.draft, ready.q_rows, now=5.25, rivals=ready.rivals)))
+    assert e.proposes()[-1] == (1, 1, 2, [10], [5, 6, 7])  # the branch, behind the correction
+    st = e.gen.stats
+    assert (st.predraft_branches, st.predraft_tokens, st.predraft_hits) == (2, 5, 1)
+    assert st.predraft_used_tokens == 3 and st.rejection_gaps == 1
+    assert st.rejection_gap_s == pytest.approx(0.25)
+    assert not e.core.pipe.branches  # the other one's context left the text: dropped
+    # A correction that opens no branch: none taken, the plan drafts as usual.
+    assert _branch(e, [8]) == (3, 8)  # the least confident position of [5, 6, 7]: its rival
+    e.answer(0, token=14)
+    plan = e.core.pipe.plan()
+    assert plan is not None and e.core.pipe.take_branch(plan) is None
+    assert not e.core.pipe.branches
+
+
+def test_a_branch_whose_head_was_co_generated_sends_the_rest() -> None:
+    """Co-generated tokens committed after the correction that agree with a branch's head: the
+    branch's rest is the next batch; ones that disagree drop it."""
+    cfg = PipelineConfig(gamma=3, depth=1, sampling=GREEDY, predraft=4)
+    e = edge(cfg, max_new=12)
+    rows = [counting_draft([t - 1], True)[1] for t in [5, 6, 7]]
+    pipe = e.core.pipe
+    pipe.branches.append(Branch([0, 1], [5, 6, 7], rows, [], 0.9))
+    plan = DraftPlan(epoch=0, context=[0, 1, 5], max_tokens=3, deterministic=True)
+    e.gen.commit([1, 5], TokenSource.COGENERATED)
+    ready = pipe.take_branch(plan)
+    assert ready is not None and ready.draft == [6, 7] and ready.context == [0, 1, 5]
+    pipe.branches.append(Branch([0, 1, 5], [8, 9], rows[:2], [], 0.9))
+    e.gen.commit([6], TokenSource.COGENERATED)  # disagrees with 8
+    plan = DraftPlan(epoch=0, context=[0, 1, 5, 6], max_tokens=3, deterministic=True)
+    assert pipe.take_branch(plan) is None and not pipe.branches

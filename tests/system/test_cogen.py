@@ -11,6 +11,7 @@ checked the same way, against a broken model side that accepts hedge tokens unve
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import numpy as np
 import pytest
@@ -71,6 +72,36 @@ def _hedges(edge: SingleCore) -> list[bytes]:
     return out
 
 
+def _draft_step(
+    rng: np.random.Generator, last: int, deterministic: bool
+) -> tuple[int, np.ndarray, Rival]:
+    """One draft step after ``last``: its token, its q row and a rival (for pre-drafting and
+    hedging: at T = 1 a random other token, so that branches cover every outcome)."""
+    if deterministic:
+        return _greedy_q(last)
+    row = Q[last]
+    x = sample(row, rng)
+    other = int((x + 1 + rng.integers(V - 1)) % V)
+    return x, row, Rival(other, 0.5)
+
+
+def _predraft_all(edge: SingleCore, rng: np.random.Generator, stale: bool) -> None:
+    """Prepare every outcome the pipeline plans now, each branch cut at a random length (a
+    verdict came while it was drafted)."""
+    while (pp := edge.pipe.predraft_plan()) is not None:
+        n = int(rng.integers(1, pp.max_tokens + 1))
+        ctx = [*pp.context, pp.token]
+        draft, q_rows, rivals = [], [], []
+        for _ in range(n):
+            x, row, rival = _draft_step(rng, (ctx + draft)[-1], pp.deterministic)
+            if stale and not draft:  # broken: drawn after the drafted token, not the rival
+                x = sample(Q[(edge.gen.committed + edge.pipe.tail)[pp.pos]], rng)
+            draft.append(x)
+            q_rows.append(row)
+            rivals.append(rival)
+        edge.pipe.add_branch(pp, draft, q_rows, rivals, 0.5)
+
+
 def generate_once(
     rng: np.random.Generator,
     mode: CorrectionMode,
@@ -81,9 +112,16 @@ def generate_once(
     cloud: frozenset[CloudDraft] = frozenset(),
     cloud_only: bool = False,
     prompt_first: bool = False,
+    predraft: bool = False,
+    stale_branches: bool = False,
+    branch_hits: list[int] | None = None,
 ) -> tuple[list[int], int, int]:
     """One generation of ``n`` tokens over a random schedule; returns (tokens, co-generated,
-    draft tokens accepted in co-generation: hedges' and cloud drafts')."""
+    draft tokens accepted in co-generation: hedges' and cloud drafts'). ``predraft``: outcome
+    pre-drafting forced on at every position in flight (rivals drawn at random), branches cut
+    at random lengths, taken wherever a plan opens one (``branch_hits`` gets the count);
+    ``stale_branches``: a broken edge whose branch tokens are drawn after the wrong context
+    (the drafted token, not the rival) while their q rows are the right context's."""
     cfg = PipelineConfig(
         gamma=2,
         depth=2,
@@ -91,6 +129,7 @@ def generate_once(
         correction=mode,
         hedge=hedge,
         hedge_below=1.0,
+        predraft=64 if predraft else 0,
     )
     gen = Generation(PROMPT, n)
     core = VerifierCore(TargetInfo(FP, V), SessionLimits(max_gamma=8, cloud_draft=cloud), "s")
@@ -113,7 +152,7 @@ def generate_once(
     if prompt_first:  # as the driver does: the prompt goes up before the first batch
         up.extend(sent(edge.credit(bonus=False)))
     while not gen.done:
-        choice = rng.integers(5 if hedge else 4)
+        choice = rng.integers(5 if hedge or predraft else 4)
         if choice == 0 and cloud_only:
             if edge.wants_credit():  # no draft model: credits only
                 up.extend(sent(edge.credit()))
@@ -121,21 +160,24 @@ def generate_once(
             plan = edge.pipe.plan()
             assert plan is not None
             draft, q_rows, rivals = [], [], []
+            ready = edge.pipe.take_branch(plan)
+            if ready is not None:
+                draft, q_rows, rivals = ready.draft, ready.q_rows, ready.rivals
+                if branch_hits is not None:
+                    branch_hits.append(1)
             while edge.pipe.wants_more(plan, draft):
-                last = (plan.context + draft)[-1]
-                if plan.deterministic:
-                    x, row, rival = _greedy_q(last)
-                    rivals.append(rival)
-                else:
-                    row = Q[last]
-                    x = sample(row, rng)
+                x, row, rival = _draft_step(rng, (plan.context + draft)[-1], plan.deterministic)
+                rivals.append(rival)
                 draft.append(x)
                 q_rows.append(row)
             up.extend(sent(edge.propose(plan, draft, q_rows, rivals=rivals)))
             if hedge and rng.integers(2):
                 up.extend(_hedges(edge))  # right behind the Propose
         elif choice == 4 and not edge.may_draft():
-            up.extend(_hedges(edge))
+            if predraft:
+                _predraft_all(edge, rng, stale_branches)
+            else:
+                up.extend(_hedges(edge))
         elif choice == 1 and up:
             act(list(core.receive(up.popleft())))
         elif choice == 2 and pending:
@@ -156,7 +198,7 @@ def generate_once(
 
 
 def joint_pvalue(
-    mode: CorrectionMode, cogen_law: np.ndarray, seed: int, n: int = 3, **kw: object
+    mode: CorrectionMode, cogen_law: np.ndarray, seed: int, n: int = 3, **kw: Any
 ) -> tuple[float, float, float]:
     """(p-value of the first 3 tokens, share of the ``n`` tokens co-generated, share accepted
     from hedges)."""
@@ -275,3 +317,34 @@ def test_cloud_only_speculation_keeps_the_target_joint_law(trust: bool) -> None:
         assert pv < 1e-6, f"the broken variant passed (p-value {pv:.2e}): the test has no power"
     else:
         assert pv > ALPHA, f"chi-square p-value {pv:.2e}"
+
+
+@pytest.mark.parametrize(
+    "mode", [CorrectionMode.GREEDY_DRAFT, CorrectionMode.CANDIDATES, CorrectionMode.TOPK]
+)
+def test_predrafted_outcomes_keep_the_target_joint_law(mode: CorrectionMode) -> None:
+    """Outcome pre-drafting forced on at every position in flight, branches cut at random
+    lengths and taken wherever a rejection (or a co-generated token) opens one: the branches
+    are sent as ordinary batches and the joint law of the output is still p, in every
+    correction mode."""
+    hits: list[int] = []
+    pv, share, _ = joint_pvalue(mode, P, seed=29, n=6, predraft=True, branch_hits=hits)
+    assert len(hits) > N // 8, f"branches hardly used ({len(hits)} in {N} runs): the test is void"
+    assert pv > ALPHA, f"{mode}: chi-square p-value {pv:.2e} ({share:.0%} co-generated)"
+
+
+def test_negative_control_branches_drawn_after_the_wrong_context() -> None:
+    """An edge whose branch tokens are drawn after the wrong context (the rejected draft token
+    instead of the correction), with the right context's q rows, is caught."""
+    hits: list[int] = []
+    pv, _, _ = joint_pvalue(
+        CorrectionMode.CANDIDATES,
+        P,
+        seed=29,
+        n=6,
+        predraft=True,
+        stale_branches=True,
+        branch_hits=hits,
+    )
+    assert len(hits) > N // 8
+    assert pv < 1e-6, f"the broken variant passed (p-value {pv:.2e}): the test has no power"

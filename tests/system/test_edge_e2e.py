@@ -190,6 +190,33 @@ async def test_hedged_generation_keeps_the_target_text(
     assert state.metrics.hedge_tokens.get() > 0 and st.hedge_hits > 0
 
 
+@pytest.mark.parametrize("cogen", [True, False], ids=["cogen", "no-cogen"])
+async def test_predrafted_outcomes_keep_the_target_text(
+    aiohttp_server: Any, target: LoadedModel, tiny_model_dir: Path, cogen: bool
+) -> None:
+    """A slow verifier (every forward +40 ms) behind a full pipeline: the edge spends the wait
+    preparing branches after its least confident positions, and a rejection whose correction
+    opens one sends it at once; the text is exactly the target's greedy text."""
+    url, _ = await serve_app(aiohttp_server, lambda: SlowTarget(TorchTarget(target), 0.04))
+    near = load_model(str(tiny_model_dir))
+    with torch.no_grad():
+        w = near.model.get_output_embeddings().weight
+        w += torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) * 0.3 * w.std()
+    agent = agent_for(near, url)
+    try:
+        cfg = PipelineConfig(
+            gamma=2, depth=2, sampling=SamplingParams(0.0), cogen=cogen, predraft=4
+        )
+        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+    finally:
+        agent.close()
+    assert gen.generated == target_greedy(target, PROMPT, 40)
+    st = gen.stats
+    assert st.rejections > 0 and st.predraft_branches > 0 and st.predraft_hits > 0
+    assert 0 < st.predraft_used_tokens <= st.predraft_tokens
+    assert st.rejection_gaps > 0
+
+
 async def test_greedy_with_the_target_as_its_own_draft_accepts_everything(
     aiohttp_server: Any, target: LoadedModel
 ) -> None:
