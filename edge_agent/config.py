@@ -128,7 +128,7 @@ class EdgeSettings:
     # while the pipeline is full, for the verifier to go on after a rejection there; 0 = off
     hedge: int = field(default=0, metadata=_b(0, 64))
     # outcome pre-drafting: branches prepared while the pipeline is full, each γ tokens after the
-    # draft's second choice at a least confident position in flight; a rejection whose
+    # draft's second choice where a rejection is likeliest in flight; a rejection whose
     # correction opens one sends it at once; 0 = off
     predraft: int = field(default=0, metadata=_b(0, 64))
     mode: ModeName = "pipelined"

@@ -470,9 +470,10 @@ class Pipeline:
         self.branches = [b for b in self.branches if self._open_to([*b.context, *b.draft])]
 
     def predraft_plan(self) -> PredraftPlan | None:
-        """The outcome to prepare next, or None: the least confident undecided draft token in
-        flight whose rival has no branch yet (marked planned now), while fewer than
-        ``cfg.predraft`` branches are kept and there is room after it.
+        """The outcome to prepare next, or None: of the undecided draft tokens in flight whose
+        rival has no branch yet, the one most likely to be the first rejected, with the draft's
+        confidences c_j standing in for acceptance: c_1 ⋯ c_{i−1} (1 − c_i) (marked planned
+        now); while fewer than ``cfg.predraft`` branches are kept and there is room after it.
 
         Exact (why a branch may be sent as an ordinary batch): its tokens are drawn from q
         after its own context with randomness the verifier never sees, before the verdict at
@@ -490,14 +491,19 @@ class Pipeline:
             self._predrafted.clear()
             self._predrafted_version = self.version
         c = len(self.gen.committed)
-        best: tuple[float, int, int] | None = None  # (conf, pos, rival)
+        best: tuple[float, int, int] | None = None  # (likelihood, pos, rival)
+        alive = 1.0  # the chance that every undecided token before this one is accepted
         for b in self.inflight:
             for i, r in enumerate(b.rivals[: len(b.live)]):
                 pos = b.start + i
-                if pos < c or r.conf >= 1.0 or (pos, r.token) in self._predrafted:
+                if pos < c:
                     continue
-                if best is None or r.conf < best[0]:
-                    best = (r.conf, pos, r.token)
+                first = alive * (1.0 - r.conf)
+                alive *= r.conf
+                if r.conf >= 1.0 or r.token == b.draft[i] or (pos, r.token) in self._predrafted:
+                    continue
+                if best is None or first > best[0]:
+                    best = (first, pos, r.token)
         if best is None:
             return None
         _, pos, token = best

@@ -29,8 +29,9 @@ class DraftStep:
     """One draft step: ``token`` drawn from ``q`` (the transformed draft distribution, or its
     one-hot argmax when the draft is deterministic); ``prob``: the draft's probability of the
     token before any one-hot (its confidence: the adaptive γ cuts a batch where it falls);
-    ``rival``: the draft's most likely other token and its temperature-1 probability of its
-    argmax (where that is lowest, a hedge drafts after the rival), when asked for."""
+    ``rival``: the draft's most likely other token and its temperature-1 probability of the
+    drafted one (where that is lowest, a hedge or a pre-drafted branch goes after the rival),
+    when asked for."""
 
     token: int
     q: Probs
@@ -63,16 +64,15 @@ class DraftModel(Protocol):
         ...
 
 
-def _rival(logits: npt.NDArray[np.floating], q: Probs) -> Rival:
-    """The second most likely token (the most likely one other than q's argmax, ties to the
-    lowest id) and the draft's temperature-1 probability of its argmax."""
+def _rival(logits: npt.NDArray[np.floating], drafted: int) -> Rival:
+    """The most likely token other than ``drafted`` (ties to the lowest id) and the draft's
+    temperature-1 probability of ``drafted`` (at T = 0 the drafted token is q's argmax)."""
     x = np.asarray(logits, np.float64)
-    top = int(np.argmax(q))
-    best = float(x[top])
-    saved, x[top] = x[top], -np.inf
+    saved, x[drafted] = x[drafted], -np.inf
     alt = int(np.argmax(x))
-    x[top] = saved
-    conf = 1.0 / float(np.sum(np.exp(x - best)))
+    x[drafted] = saved
+    top = float(np.max(x))
+    conf = float(np.exp(saved - top) / np.sum(np.exp(x - top)))
     return Rival(alt, conf)
 
 
@@ -130,11 +130,10 @@ class Drafter:
         while hedging."""
         logits = self._logits(seq)
         q: Probs = transform(logits, params)
-        found = _rival(logits, q) if rival else None
         if deterministic:
             x = int(np.argmax(q))
             onehot = np.zeros_like(q)
             onehot[x] = 1.0
-            return DraftStep(x, onehot, float(q[x]), found)
+            return DraftStep(x, onehot, float(q[x]), _rival(logits, x) if rival else None)
         x = sample(q, rng)
-        return DraftStep(x, q, float(q[x]), found)
+        return DraftStep(x, q, float(q[x]), _rival(logits, x) if rival else None)

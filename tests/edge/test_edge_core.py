@@ -353,9 +353,10 @@ def _branch(e: Edge, tokens: list[int]) -> tuple[int, int]:
     return pp.pos, pp.token
 
 
-def test_predrafted_outcomes_are_planned_least_confident_first_and_sent_on_a_hit() -> None:
-    """Pre-drafting: while the batch is in flight the pipeline plans outcomes at its least
-    confident positions first (the rival after the text before them), keeps at most
+def test_predrafted_outcomes_are_planned_likeliest_first_and_sent_on_a_hit() -> None:
+    """Pre-drafting: while the batch is in flight the pipeline plans outcomes where the first
+    rejection is likeliest first (c_1 ⋯ c_{i−1} (1 − c_i): 0.54 at the second token here, 0.144
+    at the third, 0.1 at the first; the rival after the text before it), keeps at most
     ``predraft`` branches, and a rejection whose correction opens a branch sends it as the next
     batch at once (no draft step); a correction that opens none drops the branches it left."""
     cfg = PipelineConfig(gamma=3, depth=1, sampling=GREEDY, cogen=False, predraft=2)
@@ -366,7 +367,7 @@ def test_predrafted_outcomes_are_planned_least_confident_first_and_sent_on_a_hit
     assert pp is not None and (pp.pos, pp.token, pp.context, pp.max_tokens) == (2, 10, [0, 1], 3)
     rows = [counting_draft([t - 1], True)[1] for t in [5, 6, 7]]
     e.core.pipe.add_branch(pp, [5, 6, 7], rows, [Rival(8, 0.5), Rival(9, 0.7), Rival(9, 0.8)], 0.9)
-    assert _branch(e, [12, 13]) == (3, 11)  # the next least confident
+    assert _branch(e, [12, 13]) == (3, 11)  # next likeliest first rejection: 0.9 · 0.4 · 0.4
     assert e.core.pipe.predraft_plan() is None  # two branches kept: the budget
     e.core.receive(encode(Verdict(0, 0, 1, token=10), e.core.link.ctx), now=5.0)  # 2 rejected: 10
     assert e.gen.committed == [0, 1, 10]
@@ -382,7 +383,7 @@ def test_predrafted_outcomes_are_planned_least_confident_first_and_sent_on_a_hit
     assert st.rejection_gap_s == pytest.approx(0.25)
     assert not e.core.pipe.branches  # the other one's context left the text: dropped
     # A correction that opens no branch: none taken, the plan drafts as usual.
-    assert _branch(e, [8]) == (3, 8)  # the least confident position of [5, 6, 7]: its rival
+    assert _branch(e, [8]) == (3, 8)  # the likeliest first rejection in [5, 6, 7]: its rival
     e.answer(0, token=14)
     plan = e.core.pipe.plan()
     assert plan is not None and e.core.pipe.take_branch(plan) is None
