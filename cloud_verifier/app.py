@@ -53,7 +53,7 @@ from cloud_verifier.core import (
     Verify,
     Work,
 )
-from cloud_verifier.engine import Engine, EngineLimits, NoFreeSlot, Outcome, Slot
+from cloud_verifier.engine import Engine, EngineLimits, NoFreeSlot, Outcome, PrefixCache, Slot
 from cloud_verifier.http_guard import HTTP_LOG, ConnectionGuard
 from cloud_verifier.ratelog import LogLimiter
 from cloud_verifier.settings import VerifierSettings
@@ -189,7 +189,15 @@ def engine_limits(settings: VerifierSettings) -> EngineLimits:
         session_share=settings.kv_session_share,
         tenant_share=settings.kv_token_share,
         stall=StallRule(floor_s=settings.stall_timeout),
+        prefix_cache=prefix_cache(settings),
     )
+
+
+def prefix_cache(settings: VerifierSettings) -> PrefixCache:
+    """The prefix cache's namespace: ``auto`` is per tenant, off under tensor parallelism."""
+    if settings.prefix_cache == "auto":
+        return PrefixCache.TENANT if settings.tp == 1 else PrefixCache.OFF
+    return PrefixCache(settings.prefix_cache)
 
 
 def default_draft_loader(settings: VerifierSettings) -> Callable[[Target], Target] | None:
@@ -586,6 +594,9 @@ async def metrics_handler(request: web.Request) -> web.Response:
     mem = state.engine.memory()
     state.metrics.kv_bytes_used.set(mem["bytes_used"])
     state.metrics.kv_pages_used.set(mem["pages_used"])
+    state.metrics.prefix_cached_pages.set(mem["pages_cached"])
+    state.metrics.prefix_hit_tokens.follow(mem["prefix_hit_tokens"])  # the engine owns them
+    state.metrics.prefix_evictions.follow(mem["prefix_evictions"])
     state.metrics.busy_seconds.follow(state.engine.busy_seconds())  # the engine owns it
     _token_metrics(state)
     body = state.metrics.render().encode()

@@ -68,6 +68,8 @@ _HELP: dict[str, str] = {
     "cloud_draft_tokens": "at most this many tokens per cloud draft",
     "cloud_draft_length": "model draft length: auto (per session, what its measured acceptance "
     "pays for) or fixed (cloud_draft_tokens)",
+    "prefix_cache": "who shares cached prompt prefixes: tenant (per bearer token), global, off; "
+    "auto: tenant, off with tp > 1",
     "handshake_timeout": "seconds a client has to send Hello",
     "idle_timeout": "seconds a session may go without model work before it is closed (0: never)",
     "header_timeout": "seconds a connection has to send its request headers (and to idle "

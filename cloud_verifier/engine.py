@@ -34,7 +34,15 @@ import torch
 
 from cloud_verifier.cloud_drafter import CloudDrafter
 from cloud_verifier.core import CoGenerate, Failed, Result, Skipped, Work, WorkProgress
-from cloud_verifier.runner import FORWARDS, Runner, Shares, Slot, Timing, new_generator
+from cloud_verifier.runner import (
+    FORWARDS,
+    PrefixCache,
+    Runner,
+    Shares,
+    Slot,
+    Timing,
+    new_generator,
+)
 from cloud_verifier.scheduler import (
     BatchLimits,
     Kind,
@@ -58,6 +66,7 @@ __all__ = [
     "EngineLimits",
     "NoFreeSlot",
     "Outcome",
+    "PrefixCache",
     "Slot",
     "Timing",
 ]
@@ -96,6 +105,8 @@ class EngineLimits:
     #: sessions of one tenant (bearer token) together ``tenant_share`` (1.0: no own limit).
     session_share: float = 1.0
     tenant_share: float = 1.0
+    #: Who shares the prefix cache of the KV pool (off: no prefix caching).
+    prefix_cache: PrefixCache = PrefixCache.OFF
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.batch_wait_s <= 1.0:
@@ -112,6 +123,18 @@ class EngineLimits:
     @property
     def batch(self) -> BatchLimits:
         return BatchLimits(self.max_batch_sessions, self.max_batch_tokens)
+
+
+#: The figures of Engine.memory().
+MEMORY_KEYS = (
+    "pages_total",
+    "pages_used",
+    "bytes_total",
+    "bytes_used",
+    "pages_cached",
+    "prefix_hit_tokens",
+    "prefix_evictions",
+)
 
 
 @dataclass(frozen=True)
@@ -292,7 +315,9 @@ class Engine:
             if draft is not None:
                 draft_pool = draft.allocate(pool.num_pages, lim.page_size)
                 drafter = CloudDrafter(draft, draft_pool, target.vocab_size)
-            return Runner(target, pool, shares, self._tenant_pages, drafter)
+            return Runner(
+                target, pool, shares, self._tenant_pages, drafter, prefix_cache=lim.prefix_cache
+            )
 
         runner = await self.call(job)
         self.runner = runner
@@ -361,8 +386,9 @@ class Engine:
     def memory(self) -> dict[str, int]:
         """KV pool figures for /metrics and /health (read without a lock: gauges)."""
         pool = self.pool
-        if pool is None:
-            return {"pages_total": 0, "pages_used": 0, "bytes_total": 0, "bytes_used": 0}
+        runner = self.runner
+        if pool is None or runner is None:
+            return dict.fromkeys(MEMORY_KEYS, 0)
         page_bytes = pool.bytes_per_token * pool.page_size
         used = pool.pages_used
         return {
@@ -370,12 +396,15 @@ class Engine:
             "pages_used": used,
             "bytes_total": pool.bytes_total,
             "bytes_used": used * page_bytes,
+            "pages_cached": pool.pages_cached,
+            "prefix_hit_tokens": runner.prefix_hit_tokens,
+            "prefix_evictions": pool.evictions,
         }
 
     @property
     def pages_free(self) -> int:
         pool = self.pool
-        return 0 if pool is None else len(pool.free)
+        return 0 if pool is None else pool.pages_available
 
     def progress(self, slot: Slot) -> WorkProgress:
         """Where ``slot``'s work stands (read from the event loop, under the lock)."""

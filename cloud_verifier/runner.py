@@ -51,8 +51,9 @@ from cloud_verifier.core import (
 from cloud_verifier.scheduler import model_drafts_allowed
 from cloud_verifier.step_times import DraftCost
 from cloud_verifier.targets import Target
+from shared.enums import TextEnum
 from shared.runtime.batched_lm import Row
-from shared.runtime.kv_pool import OutOfPages, PagedKV, SlotPages
+from shared.runtime.kv_pool import OutOfPages, PagedKV, SlotPages, root_key
 from shared.wire.protocol import CorrectionMode, Hello
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,16 @@ def new_generator(hello: Hello, device: torch.device) -> torch.Generator | None:
     return generator
 
 
+class PrefixCache(TextEnum):
+    """Who shares the KV pool's prefix cache (:mod:`shared.runtime.kv_pool`). A hit is a
+    timing side channel (it tells that someone sent the same prefix), so by default a prefix
+    is shared only among the sessions of one bearer token (cf. vLLM's ``cache_salt``)."""
+
+    OFF = "off"
+    TENANT = "tenant"  # one namespace per bearer token
+    GLOBAL = "global"  # one namespace for every session
+
+
 class Runner:
     """The target, its KV pool and the slots' model state (module docstring).
 
@@ -144,10 +155,13 @@ class Runner:
         shares: Shares,
         tenant_pages: Callable[[Slot], int],
         drafter: CloudDrafter | None = None,
+        prefix_cache: PrefixCache = PrefixCache.OFF,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.pool = pool
+        self.prefix_cache = prefix_cache
+        self.prefix_hit_tokens = 0  # prompt tokens claimed from the prefix cache
         self.shares = shares
         self._tenant_pages = tenant_pages
         self.forwards = 0  # batched forward passes
@@ -197,6 +211,12 @@ class Runner:
                 f"they may share; {need} more needed"
             )
         return None
+
+    def _root(self, slot: Slot) -> bytes:
+        """The root of ``slot``'s prefix-cache chains: the model, and its namespace."""
+        fp = self.target.fingerprint
+        space = "global" if self.prefix_cache == PrefixCache.GLOBAL else f"tenant:{slot.tenant}"
+        return root_key(fp.model_name, fp.tokenizer_hash, str(fp.vocab_size), space)
 
     # ------------------------------------------------------------------ slots
 
@@ -333,6 +353,12 @@ class Runner:
                 start,
             )
         fixed, draft = work.fixed.tolist(), work.draft.tolist()
+        if fixed and start == 0 and self.prefix_cache != PrefixCache.OFF:
+            # A new session's prefill: the longest cached prefix of its text is claimed, not
+            # computed (at least its last fixed token is, for the row that scores draft[0]).
+            claimed = self.pool.claim(slot.pages, fixed, self._root(slot), len(fixed) - 1)
+            self.prefix_hit_tokens += claimed
+            start, fixed = claimed, fixed[claimed:]
         if fixed:
             row_start, ids = start, [*fixed, *draft]
         elif start == 0:
@@ -353,6 +379,7 @@ class Runner:
         if quota is not None:
             return Failed(quota, start)
         try:
+            self.pool.writable(slot.pages, row_start)  # a shared page is copied, never written
             self.pool.reserve(slot.pages, end)
         except OutOfPages as e:
             return Failed(f"OutOfPages: {e}", start)
@@ -387,6 +414,9 @@ class Runner:
                 results.update(zip(group, decide([planned[i] for i in group], sub), strict=True))
         except Exception as e:
             return self._failed(planned, e)
+        if self.prefix_cache != PrefixCache.OFF:
+            for p in planned:  # the full pages of the text each slot now holds
+                self.pool.publish(p.slot.pages, self._root(p.slot))
         padded = len(planned) * max(len(p.row.ids) for p in planned)
         timing = Timing(forward_s, time.perf_counter() - t0, len(planned), padded)
         return [(p.index, (results[i], timing)) for i, p in enumerate(planned)]

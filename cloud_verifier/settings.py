@@ -59,6 +59,12 @@ class VerifierSettings:
     # 0 = auto: 65536 on the CPU, 80% of the GPU memory free after loading on CUDA.
     kv_cache_tokens: int = field(default=0, metadata=_b(0))
     kv_page_size: int = field(default=16, metadata=_b(1, 4096))
+    # Prefix cache: full KV pages are kept, keyed by their text, so that a session whose text
+    # begins like an earlier one's (a chat's next turn, a shared system prompt) computes only
+    # the rest. "tenant": shared among the sessions of one bearer token (a hit tells that the
+    # prefix was sent before: no other token learns it); "global": among all; "auto": tenant,
+    # off with tp > 1.
+    prefix_cache: Literal["auto", "tenant", "global", "off"] = "auto"
     # Concurrent sessions per bearer token (more: HTTP 429 before the upgrade); 0 = no own limit.
     max_sessions_per_token: int = field(default=32, metadata=_b(0))
     max_context: int = field(default=8192, metadata=_b(2))  # tokens per session (capped by model)
@@ -151,6 +157,8 @@ class VerifierSettings:
             raise ConfigError("cloud_draft", str(e)) from None
         if self.cloud_draft_model and self.tp > 1:
             raise ConfigError("cloud_draft_model", "a cloud draft model needs tp = 1")
+        if self.prefix_cache in ("tenant", "global") and self.tp > 1:
+            raise ConfigError("prefix_cache", "the prefix cache needs tp = 1 (use auto or off)")
         # Neither set is refused by `serve` only: tests and the demo pass a generated token.
         if self.token_file is not None and self.insecure_no_auth:
             raise ConfigError("insecure_no_auth", "cannot be combined with a token_file (pick one)")

@@ -200,6 +200,19 @@ class VerifierMetrics:
             "Sessions in one batched forward of the engine.",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         )
+        self.prefix_hit_tokens = r.counter(
+            "wanspec_prefix_cache_hit_tokens_total",
+            "Prompt tokens new sessions took from the prefix cache instead of computing them.",
+        )
+        self.prefix_cached_pages = r.gauge(
+            "wanspec_prefix_cache_pages",
+            "KV pages in the prefix cache (held by sessions or idle; idle ones are evicted, "
+            "least recently used first, when a page is needed).",
+        )
+        self.prefix_evictions = r.counter(
+            "wanspec_prefix_cache_evictions_total",
+            "Cached KV pages evicted because a page was needed and none was free.",
+        )
         self.kv_bytes_total = r.gauge(
             "wanspec_kv_cache_bytes_total", "KV cache memory preallocated (kv_cache_tokens)."
         )

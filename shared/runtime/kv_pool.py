@@ -10,8 +10,22 @@ row that padding tokens write to. Invariants:
   may hold anything (an uncommitted forward, a rolled-back draft) and are never read unmasked;
 * ``len(pages) · page_size >= length`` and at most one page past what ``length`` needs is kept
   (rollback frees whole pages beyond the new length);
-* pages are owned by at most one slot; ``free`` (a min-heap) holds every other page, so a lone
-  slot's pages are always ``0, 1, 2, …`` in order and its rows one contiguous range.
+* without the prefix cache, pages are owned by at most one slot; ``free`` (a min-heap) holds
+  every other page, so a lone slot's pages are always ``0, 1, 2, …`` in order and its rows one
+  contiguous range. With it, ``free`` holds the pages no slot holds that are not cached.
+
+Prefix cache (the verifier's; vLLM's automatic prefix caching on a small scale). A slot may
+*publish* its full pages (:meth:`PagedKV.publish`): each is keyed by a hash chain over the
+tokens of every page up to it from a root key (the model and a namespace: a tenant, or one
+shared by all), so a key names one prefix. A new slot *claims* the longest published prefix of
+its first tokens (:meth:`PagedKV.claim`) instead of computing it. Pages are reference-counted:
+
+* a page is held by ``refs`` slots; a published page that no slot holds stays cached, in
+  least-recently-used order, and is evicted only when a page is needed and none is free, so the
+  cache costs nothing under pressure;
+* a shared or published page is read-only: before a forward writes into one, the slot gets a
+  private copy (:meth:`PagedKV.writable`: copy on write), so rollback and rewrites never touch
+  a page another slot reads.
 
 Rollback is a pointer move (:meth:`PagedKV.crop`): no tensor is touched. A forward over a batch
 of slots writes every new key once (:meth:`StepCache.update`) and reads, per layer, the slots'
@@ -21,7 +35,9 @@ dense ``[B, kv_heads, L, head_dim]`` tensor and a 4D mask hides what a row must 
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +61,20 @@ class SlotPages:
     pages: list[int] = field(default_factory=list)
     length: int = 0
     tokens: list[int] = field(default_factory=list)
+    #: The prefix cache's chain keys of its first full pages (publish, claim), as far as known.
+    keys: list[bytes] = field(default_factory=list)
+
+
+def root_key(*parts: str) -> bytes:
+    """The key a hash chain starts from (the model, a namespace)."""
+    return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=16).digest()
+
+
+def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a page holding ``tokens`` after the prefix whose key is ``parent``."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
+    return h.digest()
 
 
 class PagedKV:
@@ -76,6 +106,13 @@ class PagedKV:
         self.free: list[int] = list(range(num_pages))  # a heap: the lowest free page first
         size = torch.empty(0, dtype=dtype).element_size()
         self.bytes_per_token = 2 * layers * kv_heads * head_dim * size
+        self.refs: list[int] = [0] * num_pages  # slots holding each page
+        self._key_of: dict[int, bytes] = {}  # published page → its key
+        self._page_of: dict[bytes, int] = {}  # key → its published page
+        #: Published pages no slot holds, least recently used first (evicted first).
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        self.evictions = 0  # cached pages evicted for a page needed
+        self.copies = 0  # pages copied on write
 
     @property
     def bytes_total(self) -> int:
@@ -83,30 +120,131 @@ class PagedKV:
 
     @property
     def pages_used(self) -> int:
-        return self.num_pages - len(self.free)
+        """Pages some slot holds (cached pages no slot holds are as good as free)."""
+        return self.num_pages - len(self.free) - len(self._idle)
+
+    @property
+    def pages_available(self) -> int:
+        """Pages a slot may still get: free ones, then cached ones no slot holds (evicted)."""
+        return len(self.free) + len(self._idle)
+
+    @property
+    def pages_cached(self) -> int:
+        """Published pages (held by slots or idle)."""
+        return len(self._key_of)
+
+    def _take(self) -> int:
+        """A page for a slot: the lowest free one, else the least recently used idle cached
+        one (evicted: its key is forgotten)."""
+        if self.free:
+            page = heapq.heappop(self.free)
+        else:
+            page, _ = self._idle.popitem(last=False)
+            del self._page_of[self._key_of.pop(page)]
+            self.evictions += 1
+        self.refs[page] = 1
+        return page
+
+    def _drop(self, page: int) -> None:
+        """A slot lets go of ``page``: it goes back to the pool when no slot holds it (kept
+        cached, most recently used, if published)."""
+        self.refs[page] -= 1
+        if self.refs[page] > 0:
+            return
+        if page in self._key_of:
+            self._idle[page] = None
+        else:
+            heapq.heappush(self.free, page)
 
     def reserve(self, slot: SlotPages, length: int) -> None:
         """Give ``slot`` pages for positions ``[0, length)``; all or nothing (OutOfPages)."""
         need = -(-length // self.page_size) - len(slot.pages)
         if need <= 0:
             return
-        if need > len(self.free):
+        if need > self.pages_available:
             raise OutOfPages(
                 f"the KV cache is full: {need} more pages of {self.page_size} tokens needed, "
-                f"{len(self.free)} of {self.num_pages} free"
+                f"{self.pages_available} of {self.num_pages} free"
             )
-        slot.pages.extend(heapq.heappop(self.free) for _ in range(need))
+        slot.pages.extend(self._take() for _ in range(need))
 
     def crop(self, slot: SlotPages, length: int) -> None:
         """Roll ``slot`` back to its first ``length`` positions (a pointer move); pages wholly
-        past them go back to the pool."""
+        past them go back to the pool (shared ones stay with their other holders)."""
         if not 0 <= length <= slot.length:
             raise ValueError(f"crop({length}) out of range 0..{slot.length}")
         slot.length = length
         del slot.tokens[length:]
+        del slot.keys[length // self.page_size :]
         keep = -(-length // self.page_size)
         while len(slot.pages) > keep:
-            heapq.heappush(self.free, slot.pages.pop())
+            self._drop(slot.pages.pop())
+
+    # ------------------------------------------------------------------ the prefix cache
+
+    def publish(self, slot: SlotPages, root: bytes) -> None:
+        """Key every full page of ``slot`` (a recording slot) under the chain from ``root``; a
+        page whose key another page already holds stays private (the same prefix, computed
+        twice), the others become cached pages."""
+        size = self.page_size
+        full = slot.length // size
+        while len(slot.keys) < full:
+            i = len(slot.keys)
+            parent = slot.keys[-1] if slot.keys else root
+            key = chain_key(parent, slot.tokens[i * size : (i + 1) * size])
+            slot.keys.append(key)
+            page = slot.pages[i]
+            if key not in self._page_of and page not in self._key_of:
+                self._page_of[key] = page
+                self._key_of[page] = key
+
+    def claim(self, slot: SlotPages, tokens: Sequence[int], root: bytes, limit: int) -> int:
+        """An empty ``slot`` takes the longest cached prefix of ``tokens`` (under ``root``), in
+        whole pages and at most ``limit`` tokens; returns the tokens claimed."""
+        if slot.length or slot.pages:
+            raise ValueError("claim() needs an empty slot")
+        size = self.page_size
+        parent = root
+        for i in range(min(limit, len(tokens)) // size):
+            key = chain_key(parent, tokens[i * size : (i + 1) * size])
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            if self.refs[page] == 0:
+                del self._idle[page]
+            self.refs[page] += 1
+            slot.pages.append(page)
+            slot.keys.append(key)
+            parent = key
+        n = len(slot.pages) * size
+        slot.length = n
+        slot.tokens[:] = [int(t) for t in tokens[:n]]
+        return n
+
+    def writable(self, slot: SlotPages, start: int) -> None:
+        """Make the page that holds position ``start`` of ``slot`` its own before a forward
+        writes there (copy on write): a page another slot holds, or a cached one, is copied
+        into a fresh page (OutOfPages when none is left). Pages past it are the slot's own:
+        reserved after ``start``'s page, or wholly past its length and so never published."""
+        i = start // self.page_size
+        if i >= len(slot.pages):
+            return
+        page = slot.pages[i]
+        if self.refs[page] == 1 and page not in self._key_of:
+            return
+        if self.pages_available == 0:
+            raise OutOfPages("the KV cache is full: no page to copy a shared page into")
+        fresh = self._take()
+        size = self.page_size
+        src = slice(page * size, (page + 1) * size)
+        dst = slice(fresh * size, (fresh + 1) * size)
+        for pool in (self.keys, self.values):
+            for layer in pool:
+                layer[dst] = layer[src]
+        slot.pages[i] = fresh
+        del slot.keys[i:]
+        self._drop(page)
+        self.copies += 1
 
     def commit(self, slot: SlotPages, start: int, ids: Sequence[int]) -> None:
         """A forward wrote ``ids`` at positions ``start, start+1, ...`` of ``slot`` (within its
@@ -137,6 +275,7 @@ class PagedKV:
                 pool[i] = new
         for page in range(self.num_pages, num_pages):
             heapq.heappush(self.free, page)
+        self.refs += [0] * (num_pages - self.num_pages)
         self.num_pages = num_pages
         self.trash = rows - 1
 

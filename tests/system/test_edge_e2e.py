@@ -217,6 +217,38 @@ async def test_predrafted_outcomes_keep_the_target_text(
     assert st.rejection_gaps > 0
 
 
+async def test_a_conversations_next_turn_is_served_from_the_prefix_cache(
+    aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
+) -> None:
+    """Turn 2 of a conversation (a new session whose prompt is turn 1's text and more) takes
+    turn 1's full pages from the verifier's prefix cache and computes only the rest; another
+    bearer token sending the same text gets no hit (tenants do not share by default); the text
+    is the target's greedy text either way."""
+    other = "e2e-other-token-0123456789"
+    server = await serve_verifier(
+        aiohttp_server, lambda: TorchTarget(target), auth=[TOKEN, other], kv_page_size=4
+    )
+    url, state = session_url(server), server.app[STATE]
+    cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0))
+    agent = agent_for(draft, url)
+    try:
+        turn1 = await agent.generate(PROMPT, cfg, max_new_tokens=20)
+        prompt2 = [*PROMPT, *turn1.generated, 11, 12, 13]
+        turn2 = await agent.generate(prompt2, cfg, max_new_tokens=12)
+    finally:
+        agent.close()
+    assert turn2.generated == target_greedy(target, prompt2, 12)
+    hits = state.engine.memory()["prefix_hit_tokens"]
+    assert hits >= len(PROMPT) + 20 - 4  # turn 1's text, in whole pages of 4
+    stranger = agent_for(draft, url, token=other)
+    try:
+        again = await stranger.generate(prompt2, cfg, max_new_tokens=12)
+    finally:
+        stranger.close()
+    assert again.generated == turn2.generated
+    assert state.engine.memory()["prefix_hit_tokens"] == hits
+
+
 async def test_greedy_with_the_target_as_its_own_draft_accepts_everything(
     aiohttp_server: Any, target: LoadedModel
 ) -> None:

@@ -24,10 +24,12 @@ from cloud_verifier.core import (
     Draw,
     Drawn,
     Failed,
+    Federate,
+    Federated,
     Verified,
     Verify,
 )
-from cloud_verifier.engine import Engine, EngineLimits, NoFreeSlot, Outcome, Slot
+from cloud_verifier.engine import Engine, EngineLimits, NoFreeSlot, Outcome, PrefixCache, Slot
 from cloud_verifier.step_times import DraftCost
 from cloud_verifier.targets import NullTarget, Target, TorchTarget
 from shared.maths.rejection import try_candidates
@@ -36,7 +38,7 @@ from shared.runtime.batched_lm import BatchedLM, Row
 from shared.runtime.kv_pool import SlotPages
 from shared.runtime.models import load_model
 from shared.wire.params import SamplingParams
-from shared.wire.protocol import CorrectionMode, Fingerprint, Hello, Propose
+from shared.wire.protocol import CorrectionMode, Fingerprint, Hello, Propose, ReplyMode
 from tests.stats import ALPHA, chi_square_pvalue
 from tests.waits import until
 
@@ -557,4 +559,93 @@ async def test_a_sessions_model_draft_is_as_long_as_its_acceptance_pays_for() ->
     result = (await engine.run(poor, fixed)).result
     assert isinstance(result, Verified) and result.drafted is not None
     assert len(result.drafted) == 3 and result.withheld is None
+    engine.shutdown()
+
+
+# ----------------------------------------------------------------------------- prefix cache
+
+
+def _fed(fixed: list[int], draft: list[int], pos: int) -> Federate:
+    return Federate(_propose(fixed, draft, pos))
+
+
+async def _script(engine: Engine, target: TorchTarget, tenant_b: str) -> list[Any]:
+    """One scripted run: session 1 (tenant a) prefills a 22-token prompt, verifies, rolls back
+    and verifies again; then session 2 (tenant a) and session 3 (``tenant_b``) open with
+    prompts that share its first 16 tokens (4 pages of 4), and session 4 (tenant a) with a
+    prompt that forks inside the shared pages and rolls back into them; every result."""
+    rng = np.random.default_rng(5)
+    prompt = [int(x) for x in rng.integers(1, 64, 22)]
+    hello = Hello(
+        fingerprint=target.fingerprint,
+        sampling=SamplingParams(1.0),
+        reply_mode=ReplyMode.FEDERATED,
+        k=8,
+    )
+    out: list[Any] = []
+    s1 = engine.open(hello, tenant="a")
+    out.append((await engine.run(s1, _fed(prompt, [3, 4, 5], 0))).result)
+    out.append((await engine.run(s1, Crop(20))).result)  # a rollback inside its own pages
+    out.append((await engine.run(s1, _fed([9], [6, 7], 20))).result)
+    engine.release(s1)
+    for tenant, tail in (("a", [40, 41, 42]), (tenant_b, [40, 41, 42])):
+        s = engine.open(hello, tenant=tenant)
+        text = [*prompt[:16], *tail]
+        out.append((await engine.run(s, _fed(text, [8, 9], 0))).result)
+        out.append((await engine.run(s, Crop(14))).result)  # back into the shared pages
+        out.append((await engine.run(s, _fed([50, 51], [10], 14))).result)
+        engine.release(s)
+    return out
+
+
+async def test_verdicts_are_the_same_with_and_without_the_prefix_cache() -> None:
+    """The prefix cache changes what is computed, never what comes out: the same script on an
+    engine with it (per tenant, and global) and one without gives the same sparse rows (ids
+    equal, probabilities within float tolerance); tenant a's second session claims the shared
+    pages, tenant b's only in the global namespace; rollbacks into shared pages copy them."""
+    target = _qwen3_target()
+    runs = {}
+    for mode in (PrefixCache.OFF, PrefixCache.TENANT, PrefixCache.GLOBAL):
+        engine = await _engine(target, prefix_cache=mode)
+        runs[mode] = (await _script(engine, target, "b"), engine.memory(), engine.pool.copies)
+        engine.shutdown()
+    ref = runs[PrefixCache.OFF][0]
+    for mode in (PrefixCache.TENANT, PrefixCache.GLOBAL):
+        got = runs[mode][0]
+        assert len(got) == len(ref)
+        for a, b in zip(ref, got, strict=True):
+            assert type(a) is type(b)
+            if isinstance(a, Federated):
+                for x, y in zip(a.dists, b.dists, strict=True):
+                    assert x.ids.tolist() == y.ids.tolist()
+                    np.testing.assert_allclose(x.probs, y.probs, atol=1e-5)
+                np.testing.assert_allclose(a.p_draft, b.p_draft, atol=1e-5)
+            assert a.cache_len == b.cache_len  # type: ignore[union-attr]
+    assert runs[PrefixCache.OFF][1]["prefix_hit_tokens"] == 0
+    assert runs[PrefixCache.TENANT][1]["prefix_hit_tokens"] == 16  # tenant a's second session
+    assert runs[PrefixCache.GLOBAL][1]["prefix_hit_tokens"] == 32  # and tenant b's
+    assert runs[PrefixCache.TENANT][2] >= 1  # a rollback into a shared page copied it
+
+
+async def test_a_full_pool_evicts_idle_cached_pages_before_refusing_anyone() -> None:
+    """With every page either held or cached, a new session's pages come from the idle cached
+    ones (least recently used first); only pages that sessions hold make a pool full."""
+    target = _qwen3_target()
+    engine = await _engine(target, kv_tokens=32, prefix_cache=PrefixCache.TENANT)  # 8 pages
+    hello = Hello(fingerprint=target.fingerprint, sampling=GREEDY)
+    a = engine.open(hello, tenant="a")
+    result = (
+        await engine.run(a, Verify(_propose(list(range(1, 30)), [2], 0), want_bonus=False))
+    ).result
+    assert isinstance(result, Verified)
+    engine.release(a)
+    await until(lambda: engine.memory()["pages_used"] == 0, 5.0, "a's pages released")
+    assert engine.memory()["pages_cached"] == 7 and engine.pages_free == 8
+    b = engine.open(hello, tenant="b")  # another tenant: no hit, its pages evict a's
+    result = (
+        await engine.run(b, Verify(_propose(list(range(31, 59)), [2], 0), want_bonus=False))
+    ).result
+    assert isinstance(result, Verified), result
+    memory = engine.memory()
+    assert memory["prefix_evictions"] >= 6 and memory["prefix_hit_tokens"] == 0
     engine.shutdown()
