@@ -190,6 +190,7 @@ def engine_limits(settings: VerifierSettings) -> EngineLimits:
         tenant_share=settings.kv_token_share,
         stall=StallRule(floor_s=settings.stall_timeout),
         prefix_cache=prefix_cache(settings),
+        prefill_chunk=settings.prefill_chunk,
     )
 
 

@@ -70,6 +70,8 @@ _HELP: dict[str, str] = {
     "pays for) or fixed (cloud_draft_tokens)",
     "prefix_cache": "who shares cached prompt prefixes: tenant (per bearer token), global, off; "
     "auto: tenant, off with tp > 1",
+    "prefill_chunk": "prompt tokens a session's forward computes per step, the rest in later "
+    "steps (0: no limit)",
     "handshake_timeout": "seconds a client has to send Hello",
     "idle_timeout": "seconds a session may go without model work before it is closed (0: never)",
     "header_timeout": "seconds a connection has to send its request headers (and to idle "

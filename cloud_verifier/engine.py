@@ -36,11 +36,13 @@ from cloud_verifier.cloud_drafter import CloudDrafter
 from cloud_verifier.core import CoGenerate, Failed, Result, Skipped, Work, WorkProgress
 from cloud_verifier.runner import (
     FORWARDS,
+    Prefilled,
     PrefixCache,
     Runner,
     Shares,
     Slot,
     Timing,
+    advance,
     new_generator,
 )
 from cloud_verifier.scheduler import (
@@ -50,6 +52,7 @@ from cloud_verifier.scheduler import (
     RunningStep,
     plan_step,
     queue_eta,
+    row_tokens,
     should_gather,
 )
 from cloud_verifier.step_times import StallRule, StepTimes
@@ -107,6 +110,8 @@ class EngineLimits:
     tenant_share: float = 1.0
     #: Who shares the prefix cache of the KV pool (off: no prefix caching).
     prefix_cache: PrefixCache = PrefixCache.OFF
+    #: Chunked prefill: a forward computes at most this many fixed tokens a step (0: no limit).
+    prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.batch_wait_s <= 1.0:
@@ -171,14 +176,14 @@ def _resolve(
         fut.set_result(value)
 
 
-def _queued(item: _Request | _Call) -> Queued:
+def _queued(item: _Request | _Call, chunk: int) -> Queued:
     """What the scheduler needs to know of a queue entry."""
     if isinstance(item, _Call):
         return Queued(Kind.CALL)
     work = item.work
     if isinstance(work, FORWARDS):
         kind = Kind.COGEN if isinstance(work, CoGenerate) else Kind.FORWARD
-        return Queued(kind, len(work.fixed) + len(work.draft) + 1)
+        return Queued(kind, row_tokens(len(work.fixed), len(work.draft), chunk))
     return Queued(Kind.CHEAP)
 
 
@@ -316,7 +321,13 @@ class Engine:
                 draft_pool = draft.allocate(pool.num_pages, lim.page_size)
                 drafter = CloudDrafter(draft, draft_pool, target.vocab_size)
             return Runner(
-                target, pool, shares, self._tenant_pages, drafter, prefix_cache=lim.prefix_cache
+                target,
+                pool,
+                shares,
+                self._tenant_pages,
+                drafter,
+                prefix_cache=lim.prefix_cache,
+                prefill_chunk=lim.prefill_chunk,
             )
 
         runner = await self.call(job)
@@ -418,7 +429,7 @@ class Engine:
                 for item in self._queue:
                     if not isinstance(item, _Request):
                         continue
-                    q = _queued(item)
+                    q = _queued(item, 0)  # its whole row: what it waits for in all
                     if q.kind in (Kind.FORWARD, Kind.COGEN):
                         ahead.append(q.tokens)
                     if item.slot is slot:
@@ -443,7 +454,9 @@ class Engine:
         now = time.perf_counter()
         with self._cv:
             tokens = [
-                q.tokens for q in map(_queued, self._queue) if q.kind in (Kind.FORWARD, Kind.COGEN)
+                q.tokens
+                for q in (_queued(item, 0) for item in self._queue)
+                if q.kind in (Kind.FORWARD, Kind.COGEN)
             ]
             eta, _ = queue_eta(
                 self._running_step, now, tokens, self.times, self.limits.batch, self.limits.stall
@@ -553,7 +566,7 @@ class Engine:
             return
         deadline = time.monotonic() + wait
         while not self._closed:
-            queue = [_queued(item) for item in self._queue]
+            queue = [_queued(item, self.limits.prefill_chunk) for item in self._queue]
             if not should_gather(queue, self.slots_used, self.limits.batch):
                 return
             left = deadline - time.monotonic()
@@ -565,7 +578,9 @@ class Engine:
         """Under the lock: the scheduler's next step, taken off the queue; co-generations it
         found no room for are answered Skipped at once."""
         queue = list(self._queue)
-        plan = plan_step([_queued(item) for item in queue], self.limits.batch)
+        plan = plan_step(
+            [_queued(item, self.limits.prefill_chunk) for item in queue], self.limits.batch
+        )
         for _ in range(plan.taken):
             self._queue.popleft()
         calls = [queue[i] for i in plan.calls]
@@ -596,8 +611,17 @@ class Engine:
         finally:  # a step that raised was busy time too
             with self._cv:
                 self.busy_s += time.perf_counter() - t0
+        again: list[_Request] = []
         for req, (result, timing) in zip(batch, answers, strict=True):
-            self._finish(req, result, timing, t0)
+            if isinstance(result, Prefilled):  # a chunk of a long prefill: the rest goes next
+                req.work = advance(req.work, result.cache_len)
+                again.append(req)
+            else:
+                self._finish(req, result, timing, t0)
+        if again:
+            with self._cv:
+                self._queue.extendleft(reversed(again))  # first, in their order
+                self._cv.notify_all()
         timing = next((t for _, t in answers if t is not None), None)
         if timing is not None:
             with self._cv:

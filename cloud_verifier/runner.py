@@ -48,7 +48,7 @@ from cloud_verifier.core import (
     Work,
     cache_after,
 )
-from cloud_verifier.scheduler import model_drafts_allowed
+from cloud_verifier.scheduler import model_drafts_allowed, prefill_chunk
 from cloud_verifier.step_times import DraftCost
 from cloud_verifier.targets import Target
 from shared.enums import TextEnum
@@ -111,8 +111,34 @@ class _Planned:
     index: int  # in the step's requests
     slot: Slot
     row: Row
-    start: int  # the slot's length before the forward
+    start: int  # the slot's length before the request
     work: Verify | Federate | CoGenerate
+    chunk: bool = False  # a prefill chunk: cached, not decided (Prefilled)
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A chunk of a long prefill is cached (:func:`~cloud_verifier.scheduler.prefill_chunk`):
+    the slot holds ``cache_len`` tokens; the work goes on from there in a later step (the
+    engine queues it again; the session's core never sees this)."""
+
+    cache_len: int
+
+
+def advance(work: Work, cache_len: int) -> Work:
+    """``work`` once the cache holds its fixed tokens up to ``cache_len`` (a prefill chunk,
+    and a claimed prefix): the same work from there."""
+    if not isinstance(work, FORWARDS):
+        raise TypeError(f"{type(work).__name__} has no fixed tokens to advance over")
+    n = cache_len - work_start(work)
+    if not 0 <= n <= len(work.fixed):
+        raise ValueError(f"advance to {cache_len}: the work's fixed tokens do not reach it")
+    if isinstance(work, CoGenerate):
+        return replace(work, pos=cache_len, fixed=work.fixed[n:])
+    propose = replace(work.propose, pos=cache_len, fixed=work.fixed[n:])
+    if isinstance(work, Verify):
+        return replace(work, propose=propose)
+    return replace(work, propose=propose)
 
 
 def work_start(work: Verify | Federate | CoGenerate) -> int:
@@ -156,11 +182,13 @@ class Runner:
         tenant_pages: Callable[[Slot], int],
         drafter: CloudDrafter | None = None,
         prefix_cache: PrefixCache = PrefixCache.OFF,
+        prefill_chunk: int = 0,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.pool = pool
         self.prefix_cache = prefix_cache
+        self.prefill_chunk = prefill_chunk  # fixed tokens a forward computes a step (0: all)
         self.prefix_hit_tokens = 0  # prompt tokens claimed from the prefix cache
         self.shares = shares
         self._tenant_pages = tenant_pages
@@ -238,10 +266,12 @@ class Runner:
 
     # ------------------------------------------------------------------ a step
 
-    def step(self, requests: Sequence[tuple[Slot, Work]]) -> list[tuple[Result, Timing | None]]:
+    def step(
+        self, requests: Sequence[tuple[Slot, Work]]
+    ) -> list[tuple[Result | Prefilled, Timing | None]]:
         """Every request of one step, answered in order (cheap ones at once, the rest from one
         batched forward)."""
-        out: list[tuple[Result, Timing | None] | None] = [None] * len(requests)
+        out: list[tuple[Result | Prefilled, Timing | None] | None] = [None] * len(requests)
         planned: list[_Planned] = []
         drafted = self._model_drafts(requests)
         for i, (slot, asked) in enumerate(requests):
@@ -346,47 +376,58 @@ class Runner:
         no fixed tokens, the last cached token again (its row scores draft[0]; its keys are
         rewritten with the same values)."""
         slot.kept = None
-        start = slot.length
+        start = before = slot.length
         if work_start(work) != start:
             return Failed(
                 f"Desync: the work starts at {work_start(work)}, the cache holds {start} tokens",
                 start,
             )
         fixed, draft = work.fixed.tolist(), work.draft.tolist()
+        if not fixed and start == 0:
+            return Failed("ValueError: no tokens in the cache: nothing to predict from", start)
+        target = self.target
+        # The whole work's end (a chunked prefill is checked once, before its first chunk).
+        full_end = start + len(fixed) + len(draft)
+        if target.max_length is not None and full_end > target.max_length:
+            return Failed(
+                f"ContextLengthError: context of {full_end} tokens exceeds the model's maximum "
+                f"of {target.max_length}",
+                start,
+            )
+        new = fixed + draft
+        if new and (min(new) < 0 or max(new) >= target.vocab_size):
+            return Failed(f"ValueError: token ids must be in [0, {target.vocab_size})", start)
+        quota = self._over_quota(slot, full_end)
+        if quota is not None:
+            return Failed(quota, start)
         if fixed and start == 0 and self.prefix_cache != PrefixCache.OFF:
             # A new session's prefill: the longest cached prefix of its text is claimed, not
             # computed (at least its last fixed token is, for the row that scores draft[0]).
             claimed = self.pool.claim(slot.pages, fixed, self._root(slot), len(fixed) - 1)
             self.prefix_hit_tokens += claimed
             start, fixed = claimed, fixed[claimed:]
-        if fixed:
-            row_start, ids = start, [*fixed, *draft]
-        elif start == 0:
-            return Failed("ValueError: no tokens in the cache: nothing to predict from", start)
+        chunk = prefill_chunk(len(fixed), self.prefill_chunk)
+        if chunk < len(fixed):  # a long prefill: this step caches a chunk of it, no decision
+            row_start, ids, keep = start, fixed[:chunk], 0
+        elif fixed:
+            row_start, ids, keep = start, [*fixed, *draft], len(draft) + 1
         else:
-            row_start, ids = start - 1, [slot.tokens[-1], *draft]
-        target = self.target
-        end = row_start + len(ids)
-        if target.max_length is not None and end > target.max_length:
-            return Failed(
-                f"ContextLengthError: context of {end} tokens exceeds the model's maximum of "
-                f"{target.max_length}",
-                start,
-            )
-        if min(ids) < 0 or max(ids) >= target.vocab_size:
-            return Failed(f"ValueError: token ids must be in [0, {target.vocab_size})", start)
-        quota = self._over_quota(slot, end)
-        if quota is not None:
-            return Failed(quota, start)
+            row_start, ids, keep = start - 1, [slot.tokens[-1], *draft], len(draft) + 1
         try:
             self.pool.writable(slot.pages, row_start)  # a shared page is copied, never written
-            self.pool.reserve(slot.pages, end)
+            self.pool.reserve(slot.pages, row_start + len(ids))
         except OutOfPages as e:
-            return Failed(f"OutOfPages: {e}", start)
-        row = Row(slot.pages, row_start, tuple(ids), len(draft) + 1)
-        return _Planned(index, slot, row, start, work)
+            # A failed work leaves the cache as it found it (the core relies on it): a claim
+            # is let go.
+            self.pool.crop(slot.pages, before)
+            return Failed(f"OutOfPages: {e}", before)
+        row = Row(slot.pages, row_start, tuple(ids), keep)
+        # start: before any claim (an undo lets the claimed pages go, a replan claims again)
+        return _Planned(index, slot, row, before, work, chunk=keep == 0)
 
-    def _forward(self, planned: list[_Planned]) -> list[tuple[int, tuple[Result, Timing | None]]]:
+    def _forward(
+        self, planned: list[_Planned]
+    ) -> list[tuple[int, tuple[Result | Prefilled, Timing | None]]]:
         t0 = time.perf_counter()
         try:
             logits = self.target.forward([p.row for p in planned])  # [Σ (γ+1), V]
@@ -400,18 +441,22 @@ class Runner:
         self.rows_forwarded += len(planned)
         for p in planned:  # commit
             self.pool.commit(p.slot.pages, p.row.start, p.row.ids)
-        gammas = [len(p.work.draft) for p in planned]
-        cu = ds.cu_from_gammas(gammas)
-        verify = [i for i, p in enumerate(planned) if not isinstance(p.work, Federate)]
-        federate = [i for i, p in enumerate(planned) if isinstance(p.work, Federate)]
-        results: dict[int, Result] = {}
+        results: dict[int, Result | Prefilled] = {
+            i: Prefilled(p.slot.length) for i, p in enumerate(planned) if p.chunk
+        }
+        # The decided rows, in order: each has γ+1 logits rows (a prefill chunk has none).
+        decided = [i for i, p in enumerate(planned) if not p.chunk]
+        cu = ds.cu_from_gammas([len(planned[i].work.draft) for i in decided])
+        verify = [j for j, i in enumerate(decided) if not isinstance(planned[i].work, Federate)]
+        federate = [j for j, i in enumerate(decided) if isinstance(planned[i].work, Federate)]
         try:
             for group, decide in ((verify, self._decide), (federate, self._federate)):
                 if not group:
                     continue
-                rows = np.concatenate([np.arange(cu[i] + i, cu[i + 1] + i + 1) for i in group])
-                sub = logits if len(group) == len(planned) else logits[torch.as_tensor(rows)]
-                results.update(zip(group, decide([planned[i] for i in group], sub), strict=True))
+                rows = np.concatenate([np.arange(cu[j] + j, cu[j + 1] + j + 1) for j in group])
+                sub = logits if len(group) == len(decided) else logits[torch.as_tensor(rows)]
+                done = decide([planned[decided[j]] for j in group], sub)
+                results.update(zip((decided[j] for j in group), done, strict=True))
         except Exception as e:
             return self._failed(planned, e)
         if self.prefix_cache != PrefixCache.OFF:
@@ -423,7 +468,7 @@ class Runner:
 
     def _failed(
         self, planned: list[_Planned], error: Exception
-    ) -> list[tuple[int, tuple[Result, Timing | None]]]:
+    ) -> list[tuple[int, tuple[Result | Prefilled, Timing | None]]]:
         """A batch failed: undo it; one session fails alone, several are run again one by one
         so that only the session whose work fails gets the error."""
         for p in planned:
@@ -432,7 +477,7 @@ class Runner:
             p = planned[0]
             return [(p.index, (Failed(f"{type(error).__name__}: {error}", p.start), None))]
         log.info("a batch of %d sessions failed (%s); running them one by one", len(planned), error)
-        out: list[tuple[int, tuple[Result, Timing | None]]] = []
+        out: list[tuple[int, tuple[Result | Prefilled, Timing | None]]] = []
         for p in planned:
             replanned = self._plan(p.index, p.slot, p.work)
             if isinstance(replanned, Failed):

@@ -13,7 +13,10 @@ adopting a lost session) and the sessions' model work, each described here by it
 * co-generation gives way: a CoGenerate in the prefix joins the step only in the room the other
   forwards leave, and one that finds none is answered Skipped at once;
 * so does the verifier's own draft model (:func:`model_drafts_allowed`): only in steps with no
-  edge-drafted work.
+  edge-drafted work;
+* a long prefill is chunked (:func:`prefill_chunk`): a forward whose fixed tokens pass the chunk
+  budget computes only a chunk of them in a step (its row that long) and is queued again, first,
+  for the rest; so one long prompt never pads every session's row of a step to its length.
 
 A session has at most one request queued (its core waits for the result), so a step sees each
 session at most once, in arrival order: every open session gets its turn each step (its fair
@@ -98,6 +101,20 @@ def plan_step(queue: Sequence[Queued], limits: BatchLimits) -> StepPlan:
         else:
             skipped.append(i)
     return StepPlan(taken, tuple(calls), tuple(batch), tuple(skipped), forwards * longest)
+
+
+def prefill_chunk(fixed: int, budget: int) -> int:
+    """How many of a forward's ``fixed`` tokens its next step computes: all of them (and its
+    draft) when they fit the chunk ``budget`` (0: no chunking), else ``budget`` alone, with no
+    decision (the rest, and the draft, in later steps)."""
+    return fixed if budget <= 0 or fixed <= budget else budget
+
+
+def row_tokens(fixed: int, draft: int, budget: int) -> int:
+    """The row a forward puts in its next step: a chunk of its fixed tokens, or all of them
+    with its draft and the row that scores the first draft token."""
+    n = prefill_chunk(fixed, budget)
+    return n if n < fixed else fixed + draft + 1
 
 
 def model_drafts_allowed(edge_forwards: int) -> bool:

@@ -65,6 +65,10 @@ class VerifierSettings:
     # prefix was sent before: no other token learns it); "global": among all; "auto": tenant,
     # off with tp > 1.
     prefix_cache: Literal["auto", "tenant", "global", "off"] = "auto"
+    # Chunked prefill: a session's forward computes at most this many prompt (fixed) tokens a
+    # step, the rest in the next steps, so a long prompt never holds every other session's
+    # verification up for its whole prefill; 0 = no limit.
+    prefill_chunk: int = field(default=512, metadata=_b(0, 1 << 20))
     # Concurrent sessions per bearer token (more: HTTP 429 before the upgrade); 0 = no own limit.
     max_sessions_per_token: int = field(default=32, metadata=_b(0))
     max_context: int = field(default=8192, metadata=_b(2))  # tokens per session (capped by model)

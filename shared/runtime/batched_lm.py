@@ -33,7 +33,8 @@ __all__ = ["BatchedLM", "Row"]
 @dataclass(frozen=True)
 class Row:
     """One sequence's part of a batched forward: write ``ids`` at positions ``start, start+1,
-    ...`` of ``slot`` (whose pages cover them) and return the logits of the last ``keep``."""
+    ...`` of ``slot`` (whose pages cover them) and return the logits of the last ``keep`` (0: none,
+    the row only caches its keys: a prefill chunk)."""
 
     slot: SlotPages
     start: int
@@ -41,7 +42,7 @@ class Row:
     keep: int
 
     def __post_init__(self) -> None:
-        if not self.ids or not 1 <= self.keep <= len(self.ids) or self.start < 0:
+        if not self.ids or not 0 <= self.keep <= len(self.ids) or self.start < 0:
             raise ValueError(f"bad row: start {self.start}, {len(self.ids)} ids, keep {self.keep}")
 
 

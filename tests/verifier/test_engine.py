@@ -599,19 +599,24 @@ async def _script(engine: Engine, target: TorchTarget, tenant_b: str) -> list[An
 
 
 async def test_verdicts_are_the_same_with_and_without_the_prefix_cache() -> None:
-    """The prefix cache changes what is computed, never what comes out: the same script on an
-    engine with it (per tenant, and global) and one without gives the same sparse rows (ids
-    equal, probabilities within float tolerance); tenant a's second session claims the shared
-    pages, tenant b's only in the global namespace; rollbacks into shared pages copy them."""
+    """The prefix cache and chunked prefill change what is computed when, never what comes
+    out: the same script on engines with the cache (per tenant, global) and with prefills in
+    chunks of 5 tokens gives the sparse rows of one without either (ids equal, probabilities
+    within float tolerance); tenant a's second session claims the shared pages, tenant b's only
+    in the global namespace; rollbacks into shared pages copy them."""
     target = _qwen3_target()
     runs = {}
-    for mode in (PrefixCache.OFF, PrefixCache.TENANT, PrefixCache.GLOBAL):
-        engine = await _engine(target, prefix_cache=mode)
-        runs[mode] = (await _script(engine, target, "b"), engine.memory(), engine.pool.copies)
+    configs = [(m, 0) for m in PrefixCache] + [(PrefixCache.OFF, 5), (PrefixCache.TENANT, 5)]
+    for mode, chunk in configs:
+        engine = await _engine(target, prefix_cache=mode, prefill_chunk=chunk)
+        pool = engine.pool
+        assert pool is not None
+        result = await _script(engine, target, "b")
+        runs[mode, chunk] = (result, engine.memory(), pool.copies)
         engine.shutdown()
-    ref = runs[PrefixCache.OFF][0]
-    for mode in (PrefixCache.TENANT, PrefixCache.GLOBAL):
-        got = runs[mode][0]
+    ref = runs[PrefixCache.OFF, 0][0]
+    for key in configs[1:]:
+        got = runs[key][0]
         assert len(got) == len(ref)
         for a, b in zip(ref, got, strict=True):
             assert type(a) is type(b)
@@ -621,10 +626,11 @@ async def test_verdicts_are_the_same_with_and_without_the_prefix_cache() -> None
                     np.testing.assert_allclose(x.probs, y.probs, atol=1e-5)
                 np.testing.assert_allclose(a.p_draft, b.p_draft, atol=1e-5)
             assert a.cache_len == b.cache_len  # type: ignore[union-attr]
-    assert runs[PrefixCache.OFF][1]["prefix_hit_tokens"] == 0
-    assert runs[PrefixCache.TENANT][1]["prefix_hit_tokens"] == 16  # tenant a's second session
-    assert runs[PrefixCache.GLOBAL][1]["prefix_hit_tokens"] == 32  # and tenant b's
-    assert runs[PrefixCache.TENANT][2] >= 1  # a rollback into a shared page copied it
+    hits = {key: memory["prefix_hit_tokens"] for key, (_, memory, _) in runs.items()}
+    assert hits[PrefixCache.OFF, 0] == hits[PrefixCache.OFF, 5] == 0
+    assert hits[PrefixCache.TENANT, 0] == hits[PrefixCache.TENANT, 5] == 16  # a's 2nd session
+    assert hits[PrefixCache.GLOBAL, 0] == 32  # and tenant b's
+    assert runs[PrefixCache.TENANT, 0][2] >= 1  # a rollback into a shared page copied it
 
 
 async def test_a_full_pool_evicts_idle_cached_pages_before_refusing_anyone() -> None:
@@ -649,3 +655,37 @@ async def test_a_full_pool_evicts_idle_cached_pages_before_refusing_anyone() -> 
     memory = engine.memory()
     assert memory["prefix_evictions"] >= 6 and memory["prefix_hit_tokens"] == 0
     engine.shutdown()
+
+
+async def test_a_long_prefill_in_chunks_does_not_hold_up_another_sessions_round() -> None:
+    """Chunked prefill: a 200-token prompt and another session's short round arrive together;
+    with chunks of 16 the short round is answered in the first step (its row padded to the
+    chunk, not the prompt) while the prompt takes 13 steps; without chunking both wait for one
+    step padded to the whole prompt. The long session's verdict is the same either way."""
+    target = _qwen3_target()
+    rng = np.random.default_rng(9)
+    prompt = [int(x) for x in rng.integers(1, 64, 200)]
+    hello = Hello(fingerprint=target.fingerprint, sampling=GREEDY)
+    seen = {}
+    for chunk in (0, 16):
+        engine = await _engine(target, prefill_chunk=chunk, kv_tokens=1024)
+        long, short = engine.open(hello), engine.open(hello)
+        first = await engine.run(short, Verify(_propose([1, 2, 3], [4], 0), want_bonus=True))
+        assert isinstance(first.result, Verified) and first.result.cache_len is not None
+        forwards = engine.forwards  # (counted before a step's outcomes are handed out)
+        jobs = [
+            (long, Verify(_propose(prompt, [5, 6], 0), want_bonus=True)),
+            (short, Verify(_propose([7], [8, 9], first.result.cache_len), want_bonus=True)),
+        ]
+        outs = await _together(engine, [lambda e=engine, s=s, w=w: e.run(s, w) for s, w in jobs])
+        seen[chunk] = (outs, engine.forwards - forwards)
+        engine.shutdown()
+    (long0, short0), steps0 = seen[0]
+    (long16, short16), steps16 = seen[16]
+    assert steps0 == 1 and short0.timing is not None and short0.timing.padded_tokens == 2 * 202
+    assert steps16 == 13 and short16.timing is not None and short16.timing.padded_tokens == 2 * 16
+    assert long16.timing is not None and long16.timing.padded_tokens == 8 + 2  # the last chunk
+    for a, b in ((long0, long16), (short0, short16)):
+        assert isinstance(a.result, Verified) and isinstance(b.result, Verified)
+        assert a.result.decision == b.result.decision
+        assert a.result.cache_len == b.result.cache_len

@@ -12,7 +12,9 @@ from cloud_verifier.scheduler import (
     StepPlan,
     model_drafts_allowed,
     plan_step,
+    prefill_chunk,
     queue_eta,
+    row_tokens,
     should_gather,
 )
 from cloud_verifier.step_times import StallRule, StepTimes
@@ -94,3 +96,17 @@ def test_queue_eta_and_stall() -> None:
 def test_model_drafts_only_in_steps_without_edge_drafted_work() -> None:
     assert model_drafts_allowed(0)
     assert not model_drafts_allowed(1) and not model_drafts_allowed(64)
+
+
+def test_a_long_prefill_is_taken_in_chunks_of_the_budget() -> None:
+    assert prefill_chunk(1000, 256) == 256  # a chunk, no decision
+    assert prefill_chunk(256, 256) == 256  # fits: all of it, with the draft
+    assert prefill_chunk(1000, 0) == 1000  # no chunking
+    assert row_tokens(1000, 4, 256) == 256
+    assert row_tokens(200, 4, 256) == 205  # fixed + draft + the row scoring draft[0]
+    assert row_tokens(0, 4, 256) == 5
+    # The scheduler sees the chunk: a long prompt and three short rounds share a step whose
+    # padded size is 4 rows of the chunk, not of the prompt.
+    queue = [Queued(Kind.FORWARD, row_tokens(4000, 4, 256))] + [Queued(Kind.FORWARD, 5)] * 3
+    plan = plan_step(queue, BatchLimits(max_sessions=8, max_tokens=4096))
+    assert plan.batch == (0, 1, 2, 3) and plan.padded_tokens == 4 * 256

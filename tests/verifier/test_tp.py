@@ -179,7 +179,9 @@ async def _check_against_unsharded(
         assert met == tp - 1 and len(_ranks(sharded.pid)) == tp
         agent = make_agent(draft, sharded.url, TOKEN)
         try:
-            cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0))
+            # No co-generation: on a loaded machine the verifier could write the whole text
+            # before the edge's first batch, and the rounds (with their rollbacks) are the point.
+            cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0), cogen=False)
             gen = await agent.generate(PROMPT, cfg, max_new_tokens=n)
         finally:
             agent.close()
