@@ -369,3 +369,29 @@ def test_verifier_load_smoke(tmp_path: Path) -> None:
         assert len(result[key]) == 2 and all(x > 0 for x in result[key]), key
     assert all(0 <= x <= 1 for x in result["cloud-sd_cloud_share"])
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_prefix_bench_smoke(tmp_path: Path) -> None:
+    """bench.prefix against null:512: the conversation's later turns and the later sessions of
+    the shared system prompt compute only what the cache lacks (prefix_cache = tenant), and
+    everything without it; the keys the README line is built from."""
+    out = tmp_path / "prefix.json"
+    cmd = [sys.executable, "-m", "bench.prefix", "--model", "null:512", "--turns", "3",
+           "--sessions", "3", "--system-tokens", "100", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = orjson.loads(out.read_bytes())
+    on, off = result["tenant"], result["off"]
+    assert [t["cached_tokens"] for t in off["conversation"]] == [0, 0, 0]
+    turns = on["conversation"]
+    assert turns[0]["cached_tokens"] == 0 and all(t["cached_tokens"] > 0 for t in turns[1:])
+    # every later turn computes less than its prompt: the conversation so far is cached
+    assert all(t["computed_tokens"] < t["prompt_tokens"] for t in turns[1:])
+    shared = on["shared_system_prompt"]
+    assert shared[0]["computed_tokens"] == shared[0]["prompt_tokens"]
+    assert all(s["cached_tokens"] >= 96 for s in shared[1:])  # the system prompt, in pages
+    assert (
+        on["summary"]["shared_prompt_tokens_computed"]
+        < off["summary"]["shared_prompt_tokens_computed"]
+    )
+    assert all(t["ttft_s"] > 0 for t in turns)
