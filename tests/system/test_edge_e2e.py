@@ -195,7 +195,7 @@ async def test_predrafted_outcomes_keep_the_target_text(
     aiohttp_server: Any, target: LoadedModel, tiny_model_dir: Path, cogen: bool
 ) -> None:
     """A slow verifier (every forward +40 ms) behind a full pipeline: the edge spends the wait
-    preparing branches after its least confident positions, and a rejection whose correction
+    preparing branches where a rejection is likeliest, and a rejection whose correction
     opens one sends it at once; the text is exactly the target's greedy text."""
     url, _ = await serve_app(aiohttp_server, lambda: SlowTarget(TorchTarget(target), 0.04))
     near = load_model(str(tiny_model_dir))
