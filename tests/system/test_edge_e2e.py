@@ -294,6 +294,31 @@ async def test_sampled_output_is_distributed_as_the_target(
     assert pv > 1e-4, f"{correction}: chi-square p-value {pv:.2e} over {len(toks)} tokens"
 
 
+async def test_sampled_output_with_a_warm_prefix_cache_is_distributed_as_the_target(
+    aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
+) -> None:
+    """The exactness check of the test above, with a warm prefix cache: each turn is a new
+    session whose prompt is the previous turn's prompt and text and one more token, so its
+    prefill claims the previous turn's pages (4 tokens a page) and computes only the rest."""
+    url, state = await serve_app(aiohttp_server, lambda: TorchTarget(target), kv_page_size=4)
+    params = SamplingParams(1.0)
+    agent = agent_for(draft, url)
+    toks, rows = [], []
+    prompt = [1, 5, 9]
+    try:
+        for i in range(4):
+            cfg = PipelineConfig(gamma=3, depth=2, sampling=params)
+            gen = await agent.generate(prompt, cfg, max_new_tokens=250, seed=200 + i)
+            toks += gen.generated
+            rows.append(target_rows(target, prompt, gen.generated, params))
+            prompt = [*prompt, *gen.generated[:60], 7]
+    finally:
+        agent.close()
+    assert state.engine.memory()["prefix_hit_tokens"] >= 3 * 60  # the earlier turns, cached
+    pv = sequential_chi_square(np.array(toks), np.concatenate(rows))
+    assert pv > 1e-4, f"chi-square p-value {pv:.2e} over {len(toks)} tokens"
+
+
 def test_chi_square_has_power_negative_control(target: LoadedModel, draft: LoadedModel) -> None:
     """The draft's own samples (not the target's) must fail the same test."""
     params = SamplingParams(1.0)
