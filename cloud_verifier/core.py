@@ -329,6 +329,8 @@ class Verified:
     drafted: npt.NDArray[np.int64] | None = None
     #: A CoGenerate with ``model_tokens`` and no draft made: why (CoGenerate.withheld).
     withheld: Withheld | None = None
+    #: Fixed tokens the model side took from its prefix cache for this work (not computed).
+    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -1057,8 +1059,10 @@ class VerifierCore:
         segments = work.segments
         for i, s in enumerate(segments):
             gs = len(s.draft) + (work.matched if i == 0 else 0)
+            # (only the first segment carries fixed tokens: the prefix cache's share of them)
+            cached = result.cached if i == 0 and result.cached else None
             if left >= gs and i < len(segments) - 1:
-                out.append(Send(Verdict(epoch=s.epoch, seq=s.seq, accepted=gs)))
+                out.append(Send(Verdict(epoch=s.epoch, seq=s.seq, accepted=gs, cached=cached)))
                 left -= gs
                 continue
             verdict = Verdict(
@@ -1069,6 +1073,7 @@ class VerifierCore:
                 candidates=d.candidates,
                 token=d.token,
                 bonus=d.bonus,
+                cached=cached,
             )
             out.append(Send(verdict))
             out += [Note(NoteKind.STALE)] * (len(segments) - 1 - i)

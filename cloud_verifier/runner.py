@@ -76,6 +76,8 @@ class Slot:
     pages: SlotPages = field(default_factory=SlotPages)
     #: The draft model's cache of this session's text (cloud_draft_model), lazily in step.
     draft_pages: SlotPages = field(default_factory=SlotPages)
+    #: Prompt tokens its prefill took from the prefix cache, until a verdict reports them.
+    claimed: int = 0
     kept: tuple[torch.Tensor, int] | None = None  # ([V] probs on the device, rejected id)
     released: bool = False
 
@@ -405,6 +407,7 @@ class Runner:
             # computed (at least its last fixed token is, for the row that scores draft[0]).
             claimed = self.pool.claim(slot.pages, fixed, self._root(slot), len(fixed) - 1)
             self.prefix_hit_tokens += claimed
+            slot.claimed = claimed
             start, fixed = claimed, fixed[claimed:]
         chunk = prefill_chunk(len(fixed), self.prefill_chunk)
         if chunk < len(fixed):  # a long prefill: this step caches a chunk of it, no decision
@@ -420,6 +423,7 @@ class Runner:
             # A failed work leaves the cache as it found it (the core relies on it): a claim
             # is let go.
             self.pool.crop(slot.pages, before)
+            slot.claimed = 0
             return Failed(f"OutOfPages: {e}", before)
         row = Row(slot.pages, row_start, tuple(ids), keep)
         # start: before any claim (an undo lets the claimed pages go, a replan claims again)
@@ -536,9 +540,15 @@ class Runner:
                 p.work.draft if isinstance(p.work, CoGenerate) and p.work.model_tokens else None
             )
             withheld = p.work.withheld if isinstance(p.work, CoGenerate) else None
+            cached, slot.claimed = slot.claimed, 0
             out.append(
                 Verified(
-                    d, kept_row=kept, cache_len=slot.length, drafted=drafted, withheld=withheld
+                    d,
+                    kept_row=kept,
+                    cache_len=slot.length,
+                    drafted=drafted,
+                    withheld=withheld,
+                    cached=cached,
                 )
             )
             row += g + 1

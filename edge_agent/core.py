@@ -969,6 +969,8 @@ class SingleCore:
         gamma = len(b.draft)
         if v.accepted > gamma:
             raise DesyncError(f"Verdict accepts {v.accepted} of {gamma} draft tokens")
+        if v.cached:
+            st.prompt_cached_tokens += v.cached
         if b.doomed_at >= 0:
             # The rejection a co-generated token announced: everything is committed already.
             at = b.start + b.doomed_at

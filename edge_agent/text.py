@@ -128,6 +128,7 @@ def result_json(
         "unverified_spans": [list(span) for span in gen.unverified],
         "reconnects": st.reconnects,
         "resumed_tokens": st.resumed_tokens,
+        "prompt_cached_tokens": st.prompt_cached_tokens,
         "busy_refusals": st.busy_refusals,
         "progress_frames": st.progress_frames,
         "uplink_bytes": st.uplink_bytes,

@@ -262,7 +262,8 @@ class Verdict:
     ``accepted`` draft tokens were accepted. When accepted < γ, exactly one correction is set:
     ``sparse`` (top-K of p at the rejected position), ``candidates`` (exact mode (a)) or ``token``
     (the recovered token itself: greedy target, or greedy-draft mode). ``bonus`` is set on full
-    acceptance when asked for.
+    acceptance when asked for. ``cached``: of the Propose's fixed tokens, how many the verifier
+    took from its prefix cache instead of computing them (set only when some were).
     """
 
     epoch: int
@@ -272,6 +273,7 @@ class Verdict:
     candidates: SparseDist | None = None
     token: int | None = None
     bonus: int | None = None
+    cached: int | None = None
 
 
 @dataclass(frozen=True)
@@ -902,7 +904,7 @@ def _make_hedge(v: list[Any]) -> Hedge:
 
 def _make_verdict(v: list[Any]) -> Verdict:
     """At most one correction, and no bonus token with one."""
-    sparse, candidates, token, bonus = v[3:]
+    sparse, candidates, token, bonus = v[3:7]
     n_corr = (sparse is not None) + (candidates is not None) + (token is not None)
     if n_corr > 1:
         raise ProtocolError("verdict", "more than one correction")
@@ -1073,6 +1075,7 @@ _FRAMES: Final = (
             _Field(K_B, "candidates", _Sparse(distributional=False), presence=_OPTIONAL),
             _Field(K_C, "token", _TOKEN, presence=_OPTIONAL),
             _Field(K_D, "bonus", _TOKEN, presence=_OPTIONAL),
+            _Field(K_E, "cached", _U32, presence=_OPTIONAL),
         ],
         _make_verdict,
     ),

@@ -179,6 +179,7 @@ ALL_MESSAGES = [
     Verdict(EPOCH, SEQ, 1, sparse=_sparse(10)),
     Verdict(EPOCH, SEQ, 0, candidates=SparseDist(np.array([3, 3, 9]), np.full(3, 0.2, np.float32))),
     Verdict(EPOCH, SEQ, 2, token=49151),
+    Verdict(EPOCH, SEQ, 3, bonus=5, cached=4096),
     FederatedReply(
         EPOCH,
         SEQ,

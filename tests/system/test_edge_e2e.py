@@ -240,6 +240,8 @@ async def test_a_conversations_next_turn_is_served_from_the_prefix_cache(
     assert turn2.generated == target_greedy(target, prompt2, 12)
     hits = state.engine.memory()["prefix_hit_tokens"]
     assert hits >= len(PROMPT) + 20 - 4  # turn 1's text, in whole pages of 4
+    # the verifier says so in its verdict; the edge counts it (the API's wanspec object)
+    assert turn1.stats.prompt_cached_tokens == 0 and turn2.stats.prompt_cached_tokens == hits
     stranger = agent_for(draft, url, token=other)
     try:
         again = await stranger.generate(prompt2, cfg, max_new_tokens=12)
@@ -247,6 +249,7 @@ async def test_a_conversations_next_turn_is_served_from_the_prefix_cache(
         stranger.close()
     assert again.generated == turn2.generated
     assert state.engine.memory()["prefix_hit_tokens"] == hits
+    assert again.stats.prompt_cached_tokens == 0
 
 
 async def test_greedy_with_the_target_as_its_own_draft_accepts_everything(
