@@ -2,7 +2,8 @@
 ``shared.service.config.load_settings``.
 
 Sources, highest first: command line, ``WANSPEC_*`` environment variables, a TOML file
-(``--config F``: top-level keys, or a ``[verifier]`` table), these defaults.
+(``--config F``: its ``[verifier]`` table; a setting at its top level is refused), these
+defaults.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import dataclasses
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -191,7 +191,10 @@ def _check_bounds(value: Any, meta: Mapping[str, Any]) -> None:
         raise ValueError(f"{value} is above the maximum {hi}")
 
 
-def _read_toml(path: Path, section: str | None) -> dict[str, Any]:
+def _read_toml(path: Path, section: str | None, fields: Collection[str] = ()) -> dict[str, Any]:
+    """The settings of ``path``: its top level, or its ``[section]`` table. With a section, a
+    top-level key that names one of ``fields`` is refused (it would be ignored: a missing
+    table header is an easy mistake)."""
     try:
         with path.open("rb") as fh:
             data = tomllib.load(fh)
@@ -201,6 +204,14 @@ def _read_toml(path: Path, section: str | None) -> dict[str, Any]:
         raise ConfigError("config", f"{path} is not valid TOML: {e}") from e
     if section is None:
         return dict(data)
+    for key, value in data.items():
+        if not isinstance(value, dict) and key.replace("-", "_") in fields:
+            raise ConfigError(
+                key,
+                f"is at the top level of {path}, where it is ignored: this program reads its "
+                f"settings from the [{section}] table (put [{section}] above it)",
+                str(path),
+            )
     table = data.get(section, {})
     if not isinstance(table, dict):
         raise ConfigError(section, "expected a table", str(path))
@@ -239,7 +250,7 @@ def load_settings(
         sources[key] = source
 
     if toml_path is not None:
-        table = _read_toml(toml_path, section)
+        table = _read_toml(toml_path, section, fields)
         for key, raw in table.items():
             name = key.replace("-", "_")
             if name not in fields:

@@ -48,6 +48,17 @@ def test_precedence_cli_env_file_default(tmp_path: Path) -> None:
     assert (s.name, s.port) == ("file", 1)
 
 
+def test_a_setting_outside_the_programs_table_is_refused(tmp_path: Path) -> None:
+    """With a section, a top-level key that names a setting of the program was ignored (a
+    missing [svc] header); it is refused, naming the key and where it belongs. Other programs'
+    keys and tables in the same file are left alone."""
+    toml = write(tmp_path, 'port = 9000\n[svc]\nname = "x"\n')
+    with pytest.raises(ConfigError, match=r"'port'.*top level.*\[svc\] table"):
+        load_settings(S, toml_path=toml, section="svc")
+    other = write(tmp_path, 'verifier_url = "ws://x"\n[svc]\nport = 2\n[other]\nport = 3\n')
+    assert load_settings(S, toml_path=other, section="svc").port == 2
+
+
 def test_text_parsing() -> None:
     env = {"W_FAST": "yes", "W_PORT": "0x50", "W_RATIO": "1e-3", "W_PATH": "~/t"}
     s = load_settings(S, env=env, env_prefix="W_")
