@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cloud_verifier.settings import ENV_PREFIX, TOML_SECTION, VerifierSettings
+from shared.service.cli_args import parse_args
 from shared.service.config import ConfigError, load_settings
 
 if TYPE_CHECKING:
@@ -102,8 +103,10 @@ def _add_settings_args(p: argparse.ArgumentParser) -> None:
         help_text = f"{_HELP.get(f.name, '')} (default: {f.default}; env {ENV_PREFIX}"
         help_text += f"{f.name.upper()})"
         tp = hints[f.name]
-        if tp is bool:
-            p.add_argument(flag, action="store_true", default=None, help=help_text)
+        if tp is bool:  # --flag / --no-flag: either way beats the file and the environment
+            p.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
             continue
         choices = None
         if typing.get_origin(tp) is typing.Literal:
@@ -430,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     rc: int = args.func(args)
     return rc
 

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from shared.service.cli_args import parse_args
+
 if TYPE_CHECKING:
     from edge_agent.config import EdgeSettings
     from edge_agent.progress import Progress
@@ -136,8 +138,8 @@ def _add_settings_args(p: argparse.ArgumentParser, command: str = "serve") -> No
         if f.name in unlisted:
             text = argparse.SUPPRESS
         tp = hints[f.name]
-        if tp is bool:
-            g.add_argument(flag, action="store_true", default=None, help=text)
+        if tp is bool:  # --cogen / --no-cogen: either way beats the file and the environment
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
             continue
         choices = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
         g.add_argument(flag, default=None, choices=choices, help=text)
@@ -528,7 +530,7 @@ def _check(args: argparse.Namespace, env: Mapping[str, str]) -> EdgeSettings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -20,6 +20,7 @@ from edge_agent.config import EdgeSettings
 from edge_agent.progress import check_cuda, device_line
 from shared.runtime.device import cuda_hint
 from shared.runtime.models import LoadedModel, load_model
+from shared.service.cli_args import parse_args
 from shared.service.config import ConfigError
 from tests.edge_helpers import Servers, clean_env
 
@@ -144,7 +145,7 @@ def test_retired_variables_warn_and_a_missing_token_file_is_said(tmp_path: Path)
     assert run["stderr"].splitlines()[-1].startswith("edge-agent: error: setting 'draft'")
 
 
-def test_command_flags() -> None:
+def test_command_flags(capsys: pytest.CaptureFixture[str]) -> None:
     parser = build_parser()
     assert parser.parse_args(["demo"]).chat is True
     assert parser.parse_args(["demo", "--no-chat-template"]).chat is False
@@ -157,6 +158,23 @@ def test_command_flags() -> None:
         assert unlisted <= names, command
     args = parser.parse_args(["demo", "--port", "1", "--verifier", "ws://a:1/v1/session"])
     assert (args.port, args.verifier) == ("1", "ws://a:1/v1/session")
+    # A switch goes both ways (a file or the environment may have turned it on), and says what
+    # it does.
+    assert parser.parse_args(["generate", "x", "--no-cogen"]).cogen is False
+    assert parser.parse_args(["generate", "x", "--cogen"]).cogen is True
+    assert parser.parse_args(["generate", "x"]).cogen is None  # not given: lower sources decide
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--no-cogen", "--hedge", "--predraft"):
+        assert flag in text
+    assert "co-generation: the verifier decodes" in text and "hedging: tokens drafted" in text
+    # An unknown flag is answered with the subcommand's usage, not the top level's.
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(parser, ["generate", "x", "--bogus"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--hedge" in err
+    assert "edge-agent generate: error: unrecognized arguments: --bogus" in err
 
 
 # ---------------------------------------------------------------------------- real runs

@@ -110,3 +110,20 @@ def test_null_target_is_deterministic_and_fast() -> None:
     both = t.forward([Row(b, 0, (1, 2, 3, 4, 5, 6), 6), Row(a, 6, (7,), 1)])
     torch.testing.assert_close(both[:6], la)
     assert both.shape == (7, 49152) and not torch.equal(both[6], la[5])
+
+
+def test_serve_flags_go_both_ways_and_an_unknown_one_gets_the_serve_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from cloud_verifier.cli import build_parser
+    from shared.service.cli_args import parse_args
+
+    parser = build_parser()
+    assert parse_args(parser, ["serve", "--no-insecure-no-auth"]).insecure_no_auth is False
+    assert parse_args(parser, ["serve"]).insecure_no_auth is None
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(parser, ["serve", "--bogus"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert "cloud-verifier serve: error: unrecognized arguments: --bogus" in err
+    assert "--cloud-draft-length" in err  # the serve usage, which lists its flags
