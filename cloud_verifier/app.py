@@ -575,6 +575,9 @@ async def health_handler(request: web.Request) -> web.Response:
     body["pending_connections"] = state.guard.pending
     mem = state.engine.memory()
     body["kv_cache"] = {"pages_used": mem["pages_used"], "pages_total": mem["pages_total"]}
+    # Whether sessions need a bearer token (an edge without one can say so before its first
+    # request fails); which tokens is never said.
+    body["auth"] = state.auth.enabled
     if state.auth.enabled and state.auth.token_file is not None:
         body["token_file"] = state.auth.error or "ok"
     if state.status != ServiceStatus.READY:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
+import orjson
 
 from edge_agent.text import ssl_context
 from edge_agent.transport import Transport
@@ -212,6 +213,11 @@ class LinkInfo:
     error: str | None = None
     rtt_ms: float | None = None
     checked_at: float | None = None  # time.time() of the last probe or session
+    #: The verifier's /health says sessions need a bearer token (None: not said).
+    auth: bool | None = None
+    #: The verifier refused this edge's token (a session's handshake, 401/403): only a new
+    #: token helps, so no probe clears it.
+    token_refused: str | None = None
 
 
 class LinkMonitor:
@@ -254,19 +260,44 @@ class LinkMonitor:
             if link.url == url:
                 self._set(link, VerifierLinkState.STALLED, error)
 
+    def mark_token_refused(self, url: str, error: str) -> None:
+        """A session's handshake on ``url`` was refused for its token (401/403)."""
+        for link in self.links:
+            if link.url == url:
+                link.token_refused = error
+        self.changed()
+
+    def missing_token(self, has_token: bool) -> str | None:
+        """Why no request can succeed for want of a token (None: nothing says so): a verifier
+        refused this edge's token, or every verifier says it needs one and none is set."""
+        refused = [x.token_refused for x in self.links if x.token_refused]
+        if refused and len(refused) == len(self.links):
+            return f"{refused[0]}: set a valid token_file"
+        if not has_token and self.links and all(x.auth for x in self.links):
+            return "the verifier requires a bearer token and none is configured (token_file)"
+        return None
+
     def mark(self, url: str | None, ok: bool, error: str | None = None) -> None:
         """After a real session: ``url`` None means the link in use (any/first)."""
         for link in self.links:
             if url is None or link.url == url:
                 if ok and url is None and link.state == VerifierLinkState.DOWN:
                     continue  # a success elsewhere says nothing about this one
+                if ok:
+                    link.token_refused = None  # (the verifier's token file changed)
                 self._set(link, VerifierLinkState.UP if ok else VerifierLinkState.DOWN, error)
 
     def describe(self) -> dict[str, Any]:
         return {
             "state": self.state,
             "verifiers": [
-                {"url": x.url, "state": x.state, "rtt_ms": x.rtt_ms, "error": x.error}
+                {
+                    "url": x.url,
+                    "state": x.state,
+                    "rtt_ms": x.rtt_ms,
+                    "error": x.error,
+                    "auth": x.auth,
+                }
                 for x in self.links
             ],
         }
@@ -278,7 +309,7 @@ class LinkMonitor:
         t0 = time.perf_counter()
         try:
             async with session.get(health_url(link.url), ssl=self.ssl) as resp:
-                await resp.read()
+                raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
@@ -287,6 +318,7 @@ class LinkMonitor:
         rtt = time.perf_counter() - t0
         link.rtt_ms = round(rtt * 1000, 2)
         self.metrics.rtt.observe(rtt, kind="probe")
+        link.auth = _auth_of(raw)
         if status == 200:
             if link.state != VerifierLinkState.STALLED:  # only a working session clears that
                 self._set(link, VerifierLinkState.UP, None)
@@ -308,3 +340,13 @@ class LinkMonitor:
             while True:
                 await self.probe_once(session)
                 await asyncio.sleep(self.settings.probe_interval)
+
+
+def _auth_of(raw: bytes) -> bool | None:
+    """The ``auth`` field of a verifier's /health body (None: not said, or not JSON)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    value = body.get("auth") if isinstance(body, dict) else None
+    return value if isinstance(value, bool) else None

@@ -366,6 +366,12 @@ def health(state: ServerState) -> tuple[int, dict[str, Any]]:
         body["draft"] = svc.draft_name
     if state.status != ServiceStatus.READY:
         return 503, body
+    # Ready means able to serve: not when every request would be refused for its token.
+    missing = svc.link.missing_token(svc.has_token)
+    if missing is not None:
+        body["status"] = "unavailable"
+        body["reason"] = missing
+        return 503, body
     if link["state"] != "up":
         if state.settings.fallback == "none":
             body["status"] = "unavailable"

@@ -223,6 +223,11 @@ class EdgeService:
     def ready(self) -> bool:
         return self.agent is not None
 
+    @property
+    def has_token(self) -> bool:
+        """A bearer token for the verifier is configured (token_file)."""
+        return bool(self._token)
+
     async def load(self, report: Callable[[str], None] = lambda _: None) -> None:
         """Load the draft (or, draft none, the tokenizer) on the model worker (the event loop
         stays free)."""
@@ -287,6 +292,7 @@ class EdgeService:
             try:
                 transport = await WebSocketTransport.connect(link)
             except TokenRefused as e:
+                self.link.mark_token_refused(urls[i], str(e))
                 raise HandshakeError(str(e)) from e  # reconnecting cannot help
             except VerifierBusy as e:
                 self.link.mark(urls[i], True)
