@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -189,7 +190,9 @@ def _queued(item: _Request | _Call, chunk: int) -> Queued:
 
 #: kv_tokens = 0 ("auto"): on the CPU (where untouched pages cost nothing) this many tokens; on
 #: CUDA, what ``AUTO_KV_FRACTION`` of the free memory after loading holds.
-AUTO_KV_TOKENS_CPU = 65536
+AUTO_KV_TOKENS_CPU = 16384
+#: On the CPU, the pool never takes more than this share of the machine's memory.
+AUTO_KV_FRACTION_CPU = 0.1
 AUTO_KV_FRACTION = 0.8
 
 #: Seconds over which observed queueing delays count for admission (Engine.queue_delay_s).
@@ -201,8 +204,14 @@ def _auto_kv_tokens(target: Target, draft: Target | None = None) -> int:
     :data:`AUTO_KV_FRACTION` of the memory free after loading, over both pools' bytes per
     token."""
     per_token = target.kv_bytes_per_token() + (draft.kv_bytes_per_token() if draft else 0)
-    if target.device.type != "cuda" or per_token == 0:
+    if per_token == 0:
         return AUTO_KV_TOKENS_CPU
+    if target.device.type != "cuda":
+        # A CPU verifier serves a few sessions: enough for them, and never a large share of
+        # the machine's memory (the pool is preallocated).
+        memory = _physical_memory()
+        cap = int(memory * AUTO_KV_FRACTION_CPU) // per_token if memory else AUTO_KV_TOKENS_CPU
+        return max(1024, min(AUTO_KV_TOKENS_CPU, cap))
     free, _total = torch.cuda.mem_get_info(target.device)
     tokens = int(free * AUTO_KV_FRACTION) // per_token
     log.info(
@@ -212,6 +221,14 @@ def _auto_kv_tokens(target: Target, draft: Target | None = None) -> int:
         free / 2**30,
     )
     return max(tokens, 1)
+
+
+def _physical_memory() -> int:
+    """Bytes of memory of this machine (0: unknown)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 class Engine:

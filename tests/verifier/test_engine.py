@@ -689,3 +689,22 @@ async def test_a_long_prefill_in_chunks_does_not_hold_up_another_sessions_round(
         assert isinstance(a.result, Verified) and isinstance(b.result, Verified)
         assert a.result.decision == b.result.decision
         assert a.result.cache_len == b.result.cache_len
+
+
+def test_the_cpu_pool_is_sized_to_the_model_and_the_machine(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path
+) -> None:
+    """kv_tokens = auto on the CPU: 16,384 tokens, but never more than a tenth of the
+    machine's memory (at least 1,024 tokens)."""
+    from cloud_verifier import engine as engine_module
+
+    target = TorchTarget(load_model(str(tiny_model_dir)))
+    per_token = target.kv_bytes_per_token()
+    monkeypatch.setattr(engine_module, "_physical_memory", lambda: 1 << 40)
+    assert engine_module._auto_kv_tokens(target) == 16384
+    monkeypatch.setattr(engine_module, "_physical_memory", lambda: 4000 * per_token * 10)
+    assert engine_module._auto_kv_tokens(target) == 4000
+    monkeypatch.setattr(engine_module, "_physical_memory", lambda: 0)  # unknown
+    assert engine_module._auto_kv_tokens(target) == 16384
+    monkeypatch.setattr(engine_module, "_physical_memory", lambda: per_token)
+    assert engine_module._auto_kv_tokens(target) == 1024
