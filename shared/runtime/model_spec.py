@@ -122,6 +122,7 @@ def parse_model_spec(spec: str) -> ModelSpec:
             raise ModelSpecError(f"model spec {spec!r}: GGUF file {path} does not exist")
         return ModelSpec(kind=SpecKind.GGUF, spec=text, path=path.resolve())
     if path.is_dir():
+        _check_model_folder(spec, path)
         return ModelSpec(kind=SpecKind.FOLDER, spec=text, path=path.resolve())
     if _HUB_ID_RE.match(text):
         return ModelSpec(kind=SpecKind.HUB, spec=text, path=_hub_snapshot(text), hub_id=text)
@@ -129,3 +130,21 @@ def parse_model_spec(spec: str) -> ModelSpec:
         f"model spec {spec!r}: not 'default', an existing folder, an existing .gguf file, "
         "self:skip=.../self:keep=N, or an owner/name hub id"
     )
+
+
+#: Files of which a Hugging Face model folder holds at least one, for its tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _check_model_folder(spec: str, path: Path) -> None:
+    """A folder spec must be a Hugging Face model folder: its config and a tokenizer (else
+    transformers fails deep inside, with a misleading message about tokenizer packages)."""
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        missing.append(f"a tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    if missing:
+        raise ModelSpecError(
+            f"model spec {spec!r}: {path} is not a model folder: it lacks {' and '.join(missing)}"
+        )

@@ -68,6 +68,15 @@ def test_parse_specs(tmp_path: Path, tiny_model_dir: Path) -> None:
             parse_model_spec(bad)
     with pytest.raises(ModelSpecError, match="not in the local Hugging Face cache"):
         parse_model_spec("nobody-wanspec/definitely-not-cached-model")
+    # A folder that is not a model: one line naming what it lacks (transformers' own error
+    # was 40 lines ending in a note about tokenizer packages).
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    with pytest.raises(ModelSpecError, match=r"it lacks config\.json and a tok"):
+        parse_model_spec(str(empty))
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(ModelSpecError, match=r"it lacks a tokenizer \(tokenizer"):
+        parse_model_spec(str(empty))
 
 
 def test_parse_default() -> None:
