@@ -73,6 +73,7 @@ def target_greedy(target: LoadedModel, prompt: Sequence[int], n: int) -> list[in
 
 def write_tokens(path: Path, tokens: Sequence[str]) -> Path:
     path.write_text("# bench tokens\n" + "".join(f"{t}\n" for t in tokens))
+    path.chmod(0o600)  # a secret (a looser mode is warned about)
     return path
 
 

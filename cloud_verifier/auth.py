@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from shared.errors import WanspecError
+from shared.service.config import exposed_secret
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,9 @@ class Authenticator:
         except UnicodeDecodeError:
             raise AuthError(f"token file {self._file} is not UTF-8 text") from None
         tokens = parse_tokens(text, f"token file {self._file}")
+        warning = exposed_secret(st.st_mode, self._file, "token file")
+        if warning is not None and (st.st_size, st.st_mtime_ns, st.st_ino) != self._file_sig:
+            log.warning("%s", warning)  # (once per version of the file)
         return tokens, (st.st_size, st.st_mtime_ns, st.st_ino), hashlib.sha256(raw).digest()
 
     def refresh(self, *, force: bool = False) -> bool:

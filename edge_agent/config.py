@@ -23,6 +23,7 @@ transformers.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import socket
 import ssl
@@ -41,9 +42,11 @@ else:  # pragma: no cover - Python 3.10 (the Jetson)
 from edge_agent.pipeline_config import Mode, PipelineConfig
 from shared.maths.compression import Reconstruction
 from shared.runtime.model_spec import ModelSpecError, SpecKind, parse_model_spec
-from shared.service.config import ConfigError, Source, load_settings
+from shared.service.config import ConfigError, Source, exposed_secret, load_settings
 from shared.wire.params import MIN_TEMPERATURE, SamplingParams
 from shared.wire.protocol import CorrectionMode
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "WANSPEC_EDGE_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -372,8 +375,11 @@ def read_secret_file(path: Path, key: str) -> str:
     """The first non-empty, non-comment line of a secret file; ConfigError naming ``key``."""
     try:
         lines = path.read_text().splitlines()
+        warning = exposed_secret(path.stat().st_mode, path, key)
     except OSError as e:
         raise ConfigError(key, f"cannot read {path}: {e.strerror or e}") from None
+    if warning is not None:
+        log.warning("%s", warning)
     for line in lines:
         line = line.strip()
         if line and not line.startswith("#"):

@@ -475,7 +475,7 @@ async def _load(state: ServerState) -> None:
         state.notifier.notify(f"STATUS=draft model failed to load: {e}")
         state.set_status(ServiceStatus.FAILED, f"the draft model failed to load: {e}")
         return
-    log.warning("%s", state.service.describe())
+    log.info("%s", state.service.describe())
     loaded, _ = state.service.require()
     what = "cloud-only (no draft model)" if state.settings.cloud_only else loaded.name
     state.set_status(ServiceStatus.READY, f"serving {what}")
@@ -608,7 +608,7 @@ async def serve(settings: EdgeSettings) -> int:
         await runner.setup()  # starts the model load and the verifier probe
         await listener.start(runner)
         for addr in listener.addresses:
-            log.warning("edge-agent API on http://%s:%d/v1", addr[0], addr[1])
+            log.info("edge-agent API on http://%s:%d/v1", addr[0], addr[1])
         announced = False
         while True:
             await state.changed.wait()
@@ -622,7 +622,7 @@ async def serve(settings: EdgeSettings) -> int:
                 # The API listens and the draft is loaded: only now is the service up.
                 link = state.service.link.state
                 notifier.notify(f"READY=1\nSTATUS=serving; verifier {link}")
-                log.warning("ready: %s (verifier %s)", state.reason, link)
+                log.info("ready: %s (verifier %s)", state.reason, link)
                 announced = True
     finally:
         state.set_status(ServiceStatus.STOPPING, "shutting down")

@@ -95,6 +95,7 @@ class Servers:
         self.runners: list[web.AppRunner] = []
         self.token_file = tmp / "verifier.token"
         self.token_file.write_text("# the edge's bearer token\n" + TOKEN + "\n")
+        self.token_file.chmod(0o600)  # as an operator keeps it (else a warning is logged)
 
     async def _start(self, runner: web.AppRunner) -> str:
         await runner.setup()

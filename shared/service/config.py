@@ -279,3 +279,11 @@ def load_settings(
         if e.source:
             raise
         raise e.with_source(sources.get(e.key, Source.DEFAULT)) from None
+
+
+def exposed_secret(mode: int, path: Path | str, key: str) -> str | None:
+    """A warning when a secret file's permission bits (``mode``) let other users read it
+    (group or others), else None."""
+    if mode & 0o077 == 0:
+        return None
+    return f"{key} {path} is readable by other users (mode {mode & 0o777:04o}): chmod 600 {path}"

@@ -92,6 +92,7 @@ def free_port() -> int:
 def test_mistakes_are_one_line_and_status_2_before_torch_is_imported(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("secret\n")
+    token.chmod(0o600)
     bad_toml = tmp_path / "bad.toml"
     bad_toml.write_text("gama = 4\n")
     missing = str(tmp_path / "missing.gguf")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -127,3 +128,27 @@ def test_serve_flags_go_both_ways_and_an_unknown_one_gets_the_serve_usage(
     assert exit_.value.code == 2
     assert "cloud-verifier serve: error: unrecognized arguments: --bogus" in err
     assert "--cloud-draft-length" in err  # the serve usage, which lists its flags
+
+
+def test_a_token_file_others_can_read_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Accepted (the service still starts), with a warning naming the fix; a private file is
+    read in silence. The edge's token file is checked the same way."""
+    from edge_agent.config import read_secret_file
+
+    f = tmp_path / "tokens"
+    f.write_text("secret-token\n")
+    f.chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        Authenticator(token_file=f)
+        assert read_secret_file(f, "token_file") == "secret-token"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("readable by other users (mode 0644)" in w for w in warnings)
+    assert all(f"chmod 600 {f}" in w for w in warnings)
+    caplog.clear()
+    f.chmod(0o600)
+    with caplog.at_level(logging.WARNING):
+        Authenticator(token_file=f)
+        read_secret_file(f, "token_file")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
