@@ -7,11 +7,16 @@ load of the same file is a plain folder load. Reads local files only (``local_fi
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -36,18 +41,15 @@ def converted_gguf_folder(gguf: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-{sha[:16]}-"))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, local_files_only=True
-        )
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-        )
+        with _quiet_bars():
+            tokenizer, model = _convert(gguf)
         # The GGUF weights are dequantised already; drop the quantizer so saving is allowed.
         setattr(model, "hf_quantizer", None)  # noqa: B010 - attribute is typed non-Optional
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        with _quiet_bars():
+            model.save_pretrained(str(tmp))
+            tokenizer.save_pretrained(str(tmp))
         marker = {"source": str(gguf), "sha256": sha, "dtype": "float32"}
         (tmp / _COMPLETE_MARKER).write_text(json.dumps(marker), encoding="utf-8")
         if (final / _COMPLETE_MARKER).is_file():
@@ -63,3 +65,26 @@ def converted_gguf_folder(gguf: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _convert(gguf: Path) -> tuple[Any, Any]:
+    """The tokenizer and the dequantised model of ``gguf`` (transformers' own conversion)."""
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    return tokenizer, model
+
+
+@contextlib.contextmanager
+def _quiet_bars() -> Iterator[None]:
+    """Off a terminal (a service's log), the conversion's progress bars go nowhere: its GGUF
+    reader draws them with tqdm itself, which no setting reaches once tqdm is imported. On a
+    terminal they stay (a first conversion takes a while)."""
+    if sys.stderr.isatty():
+        yield
+        return
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield

@@ -397,3 +397,19 @@ def test_default_model_offline() -> None:
     lm_d.extend([int(ld[-1].argmax())])
     assert lm_d.last_logits.shape == (49152,)
     print(f"default model load: {load_s:.1f}s")
+
+
+def test_conversion_bars_stay_out_of_a_service_log(capsys: pytest.CaptureFixture[str]) -> None:
+    """Off a terminal the GGUF conversion's own tqdm bars are swallowed (a service's log got
+    "Converting and de-quantizing GGUF tensors…" lines); outside it a bar is drawn."""
+    from tqdm import tqdm
+
+    from shared.runtime.gguf import _quiet_bars
+
+    with _quiet_bars():
+        for _ in tqdm(range(3), desc="Converting inside", disable=False):
+            pass
+    for _ in tqdm(range(3), desc="Drawn outside", disable=False):
+        pass
+    err = capsys.readouterr().err
+    assert "Converting inside" not in err and "Drawn outside" in err
