@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from ssl import SSLContext
 
 import aiohttp
 import torch
@@ -221,7 +222,7 @@ def make_agent(
     heartbeat_s: float = 0.0,
     retry: RetryPolicy | None = None,
     worker: ModelWorker | None = None,
-    ssl: bool = False,
+    ssl: bool | SSLContext = False,
 ) -> EdgeAgent:
     """An edge agent whose every session is a fresh WebSocket to ``url``."""
     link = LinkSettings(url=url, token=token, heartbeat_s=heartbeat_s, ssl=ssl)

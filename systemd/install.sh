@@ -2,7 +2,7 @@
 # Install a wanspec systemd unit with its settings and secrets (see README.md, "systemd").
 #
 #   sudo systemd/install.sh cloud --tls-cert fullchain.pem --tls-key privkey.pem [--token FILE]
-#   sudo systemd/install.sh cloud --behind-proxy [--token FILE]   # 127.0.0.1, TLS terminator
+#   sudo systemd/install.sh cloud --behind-proxy [--listen ADDR] [--token FILE]  # no TLS here
 #   sudo systemd/install.sh edge --token FILE --verifier wss://HOST:8765/v1/session [--ca ca.pem]
 #
 # Options:
@@ -12,7 +12,9 @@
 #                    edge: the verifier's bearer token (needed once)
 #   --tls-cert FILE, --tls-key FILE
 #                    cloud: PEM certificate chain and key (needed once, unless --behind-proxy)
-#   --behind-proxy   cloud: listen on 127.0.0.1 without TLS, behind a local TLS terminator
+#   --behind-proxy   cloud: no TLS here, behind a TLS terminator (nginx, HAProxy)
+#   --listen ADDR    cloud, with --behind-proxy: the address to listen on (default 127.0.0.1:
+#                    a terminator on this host; a private address when it is on another host)
 #   --verifier URL   edge: wss:// URL of the verifier, for a new edge.toml (ws:// loopback only)
 #   --ca FILE        edge: CA certificate of the verifier's certificate (public: ca.pem)
 #   --api-key FILE   edge: the key API clients must send (--api-key-file)
@@ -39,6 +41,7 @@ token=
 tls_cert=
 tls_key=
 behind_proxy=0
+listen=
 verifier=
 ca=
 api_key=
@@ -55,6 +58,7 @@ while [ $# -gt 0 ]; do
         --tls-cert) tls_cert=${2:?--tls-cert needs a file}; shift ;;
         --tls-key) tls_key=${2:?--tls-key needs a file}; shift ;;
         --behind-proxy) behind_proxy=1 ;;
+        --listen) listen=${2:?--listen needs an address}; shift ;;
         --verifier) verifier=${2:?--verifier needs a URL}; shift ;;
         --ca) ca=${2:?--ca needs a file}; shift ;;
         --api-key) api_key=${2:?--api-key needs a file}; shift ;;
@@ -80,13 +84,18 @@ if [ "$role" = cloud ]; then
     [ -z "$verifier$ca$api_key" ] || die "--verifier, --ca and --api-key are edge options"
     if [ "$behind_proxy" = 1 ]; then
         [ -z "$tls_cert$tls_key" ] || die "--behind-proxy: TLS is the terminator's, not --tls-*"
+        case "$listen" in
+            *[!0-9A-Za-z.:_-]*) die "--listen $listen: not an address" ;;
+        esac
+    elif [ -n "$listen" ]; then
+        die "--listen goes with --behind-proxy (with TLS the verifier listens on host, verifier.toml)"
     elif [ -n "$tls_cert" ] || [ -n "$tls_key" ]; then
         [ -n "$tls_cert" ] && [ -n "$tls_key" ] || die "--tls-cert and --tls-key go together"
     elif ! has tls.crt || ! has tls.key; then
         die "the verifier listens on the network with TLS only: give --tls-cert and --tls-key (or --behind-proxy)"
     fi
 else
-    [ -z "$tls_cert$tls_key" ] && [ "$behind_proxy" = 0 ] || die "--tls-*, --behind-proxy are cloud options"
+    [ -z "$tls_cert$tls_key$listen" ] && [ "$behind_proxy" = 0 ] || die "--tls-*, --behind-proxy, --listen are cloud options"
     [ -n "$token" ] || has edge.token || die "give the verifier's bearer token: --token FILE"
     case "$verifier" in
         "") [ -e "$etc/edge.toml" ] || die "give --verifier wss://HOST:PORT/v1/session (no $etc/edge.toml yet)" ;;
@@ -151,11 +160,13 @@ if [ "$role" = cloud ]; then
         echo "install.sh: generated a bearer token in $private/tokens (give it to the edge)"
     fi
     if [ "$behind_proxy" = 1 ]; then
-        # Loopback only and no TLS: the TLS terminator in front (README: nginx) faces the WAN.
+        # No TLS: the terminator in front (README: nginx on this host, HAProxy on another)
+        # faces the WAN. The address is on ExecStart (it beats the file and the environment):
+        # loopback unless the terminator is elsewhere (--listen, a private address).
         new_setting verifier.toml $'[verifier]\nmodel = "default"\n'
-        unit cloud-verifier.service '
-/^LoadCredential=tls\./d
-s#--tls-cert ${CREDENTIALS_DIRECTORY}/tls.crt --tls-key ${CREDENTIALS_DIRECTORY}/tls.key#--host 127.0.0.1#'
+        unit cloud-verifier.service "
+/^LoadCredential=tls\\./d
+s#--tls-cert \${CREDENTIALS_DIRECTORY}/tls.crt --tls-key \${CREDENTIALS_DIRECTORY}/tls.key#--host ${listen:-127.0.0.1}#"
     else
         put_secret "$tls_cert" tls.crt
         put_secret "$tls_key" tls.key

@@ -276,6 +276,34 @@ def test_install_cloud_tls_secrets_only_via_credentials(
     verify_units(root, unit)
 
 
+def test_install_cloud_behind_a_balancer_on_another_host_listens_on_its_address(
+    root: Path, prefix: Path
+) -> None:
+    """A replica behind HAProxy on another host (systemd/haproxy-wanspec.cfg): --listen puts
+    its private address on ExecStart, where the file cannot undo it (host in verifier.toml was
+    ignored: the unit said 127.0.0.1); a bad address or --listen without --behind-proxy is
+    refused before anything is written."""
+    tokens = root / "given-tokens"
+    tokens.write_text("replica-token\n")
+    run_install(
+        root, "cloud", "--behind-proxy", "--listen", "10.0.0.11", "--prefix", str(prefix),
+        "--token", str(tokens),
+    )  # fmt: skip
+    unit = root / "etc" / "systemd" / "system" / "cloud-verifier.service"
+    creds = load_credentials(root, unit)
+    args = verifier_cli.build_parser().parse_args(service_argv(root, unit, creds))
+    settings = verifier_cli.load_cli_settings(args, {})
+    assert settings.host == "10.0.0.11" and settings.tls_cert is None
+    verify_units(root, unit)
+    for argv, why in (
+        (["--behind-proxy", "--listen", "10.0.0.11; rm -rf /"], "not an address"),
+        (["--listen", "10.0.0.11"], "--listen goes with --behind-proxy"),
+    ):
+        proc = run_install(root / "other", "cloud", *argv, "--prefix", str(prefix), check=False)
+        assert proc.returncode == 2 and why in proc.stderr, proc.stderr
+        assert not (root / "other").exists()
+
+
 def test_install_cloud_behind_proxy_listens_on_loopback_only(root: Path, prefix: Path) -> None:
     tokens = root / "given-tokens"
     tokens.write_text("# rotation: both are accepted\nold-token\nnew-token\n")

@@ -1,6 +1,8 @@
 """Several verifier replicas behind HAProxy, with the shipped balancer config
-(``systemd/haproxy-wanspec.cfg``, only its listen port and server addresses replaced), all on
-loopback:
+(``systemd/haproxy-wanspec.cfg``, only its listen address, its certificate's path and the
+server addresses replaced), all on loopback. TLS ends at the balancer, as the README has it:
+edges connect with wss:// and check its certificate (a test CA); the replicas listen without
+TLS (``install.sh cloud --behind-proxy``).
 
 * failover: an edge generating through the balancer loses its replica (SIGKILL mid-generation),
   reconnects through the balancer to the other one and resumes from its committed text; the
@@ -22,6 +24,7 @@ import json
 import re
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -40,6 +43,7 @@ from edge_agent.pipeline_config import PipelineConfig
 from shared.runtime.models import LoadedModel, load_model
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Hello
+from tests.tls import self_signed
 from tests.waits import until
 
 TOKEN = "replica-token-0123456789abcdef"
@@ -47,10 +51,15 @@ PROMPT = [1, 10, 20, 30, 40]
 SHIPPED = REPO / "systemd" / "haproxy-wanspec.cfg"
 
 
-def balancer_config(listen: int, servers: list[int]) -> str:
-    """The shipped config with this test's ports (and its log to stdout kept)."""
+def balancer_config(listen: int, servers: list[int], pem: Path) -> str:
+    """The shipped config with this test's address, certificate and ports (its log to stdout
+    kept)."""
     text = SHIPPED.read_text()
-    text, n = re.subn(r"(?m)^    bind 127\.0\.0\.1:\d+$", f"    bind 127.0.0.1:{listen}", text)
+    text, n = re.subn(
+        r"(?m)^    bind :443 ssl crt \S+ alpn http/1\.1$",
+        f"    bind 127.0.0.1:{listen} ssl crt {pem} alpn http/1.1",
+        text,
+    )
     assert n == 1, "the shipped config's frontend bind line changed"
     lines = [ln for ln in text.splitlines() if not re.match(r"^    server v\d+ ", ln)]
     lines += [f"    server v{i + 1} 127.0.0.1:{p} check" for i, p in enumerate(servers)]
@@ -86,10 +95,11 @@ class Fleet:
     listen: int
     target: LoadedModel
     draft: LoadedModel
+    ca: ssl.SSLContext  # trusts the balancer's certificate
 
     @property
     def url(self) -> str:
-        return f"ws://127.0.0.1:{self.listen}/v1/session"
+        return f"wss://127.0.0.1:{self.listen}/v1/session"
 
 
 @pytest.fixture
@@ -112,8 +122,12 @@ async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
         for i in range(2)
     ]
     listen = free_port()
+    cert, key = self_signed(tmp_path)
+    pem = tmp_path / "wanspec.pem"  # HAProxy's crt: the chain, then the key
+    pem.write_bytes(cert.read_bytes() + key.read_bytes())
+    pem.chmod(0o600)
     cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text(balancer_config(listen, [r.port for r in replicas]))
+    cfg.write_text(balancer_config(listen, [r.port for r in replicas], pem))
     check = subprocess.run([haproxy, "-c", "-f", str(cfg)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     for r in replicas:
@@ -129,7 +143,8 @@ async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
             await until(lambda: all(up in _read(tmp_path / "haproxy.log") for up in ups), 30.0)
         except AssertionError as e:
             raise AssertionError(_read(tmp_path / "haproxy.log")) from e
-        yield Fleet(replicas, listen, load_model(str(target_dir)), load_model(str(draft_dir)))
+        ca = ssl.create_default_context(cafile=str(cert))
+        yield Fleet(replicas, listen, load_model(str(target_dir)), load_model(str(draft_dir)), ca)
     finally:
         lb.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -164,7 +179,7 @@ async def test_an_edge_whose_replica_dies_resumes_on_another(fleet: Fleet) -> No
             state["killed_at"], state["port"] = now, float(holder.port)
 
     retry = RetryPolicy(backoff_initial_s=0.05, backoff_max_s=0.5, deadline_s=30.0)
-    agent = make_agent(fleet.draft, fleet.url, TOKEN, retry=retry)
+    agent = make_agent(fleet.draft, fleet.url, TOKEN, retry=retry, ssl=fleet.ca)
     try:
         # No co-generation: with it, this tiny verifier decodes the whole text on its own and
         # streams it down before the kill lands (nothing would be left to fail over).
@@ -201,7 +216,7 @@ async def test_a_draining_replica_gets_no_new_sessions(fleet: Fleet) -> None:
         # New sessions through the balancer, at once (before its check marks a down: any that
         # reach a are refused with 503 and retried elsewhere) and after.
         for _ in range(4):
-            agent = make_agent(fleet.draft, fleet.url, TOKEN)
+            agent = make_agent(fleet.draft, fleet.url, TOKEN, ssl=fleet.ca)
             try:
                 cfg = PipelineConfig(gamma=2, depth=1, sampling=SamplingParams(0.0))
                 gen = await agent.generate(PROMPT, cfg, max_new_tokens=8)

@@ -3,9 +3,7 @@ upgrade, per-token session limits (429), and TLS with certificate verification a
 
 from __future__ import annotations
 
-import datetime
 import hmac
-import ipaddress
 import os
 import ssl
 from pathlib import Path
@@ -13,10 +11,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from bench.harness import free_port
 from bench.probe import auth_headers
@@ -31,6 +25,7 @@ from edge_agent.link import LinkSettings, UntrustedCertificateError, WebSocketTr
 from shared.service.config import ConfigError
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello, Welcome
+from tests.tls import self_signed
 from tests.verifiers import serve_process, serve_verifier, wait_healthy
 from tests.waits import until
 
@@ -123,40 +118,6 @@ async def test_sessions_per_token_are_limited_before_the_upgrade(aiohttp_server:
 
 
 # ---------------------------------------------------------------------------------------- TLS
-
-
-def self_signed(folder: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 (and localhost) and its key, as PEM files."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "wanspec test verifier")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
 
 
 async def test_tls_edge_verifies_the_certificate(aiohttp_server: Any, tmp_path: Path) -> None:
