@@ -214,7 +214,13 @@ def test_checks_before_loading(tmp_path: Path) -> None:
         check_model_specs(EdgeSettings(draft=str(tmp_path / "none.gguf")), src)
     with pytest.raises(ConfigError, match="setting 'draft_base'"):
         check_model_specs(EdgeSettings(draft="self:skip=2", draft_base="/no/such/dir/x.gguf"))
-    check_model_specs(EdgeSettings(draft="self:keep=2", draft_base=str(tmp_path)))  # a folder
+    folder = tmp_path / "model"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match=r"setting 'draft_base'.*not a model folder"):
+        check_model_specs(EdgeSettings(draft="self:keep=2", draft_base=str(folder)))
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
+    check_model_specs(EdgeSettings(draft="self:keep=2", draft_base=str(folder)))  # a folder
     with pytest.raises(ConfigError, match=r"setting 'token_file'.*cannot read"):
         check_link_files(EdgeSettings(token_file=tmp_path / "missing"))
     token = write(tmp_path / "token", "# comment\nsecret\n")
