@@ -102,6 +102,7 @@ import aiohttp
 import numpy as np
 
 from bench.ar_server import encode_request
+from bench.harness import write_tokens
 from bench.oracle import GreedyPaths, OracleDrafter, is_oracle, parse_oracle
 from bench.tiny_models import build_tiny_model
 from bench.wanem import LinkConfig, WanEmulator
@@ -1345,8 +1346,7 @@ def main(argv: list[str] | None = None) -> int:
         secs, lines = estimate(cfg, len(prompts))
         print(f"estimated wall time: ~{secs / 60:.0f} min (rough)", *lines, sep="\n", flush=True)
         token = secrets.token_urlsafe(16)
-        token_file = Path(tmp) / "token"
-        token_file.write_text(token + "\n")
+        token_file = write_tokens(Path(tmp) / "token", [token])
         target = load_model(cfg.target)
         eos = eos_ids(target)
         encoded = [(p, encode(target, p)) for p in prompts]
