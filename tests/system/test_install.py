@@ -29,6 +29,7 @@ from cloud_verifier.auth import Authenticator
 from cloud_verifier.tls import server_context
 from edge_agent import cli as edge_cli
 from edge_agent.config import read_secret_file
+from tests.tls import self_signed
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "systemd" / "install.sh"
@@ -54,36 +55,7 @@ def root() -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def tls_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A self-signed certificate and its key (PEM)."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "verifier.example")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .sign(key, hashes.SHA256())
-    )
-    d = tmp_path_factory.mktemp("tls")
-    (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (d / "key.pem").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return d / "cert.pem", d / "key.pem"
+    return self_signed(tmp_path_factory.mktemp("tls"))
 
 
 def run_install(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
