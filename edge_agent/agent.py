@@ -121,6 +121,11 @@ class EdgeAgent:
         rng = np.random.default_rng(seed)
         if self.drafter is None and not cfg.cogen:
             raise ValueError("with no draft model the verifier writes the text: cogen must be on")
+        cached_prefix = getattr(self.drafter, "cached_prefix", None)
+        if cached_prefix is not None and not gen.generated:
+            # (on the model worker: the draft's cache is the worker's)
+            reused = await self.worker.run(cached_prefix, gen.committed)
+            gen.stats.draft_prompt_cached_tokens = int(reused)
         if self.federation:
             assert self.drafter is not None  # __init__
             await run_federated(

@@ -86,6 +86,17 @@ class Drafter:
         self.vocab_size = self.lm.vocab_size
         self.forwards = 0  # forwards run (for tests and stats)
 
+    def cached_prefix(self, seq: Sequence[int]) -> int:
+        """How many of ``seq``'s first tokens the draft's cache holds already (a chat's next
+        turn: the conversation so far), so that drafting after them computes only the rest.
+        No model work."""
+        cached = self.lm.tokens
+        n = min(len(cached), len(seq))
+        common = 0
+        while common < n and cached[common] == seq[common]:
+            common += 1
+        return common
+
     def _sync(self, seq: Sequence[int]) -> None:
         """Make the cache hold exactly ``seq`` (crop to the common prefix, extend the rest)."""
         cached = self.lm.tokens

@@ -68,6 +68,8 @@ class Stats:
     resumed_tokens: int = 0
     #: Prompt tokens the verifier took from its prefix cache (Verdict.cached): not prefilled.
     prompt_cached_tokens: int = 0
+    #: Prompt tokens the edge's draft model held in its cache already (a chat's next turn).
+    draft_prompt_cached_tokens: int = 0
     drafter_wait_s: float = 0.0  # time the drafter sat idle (queue full / stop-and-wait)
     #: Committed generated tokens by source (they add up to the generated text).
     sources: dict[TokenSource, int] = field(default_factory=lambda: dict.fromkeys(TokenSource, 0))

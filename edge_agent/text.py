@@ -129,6 +129,7 @@ def result_json(
         "reconnects": st.reconnects,
         "resumed_tokens": st.resumed_tokens,
         "prompt_cached_tokens": st.prompt_cached_tokens,
+        "draft_prompt_cached_tokens": st.draft_prompt_cached_tokens,
         "busy_refusals": st.busy_refusals,
         "progress_frames": st.progress_frames,
         "uplink_bytes": st.uplink_bytes,

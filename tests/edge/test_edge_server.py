@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 
@@ -126,6 +127,24 @@ async def test_fair_queue_is_fifo_and_a_cancelled_waiter_frees_its_place() -> No
 
 
 # ---------------------------------------------------------------------------- the API
+
+
+def test_a_conversations_next_turn_reuses_both_caches(client: openai.OpenAI) -> None:
+    """Through the daemon's API: turn 2 (the conversation so far and more) takes turn 1's full
+    pages from the verifier's prefix cache, and the edge's draft model holds turn 1's text
+    already; both say so in the wanspec object. Turn 1 got neither."""
+    rng = np.random.default_rng(17)
+    turn1 = [int(x) for x in rng.integers(4, 60, 40)]  # ids no other test sends
+    kw: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+    kw["extra_body"] = {"ignore_eos": True}
+    first = client.completions.create(prompt=turn1, **kw)
+    ws1 = first.model_extra["wanspec"]  # type: ignore[index]
+    assert ws1["prompt_cached_tokens"] == 0
+    turn2 = [*turn1, 7, 8, 9]
+    second = client.completions.create(prompt=turn2, **kw)
+    ws2 = second.model_extra["wanspec"]  # type: ignore[index]
+    assert ws2["prompt_cached_tokens"] >= 32  # turn 1's two full pages of 16
+    assert ws2["draft_prompt_cached_tokens"] >= len(turn1)
 
 
 def test_models_and_health(edge: tuple[str, EdgeService], client: openai.OpenAI) -> None:
