@@ -595,26 +595,33 @@ async def _script(engine: Engine, target: TorchTarget, tenant_b: str) -> list[An
         out.append((await engine.run(s, Crop(14))).result)  # back into the shared pages
         out.append((await engine.run(s, _fed([50, 51], [10], 14))).result)
         engine.release(s)
+    s = engine.open(hello, tenant="a")  # the first prompt again: a re-prefill
+    out.append((await engine.run(s, _fed(prompt, [3, 4, 5], 0))).result)
+    engine.release(s)
     return out
 
 
 async def test_verdicts_are_the_same_with_and_without_the_prefix_cache() -> None:
     """The prefix cache and chunked prefill change what is computed when, never what comes
-    out: the same script on engines with the cache (per tenant, global) and with prefills in
-    chunks of 5 tokens gives the sparse rows of one without either (ids equal, probabilities
-    within float tolerance); tenant a's second session claims the shared pages, tenant b's only
-    in the global namespace; rollbacks into shared pages copy them."""
+    out: the same script on engines with the cache (per tenant, global), with prefills in
+    chunks of 5 tokens and with a pool so small that cached pages are evicted gives the sparse
+    rows of one without either (ids equal, probabilities within float tolerance); tenant a's
+    second session and its re-prefill claim the shared pages, tenant b's only in the global
+    namespace; rollbacks into shared pages copy them."""
     target = _qwen3_target()
     runs = {}
-    configs = [(m, 0) for m in PrefixCache] + [(PrefixCache.OFF, 5), (PrefixCache.TENANT, 5)]
-    for mode, chunk in configs:
-        engine = await _engine(target, prefix_cache=mode, prefill_chunk=chunk)
+    # (cache, chunk, pool tokens): 8 pages of 4 make the later sessions evict cached pages
+    configs = [(m, 0, 512) for m in PrefixCache]
+    configs += [(PrefixCache.OFF, 5, 512), (PrefixCache.TENANT, 5, 512)]
+    configs += [(PrefixCache.TENANT, 0, 32), (PrefixCache.GLOBAL, 5, 32)]
+    for mode, chunk, kv in configs:
+        engine = await _engine(target, prefix_cache=mode, prefill_chunk=chunk, kv_tokens=kv)
         pool = engine.pool
         assert pool is not None
         result = await _script(engine, target, "b")
-        runs[mode, chunk] = (result, engine.memory(), pool.copies)
+        runs[mode, chunk, kv] = (result, engine.memory(), pool.copies)
         engine.shutdown()
-    ref = runs[PrefixCache.OFF, 0][0]
+    ref = runs[PrefixCache.OFF, 0, 512][0]
     for key in configs[1:]:
         got = runs[key][0]
         assert len(got) == len(ref)
@@ -627,10 +634,13 @@ async def test_verdicts_are_the_same_with_and_without_the_prefix_cache() -> None
                 np.testing.assert_allclose(a.p_draft, b.p_draft, atol=1e-5)
             assert a.cache_len == b.cache_len  # type: ignore[union-attr]
     hits = {key: memory["prefix_hit_tokens"] for key, (_, memory, _) in runs.items()}
-    assert hits[PrefixCache.OFF, 0] == hits[PrefixCache.OFF, 5] == 0
-    assert hits[PrefixCache.TENANT, 0] == hits[PrefixCache.TENANT, 5] == 16  # a's 2nd session
-    assert hits[PrefixCache.GLOBAL, 0] == 32  # and tenant b's
-    assert runs[PrefixCache.TENANT, 0][2] >= 1  # a rollback into a shared page copied it
+    assert hits[PrefixCache.OFF, 0, 512] == hits[PrefixCache.OFF, 5, 512] == 0
+    # a's second session (16), the re-prefill (20: its last prompt token is computed)
+    assert hits[PrefixCache.TENANT, 0, 512] == hits[PrefixCache.TENANT, 5, 512] == 16 + 20
+    assert hits[PrefixCache.GLOBAL, 0, 512] == 16 + 16 + 20  # and tenant b's
+    assert runs[PrefixCache.TENANT, 0, 512][2] >= 1  # a rollback into a shared page copied it
+    for small in ((PrefixCache.TENANT, 0, 32), (PrefixCache.GLOBAL, 5, 32)):
+        assert runs[small][1]["prefix_evictions"] > 0  # the same verdicts after evictions
 
 
 async def test_a_full_pool_evicts_idle_cached_pages_before_refusing_anyone() -> None:
