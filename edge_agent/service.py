@@ -131,6 +131,18 @@ class StopScanner:
         return out
 
 
+def seeded(cfg: PipelineConfig, seed: int | None) -> PipelineConfig:
+    """A sampled request with a seed draws its random numbers in an order that does not
+    depend on timing where it can: no co-generation (the verifier would draw for tokens of its
+    own whenever no batch is queued) and no pre-drafted branches. With a fixed γ and one batch
+    in flight the text is then the same for the same seed; with more in flight, or γ and D
+    chosen online, how many batches are drafted before a rejection is timing again, so the
+    seed is best effort (as OpenAI's)."""
+    if seed is None or cfg.sampling.greedy:
+        return cfg
+    return dataclasses.replace(cfg, cogen=False, predraft=0)
+
+
 @dataclass(frozen=True)
 class GenRequest:
     prompt_ids: list[int]
@@ -370,7 +382,7 @@ class EdgeService:
         _, agent = self.require()
         retry = self.fail_fast_policy(agent)
         try:
-            await agent.run(gen, req.pipeline, seed=req.seed, retry=retry)
+            await agent.run(gen, seeded(req.pipeline, req.seed), seed=req.seed, retry=retry)
         except (LinkClosed, OSError, HandshakeError, asyncio.TimeoutError) as e:
             if isinstance(e.__cause__, VerdictTimeout) and not self.settings.federated:
                 self.link.mark_stalled(self.settings.verifier_urls[self._preferred], str(e))

@@ -206,6 +206,9 @@ def test_chat_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
 
 
 def test_sampling_with_a_seed_is_reproducible(client: openai.OpenAI) -> None:
+    """A seed with a fixed γ and one batch in flight gives the same text: the daemon runs a
+    seeded request without co-generation, whose timing would change the verifier's draws
+    (service.seeded; this failed now and then on a loaded machine before)."""
     kw: dict[str, Any] = {
         "model": "tiny",
         "prompt": "t5 t6",
