@@ -27,7 +27,7 @@ import torch
 
 from cloud_verifier.targets import Target, TorchTarget
 from shared.runtime.batched_lm import Row
-from shared.runtime.kv_pool import OutOfPages, PagedKV, SlotPages
+from shared.runtime.kv_pool import OutOfPages, PagedKV, SlotPages, common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +41,6 @@ class DraftRequest:
     pages: SlotPages
     text: Sequence[int]
     n: int
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class CloudDrafter:
@@ -74,7 +66,7 @@ class CloudDrafter:
             if r.n <= 0 or not r.text:
                 continue
             # Feed at least the last token: its row predicts the first draft token.
-            keep = min(_common_prefix(r.pages.tokens, r.text), len(r.text) - 1)
+            keep = min(common_prefix(r.pages.tokens, r.text), len(r.text) - 1)
             self.pool.crop(r.pages, keep)
             try:
                 self.pool.reserve(r.pages, len(r.text) + r.n - 1)

@@ -137,10 +137,7 @@ def advance(work: Work, cache_len: int) -> Work:
         raise ValueError(f"advance to {cache_len}: the work's fixed tokens do not reach it")
     if isinstance(work, CoGenerate):
         return replace(work, pos=cache_len, fixed=work.fixed[n:])
-    propose = replace(work.propose, pos=cache_len, fixed=work.fixed[n:])
-    if isinstance(work, Verify):
-        return replace(work, propose=propose)
-    return replace(work, propose=propose)
+    return replace(work, propose=replace(work.propose, pos=cache_len, fixed=work.fixed[n:]))
 
 
 def work_start(work: Verify | Federate | CoGenerate) -> int:

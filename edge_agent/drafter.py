@@ -21,6 +21,7 @@ import numpy.typing as npt
 from edge_agent.core import Rival
 from edge_agent.lm import CausalLM, SupportsCausalLM
 from shared.maths.sampling import Probs, sample, transform
+from shared.runtime.kv_pool import common_prefix
 from shared.wire.params import SamplingParams
 
 
@@ -90,24 +91,11 @@ class Drafter:
         """How many of ``seq``'s first tokens the draft's cache holds already (a chat's next
         turn: the conversation so far), so that drafting after them computes only the rest.
         No model work."""
-        cached = self.lm.tokens
-        n = min(len(cached), len(seq))
-        common = 0
-        while common < n and cached[common] == seq[common]:
-            common += 1
-        return common
+        return common_prefix(self.lm.tokens, seq)
 
     def _sync(self, seq: Sequence[int]) -> None:
         """Make the cache hold exactly ``seq`` (crop to the common prefix, extend the rest)."""
-        cached = self.lm.tokens
-        n = min(len(cached), len(seq))
-        common = 0
-        # Divergence is almost always near the end (a rollback): compare from there first.
-        if n and tuple(seq[:n]) == cached[:n]:
-            common = n
-        else:
-            while common < n and cached[common] == seq[common]:
-                common += 1
+        common = self.cached_prefix(seq)
         self.lm.crop(common)
         if common < len(seq):
             self.forwards += 1

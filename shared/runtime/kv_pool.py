@@ -65,6 +65,19 @@ class SlotPages:
     keys: list[bytes] = field(default_factory=list)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens ``a`` and ``b`` share: what of a cached sequence a new one keeps.
+    Divergence is almost always near the end (a rollback, a next turn): the whole shorter
+    length is compared first."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
 def root_key(*parts: str) -> bytes:
     """The key a hash chain starts from (the model, a namespace)."""
     return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=16).digest()

@@ -117,3 +117,11 @@ def test_the_same_prefix_computed_twice_stays_private_and_chains_go_on() -> None
     third = b.pages[2]
     p.release(b)  # b's private copies of the first two pages go back; c holds its third
     assert p.refs[third] == 1 and p.pages_used == 3 and p.pages_cached == 3
+
+
+def test_common_prefix() -> None:
+    from shared.runtime.kv_pool import common_prefix
+
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3  # one extends the other
+    assert common_prefix((1, 2, 3), [1, 9, 3]) == 1  # a tuple against a list
+    assert common_prefix([], [1]) == 0 and common_prefix([5], [6]) == 0
