@@ -163,6 +163,16 @@ async def test_coalesced_verification_keeps_the_target_text(
         assert gen.stats.rejections > 0
 
 
+def near_draft(target_dir: Path) -> LoadedModel:
+    """A draft close to the target (its output layer perturbed): often wrong, and then often
+    right with its second choice (hedges and pre-drafted branches get used)."""
+    near = load_model(str(target_dir))
+    with torch.no_grad():
+        w = near.model.get_output_embeddings().weight
+        w += torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) * 0.3 * w.std()
+    return near
+
+
 async def test_hedged_generation_keeps_the_target_text(
     aiohttp_server: Any, target: LoadedModel, tiny_model_dir: Path
 ) -> None:
@@ -170,13 +180,7 @@ async def test_hedged_generation_keeps_the_target_text(
     and spends the wait drafting hedges (every position below confidence 1) that the verifier
     uses after its rejections; the text is exactly the target's greedy text."""
     url, state = await serve_app(aiohttp_server, lambda: SlowTarget(TorchTarget(target), 0.04))
-    # A draft close to the target (its output layer perturbed): often wrong, and then often
-    # right with its second choice, so hedges are used.
-    near = load_model(str(tiny_model_dir))
-    with torch.no_grad():
-        w = near.model.get_output_embeddings().weight
-        w += torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) * 0.3 * w.std()
-    agent = agent_for(near, url)
+    agent = agent_for(near_draft(tiny_model_dir), url)
     try:
         cfg = PipelineConfig(
             gamma=2, depth=2, sampling=SamplingParams(0.0), hedge=3, hedge_below=1.0
@@ -198,11 +202,7 @@ async def test_predrafted_outcomes_keep_the_target_text(
     preparing branches where a rejection is likeliest, and a rejection whose correction
     opens one sends it at once; the text is exactly the target's greedy text."""
     url, _ = await serve_app(aiohttp_server, lambda: SlowTarget(TorchTarget(target), 0.04))
-    near = load_model(str(tiny_model_dir))
-    with torch.no_grad():
-        w = near.model.get_output_embeddings().weight
-        w += torch.randn(w.shape, generator=torch.Generator().manual_seed(3)) * 0.3 * w.std()
-    agent = agent_for(near, url)
+    agent = agent_for(near_draft(tiny_model_dir), url)
     try:
         cfg = PipelineConfig(
             gamma=2, depth=2, sampling=SamplingParams(0.0), cogen=cogen, predraft=4
