@@ -100,6 +100,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import orjson
 
 from bench.ar_server import encode_request
 from bench.harness import write_tokens
@@ -539,6 +540,54 @@ class Run:
     gamma: int | None = None
     cogen: bool | None = None
     scale: float = 1.0  # time dilation S of this run
+    prompt: int | None = None  # index in the run's prompt list (None: assisted)
+
+    def key(self) -> tuple[str, float, float, str | None, str, int | None]:
+        """What identifies a run in a grid: a resumed bench skips the keys its journal has."""
+        return (self.regime, self.scale, self.rtt_ms, self.draft, self.mode_spec or self.mode,
+                self.prompt)  # fmt: skip
+
+
+class Journal:
+    """``runs.jsonl`` in the output folder: a header (the settings and the commit), then one
+    line per finished run, flushed as it finishes, so that a bench stopped part-way (a session's
+    end, a crash) resumes with ``--resume`` where it stopped, on the same settings and commit;
+    removed once ``results.json`` is written."""
+
+    def __init__(self, path: Path, header: dict[str, Any], resume: bool) -> None:
+        self.path = path
+        self.done: dict[tuple[Any, ...], Run] = {}
+        if resume and path.exists():
+            lines = path.read_bytes().splitlines()
+            old = orjson.loads(lines[0]) if lines else None
+            if old != header:
+                raise SystemExit(
+                    f"--resume: {path} was written with other settings or another commit "
+                    f"({old}); run without --resume to start again"
+                )
+            for line in lines[1:]:
+                try:
+                    run = Run(**orjson.loads(line))
+                except (orjson.JSONDecodeError, TypeError):
+                    break  # a line cut by the stop
+                self.done[run.key()] = run
+            print(f"resuming: {len(self.done)} runs from {path}", flush=True)
+        self._f = path.open("wb")
+        self._f.write(orjson.dumps(header) + b"\n")
+        for run in self.done.values():
+            self._write(run)
+
+    def _write(self, run: Run) -> None:
+        self._f.write(orjson.dumps(asdict(run), option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+        self._f.flush()
+
+    def add(self, run: Run) -> None:
+        self.done[run.key()] = run
+        self._write(run)
+
+    def finish(self) -> None:
+        self._f.close()
+        self.path.unlink()
 
 
 async def run_ar(
@@ -706,10 +755,11 @@ async def sweep(
     eos: list[int],
     rtts: Sequence[float],
     with_ar: bool,
+    journal: Journal,
 ) -> list[Run]:
     """One (regime, S) group: for each RTT and prompt, ``ar`` (if ``with_ar``) and every mode
     of every draft in ``entries`` that runs at that RTT, each against its verifier
-    (``vports``, by :class:`CloudSide`)."""
+    (``vports``, by :class:`CloudSide`). Runs the ``journal`` has already are taken from it."""
     s = regime.scale
     runs: list[Run] = []
     link = LinkConfig(rtt_ms=0, bandwidth_bps=cfg.bandwidth_mbit * 1e6 / s, seed=cfg.seed)
@@ -743,8 +793,15 @@ async def sweep(
                         drafter, e.fingerprint, connector(emu), retry=retry
                     )
 
+        def done(rtt: float, draft: str | None, mode: str, prompt: int) -> bool:
+            run = journal.done.get((regime.name, s, rtt, draft, mode, prompt))
+            if run is not None:
+                runs.append(run)
+            return run is not None
+
         def record(run: Run) -> None:
             runs.append(run)
+            journal.add(run)
             print(
                 f"[{regime.name} S={s:g}] rtt={run.rtt_ms:>5.0f} {run.draft or '-':<18.18} "
                 f"{run.mode:<26} {run.dataset:<9} {run.tokens:>3} tok  "
@@ -756,8 +813,8 @@ async def sweep(
             for rtt in rtts:
                 for emu in (*vemus.values(), aemu):
                     emu.set_link(rtt_ms=rtt * s)
-                for p, ids in prompts:
-                    if with_ar:
+                for i, (p, ids) in enumerate(prompts):
+                    if with_ar and not done(rtt, None, "ar", i):
                         a_up0, a_down0 = aemu.stats.bytes_up, aemu.stats.bytes_down
                         res = await run_ar(aemu.port, token, ids, cfg.tokens, eos)
                         stamps = res.pop("stamps")
@@ -783,15 +840,19 @@ async def sweep(
                                 decode_tokens_per_s=decode_rate(stamps) * s,
                                 extra=extra,
                                 scale=s,
+                                prompt=i,
                             )
                         )
                     for e in entries:
                         if rtt not in e.rtts:
                             continue
                         for m in e.modes:
+                            if done(rtt, e.name, m.spec, i):
+                                continue
                             agent = agents[(e.name, m.cloud, m.edge_draft)]
                             cell = Cell(vports[m.cloud], vemus[m.cloud], agent, timed[e.name])
-                            record(await _spec_run(cfg, regime, cell, e, m, p, ids, eos, rtt))
+                            run = await _spec_run(cfg, regime, cell, e, m, p, ids, eos, rtt)
+                            record(replace(run, prompt=i))
         finally:
             for agent in agents.values():
                 agent.close()
@@ -1276,11 +1337,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-assisted", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="take the runs OUT/runs.jsonl has (a bench stopped part-way, same settings and "
+        "commit) and run only the rest",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="tiny random models, RTT 0 and 50, 6 tokens, a model draft and an oracle (CI)",
     )
     args = p.parse_args(argv)
+    if args.resume and args.smoke:
+        p.error("--resume: the smoke run builds its models anew in a temporary folder each time")
     if args.draft:
         args.drafts = args.draft
     if args.oracle_rtts is None:
@@ -1351,6 +1420,11 @@ def main(argv: list[str] | None = None) -> int:
         eos = eos_ids(target)
         encoded = [(p, encode(target, p)) for p in prompts]
         entries = build_entries(cfg, target, eos, encoded)
+        header = {
+            "settings": {k: str(v) for k, v in asdict(cfg).items()},
+            "commit": machine_info()["git_commit"],
+        }
+        journal = Journal(out / "runs.jsonl", header, args.resume)
         runs: list[Run] = []
         if cfg.assisted and any(not r.emulated for r in regimes):
             for e in entries:
@@ -1368,12 +1442,25 @@ def main(argv: list[str] | None = None) -> int:
                 sides = {m.cloud for e in group for m in e.modes}
                 with cloud_processes(cfg, token_file, reg, sides) as (vports, aport):
                     runs += asyncio.run(
-                        sweep(cfg, reg, vports, aport, token, group, encoded, eos, rtts, with_ar)
+                        sweep(
+                            cfg,
+                            reg,
+                            vports,
+                            aport,
+                            token,
+                            group,
+                            encoded,
+                            eos,
+                            rtts,
+                            with_ar,
+                            journal,
+                        )
                     )
     from bench.report import write_outputs
 
     rows = summarise(runs, cfg, regimes, target.vocab_size)
     write_outputs(out, cfg, regimes, runs, rows, machine_info())
+    journal.finish()
     print(f"wrote {out / 'results.json'}, {out / 'results.md'} and plots")
     return 0
 

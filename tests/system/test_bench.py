@@ -19,7 +19,7 @@ import torch
 from bench.harness import free_port
 from bench.oracle import OracleDrafter, greedy_continuation, parse_oracle
 from bench.probe import Driver, ProbeClient
-from bench.run import BenchConfig, Regime, TimedDrafter, ceiling, estimate, parse_mode
+from bench.run import BenchConfig, Journal, Regime, Run, TimedDrafter, ceiling, estimate, parse_mode
 from bench.verifier import PaddedTarget
 from bench.verifier import main as padded_verifier_main
 from cloud_verifier.cli import main as verifier_main
@@ -231,6 +231,39 @@ def test_padding_is_not_a_product_setting(capsys: pytest.CaptureFixture[str]) ->
 
 
 @pytest.mark.slow
+def _run(rtt: float, prompt: int) -> Run:
+    return Run(regime="picospec", rtt_ms=rtt, mode="auto", depth=None, dataset="gsm8k",
+               tokens=8, wall_s=1.0, tokens_per_s=8.0, decode_tokens_per_s=9.0,
+               extra={"text_ids": [1, 2]}, draft="d", mode_spec="auto", scale=6.0,
+               prompt=prompt)  # fmt: skip
+
+
+def test_journal_resumes_the_runs_it_has_and_only_on_the_same_settings(tmp_path: Path) -> None:
+    path = tmp_path / "runs.jsonl"
+    header = {"settings": {"tokens": "48"}, "commit": "abc"}
+    j = Journal(path, header, resume=False)
+    j.add(_run(0.0, 0))
+    j.add(_run(100.0, 1))
+    # a stop part-way: the last line is cut
+    path.write_bytes(path.read_bytes() + b'{"regime": "picos')
+    fresh = Journal(path, header, resume=False)
+    assert fresh.done == {}  # without --resume the grid starts again
+    fresh.add(_run(0.0, 0))
+    fresh.add(_run(100.0, 1))
+    path.write_bytes(path.read_bytes() + b'{"regime": "picos')
+    resumed = Journal(path, header, resume=True)
+    assert set(resumed.done) == {_run(0.0, 0).key(), _run(100.0, 1).key()}
+    assert resumed.done[_run(100.0, 1).key()] == _run(100.0, 1)
+    resumed.add(_run(200.0, 0))
+    again = Journal(path, header, resume=True)  # the rewritten journal has all three
+    assert len(again.done) == 3
+    again.finish()
+    assert not path.exists()
+    Journal(path, header, resume=False).add(_run(0.0, 0))
+    with pytest.raises(SystemExit, match="other settings or another commit"):
+        Journal(path, {"settings": {"tokens": "64"}, "commit": "abc"}, resume=True)
+
+
 def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     run = subprocess.run(
@@ -238,6 +271,7 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
         capture_output=True, cwd=REPO, env=env, timeout=600, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr.decode()[-3000:]
+    assert not (tmp_path / "runs.jsonl").exists()  # the journal goes once the results are in
     doc = orjson.loads((tmp_path / "results.json").read_bytes())
     assert {"machine", "settings", "regimes", "summary", "runs", "plots"} <= set(doc)
     rows = doc["summary"]
