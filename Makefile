@@ -60,7 +60,7 @@ $(VENV)/.installed: pyproject.toml
 	$(TORCH_RECHECK)
 	touch $@
 
-.PHONY: install test check lint demo balancer
+.PHONY: install test check lint demo balancer docs
 install: $(VENV)/.installed
 
 # The replica tests run HAProxy (Debian's package): installed here when missing, as root or
@@ -76,7 +76,13 @@ lint: install
 	$(PY) -m ruff check shared edge_agent cloud_verifier tests bench
 	$(PY) -m mypy shared edge_agent cloud_verifier
 
-test: lint balancer
+# The documentation site (mkdocs.yml, docs/): strict, so a broken link or anchor, or a page left
+# out of the nav, fails the build. Into site/ (git-ignored); no network is needed.
+SITE_DIR ?= site
+docs: install
+	$(VENV)/bin/mkdocs build --strict --site-dir $(SITE_DIR)
+
+test: lint balancer docs
 	$(PY) -m pytest -q
 
 # The fast lane: lint, types and the unit tests of the cores, the maths, the scheduler and the
