@@ -5,9 +5,10 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 # On this project's build machines `torch==2.13.0` resolves to a local CPU build.
 TORCH_SPEC ?= torch==2.13.0
-# SYSTEM_TORCH=1 (a Jetson: NVIDIA's JetPack torch installed system-wide, see README): the venv
-# sees the system's site-packages, no torch is installed into it, and pip is constrained to the
-# system torch (and to NumPy 1.x when that is what the system has), so it cannot replace them.
+# SYSTEM_TORCH=1 (a Jetson: NVIDIA's JetPack torch installed system-wide, see docs/edge/jetson.md):
+# the venv sees the system's site-packages, no torch is installed into it, and pip is constrained
+# to the system torch (and to NumPy 1.x when that is what the system has), so it cannot replace
+# them.
 SYSTEM_TORCH ?=
 
 ifeq ($(SYSTEM_TORCH),1)
@@ -30,7 +31,7 @@ define SYSTEM_TORCH_CHECK
 import importlib.metadata as md, importlib.util, os, sys
 spec = importlib.util.find_spec("torch")
 if spec is None or not spec.origin:
-    sys.exit(f"SYSTEM_TORCH=1: no torch importable from {sys.executable}. Install NVIDIA's JetPack torch wheel system-wide first (README: On a Jetson).")
+    sys.exit(f"SYSTEM_TORCH=1: no torch importable from {sys.executable}. Install NVIDIA's JetPack torch wheel system-wide first (docs/edge/jetson.md).")
 where = os.path.realpath(spec.origin)
 if where.startswith(os.path.realpath(sys.prefix) + os.sep):
     sys.exit(f"SYSTEM_TORCH=1: a torch is installed inside the venv ({where}) and hides the system one: delete the venv and run make install SYSTEM_TORCH=1 again.")

@@ -437,13 +437,18 @@ def test_tp_drop_in_lets_rank_0_notify_and_sets_the_ranks() -> None:
     assert any(re.fullmatch(r"Environment=WANSPEC_TP=\d+", ln) for ln in lines)
 
 
-def test_readme_installs_without_cleartext_or_unreadable_secrets() -> None:
-    readme = (REPO / "README.md").read_text()
-    assert 'host = \\"0.0.0.0\\"' not in readme  # the old printf into verifier.toml
-    assert "/etc/wanspec/tokens" not in readme
-    assert not re.search(r"install -m 600 \S+ /etc/wanspec/", readme)
-    assert "systemd/install.sh cloud" in readme and "systemd/install.sh edge" in readme
-    assert "SYSTEM_TORCH=1" in readme
+def test_documented_installs_without_cleartext_or_unreadable_secrets() -> None:
+    """The install steps in README.md and the documentation site (docs/)."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    for page in pages:
+        text = page.read_text()
+        assert 'host = \\"0.0.0.0\\"' not in text, page  # the old printf into verifier.toml
+        assert "/etc/wanspec/tokens" not in text, page
+        assert not re.search(r"install -m 600 \S+ /etc/wanspec/", text), page
+    cloud = (REPO / "docs" / "cloud" / "deploy.md").read_text()
+    edge = (REPO / "docs" / "edge" / "jetson.md").read_text()
+    assert "systemd/install.sh cloud" in cloud and "systemd/install.sh edge" in edge
+    assert "make install SYSTEM_TORCH=1" in edge
 
 
 # ----------------------------------------------------------------------------- make install
