@@ -68,12 +68,12 @@ having fits 45 minutes with 8 prompts per dataset. The defaults fit about 45 min
 γ sweep (~+18 min), ``--oracle-modes pipe:4x4:nocogen,pipe:4x4,auto`` the co-generation
 comparison at known α (~+7 min); ``--prompts 8`` multiplies everything by four.
 
-Analytical ceiling (:func:`ceiling`, README): with t_d the time per draft token, T_v the verify
-time, R the RTT, γ, D, n̄ the measured tokens the verdicts commit per round and r the measured
-fraction of rounds ending in a rejection, stop-and-wait needs γ t_d + R + T_v per round;
-pipelined rounds arrive every max(γ t_d, (R + T_v)/D, T_v) while batches are accepted in full,
-and after a rejection the pipeline refills in γ t_d + R + T_v. With co-generation the verifier
-decodes (γ t_d + R)/T_v tokens of its own during a refill (see :func:`ceiling`).
+Analytical ceiling (:func:`ceiling`, docs/benchmarks/index.md): with t_d the time per draft token,
+T_v the verify time, R the RTT, γ, D, n̄ the measured tokens the verdicts commit per round and r
+the measured fraction of rounds ending in a rejection, stop-and-wait needs γ t_d + R + T_v per
+round; pipelined rounds arrive every max(γ t_d, (R + T_v)/D, T_v) while batches are accepted in
+full, and after a rejection the pipeline refills in γ t_d + R + T_v. With co-generation the
+verifier decodes (γ t_d + R)/T_v tokens of its own during a refill (see :func:`ceiling`).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class WrappedTarget:
 class PaddedTarget(WrappedTarget):
     """Device-regime emulation: every (batched) forward takes at least ``pad_ms`` (sleeping
     the rest on the engine's thread), whatever the number of sessions in it: on a GPU a
-    batch of a few sessions costs about what one does (see README, verifier load)."""
+    batch of a few sessions costs about what one does (see docs/benchmarks/verifier.md)."""
 
     def __init__(self, inner: Target, pad_ms: float, decode_pad_ms: float = 0.0) -> None:
         super().__init__(inner, f"{inner.description}, forwards padded to {pad_ms:g} ms")

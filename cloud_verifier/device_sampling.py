@@ -53,7 +53,8 @@ for a draw are float64 whatever the dtype. What tests/verifier/test_device_sampl
 The verifier's engine calls :func:`verify_logits`: the same decisions, but p(x) of the draft
 tokens from one float32 pass per row (max and sum of exps; the rest in float64), and the full
 float64 transform only for the decision rows (at most one per session). At |V| = 151,936 that
-is what keeps the non-model cost of a round near a millisecond on the CPU (README, Overhead);
+is what keeps the non-model cost of a round near a millisecond on the CPU
+(docs/benchmarks/verifier.md, Overhead);
 the acceptance probabilities then carry float32 rounding (~1e-6 relative), which the suites
 (run on this path too) cannot see and which no correction or bonus draw inherits.
 

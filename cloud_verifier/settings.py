@@ -42,7 +42,7 @@ class VerifierSettings:
     device: Device = "auto"
     dtype: DType = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
     # torch.compile the batched forward (shapes bucketed; CUDA graphs where torch uses them):
-    # auto = on for CUDA, off on the CPU (where eager measured faster, see README).
+    # auto = on for CUDA, off on the CPU (where eager measured faster, docs/benchmarks/verifier.md).
     compile: Switch = "auto"
     # Tensor parallelism: one target over this many ranks (GPUs of one node, or CPU processes
     # over gloo), transformers' own TP, started with torchrun (cloud_verifier.tp).

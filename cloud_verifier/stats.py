@@ -1,4 +1,5 @@
-"""The verifier's Prometheus metrics (names are stable; the README documents each with a query).
+"""The verifier's Prometheus metrics (names are stable; docs/cloud/metrics.md documents each
+with a query).
 
 Spec-decode names follow vLLM's (``vllm:spec_decode_num_drafts`` → ``wanspec_spec_decode_...``).
 Only verdict-mode rounds count as drafts: in federated mode the edge decides acceptance.

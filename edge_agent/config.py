@@ -82,7 +82,7 @@ def _b(lo: float, hi: float | None = None) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class EdgeSettings:
-    """Everything the daemon and the REPL need (see the README section "Edge daemon")."""
+    """Everything the daemon and the REPL need (see docs/edge/daemon.md, Settings)."""
 
     # --- verifier link(s)
     #: One WebSocket URL (PicoSpec mode), or several separated by commas: then every draft is

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install a wanspec systemd unit with its settings and secrets (see README.md, "systemd").
+# Install a wanspec systemd unit with its settings and secrets (see docs/cloud/deploy.md).
 #
 #   sudo systemd/install.sh cloud --tls-cert fullchain.pem --tls-key privkey.pem [--token FILE]
 #   sudo systemd/install.sh cloud --behind-proxy [--listen ADDR] [--token FILE]  # no TLS here
@@ -160,7 +160,7 @@ if [ "$role" = cloud ]; then
         echo "install.sh: generated a bearer token in $private/tokens (give it to the edge)"
     fi
     if [ "$behind_proxy" = 1 ]; then
-        # No TLS: the terminator in front (README: nginx on this host, HAProxy on another)
+        # No TLS: the terminator in front (docs: nginx on this host, HAProxy on another)
         # faces the WAN. The address is on ExecStart (it beats the file and the environment):
         # loopback unless the terminator is elsewhere (--listen, a private address).
         new_setting verifier.toml $'[verifier]\nmodel = "default"\n'

@@ -389,7 +389,7 @@ def test_gpu_bench_refuses_without_cuda_and_runs_small_on_the_cpu(
 
 def test_verifier_load_smoke(tmp_path: Path) -> None:
     """Every engine (cloud-sd: cloud-only sessions, tail and ngram drafts), N = 1 and 3,
-    against null:256: the keys the README table is built from."""
+    against null:256: the keys docs/benchmarks/verifier.md's table is built from."""
     out = tmp_path / "load.json"
     cmd = [sys.executable, "-m", "bench.verifier_load", "--model", "null:256", "--sessions", "1,3",
            "--seconds", "0.5", "--min-rounds", "2", "--out", str(out),
@@ -408,7 +408,7 @@ def test_verifier_load_smoke(tmp_path: Path) -> None:
 def test_prefix_bench_smoke(tmp_path: Path) -> None:
     """bench.prefix against null:512: the conversation's later turns and the later sessions of
     the shared system prompt compute only what the cache lacks (prefix_cache = tenant), and
-    everything without it; the keys the README line is built from."""
+    everything without it; the keys docs/how-it-works/engine.md's line is built from."""
     out = tmp_path / "prefix.json"
     cmd = [sys.executable, "-m", "bench.prefix", "--model", "null:512", "--turns", "3",
            "--sessions", "3", "--system-tokens", "100", "--out", str(out)]  # fmt: skip

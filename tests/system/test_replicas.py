@@ -1,7 +1,7 @@
 """Several verifier replicas behind HAProxy, with the shipped balancer config
-(``systemd/haproxy-wanspec.cfg``, only its listen address, its certificate's path and the
-server addresses replaced), all on loopback. TLS ends at the balancer, as the README has it:
-edges connect with wss:// and check its certificate (a test CA); the replicas listen without
+(``systemd/haproxy-wanspec.cfg``, only its listen address, its certificate's path and the server
+addresses replaced), all on loopback. TLS ends at the balancer, as docs/cloud/replicas.md has
+it: edges connect with wss:// and check its certificate (a test CA); the replicas listen without
 TLS (``install.sh cloud --behind-proxy``).
 
 * failover: an edge generating through the balancer loses its replica (SIGKILL mid-generation),
