@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final
 
 import numpy as np
@@ -90,6 +90,7 @@ from shared.wire.protocol import (
     Generated,
     Hedge,
     Hello,
+    Logprobs,
     Message,
     Progress,
     Propose,
@@ -331,6 +332,9 @@ class Verified:
     withheld: Withheld | None = None
     #: Fixed tokens the model side took from its prefix cache for this work (not computed).
     cached: int = 0
+    #: Hello.logprobs: the target's log-probabilities of the accepted tokens and of the
+    #: decision's ids, ``pos`` 0 standing for the first accepted token's position.
+    logprobs: Logprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -349,6 +353,7 @@ class Cropped:
 @dataclass(frozen=True)
 class Drawn:
     candidates: SparseDist
+    logprobs: Logprobs | None = None  # Hello.logprobs: of the candidates (pos 0: theirs)
 
 
 @dataclass(frozen=True)
@@ -406,6 +411,11 @@ class Adopt:
 
 
 Event = Send | Run | Close | Note | Adopt
+
+
+def _logprobs_at(lp: Logprobs | None, pos: int) -> list[Event]:
+    """The Logprobs frame of a result (Hello.logprobs), placed at ``pos``; none if not asked."""
+    return [] if lp is None else [Send(replace(lp, pos=pos))]
 
 
 def _reported(
@@ -666,6 +676,12 @@ class VerifierCore:
             return self._refuse(
                 ErrorCode.BAD_HELLO,
                 f"k = {msg.k} / m = {msg.m} exceed this verifier's limit {lim.max_k}",
+                "handshake",
+            )
+        if msg.logprobs is not None and msg.reply_mode == ReplyMode.FEDERATED:
+            return self._refuse(
+                ErrorCode.BAD_HELLO,
+                "logprobs: a federated session gets distributions, not log-probabilities",
                 "handshake",
             )
         self.hello = msg
@@ -1027,7 +1043,10 @@ class VerifierCore:
             self.cache_len = _reported(result.cache_len, work)
             return []
         if isinstance(work, Draw) and isinstance(result, Drawn):
-            return [Send(Candidates(work.epoch, work.pos, result.candidates))]
+            return [
+                *_logprobs_at(result.logprobs, work.pos),
+                Send(Candidates(work.epoch, work.pos, result.candidates)),
+            ]
         raise TypeError(f"{type(result).__name__} is not the result of {type(work).__name__}")
 
     def _verified(self, work: Verify, result: Verified) -> list[Event]:
@@ -1038,6 +1057,8 @@ class VerifierCore:
         p, d = work.propose, result.decision
         g, n = len(work.draft), d.accepted
         self.text[p.pos :] = [*p.fixed.tolist(), *work.draft[:n].tolist()]
+        # (before the verdicts: the edge has them when it commits the tokens)
+        out: list[Event] = _logprobs_at(result.logprobs, len(self.text) - n)
         self.edge_ahead = False
         # The model side cropped the cache to the accepted prefix on a rejection.
         self.next_pos = self.cache_len = _reported(result.cache_len, work, n)
@@ -1054,7 +1075,6 @@ class VerifierCore:
         elif d.bonus is not None:
             # A bonus token is committed by the edge and comes back as a fixed token.
             self.text.append(d.bonus)
-        out: list[Event] = []
         left = n + work.matched
         segments = work.segments
         for i, s in enumerate(segments):
@@ -1105,8 +1125,11 @@ class VerifierCore:
                 self._model_alpha.fade()
         own = work.cloud  # the accepted draft tokens are the verifier's own
         return [
-            Send(Generated(self.epoch, pos + i, t, cloud=own and i < d.accepted))
-            for i, t in enumerate(tokens)
+            *_logprobs_at(result.logprobs, pos),
+            *(
+                Send(Generated(self.epoch, pos + i, t, cloud=own and i < d.accepted))
+                for i, t in enumerate(tokens)
+            ),
         ]
 
     def _failed(self, work: Work, result: Failed) -> list[Event]:

@@ -80,7 +80,7 @@ import torch
 
 from shared.maths.rejection import Decision
 from shared.wire.params import SamplingParams
-from shared.wire.protocol import CorrectionMode, SparseDist
+from shared.wire.protocol import LOGPROB_FLOOR, CorrectionMode, Logprobs, SparseDist
 
 #: The dtype probabilities are computed in on the device (module docstring: why float64).
 DEVICE_DTYPE: Final = torch.float64
@@ -697,6 +697,68 @@ def draw_candidates(
         raise ValueError("no mass outside the rejected token: a rejection was impossible")
     ids_h, py = host.ints(m), host.floats(m)
     return SparseDist(ids_h.astype(np.int64), py.astype(np.float32))
+
+
+# --------------------------------------------------------------------------------- logprobs
+
+
+@dataclass(frozen=True)
+class LogprobAsk:
+    """One session's log-probabilities to report (Hello.logprobs): ``rows`` of the logits, the
+    ids wanted at each (one per row but the last, which may have several: a rejection's
+    candidates or top-K), and ``n`` alternatives per row."""
+
+    rows: Sequence[int]
+    ids: Sequence[npt.NDArray[np.int64]]
+    n: int
+
+
+def logprobs(logits: torch.Tensor, asks: Sequence[LogprobAsk]) -> list[Logprobs]:
+    """log softmax of the asked rows of ``logits`` (the model's own distribution, before any
+    sampling transform), in float64 on the device: the asked ids' values and each row's n
+    likeliest (ties by ascending id), floored at LOGPROB_FLOOR. One copy of Σ(ids + 2n)
+    numbers to the host. Each result's ``pos`` is 0 (the caller places it)."""
+    if not asks:
+        return []
+    dev = logits.device
+    rows = np.concatenate([np.asarray(a.rows, np.int64) for a in asks])
+    lsm = torch.log_softmax(logits.index_select(0, _idx(rows, dev)).to(torch.float64), dim=-1)
+    lsm = lsm.clamp(min=LOGPROB_FLOOR)
+    per_row = [np.asarray(x, np.int64) for a in asks for x in a.ids]  # aligned with rows
+    if len(per_row) != len(rows):
+        raise ValueError(f"{len(per_row)} id lists for {len(rows)} rows")
+    at_row = np.concatenate([np.full(len(x), r, np.int64) for r, x in enumerate(per_row)])
+    flat_ids = np.concatenate(per_row)
+    pieces = [lsm[_idx(at_row, dev), _idx(flat_ids, dev)]]
+    n = min(max(a.n for a in asks), int(lsm.shape[1]))
+    if n:
+        # ascending id first, then a stable sort by value: ties by id (as _top_k)
+        vals, ids = torch.topk(lsm, n, dim=-1, largest=True, sorted=True)
+        order = ids.argsort(dim=-1)
+        ids, vals = ids.gather(1, order), vals.gather(1, order)
+        order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+        pieces += [vals.gather(1, order), ids.gather(1, order)]
+    host = _Packed(pieces)
+    lp_h = host.floats(len(flat_ids)).astype(np.float32)
+    top_v = host.floats(len(rows), n).astype(np.float32) if n else None
+    top_i = host.ints(len(rows), n) if n else None
+    out = []
+    at_id = at_r = 0
+    for a in asks:
+        k = sum(len(i) for i in a.ids)
+        r = len(a.rows)
+        lp = np.minimum(lp_h[at_id : at_id + k], 0.0)
+        if a.n and top_v is not None and top_i is not None:
+            tv = np.minimum(top_v[at_r : at_r + r, : a.n], 0.0).reshape(-1)
+            ti = top_i[at_r : at_r + r, : a.n].reshape(-1)
+        else:
+            tv, ti = np.zeros(0, np.float32), np.zeros(0, np.int64)
+        out.append(
+            Logprobs(0, flat_ids[at_id : at_id + k], lp, len(a.ids[-1]), ti.astype(np.int64), tv)
+        )
+        at_id += k
+        at_r += r
+    return out
 
 
 # ---------------------------------------------------------------------------------- federate

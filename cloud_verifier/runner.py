@@ -52,9 +52,10 @@ from cloud_verifier.scheduler import model_drafts_allowed, prefill_chunk
 from cloud_verifier.step_times import DraftCost
 from cloud_verifier.targets import Target
 from shared.enums import TextEnum
+from shared.maths.rejection import Decision
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import OutOfPages, PagedKV, SlotPages, root_key
-from shared.wire.protocol import CorrectionMode, Hello
+from shared.wire.protocol import CorrectionMode, Hello, Logprobs
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class Slot:
     #: Prompt tokens its prefill took from the prefix cache, until a verdict reports them.
     claimed: int = 0
     kept: tuple[torch.Tensor, int] | None = None  # ([V] probs on the device, rejected id)
+    #: The logits row at that position ([V], on the device) when the Hello asked for logprobs.
+    kept_logits: torch.Tensor | None = None
     released: bool = False
 
     @property
@@ -352,7 +355,7 @@ class Runner:
         return out
 
     def _crop(self, slot: Slot, pos: int) -> Result:
-        slot.kept = None
+        slot.kept = slot.kept_logits = None
         try:
             self.pool.crop(slot.pages, pos)
         except ValueError as e:
@@ -364,7 +367,13 @@ class Runner:
             return Failed("RuntimeError: no rejected row kept for a Resample", slot.length)
         row, rejected = slot.kept
         try:
-            return Drawn(ds.draw_candidates(row, rejected, m, slot.generator))
+            drawn = ds.draw_candidates(row, rejected, m, slot.generator)
+            lp = None
+            n = slot.hello.logprobs
+            if n is not None and slot.kept_logits is not None:
+                ask = ds.LogprobAsk([0], [drawn.ids], n)
+                lp = ds.logprobs(slot.kept_logits[None], [ask])[0]
+            return Drawn(drawn, logprobs=lp)
         except Exception as e:
             return Failed(f"{type(e).__name__}: {e}", slot.length)
 
@@ -518,6 +527,7 @@ class Runner:
                 m=[h.m for h in hellos],
             ),
         )
+        lps = self._logprobs(planned, decisions, gammas, logits)
         out: list[Result] = []
         row = 0
         for p, d, g, h in zip(planned, decisions, gammas, hellos, strict=True):
@@ -532,6 +542,8 @@ class Runner:
                     s = h.sampling
                     p_row = ds.transform_rows(r, s.temperature, s.top_k, s.top_p)[0]
                     slot.kept = (p_row, int(p.work.draft[d.accepted]))
+                    if h.logprobs is not None:
+                        slot.kept_logits = r[0].clone()  # a copy: not a view of the batch
                     kept = True
             drafted = (
                 p.work.draft if isinstance(p.work, CoGenerate) and p.work.model_tokens else None
@@ -546,10 +558,40 @@ class Runner:
                     drafted=drafted,
                     withheld=withheld,
                     cached=cached,
+                    logprobs=lps.get(id(p)),
                 )
             )
             row += g + 1
         return out
+
+    @staticmethod
+    def _logprobs(
+        planned: list[_Planned],
+        decisions: list[Decision],
+        gammas: list[int],
+        logits: torch.Tensor,
+    ) -> dict[int, Logprobs]:
+        """The target's log-probabilities for the sessions whose Hello asked: each accepted
+        draft token, then the decision row's ids (its recovered or bonus token, or the
+        candidates / top-K the edge picks from). All sessions in one device call."""
+        asks: dict[int, ds.LogprobAsk] = {}
+        row = 0
+        for p, d, g in zip(planned, decisions, gammas, strict=True):
+            n = p.slot.hello.logprobs
+            if n is not None:
+                a = d.accepted
+                ids = [np.asarray(p.work.draft[j : j + 1], np.int64) for j in range(a)]
+                decided = d.token if d.token is not None else d.bonus
+                if decided is not None:
+                    ids.append(np.array([decided], np.int64))
+                elif d.candidates is not None or d.sparse is not None:
+                    offered = d.candidates if d.candidates is not None else d.sparse
+                    assert offered is not None
+                    ids.append(np.asarray(offered.ids, np.int64))
+                if ids:
+                    asks[id(p)] = ds.LogprobAsk(range(row, row + len(ids)), ids, n)
+            row += g + 1
+        return dict(zip(asks, ds.logprobs(logits, list(asks.values())), strict=True))
 
     def _federate(self, planned: list[_Planned], logits: torch.Tensor) -> list[Result]:
         """SpecFed replies of the Federate group: γ+1 top-K rows, p_j(x_j), the l1 of both

@@ -8,8 +8,8 @@ Token ids and probabilities travel as little-endian binary fields, never as list
   fixed for a session by the vocabulary size agreed in Hello/Welcome;
 * probabilities are IEEE float32.
 
-Hot frames (Propose, Verdict, FederatedReply, Rollback, Resample, Candidates, Generated, Hedge)
-therefore need the session's :class:`WireContext` to decode; Hello, Welcome and Error are
+Hot frames (Propose, Verdict, FederatedReply, Rollback, Resample, Candidates, Generated, Hedge,
+Logprobs) therefore need the session's :class:`WireContext` to decode; Hello, Welcome and Error are
 self-describing.
 
 Semantics: one WebSocket is one session. ``epoch`` counts rejections; a frame of an
@@ -84,6 +84,7 @@ class MsgType(IntEnum):
     GENERATED = 10
     HEDGE = 11
     PROGRESS = 12
+    LOGPROBS = 13
 
 
 class CorrectionMode(TextEnum):
@@ -123,6 +124,11 @@ K_E: Final = 8
 
 _U32_MAX: Final = 2**32 - 1
 _FLAG_BONUS: Final = 1
+#: The most alternatives a session may ask for at each position (OpenAI's ``top_logprobs``).
+MAX_TOP_LOGPROBS: Final = 20
+#: The lowest log-probability on the wire: lower values (a token the model gives no mass,
+#: −inf) are sent as this (OpenAI's convention for "not among the likely").
+LOGPROB_FLOOR: Final = -9999.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,6 +213,9 @@ class Hello:
     #: This edge can resume: keep the session's KV cache a while if its connection is lost
     #: (the Welcome then carries a resume token).
     resumable: bool = False
+    #: Ask for the target's log-probability of every committed token (:class:`Logprobs`
+    #: frames) with this many alternatives at each position; None: none (no bytes spent).
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -329,6 +338,31 @@ class Generated:
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """Verifier → edge, for a session whose Hello asked: the target's log-probabilities
+    log softmax(logits) (the model's own distribution: before temperature, top-k and top-p) at
+    positions ``pos`` .. ``pos + P − 1``, sent before the frame that commits or offers their
+    tokens (Verdict, Generated, Candidates).
+
+    ``ids``/``lp``: one (token, log-probability) per position, except the last position, which
+    has ``last`` of them: at a rejection the edge picks its correction among the candidates or
+    the top-K it is sent, so it gets the log-probability of each. ``top_ids``/``top_lp``: the n
+    likeliest tokens of each position (n = Hello.logprobs; P·n entries, position-major, most
+    likely first). Values are float32 in [LOGPROB_FLOOR, 0]."""
+
+    pos: int
+    ids: IdArray  # [P − 1 + last]
+    lp: npt.NDArray[np.float32]  # [P − 1 + last]
+    last: int = 1
+    top_ids: IdArray = field(default_factory=lambda: np.zeros(0, np.int64))  # [P·n]
+    top_lp: npt.NDArray[np.float32] = field(default_factory=lambda: np.zeros(0, np.float32))
+
+    @property
+    def positions(self) -> int:
+        return len(self.ids) - self.last + 1
+
+
+@dataclass(frozen=True)
 class Hedge:
     """Edge → verifier: a *side draft* for a likely rejection point. If the committed text turns
     out to hold ``token`` at ``pos`` (the draft's second choice where its confidence was
@@ -382,6 +416,7 @@ Message = (
     | Generated
     | Hedge
     | Progress
+    | Logprobs
     | Error
 )
 
@@ -698,6 +733,42 @@ class _Draft(_Kind):
         return blob + pack_probs(q) if ctx.draft_probs else blob
 
 
+class _Scored(_Kind):
+    """(ids, log-probabilities): n token ids, then n float32 values, finite and in
+    [LOGPROB_FLOOR, 0]; at most ``limit`` entries when set."""
+
+    def __init__(self, limit: Callable[[WireContext], int] | None = None) -> None:
+        self.limit = limit
+
+    def read(
+        self, v: Any, name: str, ctx: WireContext | None
+    ) -> tuple[IdArray, npt.NDArray[np.float32]]:
+        assert ctx is not None
+        blob, w = _bin(v, name), ctx.width
+        if len(blob) % (w + 4):
+            raise ProtocolError(name, f"length {len(blob)} is not a multiple of {w + 4}")
+        n = len(blob) // (w + 4)
+        if self.limit is not None and n > self.limit(ctx):
+            raise ProtocolError(name, f"{n} entries exceed the limit {self.limit(ctx)}")
+        ids = unpack_ids(blob[: n * w], w, ctx.vocab_size, name + ".ids")
+        lp = np.frombuffer(blob[n * w :], "<f4").astype(np.float32)
+        if not np.all(np.isfinite(lp) & (lp >= LOGPROB_FLOOR) & (lp <= 0.0)):
+            raise ProtocolError(
+                name + ".lp", f"values must be finite and in [{LOGPROB_FLOOR:g}, 0]"
+            )
+        return ids, lp
+
+    def write(self, v: Any, ctx: WireContext | None) -> bytes:
+        assert ctx is not None
+        ids, lp = v
+        if len(ids) != len(lp):
+            raise ValueError(f"{len(lp)} log-probabilities for {len(ids)} ids")
+        return pack_ids(ids, ctx.width) + pack_probs(lp)
+
+    def empty(self, v: Any) -> bool:
+        return len(v[0]) == 0
+
+
 class _TopKSizes(_Kind):
     """The sizes K_0..K_γ of FederatedReply's distributions: 2..max_gamma+1 uint32 values, each at
     most min(max_k, |V|)."""
@@ -832,7 +903,14 @@ class _Table:
         for f, at in zip(fields, attrs, strict=True):
             absent = None
             if f.presence is not _REQUIRED:
-                absent = _default_of(members[str(at)])
+                if isinstance(at, str):
+                    absent = _default_of(members[at])
+                else:  # several attributes in one field: a tuple of their defaults
+                    parts = [_default_of(members[a]) for a in at]
+
+                    def absent(parts: list[Callable[[], Any]] = parts) -> tuple[Any, ...]:
+                        return tuple(p() for p in parts)
+
                 if f.presence is _OPTIONAL and not f.kind.empty(absent()):
                     raise TypeError(f"{scope}: {f.name}'s default is not its empty value")
             readers.append((f.key, prefix + f.name, f.kind.read, absent, f.presence is _OPTIONAL))
@@ -950,6 +1028,24 @@ def _make_federated_reply(v: list[Any]) -> FederatedReply:
     return FederatedReply(epoch, seq, tuple(dists), p_draft, l1)
 
 
+def _scored_limit(ctx: WireContext) -> int:
+    return ctx.max_gamma + max(ctx.max_k, 4096)
+
+
+def _make_logprobs(v: list[Any]) -> Logprobs:
+    """At least one position, and the same number n <= MAX_TOP_LOGPROBS of alternatives at
+    each."""
+    pos, (ids, lp), last, (top_ids, top_lp) = v
+    positions = len(ids) - last + 1
+    if positions < 1:
+        raise ProtocolError("last", f"{last} ids at the last position of {len(ids)}")
+    if len(top_ids) % positions or len(top_ids) // positions > MAX_TOP_LOGPROBS:
+        raise ProtocolError(
+            "top", f"{len(top_ids)} entries are not up to {MAX_TOP_LOGPROBS} per position"
+        )
+    return Logprobs(pos, ids, lp, last, top_ids, top_lp)
+
+
 def _make_candidates(v: list[Any]) -> Candidates:
     if len(v[2].ids) == 0:
         raise ProtocolError("candidates", "empty")
@@ -1026,6 +1122,7 @@ _FRAMES: Final = (
             _Field("progress", "progress", _Flag(1), presence=_OPTIONAL),
             _Field("resume", "resume", _RESUME, presence=_OPTIONAL),
             _Field("resumable", "resumable", _Flag(1), presence=_OPTIONAL),
+            _Field("logprobs", "logprobs", _Int(0, MAX_TOP_LOGPROBS), presence=_OPTIONAL),
         ],
     ),
     _Frame(
@@ -1128,6 +1225,19 @@ _FRAMES: Final = (
             _Field(K_A, "draft", _Draft(), ("draft", "q")),
         ],
         _make_hedge,
+    ),
+    _Frame(
+        MsgType.LOGPROBS,
+        Logprobs,
+        [
+            _Field(K_POS, "pos", _U32),
+            # the accepted tokens (<= max_gamma) and a rejection's candidates (m <= 4096) or
+            # top-K (k <= max_k)
+            _Field(K_A, "scored", _Scored(_scored_limit), ("ids", "lp")),
+            _Field(K_C, "last", _Int(1, 1 << 24), presence=_DEFAULTED),
+            _Field(K_D, "top", _Scored(), ("top_ids", "top_lp"), presence=_OPTIONAL),
+        ],
+        _make_logprobs,
     ),
     _Frame(
         MsgType.PROGRESS,
@@ -1261,7 +1371,9 @@ def message_equal(a: Message, b: Message, *, rtol: float = 0.0, atol: float = 0.
 
 
 __all__ = [
+    "LOGPROB_FLOOR",
     "MAX_DEPTH",
+    "MAX_TOP_LOGPROBS",
     "PROTOCOL_VERSION",
     "SEQ_MODULUS",
     "SUBPROTOCOL",
@@ -1273,6 +1385,7 @@ __all__ = [
     "Generated",
     "Hedge",
     "Hello",
+    "Logprobs",
     "Message",
     "MsgType",
     "Progress",

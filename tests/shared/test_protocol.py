@@ -23,6 +23,7 @@ from shared.wire.protocol import (
     Generated,
     Hedge,
     Hello,
+    Logprobs,
     MsgType,
     Progress,
     Propose,
@@ -158,6 +159,7 @@ ALL_MESSAGES = [
         progress=True,
         resume=Resume("0123456789abcdef0123456789abcdef", 17),
         resumable=True,
+        logprobs=5,
     ),
     Welcome(_fp(), "s-1", max_gamma=16, max_fixed=8192, max_context=8192, max_frame=1 << 20),
     Welcome(
@@ -196,6 +198,15 @@ ALL_MESSAGES = [
     Hedge(POS, 49151, np.array([1, 2, 3]), np.array([1.0, 0.5, 0.25], np.float32)),
     Progress(steps=2**32 - 1, ahead=3, eta_ms=1500, running=True),
     Progress(steps=0, ahead=0, eta_ms=0),
+    Logprobs(POS, np.array([49151]), np.array([-0.25], np.float32)),
+    Logprobs(
+        POS,
+        np.array([5, 9, 3, 4]),  # two positions, three scored ids at the last
+        np.array([-0.1, -2.0, -0.7, -9999.0], np.float32),
+        last=3,
+        top_ids=np.array([5, 6, 3, 9]),
+        top_lp=np.array([-0.1, -2.5, -0.7, -1.0], np.float32),
+    ),
 ]
 
 
@@ -553,14 +564,16 @@ def test_every_field_absent_or_nil(
     else:
         # Absent, the attribute reads back as the dataclass default.
         got = decode(_set(_base(table, path), path, _DROP), SMOL)
-        owner, _, leaf = attr.rpartition(".")
-        obj = getattr(got, owner) if owner else got
-        default = {f.name: f for f in dataclasses.fields(obj)}[leaf]
-        want = default.default if default.default is not dataclasses.MISSING else None
-        if want is None and default.default_factory is not dataclasses.MISSING:
-            assert len(getattr(obj, leaf)) == len(default.default_factory())
-        else:
-            assert getattr(obj, leaf) == want
+        # (a field carrying several attributes: each reads back as its default)
+        for one in (attr,) if isinstance(attr, str) else attr:
+            owner, _, leaf = one.rpartition(".")
+            obj = getattr(got, owner) if owner else got
+            default = {f.name: f for f in dataclasses.fields(obj)}[leaf]
+            want = default.default if default.default is not dataclasses.MISSING else None
+            if want is None and default.default_factory is not dataclasses.MISSING:
+                assert len(getattr(obj, leaf)) == len(default.default_factory())
+            else:
+                assert getattr(obj, leaf) == want
     if presence is _Presence.OPTIONAL:  # nil is absent
         nil = decode(_set(_base(table, path), path, None), SMOL)
         assert message_equal(nil, decode(_set(_base(table, path), path, _DROP), SMOL))
@@ -605,3 +618,38 @@ def test_every_scalar_field_checks_its_range(
     for value in bad:
         e = _refused(_set(_base(table, path), path, value))
         assert e.field.startswith(name), (value, e)
+
+
+# ------------------------------------------------------------------------------- logprobs
+
+
+def _scored(positions: int, top: int) -> Logprobs:
+    return Logprobs(
+        POS,
+        np.arange(positions),
+        np.full(positions, -1.0, np.float32),
+        top_ids=np.arange(top),
+        top_lp=np.full(top, -1.0, np.float32),
+    )
+
+
+def test_logprobs_frame_is_small_and_checked() -> None:
+    """γ + 1 = 5 positions with their log-probabilities, no alternatives: about 5 bytes each;
+    a frame whose counts do not add up, or a value outside [LOGPROB_FLOOR, 0], is refused."""
+    ctx = WireContext(vocab_size=49152)
+    msg = Logprobs(POS, np.arange(5), np.full(5, -0.5, np.float32))
+    assert len(encode(msg, ctx)) <= 50
+    for bad, field in [
+        (Logprobs(POS, np.arange(2), np.full(2, -0.5, np.float32), last=3), "last"),
+        (Logprobs(POS, np.arange(2), np.array([-0.5, 0.5], np.float32)), "scored.lp"),
+        (Logprobs(POS, np.arange(2), np.array([-0.5, np.nan], np.float32)), "scored.lp"),
+        (_scored(1, top=21), "top"),
+        (_scored(2, top=3), "top"),
+    ]:
+        with pytest.raises(ProtocolError) as e:
+            decode(encode(bad, ctx), ctx)
+        assert e.value.field == field, e.value
+    with pytest.raises(ProtocolError, match="logprobs"):
+        decode(encode(Hello(_fp(), logprobs=21)))
+    with pytest.raises(ValueError, match="3 log-probabilities for 2 ids"):
+        encode(Logprobs(POS, np.arange(2), np.full(3, -0.5, np.float32)), ctx)

@@ -718,3 +718,52 @@ def test_the_cpu_pool_is_sized_to_the_model_and_the_machine(
     assert engine_module._auto_kv_tokens(target) == 16384
     monkeypatch.setattr(engine_module, "_physical_memory", lambda: per_token)
     assert engine_module._auto_kv_tokens(target) == 1024
+
+
+async def test_logprobs_of_a_rejection_and_its_resample() -> None:
+    """Hello.logprobs through the engine: a rejection's Verified carries the log softmax of
+    the logits (the model's own, not the sampling transform's) at each accepted position and of
+    every candidate the edge may pick at the rejected one; a Resample's Drawn carries its new
+    candidates' from the row kept for it; the n likeliest alternatives come with each."""
+    v = 8
+    null = NullTarget(v)
+    engine = await _engine(null)
+    params = SamplingParams(temperature=0.8, top_k=6)
+    fixed = 5
+    try:
+        for seed in range(40):
+            slot = engine.open(
+                Hello(fingerprint=null.fingerprint, sampling=params, seed=seed,
+                      correction=CorrectionMode.CANDIDATES, m=2, logprobs=3)
+            )  # fmt: skip
+            draft = np.array([1, 2, 3], np.int64)
+            prop = Propose(0, 0, 0, draft, np.full(3, 0.9, np.float32), np.array([fixed]))
+            out = (await engine.run(slot, Verify(prop, False))).result
+            assert isinstance(out, Verified) and out.logprobs is not None
+            d, lp = out.decision, out.logprobs
+            if d.candidates is None:
+                engine.release(slot)
+                continue
+            text = [fixed, *draft[: d.accepted].tolist()]
+            rows = torch.stack([null._rows[(t * 31 + i) % len(null._rows)] for i, t in
+                                enumerate(text)])  # fmt: skip
+            ref = torch.log_softmax(rows.double(), dim=-1)  # [accepted + 1, V]
+            a = d.accepted
+            assert lp.positions == a + 1 and lp.last == len(d.candidates.ids)
+            want = [float(ref[j, draft[j]]) for j in range(a)]
+            want += [float(ref[a, int(c)]) for c in d.candidates.ids]
+            np.testing.assert_allclose(lp.lp, want, atol=1e-5)
+            np.testing.assert_allclose(
+                lp.top_lp.reshape(a + 1, 3), torch.topk(ref, 3).values.numpy(), atol=1e-5
+            )
+            more = (await engine.run(slot, Draw(0, 1 + a, 4))).result
+            assert isinstance(more, Drawn) and more.logprobs is not None
+            np.testing.assert_allclose(
+                more.logprobs.lp, [float(ref[a, int(c)]) for c in more.candidates.ids], atol=1e-5
+            )
+            assert more.logprobs.positions == 1 and len(more.logprobs.top_ids) == 3
+            engine.release(slot)
+            return
+        raise AssertionError("no rejection in 40 sessions")
+    finally:
+        engine.shutdown()

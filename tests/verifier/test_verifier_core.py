@@ -3,6 +3,7 @@ one case per row of its state table. No sockets, no model, no event loop."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ from shared.wire.protocol import (
     Generated,
     Hedge,
     Hello,
+    Logprobs,
     Propose,
     ReplyMode,
     Resample,
@@ -112,6 +114,7 @@ def run_of(events: list[Event]) -> Run:
         (encode(Error("x", "y")), "bad_handshake"),
         (encode(Hello(Fingerprint("other", V, "o"))), "fingerprint_mismatch"),
         (encode(Hello(FP, k=10**6)), "bad_hello"),
+        (encode(Hello(FP, reply_mode=ReplyMode.FEDERATED, logprobs=2)), "bad_hello"),
     ],
 )
 def test_hello_state_refuses_anything_but_a_compatible_hello(frame: bytes | str, code: str) -> None:
@@ -139,6 +142,24 @@ def test_valid_propose_runs_verify_and_the_verdict_moves_the_session() -> None:
     core.receive(propose(core, 0, 1, 5, [8, 9]))
     core.work_done(Verified(Decision(1, token=4)))
     assert (core.next_pos, core.epoch) == (6, 1) and core.state == CoreState.OPEN
+
+
+def test_logprobs_go_out_before_the_frames_that_commit_their_tokens() -> None:
+    """A result's Logprobs (pos 0 = its first accepted token) is placed at that token's
+    position and sent before the Verdict (or the Generated frames) that commit them."""
+    core = opened()
+    core.receive(propose(core, 0, 0, 0, [5, 6, 7], fixed=[1, 2]))
+    lp = Logprobs(0, np.array([5, 9]), np.array([-0.5, -1.5], np.float32))
+    out = core.work_done(Verified(Decision(1, token=9), logprobs=lp))
+    sent = [e.msg for e in out if isinstance(e, Send)]
+    assert [type(m) for m in sent] == [Logprobs, Verdict]
+    assert isinstance(sent[0], Logprobs) and sent[0].pos == 2  # the draft starts after [1, 2]
+    # the next batch, behind the verifier's own correction at 3: a full acceptance at 4..5
+    core.receive(propose(core, 1, 1, 3, [3, 4], fixed=[9]))
+    out = core.work_done(Verified(Decision(2), logprobs=replace(lp, ids=np.array([3, 4]))))
+    sent = [e.msg for e in out if isinstance(e, Send)]
+    assert isinstance(sent[0], Logprobs) and sent[0].pos == 4
+    assert isinstance(sent[1], Verdict) and sent[1].accepted == 2
 
 
 @pytest.mark.parametrize(
