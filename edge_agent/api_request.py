@@ -4,15 +4,16 @@ Pure functions of the decoded JSON body (no I/O, no model): each parser has one 
 :class:`~edge_agent.api_errors.ApiError` (HTTP 400 in OpenAI's shape) naming the offending field.
 :func:`parse_request` runs them in a fixed order, so the first fault found is the one answered:
 
-1. :func:`check_unsupported`: fields we refuse (logprobs, tools, n > 1, penalties, ...),
+1. :func:`check_unsupported`: fields we refuse (tools, n > 1, penalties, ...),
 2. :func:`parse_streaming`: ``stream``, ``stream_options.include_usage``,
 3. :func:`parse_max_tokens`: ``max_completion_tokens``, else ``max_tokens``,
 4. :func:`parse_sampling`: ``temperature``, ``top_p``, ``top_k``, ``seed``,
 5. :func:`parse_ignore_eos`,
-6. :func:`parse_speculation`: our extension object ``"wanspec": {gamma, depth, mode, correction}``,
-7. :func:`build_pipeline`: the daemon's defaults with the request's values on top,
-8. :func:`completion_budget`: the draft's context bounds prompt + completion,
-9. :func:`parse_stops`: ``stop``.
+6. :func:`parse_logprobs`: ``logprobs`` and ``top_logprobs`` (chat), ``logprobs`` (completions),
+7. :func:`parse_speculation`: our extension object ``"wanspec": {gamma, depth, mode, correction}``,
+8. :func:`build_pipeline`: the daemon's defaults with the request's values on top,
+9. :func:`completion_budget`: the draft's context bounds prompt + completion,
+10. :func:`parse_stops`: ``stop``.
 
 The prompt itself: :func:`parse_messages` (chat) and :func:`parse_prompt` (completions); the
 body before all of them: :func:`decode_body` (a JSON object, nested at most
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeGuard, TypeVar
 
 from edge_agent.api_errors import ApiError, bad_request
@@ -32,7 +33,7 @@ from edge_agent.config import SEED_RANGE, EdgeSettings
 from edge_agent.pipeline_config import Mode, PipelineConfig
 from shared.enums import TextEnum
 from shared.wire.params import MIN_TEMPERATURE
-from shared.wire.protocol import CorrectionMode
+from shared.wire.protocol import MAX_TOP_LOGPROBS, CorrectionMode
 
 Body = Mapping[str, Any]
 E = TypeVar("E", bound=TextEnum)
@@ -42,8 +43,6 @@ MAX_STOPS = 4
 SPECULATION_FIELDS = ("gamma", "depth", "mode", "correction")
 #: Fields we refuse unless absent or "off" (None, False, 0, [], {}), with the reason.
 UNSUPPORTED = {
-    "logprobs": "logprobs are not supported",
-    "top_logprobs": "logprobs are not supported",
     "echo": "echo is not supported",
     "suffix": "suffix is not supported",
     "tools": "tools are not supported",
@@ -192,7 +191,7 @@ class Speculation:
 
 
 def check_unsupported(body: Body) -> None:
-    """Refuse what we cannot do: logprobs, tools, penalties, several choices, ..."""
+    """Refuse what we cannot do: tools, penalties, several choices, ..."""
     for key, why in UNSUPPORTED.items():
         if body.get(key) not in (None, False, 0, [], {}):
             raise bad_request(key, why, "unsupported_parameter")
@@ -247,6 +246,36 @@ def parse_ignore_eos(body: Body) -> bool:
     return v
 
 
+def parse_logprobs(body: Body, *, chat: bool, federated: bool) -> int | None:
+    """How many alternatives to report per token, None for no log-probabilities.
+
+    Chat (OpenAI's chat API): ``logprobs`` a boolean, ``top_logprobs`` 0..20 with it.
+    Completions (the legacy API): ``logprobs`` an integer 0..20, the alternatives per token.
+    A federated daemon has no single target to report: 400."""
+    if chat:
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise bad_request("logprobs", "logprobs must be a boolean")
+        top = opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if top is not None and not on:
+            raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+        n = (top or 0) if on else None
+    else:
+        n = opt_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+        if body.get("top_logprobs") is not None:
+            raise bad_request(
+                "top_logprobs", "completions take the alternatives in logprobs (an integer)"
+            )
+    if n is not None and federated:
+        raise bad_request(
+            "logprobs",
+            "logprobs are not available with federated verification (several targets, "
+            "no one distribution to report)",
+            "unsupported_parameter",
+        )
+    return n
+
+
 def parse_speculation(body: Body) -> Speculation:
     ext = opt_object(body, "wanspec", "wanspec must be an object of gamma, depth, mode, correction")
     unknown = set(ext) - set(SPECULATION_FIELDS)
@@ -281,10 +310,12 @@ def parse_stops(body: Body) -> tuple[str, ...]:
     return tuple(s for s in items if s)
 
 
-def build_pipeline(settings: EdgeSettings, sampling: Sampling, spec: Speculation) -> PipelineConfig:
+def build_pipeline(
+    settings: EdgeSettings, sampling: Sampling, spec: Speculation, logprobs: int | None = None
+) -> PipelineConfig:
     """The daemon's defaults with the request's values on top; 400 on a bad combination."""
     try:
-        return settings.pipeline(
+        cfg = settings.pipeline(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
@@ -295,6 +326,10 @@ def build_pipeline(settings: EdgeSettings, sampling: Sampling, spec: Speculation
         )
     except ValueError as e:
         raise bad_request("wanspec", str(e)) from None
+    try:
+        return replace(cfg, logprobs=logprobs)
+    except ValueError as e:
+        raise bad_request("logprobs", str(e)) from None
 
 
 def completion_budget(
@@ -340,18 +375,25 @@ class ApiRequest:
 
 
 def parse_request(
-    body: Body, settings: EdgeSettings, *, prompt_tokens: int, context: int | None
+    body: Body,
+    settings: EdgeSettings,
+    *,
+    prompt_tokens: int,
+    context: int | None,
+    chat: bool = True,
 ) -> ApiRequest:
     """The sampling, length and speculation fields shared by both generation endpoints.
 
-    ``prompt_tokens``: the prompt's length; ``context``: the draft's context (None: unbounded).
+    ``prompt_tokens``: the prompt's length; ``context``: the draft's context (None: unbounded);
+    ``chat``: the chat endpoint (else completions: ``logprobs`` is read their way).
     """
     check_unsupported(body)
     streaming = parse_streaming(body)
     max_tokens = parse_max_tokens(body)
     sampling = parse_sampling(body)
     ignore_eos = parse_ignore_eos(body)
-    pipeline = build_pipeline(settings, sampling, parse_speculation(body))
+    logprobs = parse_logprobs(body, chat=chat, federated=settings.federated)
+    pipeline = build_pipeline(settings, sampling, parse_speculation(body), logprobs)
     budget = completion_budget(prompt_tokens, max_tokens, context, settings.max_tokens)
     return ApiRequest(
         pipeline=pipeline,

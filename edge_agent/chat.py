@@ -273,7 +273,7 @@ class LocalBackend:
         async with contextlib.aclosing(self.service.stream(req)) as events:
             try:
                 async for ev in events:
-                    yield ev
+                    yield ev if isinstance(ev, Finished) else ev.text
             except (RuntimeError, OSError) as e:
                 raise ChatError(str(e)) from e
 

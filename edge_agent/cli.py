@@ -322,7 +322,7 @@ async def _generate_once(
             if isinstance(ev, Finished):
                 result = {"text": ev.text, **ev.stats}
             else:
-                write(ev)
+                write(ev.text)
     if result is None:  # pragma: no cover - stream() always ends with Finished
         raise RuntimeError("the generation ended without a result")
     return result

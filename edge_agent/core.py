@@ -73,6 +73,7 @@ from shared.wire.protocol import (
     Generated,
     Hedge,
     Hello,
+    Logprobs,
     Message,
     Progress,
     Propose,
@@ -158,6 +159,7 @@ def hello_for(
         progress=True,
         resume=resume,
         resumable=True,
+        logprobs=cfg.logprobs,
     )
 
 
@@ -913,6 +915,12 @@ class SingleCore:
         msg = self.link.decode(data)
         if isinstance(msg, Progress):
             self.pipe.on_progress(msg, now)
+            return []
+        if isinstance(msg, Logprobs) and self.cfg.logprobs is not None:
+            try:
+                self.gen.logprobs.note(msg)
+            except ValueError as e:
+                raise DesyncError(str(e)) from None
             return []
         if isinstance(msg, Verdict) and not self.pipe.recovering:
             return self._verdict(msg, len(data), now)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.enums import TextEnum
+from shared.wire.protocol import Logprobs
 
 
 class TokenSource(TextEnum):
@@ -23,6 +24,50 @@ class TokenSource(TextEnum):
     COGENERATED = "cogenerated"  # decoded by the verifier while no edge draft was queued
     CLOUD_DRAFT = "cloud_draft"  # the verifier's own draft token, accepted (co-generation)
     LOCAL_DRAFT = "local_draft"  # the draft's own, no verifier (link-down fallback = draft)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one generated token (log softmax of its logits, before
+    any sampling transform) and its likeliest alternatives. ``logprob`` is None for a token no
+    verifier scored: the draft's own while no verifier answered (link-down fallback), or one
+    whose Logprobs frame was lost with a connection."""
+
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class LogprobBook:
+    """The Logprobs frames of a generation, by absolute position: the log-probability of each
+    scored id there, and the position's likeliest alternatives. A position's entries describe
+    the committed text before it (a verifier scores only verified prefixes), so they never go
+    stale; the committed token looks its own up (:meth:`entry`)."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end  # the positions it keeps: [start, end)
+        self._at: dict[int, tuple[dict[int, float], tuple[tuple[int, float], ...]]] = {}
+
+    def note(self, msg: Logprobs) -> None:
+        """Keep a frame's entries; raises ValueError for positions outside [start, end)."""
+        p = msg.positions
+        if msg.pos < self.start or msg.pos + p > self.end:
+            raise ValueError(
+                f"log-probabilities for positions {msg.pos}..{msg.pos + p - 1} outside "
+                f"{self.start}..{self.end - 1}"
+            )
+        n = len(msg.top_ids) // p
+        ids, lp = msg.ids.tolist(), msg.lp.tolist()
+        top_ids, top_lp = msg.top_ids.tolist(), msg.top_lp.tolist()
+        for i in range(p):
+            hi = i + 1 if i < p - 1 else len(ids)
+            scores = dict(zip(ids[i:hi], lp[i:hi], strict=True))
+            top = tuple(zip(top_ids[i * n : (i + 1) * n], top_lp[i * n : (i + 1) * n], strict=True))
+            self._at[msg.pos + i] = (scores, top)
+
+    def entry(self, pos: int, token: int) -> TokenLogprob:
+        scores, top = self._at.get(pos, ({}, ()))
+        return TokenLogprob(token, scores.get(token), top)
 
 
 @dataclass
@@ -112,6 +157,9 @@ class Generation:
         self.unverified: list[tuple[int, int]] = []
         #: Federated mode only: the federation's measurements (edge_agent.federation).
         self.federation: Any = None
+        #: The target's log-probabilities (sessions that ask for them: Hello.logprobs). Up to
+        #: γ + 1 positions past the end may be scored (a batch the token limit cut short).
+        self.logprobs = LogprobBook(self.prompt_len, self.prompt_len + max_new_tokens + 129)
 
     @property
     def generated(self) -> list[int]:
@@ -152,6 +200,13 @@ class Generation:
                 self.unverified.append((start, end))
         if new and self.on_commit is not None:
             self.on_commit(new)
+
+    def token_logprobs(self, start: int, end: int) -> list[TokenLogprob]:
+        """Entries of generated tokens ``start`` .. ``end − 1`` (indices into :attr:`generated`)."""
+        return [
+            self.logprobs.entry(self.prompt_len + j, self.committed[self.prompt_len + j])
+            for j in range(start, end)
+        ]
 
     def finish(self, reason: str) -> None:
         self.done, self.finish_reason = True, reason

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from shared.enums import TextEnum
 from shared.maths.compression import Reconstruction
 from shared.wire.params import SamplingParams
-from shared.wire.protocol import SEQ_MODULUS, CorrectionMode
+from shared.wire.protocol import MAX_TOP_LOGPROBS, SEQ_MODULUS, CorrectionMode
 
 #: Frames besides Proposes a link may have waiting to be sent at once (a Hedge, a Rollback,
 #: a Resample, an Error).
@@ -61,6 +61,9 @@ class PipelineConfig:
     auto_depth: bool = False
     max_gamma: int = 12
     max_depth: int = 8
+    #: The target's log-probability of every generated token, with this many alternatives at
+    #: each position (Hello.logprobs, OpenAI's top_logprobs); None: none (no bytes spent).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma <= 64:
@@ -77,12 +80,25 @@ class PipelineConfig:
             raise ValueError(f"hedge_below must be in [0, 1], got {self.hedge_below}")
         if not 1 <= self.max_depth < SEQ_MODULUS:
             raise ValueError(f"max_depth must be in 1..{SEQ_MODULUS - 1}, got {self.max_depth}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
         # Settings files and flags give strings: store members.
         object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
         object.__setattr__(self, "correction", CorrectionMode.parse(self.correction, "correction"))
         object.__setattr__(
             self, "reconstruction", Reconstruction.parse(self.reconstruction, "reconstruction")
         )
+        if (
+            self.logprobs is not None
+            and self.wire_correction == CorrectionMode.TOPK
+            and self.reconstruction == Reconstruction.REDISTRIBUTED
+        ):
+            # B spreads the residual mass over ids the verifier did not score: a correction
+            # drawn there would have no log-probability.
+            raise ValueError(
+                "logprobs need corrections among the ids the verifier scores: correction "
+                "candidates or greedy_draft, or reconstruction A"
+            )
 
     @property
     def wire_correction(self) -> CorrectionMode:

@@ -27,13 +27,14 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import hdrs, web
 
 from edge_agent.api_errors import ApiError, bad_request, from_http
+from edge_agent.api_logprobs import Decode, chat_logprobs, completion_logprobs
 from edge_agent.api_request import (
     ApiRequest,
     decode_body,
@@ -43,11 +44,13 @@ from edge_agent.api_request import (
 )
 from edge_agent.config import EdgeSettings, listen_error, read_secret_file
 from edge_agent.core import VerifierError
+from edge_agent.generation import TokenLogprob
 from edge_agent.progress import Progress, quiet_hub_progress
 from edge_agent.service import (
     EdgeService,
     Finished,
     GenRequest,
+    Piece,
     QueueFull,
     VerifierUnavailable,
 )
@@ -188,20 +191,73 @@ def _gen_error(e: BaseException) -> ApiError:
 _GEN_ERRORS = (QueueFull, VerifierUnavailable, VerifierError)
 
 
-async def _generate(
-    request: web.Request,
-    chat: bool,
-    chunk: Callable[[str], dict[str, Any]],
-    final: Callable[[Finished], dict[str, Any]],
-) -> web.StreamResponse:
+@dataclass
+class _Shape:
+    """One response's choices in its endpoint's shape (chat or completions), with OpenAI's
+    logprobs objects when the request asked (``decode`` set): each chunk carries its piece's
+    tokens, the last chunk the rest (tokens with no text of their own, as an end token)."""
+
+    chat: bool
+    decode: Decode | None = None
+    sent_tokens: int = 0
+    sent_chars: int = 0  # completions: the text_offset of the next token
+
+    def _logprobs(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if self.decode is None:
+            return None
+        self.sent_tokens += len(tokens)
+        if self.chat:
+            return chat_logprobs(tokens, self.decode)
+        out = completion_logprobs(tokens, self.decode, self.sent_chars)
+        self.sent_chars += sum(len(t) for t in out["tokens"])
+        return out
+
+    def _choice(self, text: str, logprobs: Any, finish: str | None, *, full: bool) -> Any:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if full:
+            msg = {"role": "assistant", "content": text}
+            return {"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish}
+        delta = {"content": text} if text else {}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def chunk(self, piece: Piece) -> dict[str, Any]:
+        return {
+            "choices": [self._choice(piece.text, self._logprobs(piece.tokens), None, full=False)]
+        }
+
+    def last_chunk(self, f: Finished) -> dict[str, Any]:
+        lp = self._logprobs(f.logprobs[self.sent_tokens :])
+        return {"choices": [self._choice("", lp, f.finish_reason, full=False)]}
+
+    def final(self, f: Finished) -> dict[str, Any]:
+        lp = self._logprobs(f.logprobs)
+        return {"choices": [self._choice(f.text, lp, f.finish_reason, full=True)]}
+
+
+def _decoder(state: ServerState) -> Decode:
+    tok = state.service.require()[0].tokenizer
+
+    def decode(token: int) -> str:
+        return str(tok.decode([token], skip_special_tokens=False))
+
+    return decode
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _read_body(request)
     model = _check_model(state, body)
     _require_ready(state)
     prompt_ids = chat_prompt(state, body) if chat else completion_prompt(state, body)
     api = parse_request(
-        body, state.settings, prompt_tokens=len(prompt_ids), context=state.service.max_context
+        body,
+        state.settings,
+        prompt_tokens=len(prompt_ids),
+        context=state.service.max_context,
+        chat=chat,
     )
+    shape = _Shape(chat, _decoder(state) if api.pipeline.logprobs is not None else None)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
@@ -218,7 +274,7 @@ async def _generate(
                     ev = await events.__anext__()
                 except _GEN_ERRORS as e:
                     raise _gen_error(e) from None
-            out = {**head, **final(ev), "usage": _usage(ev), "wanspec": ev.stats}
+            out = {**head, **shape.final(ev), "usage": _usage(ev), "wanspec": ev.stats}
             return web.json_response(out, dumps=lambda o: json.dumps(o, ensure_ascii=False))
         head["object"] = obj + ".chunk" if chat else obj
         resp = web.StreamResponse(
@@ -230,7 +286,7 @@ async def _generate(
         )
         await resp.prepare(request)
         try:
-            await _stream_events(resp, events, first, head, chat, chunk, api.include_usage)
+            await _stream_events(resp, events, first, head, shape, api.include_usage)
         except ConnectionError:  # the client is gone; leaving cancels the generation
             log.info("client disconnected from %s", rid)
         return resp
@@ -238,24 +294,23 @@ async def _generate(
 
 async def _stream_events(
     resp: web.StreamResponse,
-    events: AsyncIterator[str | Finished],
-    first: str | Finished,
+    events: AsyncIterator[Piece | Finished],
+    first: Piece | Finished,
     head: dict[str, Any],
-    chat: bool,
-    chunk: Callable[[str], dict[str, Any]],
+    shape: _Shape,
     include_usage: bool,
 ) -> None:
-    if chat:
+    if shape.chat:
         await resp.write(_sse({**head, **_role()}))
     ev = first
     while True:
         if isinstance(ev, Finished):
-            last = {**head, **_final_chunk(chat, ev), "wanspec": ev.stats}
+            last = {**head, **shape.last_chunk(ev), "wanspec": ev.stats}
             await resp.write(_sse(last))
             if include_usage:
                 await resp.write(_sse({**head, "choices": [], "usage": _usage(ev)}))
             break
-        await resp.write(_sse({**head, **chunk(ev)}))
+        await resp.write(_sse({**head, **shape.chunk(ev)}))
         try:
             ev = await events.__anext__()
         except _GEN_ERRORS as e:
@@ -278,46 +333,12 @@ def _role() -> dict[str, Any]:
     }
 
 
-def _final_chunk(chat: bool, f: Finished) -> dict[str, Any]:
-    if chat:
-        return {
-            "choices": [
-                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": f.finish_reason}
-            ]
-        }
-    return {
-        "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": f.finish_reason}]
-    }
-
-
 async def chat_handler(request: web.Request) -> web.StreamResponse:
-    def chunk(text: str) -> dict[str, Any]:
-        delta = {"content": text}
-        return {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
-
-    def final(f: Finished) -> dict[str, Any]:
-        msg = {"role": "assistant", "content": f.text}
-        return {
-            "choices": [
-                {"index": 0, "message": msg, "logprobs": None, "finish_reason": f.finish_reason}
-            ]
-        }
-
-    return await _generate(request, True, chunk, final)
+    return await _generate(request, True)
 
 
 async def completions_handler(request: web.Request) -> web.StreamResponse:
-    def chunk(text: str) -> dict[str, Any]:
-        return {"choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
-
-    def final(f: Finished) -> dict[str, Any]:
-        return {
-            "choices": [
-                {"index": 0, "text": f.text, "logprobs": None, "finish_reason": f.finish_reason}
-            ]
-        }
-
-    return await _generate(request, False, chunk, final)
+    return await _generate(request, False)
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from edge_agent.core import VerifierError
 from edge_agent.drafter import Drafter
 from edge_agent.driver import VerdictTimeout
 from edge_agent.federation import WorkerSpec
-from edge_agent.generation import Generation
+from edge_agent.generation import Generation, TokenLogprob
 from edge_agent.link import (
     LinkRefused,
     LinkSettings,
@@ -154,6 +154,15 @@ class GenRequest:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """A text increment of a stream; ``tokens``: the generated tokens committed since the last
+    piece, with their log-probabilities (requests that asked for them; else empty)."""
+
+    text: str
+    tokens: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class Finished:
     """The end of a stream: what OpenAI's ``usage``/``finish_reason`` and our extension need."""
 
@@ -162,6 +171,8 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     stats: dict[str, Any] = field(default_factory=dict)  # the "wanspec" extension
+    #: Every generated token with its log-probabilities (requests that asked; else empty).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 def retry_policy(s: EdgeSettings) -> RetryPolicy:
@@ -402,7 +413,7 @@ class EdgeService:
         elif gen.unverified_tokens == 0:
             self.link.mark(None, True)
 
-    async def stream(self, req: GenRequest) -> AsyncGenerator[str | Finished, None]:
+    async def stream(self, req: GenRequest) -> AsyncGenerator[Piece | Finished, None]:
         """Text pieces as they are committed, then one :class:`Finished`.
 
         Raises QueueFull, VerifierUnavailable, VerifierError; the first two before any text.
@@ -412,15 +423,27 @@ class EdgeService:
         async with self.queue.slot():
             self.metrics.queue_waiting.set(self.queue.waiting)
             self.metrics.busy.set(1)
-            pieces: asyncio.Queue[str | None] = asyncio.Queue()
+            pieces: asyncio.Queue[Piece | None] = asyncio.Queue()
             scanner = StopScanner(req.stop)
             eos = () if req.ignore_eos else self.eos
             gen: Generation | None = None
+            scored = req.pipeline.logprobs is not None
+            reported = 0  # generated tokens handed out with a piece
+
+            def tokens() -> tuple[TokenLogprob, ...]:
+                """The tokens committed since the last piece (called as their text is)."""
+                nonlocal reported
+                if not scored or gen is None:
+                    return ()
+                n = len(gen.generated)
+                out = tuple(gen.token_logprobs(reported, n))
+                reported = n
+                return out
 
             def on_text(text: str) -> None:
                 out = scanner.feed(text)
                 if out:
-                    pieces.put_nowait(out)
+                    pieces.put_nowait(Piece(out, tokens()))
                 if scanner.hit and gen is not None and not gen.done:
                     gen.finish("stop")
 
@@ -434,7 +457,7 @@ class EdgeService:
             sent: list[str] = []
             try:
                 while (piece := await pieces.get()) is not None:
-                    sent.append(piece)
+                    sent.append(piece.text)
                     yield piece
                 await task  # raises what the generation raised
                 outcome = gen.finish_reason or "stop"
@@ -442,7 +465,7 @@ class EdgeService:
                 tail = scanner.feed(rest) + scanner.flush()
                 if tail:
                     sent.append(tail)
-                    yield tail
+                    yield Piece(tail, tokens())
                 wall = time.perf_counter() - t0
                 stats = self._stats(gen, wall, req)
                 yield Finished(
@@ -451,6 +474,7 @@ class EdgeService:
                     prompt_tokens=len(req.prompt_ids),
                     completion_tokens=len(gen.generated),
                     stats=stats,
+                    logprobs=tuple(gen.token_logprobs(0, len(gen.generated))) if scored else (),
                 )
             except (QueueFull, VerifierUnavailable, VerifierError, HandshakeError):
                 outcome = "error"

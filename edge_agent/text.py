@@ -105,6 +105,9 @@ def result_json(
     out = {
         "text": text,
         "tokens": n,
+        # the generated token ids (no need to re-tokenize the text: a sampled text may split
+        # into other tokens than it was generated as)
+        "token_ids": gen.generated,
         "cloud_only": cloud_only,
         "finish_reason": gen.finish_reason,
         "wall_s": round(wall_s, 4),

@@ -20,6 +20,7 @@ from edge_agent.api_request import (
     opt_int,
     opt_num,
     parse_ignore_eos,
+    parse_logprobs,
     parse_max_tokens,
     parse_messages,
     parse_prompt,
@@ -75,8 +76,6 @@ def test_opt_num_closed_and_open_ranges() -> None:
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
-        ({"logprobs": True}, "logprobs", "unsupported_parameter"),
-        ({"top_logprobs": 2}, "top_logprobs", "unsupported_parameter"),
         ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
         ({"logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
         ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
@@ -96,6 +95,29 @@ def test_unsupported_fields_are_fine_when_off() -> None:
          "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0}
     )  # fmt: skip
     assert fault(check_unsupported, {"n": 2}).message == "only n=1 is supported"
+
+
+def test_logprobs_fields() -> None:
+    """Chat: logprobs a boolean, top_logprobs 0..20 with it; completions: logprobs 0..20;
+    refused on a federated daemon (no single target)."""
+    assert parse_logprobs({}, chat=True, federated=False) is None
+    assert parse_logprobs({"logprobs": False}, chat=True, federated=False) is None
+    assert parse_logprobs({"logprobs": True}, chat=True, federated=False) == 0
+    assert parse_logprobs({"logprobs": True, "top_logprobs": 5}, chat=True, federated=False) == 5
+    assert parse_logprobs({"logprobs": 3}, chat=False, federated=False) == 3
+    assert parse_logprobs({"logprobs": 0}, chat=False, federated=False) == 0
+    for body, chat, param in [
+        ({"logprobs": 1}, True, "logprobs"),
+        ({"top_logprobs": 2}, True, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
+        ({"logprobs": True}, False, "logprobs"),
+        ({"logprobs": -1}, False, "logprobs"),
+        ({"logprobs": 2, "top_logprobs": 2}, False, "top_logprobs"),
+    ]:
+        assert fault(parse_logprobs, body, chat=chat, federated=False).param == param
+    e = fault(parse_logprobs, {"logprobs": True}, chat=True, federated=True)
+    assert (e.param, e.code) == ("logprobs", "unsupported_parameter")
+    assert parse_logprobs({"logprobs": False}, chat=True, federated=True) is None
 
 
 def test_streaming() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
+import torch
 
 from bench.harness import target_greedy
 from edge_agent.pipeline_config import PipelineConfig
@@ -203,6 +204,67 @@ def test_chat_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
     assert last.choices[0].finish_reason == "length"
     assert last.model_extra["wanspec"]["tokens"] == 20  # type: ignore[index]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+
+
+def test_logprobs_and_token_ids_through_the_openai_client(
+    client: openai.OpenAI, target: LoadedModel
+) -> None:
+    """Opt-in per request: chat's ``logprobs``/``top_logprobs`` and completions' ``logprobs``
+    give the target's log-probability of every token (its own log softmax, teacher-forced
+    here), streamed chunk by chunk alike; the ``wanspec`` object has the token ids."""
+    from edge_agent.lm import CausalLM
+
+    n = 12
+    r = client.completions.create(
+        model="tiny", prompt=PROMPT_IDS, max_tokens=n, temperature=0, logprobs=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    ids = r.model_extra["wanspec"]["token_ids"]  # type: ignore[index]
+    assert ids == target_greedy(target, PROMPT_IDS, n)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    with torch.inference_mode():
+        logits = CausalLM(target, logits_window=None).extend(PROMPT_IDS + ids)
+    ref = torch.log_softmax(logits[len(PROMPT_IDS) - 1 : -1].double(), dim=-1)
+    want = [float(ref[j, t]) for j, t in enumerate(ids)]
+    np.testing.assert_allclose(lp.token_logprobs, want, atol=1e-4)
+    assert lp.tokens == [target.tokenizer.decode([t]) for t in ids]
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    assert lp.text_offset is not None and lp.text_offset[0] == 0
+
+    kw: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "t1 t2"}],
+        "max_tokens": n,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "extra_body": {"ignore_eos": True},
+    }
+    full = client.chat.completions.create(**kw)
+    content = full.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == n
+    chat_ids = full.model_extra["wanspec"]["token_ids"]  # type: ignore[index]
+    for c, t in zip(content, chat_ids, strict=True):
+        assert c.token == target.tokenizer.decode([t]) and c.bytes == list(c.token.encode())
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-6
+    streamed = [
+        item
+        for chunk in client.chat.completions.create(stream=True, **kw)
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for item in chunk.choices[0].logprobs.content or []
+    ]
+    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [
+        (c.token, round(c.logprob, 4)) for c in content
+    ]
+    plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as br:
+        client.chat.completions.create(**{**kw, "logprobs": False})
+    assert br.value.param == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as br:
+        client.chat.completions.create(**{**kw, "top_logprobs": 21})
+    assert br.value.param == "top_logprobs"
 
 
 def test_sampling_with_a_seed_is_reproducible(client: openai.OpenAI) -> None:
