@@ -30,7 +30,8 @@ no compute), each padded to the regime's draft time. Modes (``--modes`` for mode
   the edge (credits only), a second verifier process of the regime that drafts for itself
   (``cloud_draft = tail,ngram`` and ``cloud_draft_model = --cloud-model``, ``--cloud-draft-tokens``
   a step, each draft step padded to ``--cloud-draft-ms-per-token``, by default verify ×
-  2.7/24.6 as measured in ../shared/MODELS.md); ``cloud-sd:ngram``: a third, prompt lookup only;
+  2.7/24.6, the team's H200 measurement, docs/benchmarks/index.md, The PicoSpec regime;
+  ``python -m bench.gpu`` repeats it); ``cloud-sd:ngram``: a third, prompt lookup only;
 * ``hybrid``: ``auto`` against the ``cloud-sd`` verifier (edge drafts, cloud drafts in the gaps);
 * ``assisted``: transformers' ``generate(assistant_model=...)`` with each model draft, one
   process, RTT 0 (raw regime only: its internals cannot be padded).
@@ -129,9 +130,9 @@ DEFAULT_ORACLE_MODES = "pipe:4x4,auto"
 DEFAULT_RTTS = "0,100,200,300"
 DEFAULT_ORACLE_RTTS = "0,100,300"
 ASSISTED_GAMMA = 4
-#: A draft step of the verifier's own draft model, in verifies: ../shared/MODELS.md measured a
-#: Qwen3-0.6B-shaped decode step at 2.7 ms (compiled, H200) beside 24.6 ms for a
-#: Qwen3-32B-shaped verify of the same batch; the emulated regime keeps that ratio.
+#: A draft step of the verifier's own draft model, in verifies: the team measured a
+#: Qwen3-0.6B-shaped decode step at 2.7 ms (compiled, H200) beside 24.6 ms for a Qwen3-32B-shaped
+#: verify of the same batch (python -m bench.gpu repeats it); the emulated regime keeps that ratio.
 CLOUD_DRAFT_PER_VERIFY = 2.7 / 24.6
 
 

@@ -42,7 +42,8 @@ class VerifierSettings:
     device: Device = "auto"
     dtype: DType = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
     # torch.compile the batched forward (shapes bucketed; CUDA graphs where torch uses them):
-    # auto = on for CUDA, off on the CPU (where eager measured faster, docs/benchmarks/verifier.md).
+    # auto = on for CUDA, off on the CPU (there compiled was faster for one session and slower
+    # for 8, after 80-90 s of compilation per shape: docs/benchmarks/verifier.md).
     compile: Switch = "auto"
     # Tensor parallelism: one target over this many ranks (GPUs of one node, or CPU processes
     # over gloo), transformers' own TP, started with torchrun (cloud_verifier.tp).
@@ -57,7 +58,8 @@ class VerifierSettings:
     batch_wait_ms: float = field(default=2.0, metadata=_b(0, 1000))
     # The KV cache: one pool of this many tokens over all sessions, preallocated at start, in
     # pages of kv_page_size tokens (a session that finds no free page gets a model error).
-    # 0 = auto: 65536 on the CPU, 80% of the GPU memory free after loading on CUDA.
+    # 0 = auto: 16384 on the CPU but at most a tenth of the machine's memory, 80% of the GPU
+    # memory free after loading on CUDA.
     kv_cache_tokens: int = field(default=0, metadata=_b(0))
     kv_page_size: int = field(default=16, metadata=_b(1, 4096))
     # Prefix cache: full KV pages are kept, keyed by their text, so that a session whose text
