@@ -421,8 +421,9 @@ async def test_unreachable_verifier_gives_up(draft: LoadedModel) -> None:
 
 @pytest.mark.slow
 def test_demo_with_default_models() -> None:
-    """``make demo`` (README, The two commands), for a few dozen tokens, with the real default models (enough that
-    the edge has rounds: the verifier co-generates from the prompt on while the edge drafts)."""
+    """``make demo`` (README, The two commands), for a few dozen tokens, with the real default
+    models (enough that the edge has rounds: the verifier co-generates from the prompt on while
+    the edge drafts)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     out = subprocess.run(
         [sys.executable, "-m", "edge_agent.cli", "demo", "--max-tokens", "48", "--json"],
