@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from shared.runtime.models import LoadedModel
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach a model hub
 
@@ -24,3 +28,19 @@ def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from bench.tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_draft"), vocab_size=64, seed=1)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir: Path) -> LoadedModel:
+    """``tiny_model_dir`` loaded, once per test module (a module may define its own)."""
+    from shared.runtime.models import load_model
+
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_draft_dir: Path) -> LoadedModel:
+    """``tiny_draft_dir`` loaded, once per test module."""
+    from shared.runtime.models import load_model
+
+    return load_model(str(tiny_draft_dir))

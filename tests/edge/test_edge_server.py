@@ -36,11 +36,6 @@ PROMPT_IDS = [1, 10, 20, 30, 40]
 
 
 @pytest.fixture(scope="module")
-def target(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     s = Servers(tmp_path_factory.mktemp("edge_servers"))
     yield s

@@ -32,7 +32,7 @@ from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.retry import GiveUp, Outage
 from edge_agent.service import retry_policy
 from edge_agent.transport import LinkClosed, Transport
-from shared.runtime.models import LoadedModel, load_model
+from shared.runtime.models import LoadedModel
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, encode
 from tests.edge_helpers import TOKEN, Servers, edge_settings
@@ -40,16 +40,6 @@ from tests.verifiers import serve_verifier, session_url
 
 PROMPT = [1, 10, 20, 30, 40]
 GREEDY = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0))
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_draft_dir))
 
 
 def stalling_app(fp: Fingerprint) -> web.Application:

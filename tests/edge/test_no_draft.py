@@ -41,11 +41,6 @@ PROMPT_IDS = [1, 10, 20, 30, 40]
 URL = "ws://127.0.0.1:1/v1/session"
 
 
-@pytest.fixture(scope="module")
-def target(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir))
-
-
 # ---------------------------------------------------------------------------- settings
 
 

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -50,7 +49,7 @@ from edge_agent.link import LinkSettings, VerifierBusy, WebSocketTransport, retr
 from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.retry import GiveUp, Outage
 from edge_agent.transport import LinkClosed, Transport
-from shared.runtime.models import LoadedModel, load_model
+from shared.runtime.models import LoadedModel
 from shared.wire.protocol import (
     SUBPROTOCOL,
     Error,
@@ -241,16 +240,6 @@ def test_step_times_fit_a_line_and_judge_stalls() -> None:
 
 
 # ------------------------------------------------------------------------ a live verifier
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_draft_dir))
 
 
 class Verifier:

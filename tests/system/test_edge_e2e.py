@@ -47,16 +47,6 @@ TOKEN = "e2e-token-abcdef0123456789"
 PROMPT = [1, 10, 20, 30, 40]
 
 
-@pytest.fixture(scope="module")
-def target(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_draft_dir))
-
-
 async def serve_app(
     aiohttp_server: Any, loader: Callable[[], Target], **overrides: Any
 ) -> tuple[str, VerifierState]:

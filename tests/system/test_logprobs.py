@@ -5,7 +5,6 @@ correction mode, with and without co-generation and cloud drafts."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,22 +16,12 @@ from edge_agent.generation import Generation, TokenSource
 from edge_agent.lm import CausalLM
 from edge_agent.pipeline_config import PipelineConfig
 from shared.maths.compression import Reconstruction
-from shared.runtime.models import LoadedModel, load_model
+from shared.runtime.models import LoadedModel
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import CorrectionMode
 from tests.system.test_edge_e2e import TOKEN, agent_for, serve_app
 
 PROMPT = [1, 10, 20, 30, 40]
-
-
-@pytest.fixture(scope="module")
-def target(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_draft_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_draft_dir))
 
 
 def reference(target: LoadedModel, gen: Generation) -> torch.Tensor:
