@@ -282,6 +282,15 @@ def _draw(
     return torch.minimum(ids, last)
 
 
+def _largest(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n largest values of each row of x and their ids, decreasing, ties by ascending id."""
+    vals, ids = torch.topk(x, n, dim=-1, largest=True, sorted=True)
+    order = ids.argsort(dim=-1)  # ascending id first, then a stable sort by value: ties by id
+    ids, vals = ids.gather(1, order), vals.gather(1, order)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+    return vals.gather(1, order), ids.gather(1, order)
+
+
 def _top_k(
     p: torch.Tensor, k: npt.NDArray[np.int64], eps: npt.NDArray[np.float64]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -292,11 +301,7 @@ def _top_k(
     dev = p.device
     v = int(p.shape[1])
     kcap = np.minimum(k, v)
-    vals, ids = torch.topk(p, int(kcap.max()), dim=-1, largest=True, sorted=True)
-    order = ids.argsort(dim=-1)  # ascending id first, then a stable sort by value: ties by id
-    ids, vals = ids.gather(1, order), vals.gather(1, order)
-    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
-    ids, vals = ids.gather(1, order), vals.gather(1, order)
+    vals, ids = _largest(p, int(kcap.max()))
     kcap_t = _idx(kcap, dev)
     if np.any(eps > 0.0):
         cum = vals.to(torch.float64).cumsum(dim=-1)
@@ -732,12 +737,7 @@ def logprobs(logits: torch.Tensor, asks: Sequence[LogprobAsk]) -> list[Logprobs]
     pieces = [lsm[_idx(at_row, dev), _idx(flat_ids, dev)]]
     n = min(max(a.n for a in asks), int(lsm.shape[1]))
     if n:
-        # ascending id first, then a stable sort by value: ties by id (as _top_k)
-        vals, ids = torch.topk(lsm, n, dim=-1, largest=True, sorted=True)
-        order = ids.argsort(dim=-1)
-        ids, vals = ids.gather(1, order), vals.gather(1, order)
-        order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
-        pieces += [vals.gather(1, order), ids.gather(1, order)]
+        pieces += list(_largest(lsm, n))
     host = _Packed(pieces)
     lp_h = host.floats(len(flat_ids)).astype(np.float32)
     top_v = host.floats(len(rows), n).astype(np.float32) if n else None
