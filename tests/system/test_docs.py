@@ -67,6 +67,17 @@ def test_results_tables_sit_between_their_markers() -> None:
     assert len(re.findall(r"^\| RTT ms \|", bench, flags=re.M)) >= 2
 
 
+def test_results_tables_are_read_off_the_committed_results() -> None:
+    """Every figure in the README's and the benchmark page's tables is what ``bench.publish``
+    writes from ``docs/results/bench/results.json``: none typed by hand, none left stale."""
+    from bench import publish
+
+    res = publish.Results.load(DOCS / "results" / "bench" / "results.json")
+    assert _between(README.read_text(), "results").strip() == res.readme_section()
+    page = (DOCS / "benchmarks" / "index.md").read_text()
+    assert _between(page, "bench-tables").strip() == res.page_section()
+
+
 def test_commands_do_not_need_an_activated_venv() -> None:
     """A command in the README or a page starts with .venv/bin/..., not a bare program that only
     an activated venv puts on the PATH. Commands: the lines of ```bash blocks and of indented
