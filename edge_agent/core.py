@@ -206,6 +206,14 @@ class Rival:
 
     token: int
     conf: float
+    #: The draft's likeliest tokens other than the drafted one, likeliest first (``token`` is
+    #: the first), each with its temperature-1 probability q(y): where outcome pre-drafting
+    #: prepares branches. Empty: only ``token`` is known, with the rest of the mass, 1 − conf.
+    alts: tuple[tuple[int, float], ...] = ()
+
+    def alternatives(self) -> tuple[tuple[int, float], ...]:
+        """(token, q) of each known alternative (``alts``, or ``token`` with 1 − conf)."""
+        return self.alts or ((self.token, 1.0 - self.conf),)
 
 
 #: A step whose rival was not computed: full confidence, never hedged.
@@ -472,10 +480,11 @@ class Pipeline:
         self.branches = [b for b in self.branches if self._open_to([*b.context, *b.draft])]
 
     def predraft_plan(self) -> PredraftPlan | None:
-        """The outcome to prepare next, or None: of the undecided draft tokens in flight whose
-        rival has no branch yet, the one most likely to be the first rejected, with the draft's
-        confidences c_j standing in for acceptance: c_1 ⋯ c_{i−1} (1 − c_i) (marked planned
-        now); while fewer than ``cfg.predraft`` branches are kept and there is room after it.
+        """The outcome to prepare next, or None: of the (position, alternative) pairs of the
+        undecided draft tokens in flight with no branch yet, the likeliest to be the first
+        correction, with the draft standing in for the target: the confidences c_j for
+        acceptance and q_i(y) for the correction, c_1 ⋯ c_{i−1} · q_i(y) (marked planned now);
+        while fewer than ``cfg.predraft`` branches are kept and there is room after it.
 
         Exact (why a branch may be sent as an ordinary batch): its tokens are drawn from q
         after its own context with randomness the verifier never sees, before the verdict at
@@ -493,19 +502,21 @@ class Pipeline:
             self._predrafted.clear()
             self._predrafted_version = self.version
         c = len(self.gen.committed)
-        best: tuple[float, int, int] | None = None  # (likelihood, pos, rival)
+        best: tuple[float, int, int] | None = None  # (likelihood, pos, alternative)
         alive = 1.0  # the chance that every undecided token before this one is accepted
         for b in self.inflight:
             for i, r in enumerate(b.rivals[: len(b.live)]):
                 pos = b.start + i
                 if pos < c:
                     continue
-                first = alive * (1.0 - r.conf)
-                alive *= r.conf
-                if r.conf >= 1.0 or r.token == b.draft[i] or (pos, r.token) in self._predrafted:
+                before, alive = alive, alive * r.conf
+                if r.conf >= 1.0:
                     continue
-                if best is None or first > best[0]:
-                    best = (first, pos, r.token)
+                for y, qy in r.alternatives():
+                    if y == b.draft[i] or (pos, y) in self._predrafted:
+                        continue
+                    if best is None or before * qy > best[0]:
+                        best = (before * qy, pos, y)
         if best is None:
             return None
         _, pos, token = best

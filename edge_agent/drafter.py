@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -21,7 +21,7 @@ import numpy.typing as npt
 from edge_agent.core import Rival
 from edge_agent.lm import CausalLM, SupportsCausalLM
 from shared.maths.sampling import Probs, sample, transform
-from shared.runtime.kv_pool import common_prefix
+from shared.runtime.kv_pool import SlotPages, common_prefix
 from shared.wire.params import SamplingParams
 
 
@@ -65,20 +65,39 @@ class DraftModel(Protocol):
         ...
 
 
+#: Alternatives a rival carries (``Rival.alts``): outcome pre-drafting prepares branches after
+#: the likeliest of them.
+RIVALS: Final = 3
+
+
 def _rival(logits: npt.NDArray[np.floating], drafted: int) -> Rival:
-    """The most likely token other than ``drafted`` (ties to the lowest id) and the draft's
-    temperature-1 probability of ``drafted`` (at T = 0 the drafted token is q's argmax)."""
+    """The draft's ``RIVALS`` likeliest tokens other than ``drafted`` (ties to the lowest id),
+    each with its temperature-1 probability, and that probability of ``drafted`` (at T = 0 the
+    drafted token is q's argmax)."""
     x = np.asarray(logits, np.float64)
-    saved, x[drafted] = x[drafted], -np.inf
-    alt = int(np.argmax(x))
-    x[drafted] = saved
-    top = float(np.max(x))
-    conf = float(np.exp(saved - top) / np.sum(np.exp(x - top)))
-    return Rival(alt, conf)
+    p = np.exp(x - np.max(x))
+    p /= p.sum()
+    conf = float(p[drafted])
+    p[drafted] = -1.0
+    k = min(RIVALS, p.size - 1)
+    if k <= 0:
+        return Rival(drafted, 1.0)
+    kth = np.partition(p, p.size - k)[p.size - k]  # the k-th largest probability
+    order = sorted(np.flatnonzero(p >= kth).tolist(), key=lambda t: (-p[t], t))[:k]
+    alts = tuple((int(t), float(p[t])) for t in order)
+    return Rival(alts[0][0], conf, alts)
 
 
 class Drafter:
-    """q(· | seq) for the draft model, with the request's sampling transform applied."""
+    """q(· | seq) for the draft model, with the request's sampling transform applied.
+
+    Besides the sequence it drafts (the KV cache's slot), it keeps the branches of the last
+    :meth:`draft_many` (outcome pre-drafting): slots that share the sequence's pages up to
+    where they part. A branch the text turns out to follow becomes the sequence
+    (:meth:`_sync`), so drafting after a prepared outcome recomputes nothing."""
+
+    #: Branches drafted together at most (``PipelineConfig.predraft`` allows up to 64).
+    MAX_BRANCHES: Final = 64
 
     def __init__(self, loaded: SupportsCausalLM) -> None:
         # 64 logits rows cover any rollback of a pipeline (γ·D tokens) at 39 MB for a
@@ -86,6 +105,7 @@ class Drafter:
         self.lm = CausalLM(loaded, logits_window=64)
         self.vocab_size = self.lm.vocab_size
         self.forwards = 0  # forwards run (for tests and stats)
+        self._branches: list[SlotPages] = []
 
     def cached_prefix(self, seq: Sequence[int]) -> int:
         """How many of ``seq``'s first tokens the draft's cache holds already (a chat's next
@@ -94,8 +114,14 @@ class Drafter:
         return common_prefix(self.lm.tokens, seq)
 
     def _sync(self, seq: Sequence[int]) -> None:
-        """Make the cache hold exactly ``seq`` (crop to the common prefix, extend the rest)."""
+        """Make the cache hold exactly ``seq`` (crop to the common prefix, extend the rest),
+        from the branch that shares most of it where one shares more than the sequence."""
         common = self.cached_prefix(seq)
+        best = max(self._branches, key=lambda b: common_prefix(b.tokens, seq), default=None)
+        if best is not None and common_prefix(best.tokens, seq) > common:
+            self._branches.remove(best)
+            self._branches.append(self.lm.adopt(best))
+            common = self.cached_prefix(seq)
         self.lm.crop(common)
         if common < len(seq):
             self.forwards += 1
@@ -126,13 +152,83 @@ class Drafter:
         """Draw the next draft token after ``seq`` (:class:`DraftStep`): from the transformed
         draft distribution, or its argmax when ``deterministic`` (greedy decoding and the
         greedy-draft correction mode). ``rival`` costs a pass over the vocabulary: only
-        while hedging."""
-        logits = self._logits(seq)
-        q: Probs = transform(logits, params)
-        if deterministic:
-            x = int(np.argmax(q))
-            onehot = np.zeros_like(q)
-            onehot[x] = 1.0
-            return DraftStep(x, onehot, float(q[x]), _rival(logits, x) if rival else None)
-        x = sample(q, rng)
-        return DraftStep(x, q, float(q[x]), _rival(logits, x) if rival else None)
+        while hedging or pre-drafting."""
+        return _step(self._logits(seq), params, rng, deterministic, rival)
+
+    def draft_many(
+        self,
+        seqs: Sequence[Sequence[int]],
+        params: SamplingParams,
+        rng: np.random.Generator,
+        *,
+        deterministic: bool,
+        rival: bool = False,
+    ) -> list[DraftStep]:
+        """The next draft step after each of ``seqs`` (non-empty), in one batched forward:
+        outcome pre-drafting's branches. Each sequence runs in a branch: the kept branch that
+        shares most of it, else a fork of the cached sequence where they part, cropped to
+        what they share; branches not asked about are given back. Steps are drawn in order,
+        as :meth:`draft` would draw them one after another."""
+        if not 1 <= len(seqs) <= self.MAX_BRANCHES:
+            raise ValueError(f"draft_many takes 1..{self.MAX_BRANCHES} sequences, got {len(seqs)}")
+        free = list(self._branches)
+        items: list[tuple[SlotPages, Sequence[int]]] = []
+        for seq in seqs:
+            if not seq:
+                raise ValueError("the draft needs at least one token of context")
+            best = max(free, key=lambda b: common_prefix(b.tokens, seq), default=None)
+            # At least the last token goes through the forward: its row is the step's q.
+            on_main = min(self.cached_prefix(seq), len(seq) - 1)
+            if best is not None and common_prefix(best.tokens, seq) >= on_main:
+                free.remove(best)
+                slot = best
+                self.lm.crop_branch(slot, min(common_prefix(slot.tokens, seq), len(seq) - 1))
+            else:
+                slot = self.lm.fork(on_main)
+            items.append((slot, seq[slot.length :]))
+        for slot in free:
+            self.lm.release(slot)
+        self._branches = [slot for slot, _ in items]
+        self.forwards += 1
+        logits = self.lm.extend_branches(items).numpy()
+        return [_step(row, params, rng, deterministic, rival) for row in logits]
+
+    def release_branches(self) -> None:
+        """Give every branch's pages back."""
+        for slot in self._branches:
+            self.lm.release(slot)
+        self._branches = []
+
+
+def _step(
+    logits: npt.NDArray[np.float32],
+    params: SamplingParams,
+    rng: np.random.Generator,
+    deterministic: bool,
+    rival: bool,
+) -> DraftStep:
+    """A draft step from the draft's raw logits row (:meth:`Drafter.draft`)."""
+    q: Probs = transform(logits, params)
+    if deterministic:
+        x = int(np.argmax(q))
+        onehot = np.zeros_like(q)
+        onehot[x] = 1.0
+        return DraftStep(x, onehot, float(q[x]), _rival(logits, x) if rival else None)
+    x = sample(q, rng)
+    return DraftStep(x, q, float(q[x]), _rival(logits, x) if rival else None)
+
+
+@runtime_checkable
+class BranchDrafting(Protocol):
+    """A draft that steps several branches in one batched forward (:meth:`Drafter.draft_many`);
+    the driver falls back to one step at a time for a :class:`DraftModel` that does not."""
+
+    def draft_many(
+        self,
+        seqs: Sequence[Sequence[int]],
+        params: SamplingParams,
+        rng: np.random.Generator,
+        *,
+        deterministic: bool,
+        rival: bool = False,
+    ) -> list[DraftStep]: ...

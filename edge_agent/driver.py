@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from edge_agent.core import (
@@ -32,7 +33,7 @@ from edge_agent.core import (
     SingleCore,
     check_welcome,
 )
-from edge_agent.drafter import DraftModel
+from edge_agent.drafter import BranchDrafting, DraftModel
 from edge_agent.events import EdgeEvent, Fail, Send
 from edge_agent.tasks import ModelWorker, run_until_first_done
 from edge_agent.transport import LinkClosed, Transport
@@ -143,33 +144,59 @@ async def _draft_hedge(
     return out
 
 
-async def _predraft(
-    core: DraftingCore, drafter: DraftModel, worker: ModelWorker, pp: PredraftPlan
-) -> None:
-    """Prepare ``pp``'s branch (:meth:`~edge_agent.core.Pipeline.predraft_plan`), stopping as
-    soon as the pipeline has room again (a verdict came: the next batch comes first, and may
-    be this branch, as far as it got) or the committed text left it; keep what was drafted."""
+@dataclass
+class _Growing:
+    """A branch being drafted for ``pp``: its tokens so far, their q rows and rivals."""
+
+    pp: PredraftPlan
+    draft: list[int] = field(default_factory=list)
+    q_rows: list[Probs] = field(default_factory=list)
+    rivals: list[Rival] = field(default_factory=list)
+    prob: float = 1.0
+
+
+async def _predraft(core: DraftingCore, drafter: DraftModel, worker: ModelWorker) -> bool:
+    """Prepare outcomes (:meth:`~edge_agent.core.Pipeline.predraft_plan`): as many as the
+    budget leaves room for, stepped together in one batched forward a step where the draft
+    can (:class:`~edge_agent.drafter.BranchDrafting`), else one; stop as soon as the pipeline
+    has room again (a verdict came: the next batch comes first, and may be one of these, as
+    far as it got); keep what was drafted. Returns whether any outcome was planned."""
     pipe = core.pipe
-    draft: list[int] = []
-    q_rows: list[Probs] = []
-    rivals: list[Rival] = []
-    prob = 1.0
-    while len(draft) < pp.max_tokens and pipe.predraft_current(pp, draft) and not core.may_draft():
-        step = await worker.run(
-            drafter.draft,
-            [*pp.context, pp.token, *draft],
-            pipe.cfg.sampling,
-            pipe.rng,
-            deterministic=pp.deterministic,
-            rival=True,
+    many = drafter if isinstance(drafter, BranchDrafting) else None
+    budget = pipe.cfg.predraft - len(pipe.branches) if many is not None else 1
+    growing: list[_Growing] = []
+    while len(growing) < budget and (pp := pipe.predraft_plan()) is not None:
+        growing.append(_Growing(pp))
+    eos = pipe.gen.eos_ids
+
+    def open_(g: _Growing) -> bool:
+        return (
+            len(g.draft) < g.pp.max_tokens
+            and not (g.draft and g.draft[-1] in eos)
+            and pipe.predraft_current(g.pp, g.draft)
         )
-        draft.append(step.token)
-        q_rows.append(step.q)
-        rivals.append(step.rival or NO_RIVAL)
-        prob = step.prob
-        if step.token in pipe.gen.eos_ids:
-            break
-    pipe.add_branch(pp, draft, q_rows, rivals, prob)
+
+    while (active := [g for g in growing if open_(g)]) and not core.may_draft():
+        seqs = [[*g.pp.context, g.pp.token, *g.draft] for g in active]
+        det = active[0].pp.deterministic
+        params, rng = pipe.cfg.sampling, pipe.rng
+        if many is not None:
+            steps = await worker.run(
+                many.draft_many, seqs, params, rng, deterministic=det, rival=True
+            )
+        else:
+            steps = [
+                await worker.run(drafter.draft, seqs[0], params, rng, deterministic=det, rival=True)
+            ]
+            active = active[:1]
+        for g, step in zip(active, steps, strict=True):
+            g.draft.append(step.token)
+            g.q_rows.append(step.q)
+            g.rivals.append(step.rival or NO_RIVAL)
+            g.prob = step.prob
+    for g in growing:
+        pipe.add_branch(g.pp, g.draft, g.q_rows, g.rivals, g.prob)
+    return bool(growing)
 
 
 async def draft_loop(
@@ -190,9 +217,7 @@ async def draft_loop(
     want_rival = (hedge is not None and pipe.cfg.hedge > 0) or pipe.cfg.predraft > 0
     while not gen.done:
         if not core.may_draft():
-            pp = pipe.predraft_plan()
-            if pp is not None:
-                await _predraft(core, drafter, worker, pp)
+            if pipe.cfg.predraft and await _predraft(core, drafter, worker):
                 continue
             hp = pipe.hedge_plan() if hedge is not None else None
             if hedge is not None and hp is not None:

@@ -131,7 +131,7 @@ class CausalLM:
             raise ContextLengthError(
                 f"context of {start + n} tokens exceeds the model's maximum of {self.max_length}"
             )
-        self._reserve(start + n)
+        self._reserve(self._slot, start, start + n)
         keep = n if last_rows is None else last_rows
         # A failed forward commits nothing: the length pointer has not moved.
         logits = self._lm.forward([Row(self._slot, start, tuple(id_list), keep)])
@@ -139,14 +139,19 @@ class CausalLM:
         self._store_rows(logits, first_pos=self.length - logits.shape[0])
         return logits
 
-    def _reserve(self, length: int) -> None:
-        """Pages for ``length`` positions, doubling the pool when it is too small."""
-        try:
-            self._pool.reserve(self._slot, length)
-        except OutOfPages:
-            pages = max(2 * self._pool.num_pages, -(-length // self._pool.page_size))
-            self._pool.grow(pages)
-            self._pool.reserve(self._slot, length)
+    def _reserve(self, slot: SlotPages, start: int, length: int) -> None:
+        """Pages for ``slot``'s positions up to ``length``, the one holding ``start`` its own
+        (copied if a branch shares it), doubling the pool when it is too small."""
+        for attempt in range(2):
+            try:
+                self._pool.reserve(slot, length)
+                self._pool.writable(slot, start)
+                return
+            except OutOfPages:
+                if attempt:
+                    raise
+                need = -(-length // self._pool.page_size) + 1  # + a page to copy into
+                self._pool.grow(max(2 * self._pool.num_pages, self._pool.pages_used + need))
 
     def _store_rows(self, logits: torch.Tensor, first_pos: int) -> None:
         """Remember rows for positions [first_pos, length), trimmed to the window."""
@@ -190,3 +195,49 @@ class CausalLM:
         last = self._slot.tokens[-1]
         self.crop(pos)
         return self.extend([last])[0].clone()
+
+    # ------------------------------------------------------------------ branches
+
+    def fork(self, n: int) -> SlotPages:
+        """A branch: a slot holding this sequence's first ``n`` tokens, sharing their pages
+        (nothing copied). Extend it with :meth:`extend_branches`; give it back with
+        :meth:`release`."""
+        return self._pool.fork(self._slot, n)
+
+    def crop_branch(self, slot: SlotPages, n: int) -> None:
+        """Roll a branch back to its first ``n`` tokens (a pointer move)."""
+        self._pool.crop(slot, n)
+
+    def release(self, slot: SlotPages) -> None:
+        """Give a branch's pages back (those the sequence or another branch shares stay)."""
+        self._pool.release(slot)
+
+    def extend_branches(self, items: Sequence[tuple[SlotPages, Sequence[int]]]) -> torch.Tensor:
+        """Append each ``ids`` to its branch, all in one batched forward; returns float32
+        ``[len(items), vocab_size]``: row b predicts the token after ``items[b]``'s last id."""
+        rows = []
+        for slot, ids in items:
+            id_list = tuple(int(t) for t in ids)
+            if not id_list or min(id_list) < 0 or max(id_list) >= self.vocab_size:
+                raise ValueError(f"token ids must be non-empty in [0, {self.vocab_size})")
+            start = slot.length
+            if self.max_length is not None and start + len(id_list) > self.max_length:
+                raise ContextLengthError(
+                    f"context of {start + len(id_list)} tokens exceeds the model's maximum of "
+                    f"{self.max_length}"
+                )
+            self._reserve(slot, start, start + len(id_list))
+            rows.append(Row(slot, start, id_list, 1))
+        logits = self._lm.forward(rows)
+        for row in rows:
+            self._pool.commit(row.slot, row.start, row.ids)
+        return logits
+
+    def adopt(self, slot: SlotPages) -> SlotPages:
+        """Make the branch ``slot`` the sequence (a verdict chose its outcome); returns the old
+        sequence's slot, now a branch. The kept logits rows were the old sequence's: none is
+        kept (:attr:`last_logits` recomputes the last row if asked before an extend)."""
+        old, self._slot = self._slot, slot
+        self._rows.clear()
+        self._rows_start = self.length
+        return old

@@ -274,6 +274,22 @@ class PagedKV:
     def release(self, slot: SlotPages) -> None:
         self.crop(slot, 0)
 
+    def fork(self, slot: SlotPages, length: int) -> SlotPages:
+        """A new recording slot holding ``slot``'s first ``length`` positions by sharing its
+        pages (each page's count of holders goes up; nothing is copied). Either slot writing
+        into a shared page later copies it first (:meth:`writable`)."""
+        if not 0 <= length <= slot.length:
+            raise ValueError(f"fork({length}) out of range 0..{slot.length}")
+        pages = slot.pages[: -(-length // self.page_size)]
+        for page in pages:
+            self.refs[page] += 1
+        return SlotPages(
+            pages=list(pages),
+            length=length,
+            tokens=list(slot.tokens[:length]),
+            keys=list(slot.keys[: length // self.page_size]),
+        )
+
     def grow(self, num_pages: int) -> None:
         """Enlarge the pool to ``num_pages`` (rows keep their place; the trash row moves to the
         end). Only between forwards; a fixed-size pool (the verifier's) never calls it."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.drafter import Drafter
+from edge_agent.drafter import RIVALS, Drafter
 from shared.maths.sampling import transform
 from shared.runtime.models import load_model
 from shared.wire.params import SamplingParams
@@ -33,3 +33,61 @@ def test_the_rival_is_the_likeliest_other_token_and_conf_the_drafted_ones_probab
     # Sampled steps that drew another token than q's argmax: their rival is still another
     # token (the argmax, here), never the drafted one.
     assert seen_off_argmax
+
+
+def test_a_rival_carries_the_likeliest_alternatives_in_order(tiny_model_dir: Path) -> None:
+    """``Rival.alts``: the RIVALS likeliest tokens other than the drafted one, likeliest first,
+    each with its temperature-1 probability (where pre-drafting goes)."""
+    drafter = Drafter(load_model(str(tiny_model_dir)))
+    rng = np.random.default_rng(1)
+    for i in range(10):
+        seq = [1, 5 + i, 9 + 2 * i]
+        step = drafter.draft(seq, SamplingParams(1.0), rng, deterministic=False, rival=True)
+        assert step.rival is not None
+        p1 = transform(drafter._logits(seq), SamplingParams(1.0))
+        others = [t for t in np.argsort(-p1, kind="stable").tolist() if t != step.token]
+        assert [t for t, _ in step.rival.alts] == others[:RIVALS]
+        assert np.allclose([q for _, q in step.rival.alts], p1[others[:RIVALS]], rtol=1e-5)
+        assert step.rival.token == others[0]
+
+
+def test_branches_drafted_together_are_what_one_at_a_time_gives(tiny_model_dir: Path) -> None:
+    """``draft_many``: branches forked from the cached sequence (inside and at the end of a
+    page, so pages are shared), stepped in one batched forward, give the steps a fresh
+    drafter gives one sequence at a time, while the sequence rewrites positions of a shared
+    page between steps (copied on write, by either side); a branch the text then follows
+    becomes the sequence with one token computed; giving
+    the branches back leaves the pool holding the sequence only."""
+    loaded = load_model(str(tiny_model_dir))
+    edge, ref = Drafter(loaded), Drafter(loaded)
+    greedy, t1 = SamplingParams(0.0), SamplingParams(1.0)
+    rng = np.random.default_rng(0)
+    main = [int(t) for t in np.random.default_rng(3).integers(1, 64, size=90)]
+    edge.draft(main, greedy, rng, deterministic=True)
+    seqs = [[*main[:70], 7], [*main[:64], 9], [*main[:90], 11], [*main[:3], 12]]
+    for k in range(3):
+        steps = edge.draft_many(seqs, t1, rng, deterministic=False, rival=True)
+        for seq, step in zip(seqs, steps, strict=True):
+            assert np.allclose(step.q, ref.next_dist(seq, t1), atol=1e-5)
+            assert step.rival is not None and step.rival.token != step.token
+        seqs = [[*seq, step.token] for seq, step in zip(seqs, steps, strict=True)]
+        # The sequence rewrites positions of a page a branch shares: it copies it first.
+        edge.draft([*main[: 50 - k], k + 1], t1, rng, deterministic=False)
+    edge.draft(main, t1, rng, deterministic=False)
+    assert edge.lm.tokens == tuple(main)
+    assert np.allclose(edge.next_dist(main, greedy), ref.next_dist(main, greedy), atol=1e-5)
+    # The text follows the first branch: it becomes the sequence, one token computed.
+    extended: list[int] = []
+    real_extend = edge.lm.extend
+
+    def spy(ids: list[int], **kw: int | None) -> object:
+        extended.append(len(ids))
+        return real_extend(ids, **kw)
+
+    edge.lm.extend = spy  # type: ignore[method-assign]
+    follow = seqs[0] + [5]
+    assert np.allclose(edge.next_dist(follow, greedy), ref.next_dist(follow, greedy), atol=1e-5)
+    assert extended == [2] and edge.lm.tokens == tuple(follow)
+    edge.release_branches()
+    pool = edge.lm._pool
+    assert pool.pages_used == -(-len(follow) // pool.page_size)

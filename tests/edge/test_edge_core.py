@@ -390,6 +390,33 @@ def test_predrafted_outcomes_are_planned_likeliest_first_and_sent_on_a_hit() -> 
     assert not e.core.pipe.branches
 
 
+def test_predrafting_ranks_every_alternative_by_its_chance_to_be_the_first_correction() -> None:
+    """With the draft's alternatives (``Rival.alts``), outcomes are planned by
+    c_1 ⋯ c_{i−1} · q_i(y): several per position, interleaved across positions; a correction
+    that is a second alternative still finds its branch."""
+    cfg = PipelineConfig(gamma=3, depth=1, sampling=GREEDY, cogen=False, predraft=8)
+    e = edge(cfg, max_new=12)
+    plan = e.core.pipe.plan()
+    assert plan is not None
+    rivals = [
+        Rival(9, 0.9, ((9, 0.06), (8, 0.04))),
+        Rival(10, 0.4, ((10, 0.3), (11, 0.2), (12, 0.1))),
+        Rival(13, 0.6, ((13, 0.3),)),
+    ]
+    q_rows = [counting_draft([x - 1], True)[1] for x in [1, 2, 3]]
+    e._log(sent(e.core.propose(plan, [1, 2, 3], q_rows, rivals=rivals)))
+    # 0.9·0.3, 0.9·0.2, 0.9·0.4·0.3, 0.9·0.1, 0.06, 0.04
+    order = [_branch(e, [20 + k]) for k in range(6)]
+    assert order == [(2, 10), (2, 11), (3, 13), (2, 12), (1, 9), (1, 8)]
+    assert e.core.pipe.predraft_plan() is None  # every alternative has its branch
+    e.core.receive(encode(Verdict(0, 0, 1, token=11), e.core.link.ctx), now=5.0)
+    assert e.gen.committed == [0, 1, 11]
+    plan = e.core.pipe.plan()
+    assert plan is not None
+    ready = e.core.pipe.take_branch(plan)
+    assert ready is not None and ready.draft == [21]
+
+
 def test_a_branch_whose_head_was_co_generated_sends_the_rest() -> None:
     """Co-generated tokens committed after the correction that agree with a branch's head: the
     branch's rest is the next batch; ones that disagree drop it."""

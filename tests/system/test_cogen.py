@@ -58,7 +58,8 @@ def _greedy_q(x: int) -> tuple[int, np.ndarray, Rival]:
     """The deterministic draft after ``x``: its token, one-hot q, and its rival."""
     row = Q[x]
     order = np.argsort(-row, kind="stable")
-    return int(order[0]), np.eye(V)[order[0]], Rival(int(order[1]), float(row[order[0]]))
+    alts = tuple((int(t), float(row[t])) for t in order[1:3])
+    return int(order[0]), np.eye(V)[order[0]], Rival(alts[0][0], float(row[order[0]]), alts)
 
 
 def _hedges(edge: SingleCore) -> list[bytes]:
@@ -82,7 +83,8 @@ def _draft_step(
     row = Q[last]
     x = sample(row, rng)
     other = int((x + 1 + rng.integers(V - 1)) % V)
-    return x, row, Rival(other, 0.5)
+    second = next(t for t in range(V) if t not in (x, other))
+    return x, row, Rival(other, 0.5, ((other, 0.3), (second, 0.2)))
 
 
 def _predraft_all(edge: SingleCore, rng: np.random.Generator, stale: bool) -> None:
