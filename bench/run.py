@@ -109,7 +109,7 @@ from bench.oracle import GreedyPaths, OracleDrafter, is_oracle, parse_oracle
 from bench.tiny_models import build_tiny_model
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.agent import EdgeAgent, RetryPolicy
-from edge_agent.drafter import Drafter, DraftModel, DraftStep
+from edge_agent.drafter import BranchDrafting, Drafter, DraftModel, DraftStep
 from edge_agent.link import LinkSettings, WebSocketTransport
 from edge_agent.lm import SupportsCausalLM
 from edge_agent.pipeline_config import Mode, PipelineConfig
@@ -173,7 +173,8 @@ class CloudSide(TextEnum):
 @dataclass(frozen=True)
 class ModeSpec:
     """One speculative mode of the grid (module docstring): ``saw:G``,
-    ``pipe:GxD[:nocogen|:hedge]``, ``auto[:nocogen|:hedge|:predraft]``, ``hybrid``."""
+    ``pipe:GxD[:nocogen|:hedge]``, ``auto[:nocogen|:hedge|:predraft]``,
+    ``hybrid[:predraft]``."""
 
     spec: str
     kind: Mode
@@ -194,7 +195,7 @@ class ModeSpec:
         if not self.edge_draft:
             return "cloud-sd" if self.cloud == CloudSide.SPEC else f"cloud-sd {self.cloud}"
         if self.cloud != CloudSide.PLAIN:
-            return "hybrid"
+            return "hybrid predraft" if self.predraft else "hybrid"
         suffix = "" if self.cogen else " no-cogen"
         suffix += " hedge" if self.hedge else ""
         suffix += " predraft" if self.predraft else ""
@@ -218,8 +219,13 @@ class ModeSpec:
         )
 
 
+#: The emulated cost of each branch beyond the first in a batched draft forward, as a fraction
+#: of one step: GPU-class, from the team's H200 measurement (../shared/MODELS.md: 8 sessions ×
+#: 5 tokens 73.9 ms against 1 × 5 tokens 68.9 ms, eager), (73.9 / 68.9 − 1) / 7 ≈ 0.0104. This
+#: CPU's own, from ``python -m bench.draft_batch``, is stated beside it in the docs.
+DRAFT_BATCH_COST = (73.9 / 68.9 - 1) / 7
 #: Branches prepared at most in the ``:predraft`` modes.
-PREDRAFT_BRANCHES = 4
+PREDRAFT_BRANCHES = 8
 #: Tokens a hedge carries after its rival token in the ``:hedge`` modes.
 HEDGE_TOKENS = 3
 _SAW = re.compile(r"^saw:(\d+)$")
@@ -229,8 +235,11 @@ _AUTO = re.compile(r"^auto(:nocogen|:hedge|:predraft)?$")
 
 def parse_mode(spec: str) -> ModeSpec:
     s = spec.strip()
-    if s == "hybrid":
-        return ModeSpec(s, Mode.PIPELINED, 4, 4, cogen=True, auto=True, cloud=CloudSide.SPEC)
+    if s in ("hybrid", "hybrid:predraft"):
+        predraft = PREDRAFT_BRANCHES if s.endswith(":predraft") else 0
+        return ModeSpec(
+            s, Mode.PIPELINED, 4, 4, cogen=True, auto=True, predraft=predraft, cloud=CloudSide.SPEC
+        )
     if s in ("cloud-sd", "cloud-sd:ngram"):
         side = CloudSide.SPEC if s == "cloud-sd" else CloudSide.NGRAM
         return ModeSpec(s, Mode.PIPELINED, 4, 4, cogen=True, cloud=side, edge_draft=False)
@@ -263,7 +272,7 @@ def parse_mode(spec: str) -> ModeSpec:
     raise ValueError(
         f"bad mode {spec!r}: expected saw:G, pipe:GxD[:nocogen|:hedge], "
         "auto[:nocogen|:hedge|:predraft], "
-        "hybrid, cloud-sd or cloud-sd:ngram"
+        "hybrid[:predraft], cloud-sd or cloud-sd:ngram"
     )
 
 
@@ -500,12 +509,36 @@ class TimedDrafter:
     ) -> DraftStep:
         t0 = time.perf_counter()
         out = self.inner.draft(seq, params, rng, deterministic=deterministic, rival=rival)
+        self._pad(t0, self.pad_s)
+        return out
+
+    def draft_many(
+        self,
+        seqs: Sequence[Sequence[int]],
+        params: SamplingParams,
+        rng: np.random.Generator,
+        *,
+        deterministic: bool,
+        rival: bool = False,
+    ) -> list[DraftStep]:
+        """Branches stepped together: one batched forward where the inner draft has one (else
+        one step after another, computing nothing for an oracle), padded to a batched step's
+        emulated time, ``pad_s`` · (1 + DRAFT_BATCH_COST · (B − 1))."""
+        t0 = time.perf_counter()
+        kw = {"deterministic": deterministic, "rival": rival}
+        if isinstance(self.inner, BranchDrafting):
+            out = self.inner.draft_many(seqs, params, rng, **kw)
+        else:
+            out = [self.inner.draft(seq, params, rng, **kw) for seq in seqs]
+        self._pad(t0, self.pad_s * (1 + DRAFT_BATCH_COST * (len(seqs) - 1)))
+        return out
+
+    def _pad(self, t0: float, pad_s: float) -> None:
         spent = time.perf_counter() - t0
         self.compute.append(spent)
-        if spent < self.pad_s:
-            time.sleep(self.pad_s - spent)
+        if spent < pad_s:
+            time.sleep(pad_s - spent)
         self.times.append(time.perf_counter() - t0)
-        return out
 
 
 @dataclass

@@ -19,7 +19,18 @@ import torch
 from bench.harness import free_port
 from bench.oracle import OracleDrafter, greedy_continuation, parse_oracle
 from bench.probe import Driver, ProbeClient
-from bench.run import BenchConfig, Journal, Regime, Run, TimedDrafter, ceiling, estimate, parse_mode
+from bench.run import (
+    DRAFT_BATCH_COST,
+    PREDRAFT_BRANCHES,
+    BenchConfig,
+    Journal,
+    Regime,
+    Run,
+    TimedDrafter,
+    ceiling,
+    estimate,
+    parse_mode,
+)
 from bench.verifier import PaddedTarget
 from bench.verifier import main as padded_verifier_main
 from cloud_verifier.cli import main as verifier_main
@@ -88,6 +99,9 @@ def test_mode_specs_and_labels() -> None:
     nocogen = parse_mode("pipe:8x2:nocogen")
     assert nocogen.label == "pipelined γ=8 D=2 no-cogen"
     assert not nocogen.pipeline_config().cogen and nocogen.pipeline_config().gamma == 8
+    hybrid = parse_mode("hybrid:predraft")
+    assert hybrid.label == "hybrid predraft" and hybrid.predraft == PREDRAFT_BRANCHES
+    assert hybrid.cloud == parse_mode("hybrid").cloud and not parse_mode("hybrid").predraft
     auto = parse_mode("auto").pipeline_config()
     assert auto.auto_gamma and auto.auto_depth and (auto.gamma, auto.depth) == (4, 4)
     for bad in ("pipe:4", "saw", "pipe:4x4:cogen", "fast"):
@@ -162,6 +176,28 @@ def test_oracle_greedy_path_and_timed_padding(tiny_model_dir: Path) -> None:
     assert step.token == path[3] and step.q.shape == (target.vocab_size,)
     assert timed.vocab_size == target.vocab_size and step.prob == 1.0
     assert timed.inner is oracle and timed.forwards == 0
+    # Branches stepped together: one padded batched step, 1 + A (B − 1) of one step.
+    seqs = [prompt + path[:k] for k in (1, 2, 3)]
+    t0 = time.perf_counter()
+    steps = timed.draft_many(
+        seqs, SamplingParams(0.0), np.random.default_rng(0), deterministic=True
+    )
+    assert time.perf_counter() - t0 >= 0.02 * (1 + 2 * DRAFT_BATCH_COST) - 1e-3
+    assert [x.token for x in steps] == path[1:4]
+
+
+def test_draft_batch_measures_batched_branch_steps(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """``python -m bench.draft_batch`` on a tiny model: a median step time per batch size and
+    the fitted cost of each extra branch, written with the machine."""
+    from bench import draft_batch
+
+    out = tmp_path / "draft_batch.json"
+    args = ["--target", str(tiny_model_dir), "--draft", str(tiny_model_dir), "--batches", "1,3"]
+    assert draft_batch.main([*args, "--steps", "2", "--warmup", "1", "--context", "70",
+                            "--out", str(out)]) == 0  # fmt: skip
+    record = orjson.loads(out.read_bytes())
+    assert set(record["median_step_s"]) == {"1", "3"}
+    assert record["batch_cost_per_extra_branch"] is not None and record["machine"]["cpus"] >= 1
 
 
 def test_time_estimate_runs_oracles_cheaper() -> None:

@@ -1,0 +1,94 @@
+"""What a batched draft forward costs: B branches stepped together (outcome pre-drafting,
+``Drafter.draft_many``) against one step of one sequence, on this machine's draft.
+
+Each measurement: a prompt of ``--context`` tokens in the drafter's cache, B branches forked
+from it at different points near its end (as pre-drafting forks them after alternatives of
+the tokens in flight), then ``--steps`` steps of all B together, each timed (forward, sampling
+transform and rivals: what a pre-drafting step costs the edge). The ratio cost(B) / cost(1)
+gives the emulated cost of a batched step, 1 + A · (B − 1), fitted by least squares.
+
+    python -m bench.draft_batch --out docs/results/draft_batch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import torch
+
+from bench.run import DRAFT_BATCH_COST, load_draft_model, machine_info
+from edge_agent.drafter import Drafter
+from shared.runtime.models import load_model
+from shared.wire.params import SamplingParams
+
+
+def measure(drafter: Drafter, context: int, batch: int, steps: int, seed: int) -> list[float]:
+    """Seconds of each of ``steps`` steps of ``batch`` branches stepped together."""
+    rng = np.random.default_rng(seed)
+    vocab = drafter.vocab_size
+    prompt = [int(t) for t in rng.integers(0, vocab, size=context)]
+    params = SamplingParams(0.0)
+    drafter.draft(prompt, params, rng, deterministic=True)
+    seqs = [[*prompt[: context - 1 - i % 8], int(rng.integers(vocab))] for i in range(batch)]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = drafter.draft_many(seqs, params, rng, deterministic=True, rival=True)
+        times.append(time.perf_counter() - t0)
+        seqs = [[*s, step.token] for s, step in zip(seqs, out, strict=True)]
+    drafter.release_branches()
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.draft_batch", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--target", default="default")
+    p.add_argument("--draft", default="self:skip=12")
+    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=12, help="measured steps per batch size")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # as the bench's edge process
+    target = load_model(args.target)
+    drafter = Drafter(load_draft_model(args.draft, target))
+    sizes = [int(b) for b in args.batches.split(",")]
+    median: dict[int, float] = {}
+    for b in sizes:
+        measure(drafter, args.context, b, args.warmup, seed=b)
+        times = measure(drafter, args.context, b, args.steps, seed=100 + b)
+        median[b] = statistics.median(times)
+        print(f"B={b}: median {1000 * median[b]:.1f} ms per step ({args.steps} steps)", flush=True)
+    base = median[sizes[0]] if sizes[0] == 1 else None
+    fit = None
+    if base:
+        xs = [b - 1 for b in sizes]
+        ys = [median[b] / base - 1 for b in sizes]
+        fit = sum(x * y for x, y in zip(xs, ys, strict=True)) / max(1, sum(x * x for x in xs))
+        print(
+            f"cost(B) / cost(1) ≈ 1 + {fit:.3f} (B − 1) on this CPU; the bench emulates a "
+            f"GPU-class device: 1 + {DRAFT_BATCH_COST:.4f} (B − 1)"
+        )
+    if args.out:
+        record = {
+            "machine": machine_info(),
+            "settings": {k: str(v) for k, v in vars(args).items()},
+            "median_step_s": {str(b): median[b] for b in sizes},
+            "batch_cost_per_extra_branch": fit,
+            "emulated_batch_cost_per_extra_branch": DRAFT_BATCH_COST,
+        }
+        args.out.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
