@@ -1391,7 +1391,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.smoke:
         args.rtts = args.oracle_rtts = "0,50"
         args.tokens, args.prompts = 6, 1
-        args.modes = "saw:4,pipe:4x2,pipe:4x2:hedge,auto,hybrid,cloud-sd,cloud-sd:ngram"
+        args.modes = (
+            "saw:4,pipe:4x2,pipe:4x2:hedge,auto,hybrid,hybrid:predraft,cloud-sd,cloud-sd:ngram"
+        )
         args.oracle_modes = "pipe:4x2:nocogen,auto"
         args.draft_ms_per_token, args.verify_ms, args.ar_ms_per_token = 2.0, 10.0, 8.0
         args.time_scale, args.oracle_time_scale = 1.0, 2.0  # two groups: exercise the split

@@ -318,11 +318,13 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
     modes = {(r["regime"], r["draft"], r["mode"]) for r in rows}
     for regime in ("raw", "picospec"):
         assert (regime, None, "ar") in modes  # once per RTT, for every draft
-        for mode in ("stop-and-wait", "pipelined γ=4 D=2", "auto", "hybrid", "cloud-sd",
-                     "cloud-sd ngram"):  # fmt: skip
+        for mode in ("stop-and-wait", "pipelined γ=4 D=2", "auto", "hybrid", "hybrid predraft",
+                     "cloud-sd", "cloud-sd ngram"):  # fmt: skip
             assert (regime, model, mode) in modes
         for mode in ("pipelined γ=4 D=2 no-cogen", "auto"):
             assert (regime, oracle, mode) in modes
+    pre = [r for r in rows if r["mode"] == "hybrid predraft"]
+    assert pre and all(r["predraft"] == 8 and "predraft_hit_rate" in r for r in pre)
     assert ("raw", model, "assisted") in modes
     assert {r["rtt_ms"] for r in rows} == {0.0, 50.0}
     # the oracle ran at its own time scale, the model draft and ar at theirs
