@@ -91,13 +91,16 @@ def _rival(logits: npt.NDArray[np.floating], drafted: int) -> Rival:
 class Drafter:
     """q(· | seq) for the draft model, with the request's sampling transform applied.
 
-    Besides the sequence it drafts (the KV cache's slot), it keeps the branches of the last
-    :meth:`draft_many` (outcome pre-drafting): slots that share the sequence's pages up to
-    where they part. A branch the text turns out to follow becomes the sequence
+    Besides the sequence it drafts (the KV cache's slot), it keeps the branches of recent
+    :meth:`draft_many` calls (outcome pre-drafting): slots that share the sequence's pages up
+    to where they part. A branch the text turns out to follow becomes the sequence
     (:meth:`_sync`), so drafting after a prepared outcome recomputes nothing."""
 
     #: Branches drafted together at most (``PipelineConfig.predraft`` allows up to 64).
     MAX_BRANCHES: Final = 64
+    #: Branch slots kept between calls (their KV pages are the drafter's memory bound for
+    #: branches: about a page of 64 tokens each beyond what they share).
+    KEPT_BRANCHES: Final = 16
 
     def __init__(self, loaded: SupportsCausalLM) -> None:
         # 64 logits rows cover any rollback of a pipeline (γ·D tokens) at 39 MB for a
@@ -166,9 +169,10 @@ class Drafter:
     ) -> list[DraftStep]:
         """The next draft step after each of ``seqs`` (non-empty), in one batched forward:
         outcome pre-drafting's branches. Each sequence runs in a branch: the kept branch that
-        shares most of it, else a fork of the cached sequence where they part, cropped to
-        what they share; branches not asked about are given back. Steps are drawn in order,
-        as :meth:`draft` would draw them one after another."""
+        shares most of it where that is more than the cached sequence shares, cropped to what
+        they share, else a fork of the cached sequence where they part; branches not asked
+        about are kept, the latest first, up to ``KEPT_BRANCHES`` in all, and the rest given
+        back. Steps are drawn in order, as :meth:`draft` would draw them one after another."""
         if not 1 <= len(seqs) <= self.MAX_BRANCHES:
             raise ValueError(f"draft_many takes 1..{self.MAX_BRANCHES} sequences, got {len(seqs)}")
         free = list(self._branches)
@@ -179,16 +183,20 @@ class Drafter:
             best = max(free, key=lambda b: common_prefix(b.tokens, seq), default=None)
             # At least the last token goes through the forward: its row is the step's q.
             on_main = min(self.cached_prefix(seq), len(seq) - 1)
-            if best is not None and common_prefix(best.tokens, seq) >= on_main:
+            # A branch is reused where it saves compute; else a fork (no compute) keeps it.
+            if best is not None and common_prefix(best.tokens, seq) > on_main:
                 free.remove(best)
                 slot = best
                 self.lm.crop_branch(slot, min(common_prefix(slot.tokens, seq), len(seq) - 1))
             else:
                 slot = self.lm.fork(on_main)
             items.append((slot, seq[slot.length :]))
-        for slot in free:
+        # Kept, the latest first, up to KEPT_BRANCHES: a prepared outcome whose slot is still
+        # here costs nothing to continue once the verdict chooses it.
+        self._branches = [slot for slot, _ in items] + free
+        for slot in self._branches[max(self.KEPT_BRANCHES, len(items)) :]:
             self.lm.release(slot)
-        self._branches = [slot for slot, _ in items]
+        del self._branches[max(self.KEPT_BRANCHES, len(items)) :]
         self.forwards += 1
         logits = self.lm.extend_branches(items).numpy()
         return [_step(row, params, rng, deterministic, rival) for row in logits]

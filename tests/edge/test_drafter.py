@@ -91,3 +91,31 @@ def test_branches_drafted_together_are_what_one_at_a_time_gives(tiny_model_dir: 
     edge.release_branches()
     pool = edge.lm._pool
     assert pool.pages_used == -(-len(follow) // pool.page_size)
+
+
+def test_branches_are_kept_across_calls_up_to_their_bound(tiny_model_dir: Path) -> None:
+    """A branch not asked about in a later call stays (a prepared outcome a verdict may still
+    choose: continuing it computes only what is new); at most KEPT_BRANCHES stay."""
+    edge = Drafter(load_model(str(tiny_model_dir)))
+    greedy, rng = SamplingParams(0.0), np.random.default_rng(0)
+    main = list(range(1, 41))
+    edge.draft(main, greedy, rng, deterministic=True)
+    a = [*main[:30], 50, 51, 52]
+    edge.draft_many([a], greedy, rng, deterministic=True)
+    for k in range(Drafter.KEPT_BRANCHES + 4):
+        edge.draft_many([[*main[:20], k + 1, k + 2]], greedy, rng, deterministic=True)
+    assert len(edge._branches) == Drafter.KEPT_BRANCHES
+    edge = Drafter(load_model(str(tiny_model_dir)))
+    edge.draft(main, greedy, rng, deterministic=True)
+    edge.draft_many([a], greedy, rng, deterministic=True)
+    edge.draft_many([[*main[:20], 9]], greedy, rng, deterministic=True)
+    extended: list[int] = []
+    real_extend = edge.lm.extend
+
+    def spy(ids: list[int], **kw: int | None) -> object:
+        extended.append(len(ids))
+        return real_extend(ids, **kw)
+
+    edge.lm.extend = spy  # type: ignore[method-assign]
+    edge.draft([*a, 53], greedy, rng, deterministic=True)
+    assert extended == [1] and edge.lm.tokens == (*a, 53)  # a's slot holds a: only 53 is new
