@@ -75,7 +75,7 @@ balancer:
 
 lint: install
 	$(PY) -m ruff check shared edge_agent cloud_verifier tests bench
-	$(PY) -m mypy shared edge_agent cloud_verifier
+	$(PY) -m mypy shared edge_agent cloud_verifier bench
 
 # The documentation site (mkdocs.yml, docs/): strict, so a broken link or anchor, or a page left
 # out of the nav, fails the build. Into site/ (git-ignored); no network is needed.

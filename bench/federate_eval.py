@@ -61,7 +61,8 @@ def int8_variant(loaded: LoadedModel) -> Any:
     """A copy of ``loaded`` with int8 dynamic quantization of its Linear layers."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = torch.ao.quantization.quantize_dynamic(
+        quantize: Any = torch.ao.quantization.quantize_dynamic  # untyped in torch
+        model = quantize(
             copy.deepcopy(loaded.model), {torch.nn.Linear}, dtype=torch.qint8
         )
 
@@ -142,8 +143,8 @@ def evaluate(
                         break
                 scored = n_acc + 1  # positions the edge evaluated this round
                 for j in range(scored):
-                    q = qs[j] if j < gamma else None
-                    alpha_ex = float(np.minimum(p_bar[j], q).sum()) if q is not None else None
+                    qj = qs[j] if j < gamma else None
+                    alpha_ex = float(np.minimum(p_bar[j], qj).sum()) if qj is not None else None
                     if alpha_ex is not None:
                         alpha_exact.append(alpha_ex)
                     for k in ks:
@@ -171,10 +172,10 @@ def evaluate(
                 accepted += n_acc
                 drafted += gamma
         rows_out = []
-        for (k, how), m in acc.items():
+        for (k, kind), m in acc.items():
             eps_bar = float(np.mean(m["eps"]))
             rows_out.append({
-                "K": k, "K_over_V": k / vocab, "reconstruction": how,
+                "K": k, "K_over_V": k / vocab, "reconstruction": kind,
                 "eps_bar": eps_bar, "bias_bar": float(np.mean(m["bias"])),
                 "bias_max_over_bound": float(np.max(np.array(m["bias"])
                                                      - 2 * np.array(m["eps"]))),

@@ -47,9 +47,11 @@ SMALL = dict(
 def _model(shape: dict[str, int], device: str, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    cfg = Qwen3Config(**shape, max_position_embeddings=4096, tie_word_embeddings=False)
+    make: Any = Qwen3Config  # keyword arguments from a dict: not checkable
+    cfg = make(**shape, max_position_embeddings=4096, tie_word_embeddings=False)
+    build: Any = AutoModelForCausalLM.from_config  # untyped in transformers
     with torch.device(device):  # weights are created where they run (65 GB: not via the host)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model = build(cfg, dtype=dtype)
     return model.eval()
 
 

@@ -243,8 +243,10 @@ def plots(out: Path, rows: list[dict[str, Any]], regimes: list[Any]) -> list[str
     ]
     vals = []
     for m in modes:
-        sel = [r["bytes_per_token"] for r in rows if r["mode"] == m and r.get("bytes_per_token")]
-        vals.append(sum(sel) / len(sel))
+        per_row = [
+            r["bytes_per_token"] for r in rows if r["mode"] == m and r.get("bytes_per_token")
+        ]
+        vals.append(sum(per_row) / len(per_row))
     ax.bar(modes, vals, color="tab:blue")
     if rows:
         full = rows[0]["full_distribution_bytes_per_token"]

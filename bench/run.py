@@ -989,11 +989,12 @@ def run_assisted(
             num_assistant_tokens=ASSISTED_GAMMA,
             pad_token_id=eos[0] if eos else None,
         )
+        model: Any = target.model  # transformers' generate, untyped
         with torch.inference_mode():
             t0 = time.perf_counter()
-            out = target.model.generate(ids, **kwargs)
+            out = model.generate(ids, **kwargs)
             wall = time.perf_counter() - t0
-            plain = target.model.generate(
+            plain = model.generate(
                 ids, max_new_tokens=cfg.tokens, do_sample=False, pad_token_id=kwargs["pad_token_id"]
             )
         n = out.shape[1] - ids.shape[1]
