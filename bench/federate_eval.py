@@ -155,8 +155,8 @@ def evaluate(
                             m = acc[(k, how)]
                             m["eps"].append(eps)
                             m["bias"].append(C.l1(p_hat, p_bar[j]))
-                            if q is not None and alpha_ex is not None:
-                                a_hat = float(np.minimum(p_hat, q).sum())
+                            if qj is not None and alpha_ex is not None:
+                                a_hat = float(np.minimum(p_hat, qj).sum())
                                 m["alpha_hat"].append(a_hat)
                                 m["d_alpha"].append(abs(a_hat - alpha_ex))
                 if n_acc < gamma:
