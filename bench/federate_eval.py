@@ -62,9 +62,7 @@ def int8_variant(loaded: LoadedModel) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quantize: Any = torch.ao.quantization.quantize_dynamic  # untyped in torch
-        model = quantize(
-            copy.deepcopy(loaded.model), {torch.nn.Linear}, dtype=torch.qint8
-        )
+        model = quantize(copy.deepcopy(loaded.model), {torch.nn.Linear}, dtype=torch.qint8)
 
     class Int8:
         pass

@@ -22,6 +22,8 @@ from typing import Any
 
 import orjson
 
+from bench.report import _fmt, _modes, _sources
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BENCH_PAGE = ROOT / "docs" / "benchmarks" / "index.md"
@@ -29,22 +31,9 @@ BENCH_PAGE = ROOT / "docs" / "benchmarks" / "index.md"
 #: The RTT of the sources and datasets paragraphs (the issue's reference RTT).
 REFERENCE_RTT_MS = 100.0
 
-_SOURCE_ABBREV = {
-    "edge_draft": "edge",
-    "correction": "corr",
-    "bonus": "bonus",
-    "cogenerated": "cogen",
-    "cloud_draft": "cloud",
-    "local_draft": "local",
-}
-
-
-def _f(v: float | None) -> str:
-    return "–" if v is None else f"{v:.2f}"
-
 
 def _x(v: float | None) -> str:
-    return "–" if v is None else f"{v:.2f}×"
+    return "–" if v is None else f"{_fmt(v)}×"
 
 
 class Results:
@@ -75,11 +64,7 @@ class Results:
         return [r for r in self.rows if r["regime"] == self.regime and r.get("draft") == draft]
 
     def modes(self, draft: str) -> list[str]:
-        out: list[str] = []
-        for r in self.sel(draft):
-            if r["mode"] not in out:
-                out.append(r["mode"])
-        return out
+        return _modes(self.sel(draft))
 
     def rtts(self, draft: str) -> list[float]:
         return sorted({r["rtt_ms"] for r in self.sel(draft)})
@@ -106,11 +91,11 @@ class Results:
                 cells.append(
                     "–"
                     if r is None
-                    else f"{_f(r['tokens_per_s'])} ({_x(r.get('speedup_vs_ar'))}, "
+                    else f"{_fmt(r['tokens_per_s'])} ({_x(r.get('speedup_vs_ar'))}, "
                     f"{_x(r.get('speedup_vs_cloud_sd'))})"
                 )
             out.append(
-                f"| {rtt:g} | {_f(ar['tokens_per_s'] if ar else None)} | "
+                f"| {rtt:g} | {_fmt(ar['tokens_per_s'] if ar else None)} | "
                 + " | ".join(cells)
                 + " |"
             )
@@ -121,20 +106,16 @@ class Results:
         out = ["| RTT ms | ar | " + " | ".join(modes) + " |", "|" + "---|" * (len(modes) + 2)]
         for rtt in self.rtts(draft):
             ar = self.row(None, rtt, "ar")
-            cells = [_f((self.row(draft, rtt, m) or {}).get("verifier_busy_s_per_100_tokens"))
+            cells = [_fmt((self.row(draft, rtt, m) or {}).get("verifier_busy_s_per_100_tokens"))
                      for m in modes]  # fmt: skip
-            ar_busy = _f(ar.get("verifier_busy_s_per_100_tokens") if ar else None)
+            ar_busy = _fmt(ar.get("verifier_busy_s_per_100_tokens") if ar else None)
             out.append(f"| {rtt:g} | {ar_busy} | " + " | ".join(cells) + " |")
         return out
 
     def sources(self, draft: str, rtt: float) -> list[str]:
         out = []
         for m in self.modes(draft):
-            r = self.row(draft, rtt, m)
-            shares = (r or {}).get("token_sources") or {}
-            parts = sorted(((v, k) for k, v in shares.items() if v > 0), reverse=True)
-            text = ", ".join(f"{_SOURCE_ABBREV.get(k, k)} {v:.0%}" for v, k in parts)
-            out.append(f"- {m}: {text or '–'}")
+            out.append(f"- {m}: {_sources(self.row(draft, rtt, m) or {}) or '–'}")
         return out
 
     def datasets(self, draft: str, rtt: float) -> list[str]:
@@ -162,8 +143,8 @@ class Results:
         ]
         for ds in order:
             a, d = acc[ds]
-            cells = [_f(_mean(tps.get((ds, m), []))) for m in ["ar", *modes]]
-            out.append(f"| {ds} | {_f(a / d if d else None)} | " + " | ".join(cells) + " |")
+            cells = [_fmt(_mean(tps.get((ds, m), []))) for m in ["ar", *modes]]
+            out.append(f"| {ds} | {_fmt(a / d if d else None)} | " + " | ".join(cells) + " |")
         return out
 
     def oracle_lines(self) -> list[str]:
@@ -177,7 +158,7 @@ class Results:
                     r = self.row(d, rtt, m)
                     if r is not None:
                         cells.append(
-                            f"RTT {rtt:g}: {_f(r['tokens_per_s'])} "
+                            f"RTT {rtt:g}: {_fmt(r['tokens_per_s'])} "
                             f"({_x(r.get('speedup_vs_ar'))} AR, "
                             f"{_x(r.get('speedup_vs_cloud_sd'))} cloud-sd)"
                         )

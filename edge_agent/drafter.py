@@ -120,11 +120,11 @@ class Drafter:
         """Make the cache hold exactly ``seq`` (crop to the common prefix, extend the rest),
         from the branch that shares most of it where one shares more than the sequence."""
         common = self.cached_prefix(seq)
-        best = max(self._branches, key=lambda b: common_prefix(b.tokens, seq), default=None)
-        if best is not None and common_prefix(best.tokens, seq) > common:
-            self._branches.remove(best)
-            self._branches.append(self.lm.adopt(best))
-            common = self.cached_prefix(seq)
+        found = _sharing_most(self._branches, seq, common)
+        if found is not None:
+            branch, common = found
+            self._branches.remove(branch)
+            self._branches.append(self.lm.adopt(branch))
         self.lm.crop(common)
         if common < len(seq):
             self.forwards += 1
@@ -180,14 +180,14 @@ class Drafter:
         for seq in seqs:
             if not seq:
                 raise ValueError("the draft needs at least one token of context")
-            best = max(free, key=lambda b: common_prefix(b.tokens, seq), default=None)
             # At least the last token goes through the forward: its row is the step's q.
             on_main = min(self.cached_prefix(seq), len(seq) - 1)
             # A branch is reused where it saves compute; else a fork (no compute) keeps it.
-            if best is not None and common_prefix(best.tokens, seq) > on_main:
-                free.remove(best)
-                slot = best
-                self.lm.crop_branch(slot, min(common_prefix(slot.tokens, seq), len(seq) - 1))
+            found = _sharing_most(free, seq, on_main)
+            if found is not None:
+                slot, shared = found
+                free.remove(slot)
+                self.lm.crop_branch(slot, min(shared, len(seq) - 1))
             else:
                 slot = self.lm.fork(on_main)
             items.append((slot, seq[slot.length :]))
@@ -206,6 +206,19 @@ class Drafter:
         for slot in self._branches:
             self.lm.release(slot)
         self._branches = []
+
+
+def _sharing_most(
+    branches: Sequence[SlotPages], seq: Sequence[int], floor: int
+) -> tuple[SlotPages, int] | None:
+    """The first of ``branches`` that shares the most of ``seq``'s first tokens, and how many,
+    where that is more than ``floor``; else None."""
+    best: tuple[SlotPages, int] | None = None
+    for branch in branches:
+        shared = common_prefix(branch.tokens, seq)
+        if shared > (floor if best is None else best[1]):
+            best = (branch, shared)
+    return best
 
 
 def _step(

@@ -123,21 +123,28 @@ class CausalLM:
             raise ValueError("extend() needs at least one token id")
         if last_rows is not None and not 1 <= last_rows <= n:
             raise ValueError(f"last_rows must be in 1..{n}, got {last_rows}")
-        id_list = [int(t) for t in ids]
-        if min(id_list) < 0 or max(id_list) >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {id_list}")
         start = self.length
-        if self.max_length is not None and start + n > self.max_length:
-            raise ContextLengthError(
-                f"context of {start + n} tokens exceeds the model's maximum of {self.max_length}"
-            )
+        id_list = self._checked(start, ids)
         self._reserve(self._slot, start, start + n)
         keep = n if last_rows is None else last_rows
         # A failed forward commits nothing: the length pointer has not moved.
-        logits = self._lm.forward([Row(self._slot, start, tuple(id_list), keep)])
+        logits = self._lm.forward([Row(self._slot, start, id_list, keep)])
         self._pool.commit(self._slot, start, id_list)
         self._store_rows(logits, first_pos=self.length - logits.shape[0])
         return logits
+
+    def _checked(self, start: int, ids: Sequence[int]) -> tuple[int, ...]:
+        """``ids`` as ints, to be written from position ``start``: each a token of the
+        vocabulary, and the context still within the model's maximum (ContextLengthError)."""
+        id_list = tuple(int(t) for t in ids)
+        if min(id_list) < 0 or max(id_list) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {list(id_list)}")
+        end = start + len(id_list)
+        if self.max_length is not None and end > self.max_length:
+            raise ContextLengthError(
+                f"context of {end} tokens exceeds the model's maximum of {self.max_length}"
+            )
+        return id_list
 
     def _reserve(self, slot: SlotPages, start: int, length: int) -> None:
         """Pages for ``slot``'s positions up to ``length``, the one holding ``start`` its own
@@ -217,15 +224,10 @@ class CausalLM:
         ``[len(items), vocab_size]``: row b predicts the token after ``items[b]``'s last id."""
         rows = []
         for slot, ids in items:
-            id_list = tuple(int(t) for t in ids)
-            if not id_list or min(id_list) < 0 or max(id_list) >= self.vocab_size:
-                raise ValueError(f"token ids must be non-empty in [0, {self.vocab_size})")
+            if not ids:
+                raise ValueError("extend_branches() needs at least one token id per branch")
             start = slot.length
-            if self.max_length is not None and start + len(id_list) > self.max_length:
-                raise ContextLengthError(
-                    f"context of {start + len(id_list)} tokens exceeds the model's maximum of "
-                    f"{self.max_length}"
-                )
+            id_list = self._checked(start, ids)
             self._reserve(slot, start, start + len(id_list))
             rows.append(Row(slot, start, id_list, 1))
         logits = self._lm.forward(rows)

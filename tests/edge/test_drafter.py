@@ -51,6 +51,19 @@ def test_a_rival_carries_the_likeliest_alternatives_in_order(tiny_model_dir: Pat
         assert step.rival.token == others[0]
 
 
+def _count_extends(drafter: Drafter) -> list[int]:
+    """From now on, the number of ids of each forward on ``drafter``'s own sequence."""
+    extended: list[int] = []
+    real_extend = drafter.lm.extend
+
+    def spy(ids: list[int], **kw: int | None) -> object:
+        extended.append(len(ids))
+        return real_extend(ids, **kw)
+
+    drafter.lm.extend = spy  # type: ignore[method-assign]
+    return extended
+
+
 def test_branches_drafted_together_are_what_one_at_a_time_gives(tiny_model_dir: Path) -> None:
     """``draft_many``: branches forked from the cached sequence (inside and at the end of a
     page, so pages are shared), stepped in one batched forward, give the steps a fresh
@@ -77,14 +90,7 @@ def test_branches_drafted_together_are_what_one_at_a_time_gives(tiny_model_dir: 
     assert edge.lm.tokens == tuple(main)
     assert np.allclose(edge.next_dist(main, greedy), ref.next_dist(main, greedy), atol=1e-5)
     # The text follows the first branch: it becomes the sequence, one token computed.
-    extended: list[int] = []
-    real_extend = edge.lm.extend
-
-    def spy(ids: list[int], **kw: int | None) -> object:
-        extended.append(len(ids))
-        return real_extend(ids, **kw)
-
-    edge.lm.extend = spy  # type: ignore[method-assign]
+    extended = _count_extends(edge)
     follow = seqs[0] + [5]
     assert np.allclose(edge.next_dist(follow, greedy), ref.next_dist(follow, greedy), atol=1e-5)
     assert extended == [2] and edge.lm.tokens == tuple(follow)
@@ -109,13 +115,6 @@ def test_branches_are_kept_across_calls_up_to_their_bound(tiny_model_dir: Path) 
     edge.draft(main, greedy, rng, deterministic=True)
     edge.draft_many([a], greedy, rng, deterministic=True)
     edge.draft_many([[*main[:20], 9]], greedy, rng, deterministic=True)
-    extended: list[int] = []
-    real_extend = edge.lm.extend
-
-    def spy(ids: list[int], **kw: int | None) -> object:
-        extended.append(len(ids))
-        return real_extend(ids, **kw)
-
-    edge.lm.extend = spy  # type: ignore[method-assign]
+    extended = _count_extends(edge)
     edge.draft([*a, 53], greedy, rng, deterministic=True)
     assert extended == [1] and edge.lm.tokens == (*a, 53)  # a's slot holds a: only 53 is new
