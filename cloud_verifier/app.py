@@ -175,6 +175,8 @@ def limits_from(settings: VerifierSettings) -> SessionLimits:
         max_frame_rate=settings.max_frame_rate,
         frame_burst=settings.frame_burst,
         progress_interval_s=settings.progress_interval,
+        # Taking a branch moves keys in the pool: rank 0's alone under tensor parallelism.
+        max_tree_tokens=settings.tree_tokens if settings.tp == 1 else 0,
     )
 
 

@@ -69,6 +69,8 @@ _HELP: dict[str, str] = {
     "cloud_draft_tokens": "at most this many tokens per cloud draft",
     "cloud_draft_length": "model draft length: auto (per session, what its measured acceptance "
     "pays for) or fixed (cloud_draft_tokens)",
+    "tree_tokens": "token trees: branch tokens verified in a batch's forward (0: off; off "
+    "with tp > 1)",
     "prefix_cache": "who shares cached prompt prefixes: tenant (per bearer token), global, off; "
     "auto: tenant, off with tp > 1",
     "prefill_chunk": "prompt tokens a session's forward computes per step, the rest in later "

@@ -159,6 +159,13 @@ class SessionLimits:
     max_cogen_ahead: int = 64
     #: Hedges (side drafts for likely rejection points) kept per session, the newest.
     max_hedges: int = 8
+    #: Token trees: a Verify also verifies, in the same forward (a tree row), the hedges that
+    #: fork inside its draft, up to this many tree tokens in all (each branch's token and its
+    #: draft); 0 = off (hedges then wait for co-generation after the rejection). Only where the
+    #: verifier draws corrections itself (greedy sampling or the greedy-draft mode) and no
+    #: log-probabilities are asked for; set to 0 where the model side cannot move keys
+    #: (tensor parallelism).
+    max_tree_tokens: int = 32
     #: Cloud-side speculation in co-generation (no matching hedge): the verifier's own draft,
     #: at most ``cloud_draft_tokens`` tokens, verified in the co-generation forward. Sources
     #: without a model (:mod:`cloud_verifier.cloud_draft`), tried in the order tail, ngram;
@@ -189,6 +196,25 @@ class TargetInfo:
 
 
 @dataclass(frozen=True)
+class Branch:
+    """A branch of a token tree (a hedge forking inside a Verify's draft): should the decision
+    at draft index ``at`` reject the draft token there and *recover* ``token``, ``draft`` is
+    what follows. It rides in the Verify's forward (a tree row: every branch sees the
+    accepted chain before ``at``, then itself) and is decided, where it opens, as a
+    deterministic draft after the recovered token (the greedy-draft rule).
+
+    Exact (recursive rejection sampling over siblings, trivial for point masses): the
+    recovered token is drawn first, from the law the chain alone would use, and only then
+    compared with the branch; the branch's tokens are fixed before any of the draws that
+    decide them, so accepting x with probability p(x) and recovering from p without x keeps
+    the law p at every position, whatever the branch holds."""
+
+    at: int
+    token: int
+    draft: npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
 class Verify:
     """Run the target over ``fixed + draft`` starting at ``pos`` (= the cache length) and decide
     the batch: *accepted* prefix, then a *recovered* correction or (``want_bonus``) a *bonus*.
@@ -205,6 +231,13 @@ class Verify:
     want_bonus: bool
     more: tuple[Propose, ...] = ()
     matched: int = 0
+    #: Token-tree branches verified in the same forward (:class:`Branch`).
+    branches: tuple[Branch, ...] = ()
+
+    @property
+    def tree_tokens(self) -> int:
+        """The branches' tokens in the forward's row, beyond the chain."""
+        return sum(1 + len(b.draft) for b in self.branches)
 
     @property
     def segments(self) -> tuple[Propose, ...]:
@@ -319,6 +352,15 @@ def cache_after(work: Verify | Federate | CoGenerate | Crop, accepted: int = 0) 
 
 
 @dataclass(frozen=True)
+class BranchTaken:
+    """A Verify's branch that the recovered token opened (``index`` into its ``branches``),
+    and the decision of its draft: accepted prefix, then recovered or bonus token."""
+
+    index: int
+    decision: Decision
+
+
+@dataclass(frozen=True)
 class Verified:
     decision: Decision
     #: The model side kept p at the rejected position for later Resamples (candidates mode).
@@ -335,6 +377,9 @@ class Verified:
     #: Hello.logprobs: the target's log-probabilities of the accepted tokens and of the
     #: decision's ids, ``pos`` 0 standing for the first accepted token's position.
     logprobs: Logprobs | None = None
+    #: A Verify's tree branch opened by the recovered token (the cache then holds the
+    #: recovered token and the branch's accepted tokens too).
+    branch: BranchTaken | None = None
 
 
 @dataclass(frozen=True)
@@ -492,6 +537,7 @@ class VerifierCore:
         #: Side drafts from the edge (Hedge frames), newest last; matched against the text.
         self._hedges: deque[Hedge] = deque(maxlen=limits.max_hedges)
         self.hedge_tokens = 0  # hedge draft tokens accepted (co-generated in one forward)
+        self.tree_tokens = 0  # tree-branch tokens accepted (in the forward of the chain)
         self.cloud_draft_tokens = 0  # the verifier's own draft tokens accepted (cloud_draft)
         self._cloud_off = False  # a cloud draft's work failed: this session co-generates without
         self._model_alpha = DraftAcceptance()  # its model drafts' acceptance (cloud_draft_length)
@@ -867,8 +913,47 @@ class VerifierCore:
             )
         more = self._coalesce(p)
         return self._start(
-            Verify(p, (more[-1] if more else p).want_bonus or self.hello.bonus, more, matched=nd)
+            Verify(
+                p,
+                (more[-1] if more else p).want_bonus or self.hello.bonus,
+                more,
+                matched=nd,
+                branches=self._branches(p, more),
+            )
         )
+
+    def _branches(self, p: Propose, more: Sequence[Propose]) -> tuple[Branch, ...]:
+        """The hedges that fork inside this forward's draft (newest first, one per position
+        and token, none that agrees with the draft token it replaces), as tree branches within
+        ``max_tree_tokens`` and the context. Only where the verifier draws the recovered token
+        itself (else a branch could never open) and sends no log-probabilities."""
+        assert self.hello is not None
+        budget = self.limits.max_tree_tokens
+        h = self.hello
+        if not (
+            budget > 0
+            and self._hedges
+            and h.logprobs is None
+            and (h.sampling.greedy or h.correction == CorrectionMode.GREEDY_DRAFT)
+        ):
+            return ()
+        draft = [int(t) for s in (p, *more) for t in s.draft.tolist()]
+        base = p.pos + len(p.fixed)
+        end = base + len(draft)  # where the tree's layout starts
+        out: list[Branch] = []
+        seen: set[tuple[int, int]] = set()
+        for hg in reversed(self._hedges):
+            at = hg.pos - base
+            if not 0 <= at < len(draft) or hg.token == draft[at] or (at, hg.token) in seen:
+                continue
+            room = min(budget - 1, self.max_context - end - 1)
+            if room < 0:
+                break
+            seen.add((at, hg.token))
+            out.append(Branch(at, hg.token, hg.draft[:room].astype(np.int64)))
+            budget -= 1 + len(out[-1].draft)
+            end += 1 + len(out[-1].draft)
+        return tuple(out)
 
     def _new_epoch(self) -> None:
         """A rejection: every batch the edge sent behind the rejected one is now stale."""
@@ -1060,12 +1145,28 @@ class VerifierCore:
         # (before the verdicts: the edge has them when it commits the tokens)
         out: list[Event] = _logprobs_at(result.logprobs, len(self.text) - n)
         self.edge_ahead = False
-        # The model side cropped the cache to the accepted prefix on a rejection.
-        self.next_pos = self.cache_len = _reported(result.cache_len, work, n)
+        # The model side cropped the cache to the accepted prefix on a rejection (to the
+        # recovered token and the accepted tokens of the branch it opened, if any).
+        br = result.branch
+        branch = work.branches[br.index] if br is not None else None
+        opened: list[int] = []  # the branch's accepted tokens, then its recovered / bonus one
+        if br is not None and branch is not None:
+            if not (n < g and branch.at == n and branch.token == d.token):
+                raise TypeError("a branch taken where the recovered token does not open it")
+            last = br.decision.token if br.decision.token is not None else br.decision.bonus
+            if last is None:
+                raise TypeError("a taken branch's decision carries no token")
+            opened = [*branch.draft[: br.decision.accepted].tolist(), last]
+        # Cached beyond the rule's prefix: the recovered token and the accepted branch tokens.
+        taken = len(opened)
+        self.cache_len = _reported(result.cache_len, work, n) + (
+            taken if result.cache_len is None else 0
+        )
+        self.next_pos = self.cache_len - taken
         if n < g:
             # Rejection: every batch the edge sent behind this one is now of an old epoch.
             self._new_epoch()
-            self._tail = (self.next_pos + 1, work.draft[n + 1 :].tolist())
+            self._tail = None if taken else (self.next_pos + 1, work.draft[n + 1 :].tolist())
             if result.kept_row:
                 self._pending = _Pending(self.epoch, self.next_pos)
             if d.token is not None:
@@ -1098,6 +1199,14 @@ class VerifierCore:
             out.append(Send(verdict))
             out += [Note(NoteKind.STALE)] * (len(segments) - 1 - i)
             break
+        if opened:
+            # The branch the recovered token opened, decided in the same forward: its tokens
+            # are the verifier's, sent like co-generated ones (after the Verdict, which
+            # commits the recovered token they follow).
+            pos = len(self.text)
+            self.text += opened
+            self.tree_tokens += len(opened) - 1
+            out += [Send(Generated(self.epoch, pos + i, t)) for i, t in enumerate(opened)]
         return out
 
     def _cogen_done(self, work: CoGenerate, result: Verified) -> list[Event]:

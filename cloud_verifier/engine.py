@@ -34,7 +34,7 @@ from typing import Any, Final, TypeVar
 import torch
 
 from cloud_verifier.cloud_drafter import CloudDrafter
-from cloud_verifier.core import CoGenerate, Failed, Result, Skipped, Work, WorkProgress
+from cloud_verifier.core import CoGenerate, Failed, Result, Skipped, Verify, Work, WorkProgress
 from cloud_verifier.runner import (
     FORWARDS,
     Prefilled,
@@ -184,7 +184,8 @@ def _queued(item: _Request | _Call, chunk: int) -> Queued:
     work = item.work
     if isinstance(work, FORWARDS):
         kind = Kind.COGEN if isinstance(work, CoGenerate) else Kind.FORWARD
-        return Queued(kind, row_tokens(len(work.fixed), len(work.draft), chunk))
+        tree = work.tree_tokens if isinstance(work, Verify) else 0
+        return Queued(kind, row_tokens(len(work.fixed), len(work.draft) + tree, chunk))
     return Queued(Kind.CHEAP)
 
 

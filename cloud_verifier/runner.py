@@ -34,6 +34,7 @@ from cloud_verifier import device_sampling as ds
 from cloud_verifier.cloud_draft import Withheld, draft_length
 from cloud_verifier.cloud_drafter import CloudDrafter, DraftRequest
 from cloud_verifier.core import (
+    BranchTaken,
     CoGenerate,
     Crop,
     Cropped,
@@ -119,6 +120,15 @@ class _Planned:
     start: int  # the slot's length before the request
     work: Verify | Federate | CoGenerate
     chunk: bool = False  # a prefill chunk: cached, not decided (Prefilled)
+    #: A tree row: the row index of the draft's first token (the chain's draft tokens follow
+    #: it), then of each branch's first token (its token, its draft after it, in the layout).
+    draft_at: int = 0
+    branch_at: tuple[int, ...] = ()
+
+    @property
+    def chain_rows(self) -> int:
+        """Logits rows of the chain: the γ + 1 that decide it (the rest are the branches')."""
+        return len(self.work.draft) + 1
 
 
 @dataclass(frozen=True)
@@ -416,12 +426,33 @@ class Runner:
             slot.claimed = claimed
             start, fixed = claimed, fixed[claimed:]
         chunk = prefill_chunk(len(fixed), self.prefill_chunk)
+        parents: tuple[int, ...] | None = None
+        branch_at: list[int] = []
         if chunk < len(fixed):  # a long prefill: this step caches a chunk of it, no decision
             row_start, ids, keep = start, fixed[:chunk], 0
         elif fixed:
             row_start, ids, keep = start, [*fixed, *draft], len(draft) + 1
         else:
             row_start, ids, keep = start - 1, [slot.tokens[-1], *draft], len(draft) + 1
+        draft_at = len(ids) - len(draft)
+        if isinstance(work, Verify) and work.branches:
+            # A tree only where it fits: in the session's share and in free pages (else the
+            # chain alone, as if no hedge had come).
+            end = row_start + len(ids) + work.tree_tokens
+            pages = -(-end // self.pool.page_size) - len(slot.pages.pages)
+            if not keep or self._over_quota(slot, end) or pages > self.pool.pages_available:
+                work = replace(work, branches=())
+        if keep and isinstance(work, Verify) and work.branches:
+            # A token tree: each branch after the chain in the layout, its token following
+            # the chain token before draft[at] (so it sees the chain up to there), its draft
+            # following it; every tree token's logits are kept.
+            tree = list(range(-1, len(ids) - 1))
+            for b in work.branches:
+                branch_at.append(len(ids))
+                tree.append(draft_at + b.at - 1)
+                tree += range(len(ids), len(ids) + len(b.draft))
+                ids += [b.token, *b.draft.tolist()]
+            parents, keep = tuple(tree), keep + work.tree_tokens
         try:
             self.pool.writable(slot.pages, row_start)  # a shared page is copied, never written
             self.pool.reserve(slot.pages, row_start + len(ids))
@@ -431,9 +462,9 @@ class Runner:
             self.pool.crop(slot.pages, before)
             slot.claimed = 0
             return Failed(f"OutOfPages: {e}", before)
-        row = Row(slot.pages, row_start, tuple(ids), keep)
+        row = Row(slot.pages, row_start, tuple(ids), keep, parents)
         # start: before any claim (an undo lets the claimed pages go, a replan claims again)
-        return _Planned(index, slot, row, before, work, chunk=keep == 0)
+        return _Planned(index, slot, row, before, work, keep == 0, draft_at, tuple(branch_at))
 
     def _forward(
         self, planned: list[_Planned]
@@ -454,18 +485,27 @@ class Runner:
         results: dict[int, Result | Prefilled] = {
             i: Prefilled(p.slot.length) for i, p in enumerate(planned) if p.chunk
         }
-        # The decided rows, in order: each has γ+1 logits rows (a prefill chunk has none).
+        # The decided rows, in order: each has its chain's γ+1 logits rows, then its tree's
+        # (a prefill chunk has none).
         decided = [i for i, p in enumerate(planned) if not p.chunk]
-        cu = ds.cu_from_gammas([len(planned[i].work.draft) for i in decided])
+        first = np.cumsum([0, *(planned[i].row.keep for i in decided)])
         verify = [j for j, i in enumerate(decided) if not isinstance(planned[i].work, Federate)]
         federate = [j for j, i in enumerate(decided) if isinstance(planned[i].work, Federate)]
+        trees = any(planned[i].branch_at for i in decided)
         try:
             for group, decide in ((verify, self._decide), (federate, self._federate)):
                 if not group:
                     continue
-                rows = np.concatenate([np.arange(cu[j] + j, cu[j + 1] + j + 1) for j in group])
-                sub = logits if len(group) == len(decided) else logits[torch.as_tensor(rows)]
-                done = decide([planned[decided[j]] for j in group], sub)
+                rows = np.concatenate(
+                    [np.arange(first[j], first[j] + planned[decided[j]].chain_rows) for j in group]
+                )
+                whole = len(group) == len(decided) and not trees
+                sub = logits if whole else logits[torch.as_tensor(rows)]
+                todo = [planned[decided[j]] for j in group]
+                if decide == self._decide and trees:
+                    done = self._decide(todo, sub, (logits, first[group].tolist()))
+                else:
+                    done = decide(todo, sub)
                 results.update(zip((decided[j] for j in group), done, strict=True))
         except Exception as e:
             return self._failed(planned, e)
@@ -501,10 +541,17 @@ class Runner:
         self.pool.crop(p.slot.pages, p.start)
         p.slot.kept = None
 
-    def _decide(self, planned: list[_Planned], logits: torch.Tensor) -> list[Result]:
+    def _decide(
+        self,
+        planned: list[_Planned],
+        logits: torch.Tensor,
+        tree: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> list[Result]:
         """Verdicts of the Verify/CoGenerate group: accepted prefix, then recovered or bonus
         (sampling transform on the device, only where a decision needs it: ``verify_logits``);
-        a rejection crops the cache by the one rule (``cache_after``)."""
+        a rejection crops the cache by the one rule (``cache_after``). ``logits``: the chain
+        rows; ``tree``: the whole forward's logits and where each row's block starts, for the
+        token-tree branches (:meth:`_open_branches`)."""
         hellos = [p.slot.hello for p in planned]
         gammas = [len(p.work.draft) for p in planned]
         decisions = ds.verify_batch(
@@ -528,13 +575,28 @@ class Runner:
             ),
         )
         lps = self._logprobs(planned, decisions, gammas, logits)
+        opened = self._open_branches(planned, decisions, *tree) if tree is not None else {}
         out: list[Result] = []
         row = 0
         for p, d, g, h in zip(planned, decisions, gammas, hellos, strict=True):
             slot = p.slot
             kept = False
             length = cache_after(p.work, d.accepted)
-            if length < slot.length:  # a rejection
+            taken = opened.get(id(p))
+            if taken is not None and isinstance(p.work, Verify):
+                # The recovered token and the branch's accepted tokens move from the tree's
+                # layout to their positions after the accepted chain; the rest is dropped.
+                branch = p.work.branches[taken.index]
+                k = taken.decision.accepted
+                at = p.branch_at[taken.index]
+                self.pool.move(
+                    slot.pages,
+                    [p.row.start + at + j for j in range(k + 1)],
+                    [length + j for j in range(k + 1)],
+                )
+                self.pool.commit(slot.pages, length, [branch.token, *branch.draft[:k].tolist()])
+                self.pool.crop(slot.pages, length + k + 1)
+            elif length < slot.length:  # a rejection
                 self.pool.crop(slot.pages, length)
                 if d.candidates is not None:
                     # p at the rejected position, for Resamples: one row, kept on the device
@@ -559,10 +621,57 @@ class Runner:
                     withheld=withheld,
                     cached=cached,
                     logprobs=lps.get(id(p)),
+                    branch=taken,
                 )
             )
             row += g + 1
         return out
+
+    def _open_branches(
+        self,
+        planned: list[_Planned],
+        decisions: list[Decision],
+        logits: torch.Tensor,
+        first: list[int],
+    ) -> dict[int, BranchTaken]:
+        """The token-tree branches the recovered tokens open (``id`` of the planned row → the
+        branch and its decision), decided together in one device call: each as a
+        deterministic draft after its token (the greedy-draft rule), with a bonus token after
+        a full acceptance. ``logits``: the whole forward's; ``first``: where each row's block
+        starts in it (its chain's γ + 1 rows, then its tree tokens' rows, in the layout)."""
+        asks: list[tuple[_Planned, int]] = []
+        rows: list[int] = []
+        for p, d, f in zip(planned, decisions, first, strict=True):
+            work = p.work
+            if not isinstance(work, Verify) or d.token is None:
+                continue
+            for i, b in enumerate(work.branches):
+                if b.at == d.accepted and b.token == d.token:
+                    # Its token's row (scoring draft[0]) and each draft token's, in the block.
+                    top = f + p.chain_rows + (p.branch_at[i] - p.branch_at[0])
+                    rows += range(top, top + len(b.draft) + 1)
+                    asks.append((p, i))
+                    break
+        if not asks:
+            return {}
+        hellos = [p.slot.hello for p, _ in asks]
+        drafts = [p.work.branches[i].draft for p, i in asks if isinstance(p.work, Verify)]
+        decisions = ds.verify_batch(
+            logits[torch.as_tensor(rows, device=logits.device)],
+            ds.VerifyBatch(
+                params=[h.sampling for h in hellos],
+                draft_ids=np.concatenate(drafts),
+                q_draft=np.ones(sum(len(d) for d in drafts), np.float32),
+                cu_draft=ds.cu_from_gammas([len(d) for d in drafts]),
+                correction=[CorrectionMode.GREEDY_DRAFT] * len(asks),
+                want_bonus=[True] * len(asks),
+                generators=[p.slot.generator for p, _ in asks],
+                k=[h.k for h in hellos],
+                eps_target=[h.eps_target for h in hellos],
+                m=[h.m for h in hellos],
+            ),
+        )
+        return {id(p): BranchTaken(i, d) for (p, i), d in zip(asks, decisions, strict=True)}
 
     @staticmethod
     def _logprobs(

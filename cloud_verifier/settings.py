@@ -104,6 +104,11 @@ class VerifierSettings:
     # forward against a target forward (none where drafting does not pay); "fixed": always
     # cloud_draft_tokens.
     cloud_draft_length: Literal["auto", "fixed"] = "auto"
+    # Token trees: a batch is verified with the edge's hedges that fork inside it (its
+    # pre-drafted branches) in one forward with a tree mask, up to this many branch tokens;
+    # a rejection whose recovered token opens a branch commits the branch's accepted tokens
+    # at once. 0 = off (hedges wait for co-generation); off with tp > 1.
+    tree_tokens: int = field(default=32, metadata=_b(0, 256))
     handshake_timeout: float = field(default=10.0, metadata=_b(0.1))  # seconds to send Hello
     # An open session with no model work (no valid Propose, Rollback or Resample) for this many
     # seconds is closed (1008, idle_timeout) and its slot freed; 0 = never.

@@ -89,8 +89,10 @@ class NullTarget:
     def forward(self, rows: Seq[Row]) -> torch.Tensor:
         picks: list[int] = []
         for r in rows:
-            n = len(r.ids)
-            picks += [(r.ids[i] * 31 + r.start + i) % len(self._rows) for i in range(n - r.keep, n)]
+            n, depth = len(r.ids), r.depths()  # a tree row's ids sit at their depth
+            picks += [
+                (r.ids[i] * 31 + r.start + depth[i]) % len(self._rows) for i in range(n - r.keep, n)
+            ]
         return self._rows.index_select(0, torch.tensor(picks, dtype=torch.int64))
 
 

@@ -6,8 +6,11 @@ first new token, the new token ids, how many of the last logits rows it needs) i
 and returns those rows' float32 logits, ``[Σ keep, V]``, on the model's device, in row order.
 Rows of different lengths and positions share the forward: ids padded to the longest row,
 per-row ``position_ids``, a 4D additive mask (causal within the row's own positions, nothing past
-them), the lm head applied only to the rows asked for. The caller owns the slots' lengths: a
-forward writes keys at the rows' positions and commits nothing (:mod:`shared.runtime.kv_pool`).
+them), the lm head applied only to the rows asked for. A *tree* row (``parents``) holds several
+continuations of one prefix side by side: each token is placed at its depth and sees the cache
+before the row and its own ancestors in the row (a tree attention mask, as in SpecInfer). The
+caller owns the slots' lengths: a forward writes keys at the rows' positions and commits
+nothing (:mod:`shared.runtime.kv_pool`).
 
 ``compile_forward``: the model call goes through ``torch.compile`` and shapes are bucketed
 (batch and tokens to powers of two, key length to a multiple of 64) so that few graphs are
@@ -34,16 +37,49 @@ __all__ = ["BatchedLM", "Row"]
 class Row:
     """One sequence's part of a batched forward: write ``ids`` at positions ``start, start+1,
     ...`` of ``slot`` (whose pages cover them) and return the logits of the last ``keep`` (0: none,
-    the row only caches its keys: a prefill chunk)."""
+    the row only caches its keys: a prefill chunk).
+
+    ``parents`` (a tree row): for each id, the index in ``ids`` of the token it follows, −1 for
+    the last token before the row (parents[i] < i). Id i's keys are still written at
+    ``start + i`` (the row's layout), but its position (RoPE) is ``start + depth(i)`` and it
+    attends to the cache before ``start`` and to its ancestors and itself only. None: a chain
+    (parents (−1, 0, 1, ...))."""
 
     slot: SlotPages
     start: int
     ids: tuple[int, ...]
     keep: int
+    parents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.ids or not 0 <= self.keep <= len(self.ids) or self.start < 0:
             raise ValueError(f"bad row: start {self.start}, {len(self.ids)} ids, keep {self.keep}")
+        if self.parents is not None and (
+            len(self.parents) != len(self.ids)
+            or any(not -1 <= a < i for i, a in enumerate(self.parents))
+        ):
+            raise ValueError(f"bad tree row: parents {self.parents} for {len(self.ids)} ids")
+
+    def depths(self) -> list[int]:
+        """Each id's depth: its position is ``start + depth``."""
+        if self.parents is None:
+            return list(range(len(self.ids)))
+        out: list[int] = []
+        for a in self.parents:
+            out.append(0 if a < 0 else out[a] + 1)
+        return out
+
+    def ancestors(self) -> list[list[bool]]:
+        """[n, n]: entry [i][j] says whether id j is id i or one of its ancestors."""
+        n = len(self.ids)
+        if self.parents is None:
+            return [[j <= i for j in range(n)] for i in range(n)]
+        out: list[list[bool]] = []
+        for i, a in enumerate(self.parents):
+            row = list(out[a]) if a >= 0 else [False] * n
+            row[i] = True
+            out.append(row)
+        return out
 
 
 def _text_config(model: Any) -> Any:
@@ -167,10 +203,27 @@ class BatchedLM:
         start_t = torch.tensor(starts, dtype=torch.int64, device=dev)[:, None]  # [B, 1]
         len_t = torch.tensor(lens, dtype=torch.int64, device=dev)[:, None]
         q = torch.arange(n, device=dev)[None]  # [1, n]
-        position_ids = start_t + q  # [B, n]
-        # Row i of slot b sees positions <= start_b + i; padded queries see position 0 only
-        # (any non-empty set: their outputs are dropped, and an empty row would give NaN).
-        sees = pos_t[None, None] <= position_ids[:, :, None]  # [B, n, L]
+        if any(r.parents is not None for r in rows):
+            depth = [[0] * n for _ in range(b_pad)]
+            anc = torch.zeros((b_pad, n, n), dtype=torch.bool)
+            for i, r in enumerate(rows):
+                m = len(r.ids)
+                depth[i][:m] = r.depths()
+                anc[i, :m, :m] = torch.tensor(r.ancestors(), dtype=torch.bool)
+            position_ids = start_t + torch.tensor(depth, dtype=torch.int64, device=dev)
+            # Query i of slot b sees the cache before start_b and, of the row's own layout
+            # positions start_b + j, its ancestors-or-self j only.
+            rel = pos_t[None] - start_t  # [B, L]: layout index in the row (< 0: the cache)
+            in_row = (rel >= 0) & (rel < len_t)
+            anc_dev = anc.to(dev)
+            seen = torch.gather(anc_dev, 2, rel.clamp(0, n - 1)[:, None].expand(-1, n, -1))
+            sees = (rel < 0)[:, None] | (in_row[:, None] & seen)  # [B, n, L]
+        else:
+            position_ids = start_t + q  # [B, n]
+            # Row i of slot b sees positions <= start_b + i.
+            sees = pos_t[None, None] <= position_ids[:, :, None]  # [B, n, L]
+        # Padded queries see position 0 only (any non-empty set: their outputs are dropped,
+        # and an empty row would give NaN).
         sees = torch.where((q < len_t)[:, :, None], sees, pos_t[None, None] == 0)
         mask = torch.zeros(sees.shape, dtype=self.dtype, device=dev)
         mask.masked_fill_(~sees, torch.finfo(self.dtype).min)

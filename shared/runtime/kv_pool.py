@@ -271,6 +271,24 @@ class PagedKV:
         slot.tokens.extend(int(t) for t in ids)
         slot.length = end
 
+    def move(self, slot: SlotPages, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the keys and values of positions ``src`` of ``slot`` to positions ``dst`` (in
+        every layer; the sources are read before anything is written, so the ranges may
+        overlap): a tree row's accepted branch moves from its layout to its depth. Both within
+        the slot's pages; ``dst``'s pages must be private (:meth:`writable`)."""
+        if len(src) != len(dst):
+            raise ValueError(f"move of {len(src)} positions to {len(dst)}")
+        if not src:
+            return
+        end = max(*src, *dst) + 1
+        if -(-end // self.page_size) > len(slot.pages):
+            raise ValueError(f"move past position {end - 1}: the slot's pages end before it")
+        p = self.page_size
+        s_t = torch.tensor([slot.pages[t // p] * p + t % p for t in src], device=self.device)
+        d_t = torch.tensor([slot.pages[t // p] * p + t % p for t in dst], device=self.device)
+        for pool in (*self.keys, *self.values):
+            pool[d_t] = pool[s_t]  # advanced indexing reads a copy first
+
     def release(self, slot: SlotPages) -> None:
         self.crop(slot, 0)
 

@@ -13,6 +13,7 @@ from cloud_verifier.cloud_draft import CloudDraft, DraftLength, Withheld
 from cloud_verifier.core import (
     CLOSE_INTERNAL_ERROR,
     CLOSE_OK,
+    BranchTaken,
     Close,
     CoGenerate,
     CoreState,
@@ -62,6 +63,7 @@ V = 64
 NGRAM = frozenset({CloudDraft.NGRAM})
 FP = Fingerprint("t", V, "test")
 SD = SparseDist(np.array([3]), np.ones(1, np.float32))
+GREEDY = SamplingParams(0.0)
 
 
 def opened(
@@ -489,6 +491,71 @@ def test_a_hedge_is_used_within_the_cogeneration_bound_and_past_a_partial_match(
     work = run_of(ev).work
     # 3 past the last Propose's end (3) at most: 5 is one, then [6] and the bonus after it.
     assert isinstance(work, CoGenerate) and work.draft.tolist() == [6]
+
+
+def _tree_core(sampling: SamplingParams = GREEDY, **hello: Any) -> VerifierCore:
+    """A co-generating session that has received three hedges before its batch [7, 8, 9]
+    (after the prompt [1, 2]): 9 for 7 at 2, 8 for 8 at 3 (the draft's own token) and 5 for 8
+    at 3 (newest last)."""
+    limits = hello.pop("limits", {})
+    core = VerifierCore(TargetInfo(FP, V, max_length=64), SessionLimits(**limits), "s1")
+    core.receive(encode(Hello(FP, sampling, cogen_end=60, **hello)))
+    assert core.receive(hedge(core, 2, 9, [6])) == []
+    assert core.receive(hedge(core, 3, 8, [1])) == []
+    assert core.receive(hedge(core, 3, 5, [6, 4])) == []
+    return core
+
+
+def test_hedges_that_fork_inside_a_batch_ride_in_its_forward_as_a_tree() -> None:
+    """The batch's Verify carries the hedges forking inside its draft as branches (newest
+    first; not one that agrees with the draft). The recovered token 5 opens the branch at
+    index 1: its accepted token 6 and the token after it, 11, are committed at once, streamed
+    as Generated after the Verdict; the cache holds 5 and 6 too; Proposes may start from the
+    rejection on."""
+    core = _tree_core()
+    ev = core.receive(propose(core, 0, 0, 0, [7, 8, 9], fixed=[1, 2]))
+    work = run_of(ev).work
+    assert isinstance(work, Verify)
+    assert [(b.at, b.token, b.draft.tolist()) for b in work.branches] == [
+        (1, 5, [6, 4]),
+        (0, 9, [6]),
+    ]
+    assert work.tree_tokens == 5
+    ev = core.work_done(
+        Verified(Decision(1, token=5), branch=BranchTaken(0, Decision(1, token=11)))
+    )
+    (v,) = _verdicts(ev)
+    assert (v.accepted, v.token) == (1, 5)
+    gen = [e.msg for e in ev if isinstance(e, Send) and isinstance(e.msg, Generated)]
+    assert [(g.epoch, g.pos, g.token) for g in gen] == [(1, 4, 6), (1, 5, 11)]
+    assert ev.index(Send(v)) < ev.index(Send(gen[0]))
+    assert core.text == [1, 2, 7, 5, 6, 11] and core.tree_tokens == 1
+    assert (core.cache_len, core.next_pos) == (5, 3)
+    work = run_of(ev).work  # co-generation goes on after the branch
+    assert isinstance(work, CoGenerate) and work.pos == 5 and work.fixed.tolist() == [11]
+
+
+def test_a_tree_is_bounded_and_only_where_the_verifier_recovers_tokens_itself() -> None:
+    # 4 tree tokens: the newest branch whole (3), the next cut to its token
+    core = _tree_core(limits={"max_tree_tokens": 4})
+    work = run_of(core.receive(propose(core, 0, 0, 0, [7, 8, 9], fixed=[1, 2]))).work
+    assert isinstance(work, Verify) and work.tree_tokens == 4
+    assert [(b.at, b.token, b.draft.tolist()) for b in work.branches] == [
+        (1, 5, [6, 4]),
+        (0, 9, []),
+    ]
+    for hello in (
+        {"limits": {"max_tree_tokens": 0}},
+        {"logprobs": 2},  # tree tokens would have no log-probabilities
+        {"sampling": SamplingParams(1.0), "correction": CorrectionMode.CANDIDATES},
+    ):
+        core = _tree_core(**hello)  # type: ignore[arg-type]
+        work = run_of(core.receive(propose(core, 0, 0, 0, [7, 8, 9], fixed=[1, 2]))).work
+        assert isinstance(work, Verify) and work.branches == ()
+    # At T > 0 in the greedy-draft mode the verifier recovers tokens itself: trees.
+    core = _tree_core(SamplingParams(1.0), correction=CorrectionMode.GREEDY_DRAFT)
+    work = run_of(core.receive(propose(core, 0, 0, 0, [7, 8, 9], fixed=[1, 2]))).work
+    assert isinstance(work, Verify) and len(work.branches) == 2
 
 
 def test_hedge_refusals() -> None:
