@@ -927,6 +927,11 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
                 m.cloud_drafts_withheld.inc(reason=result.withheld.value)
         elif isinstance(result, Skipped):
             m.cogen_skipped.inc()
+    if isinstance(work, Verify) and work.branches and isinstance(result, Verified):
+        m.tree_branches.inc(len(work.branches))
+        if result.branch is not None:
+            m.tree_branches_opened.inc()
+            m.tree_tokens.inc(result.branch.decision.accepted)
     if isinstance(work, (Verify, Federate, CoGenerate)) and timing is not None:
         f = len(work.fixed)
         m.model_forwards.inc()

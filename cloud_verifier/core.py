@@ -45,7 +45,9 @@ OPEN        Error (fatal)                Close(closing, OK)
 OPEN        Error (not fatal)            Note(EDGE_ERROR), counts as a bad frame (no reply)
 OPEN        ``expire(now)`` past the     Close(idle_timeout): no model work for
             idle deadline                ``idle_timeout_s`` frees the slot
-BUSY        any frame                    decoded and queued (bounded by ``max_queued``)
+BUSY        Hedge                        kept at once, as when OPEN (a Propose queued before
+                                         it carries it as a tree branch: ``_branches``)
+BUSY        any other frame              decoded and queued (bounded by ``max_queued``)
 BUSY        work_done(result)            → OPEN; reply (Verdict, FederatedReply, Candidates)
                                          or Error model_error; queued frames are then handled
 BUSY        report(progress) due, not    Send(Progress) (Hello.progress; at most one per
@@ -582,6 +584,10 @@ class VerifierCore:
         except ProtocolError as e:
             msg = e
         self._cogen_paused = False
+        if self.state == CoreState.BUSY and isinstance(msg, Hedge):
+            # Kept at once, not queued (it needs no model work, and is matched against the
+            # text, never trusted): a Propose queued before it may then carry it as a branch.
+            return self._hedge(msg)
         if self.state in (CoreState.BUSY, CoreState.RESUMING):
             if len(self._queue) >= self.limits.max_queued:
                 return self._bad(

@@ -177,6 +177,18 @@ class VerifierMetrics:
             "wanspec_hedge_tokens_total",
             "Co-generated tokens that were a hedge's draft tokens, accepted in one forward.",
         )
+        self.tree_branches = r.counter(
+            "wanspec_tree_branches_total",
+            "Token-tree branches verified in the forward of the batch they fork from.",
+        )
+        self.tree_branches_opened = r.counter(
+            "wanspec_tree_branches_opened_total",
+            "Of those, opened by the recovered token (their tokens committed in that forward).",
+        )
+        self.tree_tokens = r.counter(
+            "wanspec_tree_tokens_total",
+            "Draft tokens of opened token-tree branches accepted in the forward of their batch.",
+        )
         self.cloud_draft_proposed = r.counter(
             "wanspec_cloud_draft_tokens_proposed_total",
             "Draft tokens the verifier made for itself (cloud_draft), verified in co-generation.",

@@ -78,6 +78,8 @@ _SETTINGS_HELP: dict[str, str] = {
     "position while the pipeline is full, sent for the verifier (0 = off)",
     "predraft": "outcome pre-drafting: branches prepared while the pipeline is full, sent at "
     "once when a rejection's correction opens one (0 = off)",
+    "tree": "token trees: the prepared branches also go to the verifier, to be verified in "
+    "the forward of the batch they fork from (needs predraft)",
     "mode": "pipelined or stop-and-wait",
     "correction": "how a rejection is corrected at T > 0",
     "temperature": "default temperature (0 = greedy; else at least 1e-4)",

@@ -134,6 +134,9 @@ class EdgeSettings:
     # draft's second choice where a rejection is likeliest in flight; a rejection whose
     # correction opens one sends it at once; 0 = off
     predraft: int = field(default=0, metadata=_b(0, 64))
+    # token trees: the prepared branches also go to the verifier as they grow, to be verified in
+    # the forward of the batch they fork from (tree mask); needs predraft
+    tree: bool = False
     mode: ModeName = "pipelined"
     correction: CorrectionName = "candidates"
     # --- sampling defaults (a request's own values win)
@@ -184,6 +187,8 @@ class EdgeSettings:
             )
         if not self.model_id.strip():
             raise ConfigError("model_id", "must not be empty")
+        if self.tree and not self.predraft:
+            raise ConfigError("tree", "sends the prepared branches: it needs predraft > 0")
         if self.cloud_only:
             self._check_cloud_only()
 
@@ -284,6 +289,7 @@ class EdgeSettings:
             cogen=self.cogen,
             hedge=self.hedge,
             predraft=self.predraft,
+            tree=self.tree,
             mode=Mode.parse(pick(mode, self.mode), "mode"),
             correction=CorrectionMode.parse(pick(correction, self.correction), "correction"),
             reconstruction=Reconstruction.parse(self.reconstruction, "reconstruction"),

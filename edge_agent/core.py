@@ -907,6 +907,27 @@ class SingleCore:
         self.pipe.hedges.append((hp.pos, [hp.token, *draft]))
         return [Send(data)]
 
+    def tree_branch(self, pp: PredraftPlan, draft: list[int]) -> list[EdgeEvent]:
+        """Send a prepared branch (``pp``'s token and ``draft``, drafted so far) as a Hedge
+        (PipelineConfig.tree): the verifier verifies it in the forward of the batch it forks
+        from, or in co-generation after the rejection. Nothing if trees are off, the verifier
+        would not recover tokens itself, or the branch is void."""
+        if self._failed is not None:
+            return [self._failed]
+        cfg, pipe = self.cfg, self.pipe
+        if not (cfg.tree and cfg.cogen and pipe.deterministic_draft and draft):
+            return []
+        if not pipe.predraft_current(pp, draft):
+            return []
+        msg = Hedge(pp.pos, pp.token, np.array(draft, np.int64), np.ones(len(draft), np.float32))
+        data = encode(msg, self.link.ctx)
+        st = self.gen.stats
+        st.hedges_sent += 1
+        st.hedge_bytes += len(data)
+        st.uplink_bytes += len(data)
+        pipe.hedges.append((pp.pos, [pp.token, *draft]))
+        return [Send(data)]
+
     # ---------------------------------------------------------------- frames
 
     def receive(self, data: bytes, now: float = 0.0) -> list[EdgeEvent]:

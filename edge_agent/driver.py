@@ -89,6 +89,10 @@ class LinkIO:
         self.why = why
         self.dropped.set()
 
+    def room(self) -> int:
+        """Frames the queue can still take."""
+        return self._outbox.maxsize - self._outbox.qsize()
+
     def write(self, data: bytes) -> None:
         """Queue a frame (never blocks). A link that does not drain its queue is broken."""
         try:
@@ -155,12 +159,25 @@ class _Growing:
     prob: float = 1.0
 
 
-async def _predraft(core: DraftingCore, drafter: DraftModel, worker: ModelWorker) -> bool:
+#: A branch goes to the verifier (PipelineConfig.tree) when it reaches each of these lengths,
+#: and when its drafting stops: early enough to ride in the forward of the batch it forks from,
+#: and again as it grows (the verifier takes a branch's newest version).
+TREE_SENDS = frozenset({1, 2, 4, 8, 16, 32, 64})
+
+
+async def _predraft(
+    core: DraftingCore,
+    drafter: DraftModel,
+    worker: ModelWorker,
+    send: Callable[[PredraftPlan, list[int]], None] | None = None,
+) -> bool:
     """Prepare outcomes (:meth:`~edge_agent.core.Pipeline.predraft_plan`): as many as the
     budget leaves room for, stepped together in one batched forward a step where the draft
     can (:class:`~edge_agent.drafter.BranchDrafting`), else one; stop as soon as the pipeline
     has room again (a verdict came: the next batch comes first, and may be one of these, as
-    far as it got); keep what was drafted. Returns whether any outcome was planned."""
+    far as it got); keep what was drafted. With ``send`` (token trees), each branch also goes
+    to the verifier as it grows (:data:`TREE_SENDS`) and once it stops. Returns whether any
+    outcome was planned."""
     pipe = core.pipe
     many = drafter if isinstance(drafter, BranchDrafting) else None
     budget = pipe.cfg.predraft - len(pipe.branches) if many is not None else 1
@@ -194,7 +211,11 @@ async def _predraft(core: DraftingCore, drafter: DraftModel, worker: ModelWorker
             g.q_rows.append(step.q)
             g.rivals.append(step.rival or NO_RIVAL)
             g.prob = step.prob
+            if send is not None and len(g.draft) in TREE_SENDS:
+                send(g.pp, list(g.draft))
     for g in growing:
+        if send is not None and g.draft and len(g.draft) not in TREE_SENDS:
+            send(g.pp, list(g.draft))
         pipe.add_branch(g.pp, g.draft, g.q_rows, g.rivals, g.prob)
     return bool(growing)
 
@@ -206,18 +227,20 @@ async def draft_loop(
     signal: Signal,
     submit: Callable[[DraftPlan, list[int], list[Probs], list[Rival]], None],
     hedge: Callable[[HedgePlan, list[int]], None] | None = None,
+    branch: Callable[[PredraftPlan, list[int]], None] | None = None,
 ) -> None:
     """Draft batches while the generation runs; ``submit`` hands each to the core and writes
     its frames. Waiting for room (backpressure, stop-and-wait) is counted as drafter idle time;
     it is first spent preparing outcomes (``Pipeline.predraft_plan``: a batch that a rejection
     opens is then sent at once, ``Pipeline.take_branch``), then, with ``hedge``, drafting hedges
-    (``Pipeline.hedge_plan``)."""
+    (``Pipeline.hedge_plan``); ``branch`` sends prepared branches to the verifier as they grow
+    (token trees)."""
     pipe = core.pipe
     gen = pipe.gen
     want_rival = (hedge is not None and pipe.cfg.hedge > 0) or pipe.cfg.predraft > 0
     while not gen.done:
         if not core.may_draft():
-            if pipe.cfg.predraft and await _predraft(core, drafter, worker):
+            if pipe.cfg.predraft and await _predraft(core, drafter, worker, branch):
                 continue
             hp = pipe.hedge_plan() if hedge is not None else None
             if hedge is not None and hp is not None:
@@ -319,6 +342,12 @@ async def run_single(
     def hedge(hp: HedgePlan, draft: list[int]) -> None:
         carry_out(core.hedge(hp, draft))
 
+    def branch(pp: PredraftPlan, draft: list[int]) -> None:
+        # A branch is optional: it never takes the room kept for batches and control frames
+        # (a link that drains slowly gets fewer branches, never a full queue).
+        if io.room() > core.cfg.send_queue_bound - core.cfg.tree_frames:
+            carry_out(core.tree_branch(pp, draft))
+
     if drafter is not None and core.cfg.cogen and core.link.verifier_len < len(core.gen.committed):
         # The prompt goes up at once: the verifier prefills it, and co-generates, while the
         # first batch is drafted.
@@ -334,7 +363,7 @@ async def run_single(
         (
             credit_loop(core, signal, carry_out)
             if drafter is None
-            else draft_loop(core, drafter, worker, signal, submit, hedge)
+            else draft_loop(core, drafter, worker, signal, submit, hedge, branch)
         ),
         reader(),
         io.writer(),

@@ -54,6 +54,12 @@ class PipelineConfig:
     #: rejected); a rejection whose correction opens a prepared branch sends it as the next
     #: batch at once (:meth:`~edge_agent.core.Pipeline.take_branch`); 0 = off.
     predraft: int = 0
+    #: Token trees: each prepared branch also goes to the verifier as it grows (a Hedge at its
+    #: position), so that the batch it forks from is verified with it in one forward (tree
+    #: mask) and a rejection there that recovers its token commits its accepted tokens at once,
+    #: no round trip; with co-generation and a deterministic draft, where the verifier
+    #: recovers tokens itself (like hedges). Needs ``predraft``.
+    tree: bool = False
     #: Adaptive draft length / depth (``--gamma auto`` / ``--depth auto``): ``gamma`` and
     #: ``depth`` are then the starting values and ``max_gamma`` / ``max_depth`` the bounds of
     #: the online controller (:mod:`edge_agent.controller`).
@@ -76,6 +82,8 @@ class PipelineConfig:
             raise ValueError(f"hedge must be in 0..64, got {self.hedge}")
         if not 0 <= self.predraft <= 64:
             raise ValueError(f"predraft must be in 0..64, got {self.predraft}")
+        if self.tree and not self.predraft:
+            raise ValueError("tree sends prepared branches: it needs predraft > 0")
         if not 0.0 <= self.hedge_below <= 1.0:
             raise ValueError(f"hedge_below must be in [0, 1], got {self.hedge_below}")
         if not 1 <= self.max_depth < SEQ_MODULUS:
@@ -121,7 +129,13 @@ class PipelineConfig:
         return max(self.depth, self.max_depth) if self.auto_depth else self.depth
 
     @property
+    def tree_frames(self) -> int:
+        """Frames of prepared branches (token trees) a link may have waiting: one a branch."""
+        return self.predraft if self.tree else 0
+
+    @property
     def send_queue_bound(self) -> int:
         """Frames one verifier link may have waiting to be sent: every batch in flight (none
-        sent yet, at the deepest) and the control frames. The one bound every driver uses."""
-        return max_inflight(self.depth_bound) + CONTROL_FRAMES
+        sent yet, at the deepest), the control frames and the branches (token trees). The one
+        bound every driver uses."""
+        return max_inflight(self.depth_bound) + CONTROL_FRAMES + self.tree_frames

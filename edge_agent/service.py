@@ -140,7 +140,7 @@ def seeded(cfg: PipelineConfig, seed: int | None) -> PipelineConfig:
     seed is best effort (as OpenAI's)."""
     if seed is None or cfg.sampling.greedy:
         return cfg
-    return dataclasses.replace(cfg, cogen=False, predraft=0)
+    return dataclasses.replace(cfg, cogen=False, predraft=0, tree=False)
 
 
 @dataclass(frozen=True)

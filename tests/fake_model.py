@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cloud_verifier.core import (
+    BranchTaken,
     CoGenerate,
     Crop,
     Cropped,
@@ -19,6 +20,7 @@ from cloud_verifier.core import (
     Result,
     Verified,
     VerifierCore,
+    Verify,
     Work,
 )
 from shared.maths.rejection import Decision, draw_candidates, one_hot, verify_batch
@@ -52,7 +54,7 @@ class FakeTargetModel:
     decides as the verifier does (greedy sessions exactly, others by rejection sampling with
     ``rng``). ``cogen_law``: what CoGenerate samples from (default ``law``; another law is a
     broken verifier). ``trust_hedges``: broken on purpose, a CoGenerate's draft (a hedge's or a
-    cloud draft) accepted unverified.
+    cloud draft) accepted unverified; ``trust_branches``: a token tree's branch so.
 
     Checks that stale work never reaches the model: work starts where the cache ends, in the
     core's current epoch."""
@@ -63,11 +65,13 @@ class FakeTargetModel:
         rng: np.random.Generator | None = None,
         cogen_law: Law | None = None,
         trust_hedges: bool = False,
+        trust_branches: bool = False,
     ) -> None:
         self.law = law
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self.cogen_law = cogen_law if cogen_law is not None else law
         self.trust_hedges = trust_hedges
+        self.trust_branches = trust_branches
         self.cache: list[int] = []
         self.kept: tuple[Row, int] | None = None  # p and the draft token at the last rejection
 
@@ -116,4 +120,27 @@ class FakeTargetModel:
         kept = d.rejected and d.candidates is not None
         if kept:
             self.kept = (rows[d.accepted], draft[d.accepted])
+        if isinstance(work, Verify) and d.token is not None:
+            # A token-tree branch the recovered token opens: decided after it, as a
+            # deterministic draft (the runner's rule); trusted unverified when broken.
+            for i, b in enumerate(work.branches):
+                if (b.at, b.token) == (d.accepted, d.token):
+                    self.cache.append(d.token)
+                    bd = b.draft.tolist()
+                    if self.trust_branches:
+                        row = self.law(self.cache + bd)
+                        bonus = int(np.argmax(row)) if greedy else sample(row, self.rng)
+                        taken = Decision(len(bd), bonus=bonus)
+                    else:
+                        taken = verify_batch(
+                            np.stack([self.law(self.cache + bd[:j]) for j in range(len(bd) + 1)]),
+                            bd,
+                            np.ones(len(bd), np.float32),
+                            greedy=greedy,
+                            correction=str(CorrectionMode.GREEDY_DRAFT),
+                            rng=self.rng,
+                            want_bonus=True,
+                        )
+                    self.cache += bd[: taken.accepted]
+                    return Verified(d, branch=BranchTaken(i, taken))
         return Verified(d, kept_row=kept)

@@ -31,6 +31,7 @@ from shared.wire.protocol import (
     CorrectionMode,
     Error,
     Fingerprint,
+    Hedge,
     Message,
     Propose,
     Resample,
@@ -388,6 +389,34 @@ def test_predrafted_outcomes_are_planned_likeliest_first_and_sent_on_a_hit() -> 
     plan = e.core.pipe.plan()
     assert plan is not None and e.core.pipe.take_branch(plan) is None
     assert not e.core.pipe.branches
+
+
+def test_a_prepared_branch_goes_to_the_verifier_as_a_hedge_only_where_trees_apply() -> None:
+    """Token trees: a branch being prepared is sent as a Hedge at its position (the verifier
+    takes the newest version of it); nothing with trees off, without co-generation, or once
+    the branch's context has left the text."""
+    cfg = PipelineConfig(gamma=3, depth=1, sampling=GREEDY, predraft=2, tree=True)
+    e = edge(cfg, max_new=12)
+    _batch_with_rivals(e, [1, 2, 3], [(9, 0.9), (10, 0.4), (11, 0.6)])
+    pp = e.core.pipe.predraft_plan()
+    assert pp is not None and (pp.pos, pp.token) == (2, 10)
+    (frame,) = sent(e.core.tree_branch(pp, [5, 6]))
+    h = decode(frame, e.core.link.ctx)
+    assert isinstance(h, Hedge) and (h.pos, h.token, h.draft.tolist()) == (2, 10, [5, 6])
+    st = e.gen.stats
+    assert st.hedges_sent == 1 and st.hedge_bytes == len(frame) and st.uplink_bytes > len(frame)
+    e.answer(0, token=12)  # the text leaves the branch (12, not 10, at 2)
+    assert e.core.tree_branch(pp, [5, 6, 7]) == []
+    for off in (
+        PipelineConfig(gamma=3, depth=1, sampling=GREEDY, predraft=2),
+        PipelineConfig(gamma=3, depth=1, sampling=GREEDY, predraft=2, tree=True, cogen=False),
+    ):
+        e = edge(off, max_new=12)
+        _batch_with_rivals(e, [1, 2, 3], [(9, 0.9), (10, 0.4), (11, 0.6)])
+        pp = e.core.pipe.predraft_plan()
+        assert pp is not None and e.core.tree_branch(pp, [5]) == []
+    with pytest.raises(ValueError, match="needs predraft"):
+        PipelineConfig(tree=True)
 
 
 def test_predrafting_ranks_every_alternative_by_its_chance_to_be_the_first_correction() -> None:

@@ -25,7 +25,7 @@ from cloud_verifier.core import (
     VerifierCore,
     Work,
 )
-from edge_agent.core import Rival, SingleCore, hello_for
+from edge_agent.core import PredraftPlan, Rival, SingleCore, hello_for
 from edge_agent.generation import Generation, TokenSource
 from edge_agent.pipeline_config import PipelineConfig
 from shared.maths.sampling import sample
@@ -87,9 +87,10 @@ def _draft_step(
     return x, row, Rival(other, 0.5, ((other, 0.3), (second, 0.2)))
 
 
-def _predraft_all(edge: SingleCore, rng: np.random.Generator, stale: bool) -> None:
+def _predraft_all(edge: SingleCore, rng: np.random.Generator, stale: bool) -> list[bytes]:
     """Prepare every outcome the pipeline plans now, each branch cut at a random length (a
-    verdict came while it was drafted)."""
+    verdict came while it was drafted); returns the frames that send them (token trees)."""
+    out: list[bytes] = []
     while (pp := edge.pipe.predraft_plan()) is not None:
         n = int(rng.integers(1, pp.max_tokens + 1))
         ctx = [*pp.context, pp.token]
@@ -101,7 +102,29 @@ def _predraft_all(edge: SingleCore, rng: np.random.Generator, stale: bool) -> No
             draft.append(x)
             q_rows.append(row)
             rivals.append(rival)
+        if draft:
+            out += sent(edge.tree_branch(pp, draft))
         edge.pipe.add_branch(pp, draft, q_rows, rivals, 0.5)
+    return out
+
+
+def _tree_all(
+    edge: SingleCore, rng: np.random.Generator, context: list[int], draft: list[int]
+) -> list[bytes]:
+    """A branch at every alternative of every position of the batch just proposed (token
+    trees forced on everywhere), each the greedy continuation of its token, 1 or 2 long."""
+    out: list[bytes] = []
+    for i, x in enumerate(draft):
+        pos = len(context) + i
+        for y in range(V):
+            if y == x:
+                continue
+            cont = [y]
+            for _ in range(int(rng.integers(1, 3))):
+                cont.append(_greedy_q(cont[-1])[0])
+            pp = PredraftPlan(pos, y, [*context, *draft][:pos], 2, deterministic=True)
+            out += sent(edge.tree_branch(pp, cont[1:]))
+    return out
 
 
 def generate_once(
@@ -117,13 +140,19 @@ def generate_once(
     predraft: bool = False,
     stale_branches: bool = False,
     branch_hits: list[int] | None = None,
+    tree: bool = False,
+    trust_branches: bool = False,
+    cogen_ahead: int = 64,
 ) -> tuple[list[int], int, int]:
     """One generation of ``n`` tokens over a random schedule; returns (tokens, co-generated,
     draft tokens accepted in co-generation: hedges' and cloud drafts'). ``predraft``: outcome
     pre-drafting forced on at every position in flight (rivals drawn at random), branches cut
     at random lengths, taken wherever a plan opens one (``branch_hits`` gets the count);
     ``stale_branches``: a broken edge whose branch tokens are drawn after the wrong context
-    (the drafted token, not the rival) while their q rows are the right context's."""
+    (the drafted token, not the rival) while their q rows are the right context's. ``tree``:
+    the branches also go to the verifier (Hedges), to ride in the forward of the batch they
+    fork from; ``trust_branches``: a broken model side accepts an opened branch unverified;
+    ``cogen_ahead``: the verifier's co-generation bound (SessionLimits.max_cogen_ahead)."""
     cfg = PipelineConfig(
         gamma=2,
         depth=2,
@@ -132,10 +161,12 @@ def generate_once(
         hedge=hedge,
         hedge_below=1.0,
         predraft=64 if predraft else 0,
+        tree=tree,
     )
     gen = Generation(PROMPT, n)
-    core = VerifierCore(TargetInfo(FP, V), SessionLimits(max_gamma=8, cloud_draft=cloud), "s")
-    model = FakeTargetModel(bigram_law(P), rng, bigram_law(cogen_law), trust_hedges)
+    limits = SessionLimits(max_gamma=8, cloud_draft=cloud, max_cogen_ahead=cogen_ahead)
+    core = VerifierCore(TargetInfo(FP, V), limits, "s")
+    model = FakeTargetModel(bigram_law(P), rng, bigram_law(cogen_law), trust_hedges, trust_branches)
     hello = hello_for(FP, cfg, 0, end=len(PROMPT) + n)
     welcome = decode(encode(core.receive(encode(hello))[-1].msg))  # type: ignore[union-attr]
     assert isinstance(welcome, Welcome)
@@ -175,9 +206,11 @@ def generate_once(
             up.extend(sent(edge.propose(plan, draft, q_rows, rivals=rivals)))
             if hedge and rng.integers(2):
                 up.extend(_hedges(edge))  # right behind the Propose
+            if tree:
+                up.extend(_tree_all(edge, rng, plan.context, draft))  # right behind the Propose
         elif choice == 4 and not edge.may_draft():
             if predraft:
-                _predraft_all(edge, rng, stale_branches)
+                up.extend(_predraft_all(edge, rng, stale_branches))
             else:
                 up.extend(_hedges(edge))
         elif choice == 1 and up:
@@ -195,25 +228,32 @@ def generate_once(
     )
     # Accepted cloud drafts are told apart (Generated.cloud) and counted as their own source.
     assert sources[TokenSource.CLOUD_DRAFT] <= core.cloud_draft_tokens
-    drafted = core.hedge_tokens + core.cloud_draft_tokens
+    drafted = core.hedge_tokens + core.cloud_draft_tokens + core.tree_tokens
     return gen.generated[:n], gen.stats.cogen_tokens, drafted
 
 
 def joint_pvalue(
-    mode: CorrectionMode, cogen_law: np.ndarray, seed: int, n: int = 3, **kw: Any
+    mode: CorrectionMode,
+    cogen_law: np.ndarray,
+    seed: int,
+    n: int = 3,
+    start: int = 0,
+    **kw: Any,
 ) -> tuple[float, float, float]:
-    """(p-value of the first 3 tokens, share of the ``n`` tokens co-generated, share accepted
-    from hedges)."""
+    """(p-value of 3 tokens from the ``start``-th generated one on, share of the ``n`` tokens
+    co-generated, share accepted from hedges). The target's law of those 3: the marginal of
+    token ``start`` (the prompt's row times P, ``start`` times), then two bigram steps."""
     rng = np.random.default_rng(seed)
     seqs, cogen, hedged = [], 0, 0
     for _ in range(N):
         out, c, h = generate_once(rng, mode, n, cogen_law, **kw)  # type: ignore[arg-type]
-        seqs.append(out[:3])
+        seqs.append(out[start : start + 3])
         cogen += c
         hedged += h
     s = np.array(seqs)
     cells = s[:, 0] * V * V + s[:, 1] * V + s[:, 2]
-    joint = (P[PROMPT[-1]][:, None, None] * P[:, :, None] * P[None, :, :]).reshape(-1)
+    first = P[PROMPT[-1]] @ np.linalg.matrix_power(P, start)
+    joint = (first[:, None, None] * P[:, :, None] * P[None, :, :]).reshape(-1)
     return chi_square_pvalue(cells, joint), cogen / (n * N), hedged / (n * N)
 
 
@@ -333,6 +373,26 @@ def test_predrafted_outcomes_keep_the_target_joint_law(mode: CorrectionMode) -> 
     pv, share, _ = joint_pvalue(mode, P, seed=29, n=6, predraft=True, branch_hits=hits)
     assert len(hits) > N // 8, f"branches hardly used ({len(hits)} in {N} runs): the test is void"
     assert pv > ALPHA, f"{mode}: chi-square p-value {pv:.2e} ({share:.0%} co-generated)"
+
+
+@pytest.mark.parametrize("trust", [False, True], ids=["exact", "negative-control"])
+def test_token_trees_keep_the_target_joint_law(trust: bool) -> None:
+    """Greedy-draft mode at T = 1 (the verifier recovers tokens itself), pre-drafting forced on
+    at every position in flight and every branch sent to the verifier as it is made: batches
+    carry the branches that fork inside them (token trees), a recovered token that opens one
+    commits its tokens in the same forward; the joint law of generated tokens 3–5 (where
+    branches open most) is still p's, and a model side that takes an opened branch unverified
+    is caught by the same test. (No co-generation past the last batch, which would otherwise
+    write most tokens before a batch reaches the model.)"""
+    pv, _, drafted = joint_pvalue(
+        CorrectionMode.GREEDY_DRAFT, P, seed=31, n=6, predraft=True, tree=True,
+        trust_branches=trust, cogen_ahead=0, prompt_first=True, start=2,
+    )  # fmt: skip
+    assert drafted > 0.02, f"tree and hedge tokens hardly accepted ({drafted:.1%}): void"
+    if trust:
+        assert pv < 1e-6, f"the broken variant passed (p-value {pv:.2e}): the test has no power"
+    else:
+        assert pv > ALPHA, f"chi-square p-value {pv:.2e}"
 
 
 def test_negative_control_branches_drawn_after_the_wrong_context() -> None:

@@ -207,6 +207,26 @@ async def test_predrafted_outcomes_keep_the_target_text(
     assert st.rejection_gaps > 0
 
 
+async def test_token_trees_keep_the_target_text(
+    aiohttp_server: Any, target: LoadedModel, tiny_model_dir: Path
+) -> None:
+    """Pre-drafted branches also go to the verifier as they grow (token trees): a batch still
+    queued behind the verifier's running work is verified with the branches that fork inside
+    it in one forward, and a rejection whose recovered token opens one commits its tokens at
+    once; the text is exactly the target's greedy text."""
+    url, state = await serve_app(aiohttp_server, lambda: SlowTarget(TorchTarget(target), 0.04))
+    agent = agent_for(near_draft(tiny_model_dir), url)
+    try:
+        cfg = PipelineConfig(gamma=2, depth=2, sampling=SamplingParams(0.0), predraft=4, tree=True)
+        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+    finally:
+        agent.close()
+    assert gen.generated == target_greedy(target, PROMPT, 40)
+    st, m = gen.stats, state.metrics
+    assert st.rejections > 0 and st.hedges_sent > 0 and st.predraft_branches > 0
+    assert m.tree_branches.get() > 0 and m.tree_branches_opened.get() > 0
+
+
 async def test_a_conversations_next_turn_is_served_from_the_prefix_cache(
     aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
 ) -> None:

@@ -535,6 +535,19 @@ def test_hedges_that_fork_inside_a_batch_ride_in_its_forward_as_a_tree() -> None
     assert isinstance(work, CoGenerate) and work.pos == 5 and work.fixed.tolist() == [11]
 
 
+def test_a_hedge_that_comes_while_busy_rides_with_the_batch_queued_before_it() -> None:
+    """The edge sends a branch after the batch it forks from: while batch 0 runs, batch 1
+    queues and then the hedge for its second token comes; the hedge is kept at once, not queued
+    behind batch 1, so batch 1's Verify carries it."""
+    core = _cogen_core()
+    core.receive(propose(core, 0, 0, 0, [7, 8], fixed=[1, 2]))
+    assert core.receive(propose(core, 0, 1, 4, [9, 10])) == []
+    assert core.receive(hedge(core, 5, 3, [2])) == []
+    work = run_of(core.work_done(Verified(Decision(2)))).work
+    assert isinstance(work, Verify) and work.propose.seq == 1
+    assert [(b.at, b.token, b.draft.tolist()) for b in work.branches] == [(1, 3, [2])]
+
+
 def test_a_tree_is_bounded_and_only_where_the_verifier_recovers_tokens_itself() -> None:
     # 4 tree tokens: the newest branch whole (3), the next cut to its token
     core = _tree_core(limits={"max_tree_tokens": 4})
