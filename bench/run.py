@@ -23,9 +23,13 @@ no compute), each padded to the regime's draft time. Modes (``--modes`` for mode
   ``pipe:GxD:nocogen`` (``... no-cogen``) without it;
 * ``auto``: adaptive γ and D (``PipelineConfig(auto_gamma, auto_depth, gamma=4, depth=4)``);
   ``auto:predraft`` (``auto predraft``) with outcome pre-drafting (``PipelineConfig.predraft``:
-  up to 4 branches prepared while the pipeline is full; its rows add ``predraft_hit_rate``,
+  up to 8 branches prepared while the pipeline is full; its rows add ``predraft_hit_rate``,
   the rejections answered from a prepared branch, and ``gap_per_rejection_ms``, from a
-  rejection's verdict at the edge to the next batch sent, in emulated ms);
+  rejection's verdict at the edge to the next batch sent, in emulated ms); ``auto:tree``
+  (``auto tree``) sends the branches to the verifier too (token trees, ``PipelineConfig.tree``:
+  a batch is verified with the branches forking inside it in one forward, each tree token
+  padded at :data:`bench.verifier.TREE_TOKEN_COST` of a verify; ``tree_open_rate``, the
+  rejections whose recovered token opened a branch there);
 * ``cloud-sd``: cloud-only speculative decoding, what a user would pick instead: no draft on
   the edge (credits only), a second verifier process of the regime that drafts for itself
   (``cloud_draft = tail,ngram`` and ``cloud_draft_model = --cloud-model``, ``--cloud-draft-tokens``
@@ -33,6 +37,7 @@ no compute), each padded to the regime's draft time. Modes (``--modes`` for mode
   2.7/24.6, the team's H200 measurement, docs/benchmarks/index.md, The PicoSpec regime;
   ``python -m bench.gpu`` repeats it); ``cloud-sd:ngram``: a third, prompt lookup only;
 * ``hybrid``: ``auto`` against the ``cloud-sd`` verifier (edge drafts, cloud drafts in the gaps);
+  ``hybrid:predraft``, ``hybrid:tree`` as for ``auto``;
 * ``assisted``: transformers' ``generate(assistant_model=...)`` with each model draft, one
   process, RTT 0 (raw regime only: its internals cannot be padded).
 
@@ -173,8 +178,8 @@ class CloudSide(TextEnum):
 @dataclass(frozen=True)
 class ModeSpec:
     """One speculative mode of the grid (module docstring): ``saw:G``,
-    ``pipe:GxD[:nocogen|:hedge]``, ``auto[:nocogen|:hedge|:predraft]``,
-    ``hybrid[:predraft]``."""
+    ``pipe:GxD[:nocogen|:hedge]``, ``auto[:nocogen|:hedge|:predraft|:tree]``,
+    ``hybrid[:predraft|:tree]``."""
 
     spec: str
     kind: Mode
@@ -184,6 +189,7 @@ class ModeSpec:
     auto: bool = False
     hedge: int = 0  # tokens per hedge (PipelineConfig.hedge)
     predraft: int = 0  # branches prepared at most (PipelineConfig.predraft)
+    tree: bool = False  # the branches go to the verifier too (PipelineConfig.tree)
     #: Which verifier process: the plain one, or one that speculates by itself.
     cloud: CloudSide = CloudSide.PLAIN
     #: False: no draft model on the edge (cloud-only speculative decoding, credits only).
@@ -194,11 +200,12 @@ class ModeSpec:
         """The summary's ``mode``."""
         if not self.edge_draft:
             return "cloud-sd" if self.cloud == CloudSide.SPEC else f"cloud-sd {self.cloud}"
+        branches = " tree" if self.tree else " predraft" if self.predraft else ""
         if self.cloud != CloudSide.PLAIN:
-            return "hybrid predraft" if self.predraft else "hybrid"
+            return "hybrid" + branches
         suffix = "" if self.cogen else " no-cogen"
         suffix += " hedge" if self.hedge else ""
-        suffix += " predraft" if self.predraft else ""
+        suffix += branches
         if self.auto:
             return "auto" + suffix
         if self.kind == Mode.STOP_AND_WAIT:
@@ -216,6 +223,7 @@ class ModeSpec:
             auto_depth=self.auto,
             hedge=self.hedge,
             predraft=self.predraft,
+            tree=self.tree,
         )
 
 
@@ -230,15 +238,24 @@ PREDRAFT_BRANCHES = 8
 HEDGE_TOKENS = 3
 _SAW = re.compile(r"^saw:(\d+)$")
 _PIPE = re.compile(r"^pipe:(\d+)x(\d+)(:nocogen|:hedge)?$")
-_AUTO = re.compile(r"^auto(:nocogen|:hedge|:predraft)?$")
+_AUTO = re.compile(r"^auto(:nocogen|:hedge|:predraft|:tree)?$")
 
 
 def parse_mode(spec: str) -> ModeSpec:
     s = spec.strip()
-    if s in ("hybrid", "hybrid:predraft"):
-        predraft = PREDRAFT_BRANCHES if s.endswith(":predraft") else 0
+    if s in ("hybrid", "hybrid:predraft", "hybrid:tree"):
+        tree = s.endswith(":tree")
+        predraft = PREDRAFT_BRANCHES if s != "hybrid" else 0
         return ModeSpec(
-            s, Mode.PIPELINED, 4, 4, cogen=True, auto=True, predraft=predraft, cloud=CloudSide.SPEC
+            s,
+            Mode.PIPELINED,
+            4,
+            4,
+            cogen=True,
+            auto=True,
+            predraft=predraft,
+            tree=tree,
+            cloud=CloudSide.SPEC,
         )
     if s in ("cloud-sd", "cloud-sd:ngram"):
         side = CloudSide.SPEC if s == "cloud-sd" else CloudSide.NGRAM
@@ -246,7 +263,7 @@ def parse_mode(spec: str) -> ModeSpec:
     if m := _AUTO.match(s):
         opt = m.group(1)
         hedge = HEDGE_TOKENS if opt == ":hedge" else 0
-        predraft = PREDRAFT_BRANCHES if opt == ":predraft" else 0
+        predraft = PREDRAFT_BRANCHES if opt in (":predraft", ":tree") else 0
         return ModeSpec(
             s,
             Mode.PIPELINED,
@@ -256,6 +273,7 @@ def parse_mode(spec: str) -> ModeSpec:
             auto=True,
             hedge=hedge,
             predraft=predraft,
+            tree=opt == ":tree",
         )
     if m := _SAW.match(s):
         return ModeSpec(s, Mode.STOP_AND_WAIT, int(m.group(1)), 1, cogen=False)
@@ -271,8 +289,8 @@ def parse_mode(spec: str) -> ModeSpec:
         )
     raise ValueError(
         f"bad mode {spec!r}: expected saw:G, pipe:GxD[:nocogen|:hedge], "
-        "auto[:nocogen|:hedge|:predraft], "
-        "hybrid[:predraft], cloud-sd or cloud-sd:ngram"
+        "auto[:nocogen|:hedge|:predraft|:tree], "
+        "hybrid[:predraft|:tree], cloud-sd or cloud-sd:ngram"
     )
 
 
@@ -453,6 +471,10 @@ class VerifierCounts:
     #: wanspec_engine_busy_seconds_total: the engine's seconds in steps (target forwards and
     #: decisions, co-generation included; padded ones at their pad)
     busy_s: float
+    #: wanspec_tree_branches_total, ..._opened_total, wanspec_tree_tokens_total (token trees)
+    tree_branches: float = 0.0
+    tree_opened: float = 0.0
+    tree_tokens: float = 0.0
 
 
 def verifier_counts(port: int) -> VerifierCounts:
@@ -468,6 +490,9 @@ def verifier_counts(port: int) -> VerifierCounts:
         value("wanspec_verify_seconds_sum"),
         value("wanspec_verify_seconds_count"),
         value("wanspec_engine_busy_seconds_total"),
+        value("wanspec_tree_branches_total"),
+        value("wanspec_tree_branches_opened_total"),
+        value("wanspec_tree_tokens_total"),
     )
 
 
@@ -585,7 +610,8 @@ class Run:
 class Journal:
     """``runs.jsonl`` in the output folder: a header (the settings and the commit), then one
     line per finished run, flushed as it finishes, so that a bench stopped part-way (a session's
-    end, a crash) resumes with ``--resume`` where it stopped, on the same settings and commit;
+    end, a crash) resumes with ``--resume`` where it stopped, on the same settings and code
+    (:func:`code_commit`: a journal committed under docs/ between sessions stays valid);
     removed once ``results.json`` is written."""
 
     def __init__(self, path: Path, header: dict[str, Any], resume: bool) -> None:
@@ -929,6 +955,9 @@ async def _spec_run(
     extra = dict(res)
     # The verifier's GPU time for this generation, in emulated seconds (the pads are × S).
     extra["verifier_busy_s"] = (after.busy_s - before.busy_s) / s
+    extra["tree_branches"] = after.tree_branches - before.tree_branches
+    extra["tree_opened"] = after.tree_opened - before.tree_opened
+    extra["tree_tokens"] = after.tree_tokens - before.tree_tokens
     extra["wire_bytes_up"] = vemu.stats.bytes_up - up0
     extra["wire_bytes_down"] = vemu.stats.bytes_down - down0
     nv = after.verifies - before.verifies
@@ -1142,6 +1171,12 @@ def _spec_figures(
         else None,
         "hedge_hits_per_generation": sum(e["stats"].get("hedge_hits", 0) for e in ex) / len(ex),
         "predraft": spec.predraft,
+        "tree": spec.tree,
+        # Token trees: rejections whose recovered token opened a branch in the batch's own
+        # forward, and the branch draft tokens that committed.
+        "tree_open_rate": _ratio(sum(e.get("tree_opened", 0) for e in ex), rej),
+        "tree_branches_per_generation": sum(e.get("tree_branches", 0) for e in ex) / len(ex),
+        "tree_tokens_per_generation": sum(e.get("tree_tokens", 0) for e in ex) / len(ex),
         # Rejections answered from a prepared branch (a batch sent from one, per rejection).
         "predraft_hit_rate": _ratio(sum(e["stats"].get("predraft_hits", 0) for e in ex), rej),
         "predraft_unused_tokens_per_generation": sum(
@@ -1393,7 +1428,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.rtts = args.oracle_rtts = "0,50"
         args.tokens, args.prompts = 6, 1
         args.modes = (
-            "saw:4,pipe:4x2,pipe:4x2:hedge,auto,hybrid,hybrid:predraft,cloud-sd,cloud-sd:ngram"
+            "saw:4,pipe:4x2,pipe:4x2:hedge,auto,hybrid,hybrid:predraft,hybrid:tree,"
+            "cloud-sd,cloud-sd:ngram"
         )
         args.oracle_modes = "pipe:4x2:nocogen,auto"
         args.draft_ms_per_token, args.verify_ms, args.ar_ms_per_token = 2.0, 10.0, 8.0
@@ -1459,7 +1495,7 @@ def main(argv: list[str] | None = None) -> int:
         entries = build_entries(cfg, target, eos, encoded)
         header = {
             "settings": {k: str(v) for k, v in asdict(cfg).items()},
-            "commit": machine_info()["git_commit"],
+            "commit": code_commit(),
         }
         journal = Journal(out / "runs.jsonl", header, args.resume)
         runs: list[Run] = []
@@ -1531,6 +1567,17 @@ def build_entries(
             loaded = load_draft_model(d, target)
             entries.append(DraftEntry(d, Drafter(loaded), loaded.fingerprint, modes, rtts, loaded))
     return entries
+
+
+def code_commit() -> str:
+    """The last commit that changed anything but ``docs/``: what a journal is bound to, so that
+    committing a part-run's journal (or docs) between sessions does not void it."""
+    return subprocess.run(
+        ["git", "log", "-1", "--format=%h", "--", ".", ":(exclude)docs"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
 
 
 def machine_info() -> dict[str, Any]:

@@ -50,10 +50,26 @@ class WrappedTarget:
         return self.inner.forward(rows)
 
 
+#: The emulated cost of each token-tree token (a branch token beyond the chain) in a verify, as
+#: a fraction of the verify: GPU-class, from the team's H200 measurement
+#: (../shared/MODELS.md: a Qwen3-32B-shaped verify of 8 sessions × 5 tokens 73.9 ms against 1 ×
+#: 5 tokens 68.9 ms, eager: 35 more tokens in one forward), (73.9 / 68.9 − 1) / 35 ≈ 0.0021.
+TREE_TOKEN_COST = (73.9 / 68.9 - 1) / 35
+
+
+def tree_tokens(row: Row) -> int:
+    """A row's tokens past its chain (a token tree's branches): 0 for a chain."""
+    if row.parents is None:
+        return 0
+    chain = next((i for i, a in enumerate(row.parents) if a != i - 1), len(row.parents))
+    return len(row.parents) - chain
+
+
 class PaddedTarget(WrappedTarget):
     """Device-regime emulation: every (batched) forward takes at least ``pad_ms`` (sleeping
     the rest on the engine's thread), whatever the number of sessions in it: on a GPU a
-    batch of a few sessions costs about what one does (see docs/benchmarks/verifier.md)."""
+    batch of a few sessions costs about what one does (see docs/benchmarks/verifier.md).
+    Token-tree tokens are not free: each adds :data:`TREE_TOKEN_COST` of the pad."""
 
     def __init__(self, inner: Target, pad_ms: float, decode_pad_ms: float = 0.0) -> None:
         super().__init__(inner, f"{inner.description}, forwards padded to {pad_ms:g} ms")
@@ -68,7 +84,9 @@ class PaddedTarget(WrappedTarget):
         t0 = time.perf_counter()
         out = self.inner.forward(rows)
         decode = all(len(r.ids) == 1 for r in rows)
-        rest = (self.decode_pad_s if decode else self.pad_s) - (time.perf_counter() - t0)
+        pad = self.decode_pad_s if decode else self.pad_s
+        pad *= 1 + TREE_TOKEN_COST * sum(tree_tokens(r) for r in rows)
+        rest = pad - (time.perf_counter() - t0)
         self.forwards += 1
         if rest > 0:
             time.sleep(rest)

@@ -31,7 +31,7 @@ from bench.run import (
     estimate,
     parse_mode,
 )
-from bench.verifier import PaddedTarget
+from bench.verifier import TREE_TOKEN_COST, PaddedTarget, tree_tokens
 from bench.verifier import main as padded_verifier_main
 from cloud_verifier.cli import main as verifier_main
 from cloud_verifier.targets import NullTarget
@@ -102,6 +102,10 @@ def test_mode_specs_and_labels() -> None:
     hybrid = parse_mode("hybrid:predraft")
     assert hybrid.label == "hybrid predraft" and hybrid.predraft == PREDRAFT_BRANCHES
     assert hybrid.cloud == parse_mode("hybrid").cloud and not parse_mode("hybrid").predraft
+    tree = parse_mode("auto:tree")
+    assert tree.label == "auto tree" and tree.predraft == PREDRAFT_BRANCHES
+    assert tree.pipeline_config().tree and not hybrid.pipeline_config().tree
+    assert parse_mode("hybrid:tree").label == "hybrid tree"
     auto = parse_mode("auto").pipeline_config()
     assert auto.auto_gamma and auto.auto_depth and (auto.gamma, auto.depth) == (4, 4)
     for bad in ("pipe:4", "saw", "pipe:4x4:cogen", "fast"):
@@ -222,6 +226,15 @@ def test_padded_target_pads_and_keeps_logits() -> None:
     assert time.perf_counter() - t0 >= 0.058
     torch.testing.assert_close(out, inner.forward(rows))
     assert padded.fingerprint == inner.fingerprint
+    # A token tree's branch tokens cost TREE_TOKEN_COST of the pad each (here 2 past the chain).
+    tree = Row(slot, 0, (1, 2, 3, 4, 5), 5, (-1, 0, 1, 0, 3))
+    assert tree_tokens(tree) == 2 and tree_tokens(rows[0]) == 0
+    padded.pad_s = 1.0
+    with pytest.MonkeyPatch.context() as mp:
+        slept: list[float] = []
+        mp.setattr(time, "sleep", slept.append)
+        padded.forward([tree])
+    assert slept[0] == pytest.approx(1 + 2 * TREE_TOKEN_COST, abs=0.05)
 
 
 async def test_padded_verifier_process_pads_forwards() -> None:
@@ -319,12 +332,14 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
     for regime in ("raw", "picospec"):
         assert (regime, None, "ar") in modes  # once per RTT, for every draft
         for mode in ("stop-and-wait", "pipelined γ=4 D=2", "auto", "hybrid", "hybrid predraft",
-                     "cloud-sd", "cloud-sd ngram"):  # fmt: skip
+                     "hybrid tree", "cloud-sd", "cloud-sd ngram"):  # fmt: skip
             assert (regime, model, mode) in modes
         for mode in ("pipelined γ=4 D=2 no-cogen", "auto"):
             assert (regime, oracle, mode) in modes
     pre = [r for r in rows if r["mode"] == "hybrid predraft"]
     assert pre and all(r["predraft"] == 8 and "predraft_hit_rate" in r for r in pre)
+    tree = [r for r in rows if r["mode"] == "hybrid tree"]
+    assert tree and all(r["tree"] and "tree_open_rate" in r for r in tree)
     assert ("raw", model, "assisted") in modes
     assert {r["rtt_ms"] for r in rows} == {0.0, 50.0}
     # the oracle ran at its own time scale, the model draft and ar at theirs
