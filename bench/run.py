@@ -537,6 +537,11 @@ class TimedDrafter:
         self._pad(t0, self.pad_s)
         return out
 
+    @property
+    def branch_batch(self) -> int:
+        """A GPU-class device's (the regime emulates a Jetson, not this CPU)."""
+        return Drafter.BRANCH_BATCH_GPU
+
     def draft_many(
         self,
         seqs: Sequence[Sequence[int]],

@@ -133,7 +133,7 @@ class EdgeSettings:
     # outcome pre-drafting: branches prepared while the pipeline is full, each γ tokens after the
     # draft's second choice where a rejection is likeliest in flight; a rejection whose
     # correction opens one sends it at once; 0 = off
-    predraft: int = field(default=0, metadata=_b(0, 64))
+    predraft: int = field(default=8, metadata=_b(0, 64))
     # token trees: the prepared branches also go to the verifier as they grow, to be verified in
     # the forward of the batch they fork from (tree mask); needs predraft
     tree: bool = False

@@ -101,6 +101,12 @@ class Drafter:
     #: Branch slots kept between calls (their KV pages are the drafter's memory bound for
     #: branches: about a page of 64 tokens each beyond what they share).
     KEPT_BRANCHES: Final = 16
+    #: Branches one batched step takes where it costs about one step: on a GPU-class device
+    #: 8 (the team's H200 measurement, 8 × 5 tokens at 1.07 of 1 × 5); on a CPU 2 (this
+    #: project's 2-core CPUs, ``python -m bench.draft_batch``: 1 / 2 / 4 / 8 branches at
+    #: 55 / 59 / 92 / 134 ms a step), so that a step under way delays the next batch little.
+    BRANCH_BATCH_GPU: Final = 8
+    BRANCH_BATCH_CPU: Final = 2
 
     def __init__(self, loaded: SupportsCausalLM) -> None:
         # 64 logits rows cover any rollback of a pipeline (γ·D tokens) at 39 MB for a
@@ -109,6 +115,12 @@ class Drafter:
         self.vocab_size = self.lm.vocab_size
         self.forwards = 0  # forwards run (for tests and stats)
         self._branches: list[SlotPages] = []
+
+    @property
+    def branch_batch(self) -> int:
+        """Branches :meth:`draft_many` should be given at once, on this draft's device."""
+        gpu = self.lm.device.type == "cuda"
+        return self.BRANCH_BATCH_GPU if gpu else self.BRANCH_BATCH_CPU
 
     def cached_prefix(self, seq: Sequence[int]) -> int:
         """How many of ``seq``'s first tokens the draft's cache holds already (a chat's next
@@ -243,6 +255,11 @@ def _step(
 class BranchDrafting(Protocol):
     """A draft that steps several branches in one batched forward (:meth:`Drafter.draft_many`);
     the driver falls back to one step at a time for a :class:`DraftModel` that does not."""
+
+    @property
+    def branch_batch(self) -> int:
+        """Branches one batched step should take (about the cost of one step here)."""
+        ...
 
     def draft_many(
         self,

@@ -180,7 +180,8 @@ async def _predraft(
     outcome was planned."""
     pipe = core.pipe
     many = drafter if isinstance(drafter, BranchDrafting) else None
-    budget = pipe.cfg.predraft - len(pipe.branches) if many is not None else 1
+    room = pipe.cfg.predraft - len(pipe.branches)
+    budget = min(room, many.branch_batch) if many is not None else 1
     growing: list[_Growing] = []
     while len(growing) < budget and (pp := pipe.predraft_plan()) is not None:
         growing.append(_Growing(pp))

@@ -77,7 +77,7 @@ def test_defaults_and_default_location(tmp_path: Path) -> None:
         ("", {}, {"verifier": "http://x/v1/session"}, "verifier", "not a ws:// or wss:// URL"),
         ("", {}, {"correction": "magic"}, "correction", "not one of"),
         ("", {}, {"depth": "200"}, "depth", "command line --depth"),
-        ("tree = true\n", {}, {}, "tree", "needs predraft > 0"),
+        ("tree = true\npredraft = 0\n", {}, {}, "tree", "needs predraft > 0"),
     ],
 )
 def test_errors_name_the_key_and_its_source(

@@ -482,3 +482,19 @@ def test_prefix_bench_smoke(tmp_path: Path) -> None:
         < off["summary"]["shared_prompt_tokens_computed"]
     )
     assert all(t["ttft_s"] > 0 for t in turns)
+
+
+def test_tree_cost_measures_a_verify_with_and_without_tree_tokens(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """``python -m bench.tree_cost`` on the tiny target: a chain's verify forward and the same
+    with tree tokens, the fitted cost per tree token beside the emulated one."""
+    from bench.tree_cost import main as tree_cost_main
+
+    out = tmp_path / "tree_cost.json"
+    args = ["--target", str(tiny_model_dir), "--trees", "0,4,8", "--steps", "2", "--warmup", "1"]
+    assert tree_cost_main([*args, "--context", "16", "--out", str(out)]) == 0
+    doc = orjson.loads(out.read_bytes())
+    assert set(doc["median_forward_s"]) == {"0", "4", "8"}
+    assert doc["cost_per_tree_token"] is not None
+    assert doc["emulated_cost_per_tree_token"] == pytest.approx(TREE_TOKEN_COST)

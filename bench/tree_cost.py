@@ -1,0 +1,118 @@
+"""What a token tree costs the verifier: one verify forward of a chain (the last cached token and
+γ draft tokens) against the same forward with N more tree tokens (branches forking inside the
+chain, with the tree mask), on this machine's target.
+
+Each measurement: a prompt of ``--context`` tokens in the target's cache, then ``--steps``
+forwards of one row (the chain, then N tree tokens in branches of 4 forking at the chain's
+positions in turn), each timed (the forward alone: what the tree adds to a verify). Nothing is
+committed, so every forward sees the same cache. The ratio cost(N) / cost(0) gives the cost of a
+tree token, 1 + a · N, fitted by least squares; the bench pads tree tokens at the GPU-class
+figure instead (:data:`bench.verifier.TREE_TOKEN_COST`).
+
+    python -m bench.tree_cost --out docs/results/tree_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import torch
+
+from bench.run import machine_info
+from bench.verifier import TREE_TOKEN_COST
+from cloud_verifier.targets import TorchTarget
+from shared.runtime.batched_lm import Row
+from shared.runtime.kv_pool import SlotPages
+from shared.runtime.models import load_model
+
+BRANCH = 4  # tokens per branch (its first token and 3 after it)
+
+
+def tree_row(slot: SlotPages, start: int, chain: list[int], extra: list[int]) -> Row:
+    """The chain (its first id the last cached token), then ``extra`` in branches of
+    :data:`BRANCH`, the k-th forking before chain position 1 + k mod γ."""
+    ids, parents = list(chain), list(range(-1, len(chain) - 1))
+    gamma = len(chain) - 1
+    for k, i in enumerate(range(0, len(extra), BRANCH)):
+        part = extra[i : i + BRANCH]
+        parents.append(k % gamma)  # after chain token k mod γ: replaces the next one
+        parents += range(len(ids), len(ids) + len(part) - 1)
+        ids += part
+    tree = tuple(parents) if extra else None
+    return Row(slot, start, tuple(ids), len(ids), tree)
+
+
+def measure(target: TorchTarget, context: int, gamma: int, n: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` verify forwards with ``n`` tree tokens."""
+    rng = np.random.default_rng(n)
+    vocab = target.vocab_size
+    lm = target.lm
+    pool = lm.pool
+    assert pool is not None
+    slot = SlotPages()
+    prompt = [int(t) for t in rng.integers(0, vocab, size=context)]
+    pool.reserve(slot, context + gamma + 1 + n)
+    lm.forward([Row(slot, 0, tuple(prompt), 1)])
+    pool.commit(slot, 0, prompt)
+    times = []
+    for _ in range(steps):
+        chain = [prompt[-1], *(int(t) for t in rng.integers(0, vocab, size=gamma))]
+        extra = [int(t) for t in rng.integers(0, vocab, size=n)]
+        row = tree_row(slot, context - 1, chain, extra)
+        t0 = time.perf_counter()
+        lm.forward([row])
+        times.append(time.perf_counter() - t0)
+    pool.release(slot)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.tree_cost", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--target", default="default")
+    p.add_argument("--gamma", type=int, default=5)
+    p.add_argument("--trees", default="0,4,8,16,32", help="tree tokens per forward")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=12, help="measured forwards per size")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # as the bench's verifier process
+    target = TorchTarget(load_model(args.target))
+    sizes = [int(n) for n in args.trees.split(",")]
+    target.allocate(num_pages=-(-(args.context + args.gamma + 1 + max(sizes)) // 16), page_size=16)
+    median: dict[int, float] = {}
+    for n in sizes:
+        measure(target, args.context, args.gamma, n, args.warmup)
+        median[n] = statistics.median(measure(target, args.context, args.gamma, n, args.steps))
+        print(f"N={n}: median {1000 * median[n]:.1f} ms per verify forward", flush=True)
+    fit = None
+    if sizes[0] == 0:
+        xs = sizes
+        ys = [median[n] / median[0] - 1 for n in sizes]
+        fit = sum(x * y for x, y in zip(xs, ys, strict=True)) / max(1, sum(x * x for x in xs))
+        print(
+            f"cost(N) / cost(0) ≈ 1 + {fit:.4f} N on this CPU; the bench emulates a GPU-class "
+            f"verifier: 1 + {TREE_TOKEN_COST:.4f} N"
+        )
+    if args.out:
+        record = {
+            "machine": machine_info(),
+            "settings": {k: str(v) for k, v in vars(args).items()},
+            "median_forward_s": {str(n): median[n] for n in sizes},
+            "cost_per_tree_token": fit,
+            "emulated_cost_per_tree_token": TREE_TOKEN_COST,
+        }
+        args.out.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
