@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from cloud_verifier import device_sampling as ds
@@ -556,22 +557,17 @@ class Runner:
         gammas = [len(p.work.draft) for p in planned]
         decisions = ds.verify_batch(
             logits,
-            ds.VerifyBatch(
-                params=[h.sampling for h in hellos],
-                draft_ids=np.concatenate([p.work.draft for p in planned]),
-                q_draft=np.concatenate([p.work.q for p in planned]),
-                cu_draft=ds.cu_from_gammas(gammas),
+            _batch(
+                [p.slot for p in planned],
+                [p.work.draft for p in planned],
+                [p.work.q for p in planned],
                 # A CoGenerate's draft (a hedge's or the verifier's own) is deterministic: the
                 # verifier draws its recovered token itself (the greedy-draft rule).
-                correction=[
+                [
                     CorrectionMode.GREEDY_DRAFT if isinstance(p.work, CoGenerate) else h.correction
                     for p, h in zip(planned, hellos, strict=True)
                 ],
-                want_bonus=[_wants_bonus(p.work) for p in planned],
-                generators=[p.slot.generator for p in planned],
-                k=[h.k for h in hellos],
-                eps_target=[h.eps_target for h in hellos],
-                m=[h.m for h in hellos],
+                [_wants_bonus(p.work) for p in planned],
             ),
         )
         lps = self._logprobs(planned, decisions, gammas, logits)
@@ -654,21 +650,15 @@ class Runner:
                     break
         if not asks:
             return {}
-        hellos = [p.slot.hello for p, _ in asks]
         drafts = [p.work.branches[i].draft for p, i in asks if isinstance(p.work, Verify)]
         decisions = ds.verify_batch(
             logits[torch.as_tensor(rows, device=logits.device)],
-            ds.VerifyBatch(
-                params=[h.sampling for h in hellos],
-                draft_ids=np.concatenate(drafts),
-                q_draft=np.ones(sum(len(d) for d in drafts), np.float32),
-                cu_draft=ds.cu_from_gammas([len(d) for d in drafts]),
-                correction=[CorrectionMode.GREEDY_DRAFT] * len(asks),
-                want_bonus=[True] * len(asks),
-                generators=[p.slot.generator for p, _ in asks],
-                k=[h.k for h in hellos],
-                eps_target=[h.eps_target for h in hellos],
-                m=[h.m for h in hellos],
+            _batch(
+                [p.slot for p, _ in asks],
+                drafts,
+                [np.ones(len(d), np.float32) for d in drafts],
+                [CorrectionMode.GREEDY_DRAFT] * len(asks),
+                [True] * len(asks),
             ),
         )
         return {id(p): BranchTaken(i, d) for (p, i), d in zip(asks, decisions, strict=True)}
@@ -760,6 +750,30 @@ class Runner:
             finally:
                 self.pool.release(pages)
         return anchors
+
+
+def _batch(
+    slots: Sequence[Slot],
+    drafts: Sequence[npt.NDArray[np.int64]],
+    qs: Sequence[npt.NDArray[np.float32]],
+    correction: Sequence[CorrectionMode],
+    want_bonus: Sequence[bool],
+) -> ds.VerifyBatch:
+    """The device decision's input for these sessions' drafts (in row order), each with its
+    own sampling, RNG, K, ε target and M from its Hello."""
+    hellos = [s.hello for s in slots]
+    return ds.VerifyBatch(
+        params=[h.sampling for h in hellos],
+        draft_ids=np.concatenate(drafts),
+        q_draft=np.concatenate(qs),
+        cu_draft=ds.cu_from_gammas([len(d) for d in drafts]),
+        correction=correction,
+        want_bonus=want_bonus,
+        generators=[s.generator for s in slots],
+        k=[h.k for h in hellos],
+        eps_target=[h.eps_target for h in hellos],
+        m=[h.m for h in hellos],
+    )
 
 
 def _wants_bonus(work: Work) -> bool:

@@ -898,14 +898,7 @@ class SingleCore:
             return [self._failed]
         if not draft or not self.pipe.hedge_current(hp):
             return []
-        msg = Hedge(hp.pos, hp.token, np.array(draft, np.int64), np.ones(len(draft), np.float32))
-        data = encode(msg, self.link.ctx)
-        st = self.gen.stats
-        st.hedges_sent += 1
-        st.hedge_bytes += len(data)
-        st.uplink_bytes += len(data)
-        self.pipe.hedges.append((hp.pos, [hp.token, *draft]))
-        return [Send(data)]
+        return self._send_hedge(hp.pos, hp.token, draft)
 
     def tree_branch(self, pp: PredraftPlan, draft: list[int]) -> list[EdgeEvent]:
         """Send a prepared branch (``pp``'s token and ``draft``, drafted so far) as a Hedge
@@ -919,13 +912,18 @@ class SingleCore:
             return []
         if not pipe.predraft_current(pp, draft):
             return []
-        msg = Hedge(pp.pos, pp.token, np.array(draft, np.int64), np.ones(len(draft), np.float32))
+        return self._send_hedge(pp.pos, pp.token, draft)
+
+    def _send_hedge(self, pos: int, token: int, draft: list[int]) -> list[EdgeEvent]:
+        """The Hedge frame for ``token`` at ``pos`` and ``draft`` after it (a point mass: q 1),
+        counted in the stats and kept to count the verifier's hits."""
+        msg = Hedge(pos, token, np.array(draft, np.int64), np.ones(len(draft), np.float32))
         data = encode(msg, self.link.ctx)
         st = self.gen.stats
         st.hedges_sent += 1
         st.hedge_bytes += len(data)
         st.uplink_bytes += len(data)
-        pipe.hedges.append((pp.pos, [pp.token, *draft]))
+        self.pipe.hedges.append((pos, [token, *draft]))
         return [Send(data)]
 
     # ---------------------------------------------------------------- frames
