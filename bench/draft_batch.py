@@ -28,6 +28,11 @@ from shared.runtime.models import load_model
 from shared.wire.params import SamplingParams
 
 
+def through_origin(xs: list[int], ys: list[float]) -> float:
+    """The least-squares slope a of y = a · x (the extra cost per unit of batch or tree)."""
+    return sum(x * y for x, y in zip(xs, ys, strict=True)) / max(1, sum(x * x for x in xs))
+
+
 def measure(drafter: Drafter, context: int, batch: int, steps: int, seed: int) -> list[float]:
     """Seconds of each of ``steps`` steps of ``batch`` branches stepped together."""
     rng = np.random.default_rng(seed)
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if base:
         xs = [b - 1 for b in sizes]
         ys = [median[b] / base - 1 for b in sizes]
-        fit = sum(x * y for x, y in zip(xs, ys, strict=True)) / max(1, sum(x * x for x in xs))
+        fit = through_origin(xs, ys)
         print(
             f"cost(B) / cost(1) ≈ 1 + {fit:.3f} (B − 1) on this CPU; the bench emulates a "
             f"GPU-class device: 1 + {DRAFT_BATCH_COST:.4f} (B − 1)"

@@ -24,6 +24,7 @@ import numpy as np
 import orjson
 import torch
 
+from bench.draft_batch import through_origin
 from bench.run import machine_info
 from bench.verifier import TREE_TOKEN_COST
 from cloud_verifier.targets import TorchTarget
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if sizes[0] == 0:
         xs = sizes
         ys = [median[n] / median[0] - 1 for n in sizes]
-        fit = sum(x * y for x, y in zip(xs, ys, strict=True)) / max(1, sum(x * x for x in xs))
+        fit = through_origin(xs, ys)
         print(
             f"cost(N) / cost(0) ≈ 1 + {fit:.4f} N on this CPU; the bench emulates a GPU-class "
             f"verifier: 1 + {TREE_TOKEN_COST:.4f} N"
