@@ -6,9 +6,10 @@ the committed file and none is typed by hand.
     python -m bench.publish docs/results/bench/results.json --check  # exit 1 if either differs
 
 README.md, between ``<!-- results:begin -->`` and ``<!-- results:end -->``: the real draft's
-tokens/s per RTT and mode, each with its speed-up over ``ar`` and over ``cloud-sd``.
+tokens/s per RTT and mode, each with its speed-up over ``ar`` and over ``cloud-sd``, and outcome
+pre-drafting's hit rate, gap per rejection and unused branch tokens per RTT.
 docs/benchmarks/index.md, between ``<!-- bench-tables:begin -->`` and ``<!-- bench-tables:end -->``:
-the same table, the verifier's busy seconds per 100 committed tokens, the token sources at RTT
+the same tables, the verifier's busy seconds per 100 committed tokens, the token sources at RTT
 100 ms, the datasets at RTT 100 ms, and the oracle drafts' rows.
 """
 
@@ -112,6 +113,35 @@ class Results:
             out.append(f"| {rtt:g} | {ar_busy} | " + " | ".join(cells) + " |")
         return out
 
+    def predraft_table(self, draft: str) -> list[str]:
+        """Per RTT and mode with outcome pre-drafting: the hit rate (rejections answered from a
+        prepared branch), the gap per rejection against the same mode without pre-drafting
+        (``auto predraft`` against ``auto``), and the branch tokens drafted but never used."""
+        modes = [
+            m for m in self.modes(draft)
+            if any(r["mode"] == m and r.get("predraft") for r in self.sel(draft))
+        ]  # fmt: skip
+        if not modes:
+            return []
+        out = [
+            "| RTT ms | mode | hit rate | gap per rejection, ms (without → with) "
+            "| branch tokens never used / generation |",
+            "|---|---|---|---|---|",
+        ]
+        for rtt in self.rtts(draft):
+            for m in modes:
+                r = self.row(draft, rtt, m)
+                if r is None:
+                    continue
+                base = self.row(draft, rtt, m.removesuffix(" predraft"))
+                without = _fmt(base.get("gap_per_rejection_ms"), 0) if base else "–"
+                out.append(
+                    f"| {rtt:g} | {m} | {_fmt(r.get('predraft_hit_rate'))} "
+                    f"| {without} → {_fmt(r.get('gap_per_rejection_ms'), 0)} "
+                    f"| {_fmt(r.get('predraft_unused_tokens_per_generation'), 0)} |"
+                )
+        return out
+
     def sources(self, draft: str, rtt: float) -> list[str]:
         out = []
         for m in self.modes(draft):
@@ -178,7 +208,16 @@ class Results:
 
     def readme_section(self) -> str:
         draft = self.model_draft()
-        return "\n".join([self.caption(draft), "", *self.speed_table(draft)])
+        parts = [self.caption(draft), "", *self.speed_table(draft)]
+        predraft = self.predraft_table(draft)
+        if predraft:
+            parts += ["", "Outcome pre-drafting in the same run (gaps in emulated ms):", ""]
+            parts += predraft
+        return "\n".join(parts)
+
+    def _predraft_part(self, draft: str) -> list[str]:
+        table = self.predraft_table(draft)
+        return ["Outcome pre-drafting (emulated gaps):", "", *table, ""] if table else []
 
     def page_section(self) -> str:
         draft = self.model_draft()
@@ -192,6 +231,7 @@ class Results:
             "",
             *self.busy_table(draft),
             "",
+            *self._predraft_part(draft),
             f"Token sources at RTT {rtt:g} ms:",
             "",
             *self.sources(draft, rtt),
