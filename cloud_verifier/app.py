@@ -336,9 +336,9 @@ async def _load_model(state: VerifierState) -> None:
     state.metrics.kv_bytes_total.set(mem["bytes_total"])
     state.metrics.kv_pages_total.set(mem["pages_total"])
     log.info(
-        "model ready: %s (%.1f s, warm); KV cache %d tokens, %.1f MiB",
-        target.description,
+        "model ready in %.1f s (warmed up): %s; KV cache %d tokens, %.1f MiB",
         time.perf_counter() - t0,
+        target.description,
         mem["pages_total"] * state.settings.kv_page_size,
         mem["bytes_total"] / 2**20,
     )

@@ -89,6 +89,8 @@ _HELP: dict[str, str] = {
     "send_timeout": "seconds a frame may wait for a client that does not read, then it is closed",
     "max_send_buffer": "unread bytes queued for a client before it is closed",
     "shutdown_timeout": "seconds to let sessions finish on SIGTERM",
+    "threads": "torch CPU threads (default: torch's own choice, one per core; give each "
+    "process its share when the verifier and the edge share a machine)",
     "tp": "tensor parallelism: run the target over this many ranks (one per GPU; re-launched "
     "under torchrun, rank 0 serves); the heads must divide by it",
     "drain_timeout": "on SIGTERM, seconds to drain first (/health 503, no new sessions, open "
@@ -285,6 +287,10 @@ def run_serve(
     # Model loading progress bars (transformers' "Loading weights", the GGUF conversion's
     # shards) are terminal animations: in a service log they are noise.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if settings.threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.threads)
     if not auth.enabled:
         log.warning("authentication is OFF (--insecure-no-auth): anyone can open sessions")
     _check_open_files(settings)

@@ -41,6 +41,9 @@ class VerifierSettings:
     tls_key: Path | None = None  # PEM private key of tls_cert
     device: Device = "auto"
     dtype: DType = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
+    # torch CPU threads (None: torch's choice, one per core). Processes that share a machine's
+    # cores (a local verifier beside the edge) each get their share, or both run slower.
+    threads: int | None = field(default=None, metadata=_b(1, 1024))
     # torch.compile the batched forward (shapes bucketed; CUDA graphs where torch uses them):
     # auto = on for CUDA, off on the CPU (there compiled was faster for one session and slower
     # for 8, after 80-90 s of compilation per shape: docs/benchmarks/verifier.md).

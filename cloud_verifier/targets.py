@@ -118,9 +118,12 @@ class TorchTarget:
         self.device: torch.device = self.lm.device
         self.max_length: int | None = self.lm.max_length
         self.compiled = compile_forward
-        self.description = f"{loaded.name} on {loaded.device}" + (
-            ", compiled" if compile_forward else ""
-        )
+        where = str(loaded.device)
+        if self.device.type == "cpu":  # as the edge names its draft (edge_agent.progress)
+            dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+            n = torch.get_num_threads()
+            where += f" ({dtype}, {n} thread{'' if n == 1 else 's'})"
+        self.description = f"{loaded.name} on {where}" + (", compiled" if compile_forward else "")
 
     def allocate(self, num_pages: int, page_size: int) -> PagedKV:
         return self.lm.allocate(num_pages, page_size)

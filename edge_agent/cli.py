@@ -389,12 +389,13 @@ def _demo(args: argparse.Namespace, settings: EdgeSettings) -> int:
             weights="",
             k=EdgeSettings.k,
             token_file=token_file,
-            # Two processes share this machine's cores: one torch thread each by default.
+            # Two processes share this machine's cores: `threads` torch threads each (1 by
+            # default; torch's own choice, a thread per core in each, oversubscribes them).
             threads=1 if settings.threads is None else settings.threads,
         )
         _prepare_torch(settings)
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("OMP_NUM_THREADS", str(settings.threads))
         env.setdefault("TRANSFORMERS_VERBOSITY", "error")  # (and no progress bars: main())
         cmd = [
             sys.executable,
@@ -411,6 +412,8 @@ def _demo(args: argparse.Namespace, settings: EdgeSettings) -> int:
             str(token_file),
             "--log-level",
             "warning",
+            "--threads",
+            str(settings.threads),
         ]
         if settings.cloud_only:
             # No draft on the edge: the verifier drafts for itself (the edge's default draft,

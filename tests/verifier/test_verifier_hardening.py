@@ -537,9 +537,10 @@ def test_device_choice_warns_when_cuda_was_expected() -> None:
 async def test_serve_startup_lines_sighup_and_a_quiet_stop(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """A real model through ``serve``: one line names the device, a CUDA device expected but
-    missing is a warning, no progress bars, SIGHUP re-reads a token file whose size and mtime
-    did not change (polling off), and a routine stop logs nothing above INFO."""
+    """A real model through ``serve``: one line names the device (and on the CPU the threads
+    it was given), a CUDA device expected but missing is a warning, no progress bars, SIGHUP
+    re-reads a token file whose size and mtime did not change (polling off), and a routine
+    stop logs nothing above INFO."""
     f = tmp_path / "tokens"
     f.write_text("token-aaaa\n")
     port = free_port()
@@ -547,7 +548,7 @@ async def test_serve_startup_lines_sighup_and_a_quiet_stop(
     env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
     proc = serve_process(
         "--model", str(tiny_model_dir), "--device", "auto", "--port", str(port),
-        "--token-file", str(f), "--token-reload-interval", "0", env=env,
+        "--token-file", str(f), "--token-reload-interval", "0", "--threads", "1", env=env,
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
@@ -579,5 +580,7 @@ async def test_serve_startup_lines_sighup_and_a_quiet_stop(
         assert warnings == [], warnings
     else:
         assert "INFO cloud_verifier.targets: device: cpu" in log, log
+        # --threads: torch's pool of this process, named where the model is said to be ready.
+        assert f": {tiny_model_dir.name} on cpu (float32, 1 thread); KV cache" in log, log
         assert len(warnings) == 1 and "CUDA_VISIBLE_DEVICES=0" in warnings[0], warnings
     assert "SIGHUP: token file re-read: 1 token(s)" in log

@@ -113,6 +113,8 @@ def test_serve_refuses_bad_settings(
     monkeypatch.delenv("WANSPEC_PORT")
     assert main(["serve", "--model", str(tmp_path / "nope"), "--insecure-no-auth"]) == 2
     assert "'model'" in capsys.readouterr().err
+    assert main(["serve", "--model", "null:64", "--insecure-no-auth", "--threads", "0"]) == 2
+    assert "'threads'" in capsys.readouterr().err
     (tmp_path / "empty").write_text("# nothing\n")
     assert main(["serve", "--model", "null:64", "--token-file", str(tmp_path / "empty")]) == 2
     assert "no bearer token" in capsys.readouterr().err
