@@ -17,7 +17,7 @@ Pure functions of the decoded JSON body (no I/O, no model): each parser has one 
 
 The prompt itself: :func:`parse_messages` (chat) and :func:`parse_prompt` (completions); the
 body before all of them: :func:`decode_body` (a JSON object, nested at most
-:data:`MAX_JSON_DEPTH` deep).
+:data:`MAX_JSON_DEPTH` deep, its strings text: no lone surrogates).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any, TypeGuard, TypeVar
 from edge_agent.api_errors import ApiError, bad_request
 from edge_agent.config import SEED_RANGE, EdgeSettings
 from edge_agent.pipeline_config import Mode, PipelineConfig
+from edge_agent.unicode_text import SURROGATE
 from shared.enums import TextEnum
 from shared.wire.params import MIN_TEMPERATURE
 from shared.wire.protocol import MAX_TOP_LOGPROBS, CorrectionMode
@@ -82,6 +83,24 @@ def json_depth(value: object, limit: int) -> int:
     return deepest
 
 
+def lone_surrogate_field(body: Mapping[str, Any]) -> str | None:
+    """The top-level field of ``body`` with a string (or an object key) holding a surrogate
+    code point, or None. Iterative over the (depth-checked) containers."""
+    for field, value in body.items():
+        stack: list[object] = [field, value]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, str):
+                if SURROGATE.search(v):
+                    return str(field)
+            elif isinstance(v, dict):
+                stack.extend(v.keys())
+                stack.extend(v.values())
+            elif isinstance(v, list):
+                stack.extend(v)
+    return None
+
+
 def _too_deep() -> ApiError:
     return ApiError(
         400,
@@ -104,6 +123,15 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     if json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise _too_deep()
+    field = lone_surrogate_field(body)
+    if field is not None:
+        raise ApiError(
+            400,
+            f"{field}: a string holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape not "
+            "in a valid pair), which is not text",
+            param=field,
+            code="invalid_json",
+        )
     return body
 
 

@@ -34,6 +34,7 @@ from edge_agent.pipeline_config import Mode, PipelineConfig
 from edge_agent.progress import Progress, check_cuda, quiet_hub_progress
 from edge_agent.service import EdgeService, Finished, GenRequest, loading_line
 from edge_agent.text import sources_line
+from edge_agent.unicode_text import text_error
 from shared.errors import WanspecError
 from shared.wire.params import MIN_TEMPERATURE, SamplingParams
 from shared.wire.protocol import CorrectionMode
@@ -82,6 +83,9 @@ class ChatOptions:
         if key not in names:
             raise ValueError(f"unknown setting {key!r}; one of {', '.join(sorted(names))}")
         if key == "system":
+            err = text_error(value)
+            if err is not None:
+                raise ValueError(f"the system prompt {err}")
             return replace(self, system=value)
         if key == "mode":
             return replace(self, mode=Mode.parse(value, "mode"))
@@ -501,6 +505,10 @@ class Repl:
             if text.startswith("/"):
                 if not self.command(text):
                     return 0
+                continue
+            err = text_error(text)
+            if err is not None:  # refused here, so it never joins the conversation
+                self.say(f"error: the message {err}")
                 continue
             task = loop.create_task(self.answer(text))
             with contextlib.suppress(NotImplementedError, RuntimeError):

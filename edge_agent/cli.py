@@ -503,6 +503,7 @@ def _check(args: argparse.Namespace, env: Mapping[str, str]) -> EdgeSettings:
         retired_env_warnings,
         setting_sources,
     )
+    from edge_agent.unicode_text import text_error
     from shared.runtime.model_spec import ModelSpecError, parse_model_spec
     from shared.service.config import ConfigError
 
@@ -531,6 +532,10 @@ def _check(args: argparse.Namespace, env: Mapping[str, str]) -> EdgeSettings:
             parse_model_spec(args.target)
         except ModelSpecError as e:
             raise ConfigError("target", str(e), "command line --target") from None
+    if args.command in ("generate", "demo"):  # before any model loads (encode_prompt checks too)
+        err = text_error(args.prompt)
+        if err is not None:
+            raise ValueError(f"the prompt {err}")
     return settings
 
 

@@ -252,6 +252,43 @@ def test_a_reply_cut_by_its_length_limit_is_marked(
         assert lines[1] == marker
 
 
+def test_a_message_that_is_not_text_is_refused_before_it_joins_the_conversation() -> None:
+    """A terminal line with a byte that is not UTF-8 (U+DCxx after surrogateescape) is refused
+    by the REPL itself: no backend call, no history entry; later messages go on; /set system
+    refuses such a prompt too."""
+    calls: list[list[dict[str, str]]] = []
+
+    class Recording(FakeBackend):
+        async def chat(
+            self, messages: list[dict[str, str]], opts: ChatOptions
+        ) -> AsyncIterator[Event]:
+            calls.append(list(messages))
+            async for ev in super().chat(messages, opts):
+                yield ev
+
+    out = io.StringIO()
+    repl = Repl(Recording("stop", 3), ChatOptions.from_settings(EdgeSettings()), out)
+    lines = iter(["caf\udce9", "hi"])
+
+    def read(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    repl.read = read
+    loop = asyncio.new_event_loop()
+    try:
+        assert repl.run(loop) == 0
+    finally:
+        loop.close()
+    assert "error: the message is not UTF-8: byte 0xe9 at character 3" in out.getvalue()
+    assert calls == [[{"role": "user", "content": "hi"}]]
+    assert [m["content"] for m in repl.history] == ["hi", "an answer that goes on"]
+    with pytest.raises(ValueError, match="the system prompt holds a lone UTF-16 surrogate"):
+        repl.opts.with_setting("system", "be \ud800 brief")
+
+
 def test_the_spinner_turns_at_once() -> None:
     class Tty(io.StringIO):
         def isatty(self) -> bool:

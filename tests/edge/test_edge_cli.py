@@ -114,6 +114,9 @@ def test_mistakes_are_one_line_and_status_2_before_torch_is_imported(tmp_path: P
             (["generate", "hi", "--config", str(bad_toml)], "setting 'gama'"),
             (["chat", "--config", str(bad_toml)], "setting 'gama'"),
             (["serve", "--port", "99999"], "above the maximum 65535"),
+            # A byte that is not UTF-8 reaches argv as U+DC80-U+DCFF (surrogateescape).
+            (["generate", "ab\udcffcd", *tok], "the prompt is not UTF-8: byte 0xff at character 2"),
+            (["demo", "\ud800"], "the prompt holds a lone UTF-16 surrogate U+D800 at character 0"),
         ]
         t0 = time.monotonic()
         result = run_mains([argv for argv, _ in cases], clean_env(tmp_path))

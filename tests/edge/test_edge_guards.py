@@ -182,6 +182,19 @@ def test_values_that_broke_generation_are_refused() -> None:
         assert e.value.status == 400 and "levels deep" in e.value.message, depth
     ok = b'{"a": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
     assert decode_body(ok)["a"] is not None
+    # A lone surrogate escape is valid JSON but no text: refused naming the top-level field
+    # (strings, object keys, at any depth); a valid pair is one character.
+    for raw, field in (
+        (rb'{"prompt": "a\ud800"}', "prompt"),
+        (rb'{"messages": [{"role": "user", "content": [{"text": "\udfff"}]}]}', "messages"),
+        (rb'{"wanspec": {"\ud800": 1}}', "wanspec"),
+        (rb'{"x": 1, "stop": ["\ude00\ud83d"]}', "stop"),
+    ):
+        with pytest.raises(ApiError) as e:
+            decode_body(raw)
+        assert (e.value.status, e.value.param, e.value.code) == (400, field, "invalid_json"), raw
+        assert "lone UTF-16 surrogate" in e.value.message
+    assert decode_body(rb'{"prompt": "\ud83d\ude00"}')["prompt"] == "\U0001f600"
     # The same bounds for the daemon's defaults.
     with pytest.raises(ConfigError, match="temperature"):
         EdgeSettings(temperature=1e-300)
@@ -211,10 +224,13 @@ async def test_the_api_answers_400_where_it_answered_500(tiny_draft_dir: Path) -
         deep = b'{"model": "tiny", "prompt": "t1", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
         status, body = await post(url, deep)
         assert status == 400 and "levels deep" in body["error"]["message"], body
-        for field, value in (("seed", -1), ("temperature", 5e-324)):
+        for field, value in (("seed", -1), ("temperature", 5e-324), ("prompt", "\ud800")):
             req = {"model": "tiny", "prompt": "t1", "max_tokens": 2, field: value}
             status, body = await post(url, json.dumps(req).encode())
             assert status == 400 and body["error"]["param"] == field, body
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "\udfff"}]}
+        status, body = await post(base + "/v1/chat/completions", json.dumps(chat).encode())
+        assert status == 400 and body["error"]["param"] == "messages", body
         assert state.service.metrics.requests.get(endpoint="/v1/completions", code="500") == 0
 
 
