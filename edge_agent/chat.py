@@ -466,7 +466,12 @@ class Repl:
         return [*system, *self.history, {"role": "user", "content": text}]
 
     async def answer(self, text: str) -> None:
+        """Stream one answer. The exchange joins the conversation when the answer ends or once
+        any of it was shown (what the user saw stays, even when interrupted); a message that
+        got only an error (a refusal, no verifier, a full context) does not, so the next turn
+        does not carry it."""
         parts: list[str] = []
+        finished = False
         try:
             async for ev in self.backend.chat(self.messages(text), self.opts):
                 if isinstance(ev, Finished):
@@ -480,14 +485,15 @@ class Repl:
                     t["draft_tokens"] += int(ev.stats.get("draft_tokens") or 0)
                     t["accepted_tokens"] += int(ev.stats.get("accepted_tokens") or 0)
                     self.say(self._dim(stats_line(ev.stats)))
+                    finished = True
                 else:
                     parts.append(ev)
                     self.out.write(ev)
                     self.out.flush()
         finally:
-            # What the user saw stays in the conversation, even when interrupted.
-            self.history.append({"role": "user", "content": text})
-            self.history.append({"role": "assistant", "content": "".join(parts)})
+            if finished or parts:
+                self.history.append({"role": "user", "content": text})
+                self.history.append({"role": "assistant", "content": "".join(parts)})
 
     def run(self, loop: asyncio.AbstractEventLoop) -> int:
         self.say(self._dim(f"edge-agent chat · {self.backend.description} · /? for help"))

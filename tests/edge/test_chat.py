@@ -14,7 +14,7 @@ from typing import Any
 import pexpect
 import pytest
 
-from edge_agent.chat import ChatOptions, Event, Repl, stats_line
+from edge_agent.chat import ChatError, ChatOptions, Event, Repl, stats_line
 from edge_agent.config import EdgeSettings
 from edge_agent.progress import Progress
 from edge_agent.service import Finished
@@ -287,6 +287,37 @@ def test_a_message_that_is_not_text_is_refused_before_it_joins_the_conversation(
     assert [m["content"] for m in repl.history] == ["hi", "an answer that goes on"]
     with pytest.raises(ValueError, match="the system prompt holds a lone UTF-16 surrogate"):
         repl.opts.with_setting("system", "be \ud800 brief")
+
+
+def test_an_answer_that_is_only_an_error_does_not_join_the_conversation() -> None:
+    """A 503 or a full context before any token leaves the history as it was (the next turn
+    must not carry the failed message); an answer cut by an error after some text keeps what
+    was shown."""
+
+    class Failing(FakeBackend):
+        def __init__(self, shown: list[str]) -> None:
+            super().__init__("stop", 1)
+            self.shown = shown
+
+        async def chat(
+            self, messages: list[dict[str, str]], opts: ChatOptions
+        ) -> AsyncIterator[Event]:
+            for part in self.shown:
+                yield part
+            raise ChatError("503: verifier_unavailable")
+
+    opts = ChatOptions.from_settings(EdgeSettings())
+    repl = Repl(Failing([]), opts, io.StringIO())
+    with pytest.raises(ChatError):
+        asyncio.run(repl.answer("first"))
+    assert repl.history == []
+    repl = Repl(Failing(["half an"]), opts, io.StringIO())
+    with pytest.raises(ChatError):
+        asyncio.run(repl.answer("second"))
+    assert repl.history == [
+        {"role": "user", "content": "second"},
+        {"role": "assistant", "content": "half an"},
+    ]
 
 
 def test_the_spinner_turns_at_once() -> None:
