@@ -4,8 +4,9 @@ The only changes a test needs: ``HOME`` is a temporary folder (the token goes to
 ``~/.config/wanspec``), the converted model comes from the usual cache (``WANSPEC_CACHE_DIR``,
 so nothing is converted twice), and the two ports are free ones, given through the settings'
 environment variables (below the commands' own flags, which name no port) and in the URL of the
-request. The curl request is sent with its own body (no curl needed), and the REPL line is fed
-a question and ``/bye`` on its standard input.
+request. The curl request is sent with its own body (no curl needed), the REPL line is fed a
+question and ``/bye`` on its standard input, and the documentation site's OpenAI-client example
+runs after them.
 """
 
 from __future__ import annotations
@@ -152,6 +153,14 @@ def test_the_readme_quick_start_works_as_written(newcomer: dict[str, str], tmp_p
         assert chat.returncode == 0, chat.stderr
         assert "edge-agent serve at http://127.0.0.1:" in chat.stdout, chat.stdout
         assert "Paris" in chat.stdout, chat.stdout
+
+        # The docs site's OpenAI-client example, on the same daemon.
+        pages = quick_start_blocks(REPO / "docs" / "getting-started.md")
+        client = next(b for b in pages if "from openai import OpenAI" in b)
+        port = newcomer["WANSPEC_EDGE_PORT"]
+        done = shell(client.replace(f":{EDGE_PORT}/", f":{port}/"), timeout=180)
+        assert done.returncode == 0, done.stderr
+        assert "Mars" in done.stdout and "'edge_draft':" in done.stdout, done.stdout
     finally:
         for proc in procs:
             proc.terminate()
