@@ -506,6 +506,9 @@ class Repl:
             except KeyboardInterrupt:
                 self.say("\nUse Ctrl + d or /bye to exit.")
                 continue
+            except UnicodeDecodeError as e:  # a terminal whose stdin decodes strictly
+                self.say(f"error: the line is not {e.encoding}: byte 0x{e.object[e.start]:02x}")
+                continue
             if not text.strip():
                 continue
             if text.startswith("/"):

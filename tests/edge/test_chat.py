@@ -253,9 +253,10 @@ def test_a_reply_cut_by_its_length_limit_is_marked(
 
 
 def test_a_message_that_is_not_text_is_refused_before_it_joins_the_conversation() -> None:
-    """A terminal line with a byte that is not UTF-8 (U+DCxx after surrogateescape) is refused
-    by the REPL itself: no backend call, no history entry; later messages go on; /set system
-    refuses such a prompt too."""
+    """A terminal line with a byte that is not UTF-8 (U+DCxx after surrogateescape, or a
+    UnicodeDecodeError where stdin decodes strictly) is refused by the REPL itself: no backend
+    call, no history entry, no traceback; later messages go on; /set system refuses such a
+    prompt too."""
     calls: list[list[dict[str, str]]] = []
 
     class Recording(FakeBackend):
@@ -268,13 +269,17 @@ def test_a_message_that_is_not_text_is_refused_before_it_joins_the_conversation(
 
     out = io.StringIO()
     repl = Repl(Recording("stop", 3), ChatOptions.from_settings(EdgeSettings()), out)
-    lines = iter(["caf\udce9", "hi"])
+    # As a surrogateescape terminal gives such a line, and as a strict one fails to.
+    strict = UnicodeDecodeError("utf-8", b"caf\xe9", 3, 4, "invalid continuation byte")
+    lines = iter(["caf\udce9", strict, "hi"])
 
     def read(prompt: str) -> str:
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
+        line = next(lines, None)
+        if line is None:
+            raise EOFError
+        if isinstance(line, UnicodeDecodeError):
+            raise line
+        return line
 
     repl.read = read
     loop = asyncio.new_event_loop()
@@ -283,6 +288,7 @@ def test_a_message_that_is_not_text_is_refused_before_it_joins_the_conversation(
     finally:
         loop.close()
     assert "error: the message is not UTF-8: byte 0xe9 at character 3" in out.getvalue()
+    assert "error: the line is not utf-8: byte 0xe9" in out.getvalue()
     assert calls == [[{"role": "user", "content": "hi"}]]
     assert [m["content"] for m in repl.history] == ["hi", "an answer that goes on"]
     with pytest.raises(ValueError, match="the system prompt holds a lone UTF-16 surrogate"):
