@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 import urllib.error
@@ -25,10 +24,10 @@ from typing import Any
 
 import pytest
 
+from bench.harness import REPO, free_port
 from shared.runtime.model_cache import cache_dir
 
-REPO = Path(__file__).resolve().parents[2]
-VERIFIER_PORT, EDGE_PORT = "8765", "8760"  # as the README says; replaced by free ones here
+EDGE_PORT = "8760"  # the daemon's port as the README says; a free one here
 #: How long one model load may take on a slow 2-core machine, the first conversion included.
 READY_S = 240.0
 
@@ -56,12 +55,6 @@ def commands(block: str) -> list[str]:
     return lines
 
 
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 @pytest.fixture
 def newcomer(tmp_path: Path) -> Iterator[dict[str, str]]:
     home = tmp_path / "home"
@@ -71,8 +64,8 @@ def newcomer(tmp_path: Path) -> Iterator[dict[str, str]]:
         HOME=str(home),
         WANSPEC_CACHE_DIR=str(cache_dir()),
         HF_HUB_OFFLINE="1",
-        WANSPEC_PORT=free_port(),
-        WANSPEC_EDGE_PORT=free_port(),
+        WANSPEC_PORT=str(free_port()),
+        WANSPEC_EDGE_PORT=str(free_port()),
     )
     env["WANSPEC_EDGE_VERIFIER"] = f"ws://127.0.0.1:{env['WANSPEC_PORT']}/v1/session"
     yield env
