@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from shared.runtime.batched_lm import BatchedLM, Row
-from shared.runtime.device import describe_device, resolve_device
+from shared.runtime.device import describe_device, placement, resolve_device
 from shared.runtime.kv_pool import PagedKV
 from shared.wire.protocol import Fingerprint
 
@@ -118,11 +118,8 @@ class TorchTarget:
         self.device: torch.device = self.lm.device
         self.max_length: int | None = self.lm.max_length
         self.compiled = compile_forward
-        where = str(loaded.device)
-        if self.device.type == "cpu":  # as the edge names its draft (edge_agent.progress)
-            dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
-            n = torch.get_num_threads()
-            where += f" ({dtype}, {n} thread{'' if n == 1 else 's'})"
+        # On the CPU its dtype and threads too (the edge's draft is named so).
+        where = placement(loaded.model) if self.device.type == "cpu" else str(loaded.device)
         self.description = f"{loaded.name} on {where}" + (", compiled" if compile_forward else "")
 
     def allocate(self, num_pages: int, page_size: int) -> PagedKV:

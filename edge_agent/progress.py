@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, TextIO
 
-from shared.runtime.device import cuda_hint
+from shared.runtime.device import cuda_hint, placement
 from shared.service.sdnotify import Notifier
 
 log = logging.getLogger("wanspec.edge")
@@ -166,15 +166,4 @@ def check_cuda(device: str) -> str | None:
 def device_line(loaded: Any) -> str:
     """One line naming the draft and where it runs: ``cpu (float32, 4 threads)`` or
     ``cuda:0 (Orin, float16)``. ``loaded``: a :class:`shared.runtime.models.LoadedModel`."""
-    import torch
-
-    param = next(loaded.model.parameters())
-    dtype = str(param.dtype).removeprefix("torch.")
-    dev = param.device
-    if dev.type == "cuda":
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        where = f"cuda:{index} ({torch.cuda.get_device_name(index)}, {dtype})"
-    else:
-        n = torch.get_num_threads()
-        where = f"{dev.type} ({dtype}, {n} thread{'' if n == 1 else 's'})"
-    return f"draft {loaded.name} on {where}"
+    return f"draft {loaded.name} on {placement(loaded.model)}"

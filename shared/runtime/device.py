@@ -15,6 +15,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from shared.errors import WanspecError
 
@@ -113,3 +114,18 @@ def describe_device(dev: str) -> str:
     if index is None:
         index = torch.cuda.current_device()
     return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+
+def placement(model: Any) -> str:
+    """Where ``model`` (a ``torch.nn.Module``) runs, for a log line: ``cpu (float32, 4
+    threads)`` (torch's CPU threads) or ``cuda:0 (Orin, float16)``."""
+    import torch
+
+    param = next(model.parameters())
+    dtype = str(param.dtype).removeprefix("torch.")
+    dev = param.device
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)}, {dtype})"
+    n = torch.get_num_threads()
+    return f"{dev.type} ({dtype}, {n} thread{'' if n == 1 else 's'})"
