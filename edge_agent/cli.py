@@ -532,7 +532,7 @@ def _check(args: argparse.Namespace, env: Mapping[str, str]) -> EdgeSettings:
             parse_model_spec(args.target)
         except ModelSpecError as e:
             raise ConfigError("target", str(e), "command line --target") from None
-    if args.command in ("generate", "demo"):  # before any model loads (encode_prompt checks too)
+    if args.command in ("generate", "demo"):  # before any model loads
         err = text_error(args.prompt)
         if err is not None:
             raise ValueError(f"the prompt {err}")

@@ -15,7 +15,6 @@ from typing import Any
 
 from edge_agent.generation import Generation, TokenSource
 from edge_agent.pipeline_config import PipelineConfig
-from edge_agent.unicode_text import text_error
 from shared.runtime.model_spec import SpecKind, parse_model_spec
 from shared.runtime.models import LoadedModel, LoadedTokenizer, load_model
 
@@ -48,9 +47,6 @@ def eos_ids(loaded: LoadedModel | LoadedTokenizer) -> list[int]:
 
 
 def encode_prompt(loaded: LoadedModel | LoadedTokenizer, prompt: str, *, chat: bool) -> list[int]:
-    err = text_error(prompt)
-    if err is not None:
-        raise ValueError(f"the prompt {err}")
     tok: Any = loaded.tokenizer
     if chat:
         if not getattr(tok, "chat_template", None):
