@@ -95,6 +95,7 @@ test: lint balancer docs
 # each) and the engine's tests. A listed file that does not exist yet is reported and skipped.
 FAST_TESTS := \
 	tests/shared/test_protocol.py \
+	tests/shared/test_mux.py \
 	tests/shared/test_maths.py \
 	tests/shared/test_config.py \
 	tests/shared/test_errors.py \

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -55,7 +56,7 @@ from typing import Any
 import aiohttp
 import msgpack
 import numpy as np
-from aiohttp import WSMsgType, web
+from aiohttp import WSMessage, WSMsgType, web
 
 from bench.harness import (
     VOCAB,
@@ -68,6 +69,7 @@ from bench.harness import (
     write_tokens,
 )
 from bench.probe import Driver, ProbeClient, auth_headers, replies_match
+from bench.stream_ws import StreamWS
 from cloud_verifier.core import (
     Close,
     Crop,
@@ -91,8 +93,11 @@ from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.transport import LinkClosed
 from shared.maths.rejection import Decision
 from shared.runtime.models import LoadedModel
+from shared.wire.mux import MuxError, encode_control, split
+from shared.wire.mux import frame as mux_frame
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import (
+    PROTOCOL_VERSION,
     SEQ_MODULUS,
     SUBPROTOCOL,
     Candidates,
@@ -103,6 +108,7 @@ from shared.wire.protocol import (
     Hedge,
     Hello,
     Message,
+    MsgType,
     Propose,
     ProtocolError,
     ReplyMode,
@@ -119,7 +125,7 @@ from shared.wire.protocol import (
 
 log = logging.getLogger("bench.fuzz")
 
-ClientWS = aiohttp.ClientWebSocketResponse[bool]
+ClientWS = StreamWS
 
 TOKEN = "fuzz-token"
 HONEST_TOKEN = "honest-token"
@@ -478,12 +484,14 @@ class HostileClient:
     async def _connect(self, http: aiohttp.ClientSession) -> ClientWS:
         for _ in range(200):  # at max_sessions_per_token a session ends within milliseconds
             try:
-                return await http.ws_connect(
-                    self.url,
-                    protocols=(SUBPROTOCOL,),
-                    headers=auth_headers(TOKEN),
-                    max_msg_size=0,
-                    autoclose=True,
+                return StreamWS(
+                    await http.ws_connect(
+                        self.url,
+                        protocols=(SUBPROTOCOL,),
+                        headers=auth_headers(TOKEN),
+                        max_msg_size=0,
+                        autoclose=True,
+                    )
                 )
             except aiohttp.WSServerHandshakeError as e:
                 if e.status not in (429, 503):
@@ -797,8 +805,8 @@ async def honest_rounds(
     Returns the replies and the slowest round in seconds."""
     slowest = 0.0
     async with aiohttp.ClientSession() as http:
-        ws = await http.ws_connect(
-            url, protocols=(SUBPROTOCOL,), headers=auth_headers(HONEST_TOKEN)
+        ws = StreamWS(
+            await http.ws_connect(url, protocols=(SUBPROTOCOL,), headers=auth_headers(HONEST_TOKEN))
         )
         try:
             client = ProbeClient(ws)
@@ -883,19 +891,29 @@ class HostileProxy:
         await ws.prepare(request)
         async with aiohttp.ClientSession() as http:
             try:
-                up = await http.ws_connect(
-                    self.upstream,
-                    protocols=(SUBPROTOCOL,),
-                    headers=auth_headers(TOKEN),
-                    max_msg_size=0,
+                up = StreamWS(
+                    await http.ws_connect(
+                        self.upstream,
+                        protocols=(SUBPROTOCOL,),
+                        headers=auth_headers(TOKEN),
+                        max_msg_size=0,
+                    )
                 )
             except aiohttp.ClientError:
                 await ws.close()
                 return ws
+            try:
+                ready = await up.wait_ready(10.0)
+            except (asyncio.TimeoutError, ConnectionError):
+                await ws.close()
+                return ws
+            # The edge gets the verifier's Ready with a window the proxy never has to grant.
+            await ws.send_bytes(encode_control(dataclasses.replace(ready, window=1 << 30)))
+            edge = _EdgeStream(ws)
             state = _ProxyState()
             pumps = [
-                asyncio.ensure_future(self._uplink(ws, up, state)),
-                asyncio.ensure_future(self._downlink(ws, up, state)),
+                asyncio.ensure_future(self._uplink(edge, up, state)),
+                asyncio.ensure_future(self._downlink(edge, up, state)),
             ]
             try:
                 await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
@@ -907,7 +925,7 @@ class HostileProxy:
                 await ws.close()
         return ws
 
-    async def _uplink(self, ws: web.WebSocketResponse, up: ClientWS, st: _ProxyState) -> None:
+    async def _uplink(self, ws: _EdgeStream, up: ClientWS, st: _ProxyState) -> None:
         async for msg in ws:
             if msg.type != WSMsgType.BINARY:
                 return
@@ -920,7 +938,7 @@ class HostileProxy:
                     st.epoch = max(st.epoch, m.epoch)
             await up.send_bytes(msg.data)
 
-    async def _downlink(self, ws: web.WebSocketResponse, up: ClientWS, st: _ProxyState) -> None:
+    async def _downlink(self, ws: _EdgeStream, up: ClientWS, st: _ProxyState) -> None:
         async for msg in up:
             if msg.type != WSMsgType.BINARY:
                 return
@@ -974,7 +992,7 @@ class HostileProxy:
         return True
 
     async def _hostile(
-        self, ws: web.WebSocketResponse, real: bytes, decoded: Message | None, st: _ProxyState
+        self, ws: _EdgeStream, real: bytes, decoded: Message | None, st: _ProxyState
     ) -> bool:
         """Send something hostile instead of / besides ``real``. False: the connection ends."""
         r = self.r
@@ -1042,6 +1060,43 @@ class HostileProxy:
             else:
                 await ws.send_bytes(frame)
         return True
+
+
+class _EdgeStream:
+    """The edge's side of the proxy: its one session's frames (stream prefixes taken off and
+    put back on), text and closes on the connection itself."""
+
+    def __init__(self, ws: web.WebSocketResponse) -> None:
+        self.ws = ws
+        self.sid = 1
+
+    def __aiter__(self) -> _EdgeStream:
+        return self
+
+    async def __anext__(self) -> WSMessage:
+        while True:
+            msg = await self.ws.receive()
+            if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                raise StopAsyncIteration
+            if msg.type != WSMsgType.BINARY:
+                return msg
+            try:
+                sid, payload = split(msg.data)
+            except MuxError:
+                return WSMessage(WSMsgType.ERROR, None, None)
+            if sid == 0:
+                return WSMessage(WSMsgType.CLOSE, 1000, "end")  # the edge's End
+            self.sid = sid
+            return WSMessage(WSMsgType.BINARY, payload, None)
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.ws.send_bytes(mux_frame(self.sid, data))
+
+    async def send_str(self, data: str) -> None:
+        await self.ws.send_str(data)
+
+    async def close(self, *, code: int = 1000, message: bytes = b"") -> bool:
+        return await self.ws.close(code=code, message=message)
 
 
 @dataclass
@@ -1543,15 +1598,16 @@ def corpus_frames(seed: int = 0) -> list[tuple[str, str, bytes]]:
     out.append(("verifier", "hello_again", encode(Hello(Fingerprint("t", VOCAB, "m")))))
     # The edge's side: replies to its first Propose (epoch 0, seq 0, γ = 3, greedy).
     truth = encode(Verdict(0, 0, 1, token=5), ectx)
+    VT = VERDICT_HEADER
     edge: list[tuple[str, bytes]] = [
-        ("strip_correction", pack_map({0: 0x14, 1: 0, 2: 0, 3: 1})),
-        ("accepted_over_gamma", pack_map({0: 0x14, 1: 0, 2: 0, 3: 4})),
-        ("correction_on_full", pack_map({0: 0x14, 1: 0, 2: 0, 3: 3, 6: 5})),
-        ("sparse_in_greedy", pack_map({0: 0x14, 1: 0, 2: 0, 3: 1, 4: b"\x05\x00\x00\x00\x00?"})),
+        ("strip_correction", pack_map({0: VT, 1: 0, 2: 0, 3: 1})),
+        ("accepted_over_gamma", pack_map({0: VT, 1: 0, 2: 0, 3: 4})),
+        ("correction_on_full", pack_map({0: VT, 1: 0, 2: 0, 3: 3, 6: 5})),
+        ("sparse_in_greedy", pack_map({0: VT, 1: 0, 2: 0, 3: 1, 4: b"\x05\x00\x00\x00\x00?"})),
         ("wrong_seq", encode(Verdict(0, 1, 1, token=5), ectx)),
         ("wrong_epoch", encode(Verdict(1, 0, 1, token=5), ectx)),
-        ("token_over_vocab", pack_map({0: 0x14, 1: 0, 2: 0, 3: 1, 6: VOCAB})),
-        ("sparse_nan", pack_map({0: 0x14, 1: 0, 2: 0, 3: 1, 4: b"\x05\x00\x00\x00\xc0\x7f"})),
+        ("token_over_vocab", pack_map({0: VT, 1: 0, 2: 0, 3: 1, 6: VOCAB})),
+        ("sparse_nan", pack_map({0: VT, 1: 0, 2: 0, 3: 1, 4: b"\x05\x00\x00\x00\xc0\x7f"})),
         ("federated_reply", encode(FederatedReply(0, 0, (sd, sd), np.ones(1, np.float32)), ectx)),
         ("candidates_unasked", encode(Candidates(0, 1, sd), ectx)),
         ("welcome_again", encode(Welcome(Fingerprint("t", VOCAB, "m"), "s", 4, 64, 512, 4096))),
@@ -1566,6 +1622,10 @@ def corpus_frames(seed: int = 0) -> list[tuple[str, str, bytes]]:
         edge.append((f"{i:02d}-{kind}", f))
     out += [("edge", name, f) for name, f in edge]
     return out
+
+
+#: The header byte of a Verdict frame (protocol version and type).
+VERDICT_HEADER = (PROTOCOL_VERSION << 4) | MsgType.VERDICT
 
 
 def write_corpus(folder: Path, seed: int = 0) -> int:

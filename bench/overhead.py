@@ -27,6 +27,7 @@ import torch
 from aiohttp import ClientSession, web
 
 from bench.probe import Driver, ProbeClient, auth_headers
+from bench.stream_ws import StreamWS
 from bench.verifier import WrappedTarget
 from cloud_verifier.app import STATE, build_app
 from cloud_verifier.auth import Authenticator, generate_token
@@ -109,10 +110,12 @@ async def measure(args: argparse.Namespace) -> dict[str, float]:
         target = holder[0]
         rng = np.random.default_rng(args.seed)
         async with ClientSession() as http:
-            ws = await http.ws_connect(
-                f"http://127.0.0.1:{port}/v1/session",
-                headers=auth_headers(token),
-                protocols=(SUBPROTOCOL,),
+            ws = StreamWS(
+                await http.ws_connect(
+                    f"http://127.0.0.1:{port}/v1/session",
+                    headers=auth_headers(token),
+                    protocols=(SUBPROTOCOL,),
+                )
             )
             client = ProbeClient(ws)
             hello = Hello(

@@ -75,6 +75,7 @@ from bench.harness import REPO, VerifierProcess, free_port, tiny_pair, write_tok
 from bench.oracle import GreedyPaths, OracleDrafter
 from bench.probe import Driver, ProbeClient, auth_headers
 from bench.run import TimedDrafter, parse_mode
+from bench.stream_ws import StreamWS
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.agent import EdgeAgent
 from edge_agent.config import EdgeSettings
@@ -442,7 +443,7 @@ async def probe_round_s(
     """Median round trip (s) of a probe session at ``url``: the prompt's prefill (not counted),
     then ``rounds`` stop-and-wait rounds of ``gamma`` random drafts, greedy
     (:class:`bench.probe.Driver`). Raises if the verifier refuses the session."""
-    ws = await http.ws_connect(url, protocols=(SUBPROTOCOL,), headers=auth_headers(token))
+    ws = StreamWS(await http.ws_connect(url, protocols=(SUBPROTOCOL,), headers=auth_headers(token)))
     try:
         client = ProbeClient(ws)
         await client.hello(Hello(fingerprint=fingerprint, sampling=SamplingParams(0.0), seed=seed))

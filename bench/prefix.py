@@ -43,6 +43,7 @@ import numpy as np
 from bench.harness import VerifierProcess, free_port, write_tokens
 from bench.overload import scrape
 from bench.probe import CloudOnlyDriver, ProbeClient, auth_headers
+from bench.stream_ws import StreamWS
 from bench.verifier_load import _fingerprint
 from cloud_verifier.auth import generate_token
 from edge_agent.core import hello_for
@@ -74,7 +75,9 @@ async def _turn(
 ) -> dict[str, Any]:  # fmt: skip
     """One session: ``prompt`` up, ``answer`` tokens back; its figures."""
     before = await scrape(http, proc.port)
-    ws = await http.ws_connect(proc.url, protocols=(SUBPROTOCOL,), headers=auth_headers(token))
+    ws = StreamWS(
+        await http.ws_connect(proc.url, protocols=(SUBPROTOCOL,), headers=auth_headers(token))
+    )
     client = ProbeClient(ws)
     cfg = PipelineConfig(sampling=SamplingParams(0.0))
     await client.hello(hello_for(fp, cfg, 0, end=len(prompt) + answer))

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
-from aiohttp import ClientWebSocketResponse, WSMsgType
+from aiohttp import WSMsgType
 
+from bench.stream_ws import StreamWS
 from edge_agent.core import Pipeline, SingleCore, VerifierLink, wire_context
 from edge_agent.events import Fail, Send
 from edge_agent.generation import Generation
@@ -50,7 +51,7 @@ def auth_headers(token: str) -> dict[str, str]:
 class ProbeClient:
     """Frames over one session WebSocket (``ws`` already connected with the subprotocol)."""
 
-    def __init__(self, ws: ClientWebSocketResponse[Any]) -> None:
+    def __init__(self, ws: StreamWS) -> None:
         self.ws = ws
         self.ctx: WireContext | None = None
         self.welcome: Welcome | None = None

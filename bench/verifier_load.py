@@ -46,6 +46,7 @@ import numpy as np
 
 from bench.harness import VerifierProcess, free_port, write_tokens
 from bench.probe import CloudOnlyDriver, Driver, ProbeClient, auth_headers
+from bench.stream_ws import StreamWS
 from cloud_verifier.auth import generate_token
 from edge_agent.generation import TokenSource
 from shared.wire.params import SamplingParams
@@ -104,7 +105,7 @@ async def _session(
     http: aiohttp.ClientSession, url: str, token: str, fp: Fingerprint, seed: int, end: int = 0
 ) -> ProbeClient:
     """A greedy session; ``end`` > 0: co-generation up to that position (cloud-only)."""
-    ws = await http.ws_connect(url, protocols=(SUBPROTOCOL,), headers=auth_headers(token))
+    ws = StreamWS(await http.ws_connect(url, protocols=(SUBPROTOCOL,), headers=auth_headers(token)))
     client = ProbeClient(ws)
     hello = Hello(fingerprint=fp, sampling=SamplingParams(0.0), seed=seed, cogen_end=end)
     await client.hello(hello)

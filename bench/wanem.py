@@ -57,12 +57,14 @@ from typing import Any, Final, Literal
 __all__ = [
     "DEFAULT_BANDWIDTH_BPS",
     "ConnectionInfo",
+    "Crossing",
     "Direction",
     "JitterDist",
     "LinkConfig",
     "WanEmulator",
     "WanStats",
     "main",
+    "round_trips",
 ]
 
 log = logging.getLogger(__name__)
@@ -185,6 +187,41 @@ class WanStats:
 
 
 @dataclass(frozen=True)
+class Crossing:
+    """Bytes that crossed the link: ``conn``'s bytes in ``direction``, handed to the emulator
+    by their sender at ``fed_at`` (the latest of them) and delivered at ``delivered_at`` (loop
+    time). The emulator keeps these when made with ``trace=True``."""
+
+    conn: int
+    direction: Direction
+    fed_at: float
+    delivered_at: float
+    nbytes: int
+
+
+def round_trips(crossings: Sequence[Crossing], conn: int, since: float, until: float) -> float:
+    """Round trips on ``conn``'s critical path to the last downlink delivery at or before
+    ``until``, counted back to ``since``: each step goes from a delivery to the latest delivery
+    the other way that reached its sender before it sent it (what it may have waited for), and
+    stops at bytes sent before ``since``. Two crossings are one round trip; a connection's TCP
+    handshake (``handshake_rtt``) is not a crossing and is not counted here."""
+    mine = [c for c in crossings if c.conn == conn]
+    downs = [c for c in mine if c.direction == "down" and since <= c.delivered_at <= until]
+    if not downs:
+        return 0.0
+    step: Crossing | None = downs[-1]
+    n = 0
+    while step is not None and step.fed_at >= since:
+        n += 1
+        other = "up" if step.direction == "down" else "down"
+        before = [
+            c for c in mine if c.direction == other and since <= c.delivered_at <= step.fed_at
+        ]
+        step = before[-1] if before else None
+    return n / 2
+
+
+@dataclass(frozen=True)
 class ConnectionInfo:
     id: int
     peer: object
@@ -209,7 +246,7 @@ class _Marker:
 
 
 _EOF: Final = _Marker("eof")
-_QueueItem = tuple[float, "memoryview | _Marker"]
+_QueueItem = tuple[float, "memoryview | _Marker", float]  # (deliver at, item, fed at)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -387,7 +424,7 @@ class _Pipe:
         when = max(when, self.last_when)
         self.last_when = when
         was_empty = not self.queue
-        self.queue.append((when, item))
+        self.queue.append((when, item, self.conn.emu.loop_time()))
         if was_empty:
             self.kick()  # the head changed; otherwise the writer's wake-up time stands
 
@@ -441,16 +478,20 @@ class _Pipe:
             horizon = now + _SLACK_S
             parts: list[memoryview] = []
             nbytes = 0
+            fed = 0.0
             marker: _Marker | None = None
             while queue and queue[0][0] <= horizon and nbytes < _MAX_BATCH_BYTES:
-                item = queue.popleft()[1]
+                _, item, fed_at = queue.popleft()
                 if isinstance(item, _Marker):
                     marker = item
                     break
                 parts.append(item)
                 nbytes += len(item)
+                fed = max(fed, fed_at)
             if nbytes:
                 self._write(parts, nbytes)
+                if emu.crossings is not None:
+                    emu.crossings.append(Crossing(self.conn.id, self.direction, fed, now, nbytes))
             if marker is not None:
                 await self._deliver(marker)
             elif nbytes:
@@ -603,8 +644,11 @@ class WanEmulator:
         *,
         listen_host: str = "127.0.0.1",
         listen_port: int = 0,
+        trace: bool = False,
     ) -> None:
+        """``trace``: keep every crossing (``crossings``), to count round trips."""
         self.upstream = upstream
+        self.crossings: list[Crossing] | None = [] if trace else None
         self.listen_host = listen_host
         self.listen_port = listen_port
         self._link = link if link is not None else LinkConfig()

@@ -65,6 +65,24 @@ from shared.runtime.device import DeviceUnavailable
 from shared.service.metrics import CONTENT_TYPE
 from shared.service.sdnotify import Notifier
 from shared.service.status import ServiceStatus
+from shared.wire.mux import (
+    MAX_PREFIX,
+    OLD_SUBPROTOCOLS,
+    Data,
+    End,
+    Ended,
+    MuxError,
+    MuxEvent,
+    Opened,
+    Overflow,
+    Ready,
+    Refused,
+    ServerMux,
+    encode_control,
+    frame,
+    old_protocol_message,
+    stream_window,
+)
 from shared.wire.protocol import (
     SUBPROTOCOL,
     Error,
@@ -126,6 +144,10 @@ class VerifierState:
     connections: int = 0  # upgraded or upgrading: counted against max_sessions
     #: Connections per token key (``Authenticator.identify``), against max_sessions_per_token.
     per_token: dict[str, int] = field(default_factory=dict)
+    #: Sessions (streams) admitted and not yet over, against max_sessions, and per token key,
+    #: against max_sessions_per_token.
+    streams: int = 0
+    token_streams: dict[str, int] = field(default_factory=dict)
     #: The token key of each upgraded WebSocket (to close a revoked token's sessions).
     ws_token: dict[web.WebSocketResponse, str] = field(default_factory=dict)
     #: Tasks closing the sessions of revoked tokens.
@@ -471,10 +493,10 @@ async def drain(state: VerifierState, timeout_s: float, poll_s: float = 0.1) -> 
     state.set_status(ServiceStatus.STOPPING, "draining: no new sessions")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    log.info("draining: %d session(s) open, up to %.3g s", state.connections, timeout_s)
-    while state.connections and (left := deadline - loop.time()) > 0:
+    log.info("draining: %d session(s) open, up to %.3g s", state.streams, timeout_s)
+    while state.streams and (left := deadline - loop.time()) > 0:
         await asyncio.sleep(min(poll_s, left))
-    log.info("drained: %d session(s) left to close", state.connections)
+    log.info("drained: %d session(s) left to close", state.streams)
 
 
 # ---------------------------------------------------------------------------- lost sessions
@@ -632,13 +654,30 @@ def _upgrade_requested(request: web.Request) -> bool:
     return "websocket" in request.headers.get(hdrs.UPGRADE, "").lower()
 
 
-def _offers_subprotocol(request: web.Request) -> bool:
+def _offered(request: web.Request) -> list[str]:
     offered = request.headers.getall(hdrs.SEC_WEBSOCKET_PROTOCOL, ())
-    return any(p.strip() == SUBPROTOCOL for value in offered for p in value.split(","))
+    return [p.strip() for value in offered for p in value.split(",") if p.strip()]
+
+
+def _offers_subprotocol(request: web.Request) -> bool:
+    return SUBPROTOCOL in _offered(request)
+
+
+def _wrong_subprotocol(request: web.Request) -> web.HTTPException:
+    """400 for a client without this protocol's subprotocol; one that offers an earlier
+    version is told both versions."""
+    old = [p for p in _offered(request) if p in OLD_SUBPROTOCOLS]
+    text = (
+        old_protocol_message(old[0])
+        if old
+        else f"the WebSocket subprotocol {SUBPROTOCOL} is required"
+    )
+    return web.HTTPBadRequest(text=text + "\n")
 
 
 async def session_handler(request: web.Request) -> web.StreamResponse:
-    """Authenticate, check capacity and subprotocol, then upgrade and run one session."""
+    """Authenticate, check capacity and subprotocol, then upgrade and serve one connection:
+    its sessions (streams, :mod:`shared.wire.mux`) until it closes."""
     state = request.app[STATE]
     s = state.settings
     # Nothing is created before the token checks out.
@@ -670,12 +709,13 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
                 headers={hdrs.RETRY_AFTER: "5"},
             ),
         )
+    # Connections are bounded like sessions (each carries one at least, while it is of use).
     if s.max_sessions_per_token and state.per_token.get(key, 0) >= s.max_sessions_per_token:
         raise _refuse(
             state,
             "token_limit",
             web.HTTPTooManyRequests(
-                text=f"this token already holds {s.max_sessions_per_token} sessions "
+                text=f"this token already holds {s.max_sessions_per_token} connections "
                 "(max_sessions_per_token)\n",
                 headers={hdrs.RETRY_AFTER: "1"},
             ),
@@ -685,37 +725,25 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
             state,
             "busy",
             web.HTTPServiceUnavailable(
-                text=f"session limit {s.max_sessions} reached\n", headers={hdrs.RETRY_AFTER: "1"}
-            ),
-        )
-    if state.engine.pages_free == 0 and not _make_room(state):
-        raise _refuse(
-            state,
-            "kv_full",
-            web.HTTPServiceUnavailable(
-                text="the KV cache is full (every page is held by a session)\n",
+                text=f"connection limit {s.max_sessions} reached\n",
                 headers={hdrs.RETRY_AFTER: "1"},
             ),
         )
-    if s.max_queue_delay > 0:
-        delay = state.engine.queue_delay_s()
-        state.metrics.queue_delay.set(delay)
-        if delay > s.max_queue_delay:
-            # Retry-After: about when the queue will have drained (each edge adds its own jitter).
-            after = max(1, min(60, math.ceil(delay)))
-            raise _refuse(
-                state,
-                "overloaded",
-                web.HTTPServiceUnavailable(
-                    text=f"overloaded: the model queue is {delay:.1f} s deep "
-                    f"(max_queue_delay {s.max_queue_delay:g} s)\n",
-                    headers={hdrs.RETRY_AFTER: str(after)},
-                ),
-                request,
-            )
+    refusal = _admission(state, key)
+    if refusal is not None and refusal.code in (ErrorCode.KV_FULL, ErrorCode.OVERLOADED):
+        # No session could start here now: say so before the upgrade, as to a busy HTTP API.
+        raise _refuse(
+            state,
+            refusal.code,
+            web.HTTPServiceUnavailable(
+                text=refusal.message + "\n",
+                headers={hdrs.RETRY_AFTER: str(math.ceil(refusal.retry_after or 1))},
+            ),
+            request if refusal.code == ErrorCode.OVERLOADED else None,
+        )
     ws = web.WebSocketResponse(
         protocols=(SUBPROTOCOL,),
-        max_msg_size=s.max_frame,
+        max_msg_size=s.max_frame + MAX_PREFIX,
         timeout=s.close_timeout,
         heartbeat=s.heartbeat or None,
         compress=False,  # frames are tens of bytes; deflate would only add latency
@@ -730,11 +758,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
             ),
         )
     if not _offers_subprotocol(request):  # (before aiohttp, which logs a warning for it)
-        raise _refuse(
-            state,
-            "subprotocol",
-            web.HTTPBadRequest(text=f"the WebSocket subprotocol {SUBPROTOCOL} is required\n"),
-        )
+        raise _refuse(state, "subprotocol", _wrong_subprotocol(request))
     try:
         ready = ws.can_prepare(request)
     except (UnicodeError, ValueError):
@@ -750,18 +774,14 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
             web.HTTPBadRequest(text="malformed WebSocket upgrade (version or key)\n"),
         )
     if ready.protocol != SUBPROTOCOL:
-        raise _refuse(
-            state,
-            "subprotocol",
-            web.HTTPBadRequest(text=f"the WebSocket subprotocol {SUBPROTOCOL} is required\n"),
-        )
+        raise _refuse(state, "subprotocol", _wrong_subprotocol(request))
     state.connections += 1
     state.per_token[key] = state.per_token.get(key, 0) + 1
     try:
         await ws.prepare(request)
         state.websockets[ws] = request.transport
         state.ws_token[ws] = key
-        await _run_session(_Peer(ws, request.transport), state, key)
+        await _serve_connection(_Conn(ws, request.transport, state), key)
     finally:
         state.connections -= 1
         state.per_token[key] -= 1
@@ -772,7 +792,46 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     return ws
 
 
-# ---------------------------------------------------------------------------- the session loop
+def _admission(state: VerifierState, key: str) -> Error | None:
+    """Why a new session of token ``key`` cannot start now (a fatal Error with the
+    Retry-After it names: busy, not down), or None."""
+    s = state.settings
+    if state.status != ServiceStatus.READY:
+        code = ErrorCode.STOPPING if state.status == ServiceStatus.STOPPING else ErrorCode.LOADING
+        return Error(code, f"the verifier is {state.status}: {state.reason}", True, 5.0)
+    if s.max_sessions_per_token and state.token_streams.get(key, 0) >= s.max_sessions_per_token:
+        return Error(
+            ErrorCode.TOKEN_LIMIT,
+            f"this token already holds {s.max_sessions_per_token} sessions "
+            "(max_sessions_per_token)",
+            True,
+            1.0,
+        )
+    if state.streams >= s.max_sessions:
+        return Error(ErrorCode.BUSY, f"session limit {s.max_sessions} reached", True, 1.0)
+    if state.engine.pages_free == 0 and not _make_room(state):
+        return Error(
+            ErrorCode.KV_FULL,
+            "the KV cache is full (every page is held by a session)",
+            True,
+            1.0,
+        )
+    if s.max_queue_delay > 0:
+        delay = state.engine.queue_delay_s()
+        state.metrics.queue_delay.set(delay)
+        if delay > s.max_queue_delay:
+            # Retry-After: about when the queue will have drained (each edge adds its own jitter).
+            return Error(
+                ErrorCode.OVERLOADED,
+                f"overloaded: the model queue is {delay:.1f} s deep "
+                f"(max_queue_delay {s.max_queue_delay:g} s)",
+                True,
+                float(max(1, min(60, math.ceil(delay)))),
+            )
+    return None
+
+
+# ---------------------------------------------------------------------------- a connection
 
 
 def _close_reason(text: str) -> bytes:
@@ -781,17 +840,9 @@ def _close_reason(text: str) -> bytes:
     return raw if len(raw) <= 123 else raw[:120].decode("utf-8", "ignore").encode() + b"..."
 
 
-@dataclass(frozen=True)
-class _Peer:
-    """One upgraded connection: the WebSocket and the TCP transport under it (for its send
-    buffer)."""
-
-    ws: web.WebSocketResponse
-    transport: asyncio.BaseTransport | None
-
-
 class SlowReader(WanspecError):
-    """The peer does not read what it is sent: its session is closed to keep memory bounded."""
+    """The peer does not read what it is sent: its connection is closed to keep memory
+    bounded."""
 
 
 def _buffered(transport: asyncio.BaseTransport | None) -> int:
@@ -826,55 +877,268 @@ async def _close(
         _abort(transport)  # unread bytes would otherwise be held until TCP gives up
 
 
-async def _send(peer: _Peer, state: VerifierState, data: bytes) -> None:
+class _Conn:
+    """One upgraded connection: the WebSocket, the TCP transport under it (for its send
+    buffer), its streams' rules (:class:`~shared.wire.mux.ServerMux`) and its sessions."""
+
+    def __init__(
+        self,
+        ws: web.WebSocketResponse,
+        transport: asyncio.BaseTransport | None,
+        state: VerifierState,
+    ) -> None:
+        s = state.settings
+        self.ws, self.transport, self.state = ws, transport, state
+        self.mux = ServerMux(s.max_streams, stream_window(s.stream_window, s.max_frame))
+        self.streams: dict[int, _Stream] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def send(self, data: bytes) -> None:
+        """One message, within ``send_timeout``; a peer that reads nothing, or lets more than
+        ``max_send_buffer`` bytes queue, is a SlowReader (its connection is closed)."""
+        s = self.state.settings
+        try:
+            await asyncio.wait_for(self.ws.send_bytes(data), s.send_timeout)
+        except asyncio.TimeoutError:
+            raise SlowReader(f"the peer read nothing for {s.send_timeout:g} s") from None
+        buffered = _buffered(self.transport)
+        if buffered > s.max_send_buffer:
+            raise SlowReader(
+                f"{buffered} unread bytes queued (max_send_buffer {s.max_send_buffer})"
+            )
+        self.state.metrics.bytes_sent.inc(len(data))
+        self.state.metrics.frames_sent.inc()
+
+    async def end(self, stream: int, code: int, reason: str) -> None:
+        """End ``stream`` from this side (nothing if it is over already)."""
+        if self.mux.end(stream):
+            with contextlib.suppress(ConnectionError):
+                await self.send(encode_control(End(stream, code, reason[:200])))
+
+    async def close(self, code: int, reason: str) -> None:
+        await _close(self.ws, self.transport, self.state, code, _close_reason(reason))
+
+    async def slow_reader(self, e: SlowReader) -> None:
+        self.state.metrics.slow_readers.inc()
+        log.warning("closing a connection that does not read: %s", e)
+        await self.close(WSCloseCode.POLICY_VIOLATION, f"slow_reader: {e}")
+        _abort(self.transport)
+
+
+#: A session's inbound queue: its frames, then (once it is over) how it ended.
+_Inbox = asyncio.Queue[WSMessage]
+
+
+class _Stream:
+    """One session on a connection, as the session loop sees its peer: frames in order (from
+    the connection's reader), a send that prefixes its stream id, a close that ends only it."""
+
+    def __init__(self, conn: _Conn, stream: int) -> None:
+        self.conn, self.stream = conn, stream
+        self.inbox: _Inbox = asyncio.Queue()
+        #: How the peer ended it (an End's code, or ABNORMAL_CLOSURE when the connection went);
+        #: None while open.
+        self.close_code: int | None = None
+        self.ended_here = False
+
+    def deliver(self, payload: bytes) -> None:
+        self.inbox.put_nowait(WSMessage(WSMsgType.BINARY, payload, None))
+
+    def finish(self, code: int, reason: str = "") -> None:
+        """The peer ended it (or the connection is gone): the session loop sees a close."""
+        if self.close_code is None:
+            self.close_code = code
+            self.inbox.put_nowait(WSMessage(WSMsgType.CLOSED, code, reason))
+
+    @property
+    def lost(self) -> bool:
+        """Ended by the connection's loss or an edge's abnormal End, not a normal end: the
+        session is kept for resumption (a normal End, 1000, means the edge is done)."""
+        return (
+            not self.ended_here
+            and self.close_code is not None
+            and self.close_code != WSCloseCode.OK
+        )
+
+    async def receive(self) -> WSMessage:
+        msg = await self.inbox.get()
+        if msg.type == WSMsgType.BINARY:
+            update = self.conn.mux.consumed(self.stream, len(msg.data))
+            if update is not None:
+                await self.conn.send(encode_control(update))
+        return msg
+
+    async def send(self, data: bytes) -> None:
+        await self.conn.send(frame(self.stream, data))
+
+    async def close(self, code: int, reason: str) -> None:
+        self.ended_here = True
+        await self.conn.end(self.stream, code, reason)
+
+
+async def _serve_connection(conn: _Conn, tenant: str) -> None:
+    """Read the connection's messages and hand each stream's frames to its session, each a task
+    owned here; on the way out (the peer closed, a connection-level fault, shutdown) every
+    session sees its stream end (kept for resumption unless its edge ended it) and is awaited."""
+    state, ws = conn.state, conn.ws
     s = state.settings
+    target = state.engine.require_target()
+    await conn.send(
+        encode_control(
+            Ready(
+                target.fingerprint,
+                max_gamma=s.max_gamma,
+                max_fixed=s.max_fixed,
+                max_context=state.engine.max_context,
+                max_frame=s.max_frame,
+                max_streams=s.max_streams,
+                window=conn.mux.window,
+            )
+        )
+    )
     try:
-        await asyncio.wait_for(peer.ws.send_bytes(data), s.send_timeout)
-    except asyncio.TimeoutError:
-        raise SlowReader(f"the peer read nothing for {s.send_timeout:g} s") from None
-    buffered = _buffered(peer.transport)
-    if buffered > s.max_send_buffer:
-        raise SlowReader(f"{buffered} unread bytes queued (max_send_buffer {s.max_send_buffer})")
-    state.metrics.bytes_sent.inc(len(data))
-    state.metrics.frames_sent.inc()
+        while True:
+            msg = await ws.receive()
+            if msg.type in _ENDED:
+                return
+            if msg.type == WSMsgType.ERROR:
+                # e.g. a frame over max_frame: aiohttp has closed the socket with a code already.
+                state.metrics.bad_frames.inc()
+                log.info("connection: transport error %s", ws.exception())
+                return
+            if msg.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
+                continue
+            _count_in(state, msg.data)
+            try:
+                if msg.type == WSMsgType.TEXT:
+                    raise MuxError("a text message (wanspec frames are binary)")
+                events = conn.mux.receive(msg.data)
+            except MuxError as e:
+                state.metrics.bad_frames.inc()
+                log.info("closing a connection that broke the stream rules: %s", e)
+                await conn.close(WSCloseCode.POLICY_VIOLATION, f"bad_frame: {e}")
+                return
+            for ev in events:
+                await _on_mux_event(conn, tenant, ev)
+    except SlowReader as e:
+        await conn.slow_reader(e)
+    finally:
+        for st in conn.streams.values():
+            st.finish(WSCloseCode.ABNORMAL_CLOSURE, "connection lost")
+        await _await_sessions(conn)
 
 
-async def _send_msg(peer: _Peer, state: VerifierState, msg: Message, core: VerifierCore) -> None:
+async def _await_sessions(conn: _Conn) -> None:
+    """Let the sessions see their end and park (bounded: then they are cancelled)."""
+    if not conn.tasks:
+        return
+    _, pending = await asyncio.wait(set(conn.tasks), timeout=conn.state.settings.close_timeout)
+    for t in pending:
+        t.cancel()
+    for t in list(conn.tasks):
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await t
+
+
+async def _on_mux_event(conn: _Conn, tenant: str, ev: MuxEvent) -> None:
+    state = conn.state
+    if isinstance(ev, Data):
+        conn.streams[ev.stream].deliver(ev.payload)
+    elif isinstance(ev, Ended):
+        st = conn.streams.get(ev.stream)
+        if st is not None:
+            st.finish(ev.code, ev.reason)
+    elif isinstance(ev, Opened):
+        refusal = _admission(state, tenant)
+        if refusal is not None:
+            await _refuse_stream(conn, ev.stream, refusal)
+            return
+        st = conn.streams[ev.stream] = _Stream(conn, ev.stream)
+        state.streams += 1
+        state.token_streams[tenant] = state.token_streams.get(tenant, 0) + 1
+        st.deliver(ev.payload)
+        task = asyncio.create_task(_stream_task(st, tenant), name=f"wanspec-stream-{ev.stream}")
+        conn.tasks.add(task)
+        task.add_done_callback(conn.tasks.discard)
+    elif isinstance(ev, Refused):
+        err = Error(
+            ErrorCode.BUSY,
+            f"{state.settings.max_streams} sessions are open on this connection (max_streams)",
+            True,
+            1.0,
+        )
+        await _refuse_stream(conn, ev.stream, err, opened=False)
+    elif isinstance(ev, Overflow):
+        st = conn.streams[ev.stream]
+        st.ended_here = True
+        st.finish(WSCloseCode.POLICY_VIOLATION, "flow control")
+        state.metrics.bad_frames.inc()
+        err = Error(
+            ErrorCode.FLOW_CONTROL,
+            f"{ev.queued} bytes sent past this session's window of {conn.mux.window}",
+            True,
+        )
+        await _tell(conn, ev.stream, err)
+        # (the mux has forgotten the stream: the End is sent here)
+        await conn.send(
+            encode_control(End(ev.stream, WSCloseCode.POLICY_VIOLATION, "flow_control"))
+        )
+
+
+async def _tell(conn: _Conn, stream: int, err: Error) -> None:
+    conn.state.metrics.errors_sent.inc(code=err.code)
+    with contextlib.suppress(ConnectionError):
+        await conn.send(frame(stream, encode(err)))
+
+
+async def _refuse_stream(conn: _Conn, stream: int, err: Error, *, opened: bool = True) -> None:
+    """A new session refused: its Error (with Retry-After) and the stream's End."""
+    state = conn.state
+    state.metrics.sessions_refused.inc(reason=err.code)
+    state.refusal_log.log(log, logging.INFO, "refused a session: %s (%s)", err.code, err.message)
+    await _tell(conn, stream, err)
+    if opened:
+        await conn.end(stream, WSCloseCode.TRY_AGAIN_LATER, err.code)
+    else:
+        await conn.send(encode_control(End(stream, WSCloseCode.TRY_AGAIN_LATER, err.code)))
+
+
+async def _stream_task(st: _Stream, tenant: str) -> None:
+    conn, state = st.conn, st.conn.state
+    try:
+        await _run_session(st, state, tenant)
+    except SlowReader as e:
+        await conn.slow_reader(e)
+    except ConnectionError:
+        pass
+    finally:
+        state.streams -= 1
+        state.token_streams[tenant] -= 1
+        if not state.token_streams[tenant]:
+            del state.token_streams[tenant]
+        conn.streams.pop(st.stream, None)
+        conn.mux.end(st.stream)
+
+
+# ---------------------------------------------------------------------------- the session loop
+
+
+async def _send(peer: _Stream, state: VerifierState, data: bytes) -> None:
+    await peer.send(data)
+
+
+async def _send_msg(peer: _Stream, state: VerifierState, msg: Message, core: VerifierCore) -> None:
     if isinstance(msg, Error):
         state.metrics.errors_sent.inc(code=msg.code)
     await _send(peer, state, encode(msg) if core.ctx is None else encode(msg, core.ctx))
 
 
-async def _fatal(peer: _Peer, state: VerifierState, close: Close, core: VerifierCore) -> None:
-    """Tell the peer why (unless the close is a normal one), then close, bounded in time."""
-    try:
+async def _fatal(peer: _Stream, state: VerifierState, close: Close, core: VerifierCore) -> None:
+    """Tell the peer why (unless the close is a normal one), then end the session's stream."""
+    with contextlib.suppress(ConnectionError):
         if close.code != CLOSE_OK:
             await _send_msg(peer, state, close.error, core)
-    except ConnectionError:
-        pass  # the peer is gone: nobody to tell
-    except SlowReader as e:
-        await _slow_reader(peer, state, e)
-        return
-    await _close(
-        peer.ws,
-        peer.transport,
-        state,
-        close.code,
-        _close_reason(f"{close.error.code}: {close.error.message}"),
-    )
-
-
-async def _slow_reader(peer: _Peer, state: VerifierState, e: SlowReader) -> None:
-    state.metrics.slow_readers.inc()
-    log.warning("closing a session that does not read: %s", e)
-    await _close(
-        peer.ws,
-        peer.transport,
-        state,
-        WSCloseCode.POLICY_VIOLATION,
-        _close_reason(f"slow_reader: {e}"),
-    )
-    _abort(peer.transport)
+    await peer.close(close.code, f"{close.error.code}: {close.error.message}")
 
 
 def _count_in(state: VerifierState, data: bytes | str) -> None:
@@ -977,7 +1241,7 @@ async def _run_work(state: VerifierState, live: LiveSession, work: Work) -> list
 
 
 async def _act(
-    peer: _Peer, state: VerifierState, live: LiveSession, events: list[Event], t0: float
+    peer: _Stream, state: VerifierState, live: LiveSession, events: list[Event], t0: float
 ) -> Work | None:
     """Carry out the core's events in order: notes, sends, a close. Returns the model work the
     core asked for (at most one: it is BUSY until its result), for the caller to start."""
@@ -1002,16 +1266,13 @@ async def _act(
     return work
 
 
-async def _next_frame(ws: web.WebSocketResponse, core: VerifierCore) -> WSMessage | None:
-    """The next message from the peer, or None once the core's idle deadline has passed.
-
-    Pings and pongs are handled inside ``ws.receive`` and do not count as activity; its own
-    ``timeout`` restarts after each of them (a heartbeat would keep a silent session alive
-    forever), so the deadline is enforced around the whole call."""
+async def _next_frame(peer: _Stream, core: VerifierCore) -> WSMessage | None:
+    """The next message from the peer, or None once the core's idle deadline has passed (the
+    connection's pings never count as a session's activity)."""
     while True:
         deadline = core.idle_deadline()
         if deadline is None:
-            return await ws.receive()
+            return await peer.receive()
         left = deadline - time.monotonic()
         if left <= 0:
             return None
@@ -1019,8 +1280,8 @@ async def _next_frame(ws: web.WebSocketResponse, core: VerifierCore) -> WSMessag
             # A message that arrives as the deadline passes stays queued in the reader.
             if sys.version_info >= (3, 11):
                 async with asyncio.timeout(left):  # no extra task per frame
-                    return await ws.receive()
-            return await asyncio.wait_for(ws.receive(), left)
+                    return await peer.receive()
+            return await asyncio.wait_for(peer.receive(), left)
 
 
 _ENDED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
@@ -1034,7 +1295,7 @@ async def _cancel(task: asyncio.Task[Any] | None) -> None:
 
 
 async def _session_loop(
-    peer: _Peer, state: VerifierState, live: LiveSession, events: list[Event]
+    peer: _Stream, state: VerifierState, live: LiveSession, events: list[Event]
 ) -> None:
     """Read frames and run the session's model work at the same time.
 
@@ -1046,7 +1307,7 @@ async def _session_loop(
     read waits with the core's idle deadline, so it is restarted when the core goes from BUSY
     (no deadline) to OPEN. While model work waits or runs, the engine's word on it goes to the
     core when a Progress frame is due."""
-    core, ws = live.core, peer.ws
+    core = live.core
     work: asyncio.Task[list[Event]] | None = None
     read: asyncio.Task[WSMessage | None] | None = None
     t0 = started = time.perf_counter()
@@ -1060,7 +1321,7 @@ async def _session_loop(
                 work = asyncio.create_task(_run_work(state, live, asked))
                 started = time.perf_counter()
             if read is None and (work is None or core.queued < READ_AHEAD):
-                read = asyncio.create_task(_next_frame(ws, core))
+                read = asyncio.create_task(_next_frame(peer, core))
             due = core.progress_due() if work is not None else None
             timeout = None if due is None else max(0.0, due - time.monotonic())
             done, _ = await asyncio.wait(
@@ -1090,15 +1351,7 @@ async def _session_loop(
                 continue
             if msg.type in _ENDED:
                 return
-            if msg.type == WSMsgType.ERROR:
-                # e.g. a frame over max_frame: aiohttp has closed the socket with a code already.
-                state.metrics.bad_frames.inc()
-                log.info("session %s: transport error %s", core.session_id, ws.exception())
-                return
-            if msg.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
-                continue
             t0 = time.perf_counter()
-            _count_in(state, msg.data)
             events = core.receive(msg.data, time.monotonic())
     finally:
         await _cancel(work)
@@ -1142,22 +1395,19 @@ async def _adopt(
     return slot, tokens
 
 
-async def _run_session(peer: _Peer, state: VerifierState, tenant: str = "") -> None:
+async def _run_session(peer: _Stream, state: VerifierState, tenant: str = "") -> None:
     s = state.settings
-    ws = peer.ws
     token = secrets.token_hex(16) if s.resume_grace > 0 else None
     core = _new_core(state, token)
     try:
-        # Around the call, not ws.receive(timeout=...): that one restarts after every pong.
-        first = await asyncio.wait_for(ws.receive(), s.handshake_timeout)
+        first = await asyncio.wait_for(peer.receive(), s.handshake_timeout)
     except asyncio.TimeoutError:
         state.metrics.sessions_refused.inc(reason="handshake")
         err = Error(ErrorCode.BAD_HANDSHAKE, f"no Hello within {s.handshake_timeout} s", fatal=True)
         await _fatal(peer, state, Close(err), core)
         return
-    if first.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
-        return  # closed before saying anything
-    _count_in(state, first.data)
+    if first.type != WSMsgType.BINARY:
+        return  # ended before saying anything
     events = core.receive(first.data, time.monotonic())
     if core.closed or core.hello is None:
         for ev in events:
@@ -1187,16 +1437,15 @@ async def _run_session(peer: _Peer, state: VerifierState, tenant: str = "") -> N
         h.sampling,
         f", resumed {core.resumed} tokens" if core.resumed else "",
     )
-    # Kept for resumption unless the edge closed normally (1000: it is done; aiohttp also
-    # reads a bare TCP close so) or this side ended it (a slow reader, an internal error, or
-    # the core's own close). The close code decides, not the way the handler ends: a server
-    # may cancel the handler as the connection goes.
+    # Kept for resumption when the connection was lost (or the edge ended the stream
+    # abnormally), not when the edge ended it normally (End 1000: it is done) or this side
+    # ended it (a slow reader, an internal error, or the core's own close).
     ours = False
     try:
         await _session_loop(peer, state, live, events)
     except SlowReader as e:
         ours = True
-        await _slow_reader(peer, state, e)
+        await peer.conn.slow_reader(e)
     except ConnectionError:
         log.info("session %s: connection lost", core.session_id)
     except Exception as e:
@@ -1210,7 +1459,7 @@ async def _run_session(peer: _Peer, state: VerifierState, tenant: str = "") -> N
         await _fatal(peer, state, Close(err, WSCloseCode.INTERNAL_ERROR), core)
     finally:
         del state.sessions[core.session_id]
-        lost = not ours and not core.closed and ws.close_code != WSCloseCode.OK
+        lost = not ours and not core.closed and peer.lost
         lost = lost and core.hello.resumable  # an edge that cannot resume gets nothing kept
         kept = lost and token is not None and _park(state, token, slot, tenant)
         if not kept:

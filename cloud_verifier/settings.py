@@ -52,6 +52,13 @@ class VerifierSettings:
     # over gloo), transformers' own TP, started with torchrun (cloud_verifier.tp).
     tp: int = field(default=1, metadata=_b(1, 64))
     max_sessions: int = field(default=64, metadata=_b(1))  # also the engine's session slots
+    # Sessions (streams) one connection may carry at once: an edge keeps one connection warm
+    # and opens each request's session on it (more: that session is refused, busy).
+    max_streams: int = field(default=64, metadata=_b(1, 65536))
+    # Bytes of session frames one stream may have sent and not yet read by its session
+    # (HTTP/2's per-stream window; at least twice max_frame): a flood past it ends that session
+    # alone (flow_control), and a connection holds at most max_streams windows.
+    stream_window: int = field(default=1 << 20, metadata=_b(4096, 1 << 30))
     # One batched forward holds at most this many sessions and this many padded tokens
     # (sessions × longest row); 1 = the serial engine (one session per forward).
     max_batch_sessions: int = field(default=64, metadata=_b(1))

@@ -35,11 +35,19 @@ from edge_agent.link import TokenRefused, VerifierBusy
 from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy
 from edge_agent.tasks import ModelWorker
-from edge_agent.transport import LinkClosed, Transport
+from edge_agent.transport import LinkClosed, Transport, announced_welcome
 from shared.errors import FATAL_CODES
-from shared.wire.protocol import Fingerprint, Hello, ProtocolError, Resume
+from shared.wire.protocol import Fingerprint, Hello, ProtocolError, Resume, encode
 
 __all__ = ["Connect", "EdgeAgent", "HandshakeError", "RetryPolicy"]
+
+
+def _resume_token(core: SingleCore | None, known: str | None) -> str | None:
+    """The token to resume a failed session with: its Welcome's, once that came."""
+    if core is not None and core.resume_token is not None:
+        return core.resume_token
+    return known
+
 
 log = logging.getLogger("wanspec.edge")
 
@@ -153,6 +161,7 @@ class EdgeAgent:
             session_no += 1
             committed_before = len(gen.committed)
             transport: Transport | None = None
+            core: SingleCore | None = None
             try:
                 transport = await self.connect()
                 resume = None
@@ -160,14 +169,21 @@ class EdgeAgent:
                     resume = Resume(resume_token, len(gen.committed))
                 hello = self.hello(cfg, vseed, len(gen.committed) + gen.room, resume)
                 resume_token = None
-                welcome = await handshake(transport, hello, policy.handshake_timeout_s)
-                resume_token = welcome.resume
+                welcome = announced_welcome(transport)
+                provisional = welcome is not None and resume is None
+                if welcome is not None and provisional:
+                    # Zero round trips: the Hello leaves with the first Propose; the session's
+                    # own Welcome (or its refusal) is its first frame back.
+                    await transport.send(encode(hello))
+                else:
+                    welcome = await handshake(transport, hello, policy.handshake_timeout_s)
+                    resume_token = welcome.resume
                 if len(gen.committed) > welcome.max_fixed:
                     raise HandshakeError(
                         f"{len(gen.committed)} committed tokens exceed the verifier's limit of "
                         f"{welcome.max_fixed} fixed tokens per Propose"
                     )
-                core = SingleCore(gen, cfg, rng, hello, welcome)
+                core = SingleCore(gen, cfg, rng, hello, welcome, provisional=provisional)
                 await run_single(
                     core,
                     self.drafter,
@@ -181,10 +197,12 @@ class EdgeAgent:
                 resume_token = None  # that session is not to be trusted or is stuck
                 await self._failed(gen, cfg, rng, outage, jitter, e, committed_before)
             except (LinkClosed, asyncio.TimeoutError, OSError) as e:
+                resume_token = _resume_token(core, resume_token)
                 await self._failed(gen, cfg, rng, outage, jitter, e, committed_before)
             except VerifierError as e:
                 if e.fatal and e.code in FATAL_CODES:
                     raise
+                resume_token = _resume_token(core, resume_token)
                 await self._failed(gen, cfg, rng, outage, jitter, e, committed_before)
             finally:
                 if transport is not None:

@@ -51,7 +51,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, NoReturn
 
 import numpy as np
 
@@ -59,6 +59,7 @@ from edge_agent.controller import Controller, ControllerLimits
 from edge_agent.events import EdgeEvent, Fail, Send
 from edge_agent.generation import Generation, TokenSource
 from edge_agent.pipeline_config import Mode, PipelineConfig, max_inflight
+from edge_agent.transport import VerifierBusy
 from shared.enums import TextEnum
 from shared.errors import FATAL_CODES, WanspecError
 from shared.maths.rejection import Decision, recover, try_candidates
@@ -163,6 +164,22 @@ def hello_for(
     )
 
 
+def raise_error(msg: Error, *, opening: bool = False) -> NoReturn:
+    """An Error frame as the exception it means: a busy verifier's refusal (``retry_after``)
+    is :class:`~edge_agent.transport.VerifierBusy`; a refusal the user must act on, while the
+    session is ``opening``, :class:`HandshakeError`; anything else :class:`VerifierError`."""
+    if msg.retry_after is not None:
+        raise VerifierBusy(
+            f"verifier refused the session ({msg.code}): {msg.message}; "
+            f"retry after {msg.retry_after:g} s",
+            msg.code,
+            msg.retry_after,
+        )
+    if opening and msg.code in FATAL_CODES:
+        raise HandshakeError(f"verifier refused the session: {msg.message}")
+    raise VerifierError(msg.code, msg.message, msg.fatal)
+
+
 def check_welcome(hello: Hello, data: bytes) -> Welcome:
     """The verifier's answer to ``hello``: its Welcome, or the reason there is none.
 
@@ -174,9 +191,7 @@ def check_welcome(hello: Hello, data: bytes) -> Welcome:
     except ProtocolError as e:
         raise DesyncError(f"bad handshake reply: {e}") from e
     if isinstance(msg, Error):
-        if msg.code in FATAL_CODES:
-            raise HandshakeError(f"verifier refused the session: {msg.message}")
-        raise VerifierError(msg.code, msg.message, msg.fatal)
+        raise_error(msg, opening=True)
     if not isinstance(msg, Welcome):
         raise DesyncError(f"expected Welcome, got {type(msg).__name__}")
     reason = hello.fingerprint.compatible_with(msg.fingerprint)
@@ -766,10 +781,10 @@ class VerifierLink:
         return encode(msg, self.ctx)
 
     def decode(self, data: bytes) -> Message:
-        """A frame from this verifier; Error frames raise :class:`VerifierError`."""
+        """A frame from this verifier; Error frames raise (:func:`raise_error`)."""
         msg = decode(data, self.ctx)
         if isinstance(msg, Error):
-            raise VerifierError(msg.code, msg.message, msg.fatal)
+            raise_error(msg)
         return msg
 
 
@@ -805,8 +820,16 @@ class SingleCore:
         rng: np.random.Generator,
         hello: Hello,
         welcome: Welcome,
+        *,
+        provisional: bool = False,
     ) -> None:
+        """``provisional``: ``welcome`` is the one the connection announced (its Ready), and
+        the session's own is still to come as its first frame (a session opened in the same
+        flight as its first Propose: zero round trips); a new session only."""
         self.cfg = cfg
+        self.hello = hello
+        #: The session's own Welcome once it has come (None while provisional).
+        self.welcome: Welcome | None = None if provisional else welcome
         self.pipe = Pipeline(
             gen,
             cfg,
@@ -828,6 +851,11 @@ class SingleCore:
     @property
     def gen(self) -> Generation:
         return self.pipe.gen
+
+    @property
+    def resume_token(self) -> str | None:
+        """The verifier's token to resume this session with, once its Welcome has come."""
+        return None if self.welcome is None else self.welcome.resume
 
     @property
     def state(self) -> EdgeState:
@@ -935,10 +963,25 @@ class SingleCore:
         if self._failed is not None:
             return [self._failed]
         try:
+            if self.welcome is None:
+                return self._opening(data)
             return self._receive(data, now)
-        except (VerifierError, DesyncError, ProtocolError) as e:
+        except (VerifierError, DesyncError, ProtocolError, HandshakeError, VerifierBusy) as e:
             self._failed = Fail(e)
             return [self._failed]
+
+    def _opening(self, data: bytes) -> list[EdgeEvent]:
+        """The first frame of a session opened with its first Propose: its Welcome (checked as
+        :func:`check_welcome` does), or the refusal that replaced it."""
+        self.gen.stats.downlink_bytes += len(data)
+        welcome = check_welcome(self.hello, data)
+        if welcome.resumed is not None:
+            raise DesyncError("a new session's Welcome says it resumed one")
+        ctx = self.link.ctx
+        if welcome.max_gamma < ctx.max_gamma or welcome.max_fixed < ctx.max_fixed:
+            raise DesyncError("the session's Welcome grants less than its connection's Ready")
+        self.welcome = welcome
+        return []
 
     def _receive(self, data: bytes, now: float) -> list[EdgeEvent]:
         self.gen.stats.downlink_bytes += len(data)

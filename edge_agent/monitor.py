@@ -36,9 +36,10 @@ import aiohttp
 import orjson
 
 from edge_agent.text import ssl_context
-from edge_agent.transport import Transport
+from edge_agent.transport import Transport, announced_welcome
 from shared.enums import TextEnum
 from shared.service.metrics import Registry
+from shared.wire.protocol import Welcome
 
 if TYPE_CHECKING:
     from edge_agent.config import EdgeSettings
@@ -111,7 +112,7 @@ class EdgeMetrics:
             "wanspec_edge_tokens_per_second", "Tokens per second of the last generation."
         )
         self.queue_waiting = r.gauge("wanspec_edge_queue_waiting", "Requests waiting their turn.")
-        self.busy = r.gauge("wanspec_edge_busy", "1 while a generation runs.")
+        self.busy = r.gauge("wanspec_edge_busy", "Generations running.")
         self.verifier_up = r.gauge(
             "wanspec_edge_verifier_up", "1 when the verifier answered its last probe.", ("url",)
         )
@@ -193,6 +194,10 @@ class TimedTransport:
             self._measured = True
             self._on_rtt(time.perf_counter() - self._sent_at)
         return data
+
+    @property
+    def welcome(self) -> Welcome | None:
+        return announced_welcome(self.inner)
 
     async def close(self) -> None:
         await self.inner.close()

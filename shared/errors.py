@@ -25,6 +25,13 @@ class ErrorCode(TextEnum):
     BAD_HELLO = "bad_hello"
     UNSUPPORTED = "unsupported"
     UNAUTHORIZED = "unauthorized"
+    # a new session refused while the verifier is busy (fatal, with retry_after): not down
+    BUSY = "busy"
+    KV_FULL = "kv_full"
+    TOKEN_LIMIT = "token_limit"
+    OVERLOADED = "overloaded"
+    LOADING = "loading"
+    STOPPING = "stopping"
     # a frame refused (not fatal; counted towards max_bad_frames)
     BAD_FRAME = "bad_frame"
     BAD_SEQ = "bad_seq"
@@ -43,6 +50,7 @@ class ErrorCode(TextEnum):
     TOO_MANY_BAD_FRAMES = "too_many_bad_frames"
     IDLE_TIMEOUT = "idle_timeout"
     RATE_LIMITED = "rate_limited"
+    FLOW_CONTROL = "flow_control"
     CLOSING = "closing"
     INTERNAL = "internal"
 

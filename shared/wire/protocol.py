@@ -1,4 +1,4 @@
-"""Wire protocol v1: msgpack frames between the edge agent and a cloud verifier.
+"""Wire protocol v2: msgpack frames between the edge agent and a cloud verifier.
 
 Every frame is one msgpack map whose key 0 holds the protocol version and the message type in one
 byte (``version << 4 | type``); the other keys are small integers (one byte each on the wire).
@@ -12,11 +12,12 @@ Hot frames (Propose, Verdict, FederatedReply, Rollback, Resample, Candidates, Ge
 Logprobs) therefore need the session's :class:`WireContext` to decode; Hello, Welcome and Error are
 self-describing.
 
-Semantics: one WebSocket is one session. ``epoch`` counts rejections; a frame of an
-older epoch than the receiver's is stale. ``seq`` is the batch sequence number modulo 128 (a
-7-bit rolling counter: frames are ordered by TCP, so it is a consistency check against replays and
-losses within the in-flight window, which is bounded by ``MAX_DEPTH`` < 128). ``pos`` is the
-absolute position of the first token a Propose carries (fixed tokens first, then drafts).
+Semantics: one stream is one session (:mod:`shared.wire.mux` carries many on one WebSocket).
+``epoch`` counts rejections; a frame of an older epoch than the receiver's is stale. ``seq`` is the
+batch sequence number modulo 128 (a 7-bit rolling counter: frames are ordered by TCP, so it is a
+consistency check against replays and losses within the in-flight window, which is bounded by
+``MAX_DEPTH`` < 128). ``pos`` is the absolute position of the first token a Propose carries (fixed
+tokens first, then drafts).
 
 The schema is written once, as one table per message (``_FRAMES``): for each field its key, the
 name errors give, its kind (integer or float with its range, string with its length limit, bool,
@@ -51,9 +52,9 @@ from shared.enums import TextEnum
 from shared.errors import WanspecError
 from shared.wire.params import MIN_TEMPERATURE, SamplingParams
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 #: WebSocket subprotocol naming the protocol version.
-SUBPROTOCOL: Final = "wanspec.v1"
+SUBPROTOCOL: Final = "wanspec.v2"
 #: Sequence numbers roll over modulo this; the in-flight depth must stay below it.
 SEQ_MODULUS: Final = 128
 MAX_DEPTH: Final = SEQ_MODULUS - 1
@@ -397,11 +398,13 @@ class Progress:
 
 @dataclass(frozen=True)
 class Error:
-    """Either direction. ``fatal`` errors close the session."""
+    """Either direction. ``fatal`` errors close the session. ``retry_after`` (seconds): a
+    refusal of a verifier that is busy, not down (a new session may come back then)."""
 
     code: str
     message: str
     fatal: bool = False
+    retry_after: float | None = None
 
 
 Message = (
@@ -1146,6 +1149,7 @@ _FRAMES: Final = (
             _Field("code", "code", _Str(64)),
             _Field("msg", "msg", _Str(4096), "message"),
             _Field("fatal", "fatal", _Bool()),
+            _Field("retry", "retry", _Float(0.0, 3600.0), "retry_after", presence=_OPTIONAL),
         ],
     ),
     _Frame(
@@ -1316,7 +1320,10 @@ def _frame_of(m: dict[Any, Any]) -> _Frame:
         raise ProtocolError("version/type", "missing")
     vt = _HEADER.read(vt, "version/type", None)
     if vt >> 4 != PROTOCOL_VERSION:
-        raise ProtocolError("version", f"unsupported protocol version {vt >> 4}")
+        raise ProtocolError(
+            "version",
+            f"unsupported protocol version {vt >> 4} (this side speaks {PROTOCOL_VERSION})",
+        )
     raise ProtocolError("type", f"unknown message type {vt & 0xF}")
 
 

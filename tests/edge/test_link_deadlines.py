@@ -36,6 +36,7 @@ from shared.runtime.models import LoadedModel
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, encode
 from tests.edge_helpers import TOKEN, Servers, edge_settings
+from tests.mux_server import OneStream
 from tests.verifiers import serve_verifier, session_url
 
 PROMPT = [1, 10, 20, 30, 40]
@@ -49,11 +50,13 @@ def stalling_app(fp: Fingerprint) -> web.Application:
     async def session(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,), heartbeat=None)
         await ws.prepare(request)
+        stream = OneStream(ws)
+        await stream.start(fp)
         core = VerifierCore(TargetInfo(fp, fp.vocab_size), SessionLimits(), "stuck")
-        async for msg in ws:
-            for ev in core.receive(msg.data):
+        async for data in stream.frames():
+            for ev in core.receive(data):
                 if isinstance(ev, Send):
-                    await ws.send_bytes(encode(ev.msg, core.ctx))
+                    await stream.send(encode(ev.msg, core.ctx))
         return ws
 
     async def health(request: web.Request) -> web.Response:
@@ -189,7 +192,8 @@ def test_the_default_settings_outlast_a_verifier_restart() -> None:
 async def test_give_up_names_the_last_cause_even_when_it_has_no_message(
     aiohttp_server: Any, draft: LoadedModel
 ) -> None:
-    """A verifier that accepts the WebSocket but never says Welcome: handshake time-outs."""
+    """A verifier that accepts the WebSocket but never says it is ready: connection time-outs,
+    named in the give-up."""
 
     async def mute(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,))
@@ -207,7 +211,7 @@ async def test_give_up_names_the_last_cause_even_when_it_has_no_message(
     )
     a = agent(draft, url, retry)
     try:
-        with pytest.raises(LinkClosed, match=r"last: TimeoutError"):
+        with pytest.raises(LinkClosed, match=r"last: verifier at .* was not ready within 2 s"):
             await asyncio.wait_for(a.generate(PROMPT, GREEDY, max_new_tokens=4), 30)
     finally:
         a.close()

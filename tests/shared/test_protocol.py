@@ -15,6 +15,7 @@ from shared.wire.params import SamplingParams
 from shared.wire.protocol import (
     _FRAMES,
     HANDSHAKE_MAX_FRAME,
+    PROTOCOL_VERSION,
     Candidates,
     CorrectionMode,
     Error,
@@ -173,6 +174,7 @@ ALL_MESSAGES = [
         resumed=Resumed(17, text_digest(range(17))),
     ),
     Error("bad_frame", "draft.ids: token id 70000 >= vocabulary size 49152", fatal=False),
+    Error("kv_full", "the KV cache is full", fatal=True, retry_after=1.5),
     _propose(4),
     _propose(6, fixed=3),
     Propose(0, 0, 0, np.array([1], np.int64), np.array([1.0], np.float32), want_bonus=True),
@@ -296,7 +298,8 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("oversized", b"\x00" * (SMOL.max_frame + 1), "frame"),
     ("no header", _raw({1: 2}), "version/type"),
     ("unknown version", _mutate(k0=(7 << 4) | 3), "version"),
-    ("unknown type", _mutate(k0=(1 << 4) | 15), "type"),
+    ("unknown type", _mutate(k0=(PROTOCOL_VERSION << 4) | 15), "type"),
+    ("earlier version", _mutate(k0=(1 << 4) | 3), "version"),
     ("header not int", _mutate(k0="propose"), "version/type"),
     ("bool as int", _mutate(k1=True), "epoch"),
     ("negative epoch", _mutate(k1=-1), "epoch"),
@@ -349,7 +352,7 @@ MALFORMED_VERDICT: list[tuple[str, bytes, str]] = [
     ("sparse mass > 1", _verdict_map(k4=_sparse_blob([1, 2], [0.7, 0.7])), "sparse"),
     ("sparse zero prob", _verdict_map(k4=_sparse_blob([1, 2], [0.7, 0.0])), "sparse.probs"),
     ("two corrections", _verdict_map(k6=5), "verdict"),
-    ("token >= vocab", _raw({0: 0x14, 1: 0, 2: 0, 3: 0, 6: 49152}), "token"),
+    ("token >= vocab", _raw({0: (PROTOCOL_VERSION << 4) | 4, 1: 0, 2: 0, 3: 0, 6: 49152}), "token"),
     ("bonus with correction", _verdict_map(k7=5), "bonus"),
 ]
 
@@ -403,7 +406,7 @@ def test_cross_field_checks_refused() -> None:
         decode(_raw(m), SMOL)
     assert e.value.field == "dists[1]"
     with pytest.raises(ProtocolError) as e:
-        decode(_raw({0: 0x19, 1: EPOCH, 3: POS, 5: b""}), SMOL)
+        decode(_raw({0: (PROTOCOL_VERSION << 4) | 9, 1: EPOCH, 3: POS, 5: b""}), SMOL)
     assert (e.value.field, e.value.message) == ("candidates", "empty")
 
 
@@ -413,7 +416,7 @@ def test_hot_frames_refused_before_handshake() -> None:
 
 
 def test_handshake_frames_bounded() -> None:
-    big = _raw({0: 0x11, "fp": {"tok": "x" * HANDSHAKE_MAX_FRAME}})
+    big = _raw({0: (PROTOCOL_VERSION << 4) | 1, "fp": {"tok": "x" * HANDSHAKE_MAX_FRAME}})
     with pytest.raises(ProtocolError, match="frame"):
         decode(big)
 

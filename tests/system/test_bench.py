@@ -31,6 +31,7 @@ from bench.run import (
     estimate,
     parse_mode,
 )
+from bench.stream_ws import StreamWS
 from bench.verifier import TREE_TOKEN_COST, PaddedTarget, tree_tokens
 from bench.verifier import main as padded_verifier_main
 from cloud_verifier.cli import main as verifier_main
@@ -250,8 +251,10 @@ async def test_padded_verifier_process_pads_forwards() -> None:
         async with aiohttp.ClientSession() as http:
             assert health.get("status") == "ready", health
             assert "forwards padded to 80 ms" in str(health["reason"])
-            ws = await http.ws_connect(
-                f"http://127.0.0.1:{port}/v1/session", protocols=(SUBPROTOCOL,)
+            ws = StreamWS(
+                await http.ws_connect(
+                    f"http://127.0.0.1:{port}/v1/session", protocols=(SUBPROTOCOL,)
+                )
             )
             client = ProbeClient(ws)
             await client.hello(Hello(Fingerprint("null", 64, "null"), SamplingParams(1.0)))

@@ -24,6 +24,7 @@ import pytest
 
 from bench.harness import target_greedy
 from bench.probe import ProbeClient, auth_headers
+from bench.stream_ws import StreamWS
 from cloud_verifier.app import REFUSAL_HEADER, STATE, VerifierState, build_app
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.core import (
@@ -252,8 +253,10 @@ class Verifier:
         self.http = aiohttp.ClientSession()
 
     async def open(self, hello: Hello, token: str = TOKEN) -> ProbeClient:
-        ws = await self.http.ws_connect(
-            self.url, headers=auth_headers(token), protocols=(SUBPROTOCOL,), heartbeat=None
+        ws = StreamWS(
+            await self.http.ws_connect(
+                self.url, headers=auth_headers(token), protocols=(SUBPROTOCOL,), heartbeat=None
+            )
         )
         pc = ProbeClient(ws)
         await pc.hello(hello)
@@ -336,7 +339,7 @@ async def test_admission_refuses_new_sessions_while_open_ones_are_served(
 
 async def _lose(pc: ProbeClient) -> None:
     """Cut the connection without a close frame (a network blip)."""
-    conn = pc.ws._response.connection
+    conn = pc.ws.ws._response.connection
     assert conn is not None and conn.transport is not None
     conn.transport.abort()
 
@@ -477,7 +480,7 @@ class CutAfter:
         self.seen += 1
         if self.seen > self.n and CutAfter.cuts == 0:
             CutAfter.cuts += 1
-            ws = self.inner._ws
+            ws = self.inner.conn._ws
             ws._response.connection.transport.abort()
             raise LinkClosed("connection lost (test)")
         return await self.inner.recv()

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from bench.fuzz import FuzzConfig, Shadow, corpus_frames, mutate_bytes, mutate_map, run
 from bench.probe import Driver, ProbeClient, auth_headers
+from bench.stream_ws import StreamWS
 from cloud_verifier.app import STATE
 from cloud_verifier.targets import TorchTarget
 from edge_agent.core import DesyncError, SingleCore, VerifierError, hello_for
@@ -151,16 +152,20 @@ async def test_corpus_against_a_live_session(aiohttp_client: Any, target: TorchT
     await ready(app)
     hello = Hello(target.fingerprint, SamplingParams(0.0), correction=CorrectionMode.GREEDY_DRAFT)
     honest = ProbeClient(
-        await client.ws_connect(
-            "/v1/session", headers=auth_headers("c-token"), protocols=(SUBPROTOCOL,)
+        StreamWS(
+            await client.ws_connect(
+                "/v1/session", headers=auth_headers("c-token"), protocols=(SUBPROTOCOL,)
+            )
         )
     )
     await honest.hello(hello)
     driver = Driver(honest, V, 2, np.random.default_rng(0))
     driver.fixed = [1, 9]
     for name, frame in corpus("verifier"):
-        ws = await client.ws_connect(
-            "/v1/session", headers=auth_headers("c-token"), protocols=(SUBPROTOCOL,)
+        ws = StreamWS(
+            await client.ws_connect(
+                "/v1/session", headers=auth_headers("c-token"), protocols=(SUBPROTOCOL,)
+            )
         )
         welcome = await ProbeClient(ws).hello(hello)
         ctx = WireContext(V, welcome.max_gamma, welcome.max_fixed, 64, welcome.max_frame, False)

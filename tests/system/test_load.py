@@ -17,6 +17,7 @@ from aiohttp import WSCloseCode
 
 from bench.load import LoadConfig, run
 from bench.probe import Driver, ProbeClient, auth_headers
+from bench.stream_ws import StreamWS
 from cloud_verifier.app import STATE, _buffered, _close_sessions
 from cloud_verifier.targets import NullTarget
 from shared.wire.params import SamplingParams
@@ -54,8 +55,10 @@ async def start(aiohttp_client: Any, **settings: Any) -> Any:
 async def stop_reading(client: Any) -> aiohttp.ClientWebSocketResponse:
     """A federated session whose replies are ~100 KB each (top-1024 of 17 rows), with a tiny
     receive buffer, that sends Proposes and never reads."""
-    ws = await client.ws_connect(
-        "/v1/session", headers=auth_headers("slow-token"), protocols=(SUBPROTOCOL,)
+    ws = StreamWS(
+        await client.ws_connect(
+            "/v1/session", headers=auth_headers("slow-token"), protocols=(SUBPROTOCOL,)
+        )
     )
     sock = ws.get_extra_info("socket")
     if isinstance(sock, socket.socket):
@@ -88,8 +91,10 @@ async def blocked(state: Any) -> None:
 
 async def honest_rounds(client: Any, n: int) -> float:
     """n stop-and-wait rounds of another session; returns the slowest round (s)."""
-    ws = await client.ws_connect(
-        "/v1/session", headers=auth_headers("honest-token"), protocols=(SUBPROTOCOL,)
+    ws = StreamWS(
+        await client.ws_connect(
+            "/v1/session", headers=auth_headers("honest-token"), protocols=(SUBPROTOCOL,)
+        )
     )
     probe = ProbeClient(ws)
     await probe.hello(Hello(FP, SamplingParams(0.0), seed=2))
@@ -126,8 +131,10 @@ async def test_shutdown_is_bounded_with_a_client_that_does_not_read(aiohttp_clie
     state = client.app[STATE]
     ws = await stop_reading(client)
     await blocked(state)
-    other = await client.ws_connect(
-        "/v1/session", headers=auth_headers("honest-token"), protocols=(SUBPROTOCOL,)
+    other = StreamWS(
+        await client.ws_connect(
+            "/v1/session", headers=auth_headers("honest-token"), protocols=(SUBPROTOCOL,)
+        )
     )
     await ProbeClient(other).hello(Hello(FP, SamplingParams(0.0)))
     t0 = time.monotonic()

@@ -37,6 +37,7 @@ import pytest
 
 from bench.harness import REPO, VerifierProcess, free_port, make_agent, target_greedy
 from bench.probe import ProbeClient, auth_headers
+from bench.stream_ws import StreamWS
 from bench.tiny_models import build_tiny_model
 from edge_agent.agent import RetryPolicy
 from edge_agent.pipeline_config import PipelineConfig
@@ -201,10 +202,12 @@ async def test_a_draining_replica_gets_no_new_sessions(fleet: Fleet) -> None:
     a, b = fleet.replicas
     # A session held open on replica a (directly), so that its drain lasts.
     async with aiohttp.ClientSession() as http:
-        ws = await http.ws_connect(
-            a.url.replace("ws://", "http://"),
-            headers=auth_headers(TOKEN),
-            protocols=(SUBPROTOCOL,),
+        ws = StreamWS(
+            await http.ws_connect(
+                a.url.replace("ws://", "http://"),
+                headers=auth_headers(TOKEN),
+                protocols=(SUBPROTOCOL,),
+            )
         )
         await ProbeClient(ws).hello(Hello(fleet.target.fingerprint, SamplingParams(0.0)))
         before_a, before_b = sessions_total(a.port), sessions_total(b.port)
@@ -234,21 +237,21 @@ async def test_a_draining_replica_gets_no_new_sessions(fleet: Fleet) -> None:
 
 class _Draining:
     """What :func:`cloud_verifier.app.drain` reads of the service state; ``looks`` counts its
-    reads of ``connections``."""
+    reads of ``streams``."""
 
-    def __init__(self, connections: int) -> None:
-        self._connections = connections
+    def __init__(self, streams: int) -> None:
+        self._streams = streams
         self.looks = 0
         self.status: object = None
 
     @property
-    def connections(self) -> int:
+    def streams(self) -> int:
         self.looks += 1
-        return self._connections
+        return self._streams
 
-    @connections.setter
-    def connections(self, n: int) -> None:
-        self._connections = n
+    @streams.setter
+    def streams(self, n: int) -> None:
+        self._streams = n
 
     def set_status(self, status: object, reason: str) -> None:
         self.status = status
@@ -263,7 +266,7 @@ async def test_drain_ends_with_the_last_session_or_at_its_deadline() -> None:
     await until(lambda: state.status == ServiceStatus.STOPPING, 5.0, "draining")
     await until(lambda: state.looks >= 4, 5.0, "a few of drain's polls")  # it waits for them
     assert not task.done()
-    state.connections = 0
+    state.streams = 0
     await asyncio.wait_for(task, 1.0)  # ends at once, long before its 30 s
     stuck = _Draining(1)
     t0 = time.monotonic()

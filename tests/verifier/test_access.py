@@ -14,6 +14,7 @@ import pytest
 
 from bench.harness import free_port
 from bench.probe import auth_headers
+from bench.stream_ws import StreamWS
 from cloud_verifier.app import STATE
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.cli import main as verifier_main
@@ -44,7 +45,7 @@ async def status_of(server: Any, token: str | None) -> int:
     url = str(server.make_url("/v1/session"))
     async with aiohttp.ClientSession() as http:
         try:
-            ws = await http.ws_connect(url, headers=headers, protocols=(SUBPROTOCOL,))
+            ws = StreamWS(await http.ws_connect(url, headers=headers, protocols=(SUBPROTOCOL,)))
         except aiohttp.WSServerHandshakeError as e:
             return e.status
         await ws.close()
@@ -97,7 +98,9 @@ async def test_sessions_per_token_are_limited_before_the_upgrade(aiohttp_server:
     async with aiohttp.ClientSession() as http:
 
         async def open_ws(token: str) -> aiohttp.ClientWebSocketResponse:
-            return await http.ws_connect(url, headers=auth_headers(token), protocols=(SUBPROTOCOL,))
+            return StreamWS(
+                await http.ws_connect(url, headers=auth_headers(token), protocols=(SUBPROTOCOL,))
+            )
 
         a1, a2 = await open_ws("token-a"), await open_ws("token-a")
         with pytest.raises(aiohttp.WSServerHandshakeError) as exc:
@@ -142,10 +145,12 @@ async def test_tls_edge_verifies_the_certificate(aiohttp_server: Any, tmp_path: 
     # Plain ws:// to a TLS port does not get in either.
     async with aiohttp.ClientSession() as http:
         with pytest.raises(aiohttp.ClientError):
-            await http.ws_connect(
-                f"ws://127.0.0.1:{server.port}/v1/session",
-                headers=auth_headers("tls-token"),
-                protocols=(SUBPROTOCOL,),
+            StreamWS(
+                await http.ws_connect(
+                    f"ws://127.0.0.1:{server.port}/v1/session",
+                    headers=auth_headers("tls-token"),
+                    protocols=(SUBPROTOCOL,),
+                )
             )
 
 

@@ -28,6 +28,7 @@ import pytest
 
 from bench.harness import REPO, VerifierProcess, free_port, make_agent, target_greedy
 from bench.probe import ProbeClient, auth_headers
+from bench.stream_ws import StreamWS
 from bench.tiny_models import build_tiny_model
 from cloud_verifier.tp import Rank, decode_rows, encode_rows, rank_from_env, torchrun_args
 from edge_agent.pipeline_config import PipelineConfig
@@ -123,10 +124,12 @@ async def _federated_probs(
         k=16,
     )
     async with aiohttp.ClientSession() as http:
-        ws = await http.ws_connect(
-            f"ws://127.0.0.1:{port}/v1/session",
-            headers=auth_headers(TOKEN),
-            protocols=(SUBPROTOCOL,),
+        ws = StreamWS(
+            await http.ws_connect(
+                f"ws://127.0.0.1:{port}/v1/session",
+                headers=auth_headers(TOKEN),
+                protocols=(SUBPROTOCOL,),
+            )
         )
         client = ProbeClient(ws)
         welcome = await client.hello(hello)

@@ -17,6 +17,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from aiohttp.test_utils import TestClient
 
 from bench.probe import Driver, ProbeClient, auth_headers, replies_match
+from bench.stream_ws import StreamWS
 from bench.tiny_models import build_tiny_model
 from cloud_verifier.app import STATE, VerifierState, build_app, engine_limits
 from cloud_verifier.auth import Authenticator
@@ -77,8 +78,8 @@ class Service:
 
     async def connect(self, token: str | None = TOKEN) -> aiohttp.ClientWebSocketResponse:
         headers = auth_headers(token) if token is not None else {}
-        return await self.client.ws_connect(
-            "/v1/session", headers=headers, protocols=(SUBPROTOCOL,)
+        return StreamWS(
+            await self.client.ws_connect("/v1/session", headers=headers, protocols=(SUBPROTOCOL,))
         )
 
     async def open(self, hello: Hello) -> ProbeClient:
@@ -354,7 +355,7 @@ async def test_auth_refused_before_upgrade(
     resp = await svc.client.get("/v1/session", headers={"Authorization": "Basic abc"})
     assert resp.status == 401 and "Bearer" in resp.headers["WWW-Authenticate"]
     with pytest.raises(aiohttp.WSServerHandshakeError) as e:  # right token, no subprotocol
-        await svc.client.ws_connect("/v1/session", headers=auth_headers(TOKEN))
+        StreamWS(await svc.client.ws_connect("/v1/session", headers=auth_headers(TOKEN)))
     assert e.value.status == 400
     assert svc.state.sessions == {} and svc.state.connections == 0
     assert svc.metrics.sessions_refused.get(reason="auth") == 3
@@ -501,7 +502,7 @@ async def test_bad_frames_stay_in_their_session(
     await ws.send_bytes(b"\xc1\x00garbage")
     await expect("bad_frame", "frame")
     await ws.send_str("hello")
-    await expect("bad_frame", "expected binary")
+    await expect("bad_frame", "msgpack")  # (text on a stream: bytes that are not a frame)
     await ws.send_bytes(encode(propose(0, 0, 0, [70], [4]), ctx))
     await expect("bad_frame", "draft.ids")
     await ws.send_bytes(encode(hello_for(target)))
@@ -587,10 +588,12 @@ async def test_shutdown_closes_sessions_going_away(
     port = runner.addresses[0][1]
     state = await ready(app)
     async with aiohttp.ClientSession() as http:
-        ws = await http.ws_connect(
-            f"http://127.0.0.1:{port}/v1/session",
-            headers=auth_headers(TOKEN),
-            protocols=(SUBPROTOCOL,),
+        ws = StreamWS(
+            await http.ws_connect(
+                f"http://127.0.0.1:{port}/v1/session",
+                headers=auth_headers(TOKEN),
+                protocols=(SUBPROTOCOL,),
+            )
         )
         await ProbeClient(ws).hello(hello_for(target))
         cleanup = asyncio.create_task(runner.cleanup())

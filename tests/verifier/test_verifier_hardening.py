@@ -27,6 +27,7 @@ from bench.fuzz import TOKEN as FUZZ_TOKEN
 from bench.fuzz import _raw_request, http_fixed_cases
 from bench.harness import free_port
 from bench.probe import ProbeClient, auth_headers
+from bench.stream_ws import StreamWS
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.cli import main as verifier_main
 from cloud_verifier.ratelog import LogLimiter
@@ -51,8 +52,10 @@ HELLO = Hello(FP, SamplingParams(0.0))
 
 
 async def open_session(http: aiohttp.ClientSession, url: str, token: str) -> ProbeClient:
-    ws = await http.ws_connect(
-        url + "/v1/session", headers=auth_headers(token), protocols=(SUBPROTOCOL,)
+    ws = StreamWS(
+        await http.ws_connect(
+            url + "/v1/session", headers=auth_headers(token), protocols=(SUBPROTOCOL,)
+        )
     )
     pc = ProbeClient(ws)
     await pc.hello(HELLO)
@@ -61,8 +64,10 @@ async def open_session(http: aiohttp.ClientSession, url: str, token: str) -> Pro
 
 async def session_status(http: aiohttp.ClientSession, url: str, token: str) -> int:
     try:
-        ws = await http.ws_connect(
-            url + "/v1/session", headers=auth_headers(token), protocols=(SUBPROTOCOL,)
+        ws = StreamWS(
+            await http.ws_connect(
+                url + "/v1/session", headers=auth_headers(token), protocols=(SUBPROTOCOL,)
+            )
         )
     except aiohttp.WSServerHandshakeError as e:
         return e.status

@@ -16,6 +16,7 @@ import pytest
 from aiohttp import WSCloseCode, WSMsgType
 
 from bench.probe import ProbeClient, auth_headers
+from bench.stream_ws import StreamWS
 from cloud_verifier.cli import main
 from shared.service.sdnotify import Notifier
 from shared.wire.params import SamplingParams
@@ -78,10 +79,12 @@ async def test_serve_process_notify_watchdog_sigterm(tmp_path: Path) -> None:
             async with aiohttp.ClientSession() as http:
                 health = await http.get(f"http://127.0.0.1:{port}/health")
                 assert health.status == 200
-                ws = await http.ws_connect(
-                    f"http://127.0.0.1:{port}/v1/session",
-                    headers=auth_headers(token),
-                    protocols=(SUBPROTOCOL,),
+                ws = StreamWS(
+                    await http.ws_connect(
+                        f"http://127.0.0.1:{port}/v1/session",
+                        headers=auth_headers(token),
+                        protocols=(SUBPROTOCOL,),
+                    )
                 )
                 await ProbeClient(ws).hello(
                     Hello(Fingerprint("null", 64, "null"), SamplingParams(0.0))

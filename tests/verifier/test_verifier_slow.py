@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench.probe import ProbeClient, auth_headers
+from bench.stream_ws import StreamWS
 from cloud_verifier.targets import TorchTarget
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Hello, Propose, Verdict
@@ -34,8 +35,10 @@ async def test_default_model_verifies_through_the_service(aiohttp_client: Any) -
             ids.append(int(logits[0, -1].argmax()))
     cont = ids[len(prompt) :]
 
-    ws = await client.ws_connect(
-        "/v1/session", headers=auth_headers("slow-token"), protocols=(SUBPROTOCOL,)
+    ws = StreamWS(
+        await client.ws_connect(
+            "/v1/session", headers=auth_headers("slow-token"), protocols=(SUBPROTOCOL,)
+        )
     )
     pc = ProbeClient(ws)
     await pc.hello(Hello(fingerprint=target.fingerprint, sampling=SamplingParams(0.0)))
