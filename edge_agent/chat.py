@@ -244,7 +244,7 @@ class LocalBackend:
         self.description = f"in-process agent: {service.describe()} → {urls}"
 
     async def close(self) -> None:
-        self.service.close()
+        await self.service.close()
 
     async def chat(self, messages: list[dict[str, str]], opts: ChatOptions) -> AsyncIterator[Event]:
         loaded, _ = self.service.require()
@@ -339,7 +339,7 @@ async def open_backend(s: EdgeSettings, progress: Progress) -> tuple[Backend, li
         await service.load(progress.report)
         return LocalBackend(service), notes
     except BaseException:
-        service.close()
+        await service.close()
         raise
 
 
@@ -362,6 +362,7 @@ def stats_line(st: dict[str, Any]) -> str:
         f"{fmt(st.get('tokens_per_s'), '.1f')} tok/s",
         *speculation,
         f"{fmt(st.get('bytes_per_token'), '.1f')} B/token",
+        f"first token {fmt(st.get('ttft_ms'), '.0f', ' ms')}",
         f"RTT {fmt(st.get('rtt_ms'), '.1f', ' ms')}",
     ]
     if st.get("token_sources"):

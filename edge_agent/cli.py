@@ -92,6 +92,9 @@ _SETTINGS_HELP: dict[str, str] = {
     "api_key_file": "file holding the API key clients must send as a Bearer token",
     "model_id": "model id the API offers",
     "max_queue": "requests allowed to wait before 429",
+    "max_concurrent": "generations served at once (draft steps batched across them)",
+    "stream_keepalive": "seconds of silence before a streaming response gets an SSE comment",
+    "write_timeout": "seconds a client may take to read a write before it is dropped",
     "max_body": "largest request body, bytes",
     "header_timeout": "seconds a connection has to send its request headers (and to idle "
     "between requests)",
@@ -107,6 +110,7 @@ _SETTINGS_HELP: dict[str, str] = {
 _HTTP = {"header_timeout", "max_pending_connections", "max_pending_per_address"}
 _API = {
     "host", "port", "api_key_file", "model_id", "max_queue", "max_body", "probe_interval", *_HTTP,
+    "max_concurrent", "stream_keepalive", "write_timeout",
 }  # fmt: skip
 _LINK = {
     "verifier", "failover", "weights", "k", "eps_target", "reconstruction", "round_deadline",
@@ -117,7 +121,15 @@ _UNLISTED: dict[str, set[str]] = {
     "generate": _API,
     "demo": _API | _LINK,  # the demo starts its own verifier
     "serve": set(),
-    "chat": {"max_queue", "max_body", "probe_interval", *_HTTP},
+    "chat": {
+        "max_queue",
+        "max_body",
+        "probe_interval",
+        "max_concurrent",
+        "stream_keepalive",
+        "write_timeout",
+        *_HTTP,
+    },
 }
 
 
@@ -296,7 +308,7 @@ async def _load(settings: EdgeSettings, progress: Progress) -> EdgeService:
             await service.load(progress.report)
         line = service.describe()
     except BaseException:
-        service.close()
+        await service.close()
         raise
     _say(f"[edge] {line}")
     return service
@@ -343,7 +355,7 @@ def _generate(args: argparse.Namespace, settings: EdgeSettings) -> int:
         try:
             return await _generate_once(service, args.prompt, args.chat, _write)
         finally:
-            service.close()
+            await service.close()
 
     _finish(args, asyncio.run(run()))
     return 0
@@ -431,7 +443,7 @@ def _demo(args: argparse.Namespace, settings: EdgeSettings) -> int:
                 _say(f"[demo] verifier ready; {how}\n")
                 return await _generate_once(service, args.prompt, args.chat, _write)
             finally:
-                service.close()
+                await service.close()
 
         try:
             result = asyncio.run(run())

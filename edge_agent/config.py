@@ -150,7 +150,15 @@ class EdgeSettings:
     port: int = field(default=8760, metadata=_b(0, 65535))
     api_key_file: Path | None = None  # Bearer key required on /v1/* when set
     model_id: str = "wanspec"  # the id /v1/models lists
+    # Generations served at once (their draft steps share batched forwards); more requests
+    # wait, first come first served, up to max_queue of them (then 429).
+    max_concurrent: int = field(default=4, metadata=_b(1, 64))
     max_queue: int = field(default=32, metadata=_b(1))  # waiting requests before 429
+    # A streaming response with nothing to say for this many seconds gets an SSE comment (the
+    # stream stays open through proxies); a client that takes none of a write within
+    # write_timeout seconds is dropped (its generation cancelled), never holding the others.
+    stream_keepalive: float = field(default=15.0, metadata=_b(0.1, 3600))
+    write_timeout: float = field(default=30.0, metadata=_b(0.1, 3600))
     max_body: int = field(default=1 << 20, metadata=_b(1024, 1 << 30))  # request bytes
     # Before a request reaches a handler (shared.service.http_guard): its headers must arrive within
     # header_timeout s (also the keep-alive idle limit between requests), and at most

@@ -185,6 +185,28 @@ class Drafter:
         they share, else a fork of the cached sequence where they part; branches not asked
         about are kept, the latest first, up to ``KEPT_BRANCHES`` in all, and the rest given
         back. Steps are drawn in order, as :meth:`draft` would draw them one after another."""
+        logits = self._many_logits(seqs)
+        return [_step(row, params, rng, deterministic, rival) for row in logits]
+
+    def draft_rows(self, rows: Sequence[DraftRow]) -> list[DraftStep]:
+        """One draft step for each of several generations at once (an edge serving several
+        requests): each row with its own sequence, sampling, RNG and kind, in one batched forward
+        (the sequences run in branches, as :meth:`draft_many`'s do); one row is :meth:`draft`.
+        A row's step is drawn from its own RNG exactly as :meth:`draft` would draw it."""
+        if len(rows) == 1:
+            r = rows[0]
+            return [
+                self.draft(r.seq, r.params, r.rng, deterministic=r.deterministic, rival=r.rival)
+            ]
+        logits = self._many_logits([r.seq for r in rows])
+        return [
+            _step(row, r.params, r.rng, r.deterministic, r.rival)
+            for row, r in zip(logits, rows, strict=True)
+        ]
+
+    def _many_logits(self, seqs: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
+        """The raw logits [len(seqs), V] after each sequence, in one batched forward over
+        branches (:meth:`draft_many`)."""
         if not 1 <= len(seqs) <= self.MAX_BRANCHES:
             raise ValueError(f"draft_many takes 1..{self.MAX_BRANCHES} sequences, got {len(seqs)}")
         free = list(self._branches)
@@ -210,14 +232,25 @@ class Drafter:
             self.lm.release(slot)
         del self._branches[max(self.KEPT_BRANCHES, len(items)) :]
         self.forwards += 1
-        logits = self.lm.extend_branches(items).numpy()
-        return [_step(row, params, rng, deterministic, rival) for row in logits]
+        out: npt.NDArray[np.float32] = self.lm.extend_branches(items).numpy()
+        return out
 
     def release_branches(self) -> None:
         """Give every branch's pages back."""
         for slot in self._branches:
             self.lm.release(slot)
         self._branches = []
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """One generation's draft step request (:meth:`Drafter.draft_rows`)."""
+
+    seq: Sequence[int]
+    params: SamplingParams
+    rng: np.random.Generator
+    deterministic: bool
+    rival: bool = False
 
 
 def _sharing_most(

@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import hdrs, web
 
@@ -262,18 +262,19 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
     head = {"id": rid, "object": obj, "created": created, "model": model}
-    async with contextlib.aclosing(state.service.stream(gen_request(api, prompt_ids))) as events:
+    if api.stream:
         try:
-            first = await events.__anext__()
-        except _GEN_ERRORS as e:
+            state.service.queue.check()  # a full queue is a 429, before any header
+        except QueueFull as e:
             raise _gen_error(e) from None
+    async with contextlib.aclosing(state.service.stream(gen_request(api, prompt_ids))) as events:
         if not api.stream:
-            ev = first
-            while not isinstance(ev, Finished):
-                try:
+            try:
+                ev = await events.__anext__()
+                while not isinstance(ev, Finished):
                     ev = await events.__anext__()
-                except _GEN_ERRORS as e:
-                    raise _gen_error(e) from None
+            except _GEN_ERRORS as e:
+                raise _gen_error(e) from None
             out = {**head, **shape.final(ev), "usage": _usage(ev), "wanspec": ev.stats}
             return web.json_response(out, dumps=lambda o: json.dumps(o, ensure_ascii=False))
         head["object"] = obj + ".chunk" if chat else obj
@@ -284,40 +285,79 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 "X-Accel-Buffering": "no",
             }
         )
+        # The headers go at once (a client sees the request accepted, even while it waits for a
+        # place or a verifier); from here an error is an event of the stream.
         await resp.prepare(request)
+        out_ = _Writer(resp, state.settings.write_timeout)
         try:
-            await _stream_events(resp, events, first, head, shape, api.include_usage)
-        except ConnectionError:  # the client is gone; leaving cancels the generation
-            log.info("client disconnected from %s", rid)
+            await _stream_events(
+                out_, events, head, shape, api.include_usage, state.settings.stream_keepalive
+            )
+        except (ConnectionError, asyncio.TimeoutError) as e:
+            # the client is gone or reads nothing; leaving cancels the generation
+            log.info("client of %s dropped: %s", rid, type(e).__name__)
         return resp
 
 
+@dataclass
+class _Writer:
+    """A streaming response's writes, each within ``timeout`` seconds: a client that stops
+    reading is dropped (asyncio.TimeoutError), its generation cancelled; the others go on."""
+
+    resp: web.StreamResponse
+    timeout: float
+
+    async def write(self, data: bytes) -> None:
+        await asyncio.wait_for(self.resp.write(data), self.timeout)
+
+
+#: The SSE comment that keeps a quiet stream open (clients and proxies ignore comments).
+KEEPALIVE: Final = b": keep-alive\n\n"
+
+
+async def _next_event(
+    out: _Writer, events: AsyncIterator[Piece | Finished], keepalive: float
+) -> Piece | Finished:
+    """The next event; meanwhile an SSE comment every ``keepalive`` seconds."""
+    nxt = asyncio.ensure_future(events.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=keepalive)
+            if done:
+                return nxt.result()
+            await out.write(KEEPALIVE)
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await nxt
+
+
 async def _stream_events(
-    resp: web.StreamResponse,
+    out: _Writer,
     events: AsyncIterator[Piece | Finished],
-    first: Piece | Finished,
     head: dict[str, Any],
     shape: _Shape,
     include_usage: bool,
+    keepalive: float,
 ) -> None:
     if shape.chat:
-        await resp.write(_sse({**head, **_role()}))
-    ev = first
+        await out.write(_sse({**head, **_role()}))
     while True:
+        try:
+            ev = await _next_event(out, events, keepalive)
+        except _GEN_ERRORS as e:
+            await out.write(_sse(_gen_error(e).body()))
+            break
         if isinstance(ev, Finished):
             last = {**head, **shape.last_chunk(ev), "wanspec": ev.stats}
-            await resp.write(_sse(last))
+            await out.write(_sse(last))
             if include_usage:
-                await resp.write(_sse({**head, "choices": [], "usage": _usage(ev)}))
+                await out.write(_sse({**head, "choices": [], "usage": _usage(ev)}))
             break
-        await resp.write(_sse({**head, **shape.chunk(ev)}))
-        try:
-            ev = await events.__anext__()
-        except _GEN_ERRORS as e:
-            await resp.write(_sse(_gen_error(e).body()))
-            break
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+        await out.write(_sse({**head, **shape.chunk(ev)}))
+    await out.write(b"data: [DONE]\n\n")
+    await out.resp.write_eof()
 
 
 def _role() -> dict[str, Any]:
@@ -380,7 +420,11 @@ def health(state: ServerState) -> tuple[int, dict[str, Any]]:
         "reason": state.reason,
         "link": link,
         "fallback": state.settings.fallback,
-        "queue": {"busy": svc.queue.busy, "waiting": svc.queue.waiting},
+        "queue": {
+            "busy": svc.queue.busy,
+            "active": svc.queue.active,
+            "waiting": svc.queue.waiting,
+        },
         "pending_connections": state.guard.pending,
     }
     if svc.loaded is not None:
@@ -541,7 +585,7 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        state.service.close()
+        await state.service.close()
 
 
 def build_app(

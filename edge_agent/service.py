@@ -1,7 +1,9 @@
 """The daemon's core, shared by ``edge-agent serve`` (HTTP) and ``edge-agent chat`` (in-process):
 one draft model (or, with ``draft = "none"``, the target family's tokenizer alone: cloud-only
-speculation), one :class:`~edge_agent.agent.EdgeAgent`, requests run one at a time in arrival
-order, text streamed as it is committed, stop strings, metrics.
+speculation), one :class:`~edge_agent.agent.EdgeAgent`, up to ``max_concurrent`` requests at
+once (their draft steps batched, :mod:`edge_agent.batching`) and the rest waiting in arrival
+order, a warm link to each verifier (:mod:`edge_agent.warm`), text streamed as it is committed,
+stop strings, metrics.
 
 :meth:`EdgeService.stream` is the whole interface: an async iterator of text pieces ending with
 one :class:`Finished`. Leaving the iteration early (a client that disconnects) or cancelling the
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
+from edge_agent.batching import BatchingWorker
 from edge_agent.config import NO_DRAFT, EdgeSettings, read_secret_file
 from edge_agent.core import VerifierError
 from edge_agent.drafter import Drafter
@@ -32,7 +37,6 @@ from edge_agent.link import (
     LinkSettings,
     TokenRefused,
     VerifierBusy,
-    WebSocketTransport,
 )
 from edge_agent.monitor import EdgeMetrics, LinkMonitor, TimedTransport, VerifierLinkState
 from edge_agent.pipeline_config import PipelineConfig
@@ -41,12 +45,16 @@ from edge_agent.retry import LinkDownPolicy
 from edge_agent.tasks import ModelWorker
 from edge_agent.text import TextStreamer, eos_ids, result_json, ssl_context
 from edge_agent.transport import LinkClosed, Transport
+from edge_agent.warm import WarmLink
 from shared.errors import WanspecError
 from shared.runtime.device import resolve_device
 from shared.runtime.model_spec import SpecKind, parse_model_spec
 from shared.runtime.models import LoadedModel, LoadedTokenizer, load_model, load_tokenizer
 
 log = logging.getLogger("wanspec.edge.service")
+
+#: The round trips measured by the current request's sessions (each request sets its own).
+_RTTS: contextvars.ContextVar[list[float]] = contextvars.ContextVar("wanspec_rtts")
 
 
 class QueueFull(WanspecError, RuntimeError):
@@ -58,33 +66,44 @@ class VerifierUnavailable(WanspecError, RuntimeError):
 
 
 class FairQueue:
-    """One holder at a time, the others served first come, first served.
+    """At most ``max_active`` holders at a time, the others served first come, first served, up
+    to ``max_waiting`` of them (then :class:`QueueFull`).
 
     A waiter that is cancelled leaves the queue; a slot handed to a waiter that is cancelled at
     that very moment is passed on, never lost."""
 
-    def __init__(self, max_waiting: int) -> None:
+    def __init__(self, max_waiting: int, max_active: int = 1) -> None:
         self.max_waiting = max_waiting
+        self.max_active = max_active
         self._waiters: deque[asyncio.Future[None]] = deque()
-        self.busy = False
+        self.active = 0
+
+    @property
+    def busy(self) -> bool:
+        """Every slot is held."""
+        return self.active >= self.max_active
 
     @property
     def waiting(self) -> int:
         return sum(1 for f in self._waiters if not f.done())
 
+    def check(self) -> None:
+        """Raise :class:`QueueFull` if a request arriving now would be refused."""
+        if (self.busy or self._waiters) and self.waiting >= self.max_waiting:
+            raise QueueFull(f"{self.waiting} requests are already waiting; try again later")
+
     def _release(self) -> None:
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
-                fut.set_result(None)  # handed over: busy stays True
+                fut.set_result(None)  # handed over: the slot stays held
                 return
-        self.busy = False
+        self.active -= 1
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         if self.busy or self._waiters:
-            if self.waiting >= self.max_waiting:
-                raise QueueFull(f"{self.waiting} requests are already waiting; try again later")
+            self.check()
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             try:
@@ -97,7 +116,7 @@ class FairQueue:
                         self._waiters.remove(fut)
                 raise
         else:
-            self.busy = True
+            self.active += 1
         try:
             yield
         finally:
@@ -227,20 +246,30 @@ class EdgeService:
         self.settings = settings
         self.metrics = metrics or EdgeMetrics()
         self.link = LinkMonitor(settings, self.metrics)
-        self.queue = FairQueue(settings.max_queue)
+        self.queue = FairQueue(settings.max_queue, settings.max_concurrent)
         self.worker = ModelWorker("draft-model")
         self.loaded: LoadedModel | LoadedTokenizer | None = None
         self.agent: EdgeAgent | None = None
         self.drafter: Drafter | None = None
         self.eos: list[int] = []
         self.max_context: int | None = None
-        self._rtts: list[float] = []
+        self.batching: BatchingWorker | None = None
         token_file = settings.token_file
         self._token = read_secret_file(token_file, "token_file") if token_file else ""
         self._ssl = ssl_context(
             str(settings.ca_file) if settings.ca_file else None, settings.insecure_skip_verify
         )
         self._preferred = 0
+        #: One warm link per verifier URL (started by ``load``): requests open sessions on it.
+        self.links = [
+            WarmLink(
+                LinkSettings(
+                    url=url, token=self._token, heartbeat_s=settings.heartbeat, ssl=self._ssl
+                ),
+                rng=random.Random(),
+            )
+            for url in settings.verifier_urls
+        ]
 
     @property
     def ready(self) -> bool:
@@ -253,7 +282,9 @@ class EdgeService:
 
     async def load(self, report: Callable[[str], None] = lambda _: None) -> None:
         """Load the draft (or, draft none, the tokenizer) on the model worker (the event loop
-        stays free)."""
+        stays free). The links to the verifiers open meanwhile, and are kept warm."""
+        for link in self.links:
+            link.start()
         t0 = time.perf_counter()
         loaded: LoadedModel | LoadedTokenizer
         if self.settings.cloud_only:
@@ -267,12 +298,17 @@ class EdgeService:
             what = f"draft {loaded.name}"
         self.loaded = loaded
         retry = retry_policy(self.settings)
+        worker = self.worker
+        if self.drafter is not None and self.settings.max_concurrent > 1:
+            # Concurrent generations' draft steps share batched forwards.
+            self.batching = BatchingWorker(self.worker, self.drafter, self.settings.max_concurrent)
+            worker = self.batching
         self.agent = EdgeAgent(
             self.drafter,
             loaded.fingerprint,
             self._connect,
             retry=retry,
-            worker=self.worker,
+            worker=worker,
             federation=self._workers() if self.settings.federated else (),
             round_deadline_s=self.settings.round_deadline,
             on_session_failed=self._on_session_failed,
@@ -294,7 +330,12 @@ class EdgeService:
             return f"no draft model (cloud-only: the verifier drafts); tokenizer of {loaded.name}"
         return device_line(loaded)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Close the verifier links (their sessions end) and the model worker."""
+        for link in self.links:
+            await link.close()
+        if self.batching is not None:
+            await self.batching.aclose()
         self.worker.close()
 
     # ------------------------------------------------------------------ the verifier link
@@ -309,11 +350,8 @@ class EdgeService:
         busy: list[VerifierBusy] = []
         for k in range(len(urls)):
             i = (self._preferred + k) % len(urls)
-            link = LinkSettings(
-                url=urls[i], token=self._token, heartbeat_s=self.settings.heartbeat, ssl=self._ssl
-            )
             try:
-                transport = await WebSocketTransport.connect(link)
+                transport = await self.links[i].stream()
             except TokenRefused as e:
                 self.link.mark_token_refused(urls[i], str(e))
                 raise HandshakeError(str(e)) from e  # reconnecting cannot help
@@ -350,17 +388,19 @@ class EdgeService:
         """SpecFed mode: one worker per configured verifier, with its weight and top-k size."""
         s = self.settings
         out = []
-        for url, weight, k in zip(s.verifier_urls, s.verifier_weights, s.verifier_k, strict=True):
-            link = LinkSettings(url=url, token=self._token, heartbeat_s=s.heartbeat, ssl=self._ssl)
+        triples = zip(s.verifier_urls, s.verifier_weights, s.verifier_k, strict=True)
+        for (url, weight, k), warm in zip(triples, self.links, strict=True):
 
-            async def connect(link: LinkSettings = link) -> Transport:
-                return TimedTransport(await WebSocketTransport.connect(link), self._on_rtt)
+            async def connect(warm: WarmLink = warm) -> Transport:
+                return TimedTransport(await warm.stream(), self._on_rtt)
 
             out.append(WorkerSpec(url, connect, weight=weight, k=k, eps_target=s.eps_target))
         return out
 
     def _on_rtt(self, seconds: float) -> None:
-        self._rtts.append(seconds)
+        rtts = _RTTS.get(None)
+        if rtts is not None:  # (the request whose session measured it)
+            rtts.append(seconds)
         self.metrics.rtt.observe(seconds, kind="handshake")
 
     # ------------------------------------------------------------------ generation
@@ -422,7 +462,7 @@ class EdgeService:
         self.metrics.queue_waiting.set(self.queue.waiting + 1)
         async with self.queue.slot():
             self.metrics.queue_waiting.set(self.queue.waiting)
-            self.metrics.busy.set(1)
+            self.metrics.busy.set(self.queue.active)
             pieces: asyncio.Queue[Piece | None] = asyncio.Queue()
             scanner = StopScanner(req.stop)
             eos = () if req.ignore_eos else self.eos
@@ -448,8 +488,16 @@ class EdgeService:
                     gen.finish("stop")
 
             streamer = TextStreamer(loaded.tokenizer, on_text)
-            gen = Generation(req.prompt_ids, req.max_tokens, eos, streamer)
-            self._rtts = []
+            first_at: list[float] = []  # when the first token was committed
+
+            def on_commit(ids: list[int]) -> None:
+                if not first_at and ids:
+                    first_at.append(time.perf_counter())
+                streamer(ids)
+
+            gen = Generation(req.prompt_ids, req.max_tokens, eos, on_commit)
+            rtts: list[float] = []
+            _RTTS.set(rtts)  # (the generation's task inherits it: its sessions report here)
             t0 = time.perf_counter()
             task = asyncio.create_task(self._run(gen, req), name="wanspec-generation")
             task.add_done_callback(lambda _: pieces.put_nowait(None))
@@ -467,7 +515,10 @@ class EdgeService:
                     sent.append(tail)
                     yield Piece(tail, tokens())
                 wall = time.perf_counter() - t0
-                stats = self._stats(gen, wall, req)
+                stats = self._stats(gen, wall, req, rtts)
+                # What the first token cost from the generation's start, after any wait for a
+                # place (on a warm link: one round trip plus the prefill).
+                stats["ttft_ms"] = round(1000 * (first_at[0] - t0), 2) if first_at else None
                 yield Finished(
                     text="".join(sent),
                     finish_reason="stop" if scanner.hit else (gen.finish_reason or "stop"),
@@ -488,12 +539,14 @@ class EdgeService:
                     task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-                self.metrics.busy.set(0)
+                self.metrics.busy.set(self.queue.active - 1)
                 self.metrics.record(gen, time.perf_counter() - t0, outcome)
 
-    def _stats(self, gen: Generation, wall: float, req: GenRequest) -> dict[str, Any]:
+    def _stats(
+        self, gen: Generation, wall: float, req: GenRequest, rtts: list[float]
+    ) -> dict[str, Any]:
         out = result_json(gen, "", wall, req.pipeline, cloud_only=self.settings.cloud_only)
         del out["text"]
         out["prompt_tokens"] = len(req.prompt_ids)
-        out["rtt_ms"] = round(1000 * min(self._rtts), 2) if self._rtts else None
+        out["rtt_ms"] = round(1000 * min(rtts), 2) if rtts else None
         return out

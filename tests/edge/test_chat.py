@@ -24,7 +24,10 @@ from tests.edge_helpers import Servers, edge_settings
 from tests.waits import POLL_S, poll
 
 TOKEN_RE = r"\bt\d+"
-STATS_RE = r"tok/s · acceptance [^\r\n]* accepted/round · [^\r\n]* B/token · RTT [^\r\n]*"
+STATS_RE = (
+    r"tok/s · acceptance [^\r\n]* accepted/round · [^\r\n]* B/token · first token [^\r\n]*"
+    r" · RTT [^\r\n]*"
+)
 
 
 @pytest.fixture(scope="module")
@@ -185,9 +188,13 @@ def test_options_and_stats_line() -> None:
         "mean_accepted_per_round": 3.1,
         "bytes_per_token": 4.25,
         "rtt_ms": 12.0,
+        "ttft_ms": 131.4,
     }
     line = stats_line(st)
-    assert line == "12.3 tok/s · acceptance 75% · 3.10 accepted/round · 4.2 B/token · RTT 12.0 ms"
+    assert line == (
+        "12.3 tok/s · acceptance 75% · 3.10 accepted/round · 4.2 B/token · first token 131 ms"
+        " · RTT 12.0 ms"
+    )
     st["token_sources"] = {"edge_draft": 9, "correction": 1, "bonus": 0, "cogenerated": 0}
     assert stats_line(st).endswith(
         " · RTT 12.0 ms · tokens from: edge drafts 9 (90%), corrections 1 (10%)"

@@ -16,6 +16,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,80 @@ async def test_fair_queue_is_fifo_and_a_cancelled_waiter_frees_its_place() -> No
     assert b.cancelled()
 
 
+async def test_fair_queue_serves_max_active_at_once_then_in_arrival_order() -> None:
+    q = FairQueue(max_waiting=2, max_active=2)
+    order: list[str] = []
+    gates = {name: asyncio.Event() for name in "abcd"}
+
+    async def job(name: str) -> None:
+        async with q.slot():
+            order.append(name)
+            await gates[name].wait()
+
+    tasks = [asyncio.create_task(job(n)) for n in "ab"]
+    await until(lambda: order == ["a", "b"] and q.busy, 5.0, "a and b hold both slots")
+    tasks += [asyncio.create_task(job(n)) for n in "cd"]
+    await until(lambda: q.waiting == 2, 5.0, "c and d wait")
+    with pytest.raises(QueueFull):
+        q.check()
+    gates["b"].set()
+    await until(lambda: order == ["a", "b", "c"], 5.0, "c takes b's slot")
+    for g in gates.values():
+        g.set()
+    await asyncio.gather(*tasks)
+    assert order == ["a", "b", "c", "d"] and q.active == 0 and not q.busy
+
+
 # ---------------------------------------------------------------------------- the API
+
+
+def test_concurrent_requests_get_the_target_text_with_draft_steps_batched(
+    servers: Servers, verifier_url: str, target: LoadedModel, tiny_draft_dir: Path
+) -> None:
+    """Four requests at once (max_concurrent 4): each text is the target's greedy text, and
+    their draft steps shared forwards."""
+    base, service = servers.edge(
+        edge_settings(tiny_draft_dir, verifier_url, servers.token_file, max_concurrent=4)
+    )
+    prompts = [PROMPT_IDS, [1, 3, 5], [1, 50, 51, 52, 53], [1, 9]]
+    bodies = [
+        {"model": "tiny", "prompt": p, "max_tokens": 32, "ignore_eos": True, "temperature": 0}
+        for p in prompts
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(
+            pool.map(lambda b: post_raw(base + "/v1/completions", json.dumps(b).encode()), bodies)
+        )
+    for p, (status, body) in zip(prompts, results, strict=True):
+        assert status == 200, body
+        want = target.tokenizer.decode(target_greedy(target, p, 32), skip_special_tokens=True)
+        assert body["choices"][0]["text"] == want, p
+    batching = service.batching
+    assert batching is not None and batching.rows > batching.batches  # shared forwards
+
+
+def test_a_stream_sends_its_headers_at_once_and_keeps_quiet_streams_alive(
+    servers: Servers, target: LoadedModel, tiny_draft_dir: Path
+) -> None:
+    """Behind a busy request (max_concurrent 1) a streaming request gets its headers at once
+    and SSE comments while it waits, then its text."""
+    slow = servers.verifier(target, delay=0.02)
+    base, _ = servers.edge(
+        edge_settings(
+            tiny_draft_dir, slow, servers.token_file, max_concurrent=1, stream_keepalive=0.2
+        )
+    )
+    body = {"model": "tiny", "prompt": "t1", "stream": True, "ignore_eos": True}
+    a = open_stream(base, {**body, "max_tokens": 200})
+    read_until(a, b'"text": "t')  # A holds the one place
+    b = open_stream(base, {**body, "max_tokens": 4})
+    head = read_until(b, b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
+    read_until(b, b": keep-alive\n\n")  # while it waits for A
+    a.close()
+    rest = read_until(b, b"data: [DONE]")
+    assert b'"finish_reason": "length"' in rest
+    b.close()
 
 
 def test_a_conversations_next_turn_reuses_both_caches(client: openai.OpenAI) -> None:
@@ -423,7 +497,9 @@ def test_client_disconnect_cancels_its_generation_and_frees_its_place(
     servers: Servers, target: LoadedModel, tiny_draft_dir: Path
 ) -> None:
     slow = servers.verifier(target, delay=0.02)  # ~20 ms per verification: a long answer
-    base, service = servers.edge(edge_settings(tiny_draft_dir, slow, servers.token_file))
+    base, service = servers.edge(
+        edge_settings(tiny_draft_dir, slow, servers.token_file, max_concurrent=1)
+    )
     long_body = {
         "model": "tiny",
         "prompt": "t1",

@@ -254,7 +254,7 @@ async def test_daemon_service_runs_the_federation(
             if isinstance(piece, Finished):
                 finished = piece
     finally:
-        service.close()
+        await service.close()
     assert finished is not None and finished.completion_tokens == 30
     fed = finished.stats["federation"]
     assert fed is not None and fed["bound_violations"] == 0 and fed["worker_drops"] == 0
