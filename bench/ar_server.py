@@ -3,8 +3,9 @@
 A small aiohttp service in its own process, on the same target model as the verifier. The edge
 sends one request frame (msgpack: prompt ids as little-endian uint32 bytes, max_new_tokens,
 eos ids); the service decodes token by token and sends each id as its own 4-byte frame as soon
-as it exists (what a streaming cloud API does), then closes. ``--pad-ms`` pads each step to a
-given time (the device-regime emulation).
+as it exists (what a streaming cloud API does), then closes; or, with ``keep``, sends an empty
+frame and waits for the next request on the same connection (a kept-alive API). ``--pad-ms``
+pads each step to a given time (the device-regime emulation).
 
     python -m bench.ar_server --model default --port 8701 --token-file TOKEN [--pad-ms 146]
 """
@@ -33,25 +34,31 @@ STATE = web.AppKey("ar_state", dict)
 MAX_REQUEST = 1 << 20
 
 
-def _decode_request(data: bytes) -> tuple[list[int], int, set[int]]:
+def _decode_request(data: bytes) -> tuple[list[int], int, set[int], bool]:
     try:
         m = msgpack.unpackb(data, raw=False, max_bin_len=MAX_REQUEST, max_array_len=64)
         prompt = np.frombuffer(m["prompt"], "<u4").astype(np.int64).tolist()
         n = int(m["max_new_tokens"])
         eos = {int(t) for t in m.get("eos", [])}
+        keep = bool(m.get("keep", False))
     except Exception as e:
         raise ValueError(f"bad request: {e}") from e
     if not prompt or not 1 <= n <= 1 << 16:
         raise ValueError("bad request: empty prompt or max_new_tokens out of range")
-    return prompt, n, eos
+    return prompt, n, eos, keep
 
 
-def encode_request(prompt: list[int], max_new_tokens: int, eos: list[int]) -> bytes:
+def encode_request(
+    prompt: list[int], max_new_tokens: int, eos: list[int], *, keep: bool = False
+) -> bytes:
+    """A request; ``keep``: the connection stays open for the next one (a kept-alive cloud API:
+    the reply ends with an empty frame instead of the close)."""
     out = msgpack.packb(
         {
             "prompt": np.asarray(prompt, "<u4").tobytes(),
             "max_new_tokens": max_new_tokens,
             "eos": eos,
+            "keep": keep,
         },
         use_bin_type=True,
     )
@@ -88,26 +95,29 @@ async def _handler(request: web.Request) -> web.StreamResponse:
         raise web.HTTPUnauthorized(text="bad or missing bearer token")
     ws = web.WebSocketResponse(max_msg_size=MAX_REQUEST)
     await ws.prepare(request)
-    msg = await ws.receive()
-    if msg.type != WSMsgType.BINARY:
-        await ws.close(message=b"expected one binary request frame")
-        return ws
-    try:
-        prompt, n, eos = _decode_request(msg.data)
-    except ValueError as e:
-        await ws.close(message=str(e).encode()[:120])
-        return ws
     loop = asyncio.get_running_loop()
-    lm = CausalLM(st["loaded"])
-    feed = prompt
-    for _ in range(n):
-        tok = await loop.run_in_executor(st["pool"], _step, lm, feed, st["pad_s"])
-        await ws.send_bytes(np.array([tok], "<u4").tobytes())
-        if tok in eos:
-            break
-        feed = [tok]
-    await ws.close()
-    return ws
+    while True:
+        msg = await ws.receive()
+        if msg.type != WSMsgType.BINARY:
+            await ws.close(message=b"expected one binary request frame")
+            return ws
+        try:
+            prompt, n, eos, keep = _decode_request(msg.data)
+        except ValueError as e:
+            await ws.close(message=str(e).encode()[:120])
+            return ws
+        lm = CausalLM(st["loaded"])
+        feed = prompt
+        for _ in range(n):
+            tok = await loop.run_in_executor(st["pool"], _step, lm, feed, st["pad_s"])
+            await ws.send_bytes(np.array([tok], "<u4").tobytes())
+            if tok in eos:
+                break
+            feed = [tok]
+        if not keep:
+            await ws.close()
+            return ws
+        await ws.send_bytes(b"")  # the end of this reply; the connection stays open
 
 
 def main(argv: list[str] | None = None) -> int:

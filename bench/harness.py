@@ -103,7 +103,11 @@ class VerifierProcess:
         log_path: Path | None = None,
         scheme: str = "http",
         threads: int = 1,
+        command: Sequence[str] = ("-m", "cloud_verifier.cli", "serve"),
     ) -> None:
+        """``command``: what runs the service after the interpreter (``-m bench.verifier``:
+        ``serve`` with padded forwards)."""
+        self.command = list(command)
         self.model = model
         self.threads = threads
         self.port = port
@@ -126,9 +130,7 @@ class VerifierProcess:
         env.pop("WANSPEC_CONFIG", None)
         cmd = [
             sys.executable,
-            "-m",
-            "cloud_verifier.cli",
-            "serve",
+            *self.command,
             "--model",
             self.model,
             "--host",

@@ -114,7 +114,7 @@ from bench.oracle import GreedyPaths, OracleDrafter, is_oracle, parse_oracle
 from bench.tiny_models import build_tiny_model
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.agent import EdgeAgent, RetryPolicy
-from edge_agent.drafter import BranchDrafting, Drafter, DraftModel, DraftStep
+from edge_agent.drafter import BranchDrafting, Drafter, DraftModel, DraftRow, DraftStep
 from edge_agent.link import LinkSettings, WebSocketTransport
 from edge_agent.lm import SupportsCausalLM
 from edge_agent.pipeline_config import Mode, PipelineConfig
@@ -561,6 +561,22 @@ class TimedDrafter:
         else:
             out = [self.inner.draft(seq, params, rng, **kw) for seq in seqs]
         self._pad(t0, self.pad_s * (1 + DRAFT_BATCH_COST * (len(seqs) - 1)))
+        return out
+
+    def draft_rows(self, rows: Sequence[DraftRow]) -> list[DraftStep]:
+        """Concurrent generations' steps in one batched forward (the edge serving several
+        requests, :mod:`edge_agent.batching`), padded as ``draft_many``'s branches are."""
+        t0 = time.perf_counter()
+        if isinstance(self.inner, Drafter):
+            out = self.inner.draft_rows(rows)
+        else:
+            out = [
+                self.inner.draft(
+                    r.seq, r.params, r.rng, deterministic=r.deterministic, rival=r.rival
+                )
+                for r in rows
+            ]
+        self._pad(t0, self.pad_s * (1 + DRAFT_BATCH_COST * (len(rows) - 1)))
         return out
 
     def _pad(self, t0: float, pad_s: float) -> None:

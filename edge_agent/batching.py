@@ -8,15 +8,18 @@ of them (up to ``max_rows``), in arrival order, as one
 outstanding (its drafter awaits each step), so every generation gets one row of every batch it
 waits for: fair by construction, and a lone generation's steps go at once, unbatched.
 
-Every other call on the worker (pre-drafted branches, prefix lookups) runs as it did, in order
-with the batches on the same thread. A batch that fails is retried row by row, so one
-generation's error (a full context, say) is its own.
+Every other call on the worker (pre-drafted branches, prefix lookups) waits here too, in
+arrival order, and runs only when no draft step waits: a generation's next batch never queues
+behind another's speculative work (pre-drafting fills the drafter's idle time, and with several
+generations there is less of it). A batch that fails is retried row by row, so one generation's
+error (a full context, say) is its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -42,6 +45,7 @@ class BatchingWorker(ModelWorker):
         self.drafter = drafter
         self.max_rows = max(1, min(max_rows, Drafter.MAX_BRANCHES))
         self._pending: deque[tuple[DraftRow, asyncio.Future[DraftStep]]] = deque()
+        self._calls: deque[tuple[Callable[[], Any], asyncio.Future[Any]]] = deque()
         self._running: asyncio.Task[None] | None = None
         #: Batches run and rows in them (for tests and stats).
         self.batches = 0
@@ -52,19 +56,29 @@ class BatchingWorker(ModelWorker):
         if getattr(fn, "__self__", None) is self.drafter and getattr(fn, "__name__", "") == "draft":
             step: Any = await self._step(DraftRow(*args, **kwargs))
             return step  # type: ignore[no-any-return]
-        return await self.inner.run(fn, *args, **kwargs)
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._calls.append((functools.partial(fn, *args, **kwargs), fut))
+        self._wake()
+        return await fut
 
     async def _step(self, row: DraftRow) -> DraftStep:
         fut: asyncio.Future[DraftStep] = asyncio.get_running_loop().create_future()
         self._pending.append((row, fut))
-        if self._running is None:
-            self._running = asyncio.ensure_future(self._drain())
+        self._wake()
         return await fut
 
+    def _wake(self) -> None:
+        if self._running is None:
+            self._running = asyncio.ensure_future(self._drain())
+
     async def _drain(self) -> None:
-        """Run batches while steps wait (the task is this object's: ``close`` cancels it)."""
+        """Run draft batches while steps wait, other calls when none does (the task is this
+        object's: ``close`` cancels it)."""
         try:
-            while self._pending:
+            while self._pending or self._calls:
+                # One turn of the loop first: the generations whose steps just came back take
+                # their next ones, and those go in the same batch (no time is waited).
+                await asyncio.sleep(0)
                 batch: list[tuple[DraftRow, asyncio.Future[DraftStep]]] = []
                 while self._pending and len(batch) < self.max_rows:
                     row, fut = self._pending.popleft()
@@ -72,6 +86,19 @@ class BatchingWorker(ModelWorker):
                         batch.append((row, fut))
                 if batch:
                     await self._run_batch(batch)
+                    continue
+                if self._calls:
+                    call, cfut = self._calls.popleft()
+                    if cfut.done():
+                        continue
+                    try:
+                        result = await self.inner.run(call)
+                    except Exception as e:
+                        if not cfut.done():
+                            cfut.set_exception(e)
+                    else:
+                        if not cfut.done():
+                            cfut.set_result(result)
         finally:
             self._running = None
 
@@ -98,7 +125,10 @@ class BatchingWorker(ModelWorker):
             self._running.cancel()
         for _, fut in self._pending:
             fut.cancel()
+        for _, cfut in self._calls:
+            cfut.cancel()
         self._pending.clear()
+        self._calls.clear()
 
     async def aclose(self) -> None:
         task = self._running

@@ -362,9 +362,10 @@ def stats_line(st: dict[str, Any]) -> str:
         f"{fmt(st.get('tokens_per_s'), '.1f')} tok/s",
         *speculation,
         f"{fmt(st.get('bytes_per_token'), '.1f')} B/token",
-        f"first token {fmt(st.get('ttft_ms'), '.0f', ' ms')}",
         f"RTT {fmt(st.get('rtt_ms'), '.1f', ' ms')}",
     ]
+    if st.get("ttft_ms") is not None:  # what the first token cost (the daemon says)
+        parts.insert(-1, f"first token {st['ttft_ms']:.0f} ms")
     if st.get("token_sources"):
         parts.append(f"tokens from: {sources_line(st['token_sources'])}")
     if st.get("verified") is False:

@@ -404,6 +404,33 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_ttft_bench_smoke(tmp_path: Path) -> None:
+    """bench.ttft end to end at a small shape: the daemon on its warm link, cold connections
+    and the kept-alive AR baseline through the emulator at two RTTs; 1 and 2 concurrent
+    requests in the emulated regime; every figure with its interval, and the plot."""
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.ttft", "--smoke", "--out", str(tmp_path)],
+        capture_output=True, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=900,
+        check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    doc = orjson.loads((tmp_path / "ttft.json").read_bytes())
+    cells = doc["latency"]["cells"]
+    assert {(c["kind"], c["rtt_ms"]) for c in cells} == {
+        (k, r) for k in ("warm", "cold", "ar") for r in (0.0, 100.0)
+    }
+    for c in cells:
+        lo_mid_hi = c["ttft_s"]
+        assert lo_mid_hi[1] <= lo_mid_hi[0] <= lo_mid_hi[2] and 0 < lo_mid_hi[0] < c["reply_s"][0]
+        assert all(t == 8 for t in c["tokens_received"])  # every reply whole
+    extra = doc["latency"]["targets"]["ttft_extra_per_rtt"][0]
+    assert {"warm_ttft_minus_rtt0_over_rtt", "cold_ttft_minus_rtt0_over_rtt"} <= set(extra)
+    con = doc["concurrency"]["summary"]
+    assert [r["concurrency"] for r in con] == [1, 2] and con[0]["aggregate_over_one"][0] == 1.0
+    assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
 def test_federate_eval_smoke(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "bench.federate_eval", "--smoke", "--prompts", "1",
