@@ -207,12 +207,9 @@ class Results:
         )
 
     def readme_section(self) -> str:
+        """The speed table (pre-drafting's own table is on the benchmark page)."""
         draft = self.model_draft()
         parts = [self.caption(draft), "", *self.speed_table(draft)]
-        predraft = self.predraft_table(draft)
-        if predraft:
-            parts += ["", "Outcome pre-drafting in the same run (gaps in emulated ms):", ""]
-            parts += predraft
         return "\n".join(parts)
 
     def _predraft_part(self, draft: str) -> list[str]:

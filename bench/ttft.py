@@ -40,13 +40,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
+import numpy.typing as npt
 
 from bench.ar_server import encode_request
 from bench.harness import REPO, VerifierProcess, free_port, write_tokens
@@ -131,6 +132,29 @@ def bootstrap_diff(
         float(np.quantile(d, 0.025)),
         float(np.quantile(d, 0.975)),
     ]
+
+
+def rtt_slope(
+    groups: Mapping[float, Sequence[float]], rng: np.random.Generator, n: int = 2000
+) -> list[float]:
+    """The least-squares slope of time against RTT (seconds per second of RTT: the round trips
+    a request pays), over every sample of every RTT, and its 95 % bootstrap interval
+    (resampling within each RTT)."""
+    rtts = sorted(groups)
+    xs = np.concatenate([np.full(len(groups[r]), r / 1000.0) for r in rtts])
+
+    def fit(ys: npt.NDArray[np.float64]) -> float:
+        xm = xs.mean()
+        return float(((xs - xm) * (ys - ys.mean())).sum() / ((xs - xm) ** 2).sum())
+
+    ys = np.concatenate([np.asarray(groups[r], float) for r in rtts])
+    boots = [
+        fit(
+            np.concatenate([rng.choice(np.asarray(groups[r], float), len(groups[r])) for r in rtts])
+        )
+        for _ in range(n)
+    ]
+    return [fit(ys), float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))]
 
 
 # ------------------------------------------------------------------------------ processes
@@ -395,7 +419,24 @@ async def latency_part(
     return summarise_latency(cells, args)
 
 
+def cells_of(latency: dict[str, Any]) -> list[Cell]:
+    """The raw samples of a run's latency part (``ttft.json``), to summarise again."""
+    out = []
+    for c in latency["cells"]:
+        cell = Cell(c["kind"], float(c["rtt_ms"]), int(c["tokens"]))
+        cell.samples = [
+            Sample(t, r, k)
+            for t, r, k in zip(
+                c["ttft_samples_s"], c["reply_samples_s"], c["tokens_received"], strict=True
+            )
+        ]
+        out.append(cell)
+    return out
+
+
 def summarise_latency(cells: list[Cell], args: argparse.Namespace) -> dict[str, Any]:
+    """Every figure of the latency part, from the samples alone (``--report-only`` runs it
+    again on a committed run's samples)."""
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {"cells": [], "targets": {}}
     by = {(c.kind, c.rtt_ms, c.tokens): c for c in cells}
@@ -427,6 +468,14 @@ def summarise_latency(cells: list[Cell], args: argparse.Namespace) -> dict[str, 
             row[f"{kind}_ttft_minus_rtt0_over_rtt"] = [v * 1000 / rtt for v in d]
         per_rtt.append(row)
     out["targets"]["ttft_extra_per_rtt"] = per_rtt
+    slopes: dict[str, list[float]] = {}
+    for kind in ("warm", "cold", "ar"):
+        groups = {c.rtt_ms: [x.ttft_s for x in c.samples] for c in cells
+                  if c.kind == kind and c.tokens == n0}  # fmt: skip
+        if len(groups) >= 2:
+            slopes[kind] = rtt_slope(groups, rng)
+    # Round trips before the first token, fitted over every RTT (the slope of TTFT on RTT).
+    out["targets"]["ttft_round_trips"] = slopes
     n1 = max(args.tokens)
     if (("warm", 200.0, n1) in by) and (("warm", base_rtt, n1) in by):
         out["targets"]["reply_rtt200_over_rtt0"] = bootstrap_ratio(
@@ -628,6 +677,143 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _ci(v: Sequence[float], scale: float = 1.0, fmt: str = ".2f") -> str:
+    """``median [lo, hi]``."""
+    return f"{v[0] * scale:{fmt}} [{v[1] * scale:{fmt}}, {v[2] * scale:{fmt}}]"
+
+
+def report(doc: dict[str, Any]) -> str:
+    """The markdown tables of a run (ttft.md): every figure read off ``doc``."""
+    m = doc["machine"]
+    out = [
+        "# Time to first token, whole replies, concurrency",
+        "",
+        f"Run of commit {m['git_commit']} on {m['date']} ({m['cpus']} CPUs, {m['processor']}, "
+        f"torch {m['torch']}). Medians with 95 % bootstrap intervals.",
+    ]
+    lat = doc.get("latency")
+    if lat:
+        reps = len(lat["cells"][0]["ttft_samples_s"])
+        out += [
+            "",
+            "## Latency (this machine's real timings)",
+            "",
+            f"Default target and draft, one thread each; {reps} requests per cell; the WAN "
+            "emulator at 10 Mbit/s each way (TCP's handshake held one RTT). **warm**: the daemon "
+            "on its warm link (streaming chat completion over HTTP); **cold**: a connection of "
+            "its own per request; **ar**: the target streaming alone on a kept-alive connection.",
+            "",
+            "| RTT ms | tokens | warm TTFT s | cold TTFT s | ar TTFT s | warm reply s | cold "
+            "reply s | ar reply s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        by = {(c["kind"], c["rtt_ms"], c["tokens"]): c for c in lat["cells"]}
+        keys = sorted(
+            {(c["rtt_ms"], c["tokens"]) for c in lat["cells"]}, key=lambda k: (k[1], k[0])
+        )
+        for rtt, n in keys:
+            row = [f"{rtt:g}", str(n)]
+            row += [_ci(by[(k, rtt, n)]["ttft_s"]) if (k, rtt, n) in by else "–" for k in
+                    ("warm", "cold", "ar")]  # fmt: skip
+            row += [_ci(by[(k, rtt, n)]["reply_s"]) if (k, rtt, n) in by else "–" for k in
+                    ("warm", "cold", "ar")]  # fmt: skip
+            out.append("| " + " | ".join(row) + " |")
+        out += [
+            "",
+            "Extra time to the first token per RTT, (TTFT(RTT) − TTFT(0)) / RTT, shortest reply:",
+            "",
+            "| RTT ms | warm | cold | ar |",
+            "|---|---|---|---|",
+        ]
+        for r in lat["targets"]["ttft_extra_per_rtt"]:
+            cells = [
+                _ci(r[f"{k}_ttft_minus_rtt0_over_rtt"]) if f"{k}_ttft_minus_rtt0_over_rtt" in r
+                else "–"
+                for k in ("warm", "cold", "ar")
+            ]  # fmt: skip
+            out.append(f"| {r['rtt_ms']:g} | " + " | ".join(cells) + " |")
+        slope = lat["targets"].get("ttft_round_trips", {})
+        if slope:
+            out += [
+                "",
+                "Round trips before the first token, the slope of TTFT on RTT over "
+                "every sample: " + ", ".join(f"{k} {_ci(v)}" for k, v in slope.items()) + ".",
+            ]
+        ratio = lat["targets"].get("reply_rtt200_over_rtt0")
+        if ratio:
+            out += ["", f"Longest warm reply at RTT 200 over RTT 0: {_ci(ratio)}."]
+        out += ["", "| RTT ms | tokens | warm TTFT / ar TTFT | ar reply / warm reply |",
+                "|---|---|---|---|"]  # fmt: skip
+        for r in lat["vs_ar"]:
+            out.append(
+                f"| {r['rtt_ms']:g} | {r['tokens']} | {_ci(r['ttft_warm_over_ar'])} | "
+                f"{_ci(r['reply_ar_over_warm'])} |"
+            )
+    con = doc.get("concurrency")
+    if con:
+        g = con["regime"]
+        out += [
+            "",
+            "## Concurrency (emulated device regime)",
+            "",
+            f"{g['requests_per_run']} requests of {g['tokens_per_request']} tokens served c at a "
+            f"time by one edge; draft {g['draft_ms_per_token']:g} ms a token, a batched draft "
+            f"step {g['batched_draft_step']} ({g['batched_draft_step_source']}); verify "
+            f"{g['verify_ms']:g} ms; RTT {g['rtt_ms']:g} ms; time-dilated ×{g['time_scale']:g}, "
+            "emulated tokens/s.",
+            "",
+            "| at a time | aggregate tok/s | × one at a time | per request tok/s |",
+            "|---|---|---|---|",
+        ]
+        for r in con["summary"]:
+            over = _ci(r["aggregate_over_one"]) if r["aggregate_over_one"] else "–"
+            out.append(
+                f"| {r['concurrency']} | {_ci(r['aggregate_tok_s'])} | {over} | "
+                f"{_ci(r['per_request_tok_s'])} |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def readme_block(doc: dict[str, Any]) -> str:
+    """The README's figures (between ``<!-- ttft:begin -->`` and ``<!-- ttft:end -->``), read
+    off ``doc``: TTFT per RTT (warm, cold, the AR baseline), the longest reply, the round trips
+    (slopes), and concurrency's aggregate against one at a time."""
+    lat, con = doc["latency"], doc.get("concurrency")
+    n0 = min(c["tokens"] for c in lat["cells"])
+    n1 = max(c["tokens"] for c in lat["cells"])
+    reps = len(lat["cells"][0]["ttft_samples_s"])
+    by = {(c["kind"], c["rtt_ms"], c["tokens"]): c for c in lat["cells"]}
+    rtts = sorted({c["rtt_ms"] for c in lat["cells"]})
+    out = [
+        f"Through the daemon over the emulator (this CPU's timings, medians of {reps}; commit "
+        f"{doc['machine']['git_commit']}, `docs/results/ttft.json`), seconds:",
+        "",
+        f"| RTT ms | first token: warm link | cold | cloud AR | {n1} tokens: warm | cloud AR |",
+        "|---|---|---|---|---|---|",
+    ]
+    for rtt in rtts:
+        cells = [f"{by[(k, rtt, n0)]['ttft_s'][0]:.2f}" for k in ("warm", "cold", "ar")]
+        cells += [f"{by[(k, rtt, n1)]['reply_s'][0]:.1f}" for k in ("warm", "ar")]
+        out.append(f"| {rtt:g} | " + " | ".join(cells) + " |")
+    slope = lat["targets"]["ttft_round_trips"]
+    out += [
+        "",
+        f"Round trips before the first token (slope on RTT): warm link {_ci(slope['warm'])}, "
+        f"cold {_ci(slope['cold'])}, cloud AR {_ci(slope['ar'])}.",
+    ]
+    ratio = lat["targets"].get("reply_rtt200_over_rtt0")
+    if ratio:
+        out[-1] += f" {n1} tokens at RTT 200: {ratio[0]:.2f}× RTT 0."
+    if con:
+        four = next((r for r in con["summary"] if r["concurrency"] == 4), None)
+        if four is not None and four["aggregate_over_one"]:
+            out[-1] += (
+                f" 4 requests at once: {_ci(four['aggregate_over_one'])}× the tokens/s of one "
+                "(emulated regime)."
+            )
+    return "\n".join(out)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.ttft", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -645,6 +831,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--time-scale", type=float, default=6.0)
     p.add_argument("--parts", default="latency,concurrency")
     p.add_argument("--smoke", action="store_true", help="a few seconds of each part (tests)")
+    p.add_argument(
+        "--report-only", action="store_true", help="rewrite ttft.md and ttft.png from ttft.json"
+    )
+    p.add_argument(
+        "--publish", action="store_true", help="also rewrite the README's block from ttft.json"
+    )
     args = p.parse_args(argv)
     args.rtts = [float(x) for x in args.rtts.split(",")]
     args.tokens = [int(x) for x in args.tokens.split(",")]
@@ -677,14 +869,30 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
-
-    torch.set_num_threads(1)
-    doc = asyncio.run(amain(args))
     path = args.out / "ttft.json"
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.report_only:
+        doc = json.loads(path.read_text())
+        if "latency" in doc:
+            cells = cells_of(doc["latency"])
+            ns = argparse.Namespace(
+                rtts=sorted({c.rtt_ms for c in cells}), tokens=sorted({c.tokens for c in cells})
+            )
+            doc["latency"] = summarise_latency(cells, ns)
+            path.write_text(json.dumps(doc, indent=1) + "\n")
+    else:
+        import torch
+
+        torch.set_num_threads(1)
+        doc = asyncio.run(amain(args))
+        path.write_text(json.dumps(doc, indent=1) + "\n")
     plot(doc, args.out / "ttft.png")
-    print(f"wrote {path}")
+    (args.out / "ttft.md").write_text(report(doc))
+    print(f"wrote {path}, ttft.md, ttft.png")
+    if args.publish:
+        from bench.publish import README, replace_between
+
+        README.write_text(replace_between(README.read_text(), "ttft", readme_block(doc)))
+        print(f"rewrote {README}")
     return 0
 
 

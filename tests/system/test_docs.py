@@ -67,6 +67,18 @@ def test_results_tables_sit_between_their_markers() -> None:
     assert len(re.findall(r"^\| RTT ms \|", bench, flags=re.M)) >= 2
 
 
+def test_ttft_figures_are_read_off_the_committed_run() -> None:
+    """The README's time-to-first-token block is what ``bench.ttft --publish`` writes from
+    ``docs/results/ttft.json``, and the raw tables (``ttft.md``) are that run's."""
+    import json
+
+    from bench import ttft
+
+    doc = json.loads((DOCS / "results" / "ttft.json").read_text())
+    assert _between(README.read_text(), "ttft").strip() == ttft.readme_block(doc)
+    assert (DOCS / "results" / "ttft.md").read_text() == ttft.report(doc)
+
+
 def test_results_tables_are_read_off_the_committed_results() -> None:
     """Every figure in the README's and the benchmark page's tables is what ``bench.publish``
     writes from ``docs/results/bench/results.json``: none typed by hand, none left stale."""

@@ -26,10 +26,12 @@ from bench.wanem import Crossing, LinkConfig, WanEmulator, round_trips
 from cloud_verifier.app import STATE, VerifierState
 from cloud_verifier.targets import TorchTarget
 from edge_agent.agent import EdgeAgent, RetryPolicy
+from edge_agent.batching import BatchingWorker
 from edge_agent.core import wire_context
 from edge_agent.drafter import Drafter
 from edge_agent.link import Connection, LinkSettings, StreamTransport, WebSocketTransport
 from edge_agent.pipeline_config import PipelineConfig
+from edge_agent.tasks import ModelWorker
 from edge_agent.transport import LinkClosed, Transport
 from edge_agent.warm import WarmLink
 from shared.errors import ErrorCode
@@ -39,12 +41,16 @@ from shared.wire.params import SamplingParams
 from shared.wire.protocol import (
     PROTOCOL_VERSION,
     SUBPROTOCOL,
+    CorrectionMode,
     Error,
     Hello,
     Propose,
+    Welcome,
     decode,
     encode,
 )
+from tests.stats import sequential_chi_square
+from tests.system.test_edge_e2e import target_rows
 from tests.verifiers import ready, serve_verifier, session_url, verifier_app
 
 TOKEN = "warm-token-0123456789abcdef"
@@ -229,6 +235,48 @@ async def test_a_flooding_session_ends_alone(
         await conn.close()
 
 
+async def test_a_session_past_its_kv_share_is_refused_alone(
+    aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
+) -> None:
+    """The KV shares stay per session on a shared connection: a session whose prompt is past
+    its share gets its error; three others on the connection go on, exact."""
+    server, _ = await serve(
+        aiohttp_server,
+        target,
+        kv_cache_tokens=512,
+        kv_page_size=16,
+        kv_session_share=0.25,  # 128 tokens a session
+        kv_token_share=1.0,
+    )
+    conn = await Connection.connect(link_settings(session_url(server)))
+    try:
+        hog = await _open_raw(conn, target.fingerprint)
+        ctx = wire_context(Hello(fingerprint=target.fingerprint), conn.ready.welcome())
+        big = np.array([1, *range(2, 62)] * 4, np.int64)  # 244 tokens: past 128
+        none = np.zeros(0, np.int64)
+        await hog.send(encode(Propose(0, 0, 0, none, np.zeros(0, np.float32), big, True), ctx))
+        honest = [agent_on(draft, streams_of(conn)) for _ in range(3)]
+        prompts = [PROMPT, [1, 3, 5], [1, 9]]
+        gens = await asyncio.gather(
+            *(
+                a.generate(p, GREEDY, max_new_tokens=24)
+                for a, p in zip(honest, prompts, strict=True)
+            )
+        )
+        replies = [decode(await asyncio.wait_for(hog.recv(), 30)) for _ in range(2)]
+        assert isinstance(replies[0], Welcome)  # then its refusal (the session stays open)
+        err = replies[1]
+        assert isinstance(err, Error) and err.code in ("context_full", "model_error"), err
+        for p, gen in zip(prompts, gens, strict=True):
+            assert gen.generated == target_greedy(target, p, 24)
+            assert gen.stats.reconnects == 0
+        for a in honest:
+            a.close()
+        await hog.close()
+    finally:
+        await conn.close()
+
+
 async def test_a_session_that_stops_reading_holds_nobody(
     aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
 ) -> None:
@@ -260,6 +308,49 @@ async def test_a_session_that_stops_reading_holds_nobody(
         await mute.close()
     finally:
         await conn.close()
+
+
+# ------------------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("correction", [CorrectionMode.CANDIDATES, CorrectionMode.GREEDY_DRAFT])
+async def test_sampled_sessions_multiplexed_on_one_link_keep_the_target_law(
+    aiohttp_server: Any, target: LoadedModel, draft: LoadedModel, correction: CorrectionMode
+) -> None:
+    """Four sampled generations at once on one warm link, their draft steps batched on one
+    drafter (the daemon's concurrency): every emitted token is a draw from the target's p_t
+    (the chi-square of tests/system/test_edge_e2e.py over all of them)."""
+    server, _ = await serve(aiohttp_server, target)
+    warm = WarmLink(link_settings(session_url(server)))
+    warm.start()
+    drafter = Drafter(draft)
+    inner = ModelWorker("draft")
+    batching = BatchingWorker(inner, drafter, 4)
+    agent = EdgeAgent(drafter, draft.fingerprint, warm.stream, worker=batching)
+    params = SamplingParams(1.0)
+    prompts = [[1, 5 + i, 9 + 2 * i] for i in range(8)]
+    toks: list[int] = []
+    rows = []
+    try:
+        for wave in (prompts[:4], prompts[4:]):
+            cfg = PipelineConfig(gamma=3, depth=2, sampling=params, correction=correction)
+            gens = await asyncio.gather(
+                *(
+                    agent.generate(p, cfg, max_new_tokens=150, seed=300 + i)
+                    for i, p in enumerate(wave)
+                )
+            )
+            for p, gen in zip(wave, gens, strict=True):
+                toks += gen.generated
+                rows.append(target_rows(target, p, gen.generated, params))
+    finally:
+        agent.close()
+        await batching.aclose()
+        inner.close()
+        await warm.close()
+    assert warm.connects == 1 and batching.rows > batching.batches  # shared link and forwards
+    pv = sequential_chi_square(np.array(toks), np.concatenate(rows))
+    assert pv > 1e-4, f"{correction}: chi-square p-value {pv:.2e} over {len(toks)} tokens"
 
 
 # ------------------------------------------------------------------------------ resumption
