@@ -35,12 +35,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import operator
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,34 +105,37 @@ def bootstrap_median(x: Sequence[float], rng: np.random.Generator, n: int = 2000
     return [float(np.median(a)), float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))]
 
 
-def bootstrap_ratio(
-    num: Sequence[float], den: Sequence[float], rng: np.random.Generator, n: int = 2000
+def _bootstrap_pair(
+    num: Sequence[float],
+    den: Sequence[float],
+    rng: np.random.Generator,
+    op: Callable[[Any, Any], Any],
+    n: int = 2000,
 ) -> list[float]:
-    """median(num) / median(den) and its 95 % interval (both resampled independently)."""
+    """op(median(num), median(den)) and its 95 % interval (both resampled independently)."""
     a, b = np.asarray(num, float), np.asarray(den, float)
     ra = np.median(rng.choice(a, (n, len(a))), axis=1)
     rb = np.median(rng.choice(b, (n, len(b))), axis=1)
-    r = ra / rb
+    r = op(ra, rb)
     return [
-        float(np.median(a) / np.median(b)),
+        float(op(np.median(a), np.median(b))),
         float(np.quantile(r, 0.025)),
         float(np.quantile(r, 0.975)),
     ]
 
 
+def bootstrap_ratio(
+    num: Sequence[float], den: Sequence[float], rng: np.random.Generator
+) -> list[float]:
+    """median(num) / median(den) and its 95 % interval."""
+    return _bootstrap_pair(num, den, rng, operator.truediv)
+
+
 def bootstrap_diff(
-    num: Sequence[float], den: Sequence[float], rng: np.random.Generator, n: int = 2000
+    num: Sequence[float], den: Sequence[float], rng: np.random.Generator
 ) -> list[float]:
     """median(num) − median(den) and its 95 % interval."""
-    a, b = np.asarray(num, float), np.asarray(den, float)
-    ra = np.median(rng.choice(a, (n, len(a))), axis=1)
-    rb = np.median(rng.choice(b, (n, len(b))), axis=1)
-    d = ra - rb
-    return [
-        float(np.median(a) - np.median(b)),
-        float(np.quantile(d, 0.025)),
-        float(np.quantile(d, 0.975)),
-    ]
+    return _bootstrap_pair(num, den, rng, operator.sub)
 
 
 def rtt_slope(

@@ -70,7 +70,6 @@ from shared.wire.mux import (
     OLD_SUBPROTOCOLS,
     Data,
     End,
-    Ended,
     MuxError,
     MuxEvent,
     Opened,
@@ -1044,7 +1043,7 @@ async def _on_mux_event(conn: _Conn, tenant: str, ev: MuxEvent) -> None:
     state = conn.state
     if isinstance(ev, Data):
         conn.streams[ev.stream].deliver(ev.payload)
-    elif isinstance(ev, Ended):
+    elif isinstance(ev, End):
         st = conn.streams.get(ev.stream)
         if st is not None:
             st.finish(ev.code, ev.reason)
@@ -1067,7 +1066,7 @@ async def _on_mux_event(conn: _Conn, tenant: str, ev: MuxEvent) -> None:
             True,
             1.0,
         )
-        await _refuse_stream(conn, ev.stream, err, opened=False)
+        await _refuse_stream(conn, ev.stream, err)
     elif isinstance(ev, Overflow):
         st = conn.streams[ev.stream]
         st.ended_here = True
@@ -1079,10 +1078,7 @@ async def _on_mux_event(conn: _Conn, tenant: str, ev: MuxEvent) -> None:
             True,
         )
         await _tell(conn, ev.stream, err)
-        # (the mux has forgotten the stream: the End is sent here)
-        await conn.send(
-            encode_control(End(ev.stream, WSCloseCode.POLICY_VIOLATION, "flow_control"))
-        )
+        await conn.end(ev.stream, WSCloseCode.POLICY_VIOLATION, "flow_control")
 
 
 async def _tell(conn: _Conn, stream: int, err: Error) -> None:
@@ -1091,16 +1087,13 @@ async def _tell(conn: _Conn, stream: int, err: Error) -> None:
         await conn.send(frame(stream, encode(err)))
 
 
-async def _refuse_stream(conn: _Conn, stream: int, err: Error, *, opened: bool = True) -> None:
+async def _refuse_stream(conn: _Conn, stream: int, err: Error) -> None:
     """A new session refused: its Error (with Retry-After) and the stream's End."""
     state = conn.state
     state.metrics.sessions_refused.inc(reason=err.code)
     state.refusal_log.log(log, logging.INFO, "refused a session: %s (%s)", err.code, err.message)
     await _tell(conn, stream, err)
-    if opened:
-        await conn.end(stream, WSCloseCode.TRY_AGAIN_LATER, err.code)
-    else:
-        await conn.send(encode_control(End(stream, WSCloseCode.TRY_AGAIN_LATER, err.code)))
+    await conn.end(stream, WSCloseCode.TRY_AGAIN_LATER, err.code)
 
 
 async def _stream_task(st: _Stream, tenant: str) -> None:
@@ -1123,14 +1116,10 @@ async def _stream_task(st: _Stream, tenant: str) -> None:
 # ---------------------------------------------------------------------------- the session loop
 
 
-async def _send(peer: _Stream, state: VerifierState, data: bytes) -> None:
-    await peer.send(data)
-
-
 async def _send_msg(peer: _Stream, state: VerifierState, msg: Message, core: VerifierCore) -> None:
     if isinstance(msg, Error):
         state.metrics.errors_sent.inc(code=msg.code)
-    await _send(peer, state, encode(msg) if core.ctx is None else encode(msg, core.ctx))
+    await peer.send(encode(msg) if core.ctx is None else encode(msg, core.ctx))
 
 
 async def _fatal(peer: _Stream, state: VerifierState, close: Close, core: VerifierCore) -> None:

@@ -169,15 +169,15 @@ class EdgeAgent:
                     resume = Resume(resume_token, len(gen.committed))
                 hello = self.hello(cfg, vseed, len(gen.committed) + gen.room, resume)
                 resume_token = None
-                welcome = announced_welcome(transport)
-                provisional = welcome is not None and resume is None
-                if welcome is not None and provisional:
+                welcome = None if resume is not None else announced_welcome(transport)
+                provisional = welcome is not None
+                if welcome is None:
+                    welcome = await handshake(transport, hello, policy.handshake_timeout_s)
+                    resume_token = welcome.resume
+                else:
                     # Zero round trips: the Hello leaves with the first Propose; the session's
                     # own Welcome (or its refusal) is its first frame back.
                     await transport.send(encode(hello))
-                else:
-                    welcome = await handshake(transport, hello, policy.handshake_timeout_s)
-                    resume_token = welcome.resume
                 if len(gen.committed) > welcome.max_fixed:
                     raise HandshakeError(
                         f"{len(gen.committed)} committed tokens exceed the verifier's limit of "

@@ -19,13 +19,11 @@ from shared.errors import WanspecError
 from shared.wire.mux import (
     MAX_PREFIX,
     ClientMux,
-    Credit,
     Data,
     End,
-    Ended,
-    GotReady,
     MuxError,
     Ready,
+    WindowUpdate,
     encode_control,
     frame,
 )
@@ -97,14 +95,6 @@ class Connection:
         assert self.mux.ready is not None  # connect() waited for it
         return self.mux.ready
 
-    @property
-    def full(self) -> bool:
-        return self.mux.full
-
-    @property
-    def streams(self) -> int:
-        return len(self._streams)
-
     @classmethod
     async def connect(cls, settings: LinkSettings) -> Connection:
         """Open the WebSocket and wait for the verifier's Ready (both within
@@ -116,7 +106,7 @@ class Connection:
             if msg.type != aiohttp.WSMsgType.BINARY:
                 raise LinkClosed(f"verifier at {settings.url} closed before it was ready")
             events = mux.receive(msg.data)
-            if not events or not isinstance(events[0], GotReady):
+            if not events or not isinstance(events[0], Ready):
                 raise LinkClosed(f"verifier at {settings.url} did not start with Ready")
         except asyncio.TimeoutError:
             await _drop(session, ws)
@@ -178,11 +168,11 @@ class Connection:
                         st = self._streams.get(ev.stream)
                         if st is not None:
                             st.deliver(ev.payload)
-                    elif isinstance(ev, Credit):
+                    elif isinstance(ev, WindowUpdate):
                         st = self._streams.get(ev.stream)
                         if st is not None:
                             st.credited()
-                    elif isinstance(ev, Ended):
+                    elif isinstance(ev, End):
                         st = self._streams.pop(ev.stream, None)
                         if st is not None:
                             st.finish(f"verifier ended the session ({ev.code}: {ev.reason})")

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
 
 from edge_agent.link import Connection, LinkRefused, LinkSettings, StreamTransport, TokenRefused
 from edge_agent.transport import LinkClosed, VerifierBusy
@@ -37,14 +36,11 @@ class WarmLink:
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 5.0,
         rng: random.Random | None = None,
-        on_change: Callable[[bool, str], None] | None = None,
     ) -> None:
-        """``on_change(up, why)`` hears of each connection made and lost."""
         self.settings = settings
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self._rng = rng or random.Random()
-        self._on_change = on_change
         self._conn: Connection | None = None
         self._attempt: asyncio.Future[Connection] | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -52,16 +48,10 @@ class WarmLink:
         self._kick = asyncio.Event()
         #: Connections opened (the first and every reconnection), for tests and metrics.
         self.connects = 0
-        #: Seconds the last connection took to open (TCP, TLS, upgrade, Ready).
-        self.connect_s: float | None = None
 
     @property
     def up(self) -> bool:
         return self._conn is not None and not self._conn.closed.is_set()
-
-    @property
-    def connection(self) -> Connection | None:
-        return self._conn if self.up else None
 
     def start(self) -> None:
         """Start the keeper (needs a running loop); idempotent."""
@@ -93,15 +83,13 @@ class WarmLink:
             raise
         finally:
             self._attempt = None
-        self.connect_s = time.perf_counter() - t0
+        took = time.perf_counter() - t0  # TCP, TLS, the upgrade, the Ready
         self._failures = 0
         self.connects += 1
         old, self._conn = self._conn, conn
         if old is not None:
             await old.close()
-        log.info("link to %s up (%.0f ms to connect)", self.settings.url, 1000 * self.connect_s)
-        if self._on_change is not None:
-            self._on_change(True, "")
+        log.info("link to %s up (%.0f ms to connect)", self.settings.url, 1000 * took)
         self._kick.set()
         return conn
 
@@ -123,16 +111,12 @@ class WarmLink:
             if conn is not None and not conn.closed.is_set():
                 await conn.closed.wait()
                 log.info("link to %s lost (%s); reconnecting", self.settings.url, conn.why)
-                if self._on_change is not None:
-                    self._on_change(False, conn.why)
                 continue
             try:
                 await self._connect()
             except (LinkClosed, OSError, LinkRefused) as e:
                 delay = self._delay(e)
                 log.debug("link to %s: %s; next attempt in %.1f s", self.settings.url, e, delay)
-                if self._on_change is not None:
-                    self._on_change(False, str(e))
                 self._kick.clear()
                 # A request's own attempt may succeed meanwhile: wake up for it. (asyncio.wait,
                 # not wait_for, which can swallow the keeper's cancellation on Python <= 3.11.)

@@ -274,17 +274,8 @@ class Data:
 
 
 @dataclass(frozen=True)
-class Ended:
-    """The peer ended ``stream`` (its End)."""
-
-    stream: int
-    code: int
-    reason: str
-
-
-@dataclass(frozen=True)
 class Overflow:
-    """The edge sent past ``stream``'s window: that stream is to be ended (flow_control)."""
+    """The edge sent past ``stream``'s window: the caller ends that stream (flow_control)."""
 
     stream: int
     queued: int
@@ -292,23 +283,16 @@ class Overflow:
 
 @dataclass(frozen=True)
 class Refused:
-    """A stream opened past ``max_streams``: it is to be refused (busy) and ended."""
+    """A stream opened past ``max_streams``: the caller refuses it (busy) and ends it."""
 
     stream: int
 
 
-@dataclass(frozen=True)
-class GotReady:
-    ready: Ready
-
-
-@dataclass(frozen=True)
-class Credit:
-    stream: int
-    credit: int
-
-
-MuxEvent = Opened | Data | Ended | Overflow | Refused | GotReady | Credit
+#: What ``receive`` returns. The peer's control frames are their own events: a Ready
+#: (the edge's first), a WindowUpdate (credit for one of the edge's streams), an End (the
+#: peer ended that stream). Overflow and Refused name a stream that stays open here until the
+#: caller ``end``s it, so that every stream this side ends goes through ``end``.
+MuxEvent = Opened | Data | Overflow | Refused | Ready | WindowUpdate | End
 
 
 # ------------------------------------------------------------------------------ verifier side
@@ -334,7 +318,6 @@ class ServerMux:
         #: stream adds its window): frames that crossed the End on the wire. Past it, the
         #: edge is sending to streams it knows are over.
         self.stray_budget = 0
-        self.stray_frames = 0
 
     def receive(self, data: bytes) -> list[MuxEvent]:
         stream, payload = split(data)
@@ -344,7 +327,7 @@ class ServerMux:
                 raise MuxError(f"the edge sent {type(msg).__name__}, a verifier's control frame")
             if msg.stream in self.streams:
                 del self.streams[msg.stream]
-                return [Ended(msg.stream, msg.code, msg.reason)]
+                return [msg]
             if msg.stream > self.last_id:
                 raise MuxError(f"End for stream {msg.stream}, which was never opened")
             return []  # crossed our own End
@@ -353,21 +336,15 @@ class ServerMux:
             if stream <= self.last_id:
                 return self._stray(len(payload))
             self.last_id = stream
-            if len(self.streams) >= self.max_streams:
-                self.stray_budget += self.window
-                return [Refused(stream)]
-            inbound = self.streams[stream] = _Inbound()
-            inbound.queued = len(payload)
-            return [Opened(stream, payload)]
+            full = len(self.streams) >= self.max_streams
+            self.streams[stream] = _Inbound(queued=len(payload))
+            return [Refused(stream) if full else Opened(stream, payload)]
         if inbound.queued + len(payload) > self.window:
-            del self.streams[stream]
-            self.stray_budget += self.window
             return [Overflow(stream, inbound.queued + len(payload))]
         inbound.queued += len(payload)
         return [Data(stream, payload)]
 
     def _stray(self, n: int) -> list[MuxEvent]:
-        self.stray_frames += 1
         self.stray_budget -= n
         if self.stray_budget < 0:
             raise MuxError("frames for ended streams past their windows")
@@ -420,7 +397,7 @@ class ClientMux:
                 if self.ready is not None:
                     raise MuxError("a second Ready")
                 self.ready = msg
-                return [GotReady(msg)]
+                return [msg]
             if self.ready is None:
                 raise MuxError(f"{type(msg).__name__} before Ready")
             if msg.stream > self.last_id:
@@ -430,9 +407,9 @@ class ClientMux:
                 return []  # a stream this side ended already
             if isinstance(msg, WindowUpdate):
                 out.credit = min(out.credit + msg.credit, 1 << 31)
-                return [Credit(msg.stream, msg.credit)]
-            del self.streams[msg.stream]
-            return [Ended(msg.stream, msg.code, msg.reason)]
+            else:
+                del self.streams[msg.stream]
+            return [msg]
         if self.ready is None:
             raise MuxError("a session frame before Ready")
         if stream > self.last_id:

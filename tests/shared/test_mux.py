@@ -11,11 +11,8 @@ from hypothesis import strategies as st
 from shared.wire.mux import (
     MAX_STREAM_ID,
     ClientMux,
-    Credit,
     Data,
     End,
-    Ended,
-    GotReady,
     MuxError,
     Opened,
     Overflow,
@@ -145,6 +142,7 @@ def test_a_flood_past_its_window_ends_that_stream_only() -> None:
     mux.receive(frame(2, b"b"))
     assert mux.receive(frame(1, b"x" * 99)) == [Data(1, b"x" * 99)]
     assert mux.receive(frame(1, b"y")) == [Overflow(1, 101)]
+    assert mux.end(1)  # (the caller ends it, as every stream this side ends)
     assert mux.receive(frame(2, b"z" * 50)) == [Data(2, b"z" * 50)]
     assert 1 not in mux.streams and 2 in mux.streams
 
@@ -173,8 +171,9 @@ def test_streams_past_max_streams_are_refused() -> None:
     mux.receive(frame(1, b"a"))
     mux.receive(frame(2, b"b"))
     assert mux.receive(frame(3, b"c")) == [Refused(3)]
+    assert mux.end(3)  # (the caller ends it)
     assert mux.receive(frame(3, b"more")) == []  # within the refused stream's window
-    assert mux.receive(encode_control(End(1))) == [Ended(1, 1000, "")]
+    assert mux.receive(encode_control(End(1))) == [End(1, 1000, "")]
     assert mux.receive(frame(4, b"d")) == [Opened(4, b"d")]
 
 
@@ -195,7 +194,7 @@ def test_client_opens_streams_after_ready_within_max_streams() -> None:
     mux = ClientMux()
     with pytest.raises(ValueError):
         mux.open()
-    assert mux.receive(encode_control(READY)) == [GotReady(READY)]
+    assert mux.receive(encode_control(READY)) == [READY]
     assert mux.open() == 1 and mux.open() == 2 and mux.full
     with pytest.raises(ValueError, match="max_streams"):
         mux.open()
@@ -209,7 +208,7 @@ def test_client_send_window() -> None:
     assert mux.may_send(s, 4096) and not mux.may_send(s, 4097)
     mux.sent(s, 4000)
     assert not mux.may_send(s, 100)
-    assert mux.receive(encode_control(WindowUpdate(s, 2048))) == [Credit(s, 2048)]
+    assert mux.receive(encode_control(WindowUpdate(s, 2048))) == [WindowUpdate(s, 2048)]
     assert mux.may_send(s, 2144) and not mux.may_send(s, 2145)
 
 
@@ -219,7 +218,7 @@ def test_client_receives_per_stream_and_drops_what_crosses_its_end() -> None:
     a, b = mux.open(), mux.open()
     assert mux.receive(frame(a, b"v")) == [Data(a, b"v")]
     assert mux.receive(encode_control(End(b, 1008, "rate_limited"))) == [
-        Ended(b, 1008, "rate_limited")
+        End(b, 1008, "rate_limited")
     ]
     assert mux.receive(frame(b, b"late")) == []
     mux.end(a)
