@@ -10,7 +10,13 @@ from ``connection_made`` until a request reaches the application (its headers ar
 :meth:`ConnectionGuard.request_started`, called by a middleware), and again once that request is
 done and the connection idles in keep-alive. A pending connection
 
-* is closed after ``header_timeout`` seconds (with a 408 if it sent part of a request);
+* that has sent nothing is closed silently after ``header_timeout`` seconds (idle in keep-alive
+  or never used);
+* that has sent part of a request is answered 408 and closed ``header_timeout`` seconds after
+  that request's first byte. The clock restarts at the first byte, so a request that arrives as
+  the idle limit runs out is served, never answered 408 (its bytes and the timer can be seen in
+  the same event-loop iteration, before aiohttp's handler has told the guard that it started).
+  A pending connection is so held at most ``2 × header_timeout``;
 * counts against ``max_pending_per_address`` per client address: a connection over it is
   answered 503 and closed at once, before a byte of it is parsed;
 * counts against ``max_pending`` in all: when the table is full, a new connection evicts the
@@ -85,8 +91,9 @@ class _Conn:
     transport: asyncio.BaseTransport
     address: str
     pending: bool = False
-    got_bytes: bool = False  # since it became pending
-    since: float = 0.0  # loop time it became pending
+    #: Bytes of a request arrived since it became pending (its timer then runs from the first).
+    got_bytes: bool = False
+    since: float = 0.0  # loop time it became pending (the eviction order's age)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
@@ -165,6 +172,17 @@ class ConnectionGuard:
         self._unpend(conn)
         self._conns.pop(conn.transport, None)
 
+    def received(self, conn: _Conn) -> None:
+        """Bytes arrived. The first ones of a pending connection start its request: the 408
+        timer restarts from now (idle time before a request is never counted against its
+        headers; so a request that arrives as the idle timer fires is served)."""
+        if not conn.pending or conn.got_bytes:
+            return
+        conn.got_bytes = True
+        if conn.timer is not None:
+            conn.timer.cancel()
+        conn.timer = asyncio.get_running_loop().call_later(self.header_timeout, self._expire, conn)
+
     # ------------------------------------------------------------------ the application's side
 
     def request_started(self, transport: asyncio.BaseTransport | None) -> None:
@@ -210,6 +228,8 @@ class ConnectionGuard:
         self._gauge()
 
     def _expire(self, conn: _Conn) -> None:
+        """``header_timeout`` passed: with nothing sent since the connection became pending
+        (idle), or since the first byte of a request whose headers are still incomplete (408)."""
         conn.timer = None
         t = conn.transport
         if not conn.pending or t.is_closing():
@@ -264,7 +284,7 @@ class _GuardedProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._conn is not None:
-            self._conn.got_bytes = True
+            self._guard.received(self._conn)
         if self._inner is not None:
             self._inner.data_received(data)
 

@@ -259,6 +259,45 @@ async def test_idle_keep_alive_connections_are_closed_after_the_header_timeout()
         writer.close()
 
 
+async def _read_response(reader: asyncio.StreamReader) -> bytes:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+    await asyncio.wait_for(reader.readexactly(length), 5)
+    return head
+
+
+async def test_a_request_that_arrives_as_the_keep_alive_timer_fires_is_served() -> None:
+    """A /health poll at the keep-alive idle limit over one connection (issue 38, item 9: 3 of
+    12 such polls were answered 408). The request's bytes and the header_timeout timer are seen
+    in the same event-loop iteration (the loop is held past the timer once the bytes are sent),
+    before aiohttp's handler could tell the guard that a request had started: the request is
+    served (its headers get header_timeout from their first byte), never answered 408."""
+    async with guarded_verifier(Authenticator(["t"]), header_timeout=0.3) as (state, url):
+        port = int(url.rsplit(":", 1)[1])
+        guard, loop = state.guard, asyncio.get_running_loop()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        writer.write(request)
+        assert (await _read_response(reader)).startswith(b"HTTP/1.1 200")
+        for _ in range(3):
+            await until(lambda: guard.pending == 1, 2.0, "idle in keep-alive")
+            fires = next(iter(guard._order)).since + guard.header_timeout
+            await asyncio.sleep(max(0.0, fires - loop.time() - 0.05))
+            writer.write(request)  # on the wire now (the socket's buffer is empty)
+            time.sleep(0.1)  # the loop is held: bytes and timer are due together
+            assert (await _read_response(reader)).startswith(b"HTTP/1.1 200")
+        assert guard.timeouts == 0
+        await until(lambda: guard.pending == 1, 2.0, "idle in keep-alive")
+        # The bound stays: a request whose headers never complete is cut header_timeout after
+        # its first byte, with a 408.
+        writer.write(b"GET /health HTTP/1.1\r\nHo")
+        t0 = time.monotonic()
+        cut = await closed_within(reader, 3.0)
+        assert cut is not None and cut.startswith(b"HTTP/1.1 408"), cut
+        assert 0.2 <= time.monotonic() - t0 < 2.0
+        writer.close()
+
+
 # ------------------------------------------------------------------------ 3. malformed headers
 
 
