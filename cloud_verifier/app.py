@@ -745,6 +745,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
         max_msg_size=s.max_frame + MAX_PREFIX,
         timeout=s.close_timeout,
         heartbeat=s.heartbeat or None,
+        autoping=False,  # pings are answered by _serve_connection, within the frame budget
         compress=False,  # frames are tens of bytes; deflate would only add latency
     )
     if not _upgrade_requested(request):
@@ -839,6 +840,33 @@ def _close_reason(text: str) -> bytes:
     return raw if len(raw) <= 123 else raw[:120].decode("utf-8", "ignore").encode() + b"..."
 
 
+@dataclass
+class FrameBudget:
+    """A token bucket of ``rate`` frames a second and ``burst`` at once (``rate`` 0: no limit),
+    over the frames of a connection that no session counts: WebSocket pings and pongs, stream
+    opens and control frames (a session's own frames are its core's ``max_frame_rate``)."""
+
+    rate: float
+    burst: int
+    left: float = field(init=False)  # tokens left, in [0, burst]
+    at: float | None = field(default=None, init=False)  # last refill (monotonic seconds)
+
+    def __post_init__(self) -> None:
+        self.left = float(self.burst)
+
+    def take(self, now: float) -> bool:
+        """Take one token at ``now``; False when none is left (the frame is over budget)."""
+        if self.rate <= 0:
+            return True
+        if self.at is not None:
+            self.left = min(float(self.burst), self.left + max(0.0, now - self.at) * self.rate)
+        self.at = now
+        if self.left < 1.0:
+            return False
+        self.left -= 1.0
+        return True
+
+
 class SlowReader(WanspecError):
     """The peer does not read what it is sent: its connection is closed to keep memory
     bounded."""
@@ -891,6 +919,8 @@ class _Conn:
         self.mux = ServerMux(s.max_streams, stream_window(s.stream_window, s.max_frame))
         self.streams: dict[int, _Stream] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        #: Pings, pongs and frames no session counts, against max_frame_rate / frame_burst.
+        self.budget = FrameBudget(s.max_frame_rate, s.frame_burst)
 
     async def send(self, data: bytes) -> None:
         """One message, within ``send_timeout``; a peer that reads nothing, or lets more than
@@ -907,6 +937,14 @@ class _Conn:
             )
         self.state.metrics.bytes_sent.inc(len(data))
         self.state.metrics.frames_sent.inc()
+
+    async def pong(self, data: bytes) -> None:
+        """Answer a ping, within ``send_timeout`` (a peer that reads nothing is a SlowReader)."""
+        s = self.state.settings
+        try:
+            await asyncio.wait_for(self.ws.pong(data), s.send_timeout)
+        except asyncio.TimeoutError:
+            raise SlowReader(f"the peer read nothing for {s.send_timeout:g} s") from None
 
     async def end(self, stream: int, code: int, reason: str) -> None:
         """End ``stream`` from this side (nothing if it is over already)."""
@@ -1005,6 +1043,14 @@ async def _serve_connection(conn: _Conn, tenant: str) -> None:
                 state.metrics.bad_frames.inc()
                 log.info("connection: transport error %s", ws.exception())
                 return
+            if msg.type in (WSMsgType.PING, WSMsgType.PONG):
+                # Answered here, not by aiohttp (autoping off), so that they count.
+                if not conn.budget.take(time.monotonic()):
+                    await _rate_limited(conn)
+                    return
+                if msg.type == WSMsgType.PING:
+                    await conn.pong(msg.data)
+                continue
             if msg.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
                 continue
             _count_in(state, msg.data)
@@ -1017,6 +1063,12 @@ async def _serve_connection(conn: _Conn, tenant: str) -> None:
                 log.info("closing a connection that broke the stream rules: %s", e)
                 await conn.close(WSCloseCode.POLICY_VIOLATION, f"bad_frame: {e}")
                 return
+            # A session's frames are its core's to count (max_frame_rate per session); the
+            # rest (control frames, stream opens, frames crossing an End) the connection's.
+            ours = not any(isinstance(ev, Data) for ev in events)
+            if ours and not conn.budget.take(time.monotonic()):
+                await _rate_limited(conn)
+                return
             for ev in events:
                 await _on_mux_event(conn, tenant, ev)
     except SlowReader as e:
@@ -1025,6 +1077,23 @@ async def _serve_connection(conn: _Conn, tenant: str) -> None:
         for st in conn.streams.values():
             st.finish(WSCloseCode.ABNORMAL_CLOSURE, "connection lost")
         await _await_sessions(conn)
+
+
+async def _rate_limited(conn: _Conn) -> None:
+    """Close a connection whose pings, pongs or control frames passed its frame budget."""
+    b, state = conn.budget, conn.state
+    state.metrics.connections_rate_limited.inc()
+    state.refusal_log.log(
+        log,
+        logging.INFO,
+        "closing a connection past %g pings and control frames a second (burst %d)",
+        b.rate,
+        b.burst,
+    )
+    await conn.close(
+        WSCloseCode.POLICY_VIOLATION,
+        f"rate_limited: over {b.rate:g} pings and control frames a second (burst {b.burst})",
+    )
 
 
 async def _await_sessions(conn: _Conn) -> None:

@@ -79,8 +79,11 @@ _HELP: dict[str, str] = {
     "steps (0: no limit)",
     "handshake_timeout": "seconds a client has to send Hello",
     "idle_timeout": "seconds a session may go without model work before it is closed (0: never)",
-    "header_timeout": "seconds a connection has to send its request headers (and to idle "
-    "between requests)",
+    "header_timeout": "seconds a connection may idle between requests, and then has for a "
+    "request's headers from its first byte",
+    "max_frame_rate": "frames a second one session may send; also, per connection, its "
+    "WebSocket pings, pongs and control frames (0: no limit)",
+    "frame_burst": "frames at once past max_frame_rate (a session's, and a connection's)",
     "max_pending_connections": "connections whose request has not reached a handler (half-sent "
     "or idle in keep-alive); when all are taken a new one evicts the oldest, if old enough",
     "max_pending_per_address": "such connections per client address (more: refused at once)",

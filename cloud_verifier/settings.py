@@ -167,7 +167,9 @@ class VerifierSettings:
     kv_session_share: float = field(default=0.5, metadata=_b(0.001, 1))
     kv_token_share: float = field(default=0.75, metadata=_b(0.001, 1))
     # Frames one session may send per second, sustained, and in a burst (a flood past them
-    # closes only that session: rate_limited). 0 = no limit.
+    # closes only that session: rate_limited). The same budget bounds, per connection, the
+    # frames no session counts: WebSocket pings and pongs, stream opens, control frames (past
+    # it the connection is closed, 1008 rate_limited). 0 = no limit.
     max_frame_rate: float = field(default=1000.0, metadata=_b(0))
     frame_burst: int = field(default=2000, metadata=_b(1))
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -71,6 +71,11 @@ class VerifierMetrics:
             "wanspec_slow_readers_total",
             "Sessions closed because the peer stopped reading (send_timeout, max_send_buffer).",
         )
+        self.connections_rate_limited = r.counter(
+            "wanspec_connections_rate_limited_total",
+            "Connections closed because their WebSocket pings, pongs or control frames passed "
+            "max_frame_rate / frame_burst (1008 rate_limited).",
+        )
         self.sessions_active = r.gauge("wanspec_sessions_active", "Open sessions.")
         self.slots_used = r.gauge(
             "wanspec_session_slots_used",
