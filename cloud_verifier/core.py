@@ -403,12 +403,28 @@ class Drawn:
     logprobs: Logprobs | None = None  # Hello.logprobs: of the candidates (pos 0: theirs)
 
 
+class FailureKind(TextEnum):
+    """Why the engine did not do a session's model work (:class:`Failed`)."""
+
+    ENDED = "ended"  # the session's slot was released
+    DESYNC = "desync"  # the work does not start where the cache ends
+    CONTEXT = "context"  # past the model's context length
+    BAD_WORK = "bad_work"  # token ids out of the vocabulary, nothing to predict from, ...
+    KV_QUOTA = "kv_quota"  # past the session's or its tenant's share of the KV cache
+    OUT_OF_PAGES = "out_of_pages"  # the KV pool has no free page
+    DRAFT_MODEL = "draft_model"  # the verifier's own draft model failed
+    MODEL = "model"  # the forward or the decision raised
+    ENGINE = "engine"  # a bug in the engine's step
+
+
 @dataclass(frozen=True)
 class Failed:
-    """The model work raised. ``cache_len``: what the cache holds now (restored or not)."""
+    """The model work was not done. ``cache_len``: what the cache holds now (restored or
+    not); ``kind``: why (the message says it to a person)."""
 
     message: str
     cache_len: int
+    kind: FailureKind = FailureKind.MODEL
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -34,7 +35,16 @@ from typing import Any, Final, TypeVar
 import torch
 
 from cloud_verifier.cloud_drafter import CloudDrafter
-from cloud_verifier.core import CoGenerate, Failed, Result, Skipped, Verify, Work, WorkProgress
+from cloud_verifier.core import (
+    CoGenerate,
+    Failed,
+    FailureKind,
+    Result,
+    Skipped,
+    Verify,
+    Work,
+    WorkProgress,
+)
 from cloud_verifier.runner import (
     FORWARDS,
     Prefilled,
@@ -50,10 +60,10 @@ from cloud_verifier.scheduler import (
     BatchLimits,
     Kind,
     Queued,
+    Row,
     RunningStep,
     plan_step,
     queue_eta,
-    row_tokens,
     should_gather,
 )
 from cloud_verifier.step_times import StallRule, StepTimes
@@ -67,6 +77,7 @@ __all__ = [
     "AUTO_KV_TOKENS_CPU",
     "Engine",
     "EngineClosed",
+    "EngineHealth",
     "EngineLimits",
     "NoFreeSlot",
     "Outcome",
@@ -111,7 +122,8 @@ class EngineLimits:
     tenant_share: float = 1.0
     #: Who shares the prefix cache of the KV pool (off: no prefix caching).
     prefix_cache: PrefixCache = PrefixCache.OFF
-    #: Chunked prefill: a forward computes at most this many fixed tokens a step (0: no limit).
+    #: Chunked prefill: prefill tokens a step computes while other sessions are open, shared
+    #: fairly between tenants (0: no chunking; :mod:`cloud_verifier.scheduler`).
     prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
@@ -128,7 +140,21 @@ class EngineLimits:
 
     @property
     def batch(self) -> BatchLimits:
-        return BatchLimits(self.max_batch_sessions, self.max_batch_tokens)
+        return BatchLimits(self.max_batch_sessions, self.max_batch_tokens, self.prefill_chunk)
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """What shows the engine making progress, read without queueing behind its work (the
+    systemd watchdog and ``/health`` read it). ``alive``: its thread runs and did not die
+    (``error`` says why it did); ``stalled``: the running step has run far past its estimate
+    (:class:`~cloud_verifier.step_times.StallRule`); ``beat_age_s``: seconds since its thread
+    last finished a step or a call (0 while it waits for work)."""
+
+    alive: bool
+    stalled: bool
+    error: str | None
+    beat_age_s: float
 
 
 #: The figures of Engine.memory().
@@ -157,6 +183,11 @@ class _Request:
     future: asyncio.Future[Outcome]
     loop: asyncio.AbstractEventLoop
     submitted: float
+    #: When it (or, for a chunked prefill, its rest) was last queued: what admission counts as
+    #: its wait.
+    queued_at: float = 0.0
+    #: Its awaiter went away (under the lock): it leaves the queue and is never queued again.
+    cancelled: bool = False
 
 
 @dataclass(eq=False)
@@ -177,7 +208,7 @@ def _resolve(
         fut.set_result(value)
 
 
-def _queued(item: _Request | _Call, chunk: int) -> Queued:
+def _queued(item: _Request | _Call) -> Queued:
     """What the scheduler needs to know of a queue entry."""
     if isinstance(item, _Call):
         return Queued(Kind.CALL)
@@ -185,7 +216,7 @@ def _queued(item: _Request | _Call, chunk: int) -> Queued:
     if isinstance(work, FORWARDS):
         kind = Kind.COGEN if isinstance(work, CoGenerate) else Kind.FORWARD
         tree = work.tree_tokens if isinstance(work, Verify) else 0
-        return Queued(kind, row_tokens(len(work.fixed), len(work.draft) + tree, chunk))
+        return Queued(kind, len(work.fixed), len(work.draft) + tree + 1, item.slot.tenant)
     return Queued(Kind.CHEAP)
 
 
@@ -261,6 +292,14 @@ class Engine:
         self._free_slots = list(range(self.limits.slots - 1, -1, -1))
         #: Open slots per tenant (changed under the lock; the KV quota reads it).
         self._tenants: dict[str, set[Slot]] = {}
+        #: Why the engine's thread died (None while it lives; under the lock).
+        self._error: str | None = None
+        #: When the engine's thread last finished a step or a call (monotonic; under the lock),
+        #: and whether it is waiting for work now.
+        self._beat = time.monotonic()
+        self._idle = True
+        #: The running step's requests (under the lock): failed too if the thread dies.
+        self._running: list[_Request] = []
         self._thread = threading.Thread(target=self._main, name="wanspec-engine", daemon=True)
         self._thread.start()
 
@@ -304,7 +343,7 @@ class Engine:
     def _put(self, item: _Request | _Call) -> None:
         with self._cv:
             if self._closed:
-                raise EngineClosed("the engine has been shut down")
+                raise EngineClosed(self._error or "the engine has been shut down")
             self._queue.append(item)
             self._cv.notify()
 
@@ -345,7 +384,6 @@ class Engine:
                 self._tenant_pages,
                 drafter,
                 prefix_cache=lim.prefix_cache,
-                prefill_chunk=lim.prefill_chunk,
             )
 
         runner = await self.call(job)
@@ -376,19 +414,34 @@ class Engine:
         return self.require_runner().adopt(slot, hello, keep)
 
     def _tenant_pages(self, slot: Slot) -> int:
-        """On the engine's thread: pages the open slots of ``slot``'s tenant hold now."""
+        """On the engine's thread: pages the open slots of ``slot``'s tenant hold now, a page
+        that several of them share (a claimed prefix) counted once."""
         with self._cv:
             mates = list(self._tenants.get(slot.tenant, ()))
-        return sum(len(s.pages.pages) for s in mates if not s.released)
+        held: set[int] = set()
+        for s in mates:
+            if not s.released:
+                held.update(s.pages.pages)
+        return len(held)
 
     def release(self, slot: Slot) -> None:
-        """End a session: its pending work is dropped, its pages go back to the pool (on the
-        engine's thread, after whatever of its work is running)."""
+        """End a session: its queued work is answered Failed at once, its pages go back to the
+        pool (on the engine's thread, after whatever of its work is running)."""
         if slot.released:
             return
         slot.released = True
         self._free_slots.append(slot.index)
         with self._cv:
+            mine = [i for i in self._queue if isinstance(i, _Request) and i.slot is slot]
+            for req in mine:
+                self._queue.remove(req)
+                req.cancelled = True
+                self._finish(
+                    req,
+                    Failed("the session ended", slot.length, FailureKind.ENDED),
+                    None,
+                    req.submitted,
+                )
             held = self._tenants.get(slot.tenant)
             if held is not None:
                 held.discard(slot)
@@ -441,61 +494,87 @@ class Engine:
         with self._cv:
             run = self._running_step
             running = run is not None and slot.index in run.slots
-            ahead: list[int] = []
-            found = False
-            if not running:
-                for item in self._queue:
-                    if not isinstance(item, _Request):
-                        continue
-                    q = _queued(item, 0)  # its whole row: what it waits for in all
-                    if q.kind in (Kind.FORWARD, Kind.COGEN):
-                        ahead.append(q.tokens)
-                    if item.slot is slot:
-                        found = True
-                        break
+            queue = [_queued(item) for item in self._queue]
+            at = next(
+                (
+                    i
+                    for i, item in enumerate(self._queue)
+                    if isinstance(item, _Request) and item.slot is slot
+                ),
+                None,
+            )
             eta, stalled = queue_eta(
                 run,
                 now,
-                ahead if found else [],
+                queue,
                 self.times,
                 self.limits.batch,
                 self.limits.stall,
+                at,
+                queued=at is not None,
             )
-            return WorkProgress(
-                self.steps, max(0, len(ahead) - 1) if found else 0, running, eta, stalled
+            ahead = (
+                0
+                if at is None
+                else sum(1 for q in queue[:at] if q.kind in (Kind.FORWARD, Kind.COGEN))
             )
+            return WorkProgress(self.steps, ahead, running, eta, stalled)
 
     def queue_delay_s(self) -> float:
-        """How long a forward submitted now would wait for its step: the larger of the
-        estimate from the queue and step times, and the longest wait any recent step's oldest
-        request saw (within ``WAIT_MEMORY_S``). Admission control reads it."""
+        """How long a round submitted now would wait for its step: the larger of the estimate
+        from the queue and step times (:func:`~cloud_verifier.scheduler.queue_eta`), and the
+        longest wait any recent step's requests saw since they were (re)queued (within
+        ``WAIT_MEMORY_S``: a prefill's chunks count as chunks, not as the prompt's age).
+        Admission control reads it."""
         now = time.perf_counter()
         with self._cv:
-            tokens = [
-                q.tokens
-                for q in (_queued(item, 0) for item in self._queue)
-                if q.kind in (Kind.FORWARD, Kind.COGEN)
-            ]
+            queue = [_queued(item) for item in self._queue]
             eta, _ = queue_eta(
-                self._running_step, now, tokens, self.times, self.limits.batch, self.limits.stall
+                self._running_step, now, queue, self.times, self.limits.batch, self.limits.stall
             )
             seen = max((w for t, w in self._waits if now - t <= WAIT_MEMORY_S), default=0.0)
         return max(eta, seen)
 
     async def run(self, slot: Slot, work: Work) -> Outcome:
-        """Queue ``work`` for ``slot`` and wait for its outcome."""
+        """Queue ``work`` for ``slot`` and wait for its outcome. Cancelling the awaiting task
+        takes the work off the queue (the rest of a chunked prefill too): a session whose
+        connection went spends no more of the engine's time."""
         if slot.released:
             raise EngineClosed("the session's slot was released")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Outcome] = loop.create_future()
-        self._put(_Request(slot, work, fut, loop, time.perf_counter()))
-        return await fut
+        now = time.perf_counter()
+        req = _Request(slot, work, fut, loop, now, now)
+        self._put(req)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            with self._cv:
+                req.cancelled = True
+                with contextlib.suppress(ValueError):
+                    self._queue.remove(req)
+            raise
 
     def worker_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self._error is None
+
+    def health(self) -> EngineHealth:
+        """The engine's liveness (:class:`EngineHealth`), from its thread's own beat: never
+        queued behind a step."""
+        now = time.monotonic()
+        with self._cv:
+            error = self._error
+            alive = self._thread.is_alive() and error is None
+            run = self._running_step
+            stalled = run is not None and self.times.stalled(
+                run.tokens, time.perf_counter() - run.started, self.limits.stall
+            )
+            age = 0.0 if self._idle else now - self._beat
+        return EngineHealth(alive, stalled, error, age)
 
     async def ping(self, timeout: float) -> bool:
-        """True when a no-op job completes on the engine's thread within ``timeout`` seconds."""
+        """True when a no-op call completes on the engine's thread within ``timeout`` seconds
+        (calls run before the next step: it waits for the running step at most)."""
         if not self.worker_alive():
             return False
         try:
@@ -506,24 +585,40 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop accepting work; queued work fails with EngineClosed, a running step finishes."""
+        self._fail_queue("the engine has been shut down")
+        if threading.current_thread() is not self._thread:
+            # Wait out a running step (bounded): torch must not be torn down under it.
+            self._thread.join(timeout=10.0)
+
+    def _fail_queue(self, why: str) -> None:
+        """Close the queue and fail everything in it with EngineClosed(``why``)."""
         with self._cv:
             self._closed = True
             dropped = list(self._queue)
             self._queue.clear()
-            self._cv.notify()
+            self._cv.notify_all()
         for item in dropped:
-            err = EngineClosed("the engine has been shut down")
+            err = EngineClosed(why)
             with contextlib.suppress(RuntimeError):  # its loop may be closed already
                 item.loop.call_soon_threadsafe(_resolve, item.future, None, err)
-        if threading.current_thread() is not self._thread:
-            # Wait out a running step (bounded): torch must not be torn down under it.
-            self._thread.join(timeout=10.0)
 
     # ------------------------------------------------------------------ engine thread
 
     def _main(self) -> None:
         try:
             self._serve()
+        except BaseException as e:
+            # The thread dies: say why, and no session waits for an answer that cannot come.
+            why = f"the model engine stopped: {type(e).__name__}: {e}"
+            log.critical("%s", why, exc_info=True)
+            with self._cv:
+                self._error = why
+                running = self._running
+            self._fail_queue(why)
+            for req in running:
+                err = EngineClosed(why)
+                with contextlib.suppress(RuntimeError):
+                    req.loop.call_soon_threadsafe(_resolve, req.future, None, err)
         finally:
             # A tensor-parallel target tells its follower ranks to stop (from this thread,
             # after the last step: every rank sees the same commands in the same order).
@@ -538,6 +633,7 @@ class Engine:
         while True:
             heartbeat: Callable[[], None] | None = None
             with self._cv:
+                self._beat, self._idle = time.monotonic(), not self._queue
                 while not self._queue and not self._closed:
                     # A tensor-parallel target's followers wait for a command with a deadline:
                     # while idle, it sends them a heartbeat every ``idle_tick_s``.
@@ -548,11 +644,12 @@ class Engine:
                     elif not self._cv.wait(tick):
                         heartbeat = beat
                         break
+                self._beat, self._idle = time.monotonic(), False
                 if heartbeat is None:
                     self._gather()
                     if self._closed:
                         return
-                    calls, batch = self._take()
+                    calls, batch, rows = self._take()
             if heartbeat is not None:
                 heartbeat()
                 continue
@@ -565,16 +662,24 @@ class Engine:
                     c.loop.call_soon_threadsafe(_resolve, c.future, value)
             if batch:
                 try:
-                    self._step(batch)
+                    self._step(batch, rows)
                 except Exception as e:  # a bug: no session may wait forever for its outcome
                     log.exception("engine step of %d requests failed", len(batch))
                     for req in batch:  # those already answered are left as they are
                         why = f"internal engine error ({type(e).__name__})"
-                        self._finish(req, Failed(why, req.slot.length), None, time.perf_counter())
+                        self._finish(
+                            req,
+                            Failed(why, req.slot.length, FailureKind.ENGINE),
+                            None,
+                            time.perf_counter(),
+                        )
                 finally:
                     with self._cv:
                         self.steps += 1
                         self._running_step = None
+                # (kept when the step raised past Exception: the thread's death fails them)
+                with self._cv:
+                    self._running = []
 
     def _gather(self) -> None:
         """Under the lock, with work queued: wait up to ``batch_wait_s`` while the scheduler
@@ -584,7 +689,9 @@ class Engine:
             return
         deadline = time.monotonic() + wait
         while not self._closed:
-            queue = [_queued(item, self.limits.prefill_chunk) for item in self._queue]
+            queue = [_queued(item) for item in self._queue]
+            if any(q.kind == Kind.CALL for q in queue):
+                return  # a call never waits
             if not should_gather(queue, self.slots_used, self.limits.batch):
                 return
             left = deadline - time.monotonic()
@@ -592,17 +699,24 @@ class Engine:
                 return
             self._cv.wait(left)
 
-    def _take(self) -> tuple[list[_Call], list[_Request]]:
+    def _take(self) -> tuple[list[_Call], list[_Request], list[Row]]:
         """Under the lock: the scheduler's next step, taken off the queue; co-generations it
-        found no room for are answered Skipped at once."""
+        found no room for are answered Skipped at once. Returns the calls (run first), the
+        step's requests and, for each, its row of the plan (a cheap one: chunk 0)."""
         queue = list(self._queue)
+        a, b = self.times.coefficients()
         plan = plan_step(
-            [_queued(item, self.limits.prefill_chunk) for item in queue], self.limits.batch
+            [_queued(item) for item in queue],
+            self.limits.batch,
+            open_sessions=self.slots_used,
+            # nothing measured yet (or no cost per token): rows share one forward
+            overhead_tokens=a / b if b > 0 else math.inf,
         )
-        for _ in range(plan.taken):
-            self._queue.popleft()
+        taken = plan.taken
+        self._queue = deque(item for i, item in enumerate(queue) if i not in taken)
         calls = [queue[i] for i in plan.calls]
-        batch = [queue[i] for i in plan.batch]
+        row_of = {r.index: r for r in plan.rows}
+        work = [(queue[i], row_of.get(i, Row(i, 0, 0))) for i in plan.work]
         t0 = time.perf_counter()
         for i in plan.skipped:
             req = queue[i]
@@ -610,22 +724,28 @@ class Engine:
             self.cogen_skipped += 1
             self._finish(req, Skipped(), None, t0)
         assert all(isinstance(c, _Call) for c in calls)
-        assert all(isinstance(r, _Request) for r in batch)
-        requests = [r for r in batch if isinstance(r, _Request)]
+        requests = [r for r, _ in work if isinstance(r, _Request)]
+        rows = [row for r, row in work if isinstance(r, _Request)]
+        assert len(requests) == len(work)
         if requests:
             slots = frozenset(r.slot.index for r in requests)
-            self._running_step = RunningStep(t0, plan.padded_tokens, slots)
-            self._waits.append((t0, t0 - min(r.submitted for r in requests)))
-        return [c for c in calls if isinstance(c, _Call)], requests
+            self._running_step = RunningStep(t0, plan.tokens, slots)
+            self._running = requests
+            self._waits.append((t0, t0 - min(r.queued_at for r in requests)))
+        return [c for c in calls if isinstance(c, _Call)], requests, rows
 
     def _finish(self, req: _Request, result: Result, timing: Timing | None, t0: float) -> None:
         outcome = Outcome(result, timing, t0 - req.submitted)
         req.loop.call_soon_threadsafe(_resolve, req.future, outcome)
 
-    def _step(self, batch: list[_Request]) -> None:
+    def _step(self, batch: list[_Request], rows: list[Row]) -> None:
         t0 = time.perf_counter()
+        runner = self.require_runner()
         try:
-            answers = self.require_runner().step([(req.slot, req.work) for req in batch])
+            answers = runner.step(
+                [(req.slot, req.work) for req in batch],
+                [(row.chunk, row.forward) for row in rows],
+            )
         finally:  # a step that raised was busy time too
             with self._cv:
                 self.busy_s += time.perf_counter() - t0
@@ -636,11 +756,15 @@ class Engine:
                 again.append(req)
             else:
                 self._finish(req, result, timing, t0)
-        if again:
-            with self._cv:
-                self._queue.extendleft(reversed(again))  # first, in their order
+        now = time.perf_counter()
+        with self._cv:
+            # The rest of a prefill goes back ahead of later prefills (rounds go first anyway:
+            # the scheduler), waiting from now; one whose awaiter went is dropped.
+            again = [req for req in again if not req.cancelled]
+            for req in again:
+                req.queued_at = now
+            self._queue.extendleft(reversed(again))
+            if again:
                 self._cv.notify_all()
-        timing = next((t for _, t in answers if t is not None), None)
-        if timing is not None:
-            with self._cv:
-                self.times.observe(timing.padded_tokens, timing.job_s)
+            for tokens, seconds in runner.last_forwards:
+                self.times.observe(tokens, seconds)

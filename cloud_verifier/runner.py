@@ -42,6 +42,7 @@ from cloud_verifier.core import (
     Draw,
     Drawn,
     Failed,
+    FailureKind,
     Federate,
     Federated,
     Result,
@@ -50,7 +51,7 @@ from cloud_verifier.core import (
     Work,
     cache_after,
 )
-from cloud_verifier.scheduler import model_drafts_allowed, prefill_chunk
+from cloud_verifier.scheduler import model_drafts_allowed
 from cloud_verifier.step_times import DraftCost
 from cloud_verifier.targets import Target
 from shared.enums import TextEnum
@@ -98,10 +99,10 @@ class Slot:
 
 @dataclass(frozen=True)
 class Timing:
-    forward_s: float  # the batched forward alone
-    job_s: float  # the step: forward + sampling transform + decisions
-    batch: int  # sessions in the forward
-    padded_tokens: int  # rows × longest row
+    forward_s: float  # the step's batched forwards alone
+    job_s: float  # the step: forwards + sampling transform + decisions
+    batch: int  # sessions in the forwards
+    padded_tokens: int  # Σ over the forwards of rows × longest row
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,10 @@ class _Planned:
     #: it), then of each branch's first token (its token, its draft after it, in the layout).
     draft_at: int = 0
     branch_at: tuple[int, ...] = ()
+    #: The plan's word: fixed tokens this step computes at most (None: all), and which of the
+    #: step's forwards runs the row (:func:`~cloud_verifier.scheduler.group_rows`).
+    limit: int | None = None
+    forward: int = 0
 
     @property
     def chain_rows(self) -> int:
@@ -195,13 +200,11 @@ class Runner:
         tenant_pages: Callable[[Slot], int],
         drafter: CloudDrafter | None = None,
         prefix_cache: PrefixCache = PrefixCache.OFF,
-        prefill_chunk: int = 0,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.pool = pool
         self.prefix_cache = prefix_cache
-        self.prefill_chunk = prefill_chunk  # fixed tokens a forward computes a step (0: all)
         self.prefix_hit_tokens = 0  # prompt tokens claimed from the prefix cache
         self.shares = shares
         self._tenant_pages = tenant_pages
@@ -211,6 +214,9 @@ class Runner:
         #: c, a draft forward's time relative to a target forward's (the draft length's cost).
         self.draft_cost = DraftCost()
         self.rows_forwarded = 0  # session rows in them
+        #: (padded tokens, seconds) of each forward of the last step: the step-time model's
+        #: observations (the engine reads them after the step).
+        self.last_forwards: list[tuple[int, float]] = []
 
     # ------------------------------------------------------------------ the pool's shares
 
@@ -280,29 +286,34 @@ class Runner:
     # ------------------------------------------------------------------ a step
 
     def step(
-        self, requests: Sequence[tuple[Slot, Work]]
+        self,
+        requests: Sequence[tuple[Slot, Work]],
+        plan: Sequence[tuple[int, int]] | None = None,
     ) -> list[tuple[Result | Prefilled, Timing | None]]:
-        """Every request of one step, answered in order (cheap ones at once, the rest from one
-        batched forward)."""
+        """Every request of one step, answered in order (cheap ones at once, the rest from the
+        step's batched forwards). ``plan``: the scheduler's word on each request, (the fixed
+        tokens it computes this step, which forward runs it); None: each whole, one forward."""
         out: list[tuple[Result | Prefilled, Timing | None] | None] = [None] * len(requests)
         planned: list[_Planned] = []
+        self.last_forwards = []
         drafted = self._model_drafts(requests)
         for i, (slot, asked) in enumerate(requests):
             work = drafted.get(i, asked)
             if isinstance(work, Failed):
                 out[i] = (work, None)
             elif slot.released:
-                out[i] = (Failed("the session ended", slot.length), None)
+                out[i] = (Failed("the session ended", slot.length, FailureKind.ENDED), None)
             elif isinstance(work, Crop):
                 out[i] = (self._crop(slot, work.pos), None)
             elif isinstance(work, Draw):
                 out[i] = (self._draw(slot, work.m), None)
             else:
-                plan = self._plan(i, slot, work)
-                if isinstance(plan, Failed):
-                    out[i] = (plan, None)
+                limit, forward = (None, 0) if plan is None else plan[i]
+                row = self._plan(i, slot, work, limit, forward)
+                if isinstance(row, Failed):
+                    out[i] = (row, None)
                 else:
-                    planned.append(plan)
+                    planned.append(row)
         if planned:
             for i, answer in self._forward(planned):
                 out[i] = answer
@@ -359,7 +370,7 @@ class Runner:
         except Exception as e:
             log.warning("the cloud draft model failed: %s: %s", type(e).__name__, e)
             why = f"cloud draft model: {type(e).__name__}: {e}"
-            return {i: Failed(why, slot.length) for i, slot, _ in todo}
+            return {i: Failed(why, slot.length, FailureKind.DRAFT_MODEL) for i, slot, _ in todo}
         self.draft_cost.observe_draft(self.drafter.forwards - forwards, time.perf_counter() - t0)
         for (i, _, work, _), ids in zip(asks, drafts, strict=True):
             out[i] = replace(work, draft=np.array(ids, np.int64), q=np.ones(len(ids), np.float32))
@@ -370,12 +381,16 @@ class Runner:
         try:
             self.pool.crop(slot.pages, pos)
         except ValueError as e:
-            return Failed(f"ValueError: {e}", slot.length)
+            return Failed(f"ValueError: {e}", slot.length, FailureKind.BAD_WORK)
         return Cropped(cache_len=slot.length)
 
     def _draw(self, slot: Slot, m: int) -> Result:
         if slot.kept is None or slot.generator is None:
-            return Failed("RuntimeError: no rejected row kept for a Resample", slot.length)
+            return Failed(
+                "RuntimeError: no rejected row kept for a Resample",
+                slot.length,
+                FailureKind.BAD_WORK,
+            )
         row, rejected = slot.kept
         try:
             drawn = ds.draw_candidates(row, rejected, m, slot.generator)
@@ -389,21 +404,32 @@ class Runner:
             return Failed(f"{type(e).__name__}: {e}", slot.length)
 
     def _plan(
-        self, index: int, slot: Slot, work: Verify | Federate | CoGenerate
+        self,
+        index: int,
+        slot: Slot,
+        work: Verify | Federate | CoGenerate,
+        limit: int | None = None,
+        forward: int = 0,
     ) -> _Planned | Failed:
         """The forward row of one Verify/Federate/CoGenerate: fixed + draft after the cache; with
         no fixed tokens, the last cached token again (its row scores draft[0]; its keys are
-        rewritten with the same values)."""
+        rewritten with the same values). ``limit``: the fixed tokens the plan gives it this
+        step (fewer than it has: a chunk, cached with no decision)."""
         slot.kept = None
         start = before = slot.length
         if work_start(work) != start:
             return Failed(
                 f"Desync: the work starts at {work_start(work)}, the cache holds {start} tokens",
                 start,
+                FailureKind.DESYNC,
             )
         fixed, draft = work.fixed.tolist(), work.draft.tolist()
         if not fixed and start == 0:
-            return Failed("ValueError: no tokens in the cache: nothing to predict from", start)
+            return Failed(
+                "ValueError: no tokens in the cache: nothing to predict from",
+                start,
+                FailureKind.BAD_WORK,
+            )
         target = self.target
         # The whole work's end (a chunked prefill is checked once, before its first chunk).
         full_end = start + len(fixed) + len(draft)
@@ -412,13 +438,18 @@ class Runner:
                 f"ContextLengthError: context of {full_end} tokens exceeds the model's maximum "
                 f"of {target.max_length}",
                 start,
+                FailureKind.CONTEXT,
             )
         new = fixed + draft
         if new and (min(new) < 0 or max(new) >= target.vocab_size):
-            return Failed(f"ValueError: token ids must be in [0, {target.vocab_size})", start)
+            return Failed(
+                f"ValueError: token ids must be in [0, {target.vocab_size})",
+                start,
+                FailureKind.BAD_WORK,
+            )
         quota = self._over_quota(slot, full_end)
         if quota is not None:
-            return Failed(quota, start)
+            return Failed(quota, start, FailureKind.KV_QUOTA)
         if fixed and start == 0 and self.prefix_cache != PrefixCache.OFF:
             # A new session's prefill: the longest cached prefix of its text is claimed, not
             # computed (at least its last fixed token is, for the row that scores draft[0]).
@@ -426,7 +457,7 @@ class Runner:
             self.prefix_hit_tokens += claimed
             slot.claimed = claimed
             start, fixed = claimed, fixed[claimed:]
-        chunk = prefill_chunk(len(fixed), self.prefill_chunk)
+        chunk = len(fixed) if limit is None or limit >= len(fixed) else max(1, limit)
         parents: tuple[int, ...] | None = None
         branch_at: list[int] = []
         if chunk < len(fixed):  # a long prefill: this step caches a chunk of it, no decision
@@ -462,24 +493,42 @@ class Runner:
             # is let go.
             self.pool.crop(slot.pages, before)
             slot.claimed = 0
-            return Failed(f"OutOfPages: {e}", before)
+            return Failed(f"OutOfPages: {e}", before, FailureKind.OUT_OF_PAGES)
         row = Row(slot.pages, row_start, tuple(ids), keep, parents)
         # start: before any claim (an undo lets the claimed pages go, a replan claims again)
-        return _Planned(index, slot, row, before, work, keep == 0, draft_at, tuple(branch_at))
+        return _Planned(
+            index, slot, row, before, work, keep == 0, draft_at, tuple(branch_at), limit, forward
+        )
 
     def _forward(
         self, planned: list[_Planned]
     ) -> list[tuple[int, tuple[Result | Prefilled, Timing | None]]]:
         t0 = time.perf_counter()
+        # The plan's forwards, one after the other (rows of like length share one: a short
+        # row is never padded to a prefill chunk's length); the rows in that order.
+        planned = sorted(planned, key=lambda p: p.forward)
+        parts: list[torch.Tensor] = []
+        forwards: list[tuple[int, float]] = []
         try:
-            logits = self.target.forward([p.row for p in planned])  # [Σ (γ+1), V]
+            for g in sorted({p.forward for p in planned}):
+                batch = [p.row for p in planned if p.forward == g]
+                tg = time.perf_counter()
+                parts.append(self.target.forward(batch))  # [Σ keep, V]
+                seconds = time.perf_counter() - tg
+                forwards.append((len(batch) * max(len(r.ids) for r in batch), seconds))
+                if any(
+                    isinstance(p.work, CoGenerate) and p.work.model_tokens
+                    for p in planned
+                    if p.forward == g
+                ):
+                    # c is relative to the forwards that verify model drafts (no long prefills)
+                    self.draft_cost.observe_target(seconds)
+            logits = parts[0] if len(parts) == 1 else torch.cat(parts)
             forward_s = time.perf_counter() - t0
-            if any(isinstance(p.work, CoGenerate) and p.work.model_tokens for p in planned):
-                # c is relative to the forwards that verify model drafts (no long prefills)
-                self.draft_cost.observe_target(forward_s)
         except Exception as e:
             return self._failed(planned, e)
-        self.forwards += 1
+        self.last_forwards += forwards
+        self.forwards += len(forwards)
         self.rows_forwarded += len(planned)
         for p in planned:  # commit
             self.pool.commit(p.slot.pages, p.row.start, p.row.ids)
@@ -513,7 +562,7 @@ class Runner:
         if self.prefix_cache != PrefixCache.OFF:
             for p in planned:  # the full pages of the text each slot now holds
                 self.pool.publish(p.slot.pages, self._root(p.slot))
-        padded = len(planned) * max(len(p.row.ids) for p in planned)
+        padded = sum(tokens for tokens, _ in forwards)
         timing = Timing(forward_s, time.perf_counter() - t0, len(planned), padded)
         return [(p.index, (results[i], timing)) for i, p in enumerate(planned)]
 
@@ -530,7 +579,7 @@ class Runner:
         log.info("a batch of %d sessions failed (%s); running them one by one", len(planned), error)
         out: list[tuple[int, tuple[Result | Prefilled, Timing | None]]] = []
         for p in planned:
-            replanned = self._plan(p.index, p.slot, p.work)
+            replanned = self._plan(p.index, p.slot, p.work, p.limit)
             if isinstance(replanned, Failed):
                 out.append((p.index, (replanned, None)))
             else:

@@ -1,26 +1,39 @@
-"""The engine's scheduler: which queued requests make the next step. Pure: no torch, no
-threads, no clock (vLLM v1's Scheduler → SchedulerOutput split, on a small scale).
+"""The engine's scheduler: what the next step runs. Pure: no torch, no threads, no clock (vLLM
+v1's Scheduler → SchedulerOutput split, Sarathi-Serve's stall-free batching, on a small scale).
 
 The engine's queue holds, in arrival order, calls to run between steps (load, warm-up, ping,
-adopting a lost session) and the sessions' model work, each described here by its
-:class:`Kind` and, for work that needs a forward, its row's token count (fixed + draft + 1).
-:func:`plan_step` takes a prefix of the queue:
+adopting a lost session, freeing a session's pages) and the sessions' model work, each described
+here by a :class:`Queued`: its kind, its tenant, the fixed tokens it still has to cache and the
+tokens of the row that decides it. :func:`plan_step` turns the queue into a :class:`StepPlan`
+that names every row of the next step:
 
-* every call and cheap request (Crop, Draw) up to the first forward that does not fit, and the
-  forwards of one step: at most ``max_sessions`` rows and ``max_tokens`` padded tokens (rows ×
-  longest row). The oldest forward always fits, so no session starves; what does not fit is
-  first in the next step. A call after work in the prefix ends it (it runs between steps);
-* co-generation gives way: a CoGenerate in the prefix joins the step only in the room the other
-  forwards leave, and one that finds none is answered Skipped at once;
-* so does the verifier's own draft model (:func:`model_drafts_allowed`): only in steps with no
-  edge-drafted work;
-* a long prefill is chunked (:func:`prefill_chunk`): a forward whose fixed tokens pass the chunk
-  budget computes only a chunk of them in a step (its row that long) and is queued again, first,
-  for the rest; so one long prompt never pads every session's row of a step to its length.
+* **calls first.** Every queued call runs before the next step, whatever else is queued: a
+  watchdog's ping, a session's release or a resume's adoption waits for the running step at
+  most, never for a prefill;
+* **decode rounds next.** Every queued round whose fixed tokens are few (at most
+  :data:`DECODE_FIXED`: the tokens committed since its last verdict) is in the step, whole, in
+  arrival order, up to ``max_sessions`` rows and ``max_tokens`` tokens (the oldest always
+  fits). Cheap work (Crop, Draw) is always in the step. Co-generation gives way: a CoGenerate
+  joins only in the room the rounds leave and is answered Skipped when there is none; the
+  verifier's draft model runs only in steps with no edge-drafted work
+  (:func:`model_drafts_allowed`);
+* **prefills share what is left.** Work with more fixed tokens (a prompt, a re-prefill) is a
+  *prefill*: computed in chunks, one a step, each chunk's row caching its tokens with no
+  decision; the last one carries the draft and decides. A step's prefill budget is
+  ``prefill_chunk`` tokens when other sessions are open (they may send a round at any moment and
+  must find a short step), and ``max_tokens`` when the prefills are alone on the engine; never
+  more than the rounds leave of ``max_tokens``, never less than :data:`MIN_PREFILL` (so prefill
+  always moves). The budget is shared **max-min fairly between tenants** (bearer tokens): each
+  tenant with a prefill waiting gets an equal share, a tenant that needs less leaves the rest to
+  the others; within a tenant the oldest prefill goes first (one prompt finished soon rather than
+  all late). A re-queued prefill keeps its place in the queue but never goes ahead of a round;
+* **a short row is not padded to a chunk's length** (:func:`group_rows`): the rounds share one
+  forward, and the prefill rows run in a second one whenever padding the rounds to their
+  length would cost more than a forward, by the step-time model ``a + b·tokens`` (one
+  forward's overhead ``a`` in tokens: ``a / b``).
 
 A session has at most one request queued (its core waits for the result), so a step sees each
-session at most once, in arrival order: every open session gets its turn each step (its fair
-share of the engine); a long row only makes that step slower for all.
+session at most once.
 """
 
 from __future__ import annotations
@@ -30,6 +43,13 @@ from dataclasses import dataclass
 from enum import Enum
 
 from cloud_verifier.step_times import StallRule, StepTimes
+
+#: Fixed tokens of a decode round: work with at most this many (the tokens committed since the
+#: session's last verdict: up to depth × (γ + 1), well under this for the protocol's bounds) is
+#: a round, served whole in the next step; more is a prefill, computed in fair chunks.
+DECODE_FIXED = 64
+#: The least prefill a step computes while prefills wait (tokens): the rounds never starve it.
+MIN_PREFILL = 16
 
 
 class Kind(Enum):
@@ -41,80 +61,207 @@ class Kind(Enum):
 
 @dataclass(frozen=True)
 class Queued:
-    """One queue entry as the scheduler sees it: its kind and its row's tokens (forwards)."""
+    """One queue entry as the scheduler sees it. Forwards: ``fixed`` tokens still to cache
+    before the deciding row, ``decide`` the tokens after them (draft, tree, and the row that
+    scores the first draft token), ``tenant`` who pays."""
 
     kind: Kind
-    tokens: int = 0
+    fixed: int = 0
+    decide: int = 1
+    tenant: str = ""
+
+    @property
+    def row(self) -> int:
+        """Tokens of the row that caches what is left and decides."""
+        return self.fixed + self.decide
+
+    @property
+    def prefill(self) -> bool:
+        return self.kind == Kind.FORWARD and self.fixed > DECODE_FIXED
 
 
 @dataclass(frozen=True)
 class BatchLimits:
     max_sessions: int
     max_tokens: int
+    #: Prefill tokens a step computes while other sessions are open (0: no chunking).
+    prefill_chunk: int = 0
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the step: queue entry ``index``; ``chunk`` fixed tokens computed (== its
+    ``fixed``: the whole row, decided this step; fewer: a chunk, cached, no decision);
+    ``tokens`` the row's length; ``forward`` which of the step's forwards runs it."""
+
+    index: int
+    chunk: int
+    tokens: int
+    forward: int = 0
+
+    @property
+    def decides(self) -> bool:
+        return self.tokens > self.chunk
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """The next step, as indices into the queue it was planned from. ``taken``: the length of
-    the prefix that leaves the queue (all of it is in ``calls``, ``batch`` or ``skipped``);
-    ``batch``: the step's requests in the order they run (cheap ones and forwards in queue
-    order, then the admitted co-generations); ``padded_tokens``: rows × longest row."""
+    """The next step. ``calls`` run before it (queue indices); ``cheap`` and ``rows`` are its
+    work; ``skipped`` co-generations found no room (answered at once); ``forwards`` the number
+    of forwards the rows are grouped into; ``tokens`` what they compute, padding included
+    (Σ rows × longest row per forward); ``model_drafts`` whether the verifier's own draft model
+    may run. Everything in ``taken`` leaves the queue; a chunked row goes back to it."""
 
-    taken: int
-    calls: tuple[int, ...]
-    batch: tuple[int, ...]
-    skipped: tuple[int, ...]
-    padded_tokens: int
+    calls: tuple[int, ...] = ()
+    cheap: tuple[int, ...] = ()
+    rows: tuple[Row, ...] = ()
+    skipped: tuple[int, ...] = ()
+    forwards: int = 0
+    tokens: int = 0
+    model_drafts: bool = True
+
+    @property
+    def taken(self) -> frozenset[int]:
+        return frozenset((*self.calls, *self.cheap, *(r.index for r in self.rows), *self.skipped))
+
+    @property
+    def work(self) -> tuple[int, ...]:
+        """The step's requests in the order they run: cheap ones, then the rows."""
+        return (*self.cheap, *(r.index for r in self.rows))
 
 
-def plan_step(queue: Sequence[Queued], limits: BatchLimits) -> StepPlan:
-    """The next step from the head of ``queue`` (module docstring)."""
-    calls: list[int] = []
-    batch: list[int] = []
-    cogen: list[int] = []
-    forwards, longest, taken = 0, 0, 0
+def plan_step(
+    queue: Sequence[Queued],
+    limits: BatchLimits,
+    open_sessions: int = 0,
+    overhead_tokens: float = 0.0,
+) -> StepPlan:
+    """The next step from ``queue`` (module docstring). ``open_sessions``: sessions holding a
+    slot (more than the prefilling ones: the prefill budget is ``prefill_chunk``);
+    ``overhead_tokens``: one forward's fixed cost in tokens (:func:`group_rows`)."""
+    calls = [i for i, q in enumerate(queue) if q.kind == Kind.CALL]
+    cheap = [i for i, q in enumerate(queue) if q.kind == Kind.CHEAP]
+    rounds: list[tuple[int, int]] = []  # (index, tokens)
+    used = 0
 
     def fits(n: int) -> bool:
-        return forwards < limits.max_sessions and (
-            (forwards + 1) * max(longest, n) <= limits.max_tokens
-        )
+        return len(rounds) < limits.max_sessions and used + n <= limits.max_tokens
 
-    for i, item in enumerate(queue):
-        if item.kind == Kind.COGEN:
-            cogen.append(i)
-            taken = i + 1
+    for i, q in enumerate(queue):
+        if q.kind == Kind.FORWARD and not q.prefill and (not rounds or fits(q.row)):
+            rounds.append((i, q.row))
+            used += q.row
+    edge_rounds = len(rounds)
+    prefills = [i for i, q in enumerate(queue) if q.prefill]
+    grants = _prefill_grants(queue, prefills, limits, used, open_sessions)
+    chunks: list[tuple[int, int, int]] = []  # (index, chunk, tokens)
+    for i in prefills:
+        q, g = queue[i], grants.get(i, 0)
+        if g <= 0 or len(rounds) + len(chunks) >= limits.max_sessions:
             continue
-        if item.kind == Kind.FORWARD:
-            if forwards and not fits(item.tokens):
-                break
-            forwards, longest = forwards + 1, max(longest, item.tokens)
-        if item.kind == Kind.CALL and batch:
-            break  # a call runs between steps: after the step queued before it
-        taken = i + 1
-        (calls if item.kind == Kind.CALL else batch).append(i)
+        if g >= q.row:  # the rest of it, and its decision
+            chunks.append((i, q.fixed, q.row))
+        else:  # a chunk: at least one fixed token is left for the deciding row
+            n = min(g, q.fixed - 1)
+            chunks.append((i, n, n))
+        used += chunks[-1][2]
     skipped: list[int] = []
-    for i in cogen:
-        n = queue[i].tokens
-        if forwards == 0 or fits(n):
-            forwards, longest = forwards + 1, max(longest, n)
-            batch.append(i)
+    for i, q in enumerate(queue):
+        if q.kind != Kind.COGEN:
+            continue
+        if (not rounds and not chunks) or fits(q.row):
+            rounds.append((i, q.row))
+            used += q.row
         else:
             skipped.append(i)
-    return StepPlan(taken, tuple(calls), tuple(batch), tuple(skipped), forwards * longest)
+    forwards = group_rows([n for _, n in rounds], [n for _, _, n in chunks], overhead_tokens)
+    rows = [Row(i, queue[i].fixed, n) for i, n in rounds]
+    rows += [Row(i, c, n, forwards - 1) for i, c, n in chunks]
+    padded = sum(
+        len(group) * max(r.tokens for r in group)
+        for group in ([r for r in rows if r.forward == g] for g in range(forwards))
+    )
+    return StepPlan(
+        tuple(calls),
+        tuple(cheap),
+        tuple(rows),
+        tuple(skipped),
+        forwards,
+        padded,
+        model_drafts_allowed(edge_rounds + len(chunks)),
+    )
 
 
-def prefill_chunk(fixed: int, budget: int) -> int:
-    """How many of a forward's ``fixed`` tokens its next step computes: all of them (and its
-    draft) when they fit the chunk ``budget`` (0: no chunking), else ``budget`` alone, with no
-    decision (the rest, and the draft, in later steps)."""
-    return fixed if budget <= 0 or fixed <= budget else budget
+def prefill_budget(limits: BatchLimits, rounds_tokens: int, alone: bool) -> int:
+    """Prefill tokens of the next step (module docstring)."""
+    room = max(MIN_PREFILL, limits.max_tokens - rounds_tokens)
+    if limits.prefill_chunk <= 0 or alone:
+        return room
+    return min(limits.prefill_chunk, room)
 
 
-def row_tokens(fixed: int, draft: int, budget: int) -> int:
-    """The row a forward puts in its next step: a chunk of its fixed tokens, or all of them
-    with its draft and the row that scores the first draft token."""
-    n = prefill_chunk(fixed, budget)
-    return n if n < fixed else fixed + draft + 1
+def _prefill_grants(
+    queue: Sequence[Queued],
+    prefills: Sequence[int],
+    limits: BatchLimits,
+    rounds_tokens: int,
+    open_sessions: int,
+) -> dict[int, int]:
+    """Tokens each waiting prefill may compute in the next step: the budget split max-min
+    fairly between tenants, then oldest first within a tenant, each capped by
+    ``prefill_chunk`` and by what it needs."""
+    if not prefills:
+        return {}
+    alone = open_sessions <= len(prefills)
+    budget = prefill_budget(limits, rounds_tokens, alone)
+    cap = limits.prefill_chunk if limits.prefill_chunk > 0 and not alone else budget
+    by_tenant: dict[str, list[int]] = {}
+    for i in prefills:
+        by_tenant.setdefault(queue[i].tenant, []).append(i)
+    need = {t: sum(min(queue[i].row, cap) for i in ids) for t, ids in by_tenant.items()}
+    share = fair_shares(need, budget)
+    grants: dict[int, int] = {}
+    for tenant, ids in by_tenant.items():
+        left = share[tenant]
+        for i in ids:
+            g = min(left, queue[i].row, cap)
+            grants[i] = g
+            left -= g
+    return grants
+
+
+def fair_shares(need: dict[str, int], budget: int) -> dict[str, int]:
+    """Max-min fair split of ``budget`` over ``need`` (water-filling): no tenant gets more than
+    it needs, and no tenant gets less than another unless it needs less. The remainder of an
+    uneven split goes to the tenants first in ``need``'s order."""
+    out = dict.fromkeys(need, 0)
+    left = budget
+    hungry = [t for t in need if need[t] > 0]
+    while left > 0 and hungry:
+        each, extra = divmod(left, len(hungry))
+        if each == 0:
+            for t in hungry[:extra]:
+                out[t] += 1
+            break
+        for t in hungry:
+            out[t] += min(each, need[t] - out[t])
+        left = budget - sum(out.values())
+        hungry = [t for t in hungry if out[t] < need[t]]
+    return out
+
+
+def group_rows(rounds: Sequence[int], prefills: Sequence[int], overhead_tokens: float) -> int:
+    """How many forwards the step's rows take, 1 or 2: the rounds (``rounds``: their lengths)
+    share one forward (they are short and alike); the prefill rows (``prefills``) join it, or
+    take a forward of their own when padding the rounds to their length costs more than a
+    forward's overhead (``overhead_tokens``, in tokens: large on a GPU, where all rows share
+    one forward; small on a CPU, where a round padded to a chunk would cost the chunk)."""
+    if not rounds or not prefills or overhead_tokens == float("inf"):
+        return 1 if rounds or prefills else 0
+    r, p = max(rounds), max(prefills)
+    together = (len(rounds) + len(prefills)) * max(r, p)
+    apart = len(rounds) * r + len(prefills) * p + overhead_tokens
+    return 2 if apart < together else 1
 
 
 def model_drafts_allowed(edge_forwards: int) -> bool:
@@ -148,21 +295,46 @@ class RunningStep:
 def queue_eta(
     running: RunningStep | None,
     now: float,
-    ahead: Sequence[int],
+    queue: Sequence[Queued],
     times: StepTimes,
     limits: BatchLimits,
     stall: StallRule,
+    until: int | None = None,
+    queued: bool = True,
 ) -> tuple[float, bool]:
-    """Seconds until the running step ends and the forwards of token counts ``ahead`` (queue
-    order) have run, and whether the running step has stalled. Steps hold
-    ``limits.max_sessions`` rows; each costs a + b·tokens (:class:`StepTimes`)."""
+    """Seconds until the running step has ended and the work at queue index ``until`` has been
+    decided (None: a decode round submitted now), and whether the running step has stalled.
+
+    A round waits for the rounds ahead of it, ``max_sessions`` a step; each step also computes
+    the prefill budget while prefills wait. A prefill waits for its chunks: its share of the
+    budget a step (the budget over the tenants with prefills waiting). Each step costs
+    a + b·tokens (:class:`StepTimes`). ``queued`` False: the work is not queued (it runs, or
+    is done): the running step's remainder alone."""
     remaining, stalled = 0.0, False
     if running is not None:
         elapsed = now - running.started
         remaining = max(0.0, times.estimate(running.tokens) - elapsed)
         stalled = times.stalled(running.tokens, elapsed, stall)
-    if ahead:
-        a, b = times.coefficients()
-        steps = -(-len(ahead) // limits.max_sessions)
-        remaining += steps * a + b * sum(ahead)
-    return remaining, stalled
+    if not queued or not times.known:
+        return remaining, stalled
+    a, b = times.coefficients()
+    rounds = [q.row for q in queue if q.kind in (Kind.FORWARD, Kind.COGEN) and not q.prefill]
+    prefills = [q for q in queue if q.prefill]
+    target = queue[until] if until is not None else Queued(Kind.FORWARD)
+    per_step_rounds = min(limits.max_tokens, sum(rounds[: limits.max_sessions]))
+    budget = prefill_budget(limits, per_step_rounds, False) if prefills or target.prefill else 0
+    step_s = a + b * (per_step_rounds + budget)
+    if target.prefill:
+        tenants = len({q.tenant for q in prefills} | {target.tenant})
+        share = max(1, budget // tenants)
+        steps = -(-target.row // share)
+    else:
+        ahead = (
+            len(rounds)
+            if until is None
+            else sum(
+                1 for j, q in enumerate(queue[:until]) if q.kind == Kind.FORWARD and not q.prefill
+            )
+        )
+        steps = 1 + ahead // limits.max_sessions
+    return remaining + steps * step_s, stalled

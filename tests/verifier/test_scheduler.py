@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cloud_verifier.scheduler import (
+    DECODE_FIXED,
+    MIN_PREFILL,
     BatchLimits,
     Kind,
     Queued,
+    Row,
     RunningStep,
     StepPlan,
+    fair_shares,
+    group_rows,
     model_drafts_allowed,
     plan_step,
-    prefill_chunk,
     queue_eta,
-    row_tokens,
     should_gather,
 )
 from cloud_verifier.step_times import StallRule, StepTimes
@@ -22,51 +27,162 @@ from cloud_verifier.step_times import StallRule, StepTimes
 CALL, CHEAP = Queued(Kind.CALL), Queued(Kind.CHEAP)
 
 
-def fwd(tokens: int) -> Queued:
-    return Queued(Kind.FORWARD, tokens)
+def fwd(fixed: int, decide: int = 5, tenant: str = "") -> Queued:
+    return Queued(Kind.FORWARD, fixed, decide, tenant)
 
 
-def cogen(tokens: int = 1) -> Queued:
-    return Queued(Kind.COGEN, tokens)
+def cogen(fixed: int = 0, decide: int = 1) -> Queued:
+    return Queued(Kind.COGEN, fixed, decide)
 
 
 LIM = BatchLimits(max_sessions=3, max_tokens=100)
 
 
+def rows(plan: StepPlan) -> list[tuple[int, int, int]]:
+    return [(r.index, r.chunk, r.tokens) for r in plan.rows]
+
+
 @pytest.mark.parametrize(
-    "queue,plan",
+    "queue,expect",
     [
-        ([], StepPlan(0, (), (), (), 0)),
-        # calls first, then the step's work in queue order
-        ([CALL, fwd(5), CHEAP, fwd(7)], StepPlan(4, (0,), (1, 2, 3), (), 14)),
-        # a call after work ends the prefix: it runs between steps
-        ([fwd(5), CALL, fwd(7)], StepPlan(1, (), (0,), (), 5)),
+        ([], []),
+        # rounds whole, in queue order
+        ([fwd(3), fwd(4)], [(0, 3, 8), (1, 4, 9)]),
         # at most max_sessions rows: the fourth waits for the next step
-        ([fwd(5), fwd(5), fwd(5), fwd(5)], StepPlan(3, (), (0, 1, 2), (), 15)),
-        # padded tokens (rows × longest) within max_tokens: 3 × 40 > 100
-        ([fwd(40), fwd(10), fwd(40)], StepPlan(2, (), (0, 1), (), 80)),
-        # the oldest forward always fits, however long
-        ([fwd(500), fwd(5)], StepPlan(1, (), (0,), (), 500)),
-        # cheap work behind a forward that does not fit waits too (order is kept)
-        ([fwd(90), fwd(20), CHEAP], StepPlan(1, (), (0,), (), 90)),
-        # co-generation joins in the room left, after the drafts to verify
-        ([cogen(), fwd(5), fwd(5)], StepPlan(3, (), (1, 2, 0), (), 15)),
-        # ... and is answered Skipped when there is none
-        ([cogen(), fwd(5), fwd(5), fwd(5)], StepPlan(4, (), (1, 2, 3), (0,), 15)),
-        ([fwd(60), cogen(60)], StepPlan(2, (), (0,), (1,), 60)),
+        ([fwd(0)] * 4, [(0, 0, 5), (1, 0, 5), (2, 0, 5)]),
+        # tokens within max_tokens (the oldest always fits)
+        ([fwd(60), fwd(50), fwd(10)], [(0, 60, 65), (2, 10, 15)]),
+        # co-generation joins in the room left, after the rounds; skipped when there is none
+        ([cogen(), fwd(0), fwd(0)], [(1, 0, 5), (2, 0, 5), (0, 0, 1)]),
         # alone, a co-generation always runs
-        ([cogen(200)], StepPlan(1, (), (0,), (), 200)),
+        ([cogen(0, 200)], [(0, 0, 200)]),
     ],
 )
-def test_plan_step(queue: list[Queued], plan: StepPlan) -> None:
-    assert plan_step(queue, LIM) == plan
+def test_rounds(queue: list[Queued], expect: list[tuple[int, int, int]]) -> None:
+    assert rows(plan_step(queue, LIM)) == expect
 
 
-def test_every_taken_entry_is_answered_once() -> None:
-    queue = [CALL, cogen(), fwd(30), CHEAP, cogen(), fwd(30), fwd(30), CALL, fwd(5)]
-    plan = plan_step(queue, LIM)
-    answered = sorted([*plan.calls, *plan.batch, *plan.skipped])
-    assert answered == list(range(plan.taken))
+def test_cogen_without_room_is_skipped() -> None:
+    plan = plan_step([cogen(), fwd(0), fwd(0), fwd(0)], LIM)
+    assert plan.skipped == (0,) and [r.index for r in plan.rows] == [1, 2, 3]
+
+
+def test_calls_run_before_the_step_whatever_is_queued() -> None:
+    # A call behind a long prefill and rounds is still planned now, before the step.
+    queue = [fwd(8000, tenant="a"), fwd(2), CHEAP, fwd(3000, tenant="b"), CALL, fwd(1), CALL]
+    plan = plan_step(queue, BatchLimits(8, 4096, 512), open_sessions=4)
+    assert plan.calls == (4, 6)
+    assert plan.cheap == (2,)
+    assert plan.taken == frozenset({0, 1, 2, 3, 4, 5, 6})
+
+
+def test_a_long_prompt_never_holds_back_a_round() -> None:
+    """Rounds first, whole; the prefill gets the chunk budget (others are open) and its row is
+    not padding theirs: they run in separate forwards when that costs less."""
+    lim = BatchLimits(8, 4096, 512)
+    queue = [fwd(8000, tenant="a")] + [fwd(2, tenant="h")] * 3
+    plan = plan_step(queue, lim, open_sessions=4, overhead_tokens=10)
+    assert rows(plan)[:3] == [(1, 2, 7), (2, 2, 7), (3, 2, 7)]
+    assert rows(plan)[3] == (0, 512, 512)  # a chunk: no decision
+    assert not plan.rows[3].decides and plan.rows[0].decides
+    assert plan.forwards == 2 and plan.tokens == 3 * 7 + 512
+    assert not plan.model_drafts
+
+
+def test_a_lone_prefill_takes_the_whole_step() -> None:
+    lim = BatchLimits(8, 4096, 512)
+    plan = plan_step([fwd(8000)], lim, open_sessions=1)
+    assert rows(plan) == [(0, 4096, 4096)]
+    # its last chunk carries the draft and decides
+    plan = plan_step([fwd(3000)], lim, open_sessions=1)
+    assert rows(plan) == [(0, 3000, 3005)] and plan.rows[0].decides
+
+
+def test_prefill_budget_is_shared_fairly_between_tenants() -> None:
+    """Eight sessions of one tenant against one of another: half the budget each; within the
+    attacker, oldest first."""
+    lim = BatchLimits(16, 4096, 512)
+    queue = [fwd(1500, tenant="attacker")] * 8 + [fwd(1500, tenant="honest")]
+    plan = plan_step(queue, lim, open_sessions=12)
+    got: dict[str, int] = {}
+    for r in plan.rows:
+        got[queue[r.index].tenant] = got.get(queue[r.index].tenant, 0) + r.chunk
+    assert got == {"attacker": 256, "honest": 256}
+    assert [r.index for r in plan.rows] == [0, 8]
+
+
+def test_fair_shares_is_max_min_fair() -> None:
+    assert fair_shares({"a": 1000, "b": 1000}, 512) == {"a": 256, "b": 256}
+    assert fair_shares({"a": 100, "b": 1000}, 512) == {"a": 100, "b": 412}
+    assert fair_shares({"a": 10, "b": 10}, 512) == {"a": 10, "b": 10}
+    assert fair_shares({"a": 5, "b": 5, "c": 5}, 4) == {"a": 2, "b": 1, "c": 1}
+    assert fair_shares({}, 100) == {}
+
+
+def test_rounds_leave_the_prefill_at_least_its_floor() -> None:
+    lim = BatchLimits(8, 64, 512)
+    queue = [fwd(DECODE_FIXED, 0), fwd(2000, tenant="a")]
+    plan = plan_step(queue, lim, open_sessions=3)
+    assert rows(plan) == [(0, DECODE_FIXED, DECODE_FIXED), (1, MIN_PREFILL, MIN_PREFILL)]
+
+
+def test_group_rows_splits_only_where_padding_costs_more_than_a_forward() -> None:
+    assert group_rows([], [], 10) == 0
+    assert group_rows([9, 3, 17], [], 0) == 1  # rounds always share one forward
+    # A GPU (a forward costs like 2000 tokens): one forward.
+    assert group_rows([7, 7], [512], 2000) == 1
+    # A CPU (a forward costs like 30 tokens): the chunk alone.
+    assert group_rows([7, 7], [512], 30) == 2
+    assert group_rows([9], [20], 30) == 1
+    assert group_rows([7, 7], [512], float("inf")) == 1  # nothing measured yet
+
+
+def simulate(
+    queue: list[Queued], lim: BatchLimits, steps: int, open_sessions: int
+) -> list[StepPlan]:
+    """Steps of the scheduler with the engine's bookkeeping: a round decided is queued again
+    (its session's next round), a chunk goes back with its fixed tokens reduced; a prefill that
+    decided starts over (the attacker loops its prompt)."""
+    plans = []
+    q = list(queue)
+    for _ in range(steps):
+        plan = plan_step(q, lim, open_sessions, overhead_tokens=20)
+        plans.append(plan)
+        by_index: dict[int, Row] = {r.index: r for r in plan.rows}
+        nxt: list[Queued] = []
+        for i, item in enumerate(q):
+            r = by_index.get(i)
+            if r is None or r.decides:
+                nxt.append(item)  # not served, or served and back with its next round / loop
+            else:
+                nxt.append(replace(item, fixed=item.fixed - r.chunk))
+        q = nxt
+    return plans
+
+
+def test_every_round_is_served_every_step_beside_looping_long_prompts() -> None:
+    """Four honest sessions beside eight of one tenant looping 8,000-token prompts: every
+    honest round is in every step, and no step computes more than the rounds and one chunk
+    budget."""
+    lim = BatchLimits(16, 4096, 512)
+    honest = [fwd(2, 9, "h")] * 4
+    attack = [fwd(8000, 1, "a")] * 8
+    plans = simulate(attack + honest, lim, steps=40, open_sessions=12)
+    for plan in plans:
+        served = {r.index for r in plan.rows if r.decides and r.index >= 8}
+        assert served == {8, 9, 10, 11}
+        assert sum(r.tokens for r in plan.rows) <= 4 * 11 + 512
+    # ... and the attacker still progresses: a chunk budget a step
+    assert all(sum(r.tokens for r in p.rows if r.index < 8) == 512 for p in plans)
+
+
+def test_two_tenants_long_prompts_progress_at_the_same_rate() -> None:
+    lim = BatchLimits(16, 4096, 512)
+    queue = [fwd(6000, 1, "a")] * 6 + [fwd(6000, 1, "b")]
+    plans = simulate(queue, lim, steps=10, open_sessions=10)
+    a = sum(r.chunk for p in plans for r in p.rows if r.index < 6)
+    b = sum(r.chunk for p in plans for r in p.rows if r.index == 6)
+    assert a == b == 10 * 256
 
 
 def test_gather_waits_only_while_open_sessions_may_still_join() -> None:
@@ -83,30 +199,34 @@ def test_queue_eta_and_stall() -> None:
     times.anchor(10, 0.2)
     times.anchor(110, 1.2)  # 0.1 s + 10 ms per token
     rule = StallRule(factor=8.0, floor_s=60.0)
-    assert queue_eta(None, 0.0, [], times, LIM, rule) == (0.0, False)
+    assert queue_eta(None, 0.0, [], times, LIM, rule, queued=False) == (0.0, False)
     run = RunningStep(started=100.0, tokens=110, slots=frozenset({1}))
-    eta, stalled = queue_eta(run, 100.5, [], times, LIM, rule)
+    eta, stalled = queue_eta(run, 100.5, [], times, LIM, rule, queued=False)
     assert eta == pytest.approx(0.7) and not stalled
-    # four forwards of 10 tokens behind it: two more steps of 3 rows at most
-    eta, _ = queue_eta(run, 100.5, [10] * 4, times, LIM, rule)
-    assert eta == pytest.approx(0.7 + 2 * 0.1 + 0.01 * 40)
-    assert queue_eta(run, 160.5, [], times, LIM, rule) == (0.0, True)
+    # a round submitted now behind four rounds of 10 tokens: two more steps of 3 rows at most
+    queue = [fwd(5)] * 4
+    eta, _ = queue_eta(run, 100.5, queue, times, LIM, rule)
+    assert eta == pytest.approx(0.7 + 2 * (0.1 + 0.01 * 30))
+    assert queue_eta(run, 160.5, [], times, LIM, rule, queued=False) == (0.0, True)
+
+
+def test_queue_eta_counts_a_prefill_in_chunks_not_as_its_age() -> None:
+    times = StepTimes()
+    times.anchor(10, 0.2)
+    times.anchor(110, 1.2)
+    lim = BatchLimits(8, 4096, 100)
+    rule = StallRule()
+    queue = [fwd(8000, 1, "a")]
+    # a new round waits one step: nothing but the prefill's chunk ahead of it
+    eta, _ = queue_eta(None, 0.0, queue, times, lim, rule)
+    assert eta == pytest.approx(0.1 + 0.01 * 100)
+    # the prefill itself: 81 chunks of 100
+    eta, _ = queue_eta(None, 0.0, queue, times, lim, rule, until=0)
+    assert eta == pytest.approx(81 * (0.1 + 0.01 * 100))
 
 
 def test_model_drafts_only_in_steps_without_edge_drafted_work() -> None:
     assert model_drafts_allowed(0)
     assert not model_drafts_allowed(1) and not model_drafts_allowed(64)
-
-
-def test_a_long_prefill_is_taken_in_chunks_of_the_budget() -> None:
-    assert prefill_chunk(1000, 256) == 256  # a chunk, no decision
-    assert prefill_chunk(256, 256) == 256  # fits: all of it, with the draft
-    assert prefill_chunk(1000, 0) == 1000  # no chunking
-    assert row_tokens(1000, 4, 256) == 256
-    assert row_tokens(200, 4, 256) == 205  # fixed + draft + the row scoring draft[0]
-    assert row_tokens(0, 4, 256) == 5
-    # The scheduler sees the chunk: a long prompt and three short rounds share a step whose
-    # padded size is 4 rows of the chunk, not of the prompt.
-    queue = [Queued(Kind.FORWARD, row_tokens(4000, 4, 256))] + [Queued(Kind.FORWARD, 5)] * 3
-    plan = plan_step(queue, BatchLimits(max_sessions=8, max_tokens=4096))
-    assert plan.batch == (0, 1, 2, 3) and plan.padded_tokens == 4 * 256
+    assert plan_step([cogen()], LIM).model_drafts
+    assert not plan_step([cogen(), fwd(0)], LIM).model_drafts
