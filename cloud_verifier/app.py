@@ -24,6 +24,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, hdrs, web
@@ -53,7 +54,15 @@ from cloud_verifier.core import (
     Verify,
     Work,
 )
-from cloud_verifier.engine import Engine, EngineLimits, NoFreeSlot, Outcome, PrefixCache, Slot
+from cloud_verifier.engine import (
+    Engine,
+    EngineHealth,
+    EngineLimits,
+    NoFreeSlot,
+    Outcome,
+    PrefixCache,
+    Slot,
+)
 from cloud_verifier.http_guard import HTTP_LOG, ConnectionGuard
 from cloud_verifier.ratelog import LogLimiter
 from cloud_verifier.settings import VerifierSettings
@@ -89,7 +98,9 @@ from shared.wire.protocol import (
     Hello,
     Message,
     Progress,
+    ProtocolError,
     Verdict,
+    decode,
     encode,
 )
 
@@ -102,8 +113,12 @@ READ_AHEAD = 16
 #: The header that names why a session request was refused (an edge cannot read the body of a
 #: refused WebSocket upgrade): loading, stopping, busy, overloaded, kv_full, token_limit, ...
 REFUSAL_HEADER = "X-Wanspec-Refusal"
-#: How often lost sessions past their grace period are dropped (seconds).
+#: How often lost sessions past their grace period are dropped, and the kept ones' pages are
+#: checked against their budget (seconds).
 REAP_INTERVAL_S = 1.0
+#: How often the engine's health is read for its death (seconds): /health, new sessions and
+#: the handlers read it on their own too, so this bounds only how soon idle sessions learn it.
+ENGINE_CHECK_S = 0.25
 
 
 @dataclass(eq=False)
@@ -155,8 +170,15 @@ class VerifierState:
     refusal_log: LogLimiter = field(default_factory=lambda: LogLimiter(burst=5, interval=60.0))
     #: Set whenever ``status`` changes (serve() waits on it).
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    #: Lost sessions kept for resumption, by resume token, oldest first.
+    #: Lost sessions kept for resumption, by resume token, oldest first. Invariant (between
+    #: admissions): per token key, live streams plus kept sessions are at most
+    #: max_sessions_per_token; the kept ones' pages (counted now, not when they were kept) at
+    #: most resume_pages_share of the pool, checked at each park and each reap.
     parked: OrderedDict[str, Parked] = field(default_factory=OrderedDict)
+    #: Upgraded connections (to fail their sessions when the engine dies).
+    conns: set[_Conn] = field(default_factory=set)
+    #: The engine's thread was found dead (once; ``_engine_died`` acted on it).
+    engine_dead: bool = False
 
     def set_status(self, status: ServiceStatus, reason: str) -> None:
         self.status, self.reason = status, reason
@@ -367,30 +389,172 @@ async def _load_model(state: VerifierState) -> None:
 
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Owns the model worker and the background load (the port listens while it runs)."""
+    """Owns the model worker, the background load (the port listens while it runs) and the
+    task that watches the engine for its death."""
     state = app[STATE]
-    task = asyncio.create_task(_load_model(state), name="wanspec-load-model")
+    tasks = [
+        asyncio.create_task(_load_model(state), name="wanspec-load-model"),
+        asyncio.create_task(_engine_monitor(state), name="wanspec-engine-monitor"),
+    ]
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         state.engine.shutdown()
 
 
+# ---------------------------------------------------------------------------- the engine's health
+
+
+def _engine_failure(state: VerifierState) -> str | None:
+    """Why the engine can serve no more (its thread died), or None. A shutdown is no failure:
+    while the service stops, its engine's end is expected."""
+    h = state.engine.health()
+    if h.alive or state.status == ServiceStatus.STOPPING:
+        return None
+    return h.error or "the model engine stopped"
+
+
+def _check_engine(state: VerifierState) -> bool:
+    """Read the engine's health; the first time it is found dead, act on it (see
+    :func:`_engine_died`). True while it can serve."""
+    why = _engine_failure(state)
+    if why is None:
+        return True
+    if not state.engine_dead:
+        _engine_died(state, why)
+    return False
+
+
+def _engine_died(state: VerifierState, why: str) -> None:
+    """The engine's thread died: /health answers 503 with ``why``, new sessions are refused
+    (503, no Retry-After: it is down, not busy), every open session gets a fatal Error and its
+    connection is closed (1011), and the watchdog stops (systemd restarts the service)."""
+    state.engine_dead = True
+    state.set_status(ServiceStatus.FAILED, why)
+    state.metrics.model_ready.set(0)
+    state.notifier.notify(f"STATUS=failed: {why}")
+    log.error(
+        "%s: /health answers 503, %d open session(s) are closed, new ones refused; "
+        "restart the service (under systemd's watchdog it is restarted)",
+        why,
+        state.streams,
+    )
+    err = Error(
+        ErrorCode.INTERNAL,
+        f"the verifier failed ({why}); it must be restarted",
+        fatal=True,
+    )
+    task = asyncio.get_running_loop().create_task(_fail_connections(state, err))
+    state.closers.add(task)
+    task.add_done_callback(state.closers.discard)
+
+
+async def _fail_connections(state: VerifierState, err: Error) -> None:
+    """Tell every open session ``err`` (fatal; nothing is kept for resumption) and close every
+    connection (1011), each within close_timeout."""
+
+    async def fail(conn: _Conn) -> None:
+        for st in list(conn.streams.values()):
+            st.ended_here = True  # not lost: nothing is kept for an engine that is gone
+            await _tell(conn, st.stream, err)
+            await conn.end(st.stream, WSCloseCode.INTERNAL_ERROR, err.code)
+            st.finish(WSCloseCode.INTERNAL_ERROR, err.message)
+        await conn.close(WSCloseCode.INTERNAL_ERROR, f"{err.code}: {err.message}")
+
+    await asyncio.gather(*(fail(c) for c in list(state.conns)), return_exceptions=True)
+
+
+async def _engine_monitor(state: VerifierState) -> None:
+    """Read the engine's health every ``ENGINE_CHECK_S`` s (no call: nothing queues behind
+    work), so that its death is acted on within that bound even with no request coming in."""
+    while _check_engine(state):
+        await asyncio.sleep(ENGINE_CHECK_S)
+
+
+class WatchdogVerdict(Enum):
+    """What the systemd watchdog does with one reading of the engine's health."""
+
+    FEED = "feed"  # alive, its running step (if any) within its estimate: WATCHDOG=1
+    STALLED = "stalled"  # a step has stalled, for less than the bound: still WATCHDOG=1
+    STALLED_TOO_LONG = "stalled_too_long"  # stalled past the bound: no WATCHDOG=1
+    DEAD = "dead"  # the engine's thread died: no WATCHDOG=1
+
+
+@dataclass
+class Watchdog:
+    """Whether to send WATCHDOG=1, from :meth:`Engine.health` (pure: the time is given).
+
+    The engine's own beat is the evidence, never a call that would queue behind its work: a
+    long prefill is progress. A step the engine calls stalled (it has run ``StallRule``'s 8
+    times its estimate and at least ``stall_timeout``) may still finish, so it is fed for
+    ``stall_bound_s`` more seconds; then not, and systemd restarts the service
+    ``WatchdogSec`` later. A dead engine is never fed.
+
+    Invariant: ``stalled_since`` is set exactly while the last reading said stalled."""
+
+    stall_bound_s: float
+    stalled_since: float | None = None
+
+    def judge(self, health: EngineHealth, now: float) -> WatchdogVerdict:
+        if not health.alive:
+            return WatchdogVerdict.DEAD
+        if not health.stalled:
+            self.stalled_since = None
+            return WatchdogVerdict.FEED
+        if self.stalled_since is None:
+            self.stalled_since = now
+        if now - self.stalled_since > self.stall_bound_s:
+            return WatchdogVerdict.STALLED_TOO_LONG
+        return WatchdogVerdict.STALLED
+
+
+#: Verdicts that send WATCHDOG=1.
+_FED = (WatchdogVerdict.FEED, WatchdogVerdict.STALLED)
+
+
 async def _watchdog(state: VerifierState, interval: float) -> None:
-    """WATCHDOG=1 every ``interval`` s while the loop runs and the model worker answers."""
+    """WATCHDOG=1 every ``interval`` s while :class:`Watchdog` says the engine progresses;
+    each change of its verdict is logged once (a dead or long-stalled engine at ERROR)."""
+    dog = Watchdog(stall_bound_s=state.settings.stall_timeout)
+    last = WatchdogVerdict.FEED
     while True:
-        if state.status == ServiceStatus.LOADING:
-            ok = True  # the worker is busy loading by design; the loop is alive
-        else:
-            ok = await state.engine.ping(timeout=interval * 1.5)
-        if ok:
+        health = state.engine.health()
+        verdict = dog.judge(health, time.monotonic())
+        if verdict in _FED:
             state.notifier.notify("WATCHDOG=1")
-        else:
-            log.error("model worker did not answer within %.1f s: no watchdog ping", interval * 1.5)
+        if verdict != last and state.status != ServiceStatus.STOPPING:
+            _log_watchdog(verdict, health, dog.stall_bound_s)
+        last = verdict
         await asyncio.sleep(interval)
+
+
+def _log_watchdog(verdict: WatchdogVerdict, health: EngineHealth, bound: float) -> None:
+    if verdict == WatchdogVerdict.DEAD:
+        log.error(
+            "watchdog: %s: no more WATCHDOG=1 (systemd restarts the service)",
+            health.error or "the model engine stopped",
+        )
+    elif verdict == WatchdogVerdict.STALLED_TOO_LONG:
+        log.error(
+            "watchdog: the engine's step has made no progress for %.0f s (stalled for over "
+            "%.0f s): no more WATCHDOG=1 (systemd restarts the service)",
+            health.beat_age_s,
+            bound,
+        )
+    elif verdict == WatchdogVerdict.STALLED:
+        log.warning(
+            "watchdog: the engine's step has stalled (%.0f s without progress); WATCHDOG=1 "
+            "goes on for up to %.0f s more",
+            health.beat_age_s,
+            bound,
+        )
+    else:
+        log.info("watchdog: the engine progresses again")
 
 
 async def _watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -514,19 +678,57 @@ def _unpark(state: VerifierState, token: str, reason: str | None) -> Parked | No
 
 def _park(state: VerifierState, token: str, slot: Slot, tenant: str) -> bool:
     """Keep a lost session's slot for ``resume_grace`` seconds, within the page budget (the
-    oldest are dropped to make room). False when it cannot be kept (the caller releases it)."""
+    oldest are dropped to make room). False when it cannot be kept (the caller releases it):
+    its slot holds no page (its prefill never ran: there is nothing to resume), or more than
+    the whole budget.
+
+    The caller has cancelled the session's model work (its task awaiting ``Engine.run``), so
+    nothing more is queued for it; a step already running for it may still add pages, which
+    the budget counts at the next reap (:func:`_fit_budget`)."""
     s = state.settings
     if s.resume_grace <= 0 or state.status != ServiceStatus.READY:
         return False
-    budget = int(state.engine.memory()["pages_total"] * s.resume_pages_share)
     pages = len(slot.pages.pages)
-    if pages > budget:
+    if pages == 0 or pages > _parked_budget(state):
         return False
-    while state.parked and sum(p.pages for p in state.parked.values()) + pages > budget:
-        _unpark(state, next(iter(state.parked)), "budget")
     state.parked[token] = Parked(slot, tenant, time.monotonic() + s.resume_grace)
+    _fit_budget(state)  # the new one is the newest: dropped last, and it fits alone
     state.metrics.parked.set(len(state.parked))
     return True
+
+
+def _parked_budget(state: VerifierState) -> int:
+    """KV pages the sessions kept for resumption may hold together (resume_pages_share)."""
+    return int(state.engine.memory()["pages_total"] * state.settings.resume_pages_share)
+
+
+def _fit_budget(state: VerifierState) -> None:
+    """Drop the oldest kept sessions while the pages they hold now pass their budget."""
+    budget = _parked_budget(state)
+    while state.parked and sum(p.pages for p in state.parked.values()) > budget:
+        _unpark(state, next(iter(state.parked)), "budget")
+
+
+def _kept(state: VerifierState, key: str) -> int:
+    """Sessions kept for resumption of token key ``key``."""
+    return sum(1 for p in state.parked.values() if p.tenant == key)
+
+
+def _resumes(state: VerifierState, payload: bytes, tenant: str) -> bool:
+    """Whether a stream's first frame is a Hello resuming a session kept for ``tenant``, within
+    its grace (decoded here for admission; the session's core decodes and checks it again)."""
+    try:
+        hello = decode(payload)
+    except ProtocolError:
+        return False
+    if not isinstance(hello, Hello) or hello.resume is None:
+        return False
+    parked = state.parked.get(hello.resume.token)
+    return (
+        parked is not None
+        and parked.until > time.monotonic()
+        and secrets.compare_digest(parked.tenant, tenant)
+    )
 
 
 def _make_room(state: VerifierState) -> bool:
@@ -540,6 +742,7 @@ def _make_room(state: VerifierState) -> bool:
 def _reap(state: VerifierState, now: float) -> None:
     for token in [t for t, p in state.parked.items() if p.until <= now]:
         _unpark(state, token, "expired")
+    _fit_budget(state)
 
 
 async def _parked_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -588,12 +791,22 @@ def _json(status: int, body: dict[str, object], **headers: str) -> web.Response:
 
 
 async def health_handler(request: web.Request) -> web.Response:
-    """200 while ready, 503 otherwise. ``slots``: session slots held / max_sessions (all held:
-    new sessions get 503 although the service is healthy); ``pending_connections``: connections
-    whose request has not reached a handler; ``token_file``: ``ok`` or what is wrong with it
-    (the previous tokens are kept meanwhile)."""
+    """200 while ready, 503 otherwise (loading, stopping, failed: the model did not load, or
+    the engine's thread died, ``reason`` says why). ``engine``: its health as the watchdog
+    reads it; ``slots``: session slots held / max_sessions (all held: new sessions get 503
+    although the service is healthy); ``pending_connections``: connections whose request has
+    not reached a handler; ``token_file``: ``ok`` or what is wrong with it (the previous
+    tokens are kept meanwhile)."""
     state = request.app[STATE]
+    health = state.engine.health()
+    _check_engine(state)
     body: dict[str, object] = {"status": state.status, "reason": state.reason}
+    body["engine"] = {
+        "alive": health.alive,
+        "stalled": health.stalled,
+        "error": health.error,
+        "beat_age_s": round(health.beat_age_s, 3),
+    }
     body["slots"] = {"used": state.connections, "total": state.settings.max_sessions}
     body["pending_connections"] = state.guard.pending
     mem = state.engine.memory()
@@ -698,15 +911,20 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
             ),
             request,
         )
+    _check_engine(state)
     if state.status != ServiceStatus.READY:
+        # Loading or draining: busy, come back (Retry-After). Failed (the model did not load,
+        # or the engine died): down, no Retry-After, so an edge counts it as down.
+        failed = state.status == ServiceStatus.FAILED
         raise _refuse(
             state,
-            "stopping" if state.status == ServiceStatus.STOPPING else "loading",
+            state.status.value,
             web.HTTPServiceUnavailable(
                 text=json.dumps({"status": state.status, "reason": state.reason}),
                 content_type="application/json",
-                headers={hdrs.RETRY_AFTER: "5"},
+                headers={} if failed else {hdrs.RETRY_AFTER: "5"},
             ),
+            request if failed else None,
         )
     # Connections are bounded like sessions (each carries one at least, while it is of use).
     if s.max_sessions_per_token and state.per_token.get(key, 0) >= s.max_sessions_per_token:
@@ -719,7 +937,12 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
                 headers={hdrs.RETRY_AFTER: "1"},
             ),
         )
-    if state.connections >= s.max_sessions:
+    # A token with sessions kept for resumption may be reconnecting to resume them: its
+    # connection is not refused as busy (beyond max_sessions, by at most the kept sessions)
+    # nor overloaded; each stream it opens is admitted on its own (a resume always).
+    kept = _kept(state, key)
+    room = s.max_sessions + (len(state.parked) if kept else 0)
+    if state.connections >= room:
         raise _refuse(
             state,
             "busy",
@@ -728,7 +951,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
                 headers={hdrs.RETRY_AFTER: "1"},
             ),
         )
-    refusal = _admission(state, key)
+    refusal = None if kept else _admission(state, key, make_room=False)
     if refusal is not None and refusal.code in (ErrorCode.KV_FULL, ErrorCode.OVERLOADED):
         # No session could start here now: say so before the upgrade, as to a busy HTTP API.
         raise _refuse(
@@ -777,12 +1000,17 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
         raise _refuse(state, "subprotocol", _wrong_subprotocol(request))
     state.connections += 1
     state.per_token[key] = state.per_token.get(key, 0) + 1
+    conn: _Conn | None = None
     try:
         await ws.prepare(request)
         state.websockets[ws] = request.transport
         state.ws_token[ws] = key
-        await _serve_connection(_Conn(ws, request.transport, state), key)
+        conn = _Conn(ws, request.transport, state)
+        state.conns.add(conn)
+        await _serve_connection(conn, key)
     finally:
+        if conn is not None:
+            state.conns.discard(conn)
         state.connections -= 1
         state.per_token[key] -= 1
         if not state.per_token[key]:
@@ -792,24 +1020,42 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     return ws
 
 
-def _admission(state: VerifierState, key: str) -> Error | None:
+def _admission(
+    state: VerifierState, key: str, *, resuming: bool = False, make_room: bool = True
+) -> Error | None:
     """Why a new session of token ``key`` cannot start now (a fatal Error with the
-    Retry-After it names: busy, not down), or None."""
+    Retry-After it names: busy, not down; without one: failed), or None.
+
+    ``resuming``: its Hello resumes a session kept for this token (:func:`_resumes`); that
+    session holds its slot and pages already, so it is refused only when the service is not
+    ready. ``make_room``: sessions kept for resumption may be dropped to admit it (the token's
+    own first: they count against max_sessions_per_token); False checks without dropping any
+    (before the upgrade, when which session comes is not known yet)."""
     s = state.settings
+    _check_engine(state)
+    if state.status == ServiceStatus.FAILED:
+        return Error(ErrorCode.INTERNAL, f"the verifier failed: {state.reason}", True)
     if state.status != ServiceStatus.READY:
         code = ErrorCode.STOPPING if state.status == ServiceStatus.STOPPING else ErrorCode.LOADING
         return Error(code, f"the verifier is {state.status}: {state.reason}", True, 5.0)
-    if s.max_sessions_per_token and state.token_streams.get(key, 0) >= s.max_sessions_per_token:
+    if resuming:
+        return None
+    cap = s.max_sessions_per_token
+    live = state.token_streams.get(key, 0)
+    if cap and live >= cap:
         return Error(
             ErrorCode.TOKEN_LIMIT,
-            f"this token already holds {s.max_sessions_per_token} sessions "
-            "(max_sessions_per_token)",
+            f"this token already holds {cap} sessions (max_sessions_per_token)",
             True,
             1.0,
         )
+    if cap and make_room:
+        # Its own kept sessions make room, oldest first: live + kept stays within the cap.
+        while live + _kept(state, key) >= cap:
+            _unpark(state, next(t for t, p in state.parked.items() if p.tenant == key), "token")
     if state.streams >= s.max_sessions:
         return Error(ErrorCode.BUSY, f"session limit {s.max_sessions} reached", True, 1.0)
-    if state.engine.pages_free == 0 and not _make_room(state):
+    if state.engine.pages_free == 0 and not (_make_room(state) if make_room else state.parked):
         return Error(
             ErrorCode.KV_FULL,
             "the KV cache is full (every page is held by a session)",
@@ -1117,7 +1363,7 @@ async def _on_mux_event(conn: _Conn, tenant: str, ev: MuxEvent) -> None:
         if st is not None:
             st.finish(ev.code, ev.reason)
     elif isinstance(ev, Opened):
-        refusal = _admission(state, tenant)
+        refusal = _admission(state, tenant, resuming=_resumes(state, ev.payload, tenant))
         if refusal is not None:
             await _refuse_stream(conn, ev.stream, refusal)
             return
@@ -1287,8 +1533,8 @@ async def _run_work(state: VerifierState, live: LiveSession, work: Work) -> list
     feed the result back."""
     try:
         outcome = await state.engine.run(live.slot, work)
-    except Exception as e:  # the engine itself failed (e.g. shut down)
-        if live.logs.allow():
+    except Exception as e:  # the engine itself failed (shut down, or its thread died)
+        if _check_engine(state) and live.logs.allow():
             log.warning("session %s: engine error", live.core.session_id, exc_info=e)
         failed = Failed(f"{type(e).__name__}: {e}", live.slot.length)
         outcome = Outcome(failed, None, 0.0)

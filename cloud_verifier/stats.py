@@ -126,9 +126,9 @@ class VerifierMetrics:
         self.sessions = r.counter("wanspec_sessions_total", "Sessions established (Welcome sent).")
         self.sessions_refused = r.counter(
             "wanspec_sessions_refused_total",
-            "Session requests refused, by reason (auth, loading, stopping, busy, overloaded, "
-            "kv_full, token_limit, not_websocket, bad_upgrade, subprotocol, handshake, "
-            "fingerprint, rate_limited).",
+            "Session requests refused, by reason (auth, loading, stopping, failed, busy, "
+            "overloaded, kv_full, token_limit, not_websocket, bad_upgrade, subprotocol, "
+            "handshake, fingerprint, rate_limited).",
             labels=("reason",),
         )
         self.sessions_resumed = r.counter(
@@ -149,7 +149,9 @@ class VerifierMetrics:
         )
         self.parked_dropped = r.counter(
             "wanspec_parked_dropped_total",
-            "Lost sessions' caches dropped, by reason (expired, budget, pressure).",
+            "Lost sessions' caches dropped, by reason (expired; budget: their pages passed "
+            "resume_pages_share; pressure: a new session needed the slot or pages; token: a "
+            "new session of the same token needed its room under max_sessions_per_token).",
             labels=("reason",),
         )
         self.progress_frames = r.counter(
@@ -239,7 +241,10 @@ class VerifierMetrics:
         )
         self.kv_pages_total = r.gauge("wanspec_kv_cache_pages_total", "KV cache pages.")
         self.kv_pages_used = r.gauge("wanspec_kv_cache_pages_used", "KV cache pages held.")
-        self.model_ready = r.gauge("wanspec_model_ready", "1 once the target model is loaded.")
+        self.model_ready = r.gauge(
+            "wanspec_model_ready",
+            "1 once the target model is loaded; 0 again if the engine's thread dies.",
+        )
         self.verify_seconds = r.histogram(
             "wanspec_verify_seconds",
             "Worker time of one Propose: forward, sampling transform and decision.",
