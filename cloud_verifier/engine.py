@@ -45,20 +45,12 @@ from cloud_verifier.core import (
     Work,
     WorkProgress,
 )
-from cloud_verifier.runner import (
-    FORWARDS,
-    Prefilled,
-    PrefixCache,
-    Runner,
-    Shares,
-    Slot,
-    Timing,
-    advance,
-    new_generator,
-)
+from cloud_verifier.kv_manager import KVManager, NoFreeSlot, PrefixCache, Shares, Slot
+from cloud_verifier.runner import FORWARDS, Prefilled, Runner, Timing, advance
 from cloud_verifier.scheduler import (
     BatchLimits,
     Kind,
+    Pages,
     Queued,
     Row,
     RunningStep,
@@ -93,10 +85,6 @@ T = TypeVar("T")
 
 class EngineClosed(WanspecError, RuntimeError):
     """The engine was shut down; no more work runs."""
-
-
-class NoFreeSlot(WanspecError, RuntimeError):
-    """Every session slot is taken."""
 
 
 @dataclass(frozen=True)
@@ -216,7 +204,9 @@ def _queued(item: _Request | _Call) -> Queued:
     if isinstance(work, FORWARDS):
         kind = Kind.COGEN if isinstance(work, CoGenerate) else Kind.FORWARD
         tree = work.tree_tokens if isinstance(work, Verify) else 0
-        return Queued(kind, len(work.fixed), len(work.draft) + tree + 1, item.slot.tenant)
+        slot, decide = item.slot, len(work.draft) + tree + 1
+        held = len(slot.pages.pages)
+        return Queued(kind, len(work.fixed), decide, slot.tenant, slot.length, held)
     return Queued(Kind.CHEAP)
 
 
@@ -289,9 +279,12 @@ class Engine:
         self._queue: deque[_Request | _Call] = deque()
         self._cv = threading.Condition()
         self._closed = False
-        self._free_slots = list(range(self.limits.slots - 1, -1, -1))
-        #: Open slots per tenant (changed under the lock; the KV quota reads it).
-        self._tenants: dict[str, set[Slot]] = {}
+        #: The one owner of the session slots and of who may hold which pages.
+        self.kv = KVManager(
+            self.limits.slots,
+            Shares(self.limits.session_share, self.limits.tenant_share),
+            self.limits.prefix_cache,
+        )
         #: Why the engine's thread died (None while it lives; under the lock).
         self._error: str | None = None
         #: When the engine's thread last finished a step or a call (monotonic; under the lock),
@@ -372,19 +365,12 @@ class Engine:
             draft = draft_loader(target) if draft_loader is not None else None
             tokens = lim.kv_tokens or _auto_kv_tokens(target, draft)
             pool = target.allocate(-(-tokens // lim.page_size), lim.page_size)
-            shares = Shares(lim.session_share, lim.tenant_share)
+            self.kv.attach(pool, target.fingerprint)
             drafter = None
             if draft is not None:
                 draft_pool = draft.allocate(pool.num_pages, lim.page_size)
                 drafter = CloudDrafter(draft, draft_pool, target.vocab_size)
-            return Runner(
-                target,
-                pool,
-                shares,
-                self._tenant_pages,
-                drafter,
-                prefix_cache=lim.prefix_cache,
-            )
+            return Runner(target, self.kv, drafter)
 
         runner = await self.call(job)
         self.runner = runner
@@ -398,13 +384,7 @@ class Engine:
 
     def open(self, hello: Hello, tenant: str = "") -> Slot:
         """A slot for a session that said Hello (NoFreeSlot when all are taken)."""
-        target = self.require_target()
-        if not self._free_slots:
-            raise NoFreeSlot(f"all {self.limits.slots} session slots are in use")
-        slot = Slot(self._free_slots.pop(), hello, new_generator(hello, target.device), tenant)
-        with self._cv:
-            self._tenants.setdefault(tenant, set()).add(slot)
-        return slot
+        return self.kv.open(hello, tenant, self.require_target().device)
 
     def adopt(self, slot: Slot, hello: Hello, keep: int) -> list[int]:
         """On the engine's thread (:meth:`call`): :meth:`Runner.adopt` of a lost session's
@@ -413,24 +393,11 @@ class Engine:
             raise EngineClosed("the session's slot was released")
         return self.require_runner().adopt(slot, hello, keep)
 
-    def _tenant_pages(self, slot: Slot) -> int:
-        """On the engine's thread: pages the open slots of ``slot``'s tenant hold now, a page
-        that several of them share (a claimed prefix) counted once."""
-        with self._cv:
-            mates = list(self._tenants.get(slot.tenant, ()))
-        held: set[int] = set()
-        for s in mates:
-            if not s.released:
-                held.update(s.pages.pages)
-        return len(held)
-
     def release(self, slot: Slot) -> None:
         """End a session: its queued work is answered Failed at once, its pages go back to the
         pool (on the engine's thread, after whatever of its work is running)."""
-        if slot.released:
+        if not self.kv.close(slot):
             return
-        slot.released = True
-        self._free_slots.append(slot.index)
         with self._cv:
             mine = [i for i in self._queue if isinstance(i, _Request) and i.slot is slot]
             for req in mine:
@@ -442,11 +409,6 @@ class Engine:
                     None,
                     req.submitted,
                 )
-            held = self._tenants.get(slot.tenant)
-            if held is not None:
-                held.discard(slot)
-                if not held:
-                    del self._tenants[slot.tenant]
             runner = self.runner
             if not self._closed and runner is not None:
                 loop = asyncio.get_running_loop()
@@ -458,7 +420,7 @@ class Engine:
 
     @property
     def slots_used(self) -> int:
-        return self.limits.slots - len(self._free_slots)
+        return self.kv.slots_used
 
     def busy_seconds(self) -> float:
         """Seconds spent in steps since the engine started (the verifier's busy time)."""
@@ -711,6 +673,7 @@ class Engine:
             open_sessions=self.slots_used,
             # nothing measured yet (or no cost per token): rows share one forward
             overhead_tokens=a / b if b > 0 else math.inf,
+            pages=None if self.kv.pool is None else Pages(self.kv.pages_free(), self.kv.page_size),
         )
         taken = plan.taken
         self._queue = deque(item for i, item in enumerate(queue) if i not in taken)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -51,13 +51,13 @@ from cloud_verifier.core import (
     Work,
     cache_after,
 )
+from cloud_verifier.kv_manager import KVManager, Slot, new_generator
 from cloud_verifier.scheduler import model_drafts_allowed
 from cloud_verifier.step_times import DraftCost
 from cloud_verifier.targets import Target
-from shared.enums import TextEnum
 from shared.maths.rejection import Decision
 from shared.runtime.batched_lm import Row
-from shared.runtime.kv_pool import OutOfPages, PagedKV, SlotPages, root_key
+from shared.runtime.kv_pool import OutOfPages, SlotPages
 from shared.wire.protocol import CorrectionMode, Hello, Logprobs
 
 log = logging.getLogger(__name__)
@@ -66,52 +66,12 @@ log = logging.getLogger(__name__)
 FORWARDS = (Verify, Federate, CoGenerate)
 
 
-@dataclass(eq=False)
-class Slot:
-    """One session's model side: its pages and tokens in the pool, its RNG, the sampling
-    parameters of its Hello, and p at the last rejected position (candidates mode, for Draw).
-    Touched only on the engine's thread once opened."""
-
-    index: int
-    hello: Hello
-    generator: torch.Generator | None
-    #: Who holds it (the bearer token's key): the KV quota counts a tenant's slots together.
-    tenant: str = ""
-    pages: SlotPages = field(default_factory=SlotPages)
-    #: The draft model's cache of this session's text (cloud_draft_model), lazily in step.
-    draft_pages: SlotPages = field(default_factory=SlotPages)
-    #: Prompt tokens its prefill took from the prefix cache, until a verdict reports them.
-    claimed: int = 0
-    kept: tuple[torch.Tensor, int] | None = None  # ([V] probs on the device, rejected id)
-    #: The logits row at that position ([V], on the device) when the Hello asked for logprobs.
-    kept_logits: torch.Tensor | None = None
-    released: bool = False
-
-    @property
-    def length(self) -> int:
-        return self.pages.length
-
-    @property
-    def tokens(self) -> list[int]:
-        """The token ids the cache holds (the pool moves them with the length)."""
-        return self.pages.tokens
-
-
 @dataclass(frozen=True)
 class Timing:
     forward_s: float  # the step's batched forwards alone
     job_s: float  # the step: forwards + sampling transform + decisions
     batch: int  # sessions in the forwards
     padded_tokens: int  # Σ over the forwards of rows × longest row
-
-
-@dataclass(frozen=True)
-class Shares:
-    """Shares of the KV pool: one session may hold at most ``session`` of its pages, the
-    sessions of one tenant together ``tenant`` (1.0: no own limit)."""
-
-    session: float = 1.0
-    tenant: float = 1.0
 
 
 @dataclass
@@ -164,50 +124,16 @@ def work_start(work: Verify | Federate | CoGenerate) -> int:
     return work.pos if isinstance(work, CoGenerate) else work.propose.pos
 
 
-def new_generator(hello: Hello, device: torch.device) -> torch.Generator | None:
-    """The session's RNG on the target's device (None for greedy sampling)."""
-    if hello.sampling.greedy:
-        return None
-    generator = torch.Generator(device=device)
-    if hello.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(hello.seed % (1 << 63))
-    return generator
-
-
-class PrefixCache(TextEnum):
-    """Who shares the KV pool's prefix cache (:mod:`shared.runtime.kv_pool`). A hit is a
-    timing side channel (it tells that someone sent the same prefix), so by default a prefix
-    is shared only among the sessions of one bearer token (cf. vLLM's ``cache_salt``)."""
-
-    OFF = "off"
-    TENANT = "tenant"  # one namespace per bearer token
-    GLOBAL = "global"  # one namespace for every session
-
-
 class Runner:
-    """The target, its KV pool and the slots' model state (module docstring).
+    """The target, its KV pool and the slots' model state (module docstring). ``kv``: who may
+    hold which pages (shares, claims, reservations): the runner asks it before a forward writes
+    anything."""
 
-    ``tenant_pages(slot)``: pages the other open slots of ``slot``'s tenant hold now (the
-    engine keeps who holds what)."""
-
-    def __init__(
-        self,
-        target: Target,
-        pool: PagedKV,
-        shares: Shares,
-        tenant_pages: Callable[[Slot], int],
-        drafter: CloudDrafter | None = None,
-        prefix_cache: PrefixCache = PrefixCache.OFF,
-    ) -> None:
+    def __init__(self, target: Target, kv: KVManager, drafter: CloudDrafter | None = None) -> None:
         self.target = target
         self.drafter = drafter
-        self.pool = pool
-        self.prefix_cache = prefix_cache
-        self.prefix_hit_tokens = 0  # prompt tokens claimed from the prefix cache
-        self.shares = shares
-        self._tenant_pages = tenant_pages
+        self.kv = kv
+        self.pool = kv.require_pool()
         self.forwards = 0  # batched forward passes
         self.drafts_deferred = 0  # model drafts not made: the step had edge-drafted work
         self.drafts_declined = 0  # model drafts not made: the session's acceptance did not pay
@@ -218,52 +144,14 @@ class Runner:
         #: observations (the engine reads them after the step).
         self.last_forwards: list[tuple[int, float]] = []
 
-    # ------------------------------------------------------------------ the pool's shares
-
-    @property
-    def session_pages(self) -> int:
-        """Pages one session may hold (its share of the pool)."""
-        return max(1, int(self.pool.num_pages * self.shares.session))
-
-    @property
-    def tenant_pages(self) -> int:
-        """Pages the sessions of one tenant may hold together."""
-        return max(1, int(self.pool.num_pages * self.shares.tenant))
-
     @property
     def max_context(self) -> int:
         """Tokens one session may hold: the model's limit, capped by its share of the pool."""
-        tokens = self.session_pages * self.pool.page_size
-        limit = self.target.max_length
-        return tokens if limit is None else min(limit, tokens)
+        return self.kv.max_context(self.target.max_length)
 
-    def _over_quota(self, slot: Slot, end: int) -> str | None:
-        """Why growing ``slot`` to ``end`` tokens would pass its session's or its tenant's
-        share of the pool (None: it would not)."""
-        size = self.pool.page_size
-        need = -(-end // size) - len(slot.pages.pages)
-        if need <= 0:
-            return None
-        if self.shares.session < 1.0 and len(slot.pages.pages) + need > self.session_pages:
-            return (
-                f"KVQuota: {end} tokens exceed this session's share of the KV cache "
-                f"({self.session_pages * size} tokens)"
-            )
-        if self.shares.tenant >= 1.0:
-            return None
-        held = self._tenant_pages(slot)
-        if held + need > self.tenant_pages:
-            return (
-                f"KVQuota: this token's sessions hold {held} of the {self.tenant_pages} KV pages "
-                f"they may share; {need} more needed"
-            )
-        return None
-
-    def _root(self, slot: Slot) -> bytes:
-        """The root of ``slot``'s prefix-cache chains: the model, and its namespace."""
-        fp = self.target.fingerprint
-        space = "global" if self.prefix_cache == PrefixCache.GLOBAL else f"tenant:{slot.tenant}"
-        return root_key(fp.model_name, fp.tokenizer_hash, str(fp.vocab_size), space)
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.kv.prefix_hit_tokens
 
     # ------------------------------------------------------------------ slots
 
@@ -278,7 +166,7 @@ class Runner:
         return list(slot.tokens)
 
     def free(self, slot: Slot) -> None:
-        self.pool.release(slot.pages)
+        self.kv.free(slot)
         if self.drafter is not None:
             self.drafter.release(slot.draft_pages)
         slot.kept = None
@@ -447,15 +335,11 @@ class Runner:
                 start,
                 FailureKind.BAD_WORK,
             )
-        quota = self._over_quota(slot, full_end)
+        quota = self.kv.over_quota(slot, full_end)
         if quota is not None:
-            return Failed(quota, start, FailureKind.KV_QUOTA)
-        if fixed and start == 0 and self.prefix_cache != PrefixCache.OFF:
-            # A new session's prefill: the longest cached prefix of its text is claimed, not
-            # computed (at least its last fixed token is, for the row that scores draft[0]).
-            claimed = self.pool.claim(slot.pages, fixed, self._root(slot), len(fixed) - 1)
-            self.prefix_hit_tokens += claimed
-            slot.claimed = claimed
+            return Failed(f"KV quota: {quota}", start, FailureKind.KV_QUOTA)
+        if fixed and start == 0:
+            claimed = self.kv.claim(slot, fixed)
             start, fixed = claimed, fixed[claimed:]
         chunk = len(fixed) if limit is None or limit >= len(fixed) else max(1, limit)
         parents: tuple[int, ...] | None = None
@@ -467,13 +351,11 @@ class Runner:
         else:
             row_start, ids, keep = start - 1, [slot.tokens[-1], *draft], len(draft) + 1
         draft_at = len(ids) - len(draft)
+        # A tree only where it fits: in the session's share and in free pages (else the chain
+        # alone, as if no hedge had come).
         if isinstance(work, Verify) and work.branches:
-            # A tree only where it fits: in the session's share and in free pages (else the
-            # chain alone, as if no hedge had come).
-            end = row_start + len(ids) + work.tree_tokens
-            pages = -(-end // self.pool.page_size) - len(slot.pages.pages)
-            if not keep or self._over_quota(slot, end) or pages > self.pool.pages_available:
-                work = replace(work, branches=())
+            fits = self.kv.fits_tree(slot, row_start + len(ids) + work.tree_tokens)
+            work = work if keep and fits else replace(work, branches=())
         if keep and isinstance(work, Verify) and work.branches:
             # A token tree: each branch after the chain in the layout, its token following
             # the chain token before draft[at] (so it sees the chain up to there), its draft
@@ -485,15 +367,11 @@ class Runner:
                 tree += range(len(ids), len(ids) + len(b.draft))
                 ids += [b.token, *b.draft.tolist()]
             parents, keep = tuple(tree), keep + work.tree_tokens
-        try:
-            self.pool.writable(slot.pages, row_start)  # a shared page is copied, never written
-            self.pool.reserve(slot.pages, row_start + len(ids))
-        except OutOfPages as e:
-            # A failed work leaves the cache as it found it (the core relies on it): a claim
-            # is let go.
-            self.pool.crop(slot.pages, before)
-            slot.claimed = 0
-            return Failed(f"OutOfPages: {e}", before, FailureKind.OUT_OF_PAGES)
+        # A failed work leaves the cache as it found it (the core relies on it): a claim is let
+        # go.
+        short = self.kv.reserve_row(slot, row_start, row_start + len(ids), before)
+        if short is not None:
+            return Failed(short, before, FailureKind.OUT_OF_PAGES)
         row = Row(slot.pages, row_start, tuple(ids), keep, parents)
         # start: before any claim (an undo lets the claimed pages go, a replan claims again)
         return _Planned(
@@ -559,9 +437,8 @@ class Runner:
                 results.update(zip((decided[j] for j in group), done, strict=True))
         except Exception as e:
             return self._failed(planned, e)
-        if self.prefix_cache != PrefixCache.OFF:
-            for p in planned:  # the full pages of the text each slot now holds
-                self.pool.publish(p.slot.pages, self._root(p.slot))
+        for p in planned:  # the full pages of the text each slot now holds
+            self.kv.publish(p.slot)
         padded = sum(tokens for tokens, _ in forwards)
         timing = Timing(forward_s, time.perf_counter() - t0, len(planned), padded)
         return [(p.index, (results[i], timing)) for i, p in enumerate(planned)]

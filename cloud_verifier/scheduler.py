@@ -69,6 +69,17 @@ class Queued:
     fixed: int = 0
     decide: int = 1
     tenant: str = ""
+    #: Its slot in the KV cache: tokens cached, pages held (the KV manager's figures).
+    cached: int = 0
+    held: int = 0
+
+    def pages(self, tokens: int, page_size: int) -> int:
+        """New pages a row of ``tokens`` after the cache needs."""
+        return max(0, -(-(self.cached + tokens) // page_size) - self.held)
+
+    def fitting(self, pages: int, page_size: int) -> int:
+        """The most tokens a row after the cache may have within ``pages`` new pages."""
+        return max(0, (self.held + pages) * page_size - self.cached)
 
     @property
     def row(self) -> int:
@@ -89,6 +100,14 @@ class BatchLimits:
 
 
 @dataclass(frozen=True)
+class Pages:
+    """The KV manager's word for a plan: pages a slot may still get, and their size."""
+
+    free: int
+    size: int
+
+
+@dataclass(frozen=True)
 class Row:
     """One row of the step: queue entry ``index``; ``chunk`` fixed tokens computed (== its
     ``fixed``: the whole row, decided this step; fewer: a chunk, cached, no decision);
@@ -98,6 +117,7 @@ class Row:
     chunk: int
     tokens: int
     forward: int = 0
+    pages: int = 0  # new KV pages it takes
 
     @property
     def decides(self) -> bool:
@@ -135,10 +155,14 @@ def plan_step(
     limits: BatchLimits,
     open_sessions: int = 0,
     overhead_tokens: float = 0.0,
+    pages: Pages | None = None,
 ) -> StepPlan:
     """The next step from ``queue`` (module docstring). ``open_sessions``: sessions holding a
     slot (more than the prefilling ones: the prefill budget is ``prefill_chunk``);
-    ``overhead_tokens``: one forward's fixed cost in tokens (:func:`group_rows`)."""
+    ``overhead_tokens``: one forward's fixed cost in tokens (:func:`group_rows`); ``pages``:
+    the KV pages there are (None: as many as needed). Rounds take their pages first; a prefill
+    chunk is cut to the pages left (at least a page's worth, else planned as it is, so that it
+    fails at once with the pool full instead of waiting without bound)."""
     calls = [i for i, q in enumerate(queue) if q.kind == Kind.CALL]
     cheap = [i for i, q in enumerate(queue) if q.kind == Kind.CHEAP]
     rounds: list[tuple[int, int]] = []  # (index, tokens)
@@ -152,6 +176,8 @@ def plan_step(
             rounds.append((i, q.row))
             used += q.row
     edge_rounds = len(rounds)
+    size = pages.size if pages is not None else 1
+    left = pages.free - sum(queue[i].pages(n, size) for i, n in rounds) if pages else 0
     prefills = [i for i, q in enumerate(queue) if q.prefill]
     grants = _prefill_grants(queue, prefills, limits, used, open_sessions)
     chunks: list[tuple[int, int, int]] = []  # (index, chunk, tokens)
@@ -159,6 +185,11 @@ def plan_step(
         q, g = queue[i], grants.get(i, 0)
         if g <= 0 or len(rounds) + len(chunks) >= limits.max_sessions:
             continue
+        if pages is not None:
+            room = q.fitting(max(0, left), size) if left > 0 else 0
+            if room >= size:
+                g = min(g, room)
+            left -= q.pages(min(g, q.row), size)
         if g >= q.row:  # the rest of it, and its decision
             chunks.append((i, q.fixed, q.row))
         else:  # a chunk: at least one fixed token is left for the deciding row
@@ -175,8 +206,12 @@ def plan_step(
         else:
             skipped.append(i)
     forwards = group_rows([n for _, n in rounds], [n for _, _, n in chunks], overhead_tokens)
-    rows = [Row(i, queue[i].fixed, n) for i, n in rounds]
-    rows += [Row(i, c, n, forwards - 1) for i, c, n in chunks]
+
+    def new_pages(i: int, n: int) -> int:
+        return queue[i].pages(n, size) if pages is not None else 0
+
+    rows = [Row(i, queue[i].fixed, n, 0, new_pages(i, n)) for i, n in rounds]
+    rows += [Row(i, c, n, forwards - 1, new_pages(i, n)) for i, c, n in chunks]
     padded = sum(
         len(group) * max(r.tokens for r in group)
         for group in ([r for r in rows if r.forward == g] for g in range(forwards))

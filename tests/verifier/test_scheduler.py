@@ -11,6 +11,7 @@ from cloud_verifier.scheduler import (
     MIN_PREFILL,
     BatchLimits,
     Kind,
+    Pages,
     Queued,
     Row,
     RunningStep,
@@ -230,3 +231,18 @@ def test_model_drafts_only_in_steps_without_edge_drafted_work() -> None:
     assert not model_drafts_allowed(1) and not model_drafts_allowed(64)
     assert plan_step([cogen()], LIM).model_drafts
     assert not plan_step([cogen(), fwd(0)], LIM).model_drafts
+
+
+def test_the_plan_names_each_rows_pages_and_cuts_a_chunk_to_the_pages_there_are() -> None:
+    """The KV manager's figures (tokens cached, pages held, pages free): rounds take their pages
+    first; a prefill's chunk is cut to what is left (whole pages), and planned as it is when not
+    a page is left, so that it fails at once instead of waiting without bound."""
+    lim = BatchLimits(8, 4096, 512)
+    rnd = Queued(Kind.FORWARD, 2, 9, "h", cached=30, held=2)  # 30 + 11 tokens: one page more
+    long = Queued(Kind.FORWARD, 2000, 1, "a", cached=0, held=0)
+    plan = plan_step([rnd, long], lim, open_sessions=2, pages=Pages(free=6, size=16))
+    assert [(r.index, r.tokens, r.pages) for r in plan.rows] == [(0, 11, 1), (1, 80, 5)]
+    plan = plan_step([rnd, long], lim, open_sessions=2, pages=Pages(free=1, size=16))
+    assert [(r.index, r.tokens, r.pages) for r in plan.rows] == [(0, 11, 1), (1, 512, 32)]
+    plan = plan_step([rnd, long], lim, open_sessions=2)  # no page figures: none named
+    assert [(r.index, r.tokens, r.pages) for r in plan.rows] == [(0, 11, 0), (1, 512, 0)]
