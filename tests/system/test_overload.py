@@ -30,6 +30,10 @@ one that makes no progress at all still fails the request in bounded time.
   fails within :data:`STUCK_BOUND_S` seconds: the verifier's ``stall_timeout`` (set to 10 s
   here; 60 s by default, and then the edge failed after 63–71 s) plus 30 s, with one
   ``edge-agent: error:`` line naming the verifier and no traceback.
+* **A long prompt.** The tiny model with forwards padded to 300 ms, a 480-token prompt
+  prefilling in chunks of 64 beside an honest stop-and-wait session: the systemd watchdog
+  (fed from the engine's health, every 0.1 s here) never pauses for more than 0.5 s (before the
+  fix: one 3.9 s gap, the whole prefill), and the honest rounds each take a few steps.
 
 Whole file: about 100 s on a 2-core machine (the overload 55–100 s, slow 20 s, stuck 18 s).
 """
@@ -38,30 +42,41 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 import torch
 
 from bench.harness import REPO, VerifierProcess, free_port, write_tokens
 from bench.oracle import greedy_continuation
 from bench.overload import CHAT_PROMPTS, parse_metrics, probe_round_s
+from bench.probe import Driver, ProbeClient, auth_headers
+from bench.stream_ws import StreamWS
 from bench.verifier import PaddedTarget, WrappedTarget
+from cloud_verifier.app import build_app
+from cloud_verifier.auth import Authenticator
+from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import Target, TorchTarget
 from edge_agent.text import encode_prompt, eos_ids
 from shared.runtime.batched_lm import Row
 from shared.runtime.models import LoadedModel, load_model
+from shared.service.sdnotify import Notifier
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import SUBPROTOCOL, Hello, Propose, Verdict
 from tests.edge_helpers import clean_env
-from tests.verifiers import serve_verifier, session_url
+from tests.verifiers import ready, serve_verifier, session_url
 
 TOKEN = "overload-token-0123456789abcdef"
 #: Concurrent edges: about twice the verifier's capacity on this machine (module docstring).
@@ -316,3 +331,86 @@ async def test_a_verifier_that_never_progresses_fails_the_request_in_bounded_tim
     assert last.startswith("edge-agent: error:") and "verifier" in last, run.stderr[-2000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     print(f"stuck verifier: the edge failed after {run.seconds:.1f} s: {last}")
+
+
+# ------------------------------------------------------------------- a long prompt prefilling
+
+
+async def _watchdog_pings(sock: socket.socket, got: list[float]) -> None:
+    """The times WATCHDOG=1 arrives on a fake ``$NOTIFY_SOCKET`` (until cancelled)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        data = await loop.sock_recv(sock, 4096)
+        if b"WATCHDOG=1" in data:
+            got.append(time.monotonic())
+
+
+async def test_the_watchdog_and_other_rounds_go_on_while_a_long_prompt_prefills(
+    aiohttp_server: Any, tiny_model_dir: Path
+) -> None:
+    """Issue 38, item 1: during one long prompt's prefill, no WATCHDOG=1 came for 70-120 s
+    (the watchdog's ping was a call queued behind the prefill) and another session's round
+    waited for the whole prompt. Here the tiny model's forwards are padded to 300 ms and a
+    480-token prompt prefills in chunks of 64 (at least 8 steps, 2.4 s): WATCHDOG=1 (every
+    0.1 s) never stops for more than 0.5 s, and an honest session's stop-and-wait rounds each
+    take a few steps, never the prefill."""
+    target = load_model(str(tiny_model_dir))
+    padded = ArmedPad(TorchTarget(target), 300.0)
+    name = f"@wanspec-test-{uuid.uuid4().hex}"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind("\0" + name[1:])
+    notify.setblocking(False)
+    pings: list[float] = []
+    reader = asyncio.create_task(_watchdog_pings(notify, pings))
+    app = build_app(
+        VerifierSettings(model="tiny", heartbeat=0.0, prefill_chunk=64),
+        auth=Authenticator([TOKEN]),
+        loader=lambda: padded,
+        notifier=Notifier(name, watchdog_usec=300_000),
+    )
+    server = await aiohttp_server(app)
+    url = session_url(server)
+    await ready(app)
+    hello = Hello(target.fingerprint, SamplingParams(0.0), seed=1)
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def client() -> ProbeClient:
+                ws = await http.ws_connect(
+                    url, headers=auth_headers(TOKEN), protocols=(SUBPROTOCOL,)
+                )
+                pc = ProbeClient(StreamWS(ws))
+                await pc.hello(hello)
+                return pc
+
+            honest = Driver(await client(), target.vocab_size, 4, np.random.default_rng(0))
+            honest.fixed = [1, 5, 9, 13]
+            long = await client()
+            padded.armed = True
+            await honest.round()  # its prefill
+            prompt = [int(x) for x in np.random.default_rng(1).integers(4, 64, 480)]
+            t0 = time.monotonic()
+            await long.send(Propose(0, 0, 0, np.array([3]), np.ones(1, np.float32),
+                                    fixed=np.array(prompt)))  # fmt: skip
+            answer = asyncio.create_task(long.recv(timeout=120))
+            trips: list[float] = []
+            while not answer.done():
+                await honest.round()
+                trips.append(honest.last_round_trip_s)
+            prefill_s = time.monotonic() - t0
+            assert isinstance(answer.result(), Verdict)
+            await long.ws.close()
+            await honest.client.ws.close()
+    finally:
+        reader.cancel()
+        notify.close()
+    assert prefill_s >= 2.4, prefill_s
+    during = [t for t in pings if t0 <= t <= t0 + prefill_s]
+    gaps = np.diff([t0, *during, t0 + prefill_s])
+    assert gaps.max() < 0.5, gaps
+    assert len(trips) >= 3 and max(trips) < 0.5 * prefill_s, (trips, prefill_s)
+    print(
+        f"a 480-token prompt prefilled in {prefill_s:.1f} s: {len(during)} WATCHDOG=1 (longest "
+        f"gap {gaps.max():.2f} s); {len(trips)} honest rounds meanwhile, the longest "
+        f"{max(trips):.2f} s"
+    )
