@@ -54,7 +54,8 @@ _HELP: dict[str, str] = {
     "max_sessions": "concurrent sessions",
     "max_streams": "sessions one connection may carry at once (an edge's warm link)",
     "stream_window": "bytes of session frames one stream may have unread (flow control)",
-    "max_sessions_per_token": "concurrent sessions per bearer token (0: only max_sessions)",
+    "max_sessions_per_token": "concurrent sessions per bearer token, those kept for "
+    "resumption included (0: only max_sessions)",
     "max_context": "tokens per session (also capped by the model)",
     "max_gamma": "draft tokens per Propose",
     "max_fixed": "fixed (prompt/correction) tokens per Propose",

@@ -82,7 +82,9 @@ class VerifierSettings:
     # step, the rest in the next steps, so a long prompt never holds every other session's
     # verification up for its whole prefill; 0 = no limit.
     prefill_chunk: int = field(default=512, metadata=_b(0, 1 << 20))
-    # Concurrent sessions per bearer token (more: HTTP 429 before the upgrade); 0 = no own limit.
+    # Concurrent sessions per bearer token, those kept for resumption included (a new one drops
+    # the token's oldest kept session; live ones alone at the cap: HTTP 429 before the upgrade);
+    # 0 = no own limit.
     max_sessions_per_token: int = field(default=32, metadata=_b(0))
     max_context: int = field(default=8192, metadata=_b(2))  # tokens per session (capped by model)
     max_gamma: int = field(default=16, metadata=_b(1, 4096))  # draft tokens per Propose
@@ -123,8 +125,9 @@ class VerifierSettings:
     # An open session with no model work (no valid Propose, Rollback or Resample) for this many
     # seconds is closed (1008, idle_timeout) and its slot freed; 0 = never.
     idle_timeout: float = field(default=60.0, metadata=_b(0))
-    # Before a request reaches a handler: its headers must arrive within header_timeout s (also
-    # the keep-alive idle limit between requests), and at most max_pending_connections such
+    # Before a request reaches a handler: a connection may idle header_timeout s (new, or in
+    # keep-alive between requests), and a request's headers must be complete header_timeout s
+    # after its first byte (else 408); at most max_pending_connections such
     # connections are held, max_pending_per_address of them per client address (more are
     # refused at once with 503, before any authentication work).
     header_timeout: float = field(default=10.0, metadata=_b(0.1))
@@ -154,12 +157,15 @@ class VerifierSettings:
     # once its model work has waited this long; a slow engine is then never taken for a dead one.
     progress_interval: float = field(default=1.0, metadata=_b(0.05, 60))
     # A running engine step counts as stalled (its sessions get no more Progress frames, so
-    # their edges leave) once it has run 8 times its estimated time and at least this long.
+    # their edges leave) once it has run 8 times its estimated time and at least this long;
+    # stalled this long more, it no longer feeds the systemd watchdog.
     stall_timeout: float = field(default=30.0, metadata=_b(1, 86_400))
     # Session resumption: a session whose connection is lost (not closed by its edge) keeps its
     # KV cache for this many seconds, for its edge to resume with the Welcome's token (same
-    # bearer token only); at most resume_pages_share of the KV pool is held so, oldest dropped
-    # first, and none is kept when a new session needs the pages. 0 = off.
+    # bearer token only); at most resume_pages_share of the KV pool is held so (the pages they
+    # hold now), oldest dropped first, and none is kept when a new session needs the pages.
+    # Kept sessions count against max_sessions_per_token; one that holds no page is not kept;
+    # an edge resuming one is never refused busy or overloaded. 0 = off.
     resume_grace: float = field(default=30.0, metadata=_b(0, 3600))
     resume_pages_share: float = field(default=0.25, metadata=_b(0, 1))
     # Shares of the KV pool: one session may hold kv_session_share of it, the sessions of one
