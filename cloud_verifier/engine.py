@@ -110,9 +110,11 @@ class EngineLimits:
     tenant_share: float = 1.0
     #: Who shares the prefix cache of the KV pool (off: no prefix caching).
     prefix_cache: PrefixCache = PrefixCache.OFF
-    #: Chunked prefill: prefill tokens a step computes while other sessions are open, shared
-    #: fairly between tenants (0: no chunking; :mod:`cloud_verifier.scheduler`).
+    #: Chunked prefill: prefill tokens a step computes at most while other sessions are
+    #: active, shared fairly between tenants (0: no chunking; :mod:`cloud_verifier.scheduler`),
+    #: and the share of such a step's time they may add to its rounds' (0: no such bound).
     prefill_chunk: int = 0
+    prefill_share: float = 0.25
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.batch_wait_s <= 1.0:
@@ -122,13 +124,17 @@ class EngineLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_tokens < 0:
             raise ValueError(f"kv_tokens must be >= 0 (0: auto), got {self.kv_tokens}")
+        if not 0.0 <= self.prefill_share <= 10.0:
+            raise ValueError(f"prefill_share must be in [0, 10], got {self.prefill_share}")
         for name in ("session_share", "tenant_share"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
     @property
     def batch(self) -> BatchLimits:
-        return BatchLimits(self.max_batch_sessions, self.max_batch_tokens, self.prefill_chunk)
+        return BatchLimits(
+            self.max_batch_sessions, self.max_batch_tokens, self.prefill_chunk, self.prefill_share
+        )
 
 
 @dataclass(frozen=True)
@@ -219,6 +225,12 @@ AUTO_KV_FRACTION = 0.8
 
 #: Seconds over which observed queueing delays count for admission (Engine.queue_delay_s).
 WAIT_MEMORY_S: Final = 10.0
+#: A session that sent work this recently is active even while none of it is queued (its next
+#: round is on its way: a generating edge sends one every round trip plus its draft time), so a
+#: prefill beside it gets the shared budget, not the whole step.
+ACTIVE_S: Final = 2.0
+#: Steps whose rounds' tokens make the typical step a prefill budget is sized against.
+TYPICAL_STEPS: Final = 8
 
 
 def _auto_kv_tokens(target: Target, draft: Target | None = None) -> int:
@@ -293,6 +305,10 @@ class Engine:
         self._idle = True
         #: The running step's requests (under the lock): failed too if the thread dies.
         self._running: list[_Request] = []
+        #: When each open slot last sent work (under the lock): who is active.
+        self._seen: dict[int, float] = {}
+        #: The rounds' tokens of the last steps (under the lock).
+        self._round_tokens: deque[int] = deque(maxlen=TYPICAL_STEPS)
         self._thread = threading.Thread(target=self._main, name="wanspec-engine", daemon=True)
         self._thread.start()
 
@@ -337,6 +353,8 @@ class Engine:
         with self._cv:
             if self._closed:
                 raise EngineClosed(self._error or "the engine has been shut down")
+            if isinstance(item, _Request):
+                self._seen[item.slot.index] = item.submitted
             self._queue.append(item)
             self._cv.notify()
 
@@ -399,6 +417,7 @@ class Engine:
         if not self.kv.close(slot):
             return
         with self._cv:
+            self._seen.pop(slot.index, None)
             mine = [i for i in self._queue if isinstance(i, _Request) and i.slot is slot]
             for req in mine:
                 self._queue.remove(req)
@@ -666,16 +685,24 @@ class Engine:
         found no room for are answered Skipped at once. Returns the calls (run first), the
         step's requests and, for each, its row of the plan (a cheap one: chunk 0)."""
         queue = list(self._queue)
+        seen = [_queued(item) for item in queue]
         a, b = self.times.coefficients()
+        now = time.perf_counter()
+        active = {i for i, t in self._seen.items() if now - t <= ACTIVE_S}
+        active |= {item.slot.index for item in queue if isinstance(item, _Request)}
         plan = plan_step(
-            [_queued(item) for item in queue],
+            seen,
             self.limits.batch,
-            open_sessions=self.slots_used,
+            active_sessions=len(active),
+            typical_rounds=max(self._round_tokens, default=0),
             # nothing measured yet (or no cost per token): rows share one forward
             overhead_tokens=a / b if b > 0 else math.inf,
             pages=None if self.kv.pool is None else Pages(self.kv.pages_free(), self.kv.page_size),
         )
         taken = plan.taken
+        if plan.rows:
+            rounds = sum(r.tokens for r in plan.rows if not seen[r.index].prefill)
+            self._round_tokens.append(rounds)
         self._queue = deque(item for i, item in enumerate(queue) if i not in taken)
         calls = [queue[i] for i in plan.calls]
         row_of = {r.index: r for r in plan.rows}

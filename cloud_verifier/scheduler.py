@@ -19,14 +19,16 @@ that names every row of the next step:
   (:func:`model_drafts_allowed`);
 * **prefills share what is left.** Work with more fixed tokens (a prompt, a re-prefill) is a
   *prefill*: computed in chunks, one a step, each chunk's row caching its tokens with no
-  decision; the last one carries the draft and decides. A step's prefill budget is
-  ``prefill_chunk`` tokens when other sessions are open (they may send a round at any moment and
-  must find a short step), and ``max_tokens`` when the prefills are alone on the engine; never
-  more than the rounds leave of ``max_tokens``, never less than :data:`MIN_PREFILL` (so prefill
-  always moves). The budget is shared **max-min fairly between tenants** (bearer tokens): each
-  tenant with a prefill waiting gets an equal share, a tenant that needs less leaves the rest to
-  the others; within a tenant the oldest prefill goes first (one prompt finished soon rather than
-  all late). A re-queued prefill keeps its place in the queue but never goes ahead of a round;
+  decision; the last one carries the draft and decides. A step's prefill budget
+  (:func:`prefill_budget`) is, while other sessions are active (they may send a round at any
+  moment and must find a short step), ``prefill_chunk`` tokens and at most ``prefill_share`` of
+  the time of the step's rounds; ``max_tokens`` when the prefills are alone on the engine;
+  never more than the rounds leave of ``max_tokens``, never less than :data:`MIN_PREFILL` (so
+  prefill always moves). The budget is shared **max-min fairly between tenants** (bearer
+  tokens): each tenant with a prefill waiting gets an equal share, a tenant that needs less
+  leaves the rest to the others; within a tenant the oldest prefill goes first (one prompt
+  finished soon rather than all late). A re-queued prefill keeps its place in the queue but
+  never goes ahead of a round;
 * **a short row is not padded to a chunk's length** (:func:`group_rows`): the rounds share one
   forward, and the prefill rows run in a second one whenever padding the rounds to their
   length would cost more than a forward, by the step-time model ``a + b·tokens`` (one
@@ -95,8 +97,10 @@ class Queued:
 class BatchLimits:
     max_sessions: int
     max_tokens: int
-    #: Prefill tokens a step computes while other sessions are open (0: no chunking).
+    #: Prefill tokens a step computes at most while other sessions are active (0: no chunking).
     prefill_chunk: int = 0
+    #: ... and at most this share of the step's time without them (0: no such bound).
+    prefill_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -153,12 +157,15 @@ class StepPlan:
 def plan_step(
     queue: Sequence[Queued],
     limits: BatchLimits,
-    open_sessions: int = 0,
+    active_sessions: int = 0,
     overhead_tokens: float = 0.0,
     pages: Pages | None = None,
+    typical_rounds: int = 0,
 ) -> StepPlan:
-    """The next step from ``queue`` (module docstring). ``open_sessions``: sessions holding a
-    slot (more than the prefilling ones: the prefill budget is ``prefill_chunk``);
+    """The next step from ``queue`` (module docstring). ``active_sessions``: sessions with work
+    queued, running or sent a moment ago (more than the prefilling ones: the prefill budget is
+    :func:`prefill_budget`'s shared one); ``typical_rounds``: the tokens of a recent step's
+    rounds (what a step without its rounds queued yet will soon hold);
     ``overhead_tokens``: one forward's fixed cost in tokens (:func:`group_rows`); ``pages``:
     the KV pages there are (None: as many as needed). Rounds take their pages first; a prefill
     chunk is cut to the pages left (at least a page's worth, else planned as it is, so that it
@@ -179,7 +186,9 @@ def plan_step(
     size = pages.size if pages is not None else 1
     left = pages.free - sum(queue[i].pages(n, size) for i, n in rounds) if pages else 0
     prefills = [i for i, q in enumerate(queue) if q.prefill]
-    grants = _prefill_grants(queue, prefills, limits, used, open_sessions)
+    grants = _prefill_grants(
+        queue, prefills, limits, used, active_sessions, overhead_tokens, typical_rounds
+    )
     chunks: list[tuple[int, int, int]] = []  # (index, chunk, tokens)
     for i in prefills:
         q, g = queue[i], grants.get(i, 0)
@@ -227,12 +236,28 @@ def plan_step(
     )
 
 
-def prefill_budget(limits: BatchLimits, rounds_tokens: int, alone: bool) -> int:
-    """Prefill tokens of the next step (module docstring)."""
+def prefill_budget(
+    limits: BatchLimits,
+    rounds_tokens: int,
+    alone: bool,
+    overhead_tokens: float = float("inf"),
+    typical_rounds: int = 0,
+) -> int:
+    """Prefill tokens of the next step. Alone on the engine (no other session active), the
+    prefills get all the room the rounds leave of ``max_tokens``. Beside active sessions, at
+    most ``prefill_chunk``, and at most ``prefill_share`` of the time of a step of their rounds
+    (Sarathi-Serve's stall-free budget): with a step costing a + b·tokens, prefill tokens p
+    with b·p ≤ share·(a + b·r), i.e. p ≤ share·(a/b + r), r the step's rounds' tokens (or a
+    recent step's, ``typical_rounds``, when more are on their way). Never less than
+    :data:`MIN_PREFILL`, so a prompt always moves."""
     room = max(MIN_PREFILL, limits.max_tokens - rounds_tokens)
     if limits.prefill_chunk <= 0 or alone:
         return room
-    return min(limits.prefill_chunk, room)
+    budget = limits.prefill_chunk
+    if limits.prefill_share > 0 and overhead_tokens != float("inf"):
+        r = max(rounds_tokens, typical_rounds)
+        budget = min(budget, int(limits.prefill_share * (overhead_tokens + r)))
+    return max(MIN_PREFILL, min(budget, room))
 
 
 def _prefill_grants(
@@ -240,15 +265,17 @@ def _prefill_grants(
     prefills: Sequence[int],
     limits: BatchLimits,
     rounds_tokens: int,
-    open_sessions: int,
+    active_sessions: int,
+    overhead_tokens: float,
+    typical_rounds: int,
 ) -> dict[int, int]:
     """Tokens each waiting prefill may compute in the next step: the budget split max-min
     fairly between tenants, then oldest first within a tenant, each capped by
     ``prefill_chunk`` and by what it needs."""
     if not prefills:
         return {}
-    alone = open_sessions <= len(prefills)
-    budget = prefill_budget(limits, rounds_tokens, alone)
+    alone = active_sessions <= len(prefills)
+    budget = prefill_budget(limits, rounds_tokens, alone, overhead_tokens, typical_rounds)
     cap = limits.prefill_chunk if limits.prefill_chunk > 0 and not alone else budget
     by_tenant: dict[str, list[int]] = {}
     for i in prefills:
@@ -357,7 +384,11 @@ def queue_eta(
     prefills = [q for q in queue if q.prefill]
     target = queue[until] if until is not None else Queued(Kind.FORWARD)
     per_step_rounds = min(limits.max_tokens, sum(rounds[: limits.max_sessions]))
-    budget = prefill_budget(limits, per_step_rounds, False) if prefills or target.prefill else 0
+    budget = (
+        prefill_budget(limits, per_step_rounds, False, a / b if b > 0 else float("inf"))
+        if prefills or target.prefill
+        else 0
+    )
     step_s = a + b * (per_step_rounds + budget)
     if target.prefill:
         tenants = len({q.tenant for q in prefills} | {target.tenant})

@@ -783,6 +783,14 @@ async def test_logprobs_of_a_rejection_and_its_resample() -> None:
         engine.shutdown()
 
 
+async def _rounds(engine: Engine, slot: Slot) -> None:
+    """Another session generating: a short round, again and again (cropped back each time), so
+    a prefill beside it gets the shared chunk budget, not the whole step."""
+    while True:
+        await engine.run(slot, Verify(_propose([7], [8], 0), want_bonus=True))
+        await engine.run(slot, Crop(0))
+
+
 async def test_a_call_waits_for_one_step_at_most_behind_a_long_prefill() -> None:
     """A control call (the watchdog's ping, a release, a resume's adoption) is planned before
     the next step whatever is queued: asked while a long prompt prefills in chunks, it runs
@@ -790,7 +798,8 @@ async def test_a_call_waits_for_one_step_at_most_behind_a_long_prefill() -> None
     target = _qwen3_target()
     engine = await _engine(target, prefill_chunk=8, kv_tokens=1024)
     hello = Hello(fingerprint=target.fingerprint, sampling=GREEDY)
-    long, _other = engine.open(hello), engine.open(hello)  # another open session: chunks of 8
+    long, other = engine.open(hello), engine.open(hello)
+    busy = asyncio.ensure_future(_rounds(engine, other))  # another active session: chunks of 8
     prompt = [int(x) for x in np.random.default_rng(3).integers(1, 64, 240)]
     task = asyncio.ensure_future(
         engine.run(long, Verify(_propose(prompt, [5], 0), want_bonus=True))
@@ -803,6 +812,7 @@ async def test_a_call_waits_for_one_step_at_most_behind_a_long_prefill() -> None
     outcome = await task
     assert isinstance(outcome.result, Verified)
     assert engine.steps >= 20  # the prompt took its chunks
+    busy.cancel()
     engine.shutdown()
 
 
@@ -812,15 +822,18 @@ async def test_cancelling_the_awaiter_drops_the_rest_of_a_prefill() -> None:
     target = _qwen3_target()
     engine = await _engine(target, prefill_chunk=8, kv_tokens=1024)
     hello = Hello(fingerprint=target.fingerprint, sampling=GREEDY)
-    long, _other = engine.open(hello), engine.open(hello)
+    long, other = engine.open(hello), engine.open(hello)
+    busy = asyncio.ensure_future(_rounds(engine, other))
     prompt = [int(x) for x in np.random.default_rng(4).integers(1, 64, 240)]
     task = asyncio.ensure_future(
         engine.run(long, Verify(_propose(prompt, [5], 0), want_bonus=True))
     )
     await until(lambda: engine.steps >= 2, what="the prefill under way")
     task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    busy.cancel()
+    for t in (task, busy):
+        with pytest.raises(asyncio.CancelledError):
+            await t
     await engine.call(lambda: None)  # the running step is over
     settled = engine.steps
     await engine.call(lambda: None)

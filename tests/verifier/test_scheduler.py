@@ -71,7 +71,7 @@ def test_cogen_without_room_is_skipped() -> None:
 def test_calls_run_before_the_step_whatever_is_queued() -> None:
     # A call behind a long prefill and rounds is still planned now, before the step.
     queue = [fwd(8000, tenant="a"), fwd(2), CHEAP, fwd(3000, tenant="b"), CALL, fwd(1), CALL]
-    plan = plan_step(queue, BatchLimits(8, 4096, 512), open_sessions=4)
+    plan = plan_step(queue, BatchLimits(8, 4096, 512), active_sessions=4)
     assert plan.calls == (4, 6)
     assert plan.cheap == (2,)
     assert plan.taken == frozenset({0, 1, 2, 3, 4, 5, 6})
@@ -82,7 +82,7 @@ def test_a_long_prompt_never_holds_back_a_round() -> None:
     not padding theirs: they run in separate forwards when that costs less."""
     lim = BatchLimits(8, 4096, 512)
     queue = [fwd(8000, tenant="a")] + [fwd(2, tenant="h")] * 3
-    plan = plan_step(queue, lim, open_sessions=4, overhead_tokens=10)
+    plan = plan_step(queue, lim, active_sessions=4, overhead_tokens=10)
     assert rows(plan)[:3] == [(1, 2, 7), (2, 2, 7), (3, 2, 7)]
     assert rows(plan)[3] == (0, 512, 512)  # a chunk: no decision
     assert not plan.rows[3].decides and plan.rows[0].decides
@@ -92,10 +92,10 @@ def test_a_long_prompt_never_holds_back_a_round() -> None:
 
 def test_a_lone_prefill_takes_the_whole_step() -> None:
     lim = BatchLimits(8, 4096, 512)
-    plan = plan_step([fwd(8000)], lim, open_sessions=1)
+    plan = plan_step([fwd(8000)], lim, active_sessions=1)
     assert rows(plan) == [(0, 4096, 4096)]
     # its last chunk carries the draft and decides
-    plan = plan_step([fwd(3000)], lim, open_sessions=1)
+    plan = plan_step([fwd(3000)], lim, active_sessions=1)
     assert rows(plan) == [(0, 3000, 3005)] and plan.rows[0].decides
 
 
@@ -104,7 +104,7 @@ def test_prefill_budget_is_shared_fairly_between_tenants() -> None:
     attacker, oldest first."""
     lim = BatchLimits(16, 4096, 512)
     queue = [fwd(1500, tenant="attacker")] * 8 + [fwd(1500, tenant="honest")]
-    plan = plan_step(queue, lim, open_sessions=12)
+    plan = plan_step(queue, lim, active_sessions=12)
     got: dict[str, int] = {}
     for r in plan.rows:
         got[queue[r.index].tenant] = got.get(queue[r.index].tenant, 0) + r.chunk
@@ -123,7 +123,7 @@ def test_fair_shares_is_max_min_fair() -> None:
 def test_rounds_leave_the_prefill_at_least_its_floor() -> None:
     lim = BatchLimits(8, 64, 512)
     queue = [fwd(DECODE_FIXED, 0), fwd(2000, tenant="a")]
-    plan = plan_step(queue, lim, open_sessions=3)
+    plan = plan_step(queue, lim, active_sessions=3)
     assert rows(plan) == [(0, DECODE_FIXED, DECODE_FIXED), (1, MIN_PREFILL, MIN_PREFILL)]
 
 
@@ -139,7 +139,7 @@ def test_group_rows_splits_only_where_padding_costs_more_than_a_forward() -> Non
 
 
 def simulate(
-    queue: list[Queued], lim: BatchLimits, steps: int, open_sessions: int
+    queue: list[Queued], lim: BatchLimits, steps: int, active_sessions: int
 ) -> list[StepPlan]:
     """Steps of the scheduler with the engine's bookkeeping: a round decided is queued again
     (its session's next round), a chunk goes back with its fixed tokens reduced; a prefill that
@@ -147,7 +147,7 @@ def simulate(
     plans = []
     q = list(queue)
     for _ in range(steps):
-        plan = plan_step(q, lim, open_sessions, overhead_tokens=20)
+        plan = plan_step(q, lim, active_sessions, overhead_tokens=20)
         plans.append(plan)
         by_index: dict[int, Row] = {r.index: r for r in plan.rows}
         nxt: list[Queued] = []
@@ -168,7 +168,7 @@ def test_every_round_is_served_every_step_beside_looping_long_prompts() -> None:
     lim = BatchLimits(16, 4096, 512)
     honest = [fwd(2, 9, "h")] * 4
     attack = [fwd(8000, 1, "a")] * 8
-    plans = simulate(attack + honest, lim, steps=40, open_sessions=12)
+    plans = simulate(attack + honest, lim, steps=40, active_sessions=12)
     for plan in plans:
         served = {r.index for r in plan.rows if r.decides and r.index >= 8}
         assert served == {8, 9, 10, 11}
@@ -180,7 +180,7 @@ def test_every_round_is_served_every_step_beside_looping_long_prompts() -> None:
 def test_two_tenants_long_prompts_progress_at_the_same_rate() -> None:
     lim = BatchLimits(16, 4096, 512)
     queue = [fwd(6000, 1, "a")] * 6 + [fwd(6000, 1, "b")]
-    plans = simulate(queue, lim, steps=10, open_sessions=10)
+    plans = simulate(queue, lim, steps=10, active_sessions=10)
     a = sum(r.chunk for p in plans for r in p.rows if r.index < 6)
     b = sum(r.chunk for p in plans for r in p.rows if r.index == 6)
     assert a == b == 10 * 256
@@ -240,9 +240,31 @@ def test_the_plan_names_each_rows_pages_and_cuts_a_chunk_to_the_pages_there_are(
     lim = BatchLimits(8, 4096, 512)
     rnd = Queued(Kind.FORWARD, 2, 9, "h", cached=30, held=2)  # 30 + 11 tokens: one page more
     long = Queued(Kind.FORWARD, 2000, 1, "a", cached=0, held=0)
-    plan = plan_step([rnd, long], lim, open_sessions=2, pages=Pages(free=6, size=16))
+    plan = plan_step([rnd, long], lim, active_sessions=2, pages=Pages(free=6, size=16))
     assert [(r.index, r.tokens, r.pages) for r in plan.rows] == [(0, 11, 1), (1, 80, 5)]
-    plan = plan_step([rnd, long], lim, open_sessions=2, pages=Pages(free=1, size=16))
+    plan = plan_step([rnd, long], lim, active_sessions=2, pages=Pages(free=1, size=16))
     assert [(r.index, r.tokens, r.pages) for r in plan.rows] == [(0, 11, 1), (1, 512, 32)]
-    plan = plan_step([rnd, long], lim, open_sessions=2)  # no page figures: none named
+    plan = plan_step([rnd, long], lim, active_sessions=2)  # no page figures: none named
     assert [(r.index, r.tokens, r.pages) for r in plan.rows] == [(0, 11, 0), (1, 512, 0)]
+
+
+def test_beside_active_sessions_a_prefill_adds_at_most_its_share_of_a_step() -> None:
+    """Sarathi-Serve's stall-free budget: with a step costing a + b·tokens (a/b = 40 tokens),
+    the prefill adds at most prefill_share (a quarter) of the rounds' step time: 0.25 · (40 +
+    44) = 21 tokens beside four rounds of 11; with no round queued yet but a typical step of
+    144 round tokens, 0.25 · (40 + 144) = 46; alone on the engine, the whole room."""
+    lim = BatchLimits(16, 4096, 512, prefill_share=0.25)
+    honest = [fwd(2, 9, "h")] * 4
+    plan = plan_step([fwd(8000, 1, "a"), *honest], lim, active_sessions=5, overhead_tokens=40)
+    assert [(r.index, r.tokens) for r in plan.rows if r.index == 0] == [(0, 21)]
+    plan = plan_step(
+        [fwd(8000, 1, "a")], lim, active_sessions=5, overhead_tokens=40, typical_rounds=144
+    )
+    assert rows(plan) == [(0, 46, 46)]
+    plan = plan_step([fwd(8000, 1, "a")], lim, active_sessions=1, overhead_tokens=40)
+    assert rows(plan) == [(0, 4096, 4096)]
+    # never below the floor, never above the chunk
+    plan = plan_step([fwd(8000, 1, "a")], lim, active_sessions=2, overhead_tokens=1)
+    assert rows(plan) == [(0, MIN_PREFILL, MIN_PREFILL)]
+    plan = plan_step([fwd(8000, 1, "a")], lim, active_sessions=2, overhead_tokens=1e6)
+    assert rows(plan) == [(0, 512, 512)]
