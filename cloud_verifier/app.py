@@ -236,6 +236,7 @@ def engine_limits(settings: VerifierSettings) -> EngineLimits:
         stall=StallRule(floor_s=settings.stall_timeout),
         prefix_cache=prefix_cache(settings),
         prefill_chunk=settings.prefill_chunk,
+        prefill_share=settings.prefill_share,
     )
 
 

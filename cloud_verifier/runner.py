@@ -337,7 +337,7 @@ class Runner:
             )
         quota = self.kv.over_quota(slot, full_end)
         if quota is not None:
-            return Failed(f"KV quota: {quota}", start, FailureKind.KV_QUOTA)
+            return Failed(f"KVQuota: {quota}", start, FailureKind.KV_QUOTA)
         if fixed and start == 0:
             claimed = self.kv.claim(slot, fixed)
             start, fixed = claimed, fixed[claimed:]

@@ -78,10 +78,15 @@ class VerifierSettings:
     # prefix was sent before: no other token learns it); "global": among all; "auto": tenant,
     # off with tp > 1.
     prefix_cache: Literal["auto", "tenant", "global", "off"] = "auto"
-    # Chunked prefill: a session's forward computes at most this many prompt (fixed) tokens a
-    # step, the rest in the next steps, so a long prompt never holds every other session's
-    # verification up for its whole prefill; 0 = no limit.
+    # Chunked prefill: while other sessions are active, a step computes at most this many
+    # prompt (fixed) tokens, shared fairly between tenants, the rest in the next steps, so a
+    # long prompt never holds another session's round up for its whole prefill (alone on the
+    # engine, a prompt gets the whole step); 0 = no chunking.
     prefill_chunk: int = field(default=512, metadata=_b(0, 1 << 20))
+    # ... and such a step's prefill may add at most this share of the time of its rounds
+    # (measured a + b·tokens; Sarathi-Serve's stall-free budget): the price a long prompt makes
+    # other sessions pay; 0 = prefill_chunk alone bounds it.
+    prefill_share: float = field(default=0.25, metadata=_b(0.0, 10.0))
     # Concurrent sessions per bearer token, those kept for resumption included (a new one drops
     # the token's oldest kept session; live ones alone at the cap: HTTP 429 before the upgrade);
     # 0 = no own limit.
