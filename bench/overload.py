@@ -2,6 +2,8 @@
 
     python -m bench.overload                             # default model, this CPU (~6 min)
     python -m bench.overload --quick --out /tmp/o.json   # tiny models, a smoke run (~25 s)
+    python -m bench.overload --tenants                   # one tenant's long prompts beside
+                                                         # honest sessions (bench.overload_tenants)
 
 Setup. One verifier process (``python -m bench.verifier``: the product's ``cloud-verifier serve``
 with, if ``--verify-ms`` > 0, every forward padded to that time) behind the WAN emulator
@@ -66,7 +68,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
@@ -98,6 +100,9 @@ from shared.wire.protocol import (
     decode,
     encode,
 )
+
+if TYPE_CHECKING:  # bench.overload_tenants imports this module
+    from bench.overload_tenants import TenantsConfig
 
 #: Everyday chat questions: 106–268 tokens each with the default model's chat template.
 CHAT_PROMPTS: tuple[str, ...] = (
@@ -873,7 +878,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench.overload", description=(__doc__ or "").split("\n")[0]
     )
     p.add_argument("--quick", action="store_true", help="tiny models, a smoke run (~30 s)")
-    p.add_argument("--out", type=Path, default=OverloadConfig.out)
+    p.add_argument("--out", type=Path, help=f"default: {OverloadConfig.out} (with --tenants: "
+                   "docs/results/overload_tenants.json)")  # fmt: skip
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--workdir", type=Path, help="keep the models and the verifier log here")
     # None: the preset's value (--quick, or OverloadConfig's default)
@@ -899,6 +905,21 @@ def build_parser() -> argparse.ArgumentParser:
     add("--reconnect-trials", type=int, help="cut generations per variant (3)")
     add("--drop-after", type=int, help="cut once this many tokens are committed (12)")
     add("--seed", type=int)
+    t = p.add_argument_group(
+        "tenants", "one tenant's long prompts beside honest sessions (bench.overload_tenants)"
+    )
+    t.add_argument("--tenants", action="store_true", help="run the tenants benchmark instead")
+    t.add_argument("--smoke", action="store_true", help="with --tenants: tiny model, < 60 s")
+    t.add_argument("--honest", type=int, help="honest users (16)")
+    t.add_argument("--attackers", type=int, help="the attacker's sessions (8)")
+    t.add_argument("--attack-prompt", type=int, help="tokens per attacker prompt (8000)")
+    t.add_argument("--honest-prompt", type=int, help="tokens per honest prompt (128)")
+    t.add_argument("--gamma", type=int, help="draft tokens per round (8)")
+    t.add_argument("--rounds-per-session", type=int, help="honest rounds per session (32)")
+    t.add_argument("--duration", type=float, dest="duration_s", help="seconds per arm (120)")
+    t.add_argument("--drain", type=float, dest="drain_s", help="for rounds in flight (60)")
+    t.add_argument("--kv-cache-tokens", type=int, help="the verifier's KV pool (0: sized)")
+    t.add_argument("--bootstrap", type=int, help="resamples for the ratios' intervals (2000)")
     return p
 
 
@@ -913,8 +934,37 @@ def config_from_args(args: argparse.Namespace) -> OverloadConfig:
     return dataclasses.replace(cfg, **given)
 
 
+#: The command line's settings that only the tenants benchmark has.
+TENANTS_ONLY = (
+    "honest", "attackers", "attack_prompt", "honest_prompt", "gamma", "rounds_per_session",
+    "duration_s", "drain_s", "kv_cache_tokens", "bootstrap",
+)  # fmt: skip
+
+
+def tenants_config_from_args(args: argparse.Namespace) -> TenantsConfig:
+    """The tenants benchmark's settings (its preset, ``--smoke`` or not, with the given ones
+    over it); a setting of the offered-load sweep alone is refused, not ignored."""
+    from bench import overload_tenants
+
+    given = {k: v for k, v in vars(args).items() if v is not None and v is not False}
+    foreign = set(given) - overload_tenants.FIELDS - {"tenants", "smoke", "workdir", "no_plot"}
+    if foreign:
+        raise SystemExit(f"not settings of --tenants: {', '.join(sorted(foreign))}")
+    return overload_tenants.config(args.smoke, given)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.tenants:
+        from bench import overload_tenants
+
+        tcfg = tenants_config_from_args(args)
+        return overload_tenants.main(tcfg, args.workdir, no_plot=args.no_plot)
+    if args.smoke:
+        raise SystemExit("--smoke is the preset of --tenants (the offered-load sweep's: --quick)")
+    tenants_only = [k for k in TENANTS_ONLY if getattr(args, k) is not None]
+    if tenants_only:
+        raise SystemExit(f"settings of --tenants alone: {', '.join(tenants_only)}")
     cfg = config_from_args(args)
     with tempfile.TemporaryDirectory(prefix="wanspec-overload-") as tmp:
         workdir = args.workdir or Path(tmp)

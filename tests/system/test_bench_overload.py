@@ -9,8 +9,19 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+import pytest
 
-from bench.overload import Tap, parse_metrics
+from bench.overload import Tap, build_parser, main, parse_metrics, tenants_config_from_args
+from bench.overload_tenants import (
+    ARMS,
+    Arm,
+    Refusal,
+    Round,
+    TenantsConfig,
+    bootstrap_ratios,
+    summarize,
+    targets,
+)
 from edge_agent.transport import Transport
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import (
@@ -114,3 +125,88 @@ def test_parse_metrics_keeps_labels() -> None:
     m = parse_metrics(text)
     assert m["wanspec_fixed_tokens_total"] == 12
     assert m['wanspec_sessions_refused_total{reason="overloaded"}'] == 3
+
+
+def test_overload_tenants_smoke_writes_every_key(tmp_path: Path) -> None:
+    """``--tenants --smoke``: both arms, the ratios with their intervals, the targets, the
+    attacker's prompt cut to the tiny model's context; structure, not speed."""
+    out = tmp_path / "tenants.json"
+    cmd = [sys.executable, "-m", "bench.overload", "--tenants", "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = orjson.loads(out.read_bytes())
+    assert {"targets", "ratios", "arms", "setup"} <= set(result)
+    tg = result["targets"]
+    for key in ("goodput_ratio", "p99_round_ratio"):
+        assert tg[key]["value"] > 0 and isinstance(tg[key]["met"], bool), tg[key]
+        lo, hi = tg[key]["ci95"]
+        assert lo <= hi, tg[key]
+    for key in ("honest_failures", "honest_refusals_while_prefilling"):
+        assert tg[key]["value"] >= 0 and isinstance(tg[key]["met"], bool), tg[key]
+    assert tg["all_met"] == all(v["met"] for k, v in tg.items() if k != "all_met")
+    assert "over honest users" in result["ratios"]["interval"]
+    assert set(result["arms"]) == set(ARMS)
+    for name in ARMS:
+        arm = result["arms"][name]
+        h, a = arm["honest"], arm["attacker"]
+        assert h["verdicts"] > 0 and h["verdicts_per_s"] > 0 and h["committed_tokens_per_s"] > 0
+        assert 0 < h["p50_round_ms"] <= h["p99_round_ms"], h
+        assert h["failures"] == len(h["failure_list"]) and h["refusals"] >= 0
+        assert h["round_ms_quantiles"]["99"] == h["p99_round_ms"]
+        tl = arm["timeline"]
+        assert len(tl["honest_verdicts_per_s"]) >= 1 and tl["queue_delay_s"]
+        assert a["prompts_answered"] <= a["prompts_sent"]
+    assert result["arms"]["honest_only"]["attacker"]["prompts_sent"] == 0
+    assert result["arms"]["with_attacker"]["attacker"]["prompts_sent"] > 0
+    s = result["setup"]
+    assert s["smoke"] and s["commit"] and s["date"] and s["host"]["cpus"]
+    # The tiny model's context is 512 tokens: the attacker's 8,000 are cut to fit, and said so.
+    assert s["attack_prompt_requested"] == 8000
+    assert s["attack_prompt_tokens"] == s["max_context"] - s["gamma"] - 1 < 8000
+    assert "max_context" in s["attack_prompt_note"]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _arm(name: str, verdicts_per_user: list[int], round_s: float) -> Arm:
+    arm = Arm(name, 0.0, 10.0, 20.0)
+    for user, n in enumerate(verdicts_per_user):
+        for k in range(n):
+            arm.rounds.append(Round(user, k * 9.0 / n, round_s, k == 0, 1))
+    return arm
+
+
+def test_tenants_ratios_intervals_and_targets() -> None:
+    """The ratios of the honest figures b / a, their bootstrap intervals over users, and the
+    targets, on made-up arms: half the verdicts at three times the round time."""
+    cfg = TenantsConfig(honest=4, duration_s=10.0, bootstrap=300)
+    a = _arm(ARMS[0], [40, 44, 36, 40], 0.1)
+    b = _arm(ARMS[1], [20, 22, 18, 20], 0.3)
+    b.refusals.append(Refusal("honest", 3.0, "overloaded", 4.0, attack_prompts_in_flight=2))
+    b.refusals.append(Refusal("attacker", 4.0, "overloaded", 4.0, attack_prompts_in_flight=2))
+    ratios = bootstrap_ratios(a, b, cfg)
+    assert ratios["goodput"]["value"] == pytest.approx(0.5)
+    lo, hi = ratios["goodput"]["ci95"]
+    assert lo <= 0.5 <= hi and hi - lo < 0.2
+    assert ratios["p99_round"]["value"] == pytest.approx(3.0)
+    arms = {a.name: summarize(a, cfg), b.name: summarize(b, cfg)}
+    assert arms[ARMS[1]]["honest"]["refusals"] == 1  # the attacker's own are apart
+    assert arms[ARMS[1]]["attacker"]["refusals"] == 1
+    tg = targets(ratios, arms)
+    assert not tg["goodput_ratio"]["met"] and not tg["p99_round_ratio"]["met"]
+    assert tg["honest_failures"]["met"]
+    assert tg["honest_refusals_while_prefilling"]["value"] == 1
+    assert not tg["all_met"]
+
+
+def test_tenants_refuses_the_sweeps_settings() -> None:
+    """A setting of the offered-load sweep alone is refused with --tenants, not ignored; the
+    tenants' own go over the preset."""
+    p = build_parser()
+    with pytest.raises(SystemExit, match="window_s"):
+        tenants_config_from_args(p.parse_args(["--tenants", "--window", "3"]))
+    cfg = tenants_config_from_args(p.parse_args(["--tenants", "--smoke", "--honest", "3"]))
+    assert cfg.smoke and cfg.model == "tiny" and cfg.honest == 3 and cfg.attackers == 2
+    with pytest.raises(SystemExit, match="tenants"):
+        main(["--smoke"])
+    with pytest.raises(SystemExit, match="honest"):
+        main(["--honest", "3"])
