@@ -722,6 +722,14 @@ class Engine:
             self._running_step = RunningStep(t0, plan.tokens, slots)
             self._running = requests
             self._waits.append((t0, t0 - min(r.queued_at for r in requests)))
+            # A tenant's prompts wait behind each other (oldest first), not behind the engine:
+            # while one of them is served, the others' wait starts again (what admission reads
+            # is the engine's own delay, not one tenant's backlog).
+            served = {seen[r.index].tenant for r in plan.rows if seen[r.index].prefill}
+            for item in self._queue:
+                mate = isinstance(item, _Request) and item.slot.tenant in served
+                if mate and isinstance(item, _Request) and _queued(item).prefill:
+                    item.queued_at = t0
         return [c for c in calls if isinstance(c, _Call)], requests, rows
 
     def _finish(self, req: _Request, result: Result, timing: Timing | None, t0: float) -> None:

@@ -865,3 +865,33 @@ async def test_a_dead_engine_thread_fails_every_session_and_says_why() -> None:
     with pytest.raises(EngineClosed, match="device fell off the bus"):
         await engine.run(slot, Verify(_propose([1, 2, 3], [4], 0), want_bonus=True))
     assert not await engine.ping(1.0)
+
+
+async def test_one_tenants_backlog_of_prompts_is_not_read_as_the_engines_delay() -> None:
+    """Three prompts of one tenant are prefilled oldest first; the third waits for the other
+    two, but behind its own tenant, not behind the engine: the queue delay admission reads
+    stays about a step, not two thirds of the whole prefill."""
+    target = _qwen3_target()
+    engine = await _engine(target, prefill_chunk=8, kv_tokens=2048)
+    hello = Hello(fingerprint=target.fingerprint, sampling=GREEDY)
+    other = engine.open(hello)
+    busy = asyncio.ensure_future(_rounds(engine, other))
+    rng = np.random.default_rng(5)
+    slots = [engine.open(hello, tenant="a") for _ in range(3)]
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    outs = await asyncio.gather(
+        *(
+            engine.run(
+                s, Verify(_propose([int(x) for x in rng.integers(1, 64, 160)], [5], 0), True)
+            )
+            for s in slots
+        )
+    )
+    elapsed = loop.time() - t0
+    assert all(isinstance(o.result, Verified) for o in outs)
+    assert engine.queue_delay_s() < 0.3 * elapsed, (engine.queue_delay_s(), elapsed)
+    busy.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await busy
+    engine.shutdown()
