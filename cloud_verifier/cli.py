@@ -78,8 +78,8 @@ _HELP: dict[str, str] = {
     "auto: tenant, off with tp > 1",
     "prefill_chunk": "prompt tokens a step computes at most while other sessions are active, "
     "shared fairly between tenants (0: no chunking)",
-    "prefill_share": "share of a step's rounds' time its prompt tokens may add while other "
-    "sessions are active (0: prefill_chunk alone)",
+    "prefill_share": "share one tenant's prompt tokens may add to the step time of other "
+    "tenants' rounds (0: prefill_chunk alone)",
     "handshake_timeout": "seconds a client has to send Hello",
     "idle_timeout": "seconds a session may go without model work before it is closed (0: never)",
     "header_timeout": "seconds a connection may idle between requests, and then has for a "

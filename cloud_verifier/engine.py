@@ -307,8 +307,8 @@ class Engine:
         self._running: list[_Request] = []
         #: When each open slot last sent work (under the lock): who is active.
         self._seen: dict[int, float] = {}
-        #: The rounds' tokens of the last steps (under the lock).
-        self._round_tokens: deque[int] = deque(maxlen=TYPICAL_STEPS)
+        #: The rounds' tokens of the last steps, by tenant (under the lock).
+        self._round_tokens: deque[dict[str, int]] = deque(maxlen=TYPICAL_STEPS)
         self._thread = threading.Thread(target=self._main, name="wanspec-engine", daemon=True)
         self._thread.start()
 
@@ -694,14 +694,18 @@ class Engine:
             seen,
             self.limits.batch,
             active_sessions=len(active),
-            typical_rounds=max(self._round_tokens, default=0),
+            typical_rounds=self._typical_rounds(),
             # nothing measured yet (or no cost per token): rows share one forward
             overhead_tokens=a / b if b > 0 else math.inf,
             pages=None if self.kv.pool is None else Pages(self.kv.pages_free(), self.kv.page_size),
         )
         taken = plan.taken
         if plan.rows:
-            rounds = sum(r.tokens for r in plan.rows if not seen[r.index].prefill)
+            rounds: dict[str, int] = {}
+            for r in plan.rows:
+                q = seen[r.index]
+                if not q.prefill:
+                    rounds[q.tenant] = rounds.get(q.tenant, 0) + r.tokens
             self._round_tokens.append(rounds)
         self._queue = deque(item for i, item in enumerate(queue) if i not in taken)
         calls = [queue[i] for i in plan.calls]
@@ -731,6 +735,14 @@ class Engine:
                 if mate and isinstance(item, _Request) and _queued(item).prefill:
                     item.queued_at = t0
         return [c for c in calls if isinstance(c, _Call)], requests, rows
+
+    def _typical_rounds(self) -> dict[str, int]:
+        """Under the lock: each tenant's largest rounds' tokens in the last steps."""
+        out: dict[str, int] = {}
+        for step in self._round_tokens:
+            for tenant, n in step.items():
+                out[tenant] = max(out.get(tenant, 0), n)
+        return out
 
     def _finish(self, req: _Request, result: Result, timing: Timing | None, t0: float) -> None:
         outcome = Outcome(result, timing, t0 - req.submitted)

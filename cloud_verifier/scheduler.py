@@ -20,15 +20,15 @@ that names every row of the next step:
 * **prefills share what is left.** Work with more fixed tokens (a prompt, a re-prefill) is a
   *prefill*: computed in chunks, one a step, each chunk's row caching its tokens with no
   decision; the last one carries the draft and decides. A step's prefill budget
-  (:func:`prefill_budget`) is, while other sessions are active (they may send a round at any
-  moment and must find a short step), ``prefill_chunk`` tokens and at most ``prefill_share`` of
-  the time of the step's rounds; ``max_tokens`` when the prefills are alone on the engine;
-  never more than the rounds leave of ``max_tokens``, never less than :data:`MIN_PREFILL` (so
-  prefill always moves). The budget is shared **max-min fairly between tenants** (bearer
-  tokens): each tenant with a prefill waiting gets an equal share, a tenant that needs less
-  leaves the rest to the others; within a tenant the oldest prefill goes first (one prompt
-  finished soon rather than all late). A re-queued prefill keeps its place in the queue but
-  never goes ahead of a round;
+  (:func:`prefill_budget`) is ``prefill_chunk`` tokens while other sessions are active (they
+  may send a round at any moment and must find a short step), ``max_tokens`` when the prefills
+  are alone on the engine; never more than the rounds leave of ``max_tokens``, never less than
+  :data:`MIN_PREFILL` (so prefill always moves). Beside *other tenants'* rounds, one tenant's
+  prefill may add at most ``prefill_share`` of their step's time (:func:`tenant_cap`). The
+  budget is shared **max-min fairly between tenants** (bearer tokens): each tenant with a
+  prefill waiting gets an equal share, a tenant that needs less leaves the rest to the others;
+  within a tenant the oldest prefill goes first (one prompt finished soon rather than all
+  late). A re-queued prefill keeps its place in the queue but never goes ahead of a round;
 * **a short row is not padded to a chunk's length** (:func:`group_rows`): the rounds share one
   forward, and the prefill rows run in a second one whenever padding the rounds to their
   length would cost more than a forward, by the step-time model ``a + b·tokens`` (one
@@ -40,7 +40,7 @@ session at most once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -160,12 +160,12 @@ def plan_step(
     active_sessions: int = 0,
     overhead_tokens: float = 0.0,
     pages: Pages | None = None,
-    typical_rounds: int = 0,
+    typical_rounds: Mapping[str, int] | None = None,
 ) -> StepPlan:
     """The next step from ``queue`` (module docstring). ``active_sessions``: sessions with work
     queued, running or sent a moment ago (more than the prefilling ones: the prefill budget is
-    :func:`prefill_budget`'s shared one); ``typical_rounds``: the tokens of a recent step's
-    rounds (what a step without its rounds queued yet will soon hold);
+    :func:`prefill_budget`'s shared one); ``typical_rounds``: by tenant, the tokens of a recent
+    step's rounds (what a step without their rounds queued yet will soon hold);
     ``overhead_tokens``: one forward's fixed cost in tokens (:func:`group_rows`); ``pages``:
     the KV pages there are (None: as many as needed). Rounds take their pages first; a prefill
     chunk is cut to the pages left (at least a page's worth, else planned as it is, so that it
@@ -186,8 +186,11 @@ def plan_step(
     size = pages.size if pages is not None else 1
     left = pages.free - sum(queue[i].pages(n, size) for i, n in rounds) if pages else 0
     prefills = [i for i, q in enumerate(queue) if q.prefill]
+    by_tenant: dict[str, int] = {}
+    for i, n in rounds:
+        by_tenant[queue[i].tenant] = by_tenant.get(queue[i].tenant, 0) + n
     grants = _prefill_grants(
-        queue, prefills, limits, used, active_sessions, overhead_tokens, typical_rounds
+        queue, prefills, limits, by_tenant, active_sessions, overhead_tokens, typical_rounds or {}
     )
     chunks: list[tuple[int, int, int]] = []  # (index, chunk, tokens)
     for i in prefills:
@@ -236,51 +239,63 @@ def plan_step(
     )
 
 
-def prefill_budget(
-    limits: BatchLimits,
-    rounds_tokens: int,
-    alone: bool,
-    overhead_tokens: float = float("inf"),
-    typical_rounds: int = 0,
-) -> int:
-    """Prefill tokens of the next step. Alone on the engine (no other session active), the
-    prefills get all the room the rounds leave of ``max_tokens``. Beside active sessions, at
-    most ``prefill_chunk``, and at most ``prefill_share`` of the time of a step of their rounds
-    (Sarathi-Serve's stall-free budget): with a step costing a + b·tokens, prefill tokens p
-    with b·p ≤ share·(a + b·r), i.e. p ≤ share·(a/b + r), r the step's rounds' tokens (or a
-    recent step's, ``typical_rounds``, when more are on their way). Never less than
-    :data:`MIN_PREFILL`, so a prompt always moves."""
+def prefill_budget(limits: BatchLimits, rounds_tokens: int, alone: bool) -> int:
+    """Prefill tokens of the next step, over all tenants: alone on the engine (no other
+    session active), all the room the rounds leave of ``max_tokens``; beside active sessions,
+    ``prefill_chunk``. Never less than :data:`MIN_PREFILL`, so a prompt always moves."""
     room = max(MIN_PREFILL, limits.max_tokens - rounds_tokens)
     if limits.prefill_chunk <= 0 or alone:
         return room
-    budget = limits.prefill_chunk
-    if limits.prefill_share > 0 and overhead_tokens != float("inf"):
-        r = max(rounds_tokens, typical_rounds)
-        budget = min(budget, int(limits.prefill_share * (overhead_tokens + r)))
-    return max(MIN_PREFILL, min(budget, room))
+    return max(MIN_PREFILL, min(limits.prefill_chunk, room))
+
+
+def tenant_cap(limits: BatchLimits, others_rounds: int, overhead_tokens: float) -> float:
+    """The most prefill tokens one tenant may add to a step in which *other* tenants' rounds
+    (``others_rounds`` tokens: the step's, or a recent step's when theirs are on their way)
+    wait: ``prefill_share`` of those rounds' step time (Sarathi-Serve's stall-free budget).
+    With a step costing a + b·tokens, p tokens of prefill cost b·p, so p ≤ share·(a/b + r).
+    Unbounded (inf) where no other tenant has rounds: a tenant's prompts then slow only its own
+    sessions, or other prompts, which share the budget fairly. At least :data:`MIN_PREFILL`."""
+    if limits.prefill_share <= 0 or others_rounds <= 0 or overhead_tokens == float("inf"):
+        return float("inf")
+    return max(MIN_PREFILL, int(limits.prefill_share * (overhead_tokens + others_rounds)))
 
 
 def _prefill_grants(
     queue: Sequence[Queued],
     prefills: Sequence[int],
     limits: BatchLimits,
-    rounds_tokens: int,
+    rounds: dict[str, int],
     active_sessions: int,
     overhead_tokens: float,
-    typical_rounds: int,
+    typical_rounds: Mapping[str, int],
 ) -> dict[int, int]:
     """Tokens each waiting prefill may compute in the next step: the budget split max-min
-    fairly between tenants, then oldest first within a tenant, each capped by
-    ``prefill_chunk`` and by what it needs."""
+    fairly between tenants, each tenant's need capped by :func:`tenant_cap` (the others'
+    rounds), then oldest first within a tenant, each capped by ``prefill_chunk`` and by what it
+    needs. ``rounds``: the step's rounds' tokens by tenant."""
     if not prefills:
         return {}
     alone = active_sessions <= len(prefills)
-    budget = prefill_budget(limits, rounds_tokens, alone, overhead_tokens, typical_rounds)
+    budget = prefill_budget(limits, sum(rounds.values()), alone)
     cap = limits.prefill_chunk if limits.prefill_chunk > 0 and not alone else budget
     by_tenant: dict[str, list[int]] = {}
     for i in prefills:
         by_tenant.setdefault(queue[i].tenant, []).append(i)
-    need = {t: sum(min(queue[i].row, cap) for i in ids) for t, ids in by_tenant.items()}
+    tenants = set(rounds) | set(typical_rounds)
+    need: dict[str, int] = {}
+    for t, ids in by_tenant.items():
+        others = (
+            max(
+                sum(n for u, n in rounds.items() if u != t),
+                sum(n for u, n in typical_rounds.items() if u != t),
+            )
+            if tenants - {t}
+            else 0
+        )
+        limit = tenant_cap(limits, others, overhead_tokens)
+        want = sum(min(queue[i].row, cap) for i in ids)
+        need[t] = want if limit == float("inf") else min(want, int(limit))
     share = fair_shares(need, budget)
     grants: dict[int, int] = {}
     for tenant, ids in by_tenant.items():
@@ -384,11 +399,7 @@ def queue_eta(
     prefills = [q for q in queue if q.prefill]
     target = queue[until] if until is not None else Queued(Kind.FORWARD)
     per_step_rounds = min(limits.max_tokens, sum(rounds[: limits.max_sessions]))
-    budget = (
-        prefill_budget(limits, per_step_rounds, False, a / b if b > 0 else float("inf"))
-        if prefills or target.prefill
-        else 0
-    )
+    budget = prefill_budget(limits, per_step_rounds, False) if prefills or target.prefill else 0
     step_s = a + b * (per_step_rounds + budget)
     if target.prefill:
         tenants = len({q.tenant for q in prefills} | {target.tenant})

@@ -83,9 +83,9 @@ class VerifierSettings:
     # long prompt never holds another session's round up for its whole prefill (alone on the
     # engine, a prompt gets the whole step); 0 = no chunking.
     prefill_chunk: int = field(default=512, metadata=_b(0, 1 << 20))
-    # ... and such a step's prefill may add at most this share of the time of its rounds
-    # (measured a + b·tokens; Sarathi-Serve's stall-free budget): the price a long prompt makes
-    # other sessions pay; 0 = prefill_chunk alone bounds it.
+    # ... and one tenant's prompt tokens may add at most this share to the step time of other
+    # tenants' rounds (measured a + b·tokens; Sarathi-Serve's stall-free budget): the price one
+    # bearer token's long prompts make the others pay; 0 = prefill_chunk alone bounds it.
     prefill_share: float = field(default=0.25, metadata=_b(0.0, 10.0))
     # Concurrent sessions per bearer token, those kept for resumption included (a new one drops
     # the token's oldest kept session; live ones alone at the cap: HTTP 429 before the upgrade);

@@ -248,23 +248,31 @@ def test_the_plan_names_each_rows_pages_and_cuts_a_chunk_to_the_pages_there_are(
     assert [(r.index, r.tokens, r.pages) for r in plan.rows] == [(0, 11, 0), (1, 512, 0)]
 
 
-def test_beside_active_sessions_a_prefill_adds_at_most_its_share_of_a_step() -> None:
-    """Sarathi-Serve's stall-free budget: with a step costing a + b·tokens (a/b = 40 tokens),
-    the prefill adds at most prefill_share (a quarter) of the rounds' step time: 0.25 · (40 +
-    44) = 21 tokens beside four rounds of 11; with no round queued yet but a typical step of
-    144 round tokens, 0.25 · (40 + 144) = 46; alone on the engine, the whole room."""
+def test_beside_other_tenants_rounds_a_prefill_adds_at_most_its_share_of_their_step() -> None:
+    """Sarathi-Serve's stall-free budget, between tenants: with a step costing a + b·tokens
+    (a/b = 40 tokens), one tenant's prefill adds at most prefill_share (a quarter) of the step
+    time of the other tenants' rounds: 0.25 · (40 + 44) = 21 tokens beside four rounds of 11;
+    with none of theirs queued yet but a typical step of 144 of their round tokens,
+    0.25 · (40 + 144) = 46. Beside its own tenant's rounds only, the chunk; alone, the room."""
     lim = BatchLimits(16, 4096, 512, prefill_share=0.25)
     honest = [fwd(2, 9, "h")] * 4
     plan = plan_step([fwd(8000, 1, "a"), *honest], lim, active_sessions=5, overhead_tokens=40)
     assert [(r.index, r.tokens) for r in plan.rows if r.index == 0] == [(0, 21)]
-    plan = plan_step(
-        [fwd(8000, 1, "a")], lim, active_sessions=5, overhead_tokens=40, typical_rounds=144
-    )
+    typical = {"h": 144}
+    plan = plan_step([fwd(8000, 1, "a")], lim, 5, 40, typical_rounds=typical)
     assert rows(plan) == [(0, 46, 46)]
+    own = [fwd(2, 9, "a")] * 4
+    plan = plan_step([fwd(8000, 1, "a"), *own], lim, active_sessions=5, overhead_tokens=40)
+    assert [(r.index, r.tokens) for r in plan.rows if r.index == 0] == [(0, 512)]
     plan = plan_step([fwd(8000, 1, "a")], lim, active_sessions=1, overhead_tokens=40)
     assert rows(plan) == [(0, 4096, 4096)]
+    # the honest tenant's own prompt beside the capped one: the rest of the budget is its
+    plan = plan_step(
+        [fwd(8000, 1, "a"), fwd(300, 1, "h"), *honest], lim, active_sessions=6, overhead_tokens=40
+    )
+    assert [(r.index, r.tokens) for r in plan.rows if r.index < 2] == [(0, 21), (1, 301)]
     # never below the floor, never above the chunk
-    plan = plan_step([fwd(8000, 1, "a")], lim, active_sessions=2, overhead_tokens=1)
+    plan = plan_step([fwd(8000, 1, "a")], lim, 2, 1, typical_rounds={"h": 10})
     assert rows(plan) == [(0, MIN_PREFILL, MIN_PREFILL)]
-    plan = plan_step([fwd(8000, 1, "a")], lim, active_sessions=2, overhead_tokens=1e6)
+    plan = plan_step([fwd(8000, 1, "a")], lim, 2, 1e6, typical_rounds={"h": 10})
     assert rows(plan) == [(0, 512, 512)]
