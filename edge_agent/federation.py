@@ -2,13 +2,15 @@
 and the round decider, all feeding one :class:`~edge_agent.federation_core.FederatedCore`.
 
 Tasks and their owner (:func:`run_federated`): each worker's link task connects (with the same
-:class:`~edge_agent.retry.RetryPolicy` backoff and handshake timeout as the single-verifier agent),
-tells the core, then reads frames into it and writes the frames the core addressed to it until
-the link fails or the core drops it; then it reconnects. The decider waits until the head batch
-is answered by every live worker or its deadline passes (the core says which), decides and writes
-the Rollbacks. The generation fails with :class:`LinkClosed` once no worker has been connected
-for the retry deadline. Nothing committed is ever lost: a worker that rejoins re-prefills from the
-committed ids.
+:class:`~edge_agent.retry.RetryPolicy` backoff and handshake timeout as the single-verifier agent,
+honouring a busy verifier's Retry-After), tells the core, then reads frames into it and writes
+the frames the core addressed to it until the link fails or the core drops it (a dead or
+misbehaving member: a slow one is left out of rounds by the core, never dropped); then it backs
+off and reconnects. The decider wakes whenever the core's state changes or its next deadline
+(a round's wait bound, a member's liveness bound) passes, and carries out what is due. The
+generation fails with :class:`LinkClosed` once no worker has been connected for the retry
+deadline. Nothing committed is ever lost: a worker that rejoins re-prefills from the committed
+ids.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from edge_agent.link import LinkRefused, TokenRefused
 from edge_agent.pipeline_config import PipelineConfig
 from edge_agent.retry import RetryPolicy
 from edge_agent.tasks import ModelWorker, cancel_all, run_until_first_done
-from edge_agent.transport import LinkClosed, Transport
+from edge_agent.transport import LinkClosed, Transport, VerifierBusy
 from shared.maths.sampling import Probs
 from shared.wire.protocol import Fingerprint, ProtocolError
 
@@ -135,7 +137,6 @@ class _Federation:
             except BaseException:
                 await transport.close()
                 raise
-            attempt = 0
             io = LinkIO(transport, max_queued=core.cfg.send_queue_bound)
             self.io[index] = io
             core.link_up(index, welcome, time.monotonic())
@@ -154,6 +155,11 @@ class _Federation:
                 self.signal.notify()
                 with contextlib.suppress(Exception):
                     await transport.close()
+            # Never reconnect at once: a session that answered something starts the backoff
+            # afresh, one that answered nothing (it erred or stalled at once) backs off further.
+            attempt = 1 if core.workers[index].answered else attempt + 1
+            if not core.gen.done:
+                await self._backoff(spec, index, attempt, LinkClosed(why))
 
     def _give_up_on(self, spec: WorkerSpec, index: int, err: BaseException) -> None:
         """A failure that waiting cannot clear: this worker stays down for the generation."""
@@ -166,7 +172,8 @@ class _Federation:
         self, spec: WorkerSpec, index: int, attempt: int, err: BaseException
     ) -> None:
         self.causes[index] = str(err) or type(err).__name__
-        delay = self.retry.delay(attempt, self._jitter)
+        busy = err.retry_after if isinstance(err, VerifierBusy) else None
+        delay = self.retry.delay(attempt, self._jitter, busy)
         log.info("worker %s unavailable (%s); retry in %.1fs", spec.name, err, delay)
         await asyncio.sleep(delay)
 
@@ -176,19 +183,23 @@ class _Federation:
             self._emit(self.core.receive(index, data, time.monotonic()))
 
     async def _decide_loop(self) -> None:
+        """Carry out what the core says is due (a round to decide, a silent member to drop),
+        waking on every change of its state and at its next deadline."""
         core = self.core
         while not core.gen.done:
-            deadline = core.head_deadline()
-            if not core.round_ready(time.monotonic()):
-                # Until answered or the deadline; with nothing in flight, until a batch is.
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await self.signal.wait_for(
-                        lambda: core.gen.done or core.round_ready(time.monotonic()), timeout
-                    )
+            if core.round_ready(time.monotonic()):
+                self._emit(core.decide(time.monotonic()))
+                await asyncio.sleep(0)  # let the writers and the drafter run
                 continue
-            self._emit(core.decide(time.monotonic()))
-            await asyncio.sleep(0)  # let the writers and the drafter run
+            wake = core.wake_at()
+            timeout = None if wake is None else max(0.0, wake - time.monotonic())
+
+            def changed(wake: float | None = wake) -> bool:
+                # A new head, a first reply or a new frame moves the next deadline: wait anew.
+                return core.gen.done or core.wake_at() != wake or core.round_ready(time.monotonic())
+
+            with contextlib.suppress(asyncio.TimeoutError):
+                await self.signal.wait_for(changed, timeout)
 
     async def _watch_workers(self) -> None:
         """Fail the generation once no worker has been connected for the retry deadline."""
@@ -233,8 +244,9 @@ class _Federation:
         core.none_up_since = time.monotonic()
         links = [asyncio.ensure_future(self._link(i)) for i in range(len(self.specs))]
         try:
-            # Start with every worker that connects within a round deadline, so the first
-            # rounds are not decided by whichever worker happened to answer first.
+            # Start with every worker that connects within a round's least wait, so the first
+            # rounds are not decided by whichever worker happened to answer first (every
+            # member connected before the first decision starts in step).
             with contextlib.suppress(asyncio.TimeoutError):
                 await self.signal.wait_for(core.all_connected, core.deadline_s)
             await run_until_first_done(
@@ -260,9 +272,22 @@ async def run_federated(
     seed: int | None = None,
 ) -> FederationStats:
     """Run ``gen`` verified by ``workers`` until done; returns the federation's measurements
-    (also set on ``gen.federation`` as soon as the run starts)."""
+    (also set on ``gen.federation`` as soon as the run starts).
+
+    ``deadline_s``: the least time a round waits, once one member has answered it, for the
+    other in-step members (it waits up to max(this, 4 × that first answer's round time));
+    a member that misses it is left out of the rounds, not dropped
+    (:mod:`edge_agent.federation_core`). A member is dead, and dropped, only when silent past
+    the liveness bound whose floor is ``retry.verdict_timeout_s``, as a single verifier is."""
     core = FederatedCore(
-        gen, cfg, rng, fingerprint, [w.params for w in workers], deadline_s=deadline_s, seed=seed
+        gen,
+        cfg,
+        rng,
+        fingerprint,
+        [w.params for w in workers],
+        deadline_s=deadline_s,
+        liveness_s=retry.verdict_timeout_s,
+        seed=seed,
     )
     gen.federation = core.fed
     await _Federation(core, workers, drafter, worker, retry, seed).run()
@@ -283,8 +308,11 @@ async def generate_federated(
     on_commit: Callable[[list[int]], None] | None = None,
     deadline_s: float = 5.0,
     no_worker_timeout_s: float = 30.0,
+    liveness_s: float = 10.0,
 ) -> tuple[Generation, FederationStats]:
-    """One federated generation; raises LinkClosed when no worker is reachable for too long."""
+    """One federated generation; raises LinkClosed when no worker is reachable for too long.
+    ``deadline_s`` and ``liveness_s``: see :func:`run_federated` (``liveness_s`` is the
+    retry policy's ``verdict_timeout_s``)."""
     gen = Generation(prompt, max_new_tokens, eos_ids, on_commit)
     fed = await run_federated(
         gen,
@@ -294,7 +322,9 @@ async def generate_federated(
         worker=model_worker,
         fingerprint=fingerprint,
         workers=workers,
-        retry=RetryPolicy(backoff_initial_s=0.5, deadline_s=no_worker_timeout_s),
+        retry=RetryPolicy(
+            backoff_initial_s=0.5, deadline_s=no_worker_timeout_s, verdict_timeout_s=liveness_s
+        ),
         deadline_s=deadline_s,
         seed=seed,
     )

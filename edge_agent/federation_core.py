@@ -1,43 +1,95 @@
 """Federated verification (SpecFed) at the edge as a synchronous state machine: no I/O, no clock.
 
 It composes the :class:`~edge_agent.core.Pipeline` with one
-:class:`~edge_agent.core.VerifierLink` per worker. Each batch is proposed to every *live*
-worker; each answers with a :class:`~shared.wire.protocol.FederatedReply`; the edge decides
-(:func:`edge_agent.aggregation.decide`) once every worker that was sent the head batch has replied,
-or its round deadline has passed (``now`` is passed in). A worker that misses the deadline, errs or
-sends a frame that does not fit is dropped from the round (the remaining weights are
-renormalised, and this is counted) and the driver is told to close its link
-(:class:`~edge_agent.events.Drop`). Every feed returns :mod:`edge_agent.events` to carry out.
+:class:`~edge_agent.core.VerifierLink` per member (worker). Each batch goes to the members that
+are *in step*; each answers with a :class:`~shared.wire.protocol.FederatedReply` and, while its
+work waits or runs, :class:`~shared.wire.protocol.Progress` frames. The edge decides
+(:func:`edge_agent.aggregation.decide`) against the weighted aggregate of the replies it has.
+Every feed returns :mod:`edge_agent.events` to carry out; ``now`` is always passed in.
 
-Worker states:
+Busy is not dead, and slow is not dead either. Two separate rules (see
+docs/how-it-works/federation.md):
 
-======= ======================================= ==============================================
-state   input                                   effect
-======= ======================================= ==============================================
-DOWN    ``link_up`` (handshake done)            → READY
-READY   a boundary (nothing in flight)          → LIVE: its first Propose carries every
-                                                committed id, so its target re-prefills
-LIVE    FederatedReply for a batch in flight    filed for that batch's decision
-LIVE    reply to a discarded batch              ignored (its work is void)
-LIVE    Error, other frame, wrong γ, deadline   → DOWN; :class:`Drop`
-any     ``link_down``                           → DOWN
-======= ======================================= ==============================================
+* **Liveness** (per member, the single verifier's rule): a member with work outstanding is
+  dead once it has been silent past ``max(liveness_s, 4 × its slowest recent round)`` since its
+  oldest outstanding Propose or its last reply (plus the prefill allowance of that Propose's
+  fixed tokens), or past ``max(liveness_s, 4 × eta)`` since its last Progress frame. Only a
+  dead member (or one that errs or sends a frame that does not fit) is dropped
+  (:class:`~edge_agent.events.Drop`); its driver reconnects it with backoff.
+* **Progress** (per round): a round is decided once every in-step member it was sent to has
+  replied, or, after the first reply came at ``t1``, at
+  ``sent + max(deadline_s, WAIT_FACTOR × (t1 − sent))``. Until some member replies a round
+  waits as long as anyone it was sent to is alive: no round deadline is shorter than a live
+  member's speed unless another member answered. An in-step member that misses the round is
+  *left out*: it keeps its session (its queued work finishes), is sent no more batches but a
+  probe when it has none outstanding, and is *readmitted* as soon as a reply of its comes
+  within ``READMIT_FRACTION`` of the wait bound (``max(deadline_s, WAIT_FACTOR × the fastest
+  in-step member's median round)``). A failed probe spaces the next by its own round time.
 
-On a rejection (or a round nobody answered) every live worker gets a Rollback (new epoch, kept
-length) *before* any Propose of the new epoch: both come out of this core in order, and the
-driver writes each link's frames in the order it receives them.
+Member states:
+
+======= ===================================== ================================================
+state   input                                 effect
+======= ===================================== ================================================
+DOWN    ``link_up``, before any round was     → LIVE (every member that connects in time
+        decided or with no member LIVE        starts in step)
+DOWN    ``link_up``, otherwise                → BEHIND (probed with the next batch)
+LIVE    a batch is sent                       Propose (fixed: the text it has not seen)
+LIVE    the round passed its wait bound       → BEHIND (left out; counted, not dropped)
+        without its reply
+BEHIND  a batch is sent, nothing outstanding  Propose (a probe), at most one at a time
+        and its probe is due
+BEHIND  a reply within the readmission bound  → LIVE (counted as a rejoin)
+BEHIND  a reply slower than that              next probe no sooner than that round time
+LIVE,   FederatedReply for a batch in flight  filed for that batch's decision (a BEHIND
+BEHIND                                        member's too: nobody waits for it, but a reply
+                                              in time counts)
+LIVE,   Progress / reply to a decided batch   its liveness and speed are updated
+BEHIND
+LIVE,   Error, other frame, wrong γ, silent   → DOWN; :class:`Drop`
+BEHIND  past its liveness bound
+any     ``link_down``                         → DOWN
+======= ===================================== ================================================
+
+Whenever no member is LIVE, every connected member becomes LIVE: the federation never waits
+for nobody.
+
+Invariants. Frames of one link are handled by its verifier in order and federated sessions never
+see a stale epoch, so every Propose gets exactly one FederatedReply (or an Error): a member's
+``outstanding`` table is exact. A member's verifier text agrees with the edge's committed text
+and in-flight drafts on its first ``verifier_len`` tokens; a Propose carries as fixed tokens
+whatever lies between that and the batch's start (committed or in flight), so a member joins or
+rejoins at any batch. On a rejection (or a void round) every member holding tokens past the
+kept length gets a Rollback (new epoch, kept length) *before* any Propose of the new epoch:
+both come out of this core in order, and the driver writes each link's frames in that order.
+
+Exactness: a round's target is the weighted aggregate of the members whose replies it has
+(weights renormalised over them). Who is present depends on arrival times alone, never on a
+reply's contents, and is fixed before the round's randomness is drawn, so each round is exact
+for the aggregate of its members; the compression bounds are measured over them.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import numpy as np
 
 from edge_agent import aggregation
-from edge_agent.core import Batch, DesyncError, DraftPlan, Pipeline, VerifierError, VerifierLink
+from edge_agent.core import (
+    PREFILL_ALLOWANCE_S,
+    Batch,
+    DesyncError,
+    DraftPlan,
+    Pipeline,
+    VerifierError,
+    VerifierLink,
+)
 from edge_agent.events import Drop, EdgeEvent, Send
 from edge_agent.generation import Generation
 from edge_agent.pipeline_config import Mode, PipelineConfig
@@ -49,6 +101,7 @@ from shared.wire.protocol import (
     FederatedReply,
     Fingerprint,
     Hello,
+    Progress,
     ProtocolError,
     ReplyMode,
     Rollback,
@@ -59,11 +112,23 @@ from shared.wire.protocol import (
 
 log = logging.getLogger("wanspec.federation")
 
+#: Once a member has answered a round, the round waits for the other in-step members up to this
+#: multiple of that first answer's round time (or ``deadline_s``, when longer).
+WAIT_FACTOR: Final = 4.0
+#: A left-out member is readmitted when one of its rounds takes at most this fraction of the
+#: wait bound (hysteresis: a member at the bound does not flap in and out).
+READMIT_FRACTION: Final = 0.5
+#: A member is dead past this multiple of its slowest recent round (or of its verifier's own
+#: estimate of the time left), or ``liveness_s`` when longer: the single verifier's rule.
+LIVENESS_FACTOR: Final = 4.0
+#: Recent round times kept per member.
+ROUNDS_KEPT: Final = 16
+
 
 class WorkerState(TextEnum):
     DOWN = "down"
-    READY = "ready"  # connected, joins at the next boundary
-    LIVE = "live"
+    LIVE = "live"  # in step: sent every batch, waited for in the rounds it was sent
+    BEHIND = "behind"  # left out: keeps its session, probed, never waited for
 
 
 @dataclass(frozen=True)
@@ -88,7 +153,12 @@ class WorkerParams:
 class FederationStats:
     rounds_with_missing_workers: int = 0
     worker_drops: int = 0
+    #: Times a member became LIVE again (readmitted after being left out, or after a drop).
     worker_rejoins: int = 0
+    #: Times an in-step member was left out of the rounds for being slow (not dropped).
+    left_out: int = 0
+    #: Batches sent to a left-out member to see whether it keeps up again.
+    probes: int = 0
     bound_violations: int = 0
     positions_measured: int = 0
     eps_sum: list[float] = field(default_factory=list)  # per worker
@@ -101,13 +171,59 @@ class FederationStats:
         return [e / n for e in self.eps_sum]
 
 
+@dataclass(frozen=True)
+class Sent:
+    """A Propose a member has not answered yet: when it was sent and its fixed tokens."""
+
+    at: float
+    fixed: int
+
+
 @dataclass
 class Worker:
     params: WorkerParams
     index: int
     state: WorkerState = WorkerState.DOWN
     link: VerifierLink | None = None
-    joins: int = 0  # times it became live (more than one: it was re-synced)
+    joins: int = 0  # times it became LIVE (more than one: it rejoined)
+    #: Its Proposes not answered yet, by batch number, oldest first (see the invariants).
+    outstanding: dict[int, Sent] = field(default_factory=dict)
+    #: Seconds from sending a Propose to its reply, recent rounds (queueing included).
+    rounds: deque[float] = field(default_factory=lambda: deque(maxlen=ROUNDS_KEPT))
+    replied_at: float | None = None  # its last reply (this session)
+    progress_at: float | None = None  # its last Progress frame (this session)
+    progress_eta_s: float = 0.0  # that frame's estimate of the time its work still takes
+    probe_at: float = 0.0  # BEHIND: its next probe no sooner than this
+    answered: int = 0  # replies in this session
+
+    @property
+    def connected(self) -> bool:
+        return self.state != WorkerState.DOWN
+
+    def pace(self) -> float | None:
+        """Its typical round time: the median of its recent rounds (None before any)."""
+        return statistics.median(self.rounds) if self.rounds else None
+
+    def liveness_deadline(self, floor_s: float) -> float | None:
+        """When this member counts as dead if it stays silent (None: nothing outstanding).
+
+        From the later of its oldest outstanding Propose and its last reply: ``floor_s`` or
+        LIVENESS_FACTOR × its slowest recent round, plus that Propose's prefill allowance.
+        From a Progress frame since: ``floor_s`` or LIVENESS_FACTOR × the verifier's estimate
+        of the time left. A verifier whose engine moves sends Progress every second or so, so
+        only one that stopped (or a path that swallows frames) gets there."""
+        if not self.outstanding:
+            return None
+        oldest = next(iter(self.outstanding.values()))
+        base = oldest.at if self.replied_at is None else max(oldest.at, self.replied_at)
+        slowest = max(self.rounds, default=0.0)
+        deadline = (
+            base + max(floor_s, LIVENESS_FACTOR * slowest) + PREFILL_ALLOWANCE_S * oldest.fixed
+        )
+        if self.progress_at is not None and self.progress_at >= base:
+            eta = LIVENESS_FACTOR * self.progress_eta_s
+            deadline = max(deadline, self.progress_at + max(floor_s, eta))
+        return deadline
 
 
 class FederatedCore:
@@ -122,10 +238,16 @@ class FederatedCore:
         workers: Sequence[WorkerParams],
         *,
         deadline_s: float = 5.0,
+        liveness_s: float = 10.0,
         seed: int | None = None,
     ) -> None:
+        """``deadline_s``: the least time a round waits, once a member has answered it, for the
+        other in-step members (module docstring); ``liveness_s``: the floor of a member's
+        liveness bound (the single verifier's verdict deadline floor)."""
         if not workers:
             raise ValueError("a federation needs at least one worker")
+        if not (deadline_s > 0 and liveness_s > 0):
+            raise ValueError("deadline_s and liveness_s must be positive")
         self.cfg = cfg
         self.fingerprint = fingerprint
         # Workers never see q: the edge decides. Draft greedily only for greedy decoding.
@@ -134,10 +256,15 @@ class FederatedCore:
         )
         self.workers = [Worker(p, i) for i, p in enumerate(workers)]
         self.deadline_s = deadline_s
+        self.liveness_s = liveness_s
         self.seed = seed
         self.fed = FederationStats(eps_sum=[0.0] * len(workers))
         #: Since when no worker has been connected (None while one is).
         self.none_up_since: float | None = 0.0
+        self.rounds_decided = 0
+        #: When each in-flight batch got its first reply: id(batch) → (batch, time). Entries
+        #: leave with their batch (:meth:`_forget_decided`), so an id is never reused here.
+        self._first_reply: dict[int, tuple[Batch, float]] = {}
 
     @property
     def gen(self) -> Generation:
@@ -158,12 +285,14 @@ class FederatedCore:
             k=p.k,
             eps_target=p.eps_target,
             seed=session_seed,
+            progress=True,  # busy is not dead: liveness follows the verifier's Progress
         )
 
     # ------------------------------------------------------------------ links
 
     def link_up(self, index: int, welcome: Welcome, now: float) -> None:
-        """Worker ``index`` completed its handshake: it joins at the next boundary."""
+        """Worker ``index`` completed its handshake: in step at the start (or when nobody is),
+        else probed with the next batch."""
         w = self.workers[index]
         ctx = WireContext(
             vocab_size=self.fingerprint.vocab_size,
@@ -172,9 +301,17 @@ class FederatedCore:
             max_frame=welcome.max_frame,
             draft_probs=False,
         )
-        w.link, w.state = VerifierLink(ctx), WorkerState.READY
+        w.link = VerifierLink(ctx)
+        w.outstanding.clear()
+        w.rounds.clear()
+        w.replied_at = w.progress_at = None
+        w.answered = 0
+        w.probe_at = now
         self.none_up_since = None
-        self._join_at_boundary()
+        if self.rounds_decided == 0 or not self.live():
+            self._enter_step(w)
+        else:
+            w.state = WorkerState.BEHIND
 
     def link_down(self, index: int, why: str, now: float) -> bool:
         """Worker ``index``'s link is gone. True if it was up (counted as a drop)."""
@@ -184,25 +321,34 @@ class FederatedCore:
         log.warning("worker %s dropped: %s", w.params.name, why)
         self.fed.worker_drops += 1
         w.state, w.link = WorkerState.DOWN, None
-        if all(x.state == WorkerState.DOWN for x in self.workers):
+        w.outstanding.clear()
+        for b in self.pipe.inflight:  # its next session owes these nothing
+            b.seqs.pop(index, None)
+        if not any(x.connected for x in self.workers):
             self.none_up_since = now
+        self._keep_someone_in_step()
         return True
 
-    def _join_at_boundary(self) -> None:
-        if self.pipe.inflight:
+    def _enter_step(self, w: Worker) -> None:
+        w.state = WorkerState.LIVE
+        w.joins += 1
+        if w.joins > 1:
+            self.fed.worker_rejoins += 1
+
+    def _keep_someone_in_step(self, answered: Sequence[int] = ()) -> None:
+        """With no member LIVE, those of ``answered`` (the members that answered the round just
+        decided) are, or else every connected one: the federation never waits for nobody."""
+        if self.live():
             return
-        for w in self.workers:
-            if w.state == WorkerState.READY:
-                w.state = WorkerState.LIVE
-                w.joins += 1
-                if w.joins > 1:
-                    self.fed.worker_rejoins += 1
+        behind = [w for w in self.workers if w.state == WorkerState.BEHIND]
+        for w in [w for w in behind if w.index in answered] or behind:
+            self._enter_step(w)
 
     def live(self) -> list[Worker]:
         return [w for w in self.workers if w.state == WorkerState.LIVE]
 
     def all_connected(self) -> bool:
-        return all(w.state != WorkerState.DOWN for w in self.workers)
+        return all(w.connected for w in self.workers)
 
     # ------------------------------------------------------------------ drafting
 
@@ -212,15 +358,24 @@ class FederatedCore:
     def propose(
         self, plan: DraftPlan, draft: list[int], q_rows: list[Probs], now: float
     ) -> list[EdgeEvent]:
-        """Broadcast a drafted batch to every live worker; nothing if ``plan`` is void."""
-        live = self.live()
-        if not draft or not live or not self.pipe.current(plan):
+        """Send a drafted batch to every LIVE member, and as a probe to every BEHIND member
+        that has nothing outstanding and whose probe is due; nothing if ``plan`` is void."""
+        if not draft or not self.live() or not self.pipe.current(plan):
             return []
+        text = [*self.gen.committed, *self.pipe.tail]  # what the batch continues
         b = self.pipe.push(plan, draft, q_rows, now)
+        assert b.start == len(text)
         out: list[EdgeEvent] = []
-        for w in live:
-            assert w.link is not None
-            data = w.link.propose(self.gen.committed, b, w.index, with_q=False)
+        for w in self.workers:
+            probe = w.state == WorkerState.BEHIND and not w.outstanding and now >= w.probe_at
+            if not (w.state == WorkerState.LIVE or probe):
+                continue
+            assert w.link is not None and w.link.verifier_len <= len(text)
+            fixed = len(text) - w.link.verifier_len
+            data = w.link.propose(text, b, w.index, with_q=False)
+            w.outstanding[b.seqs[w.index]] = Sent(now, fixed)
+            if probe:
+                self.fed.probes += 1
             self.gen.stats.uplink_bytes += len(data)
             out.append(Send(data, w.index))
         return out
@@ -230,22 +385,47 @@ class FederatedCore:
     def receive(self, index: int, data: bytes, now: float) -> list[EdgeEvent]:
         """One frame from worker ``index``."""
         w = self.workers[index]
-        if w.state == WorkerState.DOWN or w.link is None:
+        if not w.connected or w.link is None:
             return []  # a frame that raced the drop
         self.gen.stats.downlink_bytes += len(data)
         try:
             msg = w.link.decode(data)
         except (ProtocolError, VerifierError) as e:
             return self._drop(w, str(e), now)
+        if isinstance(msg, Progress):
+            self.gen.stats.progress_frames += 1
+            w.progress_at, w.progress_eta_s = now, msg.eta_ms / 1000.0
+            return []
         if not isinstance(msg, FederatedReply):
             return self._drop(w, f"unexpected {type(msg).__name__}", now)
+        sent = w.outstanding.pop(msg.seq, None)
+        if sent is None:
+            return self._drop(w, f"a reply to batch {msg.seq}, which it was not sent", now)
+        w.rounds.append(max(0.0, now - sent.at))
+        w.replied_at = now
+        w.answered += 1
         for b in self.pipe.inflight:
             if b.seqs.get(index) == msg.seq and w.link.epoch == msg.epoch:
                 if len(msg.p_draft) != len(b.draft):
                     return self._drop(w, "replied for a different γ", now)
                 b.replies[index] = msg
-                return []
-        return []  # a reply to a batch discarded by a rejection: its work is void
+                self._first_reply.setdefault(id(b), (b, now))
+                break
+        # (else: a reply to a decided or discarded batch: its work only tells the speed)
+        if w.state == WorkerState.BEHIND:
+            self._maybe_readmit(w, now - sent.at, now)
+        return []
+
+    def _maybe_readmit(self, w: Worker, round_s: float, now: float) -> None:
+        bound = READMIT_FRACTION * self.wait_bound(exclude=w)
+        if round_s <= bound:
+            log.info(
+                "worker %s keeps up again (%.2f s a round, bound %.2f s): back in step",
+                w.params.name, round_s, bound,
+            )  # fmt: skip
+            self._enter_step(w)
+        else:
+            w.probe_at = now + round_s  # at most half its time on probes
 
     def _drop(self, w: Worker, why: str, now: float) -> list[EdgeEvent]:
         self.link_down(w.index, why, now)
@@ -253,63 +433,127 @@ class FederatedCore:
 
     # ------------------------------------------------------------------ rounds
 
-    def head_deadline(self) -> float | None:
-        """When the head batch must be decided, answered or not (None: nothing in flight)."""
-        if not self.pipe.inflight:
-            return None
-        return self.pipe.inflight[0].sent_at + self.deadline_s
+    def wait_bound(self, exclude: Worker | None = None) -> float:
+        """How long rounds wait for a member now: ``deadline_s``, or WAIT_FACTOR × the fastest
+        in-step member's median round when longer (the readmission yardstick)."""
+        paces = [p for w in self.live() if w is not exclude and (p := w.pace()) is not None]
+        return max(self.deadline_s, WAIT_FACTOR * min(paces, default=0.0))
 
-    def round_ready(self, now: float) -> bool:
-        """The head batch can be decided: every live worker sent it replied, or time is up."""
+    def _round_deadline(self, b: Batch) -> float | None:
+        """When batch ``b`` stops waiting for in-step members (None: nobody has answered it,
+        so it waits on liveness alone)."""
+        first = self._first_reply.get(id(b))
+        if first is None:
+            return None
+        return b.sent_at + max(self.deadline_s, WAIT_FACTOR * (first[1] - b.sent_at))
+
+    def _owed(self, b: Batch) -> list[Worker]:
+        """Connected members that were sent ``b`` and have not answered it."""
+        return [self.workers[i] for i in b.seqs if i not in b.replies]
+
+    def _head_ready(self, now: float) -> bool:
         if not self.pipe.inflight:
             return False
         b = self.pipe.inflight[0]
-        waiting = [
-            i for i in b.seqs if i not in b.replies and self.workers[i].state == WorkerState.LIVE
-        ]
-        return not waiting or now >= b.sent_at + self.deadline_s
-
-    def decide(self, now: float) -> list[EdgeEvent]:
-        """Decide the head batch (call when :meth:`round_ready`)."""
-        pipe = self.pipe
-        b = pipe.inflight[0]
-        out: list[EdgeEvent] = []
-        for i in list(b.seqs):
-            if i not in b.replies:
-                w = self.workers[i]
-                # Only a LIVE worker was waited for (round_ready): one that was dropped since
-                # this batch was sent and has reconnected (READY) owes it nothing.
-                if w.state == WorkerState.LIVE:
-                    self.link_down(i, "missed the round deadline", now)
-                    out.append(Drop(i, "missed the round deadline"))
+        owed = self._owed(b)
         if not b.replies:
-            # Nobody answered: the batch is void; drafting restarts from the committed ids.
-            pipe.discard_inflight()
-            return out + self._rollback_all(len(self.gen.committed))
-        rejected = self._decide(b, now)
-        if rejected:  # crop every worker to the accepted prefix (before the recovered token)
-            out += self._rollback_all(len(self.gen.committed) - 1)
-        self._join_at_boundary()
+            return not owed  # void once nobody can answer it any more
+        if all(w.state != WorkerState.LIVE for w in owed):
+            return True
+        deadline = self._round_deadline(b)
+        return deadline is not None and now >= deadline
+
+    def _stalled(self, now: float) -> list[Worker]:
+        out = []
+        for w in self.workers:
+            d = w.liveness_deadline(self.liveness_s) if w.connected else None
+            if d is not None and now >= d:
+                out.append(w)
         return out
 
-    def _rollback_all(self, keep: int) -> list[EdgeEvent]:
-        """Every live worker keeps ``keep`` tokens and enters a new epoch."""
+    def round_ready(self, now: float) -> bool:
+        """Something is due at ``now``: a silent member to drop, or the head batch to decide
+        (every in-step member it was sent replied, or its wait is over)."""
+        return bool(self._stalled(now)) or self._head_ready(now)
+
+    def wake_at(self) -> float | None:
+        """The next time :meth:`round_ready` may turn true with no frame arriving: the head's
+        wait bound or a member's liveness deadline (None: only a frame can change anything)."""
+        times = [d for w in self.workers if (d := w.liveness_deadline(self.liveness_s)) is not None]
+        if self.pipe.inflight:
+            b = self.pipe.inflight[0]
+            d = self._round_deadline(b)
+            if d is not None and any(w.state == WorkerState.LIVE for w in self._owed(b)):
+                times.append(d)
+        return min(times, default=None)
+
+    def decide(self, now: float) -> list[EdgeEvent]:
+        """Carry out what is due at ``now`` (call when :meth:`round_ready`): drop members silent
+        past their liveness bound, then decide every head batch that is ready."""
         out: list[EdgeEvent] = []
-        for w in self.live():
-            assert w.link is not None
+        for w in self._stalled(now):
+            oldest = next(iter(w.outstanding.values()))
+            heard = max(t for t in (oldest.at, w.replied_at, w.progress_at) if t is not None)
+            why = (
+                f"silent for {now - heard:.1f} s with {len(w.outstanding)} Propose(s) "
+                f"unanswered: the verifier is stalled (liveness bound: max({self.liveness_s:g} "
+                f"s, {LIVENESS_FACTOR:g} × its slowest round or its own estimate of the rest))"
+            )
+            out += self._drop(w, why, now)
+        while self._head_ready(now):
+            out += self._decide_head(now)
+        return out
+
+    def _decide_head(self, now: float) -> list[EdgeEvent]:
+        pipe = self.pipe
+        b = pipe.inflight[0]
+        if not b.replies:
+            # Nobody answered and nobody can: the batch is void; drafting restarts from the
+            # committed ids.
+            pipe.discard_inflight()
+            self._forget_decided()
+            return self._rollback_all(len(self.gen.committed))
+        for w in self._owed(b):
+            if w.state == WorkerState.LIVE:  # slow, not dead: left out, session kept
+                w.state = WorkerState.BEHIND
+                w.probe_at = now
+                self.fed.left_out += 1
+                log.info(
+                    "worker %s left out of the rounds: no reply %.2f s after sending (wait "
+                    "bound %.2f s); it keeps its session and is probed",
+                    w.params.name, now - b.sent_at, (self._round_deadline(b) or now) - b.sent_at,
+                )  # fmt: skip
+        self._keep_someone_in_step(answered=list(b.replies))
+        rejected = self._decide(b, now)
+        self.rounds_decided += 1
+        self._forget_decided()
+        if rejected:  # crop every member to the accepted prefix (before the recovered token)
+            return self._rollback_all(len(self.gen.committed) - 1)
+        return []
+
+    def _forget_decided(self) -> None:
+        inflight = {id(b) for b in self.pipe.inflight}
+        self._first_reply = {k: v for k, v in self._first_reply.items() if k in inflight}
+
+    def _rollback_all(self, keep: int) -> list[EdgeEvent]:
+        """Every member whose verifier holds tokens past ``keep`` keeps ``keep`` and enters a
+        new epoch (one that holds none has nothing to undo: no frame)."""
+        out: list[EdgeEvent] = []
+        for w in self.workers:
+            if w.link is None or w.link.verifier_len <= keep:
+                continue
             w.link.epoch += 1
-            w.link.verifier_len = min(w.link.verifier_len, keep)
-            data = encode(Rollback(w.link.epoch, w.link.verifier_len), w.link.ctx)
+            w.link.verifier_len = keep
+            data = encode(Rollback(w.link.epoch, keep), w.link.ctx)
             self.gen.stats.uplink_bytes += len(data)
             out.append(Send(data, w.index))
-        self._join_at_boundary()
         return out
 
     def _decide(self, b: Batch, now: float) -> bool:
         """Aggregate the replies, commit; True on a rejection."""
         pipe, st, fed = self.pipe, self.gen.stats, self.fed
         idx = sorted(b.replies)
-        if len(idx) < len(b.seqs) or len(idx) < len(self.workers):
+        if len(idx) < len(self.workers):
             fed.rounds_with_missing_workers += 1
         weights = [self.workers[i].params.weight for i in idx]
         # As in single mode, only stop-and-wait takes bonus tokens: a pipelined edge has
