@@ -13,6 +13,7 @@ reconnects each worker by the same policy. Committed text is never lost or dupli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -21,10 +22,12 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 
 from edge_agent.core import (
+    ContextExceeded,
     DesyncError,
     HandshakeError,
     SingleCore,
     VerifierError,
+    fit_context,
     hello_for,
 )
 from edge_agent.drafter import DraftModel
@@ -33,13 +36,35 @@ from edge_agent.federation import WorkerSpec, run_federated
 from edge_agent.generation import Generation, TokenSource
 from edge_agent.link import TokenRefused, VerifierBusy
 from edge_agent.pipeline_config import PipelineConfig
-from edge_agent.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy
+from edge_agent.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy, WaitCause
 from edge_agent.tasks import ModelWorker
 from edge_agent.transport import LinkClosed, Transport, announced_welcome
-from shared.errors import FATAL_CODES
-from shared.wire.protocol import Fingerprint, Hello, ProtocolError, Resume, encode
+from shared.errors import FATAL_CODES, ErrorCode
+from shared.wire.protocol import Fingerprint, Hello, ProtocolError, Resume, Welcome, encode
 
-__all__ = ["Connect", "EdgeAgent", "HandshakeError", "RetryPolicy"]
+__all__ = [
+    "Connect",
+    "ContextExceeded",
+    "EdgeAgent",
+    "HandshakeError",
+    "RetryPolicy",
+    "VerifierWaitOver",
+]
+
+#: A connection attempt made at the very end of the wait still gets this long (so the wait's
+#: last attempt is a real one): the bound is overrun by at most this much.
+MIN_ATTEMPT_S = 0.5
+
+
+class VerifierWaitOver(LinkClosed):
+    """The request waited its whole bound (``RetryPolicy.deadline_s``, the daemon's
+    ``verifier_wait``) for a verifier without progress. ``retry_after``: whole seconds after
+    which a client may try again; ``waited``: the seconds waited."""
+
+    def __init__(self, message: str, *, retry_after: int, waited: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.waited = waited
 
 
 def _resume_token(core: SingleCore | None, known: str | None) -> str | None:
@@ -71,10 +96,12 @@ class EdgeAgent:
         federation: Sequence[WorkerSpec] = (),
         round_deadline_s: float = 5.0,
         on_session_failed: Callable[[BaseException], None] | None = None,
+        on_welcome: Callable[[Welcome], None] | None = None,
     ) -> None:
         """``federation``: two or more verifiers that all verify every draft (SpecFed mode,
         :mod:`edge_agent.federation`); ``connect`` is then unused. ``on_session_failed`` hears
-        of every session that fails and is retried (a stalled or lost link)."""
+        of every session that fails and is retried (a stalled or lost link); ``on_welcome`` of
+        every session's own Welcome (its limits), once the session is over."""
         if drafter is None and federation:
             raise ValueError("federated verification needs a draft model on the edge")
         self.drafter = drafter
@@ -86,6 +113,7 @@ class EdgeAgent:
         self.federation = list(federation)
         self.round_deadline_s = round_deadline_s
         self.on_session_failed = on_session_failed
+        self.on_welcome = on_welcome
 
     def close(self) -> None:
         if self._owns_worker:
@@ -150,7 +178,7 @@ class EdgeAgent:
             )
             return
         jitter = random.Random(seed)
-        outage = Outage(policy)
+        outage = Outage(policy)  # the one bound on waiting for a verifier
         session_no = 0
         #: The last session's resume token, while resuming it may help (a lost connection).
         resume_token: str | None = None
@@ -160,20 +188,33 @@ class EdgeAgent:
             vseed = None if seed is None else (seed * 1_000_003 + session_no) % 2**63
             session_no += 1
             committed_before = len(gen.committed)
+            began = _now()
             transport: Transport | None = None
             core: SingleCore | None = None
             try:
-                transport = await self.connect()
+                transport = await self._connect(outage, policy)
                 resume = None
                 if resume_token is not None:
                     resume = Resume(resume_token, len(gen.committed))
-                hello = self.hello(cfg, vseed, len(gen.committed) + gen.room, resume)
                 resume_token = None
                 welcome = None if resume is not None else announced_welcome(transport)
                 provisional = welcome is not None
+                if welcome is not None:
+                    # The connection's Ready says the verifier's context: the generation
+                    # stops there ("length"), before its Hello names where it ends.
+                    fit_context(gen, welcome.max_context)
+                    if gen.done:
+                        return
+                hello = self.hello(cfg, vseed, len(gen.committed) + gen.room, resume)
                 if welcome is None:
-                    welcome = await handshake(transport, hello, policy.handshake_timeout_s)
+                    timeout = policy.handshake_timeout_s
+                    if policy.link_down == LinkDownPolicy.WAIT and outage.waiting:
+                        timeout = min(timeout, max(MIN_ATTEMPT_S, outage.remaining(_now())))
+                    welcome = await handshake(transport, hello, timeout)
                     resume_token = welcome.resume
+                    fit_context(gen, welcome.max_context)
+                    if gen.done:
+                        return
                 else:
                     # Zero round trips: the Hello leaves with the first Propose; the session's
                     # own Welcome (or its refusal) is its first frame back.
@@ -195,18 +236,47 @@ class EdgeAgent:
                 raise  # PermissionError is an OSError, but retrying a refused token is pointless
             except (DesyncError, ProtocolError, VerdictTimeout) as e:
                 resume_token = None  # that session is not to be trusted or is stuck
-                await self._failed(gen, cfg, rng, outage, jitter, e, committed_before)
+                await self._failed(
+                    gen, cfg, rng, outage, jitter, e, committed_before, _unopened(core, began)
+                )
             except (LinkClosed, asyncio.TimeoutError, OSError) as e:
                 resume_token = _resume_token(core, resume_token)
-                await self._failed(gen, cfg, rng, outage, jitter, e, committed_before)
+                await self._failed(
+                    gen, cfg, rng, outage, jitter, e, committed_before, _unopened(core, began)
+                )
             except VerifierError as e:
                 if e.fatal and e.code in FATAL_CODES:
                     raise
+                if e.code == ErrorCode.CONTEXT_FULL:
+                    # fit_context keeps every frame within the verifier's context; should one
+                    # pass it anyway, the text ends there: a new session would only be
+                    # refused again (a reconnect loop that loses the text).
+                    log.warning("the verifier's context is full (%s): the text ends here", e)
+                    gen.finish("length")
+                    return
                 resume_token = _resume_token(core, resume_token)
-                await self._failed(gen, cfg, rng, outage, jitter, e, committed_before)
+                await self._failed(
+                    gen, cfg, rng, outage, jitter, e, committed_before, _unopened(core, began)
+                )
             finally:
                 if transport is not None:
                     await transport.close()
+                if core is not None and core.welcome is not None and self.on_welcome is not None:
+                    self.on_welcome(core.welcome)
+
+    async def _connect(self, outage: Outage, policy: RetryPolicy) -> Transport:
+        """A session's transport. During a wait (under ``wait``), within what is left of its
+        bound (at least :data:`MIN_ATTEMPT_S`): past it, a LinkClosed saying so. The first
+        attempt is bounded by the link's own timeouts (``connect_timeout_s``)."""
+        if policy.link_down != LinkDownPolicy.WAIT or not outage.waiting:
+            return await self.connect()
+        left = max(MIN_ATTEMPT_S, outage.remaining(_now()))
+        try:
+            return await _within(self.connect(), left)
+        except asyncio.TimeoutError:
+            raise LinkClosed(
+                f"no connection to a verifier within the {left:.1f} s left of the wait"
+            ) from None
 
     async def _failed(
         self,
@@ -217,12 +287,15 @@ class EdgeAgent:
         jitter: random.Random,
         err: BaseException,
         committed_before: int,
+        began: float | None,
     ) -> None:
         """A session failed: count it, give up by the policy, else pause before the next.
 
-        One INFO line per outage (its first failure); the attempts after it log at DEBUG, and a
-        give-up is the caller's one WARNING line. A busy verifier's refusal waits its
-        Retry-After (jittered) and is logged at INFO: it is not a failure of the link."""
+        One WARNING line when a wait for a verifier starts (the first failure since the run
+        started or last made progress), one INFO line whenever what it meets changes (busy ↔
+        down), DEBUG for the attempts between; the give-up is the caller's WARNING line. A
+        busy verifier's refusal waits its Retry-After (jittered): busy is not down, but both
+        count against the one bound."""
         busy = err if isinstance(err, VerifierBusy) else None
         if busy is None:
             gen.stats.reconnects += 1
@@ -230,25 +303,49 @@ class EdgeAgent:
             gen.stats.busy_refusals += 1
         if self.on_session_failed is not None:
             self.on_session_failed(err)
-        first = outage.since is None or len(gen.committed) > committed_before
+        progressed = len(gen.committed) > committed_before
+        first = not outage.waiting or progressed
+        before = outage.last
+        now = _now()
         try:
             attempt = outage.failed(
-                time.monotonic(),
-                progressed=len(gen.committed) > committed_before,
+                now,
+                progressed=progressed,
                 cause=str(err) or type(err).__name__,
                 stalled=isinstance(err, VerdictTimeout),
                 busy=busy is not None,
+                retry_after=None if busy is None else busy.retry_after,
+                began=began,
             )
         except GiveUp as e:
-            raise LinkClosed(str(e)) from err
+            raise VerifierWaitOver(str(e), retry_after=e.retry_after, waited=e.waited) from err
         policy = outage.policy
-        delay = policy.delay(attempt, jitter, None if busy is None else busy.retry_after)
-        if busy is not None:
-            log.info("%s; waiting %.1f s", err, delay)
-        elif first:
-            log.info("verifier session lost (%s); reconnecting", err)
+        delay = outage.pause(attempt, jitter, now)
+        kind = outage.last
+        if first:
+            if policy.link_down == LinkDownPolicy.DRAFT_ONLY and self.drafter is not None:
+                log.warning(
+                    "no verifier (%s: %s); generating with the draft alone meanwhile", kind, err
+                )
+            else:
+                log.warning(
+                    "waiting for a verifier (%s: %s); giving up after %g s without progress",
+                    kind,
+                    err,
+                    policy.deadline_s,
+                )
+        elif kind != before and kind in (WaitCause.BUSY, WaitCause.DOWN):
+            log.info(
+                "still waiting for a verifier, %.0f s of %g s: now %s (%s)",
+                outage.waited(now),
+                policy.deadline_s,
+                kind,
+                err,
+            )
         else:
-            log.debug("verifier session lost (%s); reconnecting (attempt %d)", err, attempt)
+            log.debug(
+                "verifier session failed (%s); next attempt %d in %.1f s", err, attempt, delay
+            )
         await self._pause(gen, cfg, rng, policy, delay)
 
     async def _pause(
@@ -273,3 +370,30 @@ class EdgeAgent:
             gen.commit([step.token], TokenSource.LOCAL_DRAFT)
             if time.monotonic() >= deadline:
                 break
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def _unopened(core: SingleCore | None, began: float) -> float | None:
+    """``began`` (when the session attempt began) if the session never opened (no Welcome
+    came): its time was spent waiting for a verifier; None for one that opened."""
+    return began if core is None or core.welcome is None else None
+
+
+async def _within(connecting: Awaitable[Transport], timeout: float) -> Transport:
+    """``connecting``'s transport, or asyncio.TimeoutError after ``timeout`` s (the attempt is
+    cancelled). Built on ``asyncio.wait``: ``asyncio.wait_for`` can swallow a cancellation on
+    Python <= 3.11."""
+    task = asyncio.ensure_future(connecting)
+    try:
+        await asyncio.wait({task}, timeout=timeout)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise asyncio.TimeoutError
+    return task.result()  # (one that ended as it was cancelled is used, not leaked)

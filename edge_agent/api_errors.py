@@ -6,6 +6,7 @@ middleware (:mod:`edge_agent.server`) turns it, and aiohttp's own HTTP errors, i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -14,7 +15,13 @@ from shared.errors import WanspecError
 
 
 class ApiError(WanspecError):
-    """An error answered in OpenAI's JSON shape."""
+    """An error answered in OpenAI's JSON shape.
+
+    ``retry_after``: whole seconds after which the request may succeed (a 503 whose wait for
+    a verifier ran out): the ``Retry-After`` header, and ``error.retry_after`` in the body
+    (where a stream, its headers long sent, can still say it). ``partial``: members beside
+    ``error`` in the body, in the endpoint's own shape (``choices`` with the text generated
+    before the failure, ``usage``, ``wanspec``): what a failed generation had produced."""
 
     def __init__(
         self,
@@ -24,6 +31,8 @@ class ApiError(WanspecError):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
+        partial: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
@@ -33,18 +42,23 @@ class ApiError(WanspecError):
             param,
             code,
         )
+        self.retry_after = retry_after
+        self.partial = dict(partial or {})
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
+        error: dict[str, Any] = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
         }
+        if self.retry_after is not None:
+            error["retry_after"] = self.retry_after
+        return {**self.partial, "error": error}
 
     def response(self, **headers: str) -> web.Response:
+        if self.retry_after is not None:
+            headers.setdefault("Retry-After", str(self.retry_after))
         return web.json_response(self.body(), status=self.status, headers=headers or None)
 
 

@@ -12,7 +12,8 @@ Pure functions of the decoded JSON body (no I/O, no model): each parser has one 
 6. :func:`parse_logprobs`: ``logprobs`` and ``top_logprobs`` (chat), ``logprobs`` (completions),
 7. :func:`parse_speculation`: our extension object ``"wanspec": {gamma, depth, mode, correction}``,
 8. :func:`build_pipeline`: the daemon's defaults with the request's values on top,
-9. :func:`completion_budget`: the draft's context bounds prompt + completion,
+9. :func:`completion_budget`: the context (the draft's and the verifier's,
+   :class:`ContextLimit`) bounds prompt + completion,
 10. :func:`parse_stops`: ``stop``.
 
 The prompt itself: :func:`parse_messages` (chat) and :func:`parse_prompt` (completions); the
@@ -360,26 +361,57 @@ def build_pipeline(
         raise bad_request("logprobs", str(e)) from None
 
 
+@dataclass(frozen=True)
+class ContextLimit:
+    """The tokens a generation may hold, prompt and completion: the least of the draft's
+    context and the verifier's (the ``max_context`` its connection's Ready announced); None
+    where unknown (no draft model, no verifier reached yet) or unbounded."""
+
+    draft: int | None
+    verifier: int | None
+
+    @property
+    def tokens(self) -> int | None:
+        known = [n for n in (self.draft, self.verifier) if n is not None]
+        return min(known) if known else None
+
+    def words(self, verb: str = "is") -> str:
+        """The limit in words, naming both numbers where both are known: ``verb`` "is" (the
+        context is N ...) or "of" (the context of N ...)."""
+        if self.draft is not None and self.verifier is not None:
+            return (
+                f"the context {verb} {self.tokens} (the draft's {self.draft}, the verifier's "
+                f"{self.verifier})"
+            )
+        if self.verifier is not None:
+            return f"the verifier's context {verb} {self.verifier}"
+        return f"this model's context {verb} {self.draft}"
+
+
 def completion_budget(
-    prompt_tokens: int, max_tokens: int | None, context: int | None, default: int
+    prompt_tokens: int, max_tokens: int | None, context: int | ContextLimit | None, default: int
 ) -> int:
-    """The completion length: ``max_tokens``, else ``default`` capped by the room the draft's
-    ``context`` (None: unbounded) leaves after the prompt; 400 when they do not fit."""
-    if context is None:
+    """The completion length: ``max_tokens``, else ``default`` capped by the room the
+    ``context`` (the draft's as a number, or a :class:`ContextLimit`; None: unbounded) leaves
+    after the prompt; 400 when they do not fit."""
+    if isinstance(context, int):
+        context = ContextLimit(context, None)
+    limit = None if context is None else context.tokens
+    if context is None or limit is None:
         return max_tokens or default
-    room = context - prompt_tokens
+    room = limit - prompt_tokens
     if room < 1:
         raise ApiError(
             400,
-            f"the prompt has {prompt_tokens} tokens; this model's context is {context}",
+            f"the prompt has {prompt_tokens} tokens; {context.words('is')}",
             param="messages",
             code="context_length_exceeded",
         )
     if max_tokens is not None and max_tokens > room:
+        over = context.words("of")
         raise ApiError(
             400,
-            f"max_tokens {max_tokens} + {prompt_tokens} prompt tokens exceed this model's "
-            f"context of {context}",
+            f"max_tokens {max_tokens} + {prompt_tokens} prompt tokens exceed {over}",
             param="max_tokens",
             code="context_length_exceeded",
         )
@@ -407,12 +439,12 @@ def parse_request(
     settings: EdgeSettings,
     *,
     prompt_tokens: int,
-    context: int | None,
+    context: int | ContextLimit | None,
     chat: bool = True,
 ) -> ApiRequest:
     """The sampling, length and speculation fields shared by both generation endpoints.
 
-    ``prompt_tokens``: the prompt's length; ``context``: the draft's context (None: unbounded);
+    ``prompt_tokens``: the prompt's length; ``context``: the context (None: unbounded);
     ``chat``: the chat endpoint (else completions: ``logprobs`` is read their way).
     """
     check_unsupported(body)

@@ -32,7 +32,7 @@ from edge_agent.config import (
 )
 from edge_agent.pipeline_config import Mode, PipelineConfig
 from edge_agent.progress import Progress, check_cuda, quiet_hub_progress
-from edge_agent.service import EdgeService, Finished, GenRequest, loading_line
+from edge_agent.service import EdgeService, Finished, GenRequest, PromptTooLong, loading_line
 from edge_agent.text import sources_line
 from edge_agent.unicode_text import text_error
 from shared.errors import WanspecError
@@ -265,12 +265,14 @@ class LocalBackend:
             )
         except ValueError as e:
             raise ChatError(str(e)) from None
-        limit = self.service.max_context
+        context = self.service.context_limit()
+        limit = context.tokens
         max_tokens = opts.max_tokens
         if limit is not None:
             if len(prompt) >= limit:
                 raise ChatError(
-                    f"the conversation ({len(prompt)} tokens) fills the context; /clear"
+                    f"the conversation ({len(prompt)} tokens) fills the context: "
+                    f"{context.words('is')}; /clear"
                 )
             max_tokens = min(max_tokens, limit - len(prompt))
         req = GenRequest(prompt, pipeline, max_tokens, seed=opts.seed)
@@ -278,6 +280,8 @@ class LocalBackend:
             try:
                 async for ev in events:
                     yield ev if isinstance(ev, Finished) else ev.text
+            except PromptTooLong as e:  # a verifier reached only now: its context is smaller
+                raise ChatError(f"the conversation does not fit: {e}; /clear") from e
             except (RuntimeError, OSError) as e:
                 raise ChatError(str(e)) from e
 

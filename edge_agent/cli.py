@@ -57,9 +57,11 @@ _SETTINGS_HELP: dict[str, str] = {
     "ca_file": "CA bundle to verify a wss:// verifier",
     "insecure_skip_verify": "do not verify the verifier's TLS certificate",
     "heartbeat": "WebSocket ping interval to the verifier, seconds",
-    "link_down_deadline": "seconds the verifier may stay unreachable before a request fails",
+    "verifier_wait": "seconds a request may wait for a verifier without progress (down, busy, "
+    "or both in turn) before it gets 503 with Retry-After and its text so far",
+    "link_down_deadline": "deprecated: the old name of --verifier-wait",
     "link_down_fail_fast": "with fallback none and every verifier known down: seconds before a "
-    "request fails (0 = wait link_down_deadline)",
+    "request fails (0 = wait verifier_wait)",
     "verdict_timeout": "seconds (at least) to wait for a Verdict before leaving a stalled verifier",
     "probe_interval": "seconds between probes of the verifier's /health",
     "fallback": "no verifier reachable: none (HTTP 503) or draft (unverified draft-only text)",
@@ -114,9 +116,11 @@ _API = {
 }  # fmt: skip
 _LINK = {
     "verifier", "failover", "weights", "k", "eps_target", "reconstruction", "round_deadline",
-    "token_file", "ca_file", "insecure_skip_verify", "heartbeat", "link_down_deadline",
-    "link_down_fail_fast", "verdict_timeout", "fallback",
+    "token_file", "ca_file", "insecure_skip_verify", "heartbeat", "verifier_wait",
+    "link_down_deadline", "link_down_fail_fast", "verdict_timeout", "fallback",
 }  # fmt: skip
+#: Renamed settings (edge_agent.config.RENAMED): still accepted, listed in no --help.
+_DEPRECATED = {"link_down_deadline"}
 _UNLISTED: dict[str, set[str]] = {
     "generate": _API,
     "demo": _API | _LINK,  # the demo starts its own verifier
@@ -149,7 +153,7 @@ def _add_settings_args(p: argparse.ArgumentParser, command: str = "serve") -> No
         flag = "--" + f.name.replace("_", "-")
         text = f"{_SETTINGS_HELP.get(f.name, '')} (default {f.default}; env {ENV_PREFIX}"
         text += f"{f.name.upper()})"
-        if f.name in unlisted:
+        if f.name in unlisted or f.name in _DEPRECATED:
             text = argparse.SUPPRESS
         tp = hints[f.name]
         if tp is bool:  # --cogen / --no-cogen: either way beats the file and the environment
@@ -271,10 +275,13 @@ def _summary(r: dict[str, Any]) -> str:
     )
 
 
-def _finish(args: argparse.Namespace, result: dict[str, Any]) -> None:
+def _finish(args: argparse.Namespace, result: dict[str, Any], max_tokens: int) -> None:
     sys.stdout.write("\n")
     if result.get("finish_reason") == "length":
-        _say(f"[cut at max_tokens = {result['tokens']}]")
+        if result["tokens"] < max_tokens:  # the context (the draft's or the verifier's) ended it
+            _say(f"[cut at {result['tokens']} tokens: the context is full]")
+        else:
+            _say(f"[cut at max_tokens = {result['tokens']}]")
     print(f"[stats] {_summary(result)}", file=sys.stderr)
     if args.json:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
@@ -324,10 +331,13 @@ async def _generate_once(
     loaded, _ = service.require()
     prompt_ids = encode_prompt(loaded, prompt, chat=chat)
     max_tokens = s.max_tokens
-    limit = service.max_context
+    context = service.context_limit()
+    limit = context.tokens
     if limit is not None:
         if len(prompt_ids) >= limit:
-            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) fills the context ({limit})")
+            raise ValueError(
+                f"the prompt ({len(prompt_ids)} tokens) fills the context: {context.words('is')}"
+            )
         max_tokens = min(max_tokens, limit - len(prompt_ids))
     req = GenRequest(prompt_ids, s.pipeline(), max_tokens, seed=s.seed)
     result: dict[str, Any] | None = None
@@ -357,7 +367,7 @@ def _generate(args: argparse.Namespace, settings: EdgeSettings) -> int:
         finally:
             await service.close()
 
-    _finish(args, asyncio.run(run()))
+    _finish(args, asyncio.run(run()), settings.max_tokens)
     return 0
 
 
@@ -454,7 +464,7 @@ def _demo(args: argparse.Namespace, settings: EdgeSettings) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    _finish(args, result)
+    _finish(args, result, settings.max_tokens)
     return 0
 
 

@@ -76,6 +76,13 @@ NO_DRAFT = "none"
 SEED_RANGE = (0, 2**64 - 1)
 
 
+#: The default of ``verifier_wait`` (seconds): a verifier restart takes a few.
+DEFAULT_VERIFIER_WAIT = 60.0
+#: Settings renamed: old name → new name (the old one is read, with a warning, once).
+RENAMED = {"link_down_deadline": "verifier_wait"}
+_warned: set[str] = set()
+
+
 def _b(lo: float, hi: float | None = None) -> dict[str, float]:
     return {"min": lo} if hi is None else {"min": lo, "max": hi}
 
@@ -101,10 +108,15 @@ class EdgeSettings:
     ca_file: Path | None = None  # CA bundle for a wss:// verifier
     insecure_skip_verify: bool = False
     heartbeat: float = field(default=10.0, metadata=_b(0.5))  # WebSocket ping interval, s
-    # s a link may stay down (no session making progress) before a request fails (fallback none)
-    link_down_deadline: float = field(default=60.0, metadata=_b(0.1, 86_400))
+    # s a request may wait for a verifier without progress, whatever it meets (refused or lost
+    # connections, busy refusals with Retry-After, or both in turn, as a crash-looping verifier
+    # gives): then it fails with 503 and Retry-After, with its text so far (fallback none)
+    verifier_wait: float = field(default=DEFAULT_VERIFIER_WAIT, metadata=_b(0.1, 86_400))
+    # deprecated: the old name of verifier_wait (which bounded a down link only); still read,
+    # with a warning, and moved to verifier_wait
+    link_down_deadline: float | None = field(default=None, metadata=_b(0.1, 86_400))
     # s: with fallback "none" and every verifier known down (the probes or the last session said
-    # so), a request fails after this long instead of link_down_deadline; 0 = off
+    # so), a request fails after this long instead of verifier_wait; 0 = off
     link_down_fail_fast: float = field(default=3.0, metadata=_b(0.0, 86_400))
     # s: the floor of the verdict deadline (a stalled verifier is left after max(this, 4 × RTT))
     verdict_timeout: float = field(default=10.0, metadata=_b(0.1, 3600))
@@ -170,6 +182,7 @@ class EdgeSettings:
     log_level: LogLevel = "info"
 
     def __post_init__(self) -> None:
+        self._move_renamed()
         urls = self.verifier_urls
         if not urls:
             raise ConfigError("verifier", "needs at least one ws:// or wss:// URL")
@@ -199,6 +212,30 @@ class EdgeSettings:
             raise ConfigError("tree", "sends the prepared branches: it needs predraft > 0")
         if self.cloud_only:
             self._check_cloud_only()
+
+    def _move_renamed(self) -> None:
+        """``link_down_deadline`` (deprecated) becomes ``verifier_wait``, with one warning per
+        process; both set to different values is an error naming the new one. Invariant after
+        it: ``link_down_deadline`` is None, so copies (``dataclasses.replace``) carry the value
+        in ``verifier_wait`` alone."""
+        old = self.link_down_deadline
+        if old is None:
+            return
+        if self.verifier_wait not in (old, DEFAULT_VERIFIER_WAIT):
+            raise ConfigError(
+                "link_down_deadline",
+                f"is the old name of verifier_wait, and both are set ({old:g} and "
+                f"{self.verifier_wait:g}): set verifier_wait only",
+            )
+        if "link_down_deadline" not in _warned:
+            _warned.add("link_down_deadline")
+            log.warning(
+                "setting link_down_deadline is deprecated: use verifier_wait (it bounds a "
+                "request's whole wait for a verifier, down or busy); verifier_wait = %g",
+                old,
+            )
+        object.__setattr__(self, "verifier_wait", old)
+        object.__setattr__(self, "link_down_deadline", None)
 
     def _check_cloud_only(self) -> None:
         """``draft = "none"``: what needs a draft model on the edge is refused, one line each."""

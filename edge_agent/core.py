@@ -125,6 +125,32 @@ class HandshakeError(WanspecError, RuntimeError):
     """The verifier refused the session (e.g. a different tokenizer). Not retried."""
 
 
+class ContextExceeded(WanspecError, ValueError):
+    """The prompt alone fills the verifier's context (``limit`` tokens): no session can hold
+    it, so it is not retried (the API answers 400 ``context_length_exceeded``)."""
+
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        super().__init__(
+            f"the prompt has {prompt_tokens} tokens; the verifier's context is {limit} tokens"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
+def fit_context(gen: Generation, max_context: int) -> None:
+    """Bound ``gen`` by a verifier's context (its Welcome's or its connection's Ready's
+    ``max_context``): after this, prompt + ``max_new_tokens`` ≤ ``max_context``, so no
+    Propose, hedge or co-generated token ever passes the verifier's limit, and a generation
+    that reaches it ends with ``finish_reason`` "length" and its text (never a refusal that
+    would be retried). A text already at the limit (a fail-over to a smaller verifier) ends
+    now. Raises :class:`ContextExceeded` when the prompt alone leaves no room."""
+    if gen.prompt_len >= max_context:
+        raise ContextExceeded(gen.prompt_len, max_context)
+    gen.max_new_tokens = min(gen.max_new_tokens, max_context - gen.prompt_len)
+    if gen.room <= 0 and not gen.done:
+        gen.finish("length")
+
+
 class EdgeState(TextEnum):
     RUNNING = "running"
     RECOVERING = "recovering"  # a rejection's recovered token waits for more candidates
@@ -966,7 +992,14 @@ class SingleCore:
             if self.welcome is None:
                 return self._opening(data)
             return self._receive(data, now)
-        except (VerifierError, DesyncError, ProtocolError, HandshakeError, VerifierBusy) as e:
+        except (
+            VerifierError,
+            DesyncError,
+            ProtocolError,
+            HandshakeError,
+            VerifierBusy,
+            ContextExceeded,
+        ) as e:
             self._failed = Fail(e)
             return [self._failed]
 
@@ -980,6 +1013,7 @@ class SingleCore:
         ctx = self.link.ctx
         if welcome.max_gamma < ctx.max_gamma or welcome.max_fixed < ctx.max_fixed:
             raise DesyncError("the session's Welcome grants less than its connection's Ready")
+        fit_context(self.gen, welcome.max_context)  # (the Ready's was applied already)
         self.welcome = welcome
         return []
 

@@ -49,13 +49,36 @@ log = logging.getLogger("wanspec.edge.link")
 
 
 class VerifierLinkState(TextEnum):
-    """What the edge knows of a verifier: answered (``up``), loading its model (503), down."""
+    """What the edge knows of a verifier: answered (``up``), refusing new sessions as busy
+    (503/429 with Retry-After), loading its model (its /health says 503), stalled, down."""
 
     UNKNOWN = "unknown"
     UP = "up"
+    BUSY = "busy"  # refused a session with Retry-After: alive, loaded
     LOADING = "loading"
     STALLED = "stalled"  # answers /health and pings, but sent no Verdict by its deadline
     DOWN = "down"
+
+
+class Availability(TextEnum):
+    """A verifier link's state in three words (four before anything is known), as /health
+    reports it per verifier and overall: it serves (``up``), it is alive but not taking this
+    edge's work now (``busy``: refusing sessions, loading, stalled), or it does not answer."""
+
+    UP = "up"
+    BUSY = "busy"
+    DOWN = "down"
+    UNKNOWN = "unknown"
+
+
+def availability(state: VerifierLinkState) -> Availability:
+    if state == VerifierLinkState.UP:
+        return Availability.UP
+    if state == VerifierLinkState.DOWN:
+        return Availability.DOWN
+    if state == VerifierLinkState.UNKNOWN:
+        return Availability.UNKNOWN
+    return Availability.BUSY
 
 
 class EdgeMetrics:
@@ -223,6 +246,10 @@ class LinkInfo:
     #: The verifier refused this edge's token (a session's handshake, 401/403): only a new
     #: token helps, so no probe clears it.
     token_refused: str | None = None
+    #: While ``state`` is BUSY: the monotonic time its refusal's Retry-After ends. A /health
+    #: 200 before then does not clear it (a verifier that refuses sessions as overloaded
+    #: still answers /health 200); a session that commits does.
+    busy_until: float | None = None
 
 
 class LinkMonitor:
@@ -238,10 +265,12 @@ class LinkMonitor:
 
     @property
     def state(self) -> VerifierLinkState:
-        """up if any link is up; else loading, stalled, unknown (nothing known yet) or down."""
+        """up if any link is up; else busy, loading, stalled, unknown (nothing known yet) or
+        down."""
         states = {link.state for link in self.links}
         for s in (
             VerifierLinkState.UP,
+            VerifierLinkState.BUSY,
             VerifierLinkState.LOADING,
             VerifierLinkState.STALLED,
             VerifierLinkState.UNKNOWN,
@@ -250,13 +279,47 @@ class LinkMonitor:
                 return s
         return VerifierLinkState.DOWN
 
+    @property
+    def availability(self) -> Availability:
+        """The overall state in three words: up if any verifier serves, busy if any is alive."""
+        return availability(self.state)
+
     def _set(self, link: LinkInfo, state: VerifierLinkState, error: str | None) -> None:
         before = link.state
         link.state, link.error, link.checked_at = state, error, time.time()
+        if state != VerifierLinkState.BUSY:
+            link.busy_until = None
         self.metrics.verifier_up.set(1 if state == VerifierLinkState.UP else 0, url=link.url)
         if before != state:
             log.info("verifier %s: %s%s", link.url, state, f" ({error})" if error else "")
             self.changed()
+
+    def mark_connected(self, url: str) -> None:
+        """The warm link to ``url`` opened (the verifier's Ready came): up, unless a stall or a
+        busy refusal still holds (as for a /health 200)."""
+        now = time.monotonic()
+        for link in self.links:
+            busy = link.busy_until is not None and now < link.busy_until
+            if link.url == url and link.state != VerifierLinkState.STALLED and not busy:
+                self._set(link, VerifierLinkState.UP, None)
+
+    def mark_lost(self, url: str, error: str) -> None:
+        """The warm link's connection to ``url`` went: down, unless stalled (a stalled
+        verifier's connection may go with the session the edge left; only a session that
+        commits, or a probe that cannot reach it, changes that)."""
+        for link in self.links:
+            if link.url == url and link.state != VerifierLinkState.STALLED:
+                self._set(link, VerifierLinkState.DOWN, error)
+
+    def mark_busy(self, url: str, error: str, retry_after: float) -> None:
+        """A session on ``url`` was refused as busy (Retry-After ``retry_after`` s): the
+        verifier is alive but takes no new session now. Until the Retry-After has passed, a
+        /health probe does not turn this into ``up``."""
+        until = time.monotonic() + retry_after
+        for link in self.links:
+            if link.url == url:
+                self._set(link, VerifierLinkState.BUSY, error)
+                link.busy_until = until
 
     def mark_stalled(self, url: str, error: str) -> None:
         """A session on ``url`` got no Verdict by its deadline. Probes of /health do not clear
@@ -276,10 +339,11 @@ class LinkMonitor:
         """Why no request can succeed for want of a token (None: nothing says so): a verifier
         refused this edge's token, or every verifier says it needs one and none is set."""
         refused = [x.token_refused for x in self.links if x.token_refused]
-        if refused and len(refused) == len(self.links):
-            return f"{refused[0]}: set a valid token_file"
-        if not has_token and self.links and all(x.auth for x in self.links):
+        all_refused = bool(refused) and len(refused) == len(self.links)
+        if not has_token and (all_refused or (self.links and all(x.auth for x in self.links))):
             return "the verifier requires a bearer token and none is configured (token_file)"
+        if all_refused:
+            return f"{refused[0]}: set a valid token_file"
         return None
 
     def mark(self, url: str | None, ok: bool, error: str | None = None) -> None:
@@ -295,10 +359,12 @@ class LinkMonitor:
     def describe(self) -> dict[str, Any]:
         return {
             "state": self.state,
+            "availability": self.availability,
             "verifiers": [
                 {
                     "url": x.url,
                     "state": x.state,
+                    "availability": availability(x.state),
                     "rtt_ms": x.rtt_ms,
                     "error": x.error,
                     "auth": x.auth,
@@ -325,7 +391,10 @@ class LinkMonitor:
         self.metrics.rtt.observe(rtt, kind="probe")
         link.auth = _auth_of(raw)
         if status == 200:
-            if link.state != VerifierLinkState.STALLED:  # only a working session clears that
+            # Only a working session clears a stall, and a busy refusal holds until its
+            # Retry-After has passed: /health answers 200 while sessions are refused.
+            busy = link.busy_until is not None and time.monotonic() < link.busy_until
+            if link.state != VerifierLinkState.STALLED and not busy:
                 self._set(link, VerifierLinkState.UP, None)
         elif status == 503:
             self._set(link, VerifierLinkState.LOADING, "the verifier is not ready (503)")

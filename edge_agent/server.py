@@ -45,16 +45,20 @@ from edge_agent.api_request import (
 from edge_agent.config import EdgeSettings, listen_error, read_secret_file
 from edge_agent.core import VerifierError
 from edge_agent.generation import TokenLogprob
+from edge_agent.monitor import Availability
 from edge_agent.progress import Progress, quiet_hub_progress
 from edge_agent.service import (
     EdgeService,
     Finished,
     GenRequest,
+    Partial,
     Piece,
+    PromptTooLong,
     QueueFull,
     VerifierUnavailable,
 )
 from edge_agent.text import encode_prompt
+from shared.enums import TextEnum
 from shared.service.http_guard import ConnectionGuard, Listener, http_logger
 from shared.service.metrics import CONTENT_TYPE
 from shared.service.sdnotify import Notifier
@@ -178,17 +182,28 @@ def _usage(f: Finished) -> dict[str, int]:
     }
 
 
-def _gen_error(e: BaseException) -> ApiError:
+def _gen_error(e: BaseException, partial: dict[str, Any] | None = None) -> ApiError:
+    """A generation's failure as the API answers it; ``partial``: the members that carry what
+    it had generated (non-streaming answers: the text so far, in the endpoint's shape)."""
     if isinstance(e, QueueFull):
         return ApiError(429, str(e), type_="rate_limit_error", code="queue_full")
     if isinstance(e, VerifierUnavailable):
-        return ApiError(503, str(e), type_="server_error", code="verifier_unavailable")
+        return ApiError(
+            503,
+            str(e),
+            type_="server_error",
+            code="verifier_unavailable",
+            retry_after=e.retry_after,
+            partial=partial,
+        )
+    if isinstance(e, PromptTooLong):
+        return bad_request("messages", str(e), "context_length_exceeded")
     if isinstance(e, VerifierError):
         return ApiError(502, str(e), type_="server_error", code=f"verifier_{e.code}")
     return ApiError(500, f"internal error ({type(e).__name__}: {e})", type_="server_error")
 
 
-_GEN_ERRORS = (QueueFull, VerifierUnavailable, VerifierError)
+_GEN_ERRORS = (QueueFull, VerifierUnavailable, PromptTooLong, VerifierError)
 
 
 @dataclass
@@ -234,6 +249,17 @@ class _Shape:
         lp = self._logprobs(f.logprobs)
         return {"choices": [self._choice(f.text, lp, f.finish_reason, full=True)]}
 
+    def partial(self, p: Partial) -> dict[str, Any]:
+        """A failed generation's text so far, as ``final`` would give it (no finish_reason:
+        it did not finish), with its usage and statistics."""
+        usage = {
+            "prompt_tokens": p.prompt_tokens,
+            "completion_tokens": p.completion_tokens,
+            "total_tokens": p.prompt_tokens + p.completion_tokens,
+        }
+        choices = [self._choice(p.text, None, None, full=True)]
+        return {"choices": choices, "usage": usage, "wanspec": p.stats}
+
 
 def _decoder(state: ServerState) -> Decode:
     tok = state.service.require()[0].tokenizer
@@ -254,7 +280,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         body,
         state.settings,
         prompt_tokens=len(prompt_ids),
-        context=state.service.max_context,
+        context=state.service.context_limit(),
         chat=chat,
     )
     shape = _Shape(chat, _decoder(state) if api.pipeline.logprobs is not None else None)
@@ -274,7 +300,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 while not isinstance(ev, Finished):
                     ev = await events.__anext__()
             except _GEN_ERRORS as e:
-                raise _gen_error(e) from None
+                partial = getattr(e, "partial", None)
+                extra = None if partial is None else {**head, **shape.partial(partial)}
+                raise _gen_error(e, extra) from None
             out = {**head, **shape.final(ev), "usage": _usage(ev), "wanspec": ev.stats}
             return web.json_response(out, dumps=lambda o: json.dumps(o, ensure_ascii=False))
         head["object"] = obj + ".chunk" if chat else obj
@@ -412,18 +440,35 @@ async def model_handler(request: web.Request) -> web.Response:
     return web.json_response(_model_card(state))
 
 
-def health(state: ServerState) -> tuple[int, dict[str, Any]]:
+class EdgeHealth(TextEnum):
+    """What /health says beyond the process's life (:class:`ServiceStatus`) once it is ready."""
+
+    UNAVAILABLE = "unavailable"  # 503: no verifier answers (fallback none), or no valid token
+    BUSY = "busy"  # 503: the verifiers are alive but take no new session now (fallback none)
+    SATURATED = "saturated"  # 503: every generation slot is held and none makes progress
+    DEGRADED = "degraded"  # 200: no verifier: answering with the draft alone (fallback draft)
+
+
+def health(state: ServerState, now: float | None = None) -> tuple[int, dict[str, Any]]:
+    """The status code and body of /health at ``now`` (monotonic; default: the clock's)."""
     svc = state.service
+    s = state.settings
     link = svc.link.describe()
+    at = time.monotonic() if now is None else now
+    # A slot that took no step (no token, no text taken by its client) for a keep-alive
+    # interval is stalled: waiting for a verifier, or for a client that stopped reading (whose
+    # write is given up after write_timeout).
+    stalled = svc.stalled_slots(at, s.stream_keepalive)
     body: dict[str, Any] = {
         "status": state.status,
         "reason": state.reason,
         "link": link,
-        "fallback": state.settings.fallback,
+        "fallback": s.fallback,
         "queue": {
             "busy": svc.queue.busy,
             "active": svc.queue.active,
             "waiting": svc.queue.waiting,
+            "stalled": stalled,
         },
         "pending_connections": state.guard.pending,
     }
@@ -434,16 +479,31 @@ def health(state: ServerState) -> tuple[int, dict[str, Any]]:
     # Ready means able to serve: not when every request would be refused for its token.
     missing = svc.link.missing_token(svc.has_token)
     if missing is not None:
-        body["status"] = "unavailable"
+        body["status"] = EdgeHealth.UNAVAILABLE
         body["reason"] = missing
         return 503, body
-    if link["state"] != "up":
-        if state.settings.fallback == "none":
-            body["status"] = "unavailable"
-            body["reason"] = "no verifier is reachable and no fallback is configured"
+    available = svc.link.availability
+    if available != Availability.UP:
+        if s.fallback == "none":
+            if available == Availability.BUSY:
+                body["status"] = EdgeHealth.BUSY
+                body["reason"] = (
+                    f"the verifier is busy ({svc.link.state}): new requests wait for it, "
+                    f"up to verifier_wait = {s.verifier_wait:g} s"
+                )
+            else:
+                body["status"] = EdgeHealth.UNAVAILABLE
+                body["reason"] = "no verifier is reachable and no fallback is configured"
             return 503, body
-        body["status"] = "degraded"
+        body["status"] = EdgeHealth.DEGRADED
         body["reason"] = "no verifier is reachable: answering with the draft alone (unverified)"
+    if stalled >= svc.queue.max_active:
+        body["status"] = EdgeHealth.SATURATED
+        body["reason"] = (
+            f"all {svc.queue.max_active} generation slots are held and none made progress for "
+            f"{s.stream_keepalive:g} s; {svc.queue.waiting} requests wait"
+        )
+        return 503, body
     return 200, body
 
 

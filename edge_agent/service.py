@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -24,10 +25,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
+from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy, VerifierWaitOver
+from edge_agent.api_request import ContextLimit
 from edge_agent.batching import BatchingWorker
 from edge_agent.config import NO_DRAFT, EdgeSettings, read_secret_file
-from edge_agent.core import VerifierError
+from edge_agent.core import ContextExceeded, VerifierError
 from edge_agent.drafter import Drafter
 from edge_agent.driver import VerdictTimeout
 from edge_agent.federation import WorkerSpec
@@ -45,11 +47,12 @@ from edge_agent.retry import LinkDownPolicy
 from edge_agent.tasks import ModelWorker
 from edge_agent.text import TextStreamer, eos_ids, result_json, ssl_context
 from edge_agent.transport import LinkClosed, Transport
-from edge_agent.warm import WarmLink
+from edge_agent.warm import LinkLost, WarmLink
 from shared.errors import WanspecError
 from shared.runtime.device import resolve_device
 from shared.runtime.model_spec import SpecKind, parse_model_spec
 from shared.runtime.models import LoadedModel, LoadedTokenizer, load_model, load_tokenizer
+from shared.wire.protocol import Welcome
 
 log = logging.getLogger("wanspec.edge.service")
 
@@ -61,8 +64,38 @@ class QueueFull(WanspecError, RuntimeError):
     """Too many requests are waiting (HTTP 429)."""
 
 
+@dataclass(frozen=True)
+class Partial:
+    """What a generation that failed had produced: its text (as far as it was, or would have
+    been, streamed), its token counts and statistics."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+#: The Retry-After of a 503 whose wait gave no better figure (a federation's give-up).
+DEFAULT_RETRY_AFTER_S = 5
+
+
 class VerifierUnavailable(WanspecError, RuntimeError):
-    """No verifier could be used and no fallback is configured (HTTP 503)."""
+    """No verifier could be used and no fallback is configured (HTTP 503). ``retry_after``:
+    whole seconds after which the client may try again (None: retrying will not help, e.g. a
+    refused configuration); ``partial``: the text generated before it failed, once the
+    stream knows it."""
+
+    def __init__(
+        self, message: str, *, retry_after: int | None = None, partial: Partial | None = None
+    ) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.partial = partial
+
+
+class PromptTooLong(WanspecError, ValueError):
+    """The prompt does not fit the context of the verifier (found when its session opened:
+    the API answers 400 ``context_length_exceeded``)."""
 
 
 class FairQueue:
@@ -121,6 +154,21 @@ class FairQueue:
             yield
         finally:
             self._release()
+
+
+@dataclass(eq=False)
+class _Slot:
+    """A generation holding a place: when it last made progress, by the monotonic clock. Its
+    client taking a piece of text is progress; a token committed is too, unless a piece
+    waits for the client (``handed``): then only the client can make progress (tokens
+    committed for a client that stopped reading help nobody)."""
+
+    last: float
+    handed: bool = False
+
+    def committed(self, now: float) -> None:
+        if not self.handed:
+            self.last = now
 
 
 class StopScanner:
@@ -195,13 +243,14 @@ class Finished:
 
 
 def retry_policy(s: EdgeSettings) -> RetryPolicy:
-    """fallback "none": a request fails (503) once no verifier session has made progress for
-    ``link_down_deadline`` seconds (a verifier restart takes a few); "draft": the agent's
-    draft-only link-down policy, reconnecting in the background. A batch with no Verdict past
-    its deadline (``verdict_timeout`` at least) rebuilds the session."""
+    """fallback "none": a request fails (503 with Retry-After) once it has waited
+    ``verifier_wait`` seconds for a verifier without progress, whether the verifier was down,
+    busy or both in turn (a verifier restart takes a few); "draft": the agent's draft-only
+    link-down policy, reconnecting in the background. A batch with no Verdict past its
+    deadline (``verdict_timeout`` at least) rebuilds the session."""
     policy = LinkDownPolicy.DRAFT_ONLY if s.fallback == "draft" else LinkDownPolicy.WAIT
     return RetryPolicy(
-        link_down=policy, deadline_s=s.link_down_deadline, verdict_timeout_s=s.verdict_timeout
+        link_down=policy, deadline_s=s.verifier_wait, verdict_timeout_s=s.verdict_timeout
     )
 
 
@@ -260,13 +309,17 @@ class EdgeService:
             str(settings.ca_file) if settings.ca_file else None, settings.insecure_skip_verify
         )
         self._preferred = 0
-        #: One warm link per verifier URL (started by ``load``): requests open sessions on it.
+        #: The generations holding a place now, each with the time of its last progress.
+        self._active: set[_Slot] = set()
+        #: One warm link per verifier URL (started by ``load``): requests open sessions on it;
+        #: what it sees (up, busy, down) feeds ``self.link``, the state /health reports.
         self.links = [
             WarmLink(
                 LinkSettings(
                     url=url, token=self._token, heartbeat_s=settings.heartbeat, ssl=self._ssl
                 ),
                 rng=random.Random(),
+                observer=functools.partial(self._on_link, url),
             )
             for url in settings.verifier_urls
         ]
@@ -312,9 +365,22 @@ class EdgeService:
             federation=self._workers() if self.settings.federated else (),
             round_deadline_s=self.settings.round_deadline,
             on_session_failed=self._on_session_failed,
+            on_welcome=self._on_welcome,
         )
         self.metrics.model_ready.set(1)
         report(f"{what} ready in {time.perf_counter() - t0:.1f} s")
+
+    def context_limit(self) -> ContextLimit:
+        """The tokens a generation may hold (prompt and completion): the draft's context and
+        the smallest the verifiers announced (their connection's Ready; a verifier not yet
+        reached is not counted: its session's Welcome bounds the generation then)."""
+        known = [link.max_context for link in self.links if link.max_context is not None]
+        return ContextLimit(self.max_context, min(known) if known else None)
+
+    def stalled_slots(self, now: float, after_s: float) -> int:
+        """Generations holding a place that made no progress (no token committed, no text
+        taken by their client) for more than ``after_s`` seconds before ``now``."""
+        return sum(1 for slot in self._active if now - slot.last > after_s)
 
     @property
     def draft_name(self) -> str | None:
@@ -356,7 +422,7 @@ class EdgeService:
                 self.link.mark_token_refused(urls[i], str(e))
                 raise HandshakeError(str(e)) from e  # reconnecting cannot help
             except VerifierBusy as e:
-                self.link.mark(urls[i], True)
+                self.link.mark_busy(urls[i], str(e), e.retry_after)
                 errors.append(str(e))
                 busy.append(e)
                 continue
@@ -374,11 +440,32 @@ class EdgeService:
             raise VerifierBusy("; ".join(errors), soonest.reason, soonest.retry_after)
         raise LinkClosed("; ".join(errors))
 
+    def _on_link(self, url: str, err: BaseException | None) -> None:
+        """What a warm link saw (:data:`~edge_agent.warm.LinkObserver`), for /health: a
+        connection opened (up, unless a stall or a busy refusal still holds), a lost one
+        (down, unless stalled), a busy refusal, a failed attempt (down), a refused token."""
+        if err is None:
+            self.link.mark_connected(url)
+        elif isinstance(err, LinkLost):
+            self.link.mark_lost(url, str(err))
+        elif isinstance(err, TokenRefused):
+            self.link.mark_token_refused(url, str(err))
+        elif isinstance(err, VerifierBusy):
+            self.link.mark_busy(url, str(err), err.retry_after)
+        else:
+            self.link.mark(url, False, str(err) or type(err).__name__)
+
+    def _on_welcome(self, welcome: Welcome) -> None:
+        """A session's own Welcome: its context bounds the link's (a verifier's Ready may
+        announce the model's limit where its sessions get less)."""
+        self.links[self._preferred].note_context(welcome.max_context)
+
     def _on_session_failed(self, err: BaseException) -> None:
-        """A verifier session failed (the agent retries): a stall shows in /health."""
+        """A verifier session failed (the agent retries): a busy refusal, a stall or a loss
+        shows in /health."""
         url = self.settings.verifier_urls[self._preferred]
         if isinstance(err, VerifierBusy):
-            self.link.mark(url, True)  # busy is not down: it answered
+            self.link.mark_busy(url, str(err), err.retry_after)  # busy is not down
         elif isinstance(err, VerdictTimeout):
             self.link.mark_stalled(url, str(err))
         else:
@@ -411,8 +498,8 @@ class EdgeService:
         return self.loaded, self.agent
 
     def fail_fast_policy(self, agent: EdgeAgent) -> RetryPolicy | None:
-        """This run's retry policy when it must not wait ``link_down_deadline`` for a link
-        known to be down: with ``fallback = "none"``, ``link_down_fail_fast`` > 0 and every
+        """This run's retry policy when it must not wait ``verifier_wait`` for a link known to
+        be down: with ``fallback = "none"``, ``link_down_fail_fast`` > 0 and every
         verifier DOWN (by the probes or the last session), the agent's policy with a deadline
         of ``link_down_fail_fast`` s (when shorter); None (the agent's own policy) otherwise. A
         verifier that is back answers the first attempt, so the short deadline only cuts the
@@ -429,25 +516,39 @@ class EdgeService:
     async def _run(self, gen: Generation, req: GenRequest) -> None:
         """The agent's run; with ``fallback = "draft"`` the agent itself keeps generating with
         the draft alone while no verifier answers (those tokens are flagged unverified). A run
-        that fails logs one WARNING line (the 503's message)."""
+        that fails logs one WARNING line (the 503's message, with the Retry-After it gives)."""
         _, agent = self.require()
         retry = self.fail_fast_policy(agent)
         try:
             await agent.run(gen, seeded(req.pipeline, req.seed), seed=req.seed, retry=retry)
+        except ContextExceeded as e:
+            raise PromptTooLong(str(e)) from e
         except (LinkClosed, OSError, HandshakeError, asyncio.TimeoutError) as e:
-            if isinstance(e.__cause__, VerdictTimeout) and not self.settings.federated:
-                self.link.mark_stalled(self.settings.verifier_urls[self._preferred], str(e))
+            after = e.retry_after if isinstance(e, VerifierWaitOver) else None
+            url = self.settings.verifier_urls[self._preferred]
+            cause = e.__cause__
+            # The link's state says what the wait ended on: stalled, busy or down.
+            if isinstance(cause, VerdictTimeout) and not self.settings.federated:
+                self.link.mark_stalled(url, str(e))
+            elif isinstance(cause, VerifierBusy) and isinstance(e, VerifierWaitOver):
+                self.link.mark_busy(url, str(cause), cause.retry_after)
             else:
                 self.link.mark(None, False, str(e))
+            if isinstance(e, (LinkClosed, asyncio.TimeoutError)) and after is None:
+                after = DEFAULT_RETRY_AFTER_S  # (a refused token or model: retrying won't help)
             if retry is not None:
                 why = (
                     "no verifier could be used (every verifier was already down and fallback "
                     f"is none: gave up after link_down_fail_fast = {retry.deadline_s:g} s)"
                 )
+            elif isinstance(e, VerifierWaitOver):
+                bound = agent.retry.deadline_s
+                why = f"no verifier could be used within verifier_wait = {bound:g} s"
             else:
                 why = "no verifier could be used"
-            log.warning("request failed: %s: %s", why, e)
-            raise VerifierUnavailable(f"{why}: {e}") from e
+            tail = "" if after is None else f" (Retry-After {after} s)"
+            log.warning("request failed: %s: %s%s", why, e, tail)
+            raise VerifierUnavailable(f"{why}: {e}", retry_after=after) from e
         if gen.unverified_tokens == 0 and not self.settings.federated:
             self.link.mark(self.settings.verifier_urls[self._preferred], True)
         elif gen.unverified_tokens == 0:
@@ -456,13 +557,16 @@ class EdgeService:
     async def stream(self, req: GenRequest) -> AsyncGenerator[Piece | Finished, None]:
         """Text pieces as they are committed, then one :class:`Finished`.
 
-        Raises QueueFull, VerifierUnavailable, VerifierError; the first two before any text.
+        Raises QueueFull (before any text), PromptTooLong, VerifierUnavailable (after the
+        text so far, which its ``partial`` holds too), VerifierError.
         """
         loaded, _ = self.require()
         self.metrics.queue_waiting.set(self.queue.waiting + 1)
         async with self.queue.slot():
             self.metrics.queue_waiting.set(self.queue.waiting)
             self.metrics.busy.set(self.queue.active)
+            slot = _Slot(time.monotonic())
+            self._active.add(slot)
             pieces: asyncio.Queue[Piece | None] = asyncio.Queue()
             scanner = StopScanner(req.stop)
             eos = () if req.ignore_eos else self.eos
@@ -491,14 +595,22 @@ class EdgeService:
             first_at: list[float] = []  # when the first token was committed
 
             def on_commit(ids: list[int]) -> None:
+                now = time.monotonic()
+                slot.committed(now)
                 if not first_at and ids:
-                    first_at.append(time.perf_counter())
+                    first_at.append(now)
                 streamer(ids)
+
+            def rest() -> str:
+                """The text committed but not yet handed out (held back for a stop string or
+                an unfinished character): all of it goes, the generation being over."""
+                return scanner.feed(streamer.text()[streamer.emitted :]) + scanner.flush()
 
             gen = Generation(req.prompt_ids, req.max_tokens, eos, on_commit)
             rtts: list[float] = []
             _RTTS.set(rtts)  # (the generation's task inherits it: its sessions report here)
             t0 = time.perf_counter()
+            started = time.monotonic()
             task = asyncio.create_task(self._run(gen, req), name="wanspec-generation")
             task.add_done_callback(lambda _: pieces.put_nowait(None))
             outcome = "cancelled"
@@ -506,11 +618,12 @@ class EdgeService:
             try:
                 while (piece := await pieces.get()) is not None:
                     sent.append(piece.text)
+                    slot.handed = True
                     yield piece
+                    slot.handed, slot.last = False, time.monotonic()  # its client took it
                 await task  # raises what the generation raised
                 outcome = gen.finish_reason or "stop"
-                rest = streamer.text()[streamer.emitted :]
-                tail = scanner.feed(rest) + scanner.flush()
+                tail = rest()
                 if tail:
                     sent.append(tail)
                     yield Piece(tail, tokens())
@@ -518,7 +631,7 @@ class EdgeService:
                 stats = self._stats(gen, wall, req, rtts)
                 # What the first token cost from the generation's start, after any wait for a
                 # place (on a warm link: one round trip plus the prefill).
-                stats["ttft_ms"] = round(1000 * (first_at[0] - t0), 2) if first_at else None
+                stats["ttft_ms"] = round(1000 * (first_at[0] - started), 2) if first_at else None
                 yield Finished(
                     text="".join(sent),
                     finish_reason="stop" if scanner.hit else (gen.finish_reason or "stop"),
@@ -527,7 +640,19 @@ class EdgeService:
                     stats=stats,
                     logprobs=tuple(gen.token_logprobs(0, len(gen.generated))) if scored else (),
                 )
-            except (QueueFull, VerifierUnavailable, VerifierError, HandshakeError):
+            except VerifierUnavailable as e:
+                outcome = "error"
+                # The text so far goes out before the error: streamed as its last piece, and
+                # with the error for a caller that collects it (a non-streaming answer).
+                tail = rest()
+                if tail:
+                    sent.append(tail)
+                    yield Piece(tail, tokens())
+                stats = self._stats(gen, time.perf_counter() - t0, req, rtts)
+                text = "".join(sent)
+                e.partial = Partial(text, len(req.prompt_ids), len(gen.generated), stats)
+                raise
+            except (QueueFull, PromptTooLong, VerifierError, HandshakeError):
                 outcome = "error"
                 raise
             except Exception:
@@ -535,6 +660,7 @@ class EdgeService:
                 log.exception("generation failed")
                 raise
             finally:
+                self._active.discard(slot)
                 if not task.done():
                     task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):

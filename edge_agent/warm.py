@@ -19,9 +19,19 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import Callable
 
 from edge_agent.link import Connection, LinkRefused, LinkSettings, StreamTransport, TokenRefused
 from edge_agent.transport import LinkClosed, VerifierBusy
+
+#: Hears of the link's changes: None when a connection opened (its Ready came), the error
+#: when an attempt failed, :class:`LinkLost` when the open connection went.
+LinkObserver = Callable[[BaseException | None], None]
+
+
+class LinkLost(LinkClosed):
+    """The warm link's open connection went (its message names why)."""
+
 
 log = logging.getLogger("wanspec.edge.link")
 
@@ -36,8 +46,10 @@ class WarmLink:
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 5.0,
         rng: random.Random | None = None,
+        observer: LinkObserver | None = None,
     ) -> None:
         self.settings = settings
+        self.observer = observer
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self._rng = rng or random.Random()
@@ -48,6 +60,11 @@ class WarmLink:
         self._kick = asyncio.Event()
         #: Connections opened (the first and every reconnection), for tests and metrics.
         self.connects = 0
+        #: The verifier's context (tokens a session may hold): what its last Ready announced,
+        #: or less where a session's own Welcome said less (:meth:`note_context`); kept while
+        #: the link is down (None: no connection opened yet).
+        self.max_context: int | None = None
+        self._announced: int | None = None  # the last Ready's max_context
 
     @property
     def up(self) -> bool:
@@ -78,6 +95,10 @@ class WarmLink:
         t0 = time.perf_counter()
         try:
             conn = await Connection.connect(self.settings)
+        except (LinkClosed, OSError, LinkRefused) as e:
+            self._failures += 1
+            self._tell(e)
+            raise
         except BaseException:
             self._failures += 1
             raise
@@ -86,6 +107,12 @@ class WarmLink:
         took = time.perf_counter() - t0  # TCP, TLS, the upgrade, the Ready
         self._failures = 0
         self.connects += 1
+        announced = conn.ready.max_context
+        if announced != self._announced or self.max_context is None:
+            # A verifier that announces something new (a restart with other settings) is
+            # taken at its word again; the same Ready keeps what its sessions showed.
+            self._announced, self.max_context = announced, announced
+        self._tell(None)
         old, self._conn = self._conn, conn
         if old is not None:
             await old.close()
@@ -111,6 +138,8 @@ class WarmLink:
             if conn is not None and not conn.closed.is_set():
                 await conn.closed.wait()
                 log.info("link to %s lost (%s); reconnecting", self.settings.url, conn.why)
+                if self._conn is conn:  # (not a connection a newer one replaced)
+                    self._tell(LinkLost(f"connection to {self.settings.url} lost: {conn.why}"))
                 continue
             try:
                 await self._connect()
@@ -125,6 +154,15 @@ class WarmLink:
                     await asyncio.wait({waiter}, timeout=delay)
                 finally:
                     waiter.cancel()
+
+    def note_context(self, max_context: int) -> None:
+        """A session's Welcome said its context: the link's limit is never more than that."""
+        if self.max_context is None or max_context < self.max_context:
+            self.max_context = max_context
+
+    def _tell(self, err: BaseException | None) -> None:
+        if self.observer is not None:
+            self.observer(err)
 
     async def close(self) -> None:
         """Stop the keeper and close the connection (its sessions end)."""

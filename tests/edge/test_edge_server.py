@@ -633,7 +633,8 @@ def test_health_says_what_is_missing_without_a_usable_token(
 ) -> None:
     """Ready means able to serve: an edge with no token in front of a verifier that needs one
     answers /health 503 and says what is missing (it said 200, and the first request got 401);
-    one whose token the verifier refuses says so after its first request."""
+    one whose token the verifier refuses says so as soon as its warm link is refused, before
+    any request."""
     base, _ = servers.edge(edge_settings(tiny_draft_dir, verifier_url, None), wait=False)
     poll(lambda: "token" in str(get_json(base + "/health")[1].get("reason")))
     status, body = get_json(base + "/health")
@@ -642,7 +643,9 @@ def test_health_says_what_is_missing_without_a_usable_token(
     wrong = tmp_path / "wrong-token"
     wrong.write_text("not-the-token-0123456789abcdef\n")
     base, _ = servers.edge(edge_settings(tiny_draft_dir, verifier_url, wrong), wait=False)
-    wait_http(base + "/health")  # a token is set: nothing says it is wrong yet
+    poll(lambda: "refused the token" in str(get_json(base + "/health")[1].get("reason")))
+    status, body = get_json(base + "/health")
+    assert status == 503 and body["status"] == "unavailable", body
     c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.APIError):
         c.completions.create(model="tiny", prompt="t1", max_tokens=4)

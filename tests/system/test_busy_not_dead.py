@@ -206,21 +206,25 @@ def test_a_resumed_cache_must_hold_the_committed_text() -> None:
             resumed_length(gen, Welcome(FP, "s", 4, 100, 100, 4096, resumed=bad))
 
 
-def test_busy_refusals_wait_retry_after_with_jitter_and_do_not_count_as_down() -> None:
-    policy = RetryPolicy(deadline_s=5.0, busy_deadline_s=60.0, backoff_max_s=2.0)
+def test_busy_refusals_wait_retry_after_with_jitter_and_count_against_the_one_bound() -> None:
+    """Busy is not down (its Retry-After is honoured, the give-up names it), but both count
+    against one bound (issue 38: a busy refusal used to restart the down clock)."""
+    policy = RetryPolicy(deadline_s=60.0, backoff_max_s=2.0)
     rng = random.Random(0)
     delays = [policy.delay(1, rng, retry_after=4.0) for _ in range(200)]
     assert all(4.0 <= d <= 6.0 for d in delays) and max(delays) - min(delays) > 1.0
     outage = Outage(policy)
-    for t in range(0, 60, 5):  # 55 s of busy refusals: past deadline_s, within busy_deadline_s
+    for t in range(0, 60, 5):  # 55 s of busy refusals: within the bound
         outage.failed(float(t), progressed=False, cause="busy", busy=True)
-    outage.failed(57.0, progressed=False, cause="connection refused")  # the down clock restarted
-    with pytest.raises(GiveUp, match="no verifier reachable"):
-        outage.failed(70.0, progressed=False, cause="connection refused")
+    outage.failed(57.0, progressed=False, cause="connection refused")  # no clock restarted
+    with pytest.raises(GiveUp, match="no verifier made progress for 60 s") as e:
+        outage.failed(60.0, progressed=False, cause="connection refused")
+    assert e.value.retry_after == 2  # the backoff's ceiling: the last failure was not busy
     busy = Outage(policy)
-    busy.failed(0.0, progressed=False, cause="overloaded", busy=True)
-    with pytest.raises(GiveUp, match="stayed busy for 61 s"):
-        busy.failed(61.0, progressed=False, cause="overloaded", busy=True)
+    busy.failed(0.0, progressed=False, cause="overloaded", busy=True, retry_after=7.5)
+    with pytest.raises(GiveUp, match="stayed busy for 61 s") as e:
+        busy.failed(61.0, progressed=False, cause="overloaded", busy=True, retry_after=7.5)
+    assert e.value.retry_after == 8  # the verifier's own Retry-After, in whole seconds
     assert retry_after_s("7") == 7.0 and retry_after_s("Wed, 21 Oct 2015") is None
     assert retry_after_s("99999") == 300.0 and retry_after_s(None) is None
 
