@@ -161,11 +161,13 @@ def plan_step(
     overhead_tokens: float = 0.0,
     pages: Pages | None = None,
     typical_rounds: Mapping[str, int] | None = None,
+    typical_shape: tuple[int, int] = (0, 0),
 ) -> StepPlan:
     """The next step from ``queue`` (module docstring). ``active_sessions``: sessions with work
     queued, running or sent a moment ago (more than the prefilling ones: the prefill budget is
     :func:`prefill_budget`'s shared one); ``typical_rounds``: by tenant, the tokens of a recent
-    step's rounds (what a step without their rounds queued yet will soon hold);
+    step's rounds (what a step without their rounds queued yet will soon hold), and
+    ``typical_shape`` its rows and longest row;
     ``overhead_tokens``: one forward's fixed cost in tokens (:func:`group_rows`); ``pages``:
     the KV pages there are (None: as many as needed). Rounds take their pages first; a prefill
     chunk is cut to the pages left (at least a page's worth, else planned as it is, so that it
@@ -189,8 +191,16 @@ def plan_step(
     by_tenant: dict[str, int] = {}
     for i, n in rounds:
         by_tenant[queue[i].tenant] = by_tenant.get(queue[i].tenant, 0) + n
+    shape = (len(rounds), max(n for _, n in rounds)) if rounds else typical_shape
     grants = _prefill_grants(
-        queue, prefills, limits, by_tenant, active_sessions, overhead_tokens, typical_rounds or {}
+        queue,
+        prefills,
+        limits,
+        by_tenant,
+        active_sessions,
+        overhead_tokens,
+        typical_rounds or {},
+        shape,
     )
     chunks: list[tuple[int, int, int]] = []  # (index, chunk, tokens)
     for i in prefills:
@@ -249,16 +259,25 @@ def prefill_budget(limits: BatchLimits, rounds_tokens: int, alone: bool) -> int:
     return max(MIN_PREFILL, min(limits.prefill_chunk, room))
 
 
-def tenant_cap(limits: BatchLimits, others_rounds: int, overhead_tokens: float) -> float:
+def tenant_cap(limits: BatchLimits, shape: tuple[int, int], overhead_tokens: float) -> float:
     """The most prefill tokens one tenant may add to a step in which *other* tenants' rounds
-    (``others_rounds`` tokens: the step's, or a recent step's when theirs are on their way)
-    wait: ``prefill_share`` of those rounds' step time (Sarathi-Serve's stall-free budget).
-    With a step costing a + b·tokens, p tokens of prefill cost b·p, so p ≤ share·(a/b + r).
-    Unbounded (inf) where no other tenant has rounds: a tenant's prompts then slow only its own
-    sessions, or other prompts, which share the budget fairly. At least :data:`MIN_PREFILL`."""
-    if limits.prefill_share <= 0 or others_rounds <= 0 or overhead_tokens == float("inf"):
+    wait: what costs at most ``prefill_share`` of the step time of the rounds (Sarathi-Serve's
+    stall-free budget). ``shape``: the rounds' (rows k, longest row m), the step's or a recent
+    step's when theirs are on their way; ``overhead_tokens``: a/b of the step time a + b·tokens.
+
+    The rounds cost a + b·R, R = k·m (padded). A prefill row of p tokens costs, in a forward of
+    its own, a + b·p; in theirs, b·((k+1)·max(p, m) − R). Within share·(a + b·R):
+    p ≤ share·(a/b + R) − a/b alone, p ≤ (share·(a/b + R) + R)/(k+1) with them (the better of
+    the two; :func:`group_rows` then picks the cheaper layout). At least :data:`MIN_PREFILL`;
+    inf (no cap) with the share off or nothing measured yet."""
+    k, m = shape
+    if limits.prefill_share <= 0 or k <= 0 or overhead_tokens == float("inf"):
         return float("inf")
-    return max(MIN_PREFILL, int(limits.prefill_share * (overhead_tokens + others_rounds)))
+    rounds = k * m
+    allowed = limits.prefill_share * (overhead_tokens + rounds)  # in tokens of b
+    apart = allowed - overhead_tokens
+    together = (allowed + rounds) / (k + 1) if allowed >= m else 0.0
+    return max(MIN_PREFILL, int(max(apart, together)))
 
 
 def _prefill_grants(
@@ -269,11 +288,13 @@ def _prefill_grants(
     active_sessions: int,
     overhead_tokens: float,
     typical_rounds: Mapping[str, int],
+    shape: tuple[int, int],
 ) -> dict[int, int]:
     """Tokens each waiting prefill may compute in the next step: the budget split max-min
     fairly between tenants, each tenant's need capped by :func:`tenant_cap` (the others'
     rounds), then oldest first within a tenant, each capped by ``prefill_chunk`` and by what it
-    needs. ``rounds``: the step's rounds' tokens by tenant."""
+    needs. ``rounds``: the step's rounds' tokens by tenant; ``shape``: the rounds' (rows,
+    longest row), the step's or a typical step's."""
     if not prefills:
         return {}
     alone = active_sessions <= len(prefills)
@@ -282,18 +303,10 @@ def _prefill_grants(
     by_tenant: dict[str, list[int]] = {}
     for i in prefills:
         by_tenant.setdefault(queue[i].tenant, []).append(i)
-    tenants = set(rounds) | set(typical_rounds)
     need: dict[str, int] = {}
     for t, ids in by_tenant.items():
-        others = (
-            max(
-                sum(n for u, n in rounds.items() if u != t),
-                sum(n for u, n in typical_rounds.items() if u != t),
-            )
-            if tenants - {t}
-            else 0
-        )
-        limit = tenant_cap(limits, others, overhead_tokens)
+        others = any(n > 0 and u != t for u, n in (*rounds.items(), *typical_rounds.items()))
+        limit = tenant_cap(limits, shape, overhead_tokens) if others else float("inf")
         want = sum(min(queue[i].row, cap) for i in ids)
         need[t] = want if limit == float("inf") else min(want, int(limit))
     share = fair_shares(need, budget)

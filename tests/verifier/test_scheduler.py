@@ -249,18 +249,31 @@ def test_the_plan_names_each_rows_pages_and_cuts_a_chunk_to_the_pages_there_are(
 
 
 def test_beside_other_tenants_rounds_a_prefill_adds_at_most_its_share_of_their_step() -> None:
-    """Sarathi-Serve's stall-free budget, between tenants: with a step costing a + b·tokens
-    (a/b = 40 tokens), one tenant's prefill adds at most prefill_share (a quarter) of the step
-    time of the other tenants' rounds: 0.25 · (40 + 44) = 21 tokens beside four rounds of 11;
-    with none of theirs queued yet but a typical step of 144 of their round tokens,
-    0.25 · (40 + 144) = 46. Beside its own tenant's rounds only, the chunk; alone, the room."""
+    """Sarathi-Serve's stall-free budget, between tenants: one tenant's prefill adds at most
+    prefill_share (a quarter) of the step time a + b·R of the other tenants' rounds (k rows of
+    m tokens, R = k·m), in a forward of its own (a/b + p) or in theirs ((k+1)·max(p, m) − R).
+    With a/b = 40 and four rounds of 11: 0.25 · (40 + 44) = 21 tokens allowed: 21 − 40 < 0
+    alone, (21 + 44) / 5 = 13 with them: the floor, 16. Sixty-four rounds leave more:
+    0.25 · (40 + 704) = 186, alone 146. Beside its own tenant's rounds only, the chunk; alone
+    on the engine, the room."""
     lim = BatchLimits(16, 4096, 512, prefill_share=0.25)
     honest = [fwd(2, 9, "h")] * 4
     plan = plan_step([fwd(8000, 1, "a"), *honest], lim, active_sessions=5, overhead_tokens=40)
-    assert [(r.index, r.tokens) for r in plan.rows if r.index == 0] == [(0, 21)]
-    typical = {"h": 144}
-    plan = plan_step([fwd(8000, 1, "a")], lim, 5, 40, typical_rounds=typical)
-    assert rows(plan) == [(0, 46, 46)]
+    assert [(r.index, r.tokens) for r in plan.rows if r.index == 0] == [(0, MIN_PREFILL)]
+    many = [fwd(2, 9, "h")] * 64
+    lim64 = BatchLimits(80, 8192, 512, prefill_share=0.25)
+    plan = plan_step([fwd(8000, 1, "a"), *many], lim64, active_sessions=65, overhead_tokens=40)
+    assert [(r.index, r.tokens) for r in plan.rows if r.index == 0] == [(0, 146)]
+    # no round of the others queued yet: a typical step's shape stands for theirs
+    plan = plan_step(
+        [fwd(8000, 1, "a")],
+        lim64,
+        65,
+        40,
+        typical_rounds={"h": 704},
+        typical_shape=(64, 11),
+    )
+    assert rows(plan) == [(0, 146, 146)]
     own = [fwd(2, 9, "a")] * 4
     plan = plan_step([fwd(8000, 1, "a"), *own], lim, active_sessions=5, overhead_tokens=40)
     assert [(r.index, r.tokens) for r in plan.rows if r.index == 0] == [(0, 512)]
@@ -270,9 +283,10 @@ def test_beside_other_tenants_rounds_a_prefill_adds_at_most_its_share_of_their_s
     plan = plan_step(
         [fwd(8000, 1, "a"), fwd(300, 1, "h"), *honest], lim, active_sessions=6, overhead_tokens=40
     )
-    assert [(r.index, r.tokens) for r in plan.rows if r.index < 2] == [(0, 21), (1, 301)]
-    # never below the floor, never above the chunk
-    plan = plan_step([fwd(8000, 1, "a")], lim, 2, 1, typical_rounds={"h": 10})
-    assert rows(plan) == [(0, MIN_PREFILL, MIN_PREFILL)]
-    plan = plan_step([fwd(8000, 1, "a")], lim, 2, 1e6, typical_rounds={"h": 10})
-    assert rows(plan) == [(0, 512, 512)]
+    assert [(r.index, r.tokens) for r in plan.rows if r.index < 2] == [(0, 16), (1, 301)]
+    # the share off, or nothing measured yet: the chunk alone bounds it
+    off = BatchLimits(16, 4096, 512, prefill_share=0.0)
+    plan = plan_step([fwd(8000, 1, "a"), *honest], off, active_sessions=5, overhead_tokens=40)
+    assert [(r.index, r.tokens) for r in plan.rows if r.index == 0] == [(0, 512)]
+    plan = plan_step([fwd(8000, 1, "a"), *honest], lim, 5, overhead_tokens=float("inf"))
+    assert [(r.index, r.tokens) for r in plan.rows if r.index == 0] == [(0, 512)]
