@@ -53,6 +53,7 @@ from cloud_verifier.core import (
     VerifierCore,
     Verify,
     Work,
+    context_limit,
 )
 from cloud_verifier.engine import (
     Engine,
@@ -1273,7 +1274,7 @@ async def _serve_connection(conn: _Conn, tenant: str) -> None:
                 target.fingerprint,
                 max_gamma=s.max_gamma,
                 max_fixed=s.max_fixed,
-                max_context=state.engine.max_context,
+                max_context=context_limit(state.limits, state.engine.max_context),
                 max_frame=s.max_frame,
                 max_streams=s.max_streams,
                 window=conn.mux.window,

@@ -488,6 +488,13 @@ def _reported(
     return cache_after(work, n) if cache_len is None else cache_len
 
 
+def context_limit(limits: SessionLimits, engine_limit: int | None) -> int:
+    """Tokens one session may hold: the ``max_context`` setting, capped by what the engine
+    gives a session (the model's limit and its share of the KV pool). The Welcome and the
+    connection's Ready announce it; the core refuses a Propose past it (``context_full``)."""
+    return min(limits.max_context, engine_limit or limits.max_context)
+
+
 @dataclass(frozen=True)
 class WorkProgress:
     """Where the session's model work stands, from the engine (see :class:`Progress`):
@@ -528,7 +535,7 @@ class VerifierCore:
         self.state = CoreState.HELLO
         self.hello: Hello | None = None
         self.ctx: WireContext | None = None
-        self.max_context = min(limits.max_context, target.max_length or limits.max_context)
+        self.max_context = context_limit(limits, target.max_length)
         self.epoch = 0
         self.expected_seq = 0
         self.next_pos = 0

@@ -417,6 +417,9 @@ async def test_the_daemon_answers_length_at_the_verifiers_context_and_400_past_i
     async with edge_api(s) as (state, base):
         svc = state.service
         await until(lambda: svc.links[0].max_context is not None, 10.0, "the Ready")
+        # the connection's Ready announces the sessions' limit (the setting, not the model's
+        # 512), so the first request on the link already knows it
+        assert svc.links[0].max_context == SMALL_CONTEXT
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             body = {"model": "tiny", "prompt": prompt, "ignore_eos": True}
             t0 = time.monotonic()
@@ -428,8 +431,6 @@ async def test_the_daemon_answers_length_at_the_verifiers_context_and_400_past_i
             assert answer["usage"]["completion_tokens"] == SMALL_CONTEXT - len(prompt)
             want = target_greedy(target, prompt, SMALL_CONTEXT - len(prompt))
             assert answer["wanspec"]["token_ids"] == want and answer["wanspec"]["reconnects"] == 0
-            # (The verifier's Ready announces its model's 512; its sessions' Welcome says 24:
-            # the link keeps the smaller.)
             assert svc.links[0].max_context == SMALL_CONTEXT
             assert svc.context_limit().tokens == SMALL_CONTEXT
             for extra in ({}, {"stream": True}):
