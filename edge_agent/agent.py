@@ -33,6 +33,7 @@ from edge_agent.core import (
 from edge_agent.drafter import DraftModel
 from edge_agent.driver import VerdictTimeout, handshake, run_single
 from edge_agent.federation import WorkerSpec, run_federated
+from edge_agent.federation_core import ROUND_DEADLINE_S
 from edge_agent.generation import Generation, TokenSource
 from edge_agent.link import TokenRefused, VerifierBusy
 from edge_agent.pipeline_config import PipelineConfig
@@ -94,7 +95,7 @@ class EdgeAgent:
         retry: RetryPolicy | None = None,
         worker: ModelWorker | None = None,
         federation: Sequence[WorkerSpec] = (),
-        round_deadline_s: float = 5.0,
+        round_deadline_s: float = ROUND_DEADLINE_S,
         on_session_failed: Callable[[BaseException], None] | None = None,
         on_welcome: Callable[[Welcome], None] | None = None,
     ) -> None:

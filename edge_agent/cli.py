@@ -52,7 +52,9 @@ _SETTINGS_HELP: dict[str, str] = {
     "k": "federation: top-k size of each verifier's distributions (one, or one per verifier)",
     "eps_target": "federation: adaptive K, smallest K whose kept mass is >= 1 - eps (k caps it)",
     "reconstruction": "federation: A (renormalised top-K) or B (residual redistributed)",
-    "round_deadline": "federation: seconds to wait for a slow worker before leaving it out",
+    "round_deadline": "federation: once one verifier answered a round, the least seconds it "
+    "waits for the others (up to 4 x that answer's time); a slower one is left out of rounds, "
+    "not dropped, and readmitted when a probe shows it keeps up",
     "token_file": "file holding the verifier's bearer token",
     "ca_file": "CA bundle to verify a wss:// verifier",
     "insecure_skip_verify": "do not verify the verifier's TLS certificate",

@@ -39,6 +39,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 (the Jetson)
     import tomli as tomllib
 
+from edge_agent.federation_core import ROUND_DEADLINE_S
 from edge_agent.pipeline_config import Mode, PipelineConfig
 from shared.maths.compression import Reconstruction
 from shared.runtime.model_spec import ModelSpecError, SpecKind, parse_model_spec
@@ -103,7 +104,10 @@ class EdgeSettings:
     k: str = "64"
     eps_target: float = field(default=0.0, metadata=_b(0.0, 0.999))
     reconstruction: ReconstructionName = "A"  # A renormalised top-K, B residual redistributed
-    round_deadline: float = field(default=5.0, metadata=_b(0.01))  # s to wait for a worker
+    # federation: once one verifier has answered a round, the least time the round waits for the
+    # others that keep up (up to max(this, 4 × that answer's round time)); a slower one is left
+    # out of rounds, not dropped, and readmitted when a probe shows it keeps up
+    round_deadline: float = field(default=ROUND_DEADLINE_S, metadata=_b(0.01))
     token_file: Path | None = None  # bearer token for the verifier (first non-comment line)
     ca_file: Path | None = None  # CA bundle for a wss:// verifier
     insecure_skip_verify: bool = False

@@ -29,7 +29,12 @@ from edge_agent.core import DesyncError, DraftPlan, HandshakeError, Rival, Verif
 from edge_agent.drafter import DraftModel
 from edge_agent.driver import LinkIO, Signal, draft_loop, handshake
 from edge_agent.events import Drop, EdgeEvent, Fail, Send
-from edge_agent.federation_core import FederatedCore, FederationStats, WorkerParams
+from edge_agent.federation_core import (
+    ROUND_DEADLINE_S,
+    FederatedCore,
+    FederationStats,
+    WorkerParams,
+)
 from edge_agent.generation import Generation
 from edge_agent.link import LinkRefused, TokenRefused
 from edge_agent.pipeline_config import PipelineConfig
@@ -268,7 +273,7 @@ async def run_federated(
     fingerprint: Fingerprint,
     workers: Sequence[WorkerSpec],
     retry: RetryPolicy,
-    deadline_s: float = 5.0,
+    deadline_s: float = ROUND_DEADLINE_S,
     seed: int | None = None,
 ) -> FederationStats:
     """Run ``gen`` verified by ``workers`` until done; returns the federation's measurements
@@ -306,7 +311,7 @@ async def generate_federated(
     eos_ids: list[int] | tuple[int, ...] = (),
     seed: int | None = None,
     on_commit: Callable[[list[int]], None] | None = None,
-    deadline_s: float = 5.0,
+    deadline_s: float = ROUND_DEADLINE_S,
     no_worker_timeout_s: float = 30.0,
     liveness_s: float = 10.0,
 ) -> tuple[Generation, FederationStats]:

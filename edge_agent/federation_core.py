@@ -89,6 +89,7 @@ from edge_agent.core import (
     Pipeline,
     VerifierError,
     VerifierLink,
+    fit_context,
 )
 from edge_agent.events import Drop, EdgeEvent, Send
 from edge_agent.generation import Generation
@@ -109,6 +110,10 @@ from shared.wire.protocol import (
     WireContext,
     encode,
 )
+
+#: Once one verifier has answered a round, the least time the round waits for the others that
+#: keep up (the ``round_deadline`` setting's default).
+ROUND_DEADLINE_S: Final = 1.0
 
 log = logging.getLogger("wanspec.federation")
 
@@ -237,7 +242,7 @@ class FederatedCore:
         fingerprint: Fingerprint,
         workers: Sequence[WorkerParams],
         *,
-        deadline_s: float = 5.0,
+        deadline_s: float = ROUND_DEADLINE_S,
         liveness_s: float = 10.0,
         seed: int | None = None,
     ) -> None:
@@ -292,7 +297,10 @@ class FederatedCore:
 
     def link_up(self, index: int, welcome: Welcome, now: float) -> None:
         """Worker ``index`` completed its handshake: in step at the start (or when nobody is),
-        else probed with the next batch."""
+        else probed with the next batch. The generation is bounded by every member's context
+        (:func:`~edge_agent.core.fit_context`: it ends with "length" at the smallest; a prompt
+        past it raises ContextExceeded, answered 400)."""
+        fit_context(self.gen, welcome.max_context)
         w = self.workers[index]
         ctx = WireContext(
             vocab_size=self.fingerprint.vocab_size,

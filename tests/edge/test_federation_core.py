@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from cloud_verifier.core import Close, Run, SessionLimits, TargetInfo, VerifierCore, Work
 from cloud_verifier.core import Event as VerifierEvent
 from cloud_verifier.core import Send as VSend
+from edge_agent.core import ContextExceeded
 from edge_agent.events import Drop, EdgeEvent, Send
 from edge_agent.federation_core import (
     LIVENESS_FACTOR,
@@ -42,7 +43,7 @@ from tests.fake_model import FakeTargetModel, greedy_law
 
 V = 16
 FP = Fingerprint("t", V, "test")
-WELCOME = Welcome(FP, "s", max_gamma=8, max_fixed=1024, max_context=1024, max_frame=1 << 20)
+WELCOME = Welcome(FP, "s", max_gamma=8, max_fixed=1024, max_context=4096, max_frame=1 << 20)
 LIVE, BEHIND, DOWN = WorkerState.LIVE, WorkerState.BEHIND, WorkerState.DOWN
 
 
@@ -529,3 +530,22 @@ def test_members_of_any_speed_against_real_verifiers(
         expected.append(_target_next(expected))
     assert c.gen.generated == expected[2:]
     assert c.fed.worker_drops == 0
+
+
+def test_the_generation_is_bounded_by_the_smallest_members_context() -> None:
+    """A member whose Welcome says a context of 8 tokens ends the generation with "length" at
+    8 (prompt 1 + 7 new), never a Propose past it; a prompt that fills it is refused."""
+    c = core(max_new=100)
+    small = Welcome(FP, "s", max_gamma=8, max_fixed=1024, max_context=8, max_frame=1 << 20)
+    c.link_up(0, WELCOME, 0.0)
+    c.link_up(1, small, 0.0)
+    assert c.gen.max_new_tokens == 7
+    tight = FederatedCore(
+        Generation([1] * 8, 4),
+        PipelineConfig(gamma=2, depth=1, sampling=SamplingParams(0.0)),
+        np.random.default_rng(0),
+        FP,
+        [WorkerParams("w0")],
+    )
+    with pytest.raises(ContextExceeded, match="the prompt has 8 tokens"):
+        tight.link_up(0, small, 0.0)
