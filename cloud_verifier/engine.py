@@ -309,8 +309,11 @@ class Engine:
         self._seen: dict[int, float] = {}
         #: The rounds' tokens of the last steps, by tenant (under the lock).
         self._round_tokens: deque[dict[str, int]] = deque(maxlen=TYPICAL_STEPS)
-        #: ... and their shapes: (rows, longest row) (under the lock).
-        self._round_shapes: deque[tuple[int, int]] = deque(maxlen=TYPICAL_STEPS)
+        #: ... and their shapes: (rows, longest row, longest cache) (under the lock).
+        self._round_shapes: deque[tuple[int, int, int]] = deque(maxlen=TYPICAL_STEPS)
+        #: What each tenant has saved towards its next prefill chunk beside other tenants'
+        #: rounds (the scheduler's deficit round robin; engine thread).
+        self._credit: dict[str, float] = {}
         self._thread = threading.Thread(target=self._main, name="wanspec-engine", daemon=True)
         self._thread.start()
 
@@ -697,7 +700,8 @@ class Engine:
             self.limits.batch,
             active_sessions=len(active),
             typical_rounds=self._typical_rounds(),
-            typical_shape=max(self._round_shapes, key=lambda km: km[0] * km[1], default=(0, 0)),
+            typical_shape=max(self._round_shapes, key=lambda s: s[0] * s[1], default=(0, 0, 0)),
+            credit=self._credit,
             # nothing measured yet (or no cost per token): rows share one forward
             overhead_tokens=a / b if b > 0 else math.inf,
             pages=None if self.kv.pool is None else Pages(self.kv.pages_free(), self.kv.page_size),
@@ -705,14 +709,16 @@ class Engine:
         taken = plan.taken
         if plan.rows:
             rounds: dict[str, int] = {}
-            longest = count = 0
+            longest = count = kv = 0
             for r in plan.rows:
                 q = seen[r.index]
                 if not q.prefill:
                     rounds[q.tenant] = rounds.get(q.tenant, 0) + r.tokens
                     count, longest = count + 1, max(longest, r.tokens)
+                    kv = max(kv, q.cached + r.tokens)
             self._round_tokens.append(rounds)
-            self._round_shapes.append((count, longest))
+            self._round_shapes.append((count, longest, kv))
+        self._credit = dict(plan.credit)
         self._queue = deque(item for i, item in enumerate(queue) if i not in taken)
         calls = [queue[i] for i in plan.calls]
         row_of = {r.index: r for r in plan.rows}

@@ -41,7 +41,7 @@ session at most once.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from cloud_verifier.step_times import StallRule, StepTimes
@@ -143,6 +143,9 @@ class StepPlan:
     forwards: int = 0
     tokens: int = 0
     model_drafts: bool = True
+    #: What each tenant held to a share beside other tenants' rounds has saved towards its next
+    #: prefill chunk (:func:`tenant_allowance`): the next plan's ``credit``.
+    credit: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def taken(self) -> frozenset[int]:
@@ -161,13 +164,16 @@ def plan_step(
     overhead_tokens: float = 0.0,
     pages: Pages | None = None,
     typical_rounds: Mapping[str, int] | None = None,
-    typical_shape: tuple[int, int] = (0, 0),
+    typical_shape: tuple[int, int, int] = (0, 0, 0),
+    credit: Mapping[str, float] | None = None,
 ) -> StepPlan:
     """The next step from ``queue`` (module docstring). ``active_sessions``: sessions with work
     queued, running or sent a moment ago (more than the prefilling ones: the prefill budget is
     :func:`prefill_budget`'s shared one); ``typical_rounds``: by tenant, the tokens of a recent
     step's rounds (what a step without their rounds queued yet will soon hold), and
-    ``typical_shape`` its rows and longest row;
+    ``typical_shape`` its rows, longest row and longest cache; ``credit``: what each tenant has
+    saved towards its next prefill chunk beside other tenants' rounds (the plan's ``credit``
+    after it);
     ``overhead_tokens``: one forward's fixed cost in tokens (:func:`group_rows`); ``pages``:
     the KV pages there are (None: as many as needed). Rounds take their pages first; a prefill
     chunk is cut to the pages left (at least a page's worth, else planned as it is, so that it
@@ -191,16 +197,29 @@ def plan_step(
     by_tenant: dict[str, int] = {}
     for i, n in rounds:
         by_tenant[queue[i].tenant] = by_tenant.get(queue[i].tenant, 0) + n
-    shape = (len(rounds), max(n for _, n in rounds)) if rounds else typical_shape
-    grants = _prefill_grants(
+    shape = (
+        (
+            len(rounds),
+            max(n for _, n in rounds),
+            max(queue[i].cached + n for i, n in rounds),
+        )
+        if rounds
+        else typical_shape
+    )
+    cost = (
+        RoundsCost(*shape, overhead_tokens)
+        if shape[0] > 0 and overhead_tokens != float("inf")
+        else None
+    )
+    grants, saved = _prefill_grants(
         queue,
         prefills,
         limits,
         by_tenant,
         active_sessions,
-        overhead_tokens,
         typical_rounds or {},
-        shape,
+        cost,
+        credit or {},
     )
     chunks: list[tuple[int, int, int]] = []  # (index, chunk, tokens)
     for i in prefills:
@@ -227,7 +246,13 @@ def plan_step(
             used += q.row
         else:
             skipped.append(i)
-    forwards = group_rows([n for _, n in rounds], [n for _, _, n in chunks], overhead_tokens)
+    far = bool(rounds) and any(
+        not RoundsCost(len(rounds), 0, shape[2], 0.0).joins(queue[i].cached + n)
+        for i, _, n in chunks
+    )
+    forwards = group_rows(
+        [n for _, n in rounds], [n for _, _, n in chunks], overhead_tokens, apart=far
+    )
 
     def new_pages(i: int, n: int) -> int:
         return queue[i].pages(n, size) if pages is not None else 0
@@ -246,6 +271,7 @@ def plan_step(
         forwards,
         padded,
         model_drafts_allowed(edge_rounds + len(chunks)),
+        saved,
     )
 
 
@@ -259,25 +285,55 @@ def prefill_budget(limits: BatchLimits, rounds_tokens: int, alone: bool) -> int:
     return max(MIN_PREFILL, min(limits.prefill_chunk, room))
 
 
-def tenant_cap(limits: BatchLimits, shape: tuple[int, int], overhead_tokens: float) -> float:
-    """The most prefill tokens one tenant may add to a step in which *other* tenants' rounds
-    wait: what costs at most ``prefill_share`` of the step time of the rounds (Sarathi-Serve's
-    stall-free budget). ``shape``: the rounds' (rows k, longest row m), the step's or a recent
-    step's when theirs are on their way; ``overhead_tokens``: a/b of the step time a + b·tokens.
+@dataclass(frozen=True)
+class RoundsCost:
+    """What a tenant's prefill row costs a step of other tenants' rounds, in tokens of the
+    step-time model a + b·tokens (``overhead``: a/b). The rounds: ``k`` rows, the longest ``m``
+    tokens, reading at most ``kv`` cached positions. A prefill row of p tokens runs in a forward
+    of its own (a/b + p) or, when it reads no more than twice their cache (the forward's key
+    gather and mask grow to its longest row's cache), padded with them ((k+1)·max(p, m) − k·m)."""
 
-    The rounds cost a + b·R, R = k·m (padded). A prefill row of p tokens costs, in a forward of
-    its own, a + b·p; in theirs, b·((k+1)·max(p, m) − R). Within share·(a + b·R):
-    p ≤ share·(a/b + R) − a/b alone, p ≤ (share·(a/b + R) + R)/(k+1) with them (the better of
-    the two; :func:`group_rows` then picks the cheaper layout). At least :data:`MIN_PREFILL`;
-    inf (no cap) with the share off or nothing measured yet."""
-    k, m = shape
-    if limits.prefill_share <= 0 or k <= 0 or overhead_tokens == float("inf"):
-        return float("inf")
-    rounds = k * m
-    allowed = limits.prefill_share * (overhead_tokens + rounds)  # in tokens of b
-    apart = allowed - overhead_tokens
-    together = (allowed + rounds) / (k + 1) if allowed >= m else 0.0
-    return max(MIN_PREFILL, int(max(apart, together)))
+    k: int
+    m: int
+    kv: int
+    overhead: float
+
+    @property
+    def rounds(self) -> float:
+        """The rounds' own step: a/b + k·m."""
+        return self.overhead + self.k * self.m
+
+    def joins(self, kv: int) -> bool:
+        """May a prefill row reading ``kv`` cached positions share the rounds' forward?"""
+        return kv <= 2 * max(self.kv, 64)
+
+    def cost(self, p: int, kv: int) -> float:
+        apart = self.overhead + p
+        if not self.joins(kv):
+            return apart
+        return min(apart, (self.k + 1) * max(p, self.m) - self.k * self.m)
+
+    def most(self, budget: float, kv: int) -> int:
+        """The longest prefill row within ``budget``."""
+        apart = budget - self.overhead
+        together = (budget + self.k * self.m) / (self.k + 1) if budget >= self.m else 0.0
+        return int(max(apart, together if self.joins(kv) else 0.0))
+
+
+def tenant_allowance(
+    limits: BatchLimits, cost: RoundsCost, saved: float, kv: int
+) -> tuple[int, float]:
+    """Deficit round robin by time, between one tenant's prompts and other tenants' rounds
+    (Sarathi-Serve's stall-free budget, kept on average): each step the tenant earns
+    ``prefill_share`` of the rounds' step time (share·(a/b + k·m) tokens of b) onto what it has
+    ``saved``, up to one rounds' step (so a step at most doubles); it spends it on a prefill row
+    when that buys at least :data:`MIN_PREFILL` tokens: on a CPU, where a forward's overhead is
+    large against a few rounds, a chunk every few steps rather than a sliver every step.
+    Returns (the most tokens it may prefill now, 0: none; its savings before spending)."""
+    earned = saved + limits.prefill_share * cost.rounds
+    earned = min(earned, max(cost.rounds, cost.cost(MIN_PREFILL, kv)))
+    p = cost.most(earned, kv)
+    return (p if p >= MIN_PREFILL else 0), earned
 
 
 def _prefill_grants(
@@ -286,17 +342,17 @@ def _prefill_grants(
     limits: BatchLimits,
     rounds: dict[str, int],
     active_sessions: int,
-    overhead_tokens: float,
     typical_rounds: Mapping[str, int],
-    shape: tuple[int, int],
-) -> dict[int, int]:
-    """Tokens each waiting prefill may compute in the next step: the budget split max-min
-    fairly between tenants, each tenant's need capped by :func:`tenant_cap` (the others'
-    rounds), then oldest first within a tenant, each capped by ``prefill_chunk`` and by what it
-    needs. ``rounds``: the step's rounds' tokens by tenant; ``shape``: the rounds' (rows,
-    longest row), the step's or a typical step's."""
+    cost: RoundsCost | None,
+    credit: Mapping[str, float],
+) -> tuple[dict[int, int], dict[str, float]]:
+    """Tokens each waiting prefill may compute in the next step, and the tenants' savings
+    after it: the budget split max-min fairly between tenants, a tenant beside other tenants'
+    rounds held to its :func:`tenant_allowance`, then oldest first within a tenant, each capped
+    by ``prefill_chunk`` and by what it needs. ``rounds``: the step's rounds' tokens by tenant;
+    ``cost``: what a prefill row costs the rounds (None: no share bound)."""
     if not prefills:
-        return {}
+        return {}, {}
     alone = active_sessions <= len(prefills)
     budget = prefill_budget(limits, sum(rounds.values()), alone)
     cap = limits.prefill_chunk if limits.prefill_chunk > 0 and not alone else budget
@@ -304,11 +360,17 @@ def _prefill_grants(
     for i in prefills:
         by_tenant.setdefault(queue[i].tenant, []).append(i)
     need: dict[str, int] = {}
+    earned: dict[str, float] = {}
+    kv_of: dict[str, int] = {}
     for t, ids in by_tenant.items():
-        others = any(n > 0 and u != t for u, n in (*rounds.items(), *typical_rounds.items()))
-        limit = tenant_cap(limits, shape, overhead_tokens) if others else float("inf")
         want = sum(min(queue[i].row, cap) for i in ids)
-        need[t] = want if limit == float("inf") else min(want, int(limit))
+        others = any(n > 0 and u != t for u, n in (*rounds.items(), *typical_rounds.items()))
+        if cost is None or limits.prefill_share <= 0 or not others:
+            need[t] = want
+            continue
+        kv_of[t] = max(queue[i].cached + min(queue[i].row, cap) for i in ids)
+        allowed, earned[t] = tenant_allowance(limits, cost, credit.get(t, 0.0), kv_of[t])
+        need[t] = min(want, allowed)
     share = fair_shares(need, budget)
     grants: dict[int, int] = {}
     for tenant, ids in by_tenant.items():
@@ -317,7 +379,12 @@ def _prefill_grants(
             g = min(left, queue[i].row, cap)
             grants[i] = g
             left -= g
-    return grants
+    saved: dict[str, float] = {}
+    for t, e in earned.items():
+        assert cost is not None
+        spent = cost.cost(share[t], kv_of[t]) if share[t] > 0 else 0.0
+        saved[t] = max(0.0, e - spent)
+    return grants, saved
 
 
 def fair_shares(need: dict[str, int], budget: int) -> dict[str, int]:
@@ -340,18 +407,25 @@ def fair_shares(need: dict[str, int], budget: int) -> dict[str, int]:
     return out
 
 
-def group_rows(rounds: Sequence[int], prefills: Sequence[int], overhead_tokens: float) -> int:
+def group_rows(
+    rounds: Sequence[int], prefills: Sequence[int], overhead_tokens: float, apart: bool = False
+) -> int:
     """How many forwards the step's rows take, 1 or 2: the rounds (``rounds``: their lengths)
     share one forward (they are short and alike); the prefill rows (``prefills``) join it, or
     take a forward of their own when padding the rounds to their length costs more than a
     forward's overhead (``overhead_tokens``, in tokens: large on a GPU, where all rows share
-    one forward; small on a CPU, where a round padded to a chunk would cost the chunk)."""
-    if not rounds or not prefills or overhead_tokens == float("inf"):
+    one forward; small on a CPU, where a round padded to a chunk would cost the chunk), or
+    when they read a much longer cache (``apart``: :meth:`RoundsCost.joins`)."""
+    if not rounds or not prefills:
         return 1 if rounds or prefills else 0
+    if apart:
+        return 2
+    if overhead_tokens == float("inf"):
+        return 1
     r, p = max(rounds), max(prefills)
     together = (len(rounds) + len(prefills)) * max(r, p)
-    apart = len(rounds) * r + len(prefills) * p + overhead_tokens
-    return 2 if apart < together else 1
+    split = len(rounds) * r + len(prefills) * p + overhead_tokens
+    return 2 if split < together else 1
 
 
 def model_drafts_allowed(edge_forwards: int) -> bool:
