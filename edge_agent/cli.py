@@ -60,7 +60,8 @@ _SETTINGS_HELP: dict[str, str] = {
     "insecure_skip_verify": "do not verify the verifier's TLS certificate",
     "heartbeat": "WebSocket ping interval to the verifier, seconds",
     "verifier_wait": "seconds a request may wait for a verifier without progress (down, busy, "
-    "or both in turn) before it gets 503 with Retry-After and its text so far",
+    "or both in turn) before it gets 503 with Retry-After and its text so far; also the most "
+    "it waits for one of the daemon's generations (then 429)",
     "link_down_deadline": "deprecated: the old name of --verifier-wait",
     "link_down_fail_fast": "with fallback none and every verifier known down: seconds before a "
     "request fails (0 = wait verifier_wait)",

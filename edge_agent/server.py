@@ -186,7 +186,9 @@ def _gen_error(e: BaseException, partial: dict[str, Any] | None = None) -> ApiEr
     """A generation's failure as the API answers it; ``partial``: the members that carry what
     it had generated (non-streaming answers: the text so far, in the endpoint's shape)."""
     if isinstance(e, QueueFull):
-        return ApiError(429, str(e), type_="rate_limit_error", code="queue_full")
+        return ApiError(
+            429, str(e), type_="rate_limit_error", code="queue_full", retry_after=e.retry_after
+        )
     if isinstance(e, VerifierUnavailable):
         return ApiError(
             503,

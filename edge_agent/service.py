@@ -61,7 +61,12 @@ _RTTS: contextvars.ContextVar[list[float]] = contextvars.ContextVar("wanspec_rtt
 
 
 class QueueFull(WanspecError, RuntimeError):
-    """Too many requests are waiting (HTTP 429)."""
+    """Too many requests are waiting, or one waited its bound for a place (HTTP 429, with
+    ``retry_after`` seconds when known)."""
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -134,19 +139,28 @@ class FairQueue:
         self.active -= 1
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
+    async def slot(self, wait_s: float | None = None) -> AsyncIterator[None]:
+        """Hold a place; wait for one at most ``wait_s`` seconds (None: no bound), then
+        :class:`QueueFull`."""
         if self.busy or self._waiters:
             self.check()
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             try:
-                await fut
-            except BaseException:
+                await asyncio.wait_for(asyncio.shield(fut), wait_s)
+            except BaseException as e:
                 if fut.done() and not fut.cancelled():
                     self._release()  # the slot was ours already: pass it on
                 else:
+                    fut.cancel()
                     with contextlib.suppress(ValueError):
                         self._waiters.remove(fut)
+                if isinstance(e, asyncio.TimeoutError):
+                    raise QueueFull(
+                        f"waited {wait_s:g} s for one of the {self.max_active} generations "
+                        "(verifier_wait); try again later",
+                        retry_after=max(1, round(wait_s or 1)),
+                    ) from e
                 raise
         else:
             self.active += 1
@@ -562,7 +576,8 @@ class EdgeService:
         """
         loaded, _ = self.require()
         self.metrics.queue_waiting.set(self.queue.waiting + 1)
-        async with self.queue.slot():
+        # The wait for a place is bounded by the same one setting as the wait for a verifier.
+        async with self.queue.slot(self.settings.verifier_wait):
             self.metrics.queue_waiting.set(self.queue.waiting)
             self.metrics.busy.set(self.queue.active)
             slot = _Slot(time.monotonic())

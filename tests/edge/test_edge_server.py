@@ -123,6 +123,30 @@ async def test_fair_queue_is_fifo_and_a_cancelled_waiter_frees_its_place() -> No
     assert b.cancelled()
 
 
+async def test_a_wait_for_a_place_ends_at_its_bound_and_loses_nothing() -> None:
+    """Every wait has a deadline: a request waiting for a generation past ``wait_s`` gets
+    QueueFull with a Retry-After, its place goes to nobody, and the next one still gets the
+    slot when it frees."""
+    q = FairQueue(max_waiting=4)
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        async with q.slot():
+            await gate.wait()
+
+    holder = asyncio.create_task(hold())
+    await until(lambda: q.busy, 5.0, "the slot held")
+    with pytest.raises(QueueFull, match=r"waited 0\.05 s") as err:
+        async with q.slot(0.05):
+            pass
+    assert err.value.retry_after == 1 and q.waiting == 0
+    gate.set()
+    await holder
+    async with q.slot(0.05):
+        assert q.active == 1
+    assert q.active == 0
+
+
 async def test_fair_queue_serves_max_active_at_once_then_in_arrival_order() -> None:
     q = FairQueue(max_waiting=2, max_active=2)
     order: list[str] = []
