@@ -127,9 +127,13 @@ def test_parse_metrics_keeps_labels() -> None:
     assert m['wanspec_sessions_refused_total{reason="overloaded"}'] == 3
 
 
-def test_overload_tenants_smoke_writes_every_key(tmp_path: Path) -> None:
-    """``--tenants --smoke``: both arms, the ratios with their intervals, the targets, the
-    attacker's prompt cut to the tiny model's context; structure, not speed."""
+def test_one_tenants_long_prompts_leave_the_others_rounds_flowing(tmp_path: Path) -> None:
+    """``--tenants --smoke`` (issue 38): two sessions of one token looping the longest prompts
+    the tiny verifier takes, beside four honest users. Behaviour: the honest rounds keep
+    flowing (their verdicts a second at least half of what they are without the attacker, their
+    p99 round at most 3 times: before the fair scheduler, 0.17 and 4.5; with it, 0.87 and 1.3),
+    with no failure and no refusal; and the output has every key, the ratios their intervals,
+    the attacker's prompt cut to the tiny model's context."""
     out = tmp_path / "tenants.json"
     cmd = [sys.executable, "-m", "bench.overload", "--tenants", "--smoke", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO, check=False)
@@ -144,6 +148,9 @@ def test_overload_tenants_smoke_writes_every_key(tmp_path: Path) -> None:
     for key in ("honest_failures", "honest_refusals_while_prefilling"):
         assert tg[key]["value"] >= 0 and isinstance(tg[key]["met"], bool), tg[key]
     assert tg["all_met"] == all(v["met"] for k, v in tg.items() if k != "all_met")
+    assert tg["goodput_ratio"]["value"] >= 0.5, tg
+    assert tg["p99_round_ratio"]["value"] <= 3.0, tg
+    assert tg["honest_failures"]["value"] == 0 and tg["honest_refusals_while_prefilling"]["met"]
     assert "over honest users" in result["ratios"]["interval"]
     assert set(result["arms"]) == set(ARMS)
     for name in ARMS:
