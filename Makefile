@@ -102,6 +102,7 @@ FAST_TESTS := \
 	tests/shared/test_imports.py \
 	tests/verifier/test_verifier_core.py \
 	tests/verifier/test_scheduler.py \
+	tests/verifier/test_kv_manager.py \
 	tests/verifier/test_cloud_draft.py \
 	tests/verifier/test_verifier_units.py \
 	tests/edge/test_edge_core.py \
