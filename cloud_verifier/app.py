@@ -65,6 +65,7 @@ from cloud_verifier.engine import (
     Slot,
 )
 from cloud_verifier.http_guard import HTTP_LOG, ConnectionGuard
+from cloud_verifier.kv_manager import KVManager
 from cloud_verifier.ratelog import LogLimiter
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.stats import VerifierMetrics
@@ -133,7 +134,7 @@ class Parked:
 
     @property
     def pages(self) -> int:
-        return len(self.slot.pages.pages)
+        return KVManager.pages_held(self.slot)
 
 
 @dataclass
@@ -690,7 +691,7 @@ def _park(state: VerifierState, token: str, slot: Slot, tenant: str) -> bool:
     s = state.settings
     if s.resume_grace <= 0 or state.status != ServiceStatus.READY:
         return False
-    pages = len(slot.pages.pages)
+    pages = KVManager.pages_held(slot)
     if pages == 0 or pages > _parked_budget(state):
         return False
     state.parked[token] = Parked(slot, tenant, time.monotonic() + s.resume_grace)

@@ -182,6 +182,11 @@ class KVManager:
                 held.update(s.pages.pages)
         return len(held)
 
+    @staticmethod
+    def pages_held(slot: Slot) -> int:
+        """Pages ``slot`` holds now (a read of the engine thread's figure: a gauge)."""
+        return len(slot.pages.pages)
+
     def pages_free(self) -> int:
         """Pages a slot may still get (free ones, then idle cached ones)."""
         return 0 if self.pool is None else self.pool.pages_available
