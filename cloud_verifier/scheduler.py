@@ -326,12 +326,14 @@ def tenant_allowance(
     """Deficit round robin by time, between one tenant's prompts and other tenants' rounds
     (Sarathi-Serve's stall-free budget, kept on average): each step the tenant earns
     ``prefill_share`` of the rounds' step time (share·(a/b + k·m) tokens of b) onto what it has
-    ``saved``, up to one rounds' step (so a step at most doubles); it spends it on a prefill row
+    ``saved``, up to one rounds' step, or share of one above 1 (so a step grows by at most that
+    factor plus one); it spends it on a prefill row
     when that buys at least :data:`MIN_PREFILL` tokens: on a CPU, where a forward's overhead is
     large against a few rounds, a chunk every few steps rather than a sliver every step.
     Returns (the most tokens it may prefill now, 0: none; its savings before spending)."""
     earned = saved + limits.prefill_share * cost.rounds
-    earned = min(earned, max(cost.rounds, cost.cost(MIN_PREFILL, kv)))
+    ceiling = max(1.0, limits.prefill_share) * cost.rounds
+    earned = min(earned, max(ceiling, cost.cost(MIN_PREFILL, kv)))
     p = cost.most(earned, kv)
     return (p if p >= MIN_PREFILL else 0), earned
 

@@ -319,3 +319,26 @@ def test_a_held_prompt_always_moves() -> None:
         credit = dict(plan.credit)
         got.append(sum(r.tokens for r in plan.rows))
     assert MIN_PREFILL in got and all(g in (0, MIN_PREFILL) for g in got)
+
+
+def test_a_share_above_one_buys_chunks_larger_than_the_rounds_step() -> None:
+    """On a GPU a forward's overhead dwarfs a few rounds (a/b = 2000 beside 16 rounds of 9):
+    at a share of 0.25 a prompt apart from them saves four steps for a 144-token chunk (one
+    rounds' step: the step at most doubles); an operator who sets prefill_share = 2 lets a
+    step grow threefold, for a 2 · 2144 − 2000 = 2288-token budget, cut to the chunk (512)."""
+    honest = [fwd(2, 7, "h")] * 16
+    for share, want in ((0.25, [0, 0, 0, 144]), (2.0, [512, 512, 512, 512])):
+        lim = BatchLimits(32, 8192, 512, prefill_share=share)
+        credit: dict[str, float] = {}
+        got = []
+        for _ in range(4):
+            plan = plan_step(
+                [fwd(8000, 1, "a"), *honest],
+                lim,
+                active_sessions=17,
+                overhead_tokens=2000,
+                credit=credit,
+            )
+            credit = dict(plan.credit)
+            got.append(sum(r.tokens for r in plan.rows if r.index == 0))
+        assert got == want, (share, got)
