@@ -5,7 +5,7 @@ a task created and cancelled-and-awaited by a cleanup context; session handlers 
 request tasks, and ``on_shutdown`` closes their WebSockets with GOING_AWAY so they end. Closing
 the sessions of a revoked token runs in tasks kept in ``VerifierState.closers``.
 
-Serve it with :func:`make_runner` and a :class:`~cloud_verifier.http_guard.Listener` (as
+Serve it with :func:`make_runner` and a :class:`~shared.service.http_guard.Listener` (as
 ``cloud-verifier serve`` does): that adds the header-read timeout and the caps on connections that
 have not reached a handler yet (``state.guard``; the middleware tells it when a request starts).
 """
@@ -64,16 +64,16 @@ from cloud_verifier.engine import (
     PrefixCache,
     Slot,
 )
-from cloud_verifier.http_guard import HTTP_LOG, ConnectionGuard
 from cloud_verifier.kv_manager import KVManager
-from cloud_verifier.ratelog import LogLimiter
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.stats import VerifierMetrics
 from cloud_verifier.step_times import StallRule
 from cloud_verifier.targets import Target, load_target
 from shared.errors import ErrorCode, WanspecError
 from shared.runtime.device import DeviceUnavailable
+from shared.service.http_guard import ConnectionGuard, http_logger
 from shared.service.metrics import CONTENT_TYPE
+from shared.service.ratelog import LogLimiter
 from shared.service.sdnotify import Notifier
 from shared.service.status import ServiceStatus
 from shared.wire.mux import (
@@ -115,6 +115,10 @@ READ_AHEAD = 16
 #: The header that names why a session request was refused (an edge cannot read the body of a
 #: refused WebSocket upgrade): loading, stopping, busy, overloaded, kv_full, token_limit, ...
 REFUSAL_HEADER = "X-Wanspec-Refusal"
+#: The logger of the verifier's aiohttp request handlers (:func:`make_runner`): a malformed
+#: request (aiohttp answers it 400 itself) is a rate-limited INFO line without a traceback,
+#: not an ERROR with one (:func:`shared.service.http_guard.http_logger`).
+HTTP_LOG = http_logger("cloud_verifier.http")
 #: How often lost sessions past their grace period are dropped, and the kept ones' pages are
 #: checked against their budget (seconds).
 REAP_INTERVAL_S = 1.0
@@ -318,7 +322,7 @@ def build_app(
 
 def make_runner(app: web.Application) -> web.AppRunner:
     """The runner ``serve`` uses: no access log, aiohttp's request errors through
-    :data:`~cloud_verifier.http_guard.HTTP_LOG` (malformed requests: rate-limited INFO lines)."""
+    :data:`HTTP_LOG` (malformed requests: rate-limited INFO lines)."""
     settings = app[STATE].settings
     return web.AppRunner(
         app,

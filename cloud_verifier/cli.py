@@ -172,7 +172,7 @@ async def serve(
     ``draft_loader`` to loading ``settings.cloud_draft_model`` (if any) beside it.
     """
     from cloud_verifier.app import STATE, build_app, drain, make_runner, reload_tokens
-    from cloud_verifier.http_guard import Listener
+    from shared.service.http_guard import Listener
     from shared.service.sdnotify import Notifier
     from shared.service.status import ServiceStatus
 

@@ -4,7 +4,7 @@ Prompts to token ids (:func:`encode_prompt`, with or without the chat template),
 streamed text (:class:`TextStreamer`), the statistics of one generation (:func:`result_json`,
 the daemon's ``"wanspec"`` object and the ``--json`` line of ``edge-agent generate``/``demo``),
 the TLS context of a verifier link. The commands themselves run on
-:class:`~edge_agent.service.EdgeService`, like the daemon; :func:`load_draft` is the benchmark's.
+:class:`~edge_agent.service.EdgeService`, like the daemon.
 """
 
 from __future__ import annotations
@@ -15,17 +15,7 @@ from typing import Any
 
 from edge_agent.generation import Generation, TokenSource
 from edge_agent.pipeline_config import PipelineConfig
-from shared.runtime.model_spec import SpecKind, parse_model_spec
-from shared.runtime.models import LoadedModel, LoadedTokenizer, load_model
-
-
-def load_draft(spec: str, base_spec: str, *, device: str = "cpu") -> LoadedModel:
-    """The draft model; a ``self:...`` draft is derived from ``base_spec``'s weights (shared)."""
-    parsed = parse_model_spec(spec)
-    if parsed.kind == SpecKind.SELF:
-        base = load_model(base_spec, device=device)
-        return load_model(parsed, base=base)
-    return load_model(parsed, device=device)
+from shared.runtime.models import LoadedModel, LoadedTokenizer
 
 
 def eos_ids(loaded: LoadedModel | LoadedTokenizer) -> list[int]:

@@ -32,10 +32,10 @@ from aiohttp.test_utils import TestServer
 
 from cloud_verifier.app import STATE, VerifierState, build_app, make_runner
 from cloud_verifier.auth import Authenticator
-from cloud_verifier.http_guard import Listener
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import NullTarget, Target
 from edge_agent.transport import LinkClosed, Transport
+from shared.service.http_guard import Listener
 from shared.service.status import ServiceStatus
 from tests.waits import POLL_S
 

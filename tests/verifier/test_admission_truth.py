@@ -44,10 +44,10 @@ from cloud_verifier.app import (
 )
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.engine import EngineHealth
-from cloud_verifier.http_guard import Listener
 from cloud_verifier.settings import VerifierSettings
 from cloud_verifier.targets import NullTarget, Target
 from shared.runtime.batched_lm import Row
+from shared.service.http_guard import Listener
 from shared.service.sdnotify import Notifier
 from shared.wire.mux import frame, split
 from shared.wire.params import SamplingParams

@@ -30,8 +30,8 @@ from bench.probe import ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
 from cloud_verifier.auth import Authenticator
 from cloud_verifier.cli import main as verifier_main
-from cloud_verifier.ratelog import LogLimiter
 from shared.runtime.device import DeviceUnavailable, choose_device
+from shared.service.ratelog import LogLimiter
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import (
     SUBPROTOCOL,
