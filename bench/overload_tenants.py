@@ -363,6 +363,27 @@ async def _backoff(arm: Arm, retry_after: float | None, rng: random.Random) -> N
     await asyncio.sleep(max(0.0, min(wait, arm.end - time.monotonic())))
 
 
+async def _open(
+    t: Tenants, arm: Arm, who: str, k: int, jitter: random.Random
+) -> tuple[StreamWS, Hello, Welcome] | None:
+    """Open tenant ``who``'s ``k``-th session; a refusal or a failure is recorded (and waited
+    out: Retry-After, or 1 s) and gives None."""
+    try:
+        opened = await open_session(t.http, t.url, t.tokens[who], seed=k, timeout=30.0)
+    except Refused as r:
+        arm.refusals.append(
+            Refusal(who, arm.now(), r.code, r.retry_after, arm.attack_inflight, r.status)
+        )
+        await _backoff(arm, r.retry_after, jitter)
+        return None
+    except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError, ValueError) as e:
+        arm.failures.append(Failure(who, arm.now(), "opening: " + _what(e)))
+        await _backoff(arm, 1.0, jitter)
+        return None
+    arm.sessions_opened[who] += 1
+    return opened
+
+
 async def honest_user(t: Tenants, arm: Arm, i: int) -> None:
     cfg = t.cfg
     rng = np.random.default_rng([cfg.seed, i])
@@ -370,21 +391,10 @@ async def honest_user(t: Tenants, arm: Arm, i: int) -> None:
     k = 0
     while time.monotonic() < arm.end:
         k += 1
-        try:
-            ws, hello, welcome = await open_session(
-                t.http, t.url, t.tokens[HONEST], seed=k, timeout=30.0
-            )
-        except Refused as r:
-            arm.refusals.append(
-                Refusal(HONEST, arm.now(), r.code, r.retry_after, arm.attack_inflight, r.status)
-            )
-            await _backoff(arm, r.retry_after, jitter)
+        opened = await _open(t, arm, HONEST, k, jitter)
+        if opened is None:
             continue
-        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError, ValueError) as e:
-            arm.failures.append(Failure(HONEST, arm.now(), "opening: " + _what(e)))
-            await _backoff(arm, 1.0, jitter)
-            continue
-        arm.sessions_opened[HONEST] += 1
+        ws, hello, welcome = opened
         try:
             prompt = rng.integers(4, welcome.fingerprint.vocab_size, cfg.honest_prompt).tolist()
             s = RawSession(ws, hello, welcome, rng, prompt, cfg.gamma)
@@ -414,21 +424,10 @@ async def attacker(t: Tenants, arm: Arm, j: int) -> None:
     k = 0
     while time.monotonic() < arm.end:
         k += 1
-        try:
-            ws, hello, welcome = await open_session(
-                t.http, t.url, t.tokens[ATTACKER], seed=k, timeout=30.0
-            )
-        except Refused as r:
-            arm.refusals.append(
-                Refusal(ATTACKER, arm.now(), r.code, r.retry_after, arm.attack_inflight, r.status)
-            )
-            await _backoff(arm, r.retry_after, jitter)
+        opened = await _open(t, arm, ATTACKER, k, jitter)
+        if opened is None:
             continue
-        except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError, ValueError) as e:
-            arm.failures.append(Failure(ATTACKER, arm.now(), "opening: " + _what(e)))
-            await _backoff(arm, 1.0, jitter)
-            continue
-        arm.sessions_opened[ATTACKER] += 1
+        ws, hello, welcome = opened
         sent = time.monotonic()
         record = AttackPrompt(sent - arm.t0, t.attack_prompt, None)
         arm.attack.append(record)

@@ -743,8 +743,9 @@ class Engine:
             # is the engine's own delay, not one tenant's backlog).
             served = {seen[r.index].tenant for r in plan.rows if seen[r.index].prefill}
             for item in self._queue:
-                mate = isinstance(item, _Request) and item.slot.tenant in served
-                if mate and isinstance(item, _Request) and _queued(item).prefill:
+                if not isinstance(item, _Request) or item.slot.tenant not in served:
+                    continue
+                if _queued(item).prefill:
                     item.queued_at = t0
         return [c for c in calls if isinstance(c, _Call)], requests, rows
 

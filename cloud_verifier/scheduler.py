@@ -247,8 +247,7 @@ def plan_step(
         else:
             skipped.append(i)
     far = bool(rounds) and any(
-        not RoundsCost(len(rounds), 0, shape[2], 0.0).joins(queue[i].cached + n)
-        for i, _, n in chunks
+        not joins_rounds(queue[i].cached + n, shape[2]) for i, _, n in chunks
     )
     forwards = group_rows(
         [n for _, n in rounds], [n for _, _, n in chunks], overhead_tokens, apart=far
@@ -285,6 +284,13 @@ def prefill_budget(limits: BatchLimits, rounds_tokens: int, alone: bool) -> int:
     return max(MIN_PREFILL, min(limits.prefill_chunk, room))
 
 
+def joins_rounds(kv: int, rounds_kv: int) -> bool:
+    """May a prefill row reading ``kv`` cached positions share the forward of rounds reading at
+    most ``rounds_kv``? Every row of a forward reads (gathers and masks) its longest row's cache:
+    only within twice theirs."""
+    return kv <= 2 * max(rounds_kv, 64)
+
+
 @dataclass(frozen=True)
 class RoundsCost:
     """What a tenant's prefill row costs a step of other tenants' rounds, in tokens of the
@@ -305,7 +311,7 @@ class RoundsCost:
 
     def joins(self, kv: int) -> bool:
         """May a prefill row reading ``kv`` cached positions share the rounds' forward?"""
-        return kv <= 2 * max(self.kv, 64)
+        return joins_rounds(kv, self.kv)
 
     def cost(self, p: int, kv: int) -> float:
         apart = self.overhead + p
