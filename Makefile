@@ -74,8 +74,8 @@ balancer:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq haproxy >/dev/null; }
 
 lint: install
-	$(PY) -m ruff check shared edge_agent cloud_verifier tests bench
-	$(PY) -m mypy shared edge_agent cloud_verifier bench
+	$(PY) -m ruff check shared edge_agent cloud_verifier tests bench testkit
+	$(PY) -m mypy shared edge_agent cloud_verifier bench testkit
 
 # The documentation site (mkdocs.yml, docs/): strict, so a broken link or anchor, or a page left
 # out of the nav, fails the build. Into site/ (git-ignored); no network is needed.

@@ -24,8 +24,8 @@ import msgpack
 import numpy as np
 from aiohttp import WSMsgType, web
 
-from cloud_verifier.auth import Authenticator
-from edge_agent.lm import CausalLM
+from cloud_verifier.daemon.auth import Authenticator
+from edge_agent.model.lm import CausalLM
 from shared.runtime.models import load_model
 
 log = logging.getLogger("wanspec.ar")

@@ -23,7 +23,7 @@ import orjson
 import torch
 
 from bench.run import DRAFT_BATCH_COST, load_draft_model, machine_info
-from edge_agent.drafter import Drafter
+from edge_agent.model.drafter import Drafter
 from shared.runtime.models import load_model
 from shared.wire.params import SamplingParams
 

@@ -37,13 +37,13 @@ import numpy as np
 import orjson
 import torch
 
-from bench.tiny_models import build_tiny_model
-from edge_agent.lm import CausalLM
+from edge_agent.model.lm import CausalLM
 from shared.maths import compression as C
 from shared.maths.sampling import accept, residual, sample, transform
 from shared.runtime.models import LoadedModel, load_model
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import FederatedReply, WireContext, encode
+from testkit.tiny_models import build_tiny_model
 
 DATA = Path(__file__).parent / "data"
 FRACTIONS = (0.001, 0.01, 0.1, 1.0)

@@ -8,7 +8,8 @@ Target: one verification step (batched forward of fixed 1 + γ draft tokens per 
 512-token context, then the device-side decision, ``verify_logits``), p50 over ``--reps``
 steps, for batch 1 / 8 / 32, eager and compiled (``torch.compile``). After each step every
 session is rolled back to its context (a pointer move), so every step sees the same shapes.
-Draft: one decode step of :class:`edge_agent.lm.CausalLM` at the same context, eager and compiled.
+Draft: one decode step of :class:`edge_agent.model.lm.CausalLM` at the same context, eager and
+compiled.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cloud_verifier import device_sampling as ds
-from edge_agent.lm import CausalLM
+from cloud_verifier.engine import device_sampling as ds
+from edge_agent.model.lm import CausalLM
 from shared.runtime.batched_lm import BatchedLM, Row
 from shared.runtime.kv_pool import SlotPages
 from shared.wire.params import SamplingParams

@@ -32,7 +32,12 @@ from typing import Any
 
 import aiohttp
 
-from bench.harness import (
+from bench.wanem import LinkConfig, WanEmulator
+from edge_agent.daemon.agent import RetryPolicy
+from edge_agent.model.tasks import ModelWorker
+from edge_agent.session.pipeline_config import PipelineConfig
+from shared.wire.params import SamplingParams
+from testkit.harness import (
     VOCAB,
     VerifierProcess,
     free_port,
@@ -41,11 +46,6 @@ from bench.harness import (
     tiny_pair,
     write_tokens,
 )
-from bench.wanem import LinkConfig, WanEmulator
-from edge_agent.agent import RetryPolicy
-from edge_agent.pipeline_config import PipelineConfig
-from edge_agent.tasks import ModelWorker
-from shared.wire.params import SamplingParams
 
 log = logging.getLogger("bench.load")
 

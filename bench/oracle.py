@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_agent.drafter import DraftStep
-from edge_agent.lm import CausalLM, SupportsCausalLM
+from edge_agent.model.drafter import DraftStep
+from edge_agent.model.lm import CausalLM, SupportsCausalLM
 from shared.maths.sampling import Probs
 from shared.wire.params import SamplingParams
 
@@ -126,7 +126,7 @@ class OracleStats:
 
 class OracleDrafter:
     """A draft that proposes the target's greedy token with probability α (module docstring):
-    a :class:`~edge_agent.drafter.DraftModel` with no model."""
+    a :class:`~edge_agent.model.drafter.DraftModel` with no model."""
 
     def __init__(
         self,

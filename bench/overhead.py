@@ -1,7 +1,7 @@
 """Per-round overhead of the verifier, measured through the real code path.
 
 Starts the service in-process on 127.0.0.1 (real aiohttp server, real WebSocket, the real session
-code), then runs stop-and-wait rounds with a :class:`~bench.probe.Driver`: each round is
+code), then runs stop-and-wait rounds with a :class:`~testkit.probe.Driver`: each round is
 encode Propose → send → server decode, checks, model job (forward + sampling transform +
 decision), encode Verdict → client decode. Every forward is timed on the worker, so
 
@@ -26,16 +26,16 @@ import numpy as np
 import torch
 from aiohttp import ClientSession, web
 
-from bench.probe import Driver, ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
 from bench.verifier import WrappedTarget
-from cloud_verifier.app import STATE, build_app
-from cloud_verifier.auth import Authenticator, generate_token
-from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import Target, load_target
+from cloud_verifier.daemon.app import STATE, build_app
+from cloud_verifier.daemon.auth import Authenticator, generate_token
+from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.engine.targets import Target, load_target
 from shared.runtime.batched_lm import Row
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, CorrectionMode, Hello, ReplyMode, Verdict
+from testkit.probe import Driver, ProbeClient, auth_headers
 
 
 class _TimedTarget(WrappedTarget):

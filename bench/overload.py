@@ -8,7 +8,8 @@
 Setup. One verifier process (``python -m bench.verifier``: the product's ``cloud-verifier serve``
 with, if ``--verify-ms`` > 0, every forward padded to that time) behind the WAN emulator
 (:mod:`bench.wanem`: ``--rtt-ms``, ``--bandwidth-mbit``). The edges run here, each an
-:class:`~edge_agent.agent.EdgeAgent` with its own worker thread, the product's retry policy and
+:class:`~edge_agent.daemon.agent.EdgeAgent` with its own worker thread, the product's retry policy
+and
 an oracle draft (:mod:`bench.oracle`: the target's greedy token with probability ``--alpha``)
 whose every step is padded to ``--draft-ms`` (24 ms: PicoSpec's Llama-3.2-1B step on a Jetson,
 the draft time of :mod:`bench.run`'s ``picospec`` regime). The edges thus cost this machine
@@ -27,7 +28,7 @@ and the generations under way finish. Per N (``loads``):
   tap on each edge's transport decodes the frames), over every round of the level, WAN included;
 * ``recovery_s``: from the end of the window, when the first probe session started whose median
   round was within ``--recovery-factor`` (1.5) × the unloaded one. A probe is a
-  :class:`bench.probe.Driver` session through the emulator: the probe prompt's prefill, then
+  :class:`testkit.probe.Driver` session through the emulator: the probe prompt's prefill, then
   ``--probe-rounds`` stop-and-wait rounds of γ = 4 random drafts; the unloaded level is the
   same probe before the sweep. Probes run back to back from the window's end, while the last
   generations drain (a probe refused as overloaded counts as not recovered); null if none
@@ -73,19 +74,17 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import numpy as np
 
-from bench.harness import REPO, VerifierProcess, free_port, tiny_pair, write_tokens
 from bench.oracle import GreedyPaths, OracleDrafter
-from bench.probe import Driver, ProbeClient, auth_headers
 from bench.run import TimedDrafter, parse_mode
 from bench.stream_ws import StreamWS
 from bench.wanem import LinkConfig, WanEmulator
-from edge_agent.agent import EdgeAgent
-from edge_agent.config import EdgeSettings
-from edge_agent.core import wire_context
-from edge_agent.link import LinkSettings, WebSocketTransport
-from edge_agent.pipeline_config import PipelineConfig
-from edge_agent.service import retry_policy
-from edge_agent.transport import Transport
+from edge_agent.daemon.agent import EdgeAgent
+from edge_agent.daemon.config import EdgeSettings
+from edge_agent.daemon.service import retry_policy
+from edge_agent.link.connection import LinkSettings, WebSocketTransport
+from edge_agent.session.core import wire_context
+from edge_agent.session.pipeline_config import PipelineConfig
+from edge_agent.session.transport import Transport
 from shared.runtime.models import LoadedModel
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import (
@@ -100,6 +99,8 @@ from shared.wire.protocol import (
     decode,
     encode,
 )
+from testkit.harness import REPO, VerifierProcess, free_port, tiny_pair, write_tokens
+from testkit.probe import Driver, ProbeClient, auth_headers
 
 if TYPE_CHECKING:  # bench.overload_tenants imports this module
     from bench.overload_tenants import TenantsConfig
@@ -169,7 +170,7 @@ SOURCES = {
     "verify_ms": "0: the target's real forwards on this CPU (the verifier's own capacity); "
     "> 0: every forward padded to at least that (bench/verifier.py PaddedTarget)",
     "rtt_ms": "an edge on a WAN (bench/wanem.py emulator, jitter 0)",
-    "retry": "the product's edge defaults (edge_agent.service.retry_policy(EdgeSettings()))",
+    "retry": "the product's edge defaults (edge_agent.daemon.service.retry_policy(EdgeSettings()))",
 }
 
 
@@ -179,7 +180,7 @@ SOURCES = {
 @dataclass(frozen=True)
 class OverloadConfig:
     out: Path = Path("docs/results/overload.json")
-    model: str = "default"  # the target: a model spec, or "tiny" (bench.harness.tiny_pair)
+    model: str = "default"  # the target: a model spec, or "tiny" (testkit.harness.tiny_pair)
     sessions: tuple[int, ...] = (1, 2, 4, 8, 16)
     window_s: float = 30.0
     tokens: int = 24
@@ -226,7 +227,7 @@ QUICK: dict[str, Any] = {
 class PaddedVerifierProcess(VerifierProcess):
     """``python -m bench.verifier`` (forwards padded to ``pad_ms``; 0: not padded) as a child
     process, with ``env`` added to its environment; readiness, stop and memory are
-    :class:`~bench.harness.VerifierProcess`'s."""
+    :class:`~testkit.harness.VerifierProcess`'s."""
 
     def __init__(
         self,
@@ -447,7 +448,7 @@ async def probe_round_s(
 ) -> float:
     """Median round trip (s) of a probe session at ``url``: the prompt's prefill (not counted),
     then ``rounds`` stop-and-wait rounds of ``gamma`` random drafts, greedy
-    (:class:`bench.probe.Driver`). Raises if the verifier refuses the session."""
+    (:class:`testkit.probe.Driver`). Raises if the verifier refuses the session."""
     ws = StreamWS(await http.ws_connect(url, protocols=(SUBPROTOCOL,), headers=auth_headers(token)))
     try:
         client = ProbeClient(ws)
@@ -676,7 +677,7 @@ async def reconnect_cost(b: Bench, strip: bool) -> dict[str, Any]:
 
 def _workload(cfg: OverloadConfig, workdir: Path) -> tuple[str, LoadedModel, list[list[int]]]:
     """(the verifier's --model, the target loaded here, the prompts' ids)."""
-    from edge_agent.text import encode_prompt
+    from edge_agent.daemon.text import encode_prompt
     from shared.runtime.models import load_model
 
     if cfg.model == "tiny":
@@ -695,7 +696,7 @@ def _workload(cfg: OverloadConfig, workdir: Path) -> tuple[str, LoadedModel, lis
 async def run(
     cfg: OverloadConfig, workdir: Path, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
-    from edge_agent.text import eos_ids
+    from edge_agent.daemon.text import eos_ids
 
     t_start = time.monotonic()
     spec, target, prompts = await asyncio.to_thread(_workload, cfg, workdir)
@@ -773,7 +774,7 @@ async def run(
         "prompt_tokens": [min(lens), max(lens)],
         "recovery_factor": cfg.recovery_factor,
         "recovery_timeout_s": cfg.recovery_timeout_s,
-        "probe": f"bench.probe.Driver: prefill of prompt 0, then {cfg.probe_rounds} "
+        "probe": f"testkit.probe.Driver: prefill of prompt 0, then {cfg.probe_rounds} "
         "stop-and-wait rounds of 4 random drafts; median round",
         "sources": SOURCES,
         "quick": cfg.quick,

@@ -8,7 +8,7 @@ Setup. One ``cloud-verifier serve`` process (the product, its default settings b
 see below) with two bearer tokens, the honest tenant's and the attacker's, on 127.0.0.1 (no
 WAN: what is measured is the verifier's own scheduling). Sessions are raw sessions over the
 wire, one connection each, their rounds played by the edge's own session core
-(:class:`edge_agent.core.SingleCore`, as :class:`bench.probe.Driver` does): greedy target,
+(:class:`edge_agent.session.core.SingleCore`, as :class:`testkit.probe.Driver` does): greedy target,
 stop-and-wait rounds of γ random draft tokens, Progress frames asked for (as a real edge does)
 and waited through; a round's time is its Propose sent → its Verdict received.
 
@@ -76,25 +76,25 @@ import aiohttp
 import numpy as np
 from aiohttp import WSMsgType
 
-from bench.harness import REPO, VerifierProcess, free_port, write_tokens
 from bench.overload import scrape, wait_idle
-from bench.probe import auth_headers
 from bench.stream_ws import StreamWS
-from cloud_verifier.auth import generate_token
-from edge_agent.core import SingleCore
-from edge_agent.events import Fail, Send
-from edge_agent.generation import Generation
-from edge_agent.pipeline_config import Mode, PipelineConfig
+from cloud_verifier.daemon.auth import generate_token
+from edge_agent.session.core import SingleCore
+from edge_agent.session.events import Fail, Send
+from edge_agent.session.generation import Generation
+from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from shared.wire.mux import Ready
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Error, Hello, Progress, Welcome, decode, encode
+from testkit.harness import REPO, VerifierProcess, free_port, write_tokens
+from testkit.probe import auth_headers
 
 HONEST, ATTACKER = "honest", "attacker"
 #: The percentiles of the honest round times kept for the figure.
 QUANTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9, 100)
 ARMS = ("honest_only", "with_attacker")
 
-#: What the product's per-token KV share is (cloud_verifier.settings.VerifierSettings), for
+#: What the product's per-token KV share is (cloud_verifier.daemon.settings.VerifierSettings), for
 #: sizing the pool; read from the settings when they can be imported.
 DEFAULT_TOKEN_SHARE = 0.75
 
@@ -105,7 +105,7 @@ DEFAULT_TOKEN_SHARE = 0.75
 @dataclass(frozen=True)
 class TenantsConfig:
     out: Path = Path("docs/results/overload_tenants.json")
-    model: str = "default"  # the target: a model spec, or "tiny" (bench.tiny_models)
+    model: str = "default"  # the target: a model spec, or "tiny" (testkit.tiny_models)
     honest: int = 16  # honest users (sessions at once)
     attackers: int = 8  # the attacker's sessions at once
     attack_prompt: int = 8000  # tokens per attacker prompt (less if max_context says so)
@@ -238,7 +238,8 @@ class Refused(Exception):
 
 class RawSession:
     """One session on its own connection: Hello → Welcome, then stop-and-wait rounds of γ
-    random drafts through the edge's :class:`~edge_agent.core.SingleCore` (greedy target)."""
+    random drafts through the edge's :class:`~edge_agent.session.core.SingleCore` (greedy
+    target)."""
 
     def __init__(
         self,
@@ -758,7 +759,7 @@ def _code() -> dict[str, Any]:
 def _target_spec(cfg: TenantsConfig, workdir: Path) -> str:
     if cfg.model != "tiny":
         return cfg.model
-    from bench.tiny_models import build_tiny_model
+    from testkit.tiny_models import build_tiny_model
 
     return str(build_tiny_model(workdir / "models" / "target", vocab_size=64, seed=0))
 
@@ -768,7 +769,7 @@ def _max_queue_delay(cfg: TenantsConfig) -> float | None:
     if cfg.max_queue_delay is not None:
         return cfg.max_queue_delay
     try:
-        from cloud_verifier.settings import VerifierSettings
+        from cloud_verifier.daemon.settings import VerifierSettings
 
         return float(VerifierSettings().max_queue_delay)
     except (ImportError, TypeError, AttributeError):
@@ -784,7 +785,7 @@ def kv_tokens(cfg: TenantsConfig, page: int = 16) -> int:
     attack = cfg.attackers * (cfg.attack_prompt + margin)
     honest = cfg.honest * (cfg.honest_prompt + cfg.rounds_per_session * (cfg.gamma + 1) + margin)
     try:
-        from cloud_verifier.settings import VerifierSettings
+        from cloud_verifier.daemon.settings import VerifierSettings
 
         share = VerifierSettings().kv_token_share
     except (ImportError, TypeError, AttributeError):

@@ -6,7 +6,7 @@ cost the verifier, with the prefix cache on and off, in the same run.
 
 Two ``cloud-verifier serve`` processes on the same model, ``prefix_cache = tenant`` and
 ``off`` (everything else the same, ``prefill_chunk`` at its default), on localhost (no WAN: the
-verifier's own work). Sessions are cloud-only (:class:`~bench.probe.CloudOnlyDriver`: the
+verifier's own work). Sessions are cloud-only (:class:`~testkit.probe.CloudOnlyDriver`: the
 prompt goes up in one frame and the verifier writes the answer by co-generation), greedy, all
 on one bearer token:
 
@@ -40,16 +40,16 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from bench.harness import VerifierProcess, free_port, write_tokens
 from bench.overload import scrape
-from bench.probe import CloudOnlyDriver, ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
 from bench.verifier_load import _fingerprint
-from cloud_verifier.auth import generate_token
-from edge_agent.core import hello_for
-from edge_agent.pipeline_config import PipelineConfig
+from cloud_verifier.daemon.auth import generate_token
+from edge_agent.session.core import hello_for
+from edge_agent.session.pipeline_config import PipelineConfig
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint
+from testkit.harness import VerifierProcess, free_port, write_tokens
+from testkit.probe import CloudOnlyDriver, ProbeClient, auth_headers
 
 HIT = "wanspec_prefix_cache_hit_tokens_total"
 BUSY = "wanspec_engine_busy_seconds_total"

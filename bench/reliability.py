@@ -40,7 +40,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (
+from bench.wanem import LinkConfig, WanEmulator
+from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
+from edge_agent.session.generation import Generation
+from edge_agent.session.pipeline_config import PipelineConfig
+from edge_agent.session.transport import LinkClosed, Transport
+from shared.wire.params import SamplingParams
+from testkit.harness import (
     VOCAB,
     VerifierProcess,
     free_port,
@@ -49,12 +55,6 @@ from bench.harness import (
     tiny_pair,
     write_tokens,
 )
-from bench.wanem import LinkConfig, WanEmulator
-from edge_agent.agent import EdgeAgent, RetryPolicy
-from edge_agent.generation import Generation
-from edge_agent.pipeline_config import PipelineConfig
-from edge_agent.transport import LinkClosed, Transport
-from shared.wire.params import SamplingParams
 
 log = logging.getLogger("bench.reliability")
 

@@ -109,23 +109,23 @@ import numpy as np
 import orjson
 
 from bench.ar_server import encode_request
-from bench.harness import write_tokens
 from bench.oracle import GreedyPaths, OracleDrafter, is_oracle, parse_oracle
-from bench.tiny_models import build_tiny_model
 from bench.wanem import LinkConfig, WanEmulator
-from edge_agent.agent import EdgeAgent, RetryPolicy
-from edge_agent.drafter import BranchDrafting, Drafter, DraftModel, DraftRow, DraftStep
-from edge_agent.link import LinkSettings, WebSocketTransport
-from edge_agent.lm import SupportsCausalLM
-from edge_agent.pipeline_config import Mode, PipelineConfig
-from edge_agent.text import eos_ids
-from edge_agent.transport import Transport
+from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
+from edge_agent.daemon.text import eos_ids
+from edge_agent.link.connection import LinkSettings, WebSocketTransport
+from edge_agent.model.drafter import BranchDrafting, Drafter, DraftModel, DraftRow, DraftStep
+from edge_agent.model.lm import SupportsCausalLM
+from edge_agent.session.pipeline_config import Mode, PipelineConfig
+from edge_agent.session.transport import Transport
 from shared.enums import TextEnum
 from shared.maths.sampling import Probs
 from shared.runtime.model_spec import SpecKind, parse_model_spec
 from shared.runtime.models import LoadedModel, load_model
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import Fingerprint
+from testkit.harness import write_tokens
+from testkit.tiny_models import build_tiny_model
 
 DATA = Path(__file__).parent / "data"
 
@@ -502,7 +502,7 @@ def verifier_counts(port: int) -> VerifierCounts:
 class TimedDrafter:
     """Wraps any draft (a model's :class:`Drafter`, an :class:`~bench.oracle.OracleDrafter`):
     pads each draft step to ``pad_s`` and records the step times. A
-    :class:`~edge_agent.drafter.DraftModel` itself."""
+    :class:`~edge_agent.model.drafter.DraftModel` itself."""
 
     def __init__(self, inner: DraftModel | SupportsCausalLM, pad_s: float) -> None:
         """``inner``: a draft, or a loaded model (a :class:`Drafter` of it is built)."""
@@ -565,7 +565,7 @@ class TimedDrafter:
 
     def draft_rows(self, rows: Sequence[DraftRow]) -> list[DraftStep]:
         """Concurrent generations' steps in one batched forward (the edge serving several
-        requests, :mod:`edge_agent.batching`), padded as ``draft_many``'s branches are."""
+        requests, :mod:`edge_agent.model.batching`), padded as ``draft_many``'s branches are."""
         t0 = time.perf_counter()
         if isinstance(self.inner, Drafter):
             out = self.inner.draft_rows(rows)
@@ -805,7 +805,8 @@ def ceiling(
 
     Checks: r = 1 with n̄ = 1 (every draft wrong) gives 1/T_v, the target decoding alone, at
     any RTT; r = 0 gives the ceiling without co-generation. This is the model of the edge's
-    controller (:mod:`edge_agent.controller`). The co-generated tokens themselves mostly coincide
+    controller (:mod:`edge_agent.session.controller`). The co-generated tokens themselves mostly
+    coincide
     with drafts accepted later (the runs record ``cogen_overlap``); what they buy is time: each
     commits its position before the verdict, and one that contradicts a draft in flight voids
     that batch at once rather than a round trip later. Counting them as extra tokens prices

@@ -27,7 +27,7 @@ import torch
 from bench.draft_batch import through_origin
 from bench.run import machine_info
 from bench.verifier import TREE_TOKEN_COST
-from cloud_verifier.targets import TorchTarget
+from cloud_verifier.engine.targets import TorchTarget
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages
 from shared.runtime.models import load_model

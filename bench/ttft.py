@@ -20,7 +20,8 @@ intervals from the same resampling.
 
 **Concurrency** (the emulated device regime of :mod:`bench.run`, time-dilated ×S): the same 8
 requests served 1, 2, 4 or 8 at a time by one edge (its draft steps batched,
-:mod:`edge_agent.batching`), each draft step padded to 24 ms and a batched step of B rows to 24
+:mod:`edge_agent.model.batching`), each draft step padded to 24 ms and a batched step of B rows to
+24
 · (1 + c · (B − 1)) ms with c from the team's H200 measurement
 (:data:`bench.run.DRAFT_BATCH_COST`); the verifier's forwards padded to 166 ms
 (:mod:`bench.verifier`); RTT 100 ms. Aggregate and per-request tokens/s, emulated.
@@ -51,21 +52,21 @@ import numpy as np
 import numpy.typing as npt
 
 from bench.ar_server import encode_request
-from bench.harness import REPO, VerifierProcess, free_port, write_tokens
 from bench.run import DRAFT_BATCH_COST, TimedDrafter, load_draft_model, machine_info
 from bench.wanem import LinkConfig, WanEmulator
-from edge_agent.agent import EdgeAgent, RetryPolicy
-from edge_agent.batching import BatchingWorker
-from edge_agent.drafter import Drafter
-from edge_agent.generation import Generation
-from edge_agent.link import LinkSettings, WebSocketTransport
-from edge_agent.pipeline_config import PipelineConfig
-from edge_agent.tasks import ModelWorker
-from edge_agent.text import encode_prompt
-from edge_agent.transport import Transport
-from edge_agent.warm import WarmLink
+from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
+from edge_agent.daemon.text import encode_prompt
+from edge_agent.link.connection import LinkSettings, WebSocketTransport
+from edge_agent.link.warm import WarmLink
+from edge_agent.model.batching import BatchingWorker
+from edge_agent.model.drafter import Drafter
+from edge_agent.model.tasks import ModelWorker
+from edge_agent.session.generation import Generation
+from edge_agent.session.pipeline_config import PipelineConfig
+from edge_agent.session.transport import Transport
 from shared.runtime.models import load_model
 from shared.wire.params import SamplingParams
+from testkit.harness import REPO, VerifierProcess, free_port, write_tokens
 
 TOKEN = "bench-ttft-token-0123456789abcdef"
 DRAFT = "self:skip=12"
@@ -185,7 +186,7 @@ class Daemon:
             if k.startswith("WANSPEC_EDGE_"):
                 del env[k]
         cmd = [
-            sys.executable, "-m", "edge_agent.cli", "serve",
+            sys.executable, "-m", "edge_agent.daemon.cli", "serve",
             "--verifier", self.verifier_url, "--token-file", str(self.token_file),
             "--port", str(self.port), "--threads", "1", "--max-tokens", str(self.max_tokens),
             "--heartbeat", "10",

@@ -21,10 +21,10 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from cloud_verifier.cli import add_serve_arguments, run_serve
-from cloud_verifier.cloud_drafter import load_draft_target
-from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import Target, load_target
+from cloud_verifier.daemon.cli import add_serve_arguments, run_serve
+from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.engine.draft_model import load_draft_target
+from cloud_verifier.engine.targets import Target, load_target
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import PagedKV
 
@@ -106,7 +106,8 @@ class PaddedTarget(WrappedTarget):
 def padded_loader(
     pad_ms: float, decode_pad_ms: float = 0.0
 ) -> Callable[[VerifierSettings], Callable[[], Target]]:
-    """A loader factory for :func:`cloud_verifier.cli.run_serve`: load ``settings.model`` and,
+    """A loader factory for :func:`cloud_verifier.daemon.cli.run_serve`: load ``settings.model``
+    and,
     if ``pad_ms > 0``, pad its forwards to ``pad_ms`` (one-token decode steps to
     ``decode_pad_ms`` when given)."""
 
@@ -128,7 +129,7 @@ def padded_loader(
 def padded_draft_loader(
     pad_ms: float,
 ) -> Callable[[VerifierSettings], Callable[[Target], Target] | None]:
-    """A draft loader factory for :func:`cloud_verifier.cli.run_serve`: load
+    """A draft loader factory for :func:`cloud_verifier.daemon.cli.run_serve`: load
     ``settings.cloud_draft_model`` beside the (unwrapped) target, every forward padded to
     ``pad_ms``."""
 

@@ -15,7 +15,7 @@ capacity):
 
 Engine ``cloud-sd`` (``--engines …,cloud-sd``): the batched engine speculating by itself
 (``cloud_draft = tail,ngram`` and ``--cloud-model``, ``--cloud-draft-tokens`` per step), its
-sessions cloud-only (:class:`~bench.probe.CloudOnlyDriver`: no edge draft, credits only).
+sessions cloud-only (:class:`~testkit.probe.CloudOnlyDriver`: no edge draft, credits only).
 Its figure is the text it writes, **tokens/s summed over sessions**: the capacity trade-off
 against edge drafting, where the verifier only scores drafts (what an edge-drafted session
 commits per verified draft token is its draft's acceptance, measured by ``python -m bench``).
@@ -44,13 +44,13 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from bench.harness import VerifierProcess, free_port, write_tokens
-from bench.probe import CloudOnlyDriver, Driver, ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
-from cloud_verifier.auth import generate_token
-from edge_agent.generation import TokenSource
+from cloud_verifier.daemon.auth import generate_token
+from edge_agent.session.generation import TokenSource
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello
+from testkit.harness import VerifierProcess, free_port, write_tokens
+from testkit.probe import CloudOnlyDriver, Driver, ProbeClient, auth_headers
 
 ENGINES = {"batched": 64, "serial": 1, "cloud-sd": 64, "cloud-sd-fixed": 64}
 #: The engines whose sessions are cloud-only (their figure: the text written per second).
@@ -91,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _fingerprint(spec: str) -> Fingerprint:
     """The fingerprint the verifier will announce (the edges' Hello must match it)."""
-    from cloud_verifier.targets import NullTarget, parse_null_spec
+    from cloud_verifier.engine.targets import NullTarget, parse_null_spec
 
     vocab = parse_null_spec(spec)
     if vocab is not None:

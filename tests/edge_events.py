@@ -1,8 +1,8 @@
-"""Carrying out an edge core's events in tests as :mod:`edge_agent.driver` does."""
+"""Carrying out an edge core's events in tests as :mod:`edge_agent.link.driver` does."""
 
 from __future__ import annotations
 
-from edge_agent.events import Drop, EdgeEvent, Fail, Send
+from edge_agent.session.events import Drop, EdgeEvent, Fail, Send
 
 
 def sent(events: list[EdgeEvent], link: int = 0) -> list[bytes]:

@@ -18,11 +18,11 @@ import torch
 from aiohttp import web
 
 from bench.verifier import WrappedTarget
-from cloud_verifier.targets import TorchTarget
-from edge_agent.config import EdgeSettings
-from edge_agent.server import build_app as build_edge_app
-from edge_agent.server import make_runner
-from edge_agent.service import EdgeService
+from cloud_verifier.engine.targets import TorchTarget
+from edge_agent.daemon.config import EdgeSettings
+from edge_agent.daemon.server import build_app as build_edge_app
+from edge_agent.daemon.server import make_runner
+from edge_agent.daemon.service import EdgeService
 from shared.runtime.batched_lm import Row
 from shared.runtime.models import LoadedModel
 from tests.verifiers import READY_TIMEOUT_S, ready, verifier_app

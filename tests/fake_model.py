@@ -1,4 +1,5 @@
-"""A fake model side for tests that drive :class:`cloud_verifier.core.VerifierCore` in memory: a
+"""A fake model side for tests that drive :class:`cloud_verifier.session.core.VerifierCore` in
+memory: a
 token cache and a target law, answering the core's model work as a real target would."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from cloud_verifier.core import (
+from cloud_verifier.session.core import (
     BranchTaken,
     CoGenerate,
     Crop,

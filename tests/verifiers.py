@@ -30,11 +30,11 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from cloud_verifier.app import STATE, VerifierState, build_app, make_runner
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import NullTarget, Target
-from edge_agent.transport import LinkClosed, Transport
+from cloud_verifier.daemon.app import STATE, VerifierState, build_app, make_runner
+from cloud_verifier.daemon.auth import Authenticator
+from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.engine.targets import NullTarget, Target
+from edge_agent.session.transport import LinkClosed, Transport
 from shared.service.http_guard import Listener
 from shared.service.status import ServiceStatus
 from tests.waits import POLL_S
@@ -142,13 +142,13 @@ async def guarded_verifier(
 
 
 def serve_process(
-    *args: str, env: Mapping[str, str] | None = None, module: str = "cloud_verifier.cli"
+    *args: str, env: Mapping[str, str] | None = None, module: str = "cloud_verifier.daemon.cli"
 ) -> subprocess.Popen[str]:
-    """``python -m cloud_verifier.cli serve --heartbeat 0 ARGS`` (``module`` another entry
+    """``python -m cloud_verifier.daemon.cli serve --heartbeat 0 ARGS`` (``module`` another entry
     point with the same options, e.g. ``bench.verifier``, which has no ``serve`` word), run
     from the repository; stdout and stderr piped, as text."""
     cmd = [sys.executable, "-m", module]
-    if module == "cloud_verifier.cli":
+    if module == "cloud_verifier.daemon.cli":
         cmd.append("serve")
     return subprocess.Popen(
         [*cmd, "--heartbeat", "0", *args],

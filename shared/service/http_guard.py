@@ -1,6 +1,7 @@
 """Connections before they reach a handler: a header-read timeout and caps, enforced before any
-authentication work. Both HTTP services use it: the verifier (``cloud_verifier.app``) and the
-edge's local API (``edge_agent.server``). The service layer of ``shared/``: asyncio and aiohttp.
+authentication work. Both HTTP services use it: the verifier (``cloud_verifier.daemon.app``) and the
+edge's local API (``edge_agent.daemon.server``). The service layer of ``shared/``: asyncio and
+aiohttp.
 
 aiohttp reads a request's headers with no time limit of its own: a client that sends half a
 request line holds its connection (and a file descriptor) until the keep-alive timeout, an hour

@@ -29,8 +29,8 @@ bound: on the verifier, at most a window's worth per stream it ended.
 The connection's loss ends every stream on it; each session resumes as a lone v1 session did.
 
 Everything here is pure (no I/O, no clock): :class:`ServerMux` and :class:`ClientMux` take the
-bytes read and return events, and the asyncio sides (``cloud_verifier.app``,
-``edge_agent.link``) carry them out.
+bytes read and return events, and the asyncio sides (``cloud_verifier.daemon.app``,
+``edge_agent.link.connection``) carry them out.
 """
 
 from __future__ import annotations

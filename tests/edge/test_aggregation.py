@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_agent.aggregation import decide
+from edge_agent.session.aggregation import decide
 from shared.maths import compression as C
 from shared.maths.sampling import sample, transform
 from shared.wire.params import SamplingParams

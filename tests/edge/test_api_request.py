@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from edge_agent.api_errors import ApiError
-from edge_agent.api_request import (
+from edge_agent.daemon.api_errors import ApiError
+from edge_agent.daemon.api_request import (
     MAX_STOPS,
     ApiRequest,
     Sampling,
@@ -30,8 +30,8 @@ from edge_agent.api_request import (
     parse_stops,
     parse_streaming,
 )
-from edge_agent.config import EdgeSettings
-from edge_agent.pipeline_config import Mode
+from edge_agent.daemon.config import EdgeSettings
+from edge_agent.session.pipeline_config import Mode
 from shared.wire.protocol import CorrectionMode
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import pexpect
 import pytest
 
-from edge_agent.chat import ChatError, ChatOptions, Event, Repl, stats_line
-from edge_agent.config import EdgeSettings
-from edge_agent.progress import Progress
-from edge_agent.service import Finished
+from edge_agent.daemon.chat import ChatError, ChatOptions, Event, Repl, stats_line
+from edge_agent.daemon.config import EdgeSettings
+from edge_agent.daemon.progress import Progress
+from edge_agent.daemon.service import Finished
 from shared.runtime.models import LoadedModel, load_model
 from shared.wire.protocol import CorrectionMode
 from tests.edge_helpers import Servers, edge_settings
@@ -61,7 +61,7 @@ def write_config(path: Path, verifier: str, servers: Servers, draft: Path, port:
 def spawn_chat(config: Path) -> pexpect.spawn:
     child = pexpect.spawn(
         sys.executable,
-        ["-m", "edge_agent.cli", "chat", "--config", str(config)],
+        ["-m", "edge_agent.daemon.cli", "chat", "--config", str(config)],
         encoding="utf-8",
         timeout=60,
         dimensions=(40, 200),
@@ -363,7 +363,7 @@ class Spy:
             sys.meta_path.remove(self)
         return None
 sys.meta_path.insert(0, Spy())
-from edge_agent.cli import main
+from edge_agent.daemon.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

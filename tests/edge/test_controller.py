@@ -1,4 +1,5 @@
-"""The γ / D controller (:mod:`edge_agent.controller`): pure, driven with made-up measurements."""
+"""The γ / D controller (:mod:`edge_agent.session.controller`): pure, driven with made-up
+measurements."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 
 import pytest
 
-from edge_agent.controller import Controller, ControllerLimits, model_throughput
+from edge_agent.session.controller import Controller, ControllerLimits, model_throughput
 
 
 def _feed(

@@ -1,4 +1,4 @@
-"""The draft model's steps (edge_agent.drafter.Drafter) on a tiny real model: the rival a
+"""The draft model's steps (edge_agent.model.drafter.Drafter) on a tiny real model: the rival a
 hedge or a pre-drafted branch goes after."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.drafter import RIVALS, Drafter
+from edge_agent.model.drafter import RIVALS, Drafter
 from shared.maths.sampling import transform
 from shared.runtime.models import load_model
 from shared.wire.params import SamplingParams

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge_agent.cli import _UNLISTED, build_parser
-from edge_agent.config import EdgeSettings
-from edge_agent.progress import check_cuda, device_line
+from edge_agent.daemon.cli import _UNLISTED, build_parser
+from edge_agent.daemon.config import EdgeSettings
+from edge_agent.daemon.progress import check_cuda, device_line
 from shared.runtime.device import cuda_hint
 from shared.runtime.models import LoadedModel, load_model
 from shared.service.cli_args import parse_args
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 _RUNNER = textwrap.dedent(
     """
     import contextlib, io, json, sys
-    from edge_agent.cli import main
+    from edge_agent.daemon.cli import main
     out = []
     for argv in json.loads(sys.argv[1]):
         err = io.StringIO()
@@ -60,7 +60,7 @@ _MAIN_WITH_TQDM_SPY = textwrap.dedent(
                 sys.meta_path.remove(self)
             return None
     sys.meta_path.insert(0, Spy())
-    from edge_agent.cli import main
+    from edge_agent.daemon.cli import main
     sys.exit(main(sys.argv[1:]))
     """
 )
@@ -229,7 +229,7 @@ def test_serve_names_the_device_draws_no_bars_and_a_second_one_is_refused(
         f'verifier = "{verifier_url}"\ntoken_file = "{servers.token_file}"\n'
         f'draft = "{tiny_draft_dir}"\ndevice = "cpu"\nport = {port}\nmodel_id = "tiny"\n'
     )
-    cmd = [sys.executable, "-m", "edge_agent.cli", "serve", "--config", str(config)]
+    cmd = [sys.executable, "-m", "edge_agent.daemon.cli", "serve", "--config", str(config)]
     env = clean_env(tmp_path)
     spied = [sys.executable, "-c", _MAIN_WITH_TQDM_SPY, *cmd[3:]]
     proc = subprocess.Popen(spied, env=env, stderr=subprocess.PIPE, text=True)
@@ -302,7 +302,7 @@ def test_device_line_names_the_device(tiny_draft_dir: Path) -> None:
 
 
 def test_summary_with_no_rejection_says_n_a_not_none() -> None:
-    from edge_agent.cli import _summary
+    from edge_agent.daemon.cli import _summary
 
     r = {
         "acceptance_rate": 1.0, "tokens": 8, "wall_s": 1.0, "tokens_per_s": 8.0,

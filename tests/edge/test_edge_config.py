@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.cli import build_parser, load_cli_settings, main
-from edge_agent.config import (
+from edge_agent.daemon.cli import build_parser, load_cli_settings, main
+from edge_agent.daemon.config import (
     CorrectionName,
     EdgeSettings,
     ModeName,
@@ -23,7 +23,7 @@ from edge_agent.config import (
     retired_env_warnings,
     setting_sources,
 )
-from edge_agent.pipeline_config import Mode
+from edge_agent.session.pipeline_config import Mode
 from shared.maths.compression import Reconstruction
 from shared.service.config import ConfigError
 from shared.wire.protocol import CorrectionMode

@@ -1,4 +1,5 @@
-"""The edge's session rules (:class:`edge_agent.core.SingleCore`) as pure functions over scripted
+"""The edge's session rules (:class:`edge_agent.session.core.SingleCore`) as pure functions over
+scripted
 event sequences: no sockets, no models, no event loop, no sleeps. The test decides every
 interleaving (when the drafter runs, when a Verdict arrives), so each sequence below is exact.
 """
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from edge_agent.core import (
+from edge_agent.session.core import (
     Branch,
     DesyncError,
     DraftPlan,
@@ -21,9 +22,9 @@ from edge_agent.core import (
     VerifierError,
     hello_for,
 )
-from edge_agent.events import Fail
-from edge_agent.generation import Generation, TokenSource
-from edge_agent.pipeline_config import Mode, PipelineConfig
+from edge_agent.session.events import Fail
+from edge_agent.session.generation import Generation, TokenSource
+from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from shared.maths.sampling import Probs
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import (

@@ -24,12 +24,12 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from edge_agent.api_errors import ApiError
-from edge_agent.api_request import MAX_JSON_DEPTH, decode_body, parse_sampling
-from edge_agent.config import EdgeSettings, load_edge_settings
-from edge_agent.monitor import EdgeMetrics, LinkMonitor, VerifierLinkState
-from edge_agent.server import STATE, ServerState, build_app, make_listener, make_runner
-from edge_agent.service import EdgeService
+from edge_agent.daemon.api_errors import ApiError
+from edge_agent.daemon.api_request import MAX_JSON_DEPTH, decode_body, parse_sampling
+from edge_agent.daemon.config import EdgeSettings, load_edge_settings
+from edge_agent.daemon.monitor import EdgeMetrics, LinkMonitor, VerifierLinkState
+from edge_agent.daemon.server import STATE, ServerState, build_app, make_listener, make_runner
+from edge_agent.daemon.service import EdgeService
 from shared.maths.sampling import sample, transform
 from shared.service.config import ConfigError
 from shared.service.status import ServiceStatus

@@ -25,11 +25,11 @@ import openai
 import pytest
 import torch
 
-from bench.harness import target_greedy
-from edge_agent.pipeline_config import PipelineConfig
-from edge_agent.service import EdgeService, FairQueue, QueueFull, StopScanner
+from edge_agent.daemon.service import EdgeService, FairQueue, QueueFull, StopScanner
+from edge_agent.session.pipeline_config import PipelineConfig
 from shared.runtime.models import LoadedModel, load_model
 from shared.wire.params import SamplingParams
+from testkit.harness import target_greedy
 from tests.edge_helpers import TOKEN, Servers, edge_settings, wait_http
 from tests.waits import poll, until
 
@@ -174,7 +174,7 @@ async def test_fair_queue_serves_max_active_at_once_then_in_arrival_order() -> N
 async def test_a_write_the_client_never_takes_ends_at_its_deadline() -> None:
     """A streaming client that reads nothing: the write is given up after write_timeout (the
     handler then leaves, cancelling that generation only)."""
-    from edge_agent.server import _Writer
+    from edge_agent.daemon.server import _Writer
 
     class Stuck:
         async def write(self, data: bytes) -> None:
@@ -318,7 +318,7 @@ def test_logprobs_and_token_ids_through_the_openai_client(
     """Opt-in per request: chat's ``logprobs``/``top_logprobs`` and completions' ``logprobs``
     give the target's log-probability of every token (its own log softmax, teacher-forced
     here), streamed chunk by chunk alike; the ``wanspec`` object has the token ids."""
-    from edge_agent.lm import CausalLM
+    from edge_agent.model.lm import CausalLM
 
     n = 12
     r = client.completions.create(
@@ -572,12 +572,12 @@ async def test_cancelling_a_generation_is_clean(
 ) -> None:
     """EdgeAgent.run cancelled mid-generation: no task left behind, the model worker and the
     draft cache still right (the next greedy generation equals a fresh agent's)."""
-    from cloud_verifier.app import STATE
-    from cloud_verifier.targets import TorchTarget
-    from edge_agent.agent import EdgeAgent, RetryPolicy
-    from edge_agent.drafter import Drafter
-    from edge_agent.generation import Generation
-    from edge_agent.link import LinkSettings, WebSocketTransport
+    from cloud_verifier.daemon.app import STATE
+    from cloud_verifier.engine.targets import TorchTarget
+    from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
+    from edge_agent.link.connection import LinkSettings, WebSocketTransport
+    from edge_agent.model.drafter import Drafter
+    from edge_agent.session.generation import Generation
     from tests.edge_helpers import SlowTarget
     from tests.verifiers import serve_verifier, session_url
 
@@ -699,7 +699,7 @@ def test_serve_command_listens_notifies_systemd_and_stops(
     env = {**os.environ, "NOTIFY_SOCKET": "@wanspec-test-" + str(os.getpid())}
     env["WATCHDOG_USEC"] = "3000000"
     env["WANSPEC_EDGE_PORT"] = str(port)  # env beats the file
-    cmd = [sys.executable, "-m", "edge_agent.cli", "serve", "--config", str(config)]
+    cmd = [sys.executable, "-m", "edge_agent.daemon.cli", "serve", "--config", str(config)]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     try:
         messages: list[str] = []

@@ -1,4 +1,4 @@
-"""The federation's member rules (:class:`edge_agent.federation_core.FederatedCore`) as pure
+"""The federation's member rules (:class:`edge_agent.session.federation_core.FederatedCore`) as pure
 functions over event sequences: one case per row of its state table, plus rounds, the wait
 bound, liveness and Rollbacks. No sockets, no event loop, no sleeps; time is passed in."""
 
@@ -11,20 +11,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cloud_verifier.core import Close, Run, SessionLimits, TargetInfo, VerifierCore, Work
-from cloud_verifier.core import Event as VerifierEvent
-from cloud_verifier.core import Send as VSend
-from edge_agent.core import ContextExceeded
-from edge_agent.events import Drop, EdgeEvent, Send
-from edge_agent.federation_core import (
+from cloud_verifier.session.core import Close, Run, SessionLimits, TargetInfo, VerifierCore, Work
+from cloud_verifier.session.core import Event as VerifierEvent
+from cloud_verifier.session.core import Send as VSend
+from edge_agent.session.core import ContextExceeded
+from edge_agent.session.events import Drop, EdgeEvent, Send
+from edge_agent.session.federation_core import (
     LIVENESS_FACTOR,
     WAIT_FACTOR,
     FederatedCore,
     WorkerParams,
     WorkerState,
 )
-from edge_agent.generation import Generation
-from edge_agent.pipeline_config import PipelineConfig
+from edge_agent.session.generation import Generation
+from edge_agent.session.pipeline_config import PipelineConfig
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import (
     Error,

@@ -18,23 +18,23 @@ import openai
 import pytest
 from aiohttp import web
 
-from bench.harness import target_greedy
-from cloud_verifier.core import Send, SessionLimits, TargetInfo, VerifierCore
-from cloud_verifier.targets import TorchTarget
-from edge_agent.agent import EdgeAgent, RetryPolicy
-from edge_agent.config import EdgeSettings
-from edge_agent.core import DraftPlan, Pipeline
-from edge_agent.drafter import Drafter
-from edge_agent.driver import VerdictTimeout
-from edge_agent.generation import Generation
-from edge_agent.link import LinkRefused, LinkSettings, WebSocketTransport
-from edge_agent.pipeline_config import PipelineConfig
-from edge_agent.retry import GiveUp, Outage
-from edge_agent.service import retry_policy
-from edge_agent.transport import LinkClosed, Transport
+from cloud_verifier.engine.targets import TorchTarget
+from cloud_verifier.session.core import Send, SessionLimits, TargetInfo, VerifierCore
+from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
+from edge_agent.daemon.config import EdgeSettings
+from edge_agent.daemon.service import retry_policy
+from edge_agent.link.connection import LinkRefused, LinkSettings, WebSocketTransport
+from edge_agent.link.driver import VerdictTimeout
+from edge_agent.model.drafter import Drafter
+from edge_agent.session.core import DraftPlan, Pipeline
+from edge_agent.session.generation import Generation
+from edge_agent.session.pipeline_config import PipelineConfig
+from edge_agent.session.retry import GiveUp, Outage
+from edge_agent.session.transport import LinkClosed, Transport
 from shared.runtime.models import LoadedModel
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, encode
+from testkit.harness import target_greedy
 from tests.edge_helpers import TOKEN, Servers, edge_settings
 from tests.mux_server import OneStream
 from tests.verifiers import serve_verifier, session_url

@@ -20,18 +20,18 @@ import aiohttp
 import orjson
 import pytest
 
-from bench.harness import target_greedy
-from cloud_verifier.targets import TorchTarget
-from edge_agent.chat import ChatOptions, LocalBackend, Repl, stats_line
-from edge_agent.cli import _summary, main
-from edge_agent.config import EdgeSettings, check_model_specs, load_edge_settings
-from edge_agent.lm import CausalLM
-from edge_agent.server import build_app as build_edge_app
-from edge_agent.service import EdgeService
-from edge_agent.text import eos_ids
+from cloud_verifier.engine.targets import TorchTarget
+from edge_agent.daemon.chat import ChatOptions, LocalBackend, Repl, stats_line
+from edge_agent.daemon.cli import _summary, main
+from edge_agent.daemon.config import EdgeSettings, check_model_specs, load_edge_settings
+from edge_agent.daemon.server import build_app as build_edge_app
+from edge_agent.daemon.service import EdgeService
+from edge_agent.daemon.text import eos_ids
+from edge_agent.model.lm import CausalLM
 from shared.runtime.model_spec import ModelSpecError
 from shared.runtime.models import LoadedModel, load_model, load_tokenizer
 from shared.service.config import ConfigError
+from testkit.harness import target_greedy
 from tests.edge_helpers import clean_env
 from tests.verifiers import serve_verifier, session_url
 from tests.waits import until

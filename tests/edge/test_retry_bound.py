@@ -16,13 +16,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_agent.api_errors import ApiError
-from edge_agent.api_request import ContextLimit, completion_budget
-from edge_agent.config import DEFAULT_VERIFIER_WAIT, EdgeSettings, load_edge_settings
-from edge_agent.core import ContextExceeded, fit_context
-from edge_agent.generation import Generation, TokenSource
-from edge_agent.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy, WaitCause
-from edge_agent.service import retry_policy
+from edge_agent.daemon.api_errors import ApiError
+from edge_agent.daemon.api_request import ContextLimit, completion_budget
+from edge_agent.daemon.config import DEFAULT_VERIFIER_WAIT, EdgeSettings, load_edge_settings
+from edge_agent.daemon.service import retry_policy
+from edge_agent.session.core import ContextExceeded, fit_context
+from edge_agent.session.generation import Generation, TokenSource
+from edge_agent.session.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy, WaitCause
 from shared.service.config import ConfigError
 
 URL = "ws://v:1/v1/session"

@@ -9,7 +9,7 @@ from typing import Literal
 
 import pytest
 
-from cloud_verifier.settings import VerifierSettings
+from cloud_verifier.daemon.settings import VerifierSettings
 from shared.service.config import ConfigError, load_settings, parse_bool
 
 

@@ -17,10 +17,11 @@ PRODUCT = ("shared", "edge_agent", "cloud_verifier")
 def product_exceptions() -> list[type[BaseException]]:
     found: list[type[BaseException]] = []
     for pkg in PRODUCT:
-        for path in sorted((REPO / pkg).glob("*.py")):
+        for path in sorted((REPO / pkg).rglob("*.py")):
             if path.name == "__init__.py":
                 continue
-            module = importlib.import_module(f"{pkg}.{path.stem}")
+            dotted = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            module = importlib.import_module(dotted)
             for _, obj in inspect.getmembers(module, inspect.isclass):
                 if issubclass(obj, BaseException) and obj.__module__ == module.__name__:
                     found.append(obj)

@@ -11,7 +11,8 @@
 4. The layers of ``shared`` (:data:`LAYERS`): each imports only the layers below it and none of the
    third-party packages its layer forbids (wire and maths: no torch, no asyncio, no aiohttp;
    nothing below the runtime imports torch); ``shared`` never imports the edge or the verifier,
-   and they never import each other.
+   and they never import each other. Each end is layered too, bottom up: session rules (no I/O,
+   no torch), the model or engine, the links (edge), the daemon.
 5. A module lives in the package of its only user: every ``shared`` module is used (directly or
    through other ``shared`` modules) by both ``edge_agent`` and ``cloud_verifier``.
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("shared", "edge_agent", "cloud_verifier")
-FORBIDDEN = ("bench", "tests")
+FORBIDDEN = ("bench", "testkit", "tests")
 
 
 @dataclass(frozen=True)
@@ -232,8 +233,15 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "maths": ("shared.maths",),  # the sampling transform, rejection, compression (numpy)
     "runtime": ("shared.runtime",),  # torch: devices, the paged KV, the batched forward, models
     "service": ("shared.service",),  # daemons: settings, metrics, HTTP guards, systemd
-    "edge": ("edge_agent",),
-    "verifier": ("cloud_verifier",),
+    # each end, bottom up: session rules (pure cores), then the model or the engine, then the
+    # network (the edge's links), then the daemon that wires them to users
+    "edge.session": ("edge_agent.session",),  # the session cores and their events: no I/O
+    "edge.model": ("edge_agent.model",),  # the draft model and its worker
+    "edge.link": ("edge_agent.link",),  # verifier links, drivers feeding the cores
+    "edge.daemon": ("edge_agent.daemon",),  # settings, the service, its API, REPL and CLI
+    "verifier.session": ("cloud_verifier.session",),  # the session core: no I/O, no model
+    "verifier.engine": ("cloud_verifier.engine",),  # the target, its KV, the scheduler
+    "verifier.daemon": ("cloud_verifier.daemon",),  # settings, the aiohttp app, metrics, CLI
 }
 
 _BELOW_SERVICES = {"base", "wire", "maths", "runtime", "service"}
@@ -245,8 +253,13 @@ MAY_IMPORT: dict[str, set[str]] = {
     "maths": {"base", "wire"},
     "runtime": {"base", "wire", "maths"},
     "service": {"base", "wire"},
-    "edge": _BELOW_SERVICES,
-    "verifier": _BELOW_SERVICES,
+    "edge.session": _BELOW_SERVICES,
+    "edge.model": {*_BELOW_SERVICES, "edge.session"},
+    "edge.link": {*_BELOW_SERVICES, "edge.session", "edge.model"},
+    "edge.daemon": {*_BELOW_SERVICES, "edge.session", "edge.model", "edge.link"},
+    "verifier.session": _BELOW_SERVICES,
+    "verifier.engine": {*_BELOW_SERVICES, "verifier.session"},
+    "verifier.daemon": {*_BELOW_SERVICES, "verifier.session", "verifier.engine"},
 }
 
 _IO = {"asyncio", "aiohttp", "socket", "ssl", "threading"}
@@ -259,6 +272,9 @@ FORBIDDEN_PACKAGES: dict[str, set[str]] = {
     "maths": {"msgpack", *_TORCH, *_IO},
     "runtime": {"asyncio", "aiohttp", "socket", "ssl"},
     "service": _TORCH,
+    # the session rules are synchronous state machines: no event loop, no sockets, no model
+    "edge.session": {*_TORCH, *_IO},
+    "verifier.session": {*_TORCH, *_IO},
 }
 
 
@@ -346,7 +362,7 @@ def test_imports_are_found_everywhere(tmp_path: Path) -> None:
         "if TYPE_CHECKING:\n"
         "    from shared.wire.protocol import Hello\n"
         "def f():\n"
-        "    import edge_agent.agent\n"
+        "    import edge_agent.daemon.agent\n"
         "    from . import sibling\n"
         "    from ..up import thing\n"
         "    importlib.import_module('bench.run')\n"
@@ -355,7 +371,7 @@ def test_imports_are_found_everywhere(tmp_path: Path) -> None:
     assert {
         "os.path",
         "shared.wire.protocol.Hello",
-        "edge_agent.agent",
+        "edge_agent.daemon.agent",
         "pkg.sub.sibling",
         "pkg.up.thing",
         "bench.run",
@@ -380,7 +396,7 @@ def test_the_layer_checker_sees_a_violation(tmp_path: Path) -> None:
     assert any("shared.stray is in no layer" in line for line in found)
 
 
-def test_shared_is_layered() -> None:
+def test_the_layers_hold() -> None:
     bad = layer_violations(product_modules())
     assert not bad, "layer contracts broken:\n" + "\n".join(bad)
 

@@ -1,6 +1,7 @@
 """Tests for model specs, offline loading and self-drafts (shared.runtime.model_spec,
 shared.runtime.model_cache, shared.runtime.gguf, shared.runtime.layer_skip,
-shared.runtime.fingerprint, shared.runtime.models) and edge_agent.lm (incremental decoding)."""
+shared.runtime.fingerprint, shared.runtime.models) and edge_agent.model.lm (incremental
+decoding)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from bench.tiny_models import build_tiny_model
-from edge_agent.lm import CausalLM, ContextLengthError
+from edge_agent.model.lm import CausalLM, ContextLengthError
 from shared.runtime.fingerprint import tokenizer_hash
 from shared.runtime.model_cache import cache_dir, file_sha256
 from shared.runtime.model_spec import ModelSpecError, SpecKind, parse_model_spec
 from shared.runtime.models import LoadedModel, load_model
+from testkit.tiny_models import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,7 +128,8 @@ import huggingface_hub.constants, tokenizers, torch, transformers
 import transformers.modeling_utils
 
 before = dict(os.environ)
-import bench.tiny_models, shared.runtime.fingerprint, shared.runtime.gguf, shared.runtime.layer_skip
+import testkit.tiny_models, shared.runtime.fingerprint, shared.runtime.gguf
+import shared.runtime.layer_skip
 import shared.runtime.model_cache, shared.runtime.model_spec, shared.runtime.models
 changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
 offline_after_import = huggingface_hub.constants.is_offline_mode()

@@ -16,9 +16,7 @@ import orjson
 import pytest
 import torch
 
-from bench.harness import free_port
 from bench.oracle import OracleDrafter, greedy_continuation, parse_oracle
-from bench.probe import Driver, ProbeClient
 from bench.run import (
     DRAFT_BATCH_COST,
     PREDRAFT_BRANCHES,
@@ -34,13 +32,15 @@ from bench.run import (
 from bench.stream_ws import StreamWS
 from bench.verifier import TREE_TOKEN_COST, PaddedTarget, tree_tokens
 from bench.verifier import main as padded_verifier_main
-from cloud_verifier.cli import main as verifier_main
-from cloud_verifier.targets import NullTarget
-from edge_agent.pipeline_config import Mode
+from cloud_verifier.daemon.cli import main as verifier_main
+from cloud_verifier.engine.targets import NullTarget
+from edge_agent.session.pipeline_config import Mode
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello
+from testkit.harness import free_port
+from testkit.probe import Driver, ProbeClient
 from tests.verifiers import serve_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -160,7 +160,7 @@ def test_oracle_drafter_follows_the_greedy_path() -> None:
 
 
 def test_oracle_greedy_path_and_timed_padding(tiny_model_dir: Path) -> None:
-    from edge_agent.lm import CausalLM
+    from edge_agent.model.lm import CausalLM
     from shared.runtime.models import load_model
 
     target = load_model(str(tiny_model_dir))

@@ -22,7 +22,7 @@ from bench.overload_tenants import (
     summarize,
     targets,
 )
-from edge_agent.transport import Transport
+from edge_agent.session.transport import Transport
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import (
     Fingerprint,

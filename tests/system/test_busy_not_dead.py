@@ -22,12 +22,13 @@ import aiohttp
 import numpy as np
 import pytest
 
-from bench.harness import target_greedy
-from bench.probe import ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
-from cloud_verifier.app import REFUSAL_HEADER, STATE, VerifierState, build_app
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.core import (
+from cloud_verifier.daemon.app import REFUSAL_HEADER, STATE, VerifierState, build_app
+from cloud_verifier.daemon.auth import Authenticator
+from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.engine.step_times import StallRule, StepTimes
+from cloud_verifier.engine.targets import TorchTarget
+from cloud_verifier.session.core import (
     Adopt,
     Close,
     CoreState,
@@ -39,17 +40,14 @@ from cloud_verifier.core import (
     Verify,
     WorkProgress,
 )
-from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.step_times import StallRule, StepTimes
-from cloud_verifier.targets import TorchTarget
-from edge_agent.agent import EdgeAgent, RetryPolicy
-from edge_agent.core import PREFILL_ALLOWANCE_S, DesyncError, Pipeline, resumed_length
-from edge_agent.drafter import Drafter
-from edge_agent.generation import Generation, TokenSource
-from edge_agent.link import LinkSettings, VerifierBusy, WebSocketTransport, retry_after_s
-from edge_agent.pipeline_config import PipelineConfig
-from edge_agent.retry import GiveUp, Outage
-from edge_agent.transport import LinkClosed, Transport
+from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
+from edge_agent.link.connection import LinkSettings, VerifierBusy, WebSocketTransport, retry_after_s
+from edge_agent.model.drafter import Drafter
+from edge_agent.session.core import PREFILL_ALLOWANCE_S, DesyncError, Pipeline, resumed_length
+from edge_agent.session.generation import Generation, TokenSource
+from edge_agent.session.pipeline_config import PipelineConfig
+from edge_agent.session.retry import GiveUp, Outage
+from edge_agent.session.transport import LinkClosed, Transport
 from shared.runtime.models import LoadedModel
 from shared.wire.protocol import (
     SUBPROTOCOL,
@@ -68,6 +66,8 @@ from shared.wire.protocol import (
     encode,
     text_digest,
 )
+from testkit.harness import target_greedy
+from testkit.probe import ProbeClient, auth_headers
 from tests.edge_helpers import SlowTarget
 
 TOKEN = "busy-test-token-0123456789"

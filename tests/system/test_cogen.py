@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cloud_verifier.cloud_draft import CloudDraft
-from cloud_verifier.core import (
+from cloud_verifier.session.cloud_draft import CloudDraft
+from cloud_verifier.session.core import (
     Run,
     Send,
     SessionLimits,
@@ -25,9 +25,9 @@ from cloud_verifier.core import (
     VerifierCore,
     Work,
 )
-from edge_agent.core import PredraftPlan, Rival, SingleCore, hello_for
-from edge_agent.generation import Generation, TokenSource
-from edge_agent.pipeline_config import PipelineConfig
+from edge_agent.session.core import PredraftPlan, Rival, SingleCore, hello_for
+from edge_agent.session.generation import Generation, TokenSource
+from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.sampling import sample
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import CorrectionMode, Fingerprint, Welcome, decode, encode

@@ -24,21 +24,21 @@ import orjson
 import pytest
 import torch
 
-from bench.harness import target_greedy
-from bench.tiny_models import build_tiny_model
-from cloud_verifier.app import STATE, VerifierState
-from cloud_verifier.targets import Target, TorchTarget
-from edge_agent.agent import EdgeAgent, HandshakeError, RetryPolicy
-from edge_agent.drafter import Drafter
-from edge_agent.generation import TokenSource
-from edge_agent.link import LinkSettings, TokenRefused, WebSocketTransport
-from edge_agent.lm import CausalLM
-from edge_agent.pipeline_config import Mode, PipelineConfig
-from edge_agent.transport import LinkClosed, Transport
+from cloud_verifier.daemon.app import STATE, VerifierState
+from cloud_verifier.engine.targets import Target, TorchTarget
+from edge_agent.daemon.agent import EdgeAgent, HandshakeError, RetryPolicy
+from edge_agent.link.connection import LinkSettings, TokenRefused, WebSocketTransport
+from edge_agent.model.drafter import Drafter
+from edge_agent.model.lm import CausalLM
+from edge_agent.session.generation import TokenSource
+from edge_agent.session.pipeline_config import Mode, PipelineConfig
+from edge_agent.session.transport import LinkClosed, Transport
 from shared.maths.sampling import transform
 from shared.runtime.models import LoadedModel, load_model
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import CorrectionMode
+from testkit.harness import target_greedy
+from testkit.tiny_models import build_tiny_model
 from tests.edge_helpers import SlowTarget
 from tests.stats import sequential_chi_square
 from tests.verifiers import KillAfter, serve_verifier, session_url
@@ -436,7 +436,7 @@ def test_demo_with_default_models() -> None:
     the edge drafts)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     out = subprocess.run(
-        [sys.executable, "-m", "edge_agent.cli", "demo", "--max-tokens", "96", "--json"],
+        [sys.executable, "-m", "edge_agent.daemon.cli", "demo", "--max-tokens", "96", "--json"],
         capture_output=True,
         env=env,
         timeout=900,

@@ -32,19 +32,19 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bench.harness import target_greedy
-from cloud_verifier.targets import TorchTarget
-from edge_agent.agent import EdgeAgent
-from edge_agent.core import ContextExceeded
-from edge_agent.drafter import Drafter
-from edge_agent.link import LinkSettings, WebSocketTransport
-from edge_agent.pipeline_config import PipelineConfig
-from edge_agent.server import STATE, ServerState, build_app, make_listener, make_runner
-from edge_agent.service import EdgeService
-from edge_agent.transport import Transport
+from cloud_verifier.engine.targets import TorchTarget
+from edge_agent.daemon.agent import EdgeAgent
+from edge_agent.daemon.server import STATE, ServerState, build_app, make_listener, make_runner
+from edge_agent.daemon.service import EdgeService
+from edge_agent.link.connection import LinkSettings, WebSocketTransport
+from edge_agent.model.drafter import Drafter
+from edge_agent.session.core import ContextExceeded
+from edge_agent.session.pipeline_config import PipelineConfig
+from edge_agent.session.transport import Transport
 from shared.runtime.models import LoadedModel
 from shared.service.status import ServiceStatus
 from shared.wire.params import SamplingParams
+from testkit.harness import target_greedy
 from tests.edge_helpers import TOKEN, SlowTarget, edge_settings
 from tests.verifiers import serve_verifier, session_url
 from tests.waits import until

@@ -11,22 +11,22 @@ import numpy as np
 import pytest
 import torch
 
-from bench.tiny_models import build_tiny_model
 from bench.verifier import WrappedTarget
-from cloud_verifier.targets import TorchTarget
-from edge_agent.drafter import Drafter
-from edge_agent.federation import WorkerSpec, generate_federated
-from edge_agent.federation_core import FederationStats
-from edge_agent.link import LinkSettings, WebSocketTransport
-from edge_agent.lm import CausalLM
-from edge_agent.pipeline_config import PipelineConfig
-from edge_agent.tasks import ModelWorker
-from edge_agent.transport import Transport
+from cloud_verifier.engine.targets import TorchTarget
+from edge_agent.link.connection import LinkSettings, WebSocketTransport
+from edge_agent.link.federation import WorkerSpec, generate_federated
+from edge_agent.model.drafter import Drafter
+from edge_agent.model.lm import CausalLM
+from edge_agent.model.tasks import ModelWorker
+from edge_agent.session.federation_core import FederationStats
+from edge_agent.session.pipeline_config import PipelineConfig
+from edge_agent.session.transport import Transport
 from shared.maths import compression as C
 from shared.maths.sampling import transform
 from shared.runtime.batched_lm import Row
 from shared.runtime.models import LoadedModel, load_model
 from shared.wire.params import SamplingParams
+from testkit.tiny_models import build_tiny_model
 from tests.stats import sequential_chi_square
 from tests.verifiers import KillAfter, serve_verifier, session_url
 
@@ -287,7 +287,7 @@ async def test_a_slow_member_is_left_out_and_readmitted_once_it_keeps_up(
 
 
 async def test_all_workers_down_fails_clearly(draft: LoadedModel) -> None:
-    from edge_agent.transport import LinkClosed
+    from edge_agent.session.transport import LinkClosed
 
     w = spec("ws://127.0.0.1:9/v1/session", "gone", 1.0, 4)
     mw = ModelWorker("draft")
@@ -307,8 +307,8 @@ async def test_daemon_service_runs_the_federation(
 ) -> None:
     """`edge-agent serve` with two verifiers configured: every draft goes to both, and the
     greedy answer is the argmax of their weighted aggregate."""
-    from edge_agent.config import EdgeSettings
-    from edge_agent.service import EdgeService, Finished, GenRequest
+    from edge_agent.daemon.config import EdgeSettings
+    from edge_agent.daemon.service import EdgeService, Finished, GenRequest
 
     urls = [await serve(aiohttp_server, t) for t in targets[:2]]
     token_file = tmp_path / "token"

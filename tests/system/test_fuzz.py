@@ -1,7 +1,7 @@
 """Bad input never harms others: hostile frames at the verifier and at the edge's link, malformed
-HTTP. Hypothesis drives the mutators of ``bench.fuzz`` over every message type; the committed
+HTTP. Hypothesis drives the mutators of ``testkit.fuzz`` over every message type; the committed
 corpus (``tests/system/fuzz_corpus/``) is replayed against a live verifier session and a live edge
-pipeline; and a reduced ``python -m bench.fuzz`` run throws hundreds of frames at a real verifier
+pipeline; and a reduced ``python -m testkit.fuzz`` run throws hundreds of frames at a real verifier
 process and a real edge agent while an honest session checks its verdicts."""
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ from aiohttp import WSMsgType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.fuzz import FuzzConfig, Shadow, corpus_frames, mutate_bytes, mutate_map, run
-from bench.probe import Driver, ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
-from cloud_verifier.app import STATE
-from cloud_verifier.targets import TorchTarget
-from edge_agent.core import DesyncError, SingleCore, VerifierError, hello_for
-from edge_agent.generation import Generation
-from edge_agent.pipeline_config import PipelineConfig
+from cloud_verifier.daemon.app import STATE
+from cloud_verifier.engine.targets import TorchTarget
+from edge_agent.session.core import DesyncError, SingleCore, VerifierError, hello_for
+from edge_agent.session.generation import Generation
+from edge_agent.session.pipeline_config import PipelineConfig
 from shared.runtime.models import load_model
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import (
@@ -46,6 +44,8 @@ from shared.wire.protocol import (
     decode,
     encode,
 )
+from testkit.fuzz import FuzzConfig, Shadow, corpus_frames, mutate_bytes, mutate_map, run
+from testkit.probe import Driver, ProbeClient, auth_headers
 from tests.edge_events import sent
 from tests.verifiers import ready, verifier_app
 
@@ -132,7 +132,7 @@ def corpus(target: str) -> list[tuple[str, bytes]]:
 
 
 def test_corpus_is_current() -> None:
-    """The committed corpus is what ``python -m bench.fuzz --write-corpus`` writes."""
+    """The committed corpus is what ``python -m testkit.fuzz --write-corpus`` writes."""
     written = {f"{t}-{n}.bin": f for t, n, f in corpus_frames(0)}
     on_disk = {f.name: f.read_bytes() for f in CORPUS.glob("*.bin")}
     assert on_disk == written
@@ -210,7 +210,7 @@ def test_edge_refuses_each_corpus_frame(name: str, frame: bytes) -> None:
 
 
 async def test_reduced_fuzz_run(tmp_path: Path) -> None:
-    """``python -m bench.fuzz`` at reduced size: 500 hostile frames at a real verifier process
+    """``python -m testkit.fuzz`` at reduced size: 500 hostile frames at a real verifier process
     (every reply as the session rules predict), 150 at a real edge agent, 60 HTTP requests."""
     cfg = FuzzConfig(frames=500, edge_frames=150, clients=3, http_requests=60, honest_rounds=12)
     rep = await run(cfg, tmp_path)

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from cloud_verifier import cli as verifier_cli
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.tls import server_context
-from edge_agent import cli as edge_cli
-from edge_agent.config import read_secret_file
+from cloud_verifier.daemon import cli as verifier_cli
+from cloud_verifier.daemon.auth import Authenticator
+from cloud_verifier.daemon.tls import server_context
+from edge_agent.daemon import cli as edge_cli
+from edge_agent.daemon.config import read_secret_file
 from tests.tls import self_signed
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,12 +16,12 @@ import numpy as np
 from aiohttp import WSCloseCode
 
 from bench.load import LoadConfig, run
-from bench.probe import Driver, ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
-from cloud_verifier.app import STATE, _buffered, _close_sessions
-from cloud_verifier.targets import NullTarget
+from cloud_verifier.daemon.app import STATE, _buffered, _close_sessions
+from cloud_verifier.engine.targets import NullTarget
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello, Propose, ReplyMode, encode
+from testkit.probe import Driver, ProbeClient, auth_headers
 from tests.verifiers import ready, verifier_app
 from tests.waits import until
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_verifier.targets import TorchTarget
-from edge_agent.generation import Generation, TokenSource
-from edge_agent.lm import CausalLM
-from edge_agent.pipeline_config import PipelineConfig
+from cloud_verifier.engine.targets import TorchTarget
+from edge_agent.model.lm import CausalLM
+from edge_agent.session.generation import Generation, TokenSource
+from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.compression import Reconstruction
 from shared.runtime.models import LoadedModel
 from shared.wire.params import SamplingParams

@@ -59,22 +59,22 @@ import numpy as np
 import pytest
 import torch
 
-from bench.harness import REPO, VerifierProcess, free_port, write_tokens
 from bench.oracle import greedy_continuation
 from bench.overload import CHAT_PROMPTS, parse_metrics, probe_round_s
-from bench.probe import Driver, ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
 from bench.verifier import PaddedTarget, WrappedTarget
-from cloud_verifier.app import build_app
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import Target, TorchTarget
-from edge_agent.text import encode_prompt, eos_ids
+from cloud_verifier.daemon.app import build_app
+from cloud_verifier.daemon.auth import Authenticator
+from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.engine.targets import Target, TorchTarget
+from edge_agent.daemon.text import encode_prompt, eos_ids
 from shared.runtime.batched_lm import Row
 from shared.runtime.models import LoadedModel, load_model
 from shared.service.sdnotify import Notifier
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Hello, Propose, Verdict
+from testkit.harness import REPO, VerifierProcess, free_port, write_tokens
+from testkit.probe import Driver, ProbeClient, auth_headers
 from tests.edge_helpers import clean_env
 from tests.verifiers import ready, serve_verifier, session_url
 
@@ -118,7 +118,7 @@ async def edge_generate(args: Sequence[str], env: dict[str, str], timeout: float
     ``timeout`` seconds (then the test fails)."""
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "edge_agent.cli", "generate", *args, "--json",
+        sys.executable, "-m", "edge_agent.daemon.cli", "generate", *args, "--json",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=REPO,
     )  # fmt: skip
     try:

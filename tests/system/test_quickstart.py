@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from bench.harness import REPO, free_port
 from shared.runtime.model_cache import cache_dir
+from testkit.harness import REPO, free_port
 
 EDGE_PORT = "8760"  # the daemon's port as the README says; a free one here
 #: How long one model load may take on a slow 2-core machine, the first conversion included.

@@ -14,13 +14,13 @@ import pytest
 
 from bench.reliability import FAULTS, ChaosConfig, run
 from bench.wanem import LinkConfig, WanEmulator
-from cloud_verifier.app import build_app
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import NullTarget
-from edge_agent.driver import handshake
-from edge_agent.link import LinkSettings, WebSocketTransport
-from edge_agent.transport import LinkClosed
+from cloud_verifier.daemon.app import build_app
+from cloud_verifier.daemon.auth import Authenticator
+from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.engine.targets import NullTarget
+from edge_agent.link.connection import LinkSettings, WebSocketTransport
+from edge_agent.link.driver import handshake
+from edge_agent.session.transport import LinkClosed
 from shared.wire.protocol import Fingerprint, Hello
 from tests.verifiers import serve_verifier
 
@@ -109,7 +109,7 @@ async def test_upgrade_wait_is_bounded_when_the_link_is_black_holed(aiohttp_serv
 def test_retry_policy_outlasts_a_verifier_restart() -> None:
     """The default RetryPolicy keeps trying for longer than a restart takes (measured by the
     chaos run: ~5 s for the tiny model on a 2-core machine; a real model loads in tens of s)."""
-    from edge_agent.agent import RetryPolicy
+    from edge_agent.daemon.agent import RetryPolicy
 
     p = RetryPolicy()
     deadline = getattr(p, "deadline_s", None)

@@ -35,15 +35,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bench.harness import REPO, VerifierProcess, free_port, make_agent, target_greedy
-from bench.probe import ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
-from bench.tiny_models import build_tiny_model
-from edge_agent.agent import RetryPolicy
-from edge_agent.pipeline_config import PipelineConfig
+from edge_agent.daemon.agent import RetryPolicy
+from edge_agent.session.pipeline_config import PipelineConfig
 from shared.runtime.models import LoadedModel, load_model
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Hello
+from testkit.harness import REPO, VerifierProcess, free_port, make_agent, target_greedy
+from testkit.probe import ProbeClient, auth_headers
+from testkit.tiny_models import build_tiny_model
 from tests.tls import self_signed
 from tests.waits import until
 
@@ -236,7 +236,7 @@ async def test_a_draining_replica_gets_no_new_sessions(fleet: Fleet) -> None:
 
 
 class _Draining:
-    """What :func:`cloud_verifier.app.drain` reads of the service state; ``looks`` counts its
+    """What :func:`cloud_verifier.daemon.app.drain` reads of the service state; ``looks`` counts its
     reads of ``streams``."""
 
     def __init__(self, streams: int) -> None:
@@ -258,7 +258,7 @@ class _Draining:
 
 
 async def test_drain_ends_with_the_last_session_or_at_its_deadline() -> None:
-    from cloud_verifier.app import drain
+    from cloud_verifier.daemon.app import drain
     from shared.service.status import ServiceStatus
 
     state = _Draining(2)

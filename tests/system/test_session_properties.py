@@ -21,7 +21,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cloud_verifier.core import (
+from cloud_verifier.session.core import (
     Close,
     Run,
     Send,
@@ -30,12 +30,12 @@ from cloud_verifier.core import (
     VerifierCore,
     Work,
 )
-from edge_agent.core import DesyncError, SingleCore, VerifierError, hello_for
-from edge_agent.events import Drop
-from edge_agent.events import Send as EdgeSend
-from edge_agent.federation_core import FederatedCore, WorkerParams
-from edge_agent.generation import Generation
-from edge_agent.pipeline_config import Mode, PipelineConfig
+from edge_agent.session.core import DesyncError, SingleCore, VerifierError, hello_for
+from edge_agent.session.events import Drop
+from edge_agent.session.events import Send as EdgeSend
+from edge_agent.session.federation_core import FederatedCore, WorkerParams
+from edge_agent.session.generation import Generation
+from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import (
     Error,

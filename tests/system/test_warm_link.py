@@ -21,19 +21,18 @@ import aiohttp
 import numpy as np
 import pytest
 
-from bench.harness import target_greedy
 from bench.wanem import Crossing, LinkConfig, WanEmulator, round_trips
-from cloud_verifier.app import STATE, VerifierState
-from cloud_verifier.targets import TorchTarget
-from edge_agent.agent import EdgeAgent, RetryPolicy
-from edge_agent.batching import BatchingWorker
-from edge_agent.core import wire_context
-from edge_agent.drafter import Drafter
-from edge_agent.link import Connection, LinkSettings, StreamTransport, WebSocketTransport
-from edge_agent.pipeline_config import PipelineConfig
-from edge_agent.tasks import ModelWorker
-from edge_agent.transport import LinkClosed, Transport
-from edge_agent.warm import WarmLink
+from cloud_verifier.daemon.app import STATE, VerifierState
+from cloud_verifier.engine.targets import TorchTarget
+from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
+from edge_agent.link.connection import Connection, LinkSettings, StreamTransport, WebSocketTransport
+from edge_agent.link.warm import WarmLink
+from edge_agent.model.batching import BatchingWorker
+from edge_agent.model.drafter import Drafter
+from edge_agent.model.tasks import ModelWorker
+from edge_agent.session.core import wire_context
+from edge_agent.session.pipeline_config import PipelineConfig
+from edge_agent.session.transport import LinkClosed, Transport
 from shared.errors import ErrorCode
 from shared.runtime.models import LoadedModel
 from shared.wire.mux import frame
@@ -49,6 +48,7 @@ from shared.wire.protocol import (
     decode,
     encode,
 )
+from testkit.harness import target_greedy
 from tests.stats import sequential_chi_square
 from tests.system.test_edge_e2e import target_rows
 from tests.verifiers import ready, serve_verifier, session_url, verifier_app

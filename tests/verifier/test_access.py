@@ -12,20 +12,20 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bench.harness import free_port
-from bench.probe import auth_headers
 from bench.stream_ws import StreamWS
-from cloud_verifier.app import STATE
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.cli import main as verifier_main
-from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import NullTarget
-from cloud_verifier.tls import server_context
-from edge_agent.driver import handshake
-from edge_agent.link import LinkSettings, UntrustedCertificateError, WebSocketTransport
+from cloud_verifier.daemon.app import STATE
+from cloud_verifier.daemon.auth import Authenticator
+from cloud_verifier.daemon.cli import main as verifier_main
+from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.daemon.tls import server_context
+from cloud_verifier.engine.targets import NullTarget
+from edge_agent.link.connection import LinkSettings, UntrustedCertificateError, WebSocketTransport
+from edge_agent.link.driver import handshake
 from shared.service.config import ConfigError
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello, Welcome
+from testkit.harness import free_port
+from testkit.probe import auth_headers
 from tests.tls import self_signed
 from tests.verifiers import serve_process, serve_verifier, wait_healthy
 from tests.waits import until

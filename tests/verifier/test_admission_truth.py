@@ -31,9 +31,8 @@ import numpy as np
 import pytest
 from aiohttp import WSCloseCode, WSMsgType
 
-from bench.probe import ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
-from cloud_verifier.app import (
+from cloud_verifier.daemon.app import (
     REFUSAL_HEADER,
     STATE,
     VerifierState,
@@ -42,10 +41,10 @@ from cloud_verifier.app import (
     build_app,
     make_runner,
 )
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import EngineHealth
-from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import NullTarget, Target
+from cloud_verifier.daemon.auth import Authenticator
+from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.engine.engine import EngineHealth
+from cloud_verifier.engine.targets import NullTarget, Target
 from shared.runtime.batched_lm import Row
 from shared.service.http_guard import Listener
 from shared.service.sdnotify import Notifier
@@ -63,6 +62,7 @@ from shared.wire.protocol import (
     decode,
     encode,
 )
+from testkit.probe import ProbeClient, auth_headers
 from tests.verifiers import ready
 from tests.waits import until
 

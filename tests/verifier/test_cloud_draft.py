@@ -1,4 +1,5 @@
-"""The verifier's own drafts (cloud_verifier.cloud_draft): prompt lookup over the session's text,
+"""The verifier's own drafts (cloud_verifier.session.cloud_draft): prompt lookup over the session's
+text,
 the rejected draft's tail, and the per-session length of a model draft."""
 
 from __future__ import annotations
@@ -6,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cloud_verifier.cloud_draft import (
+from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.engine.step_times import DraftCost
+from cloud_verifier.session.cloud_draft import (
     CloudDraft,
     CloudDraftError,
     DraftAcceptance,
@@ -16,8 +19,6 @@ from cloud_verifier.cloud_draft import (
     parse_cloud_drafts,
     tail_draft,
 )
-from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.step_times import DraftCost
 from shared.service.config import ConfigError, load_settings
 
 

@@ -1,4 +1,4 @@
-"""The device path (cloud_verifier.device_sampling) against the NumPy reference it replaces.
+"""The device path (cloud_verifier.engine.device_sampling) against the NumPy reference it replaces.
 
 Deterministic parts (the transform, greedy decisions, top-K corrections, federated rows) must
 equal the reference; the random parts are held to the target distribution by the chi-square
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_verifier import device_sampling as D
+from cloud_verifier.engine import device_sampling as D
 from shared.maths import compression as C
 from shared.maths.rejection import Decision, one_hot, recover, try_candidates, verify_batch
 from shared.maths.sampling import transform

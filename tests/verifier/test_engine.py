@@ -16,8 +16,19 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from cloud_verifier.cloud_draft import Withheld, draft_length
-from cloud_verifier.core import (
+from cloud_verifier.engine.engine import (
+    Engine,
+    EngineClosed,
+    EngineLimits,
+    NoFreeSlot,
+    Outcome,
+    PrefixCache,
+    Slot,
+)
+from cloud_verifier.engine.step_times import DraftCost
+from cloud_verifier.engine.targets import NullTarget, Target, TorchTarget
+from cloud_verifier.session.cloud_draft import Withheld, draft_length
+from cloud_verifier.session.core import (
     CoGenerate,
     Crop,
     Cropped,
@@ -29,17 +40,6 @@ from cloud_verifier.core import (
     Verified,
     Verify,
 )
-from cloud_verifier.engine import (
-    Engine,
-    EngineClosed,
-    EngineLimits,
-    NoFreeSlot,
-    Outcome,
-    PrefixCache,
-    Slot,
-)
-from cloud_verifier.step_times import DraftCost
-from cloud_verifier.targets import NullTarget, Target, TorchTarget
 from shared.maths.rejection import try_candidates
 from shared.maths.sampling import transform
 from shared.runtime.batched_lm import BatchedLM, Row
@@ -413,7 +413,7 @@ async def test_a_cloud_draft_model_drafts_for_sessions_together_and_is_exact_gre
     """cloud_draft_model through the real loading path (``self:skip=1`` of the target, weights
     shared): three greedy sessions co-generate with model drafts in shared steps (one draft
     forward per draft token for all of them), and each text is the target's own greedy text."""
-    from cloud_verifier.cloud_drafter import load_draft_target
+    from cloud_verifier.engine.draft_model import load_draft_target
 
     target = TorchTarget(load_model(str(tiny_model_dir)))
     engine = Engine(EngineLimits(slots=4, page_size=4, kv_tokens=512))
@@ -720,7 +720,7 @@ def test_the_cpu_pool_is_sized_to_the_model_and_the_machine(
 ) -> None:
     """kv_tokens = auto on the CPU: 16,384 tokens, but never more than a tenth of the
     machine's memory (at least 1,024 tokens)."""
-    from cloud_verifier import engine as engine_module
+    from cloud_verifier.engine.engine import engine as engine_module
 
     target = TorchTarget(load_model(str(tiny_model_dir)))
     per_token = target.kv_bytes_per_token()

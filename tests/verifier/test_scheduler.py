@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from cloud_verifier.scheduler import (
+from cloud_verifier.engine.scheduler import (
     DECODE_FIXED,
     MIN_PREFILL,
     BatchLimits,
@@ -23,7 +23,7 @@ from cloud_verifier.scheduler import (
     queue_eta,
     should_gather,
 )
-from cloud_verifier.step_times import StallRule, StepTimes
+from cloud_verifier.engine.step_times import StallRule, StepTimes
 
 CALL, CHEAP = Queued(Kind.CALL), Queued(Kind.CHEAP)
 

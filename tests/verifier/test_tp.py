@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU (``cloud-verifier serve --tp N``: torchrun ranks over gloo,
-transformers' own TP, :mod:`cloud_verifier.tp`), against the same model unsharded in the same
+transformers' own TP, :mod:`cloud_verifier.engine.tp`), against the same model unsharded in the same
 test:
 
 * 2 ranks, a tiny Llama (4 heads, 2 KV heads): the edge's greedy text through the sharded
@@ -26,12 +26,9 @@ import aiohttp
 import numpy as np
 import pytest
 
-from bench.harness import REPO, VerifierProcess, free_port, make_agent, target_greedy
-from bench.probe import ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
-from bench.tiny_models import build_tiny_model
-from cloud_verifier.tp import Rank, decode_rows, encode_rows, rank_from_env, torchrun_args
-from edge_agent.pipeline_config import PipelineConfig
+from cloud_verifier.engine.tp import Rank, decode_rows, encode_rows, rank_from_env, torchrun_args
+from edge_agent.session.pipeline_config import PipelineConfig
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages
 from shared.runtime.models import LoadedModel, check_tp_size, load_model
@@ -45,6 +42,9 @@ from shared.wire.protocol import (
     ReplyMode,
     Welcome,
 )
+from testkit.harness import REPO, VerifierProcess, free_port, make_agent, target_greedy
+from testkit.probe import ProbeClient, auth_headers
+from testkit.tiny_models import build_tiny_model
 
 TOKEN = "tp-token-0123456789abcdef"
 PROMPT = [1, 10, 20, 30, 40]
@@ -72,7 +72,8 @@ def test_rank_from_env_and_the_torchrun_line() -> None:
     with pytest.raises(ValueError, match="outside"):
         rank_from_env({"RANK": "2", "WORLD_SIZE": "2"})
     assert torchrun_args(4, ["serve", "--tp", "4"]) == [
-        "--standalone", "--nproc-per-node=4", "-m", "cloud_verifier.cli", "serve", "--tp", "4",
+        "--standalone", "--nproc-per-node=4", "-m", "cloud_verifier.daemon.cli", "serve", "--tp",
+        "4",
     ]  # fmt: skip
 
 
@@ -82,7 +83,7 @@ def test_the_launcher_hands_the_systemd_watchdog_to_rank_0(
     """Under systemd, WATCHDOG_PID names the launcher; rank 0 (a child) must ping instead."""
     import torch.distributed.run
 
-    from cloud_verifier.tp import launch_ranks
+    from cloud_verifier.engine.tp import launch_ranks
     from shared.service.sdnotify import Notifier
 
     seen: dict[str, object] = {}
@@ -229,7 +230,7 @@ def test_two_ranks_of_the_default_model_is_a_clear_error(tmp_path: Path) -> None
     tokens = tmp_path / "tokens"
     tokens.write_text(TOKEN + "\n")
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "cloud_verifier.cli", "serve", "--tp", "2", "--port",
+    cmd = [sys.executable, "-m", "cloud_verifier.daemon.cli", "serve", "--tp", "2", "--port",
            str(free_port()), "--token-file", str(tokens)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_verifier.core import Branch, Verified, Verify
-from cloud_verifier.targets import NullTarget, TorchTarget
+from cloud_verifier.engine.targets import NullTarget, TorchTarget
+from cloud_verifier.session.core import Branch, Verified, Verify
 from shared.maths.sampling import transform
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages

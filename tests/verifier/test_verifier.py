@@ -16,14 +16,12 @@ import torch
 from aiohttp import WSCloseCode, WSMsgType, web
 from aiohttp.test_utils import TestClient
 
-from bench.probe import Driver, ProbeClient, auth_headers, replies_match
 from bench.stream_ws import StreamWS
-from bench.tiny_models import build_tiny_model
-from cloud_verifier.app import STATE, VerifierState, build_app, engine_limits
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.engine import Engine
-from cloud_verifier.settings import VerifierSettings
-from cloud_verifier.targets import Target, TorchTarget
+from cloud_verifier.daemon.app import STATE, VerifierState, build_app, engine_limits
+from cloud_verifier.daemon.auth import Authenticator
+from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.engine.engine import Engine
+from cloud_verifier.engine.targets import Target, TorchTarget
 from shared.maths.sampling import transform
 from shared.runtime.models import load_model
 from shared.wire.params import SamplingParams
@@ -44,6 +42,8 @@ from shared.wire.protocol import (
     decode,
     encode,
 )
+from testkit.probe import Driver, ProbeClient, auth_headers, replies_match
+from testkit.tiny_models import build_tiny_model
 from tests.verifiers import ready
 from tests.waits import until
 

@@ -1,4 +1,5 @@
-"""The verifier's session rules (:class:`cloud_verifier.core.VerifierCore`) as pure functions:
+"""The verifier's session rules (:class:`cloud_verifier.session.core.VerifierCore`) as pure
+functions:
 one case per row of its state table. No sockets, no model, no event loop."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cloud_verifier.cloud_draft import CloudDraft, DraftLength, Withheld
-from cloud_verifier.core import (
+from cloud_verifier.session.cloud_draft import CloudDraft, DraftLength, Withheld
+from cloud_verifier.session.core import (
     CLOSE_INTERNAL_ERROR,
     CLOSE_OK,
     BranchTaken,

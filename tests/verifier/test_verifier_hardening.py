@@ -23,13 +23,9 @@ import numpy as np
 import pytest
 from aiohttp import WSCloseCode, WSMsgType
 
-from bench.fuzz import TOKEN as FUZZ_TOKEN
-from bench.fuzz import _raw_request, http_fixed_cases
-from bench.harness import free_port
-from bench.probe import ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
-from cloud_verifier.auth import Authenticator
-from cloud_verifier.cli import main as verifier_main
+from cloud_verifier.daemon.auth import Authenticator
+from cloud_verifier.daemon.cli import main as verifier_main
 from shared.runtime.device import DeviceUnavailable, choose_device
 from shared.service.ratelog import LogLimiter
 from shared.wire.params import SamplingParams
@@ -43,6 +39,10 @@ from shared.wire.protocol import (
     Verdict,
     encode,
 )
+from testkit.fuzz import TOKEN as FUZZ_TOKEN
+from testkit.fuzz import _raw_request, http_fixed_cases
+from testkit.harness import free_port
+from testkit.probe import ProbeClient, auth_headers
 from tests.verifiers import guarded_verifier, serve_process, wait_healthy
 from tests.waits import closed_within, until
 
@@ -372,7 +372,7 @@ def test_a_rotation_that_keeps_size_and_mtime_is_seen_by_content(tmp_path: Path)
 def test_an_empty_or_unreadable_token_file_keeps_the_previous_tokens(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="cloud_verifier.auth")
+    caplog.set_level(logging.INFO, logger="cloud_verifier.daemon.auth")
     f = tmp_path / "tokens"
     f.write_text("token-one\n")
     clock = Clock()
@@ -604,7 +604,7 @@ def test_a_port_in_use_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 def test_config_errors_come_before_heavy_imports(tmp_path: Path) -> None:
     code = (
-        "import sys\nfrom cloud_verifier.cli import main\n"
+        "import sys\nfrom cloud_verifier.daemon.cli import main\n"
         "rc = main(['serve', '--port', 'http', '--insecure-no-auth'])\n"
         "print(rc, sorted(m for m in ('torch', 'transformers', 'aiohttp') if m in sys.modules))\n"
     )
@@ -695,10 +695,10 @@ async def test_serve_startup_lines_sighup_and_a_quiet_stop(
     import torch
 
     if torch.cuda.is_available():  # a GPU machine: no warning, the line names the device
-        assert "INFO cloud_verifier.targets: device: cuda:0 (" in log, log
+        assert "INFO cloud_verifier.engine.targets: device: cuda:0 (" in log, log
         assert warnings == [], warnings
     else:
-        assert "INFO cloud_verifier.targets: device: cpu" in log, log
+        assert "INFO cloud_verifier.engine.targets: device: cpu" in log, log
         # --threads: torch's pool of this process, named where the model is said to be ready.
         assert f": {tiny_model_dir.name} on cpu (float32, 1 thread); KV cache" in log, log
         assert len(warnings) == 1 and "CUDA_VISIBLE_DEVICES=0" in warnings[0], warnings

@@ -15,12 +15,12 @@ import aiohttp
 import pytest
 from aiohttp import WSCloseCode, WSMsgType
 
-from bench.probe import ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
-from cloud_verifier.cli import main
+from cloud_verifier.daemon.cli import main
 from shared.service.sdnotify import Notifier
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello
+from testkit.probe import ProbeClient, auth_headers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,7 @@ async def test_serve_process_notify_watchdog_sigterm(tmp_path: Path) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind("\0" + name[1:])
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cloud_verifier.cli", "serve", "--model", "null:64",
+            [sys.executable, "-m", "cloud_verifier.daemon.cli", "serve", "--model", "null:64",
              "--token-file", str(tmp_path / "tokens"), "--heartbeat", "0"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from bench.probe import ProbeClient, auth_headers
 from bench.stream_ws import StreamWS
-from cloud_verifier.targets import TorchTarget
+from cloud_verifier.engine.targets import TorchTarget
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Hello, Propose, Verdict
+from testkit.probe import ProbeClient, auth_headers
 from tests.verifiers import ready, verifier_app
 
 

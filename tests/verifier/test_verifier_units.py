@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloud_verifier.auth import Authenticator, AuthError, parse_tokens
-from cloud_verifier.stats import VerifierMetrics
-from cloud_verifier.targets import NullTarget, parse_null_spec
+from cloud_verifier.daemon.auth import Authenticator, AuthError, parse_tokens
+from cloud_verifier.daemon.metrics import VerifierMetrics
+from cloud_verifier.engine.targets import NullTarget, parse_null_spec
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages
 from shared.service.metrics import Registry
@@ -117,7 +117,7 @@ def test_null_target_is_deterministic_and_fast() -> None:
 def test_serve_flags_go_both_ways_and_an_unknown_one_gets_the_serve_usage(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from cloud_verifier.cli import build_parser
+    from cloud_verifier.daemon.cli import build_parser
     from shared.service.cli_args import parse_args
 
     parser = build_parser()
@@ -136,7 +136,7 @@ def test_a_token_file_others_can_read_is_warned_about(
 ) -> None:
     """Accepted (the service still starts), with a warning naming the fix; a private file is
     read in silence. The edge's token file is checked the same way."""
-    from edge_agent.config import read_secret_file
+    from edge_agent.daemon.config import read_secret_file
 
     f = tmp_path / "tokens"
     f.write_text("secret-token\n")

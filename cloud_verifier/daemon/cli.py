@@ -1,0 +1,458 @@
+"""``cloud-verifier`` command line: ``serve``, ``gen-token``.
+
+Every ``serve`` setting can also come from ``WANSPEC_<NAME>`` environment variables or the
+``[verifier]`` table of a TOML file (``--config F`` or ``$WANSPEC_CONFIG``); the command line wins,
+then the environment, then the file, then the defaults.
+
+:func:`run_serve` is ``serve`` from parsed arguments; a caller may replace the model loader
+(``bench.verifier`` pads every forward this way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cloud_verifier.daemon.settings import ENV_PREFIX, TOML_SECTION, VerifierSettings
+from shared.service.cli_args import parse_args
+from shared.service.config import ConfigError, load_settings
+
+if TYPE_CHECKING:
+    from cloud_verifier.engine.targets import Target
+    from cloud_verifier.engine.tp import Rank
+
+#: Builds the model loader (run on the model worker) from the resolved settings.
+LoaderFactory = Callable[[VerifierSettings], Callable[[], "Target"]]
+#: Builds the cloud draft model's loader (None: the default, from cloud_draft_model).
+DraftLoaderFactory = Callable[[VerifierSettings], Callable[["Target"], "Target"] | None]
+
+log = logging.getLogger("cloud_verifier")
+
+_HELP: dict[str, str] = {
+    "model": "target model: default, a HF folder, a .gguf file, a cached hub id, or null:VOCAB",
+    "host": "address to listen on",
+    "port": "TCP port (0: any free port)",
+    "token_file": "file of bearer tokens, one per line (# comments and blank lines ignored)",
+    "insecure_no_auth": "serve without authentication (trusted networks only)",
+    "tls_cert": "PEM certificate (chain) to serve wss:// (needs --tls-key)",
+    "tls_key": "PEM private key of --tls-cert",
+    "device": "where the model runs",
+    "dtype": "model weights' dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    "max_sessions": "concurrent sessions",
+    "max_streams": "sessions one connection may carry at once (an edge's warm link)",
+    "stream_window": "bytes of session frames one stream may have unread (flow control)",
+    "max_sessions_per_token": "concurrent sessions per bearer token, those kept for "
+    "resumption included (0: only max_sessions)",
+    "max_context": "tokens per session (also capped by the model)",
+    "max_gamma": "draft tokens per Propose",
+    "max_fixed": "fixed (prompt/correction) tokens per Propose",
+    "max_k": "entries of a sparse distribution (Hello.k and Hello.m)",
+    "max_frame": "bytes per WebSocket frame (larger frames close the session)",
+    "max_bad_frames": "refused frames per session before it is closed",
+    "max_resamples": "Resample requests per rejection",
+    "cogen_ahead": "co-generation: tokens the verifier may decode for a session past its last "
+    "Propose (0: off)",
+    "cloud_draft": "the verifier's own drafts in co-generation: tail, ngram (comma-separated) "
+    "or off",
+    "cloud_draft_model": "a draft model on the verifier's device (self:skip=N, a folder, a "
+    ".gguf; '': none)",
+    "cloud_draft_tokens": "at most this many tokens per cloud draft",
+    "cloud_draft_length": "model draft length: auto (per session, what its measured acceptance "
+    "pays for) or fixed (cloud_draft_tokens)",
+    "tree_tokens": "token trees: branch tokens verified in a batch's forward (0: off; off "
+    "with tp > 1)",
+    "prefix_cache": "who shares cached prompt prefixes: tenant (per bearer token), global, off; "
+    "auto: tenant, off with tp > 1",
+    "prefill_chunk": "prompt tokens a step computes at most while other sessions are active, "
+    "shared fairly between tenants (0: no chunking)",
+    "prefill_share": "share one tenant's prompt tokens may add to the step time of other "
+    "tenants' rounds (0: prefill_chunk alone)",
+    "handshake_timeout": "seconds a client has to send Hello",
+    "idle_timeout": "seconds a session may go without model work before it is closed (0: never)",
+    "header_timeout": "seconds a connection may idle between requests, and then has for a "
+    "request's headers from its first byte",
+    "max_frame_rate": "frames a second one session may send; also, per connection, its "
+    "WebSocket pings, pongs and control frames (0: no limit)",
+    "frame_burst": "frames at once past max_frame_rate (a session's, and a connection's)",
+    "max_pending_connections": "connections whose request has not reached a handler (half-sent "
+    "or idle in keep-alive); when all are taken a new one evicts the oldest, if old enough",
+    "max_pending_per_address": "such connections per client address (more: refused at once)",
+    "token_reload_interval": "seconds between re-reads of the token file by content (0: only "
+    "on SIGHUP or a changed size/mtime)",
+    "heartbeat": "WebSocket ping interval in seconds (0: off)",
+    "close_timeout": "seconds to wait for a client's close reply",
+    "send_timeout": "seconds a frame may wait for a client that does not read, then it is closed",
+    "max_send_buffer": "unread bytes queued for a client before it is closed",
+    "shutdown_timeout": "seconds to let sessions finish on SIGTERM",
+    "threads": "torch CPU threads (default: torch's own choice, one per core; give each "
+    "process its share when the verifier and the edge share a machine)",
+    "tp": "tensor parallelism: run the target over this many ranks (one per GPU; re-launched "
+    "under torchrun, rank 0 serves); the heads must divide by it",
+    "drain_timeout": "on SIGTERM, seconds to drain first (/health 503, no new sessions, open "
+    "ones go on) before closing the rest (behind a load balancer; 0 = no drain)",
+    "log_level": "logging level",
+}
+
+
+def _add_settings_args(p: argparse.ArgumentParser) -> None:
+    """One option per settings field; None = not given (so lower sources can fill it)."""
+    hints = typing.get_type_hints(VerifierSettings)
+    for f in dataclasses.fields(VerifierSettings):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{_HELP.get(f.name, '')} (default: {f.default}; env {ENV_PREFIX}"
+        help_text += f"{f.name.upper()})"
+        tp = hints[f.name]
+        if tp is bool:  # --flag / --no-flag: either way beats the file and the environment
+            p.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+            continue
+        choices = None
+        if typing.get_origin(tp) is typing.Literal:
+            choices = typing.get_args(tp)
+        p.add_argument(flag, default=None, choices=choices, metavar=None, help=help_text)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``serve``: ``--config`` and one per settings field."""
+    p.add_argument("--config", help=f"TOML file with a [{TOML_SECTION}] table")
+    _add_settings_args(p)
+
+
+def load_cli_settings(args: argparse.Namespace, env: dict[str, str]) -> VerifierSettings:
+    cli = {f.name: getattr(args, f.name) for f in dataclasses.fields(VerifierSettings)}
+    config = args.config or env.get(ENV_PREFIX + "CONFIG")
+    return load_settings(
+        VerifierSettings,
+        toml_path=Path(config).expanduser() if config else None,
+        env=env,
+        env_prefix=ENV_PREFIX,
+        cli=cli,
+        section=TOML_SECTION,
+    )
+
+
+def _check_model_spec(spec: str, key: str = "model") -> None:
+    from cloud_verifier.engine.targets import parse_null_spec
+
+    if key == "model" and parse_null_spec(spec) is not None:
+        return
+    from shared.runtime.model_spec import ModelSpecError, parse_model_spec
+
+    try:
+        parse_model_spec(spec)
+    except ModelSpecError as e:
+        raise ConfigError(key, str(e)) from None
+
+
+async def serve(
+    settings: VerifierSettings,
+    auth: Any,
+    ssl_context: Any = None,
+    *,
+    loader: Callable[[], Target] | None = None,
+    draft_loader: Callable[[Target], Target] | None = None,
+) -> int:
+    """Run until SIGTERM/SIGINT. Returns the exit status (1 if the model failed to load).
+
+    ``loader`` (run on the model worker) defaults to loading ``settings.model``,
+    ``draft_loader`` to loading ``settings.cloud_draft_model`` (if any) beside it.
+    """
+    from cloud_verifier.daemon.app import STATE, build_app, drain, make_runner, reload_tokens
+    from shared.service.http_guard import Listener
+    from shared.service.sdnotify import Notifier
+    from shared.service.status import ServiceStatus
+
+    notifier = Notifier.from_env()
+    app = build_app(
+        settings, auth=auth, loader=loader, draft_loader=draft_loader, notifier=notifier
+    )
+    state = app[STATE]
+    listener = Listener(state.guard, settings.host, settings.port, ssl_context=ssl_context)
+    try:
+        await listener.bind()  # before the model load: a port in use ends here, quickly
+    except OSError as e:
+        # "Address already in use", "Permission denied", "Name or service not known", ...
+        why = os.strerror(e.errno) if e.errno and e.errno > 0 else (e.strerror or str(e))
+        print(
+            f"cloud-verifier: error: cannot listen on {settings.host} port {settings.port}: "
+            f"{why} (settings 'host', 'port')",
+            file=sys.stderr,
+        )
+        return 2
+    runner = make_runner(app)
+    loop = asyncio.get_running_loop()
+    stopping = False
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal stopping
+        log.info("%s: shutting down", sig.name)
+        stopping = True
+        state.changed.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGHUP, reload_tokens, state, "SIGHUP")
+    rc = 0
+    await runner.setup()  # starts the model load in the background
+    try:
+        await listener.start(runner)
+        for host, port in listener.addresses:
+            scheme = "https/wss" if ssl_context is not None else "http/ws"
+            log.info("listening on %s port %d (%s)", host, port, scheme)
+        announced = False
+        while True:
+            await state.changed.wait()
+            state.changed.clear()
+            if stopping:
+                await drain(state, settings.drain_timeout)
+                break
+            if state.status == ServiceStatus.FAILED:
+                log.error("%s", state.reason)
+                rc = 1
+                break
+            if state.status == ServiceStatus.READY and not announced:
+                # Port listening and model loaded: only now is the service up.
+                notifier.notify(f"READY=1\nSTATUS={state.reason}")
+                announced = True
+    finally:
+        notifier.notify("STOPPING=1\nSTATUS=stopping")
+        listener.close()
+        await runner.cleanup()
+        await listener.wait_closed()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+    log.info("stopped")
+    return rc
+
+
+def _busy_threads(wait_s: float) -> list[threading.Thread]:
+    """Non-daemon threads other than this one still running after up to ``wait_s`` seconds (an
+    idle model worker exits at once after the engine's shutdown; a busy one does not)."""
+    deadline = time.monotonic() + wait_s
+    main = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not main and not t.daemon:
+            t.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
+
+
+def run_serve(
+    args: argparse.Namespace,
+    *,
+    make_loader: LoaderFactory | None = None,
+    make_draft_loader: DraftLoaderFactory | None = None,
+) -> int:
+    """``serve`` from arguments parsed by :func:`add_serve_arguments`; ``make_loader`` builds
+    the model loader from the resolved settings (default: load ``settings.model``),
+    ``make_draft_loader`` the cloud draft model's (default: ``settings.cloud_draft_model``)."""
+    from cloud_verifier.daemon.auth import Authenticator, AuthError
+
+    try:
+        settings = load_cli_settings(args, dict(os.environ))
+        _check_model_spec(settings.model)
+        if settings.cloud_draft_model:
+            _check_model_spec(settings.cloud_draft_model, "cloud_draft_model")
+        if settings.token_file is not None:
+            try:
+                auth = Authenticator(
+                    token_file=settings.token_file, recheck_s=settings.token_reload_interval
+                )
+            except AuthError as e:
+                raise ConfigError("token_file", str(e)) from None
+        elif settings.insecure_no_auth:
+            auth = Authenticator.insecure()
+        else:
+            raise ConfigError(
+                "token_file",
+                "no token file configured: pass --token-file F (see `cloud-verifier gen-token`) "
+                "or, on a trusted network only, --insecure-no-auth",
+            )
+        ssl_context = None
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            from cloud_verifier.daemon.tls import server_context
+
+            ssl_context = server_context(settings.tls_cert, settings.tls_key)
+    except ConfigError as e:
+        print(f"cloud-verifier: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # Model loading progress bars (transformers' "Loading weights", the GGUF conversion's
+    # shards) are terminal animations: in a service log they are noise.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if settings.threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.threads)
+    if not auth.enabled:
+        log.warning("authentication is OFF (--insecure-no-auth): anyone can open sessions")
+    _check_open_files(settings)
+    loader = make_loader(settings) if make_loader is not None else None
+    draft_loader = make_draft_loader(settings) if make_draft_loader is not None else None
+    from cloud_verifier.engine.tp import launch_ranks, rank_from_env, run_follower
+
+    try:
+        rank = rank_from_env(os.environ)
+    except ValueError as e:
+        print(f"cloud-verifier: error: {e}", file=sys.stderr)
+        return 2
+    if settings.tp > 1 and rank is None:
+        # This process becomes torchrun's agent (same PID for systemd) and runs the ranks.
+        return launch_ranks(settings.tp, sys.argv[1:])
+    if rank is not None and rank.world > 1:
+        if rank.world != settings.tp:
+            print(
+                f"cloud-verifier: error: started as {rank.world} ranks but tp = {settings.tp} "
+                "(setting 'tp')",
+                file=sys.stderr,
+            )
+            return 2
+        if not rank.leader:
+            return run_follower(rank, lambda: _load_shards(settings, rank))
+        loader = _leader_loader(settings, rank)
+    rc = asyncio.run(serve(settings, auth, ssl_context, loader=loader, draft_loader=draft_loader))
+    busy = _busy_threads(1.0)
+    if busy:
+        # The model worker is still inside a load or a forward that cannot be interrupted;
+        # Python would join it at exit and overrun the stop timeout. Everything else is closed.
+        log.warning(
+            "model worker still busy (%s): exiting without waiting for it",
+            ", ".join(t.name for t in busy),
+        )
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
+
+
+def _load_shards(settings: VerifierSettings, rank: Rank) -> Target:
+    from cloud_verifier.engine.targets import load_target
+
+    return load_target(
+        settings.model,
+        device=settings.device,
+        dtype=settings.dtype,
+        compile_forward=settings.compile,
+        tp_size=rank.world,
+        local_rank=rank.local_rank,
+    )
+
+
+def _leader_loader(settings: VerifierSettings, rank: Rank) -> Callable[[], Target]:
+    """Rank 0's loader (on the engine's thread): join the group, load its shards, wait for
+    every rank to have loaded (only then is the service ready), then serve through the
+    followers."""
+
+    from cloud_verifier.engine.tp import ShardedTarget, init_group, meet
+
+    def load() -> Target:
+        channel = init_group(rank)
+        inner = _load_shards(settings, rank)
+        meet(channel)
+        return ShardedTarget(inner, channel, rank.world)
+
+    return load
+
+
+def _check_open_files(settings: VerifierSettings) -> None:
+    """Warn when the descriptor limit cannot hold the configured connections."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = settings.max_pending_connections + settings.max_sessions + 64
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning(
+            "open-file limit %d is below max_pending_connections + max_sessions + 64 = %d: "
+            "raise it (LimitNOFILE=, ulimit -n) or lower max_pending_connections",
+            soft,
+            need,
+        )
+
+
+def _cmd_gen_token(args: argparse.Namespace) -> int:
+    from cloud_verifier.daemon.auth import generate_token
+
+    token = generate_token()
+    if args.out is None:
+        print(token)
+        return 0
+    path = Path(args.out).expanduser()
+    try:
+        write_secret(path, token + "\n", force=args.force)
+    except FileExistsError:
+        print(f"cloud-verifier: error: {path} exists (pass --force to replace it)", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"cloud-verifier: error: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(f"wrote a new token to {path} (mode 0600)", file=sys.stderr)
+    return 0
+
+
+def write_secret(path: Path, text: str, *, force: bool = False) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600), never visible with other
+    permissions. Without ``force`` an existing file is an error (FileExistsError); with it the
+    file is replaced atomically."""
+    data = text.encode()
+    if not force:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cloud-verifier", description="wanspec cloud verifier: verifies edge drafts."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_serve = sub.add_parser("serve", help="run the verifier service")
+    add_serve_arguments(p_serve)
+    p_serve.set_defaults(func=run_serve)
+
+    p_tok = sub.add_parser("gen-token", help="print a new random bearer token")
+    p_tok.add_argument(
+        "--out", metavar="FILE", help="write the token to FILE (mode 0600) instead of printing it"
+    )
+    p_tok.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    p_tok.set_defaults(func=_cmd_gen_token)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(build_parser(), argv)
+    rc: int = args.func(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

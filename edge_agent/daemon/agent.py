@@ -1,0 +1,401 @@
+"""The edge agent: one draft model, its verifier link(s), generations that survive lost links.
+
+:meth:`EdgeAgent.run` runs one generation. With one verifier it connects (Hello/Welcome with the
+fingerprint check), runs a :class:`~edge_agent.session.core.SingleCore` over the link
+(:func:`~edge_agent.link.driver.run_single`) and, when the link drops or desynchronises, reconnects
+with the :class:`~edge_agent.session.retry.RetryPolicy` backoff and resumes from the committed ids
+(the new
+session's first Propose carries them all as fixed tokens, so the verifier re-prefills). With a
+federation it hands the generation to :func:`~edge_agent.link.federation.run_federated`, which
+reconnects each worker by the same policy. Committed text is never lost or duplicated: only the
+:class:`~edge_agent.session.generation.Generation` holds it, and a session only ever appends to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import numpy as np
+
+from edge_agent.link.connection import TokenRefused, VerifierBusy
+from edge_agent.link.driver import VerdictTimeout, handshake, run_single
+from edge_agent.link.federation import WorkerSpec, run_federated
+from edge_agent.model.drafter import DraftModel
+from edge_agent.model.tasks import ModelWorker
+from edge_agent.session.core import (
+    ContextExceeded,
+    DesyncError,
+    HandshakeError,
+    SingleCore,
+    VerifierError,
+    fit_context,
+    hello_for,
+)
+from edge_agent.session.federation_core import ROUND_DEADLINE_S
+from edge_agent.session.generation import Generation, TokenSource
+from edge_agent.session.pipeline_config import PipelineConfig
+from edge_agent.session.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy, WaitCause
+from edge_agent.session.transport import LinkClosed, Transport, announced_welcome
+from shared.errors import FATAL_CODES, ErrorCode
+from shared.wire.protocol import Fingerprint, Hello, ProtocolError, Resume, Welcome, encode
+
+__all__ = [
+    "Connect",
+    "ContextExceeded",
+    "EdgeAgent",
+    "HandshakeError",
+    "RetryPolicy",
+    "VerifierWaitOver",
+]
+
+#: A connection attempt made at the very end of the wait still gets this long (so the wait's
+#: last attempt is a real one): the bound is overrun by at most this much.
+MIN_ATTEMPT_S = 0.5
+
+
+class VerifierWaitOver(LinkClosed):
+    """The request waited its whole bound (``RetryPolicy.deadline_s``, the daemon's
+    ``verifier_wait``) for a verifier without progress. ``retry_after``: whole seconds after
+    which a client may try again; ``waited``: the seconds waited."""
+
+    def __init__(self, message: str, *, retry_after: int, waited: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.waited = waited
+
+
+def _resume_token(core: SingleCore | None, known: str | None) -> str | None:
+    """The token to resume a failed session with: its Welcome's, once that came."""
+    if core is not None and core.resume_token is not None:
+        return core.resume_token
+    return known
+
+
+log = logging.getLogger("wanspec.edge")
+
+Connect = Callable[[], Awaitable[Transport]]
+
+
+class EdgeAgent:
+    """Holds the draft model and its worker; runs generations against a verifier. With no
+    draft model (``drafter`` None), generations are cloud-only speculative decoding: the
+    verifier's co-generation, with its own cloud drafts, writes the text (one verifier, and
+    ``PipelineConfig.cogen`` on)."""
+
+    def __init__(
+        self,
+        drafter: DraftModel | None,
+        fingerprint: Fingerprint,
+        connect: Connect,
+        *,
+        retry: RetryPolicy | None = None,
+        worker: ModelWorker | None = None,
+        federation: Sequence[WorkerSpec] = (),
+        round_deadline_s: float = ROUND_DEADLINE_S,
+        on_session_failed: Callable[[BaseException], None] | None = None,
+        on_welcome: Callable[[Welcome], None] | None = None,
+    ) -> None:
+        """``federation``: two or more verifiers that all verify every draft (SpecFed mode,
+        :mod:`edge_agent.link.federation`); ``connect`` is then unused. ``on_session_failed`` hears
+        of every session that fails and is retried (a stalled or lost link); ``on_welcome`` of
+        every session's own Welcome (its limits), once the session is over."""
+        if drafter is None and federation:
+            raise ValueError("federated verification needs a draft model on the edge")
+        self.drafter = drafter
+        self.fingerprint = fingerprint
+        self.connect = connect
+        self.retry = retry or RetryPolicy()
+        self.worker = worker or ModelWorker("draft-model")
+        self._owns_worker = worker is None
+        self.federation = list(federation)
+        self.round_deadline_s = round_deadline_s
+        self.on_session_failed = on_session_failed
+        self.on_welcome = on_welcome
+
+    def close(self) -> None:
+        if self._owns_worker:
+            self.worker.close()
+
+    def hello(
+        self, cfg: PipelineConfig, seed: int | None, end: int = 0, resume: Resume | None = None
+    ) -> Hello:
+        """``end``: the position the generation stops at, at the latest (co-generation);
+        ``resume``: the lost session to pick up."""
+        return hello_for(self.fingerprint, cfg, seed, end=end, resume=resume)
+
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        cfg: PipelineConfig,
+        *,
+        max_new_tokens: int,
+        eos_ids: Sequence[int] = (),
+        seed: int | None = None,
+        on_commit: Callable[[list[int]], None] | None = None,
+    ) -> Generation:
+        """Generate until an end-of-sequence id or ``max_new_tokens``; returns the Generation."""
+        gen = Generation(prompt, max_new_tokens, eos_ids, on_commit)
+        await self.run(gen, cfg, seed=seed)
+        return gen
+
+    async def run(
+        self,
+        gen: Generation,
+        cfg: PipelineConfig,
+        *,
+        seed: int | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        """Run ``gen`` until it is done. The caller keeps ``gen``: its committed ids and stats
+        survive a cancellation, and ``gen.finish(reason)`` (e.g. from ``on_commit``, on a stop
+        string) ends the run cleanly after the current verdict. ``retry``: this run's policy
+        instead of the agent's (e.g. a short deadline while the link is known to be down)."""
+        policy = retry or self.retry
+        rng = np.random.default_rng(seed)
+        if self.drafter is None and not cfg.cogen:
+            raise ValueError("with no draft model the verifier writes the text: cogen must be on")
+        cached_prefix = getattr(self.drafter, "cached_prefix", None)
+        if cached_prefix is not None and not gen.generated:
+            # (on the model worker: the draft's cache is the worker's)
+            reused = await self.worker.run(cached_prefix, gen.committed)
+            gen.stats.draft_prompt_cached_tokens = int(reused)
+        if self.federation:
+            assert self.drafter is not None  # __init__
+            await run_federated(
+                gen,
+                cfg,
+                rng,
+                drafter=self.drafter,
+                worker=self.worker,
+                fingerprint=self.fingerprint,
+                workers=self.federation,
+                retry=policy,
+                deadline_s=self.round_deadline_s,
+                seed=seed,
+            )
+            return
+        jitter = random.Random(seed)
+        outage = Outage(policy)  # the one bound on waiting for a verifier
+        session_no = 0
+        #: The last session's resume token, while resuming it may help (a lost connection).
+        resume_token: str | None = None
+        while not gen.done:
+            # Each session gets its own verifier seed, derived from the generation's seed, so a
+            # seeded run is reproducible whatever the reconnects.
+            vseed = None if seed is None else (seed * 1_000_003 + session_no) % 2**63
+            session_no += 1
+            committed_before = len(gen.committed)
+            began = _now()
+            transport: Transport | None = None
+            core: SingleCore | None = None
+            try:
+                transport = await self._connect(outage, policy)
+                resume = None
+                if resume_token is not None:
+                    resume = Resume(resume_token, len(gen.committed))
+                resume_token = None
+                welcome = None if resume is not None else announced_welcome(transport)
+                provisional = welcome is not None
+                if welcome is not None:
+                    # The connection's Ready says the verifier's context: the generation
+                    # stops there ("length"), before its Hello names where it ends.
+                    fit_context(gen, welcome.max_context)
+                    if gen.done:
+                        return
+                hello = self.hello(cfg, vseed, len(gen.committed) + gen.room, resume)
+                if welcome is None:
+                    timeout = policy.handshake_timeout_s
+                    if policy.link_down == LinkDownPolicy.WAIT and outage.waiting:
+                        timeout = min(timeout, max(MIN_ATTEMPT_S, outage.remaining(_now())))
+                    welcome = await handshake(transport, hello, timeout)
+                    resume_token = welcome.resume
+                    fit_context(gen, welcome.max_context)
+                    if gen.done:
+                        return
+                else:
+                    # Zero round trips: the Hello leaves with the first Propose; the session's
+                    # own Welcome (or its refusal) is its first frame back.
+                    await transport.send(encode(hello))
+                if len(gen.committed) > welcome.max_fixed:
+                    raise HandshakeError(
+                        f"{len(gen.committed)} committed tokens exceed the verifier's limit of "
+                        f"{welcome.max_fixed} fixed tokens per Propose"
+                    )
+                core = SingleCore(gen, cfg, rng, hello, welcome, provisional=provisional)
+                await run_single(
+                    core,
+                    self.drafter,
+                    self.worker,
+                    transport,
+                    verdict_timeout_s=policy.verdict_timeout_s,
+                )
+            except TokenRefused:
+                raise  # PermissionError is an OSError, but retrying a refused token is pointless
+            except (DesyncError, ProtocolError, VerdictTimeout) as e:
+                resume_token = None  # that session is not to be trusted or is stuck
+                await self._failed(
+                    gen, cfg, rng, outage, jitter, e, committed_before, _unopened(core, began)
+                )
+            except (LinkClosed, asyncio.TimeoutError, OSError) as e:
+                resume_token = _resume_token(core, resume_token)
+                await self._failed(
+                    gen, cfg, rng, outage, jitter, e, committed_before, _unopened(core, began)
+                )
+            except VerifierError as e:
+                if e.fatal and e.code in FATAL_CODES:
+                    raise
+                if e.code == ErrorCode.CONTEXT_FULL:
+                    # fit_context keeps every frame within the verifier's context; should one
+                    # pass it anyway, the text ends there: a new session would only be
+                    # refused again (a reconnect loop that loses the text).
+                    log.warning("the verifier's context is full (%s): the text ends here", e)
+                    gen.finish("length")
+                    return
+                resume_token = _resume_token(core, resume_token)
+                await self._failed(
+                    gen, cfg, rng, outage, jitter, e, committed_before, _unopened(core, began)
+                )
+            finally:
+                if transport is not None:
+                    await transport.close()
+                if core is not None and core.welcome is not None and self.on_welcome is not None:
+                    self.on_welcome(core.welcome)
+
+    async def _connect(self, outage: Outage, policy: RetryPolicy) -> Transport:
+        """A session's transport. During a wait (under ``wait``), within what is left of its
+        bound (at least :data:`MIN_ATTEMPT_S`): past it, a LinkClosed saying so. The first
+        attempt is bounded by the link's own timeouts (``connect_timeout_s``)."""
+        if policy.link_down != LinkDownPolicy.WAIT or not outage.waiting:
+            return await self.connect()
+        left = max(MIN_ATTEMPT_S, outage.remaining(_now()))
+        try:
+            return await _within(self.connect(), left)
+        except asyncio.TimeoutError:
+            raise LinkClosed(
+                f"no connection to a verifier within the {left:.1f} s left of the wait"
+            ) from None
+
+    async def _failed(
+        self,
+        gen: Generation,
+        cfg: PipelineConfig,
+        rng: np.random.Generator,
+        outage: Outage,
+        jitter: random.Random,
+        err: BaseException,
+        committed_before: int,
+        began: float | None,
+    ) -> None:
+        """A session failed: count it, give up by the policy, else pause before the next.
+
+        One WARNING line when a wait for a verifier starts (the first failure since the run
+        started or last made progress), one INFO line whenever what it meets changes (busy ↔
+        down), DEBUG for the attempts between; the give-up is the caller's WARNING line. A
+        busy verifier's refusal waits its Retry-After (jittered): busy is not down, but both
+        count against the one bound."""
+        busy = err if isinstance(err, VerifierBusy) else None
+        if busy is None:
+            gen.stats.reconnects += 1
+        else:
+            gen.stats.busy_refusals += 1
+        if self.on_session_failed is not None:
+            self.on_session_failed(err)
+        progressed = len(gen.committed) > committed_before
+        first = not outage.waiting or progressed
+        before = outage.last
+        now = _now()
+        try:
+            attempt = outage.failed(
+                now,
+                progressed=progressed,
+                cause=str(err) or type(err).__name__,
+                stalled=isinstance(err, VerdictTimeout),
+                busy=busy is not None,
+                retry_after=None if busy is None else busy.retry_after,
+                began=began,
+            )
+        except GiveUp as e:
+            raise VerifierWaitOver(str(e), retry_after=e.retry_after, waited=e.waited) from err
+        policy = outage.policy
+        delay = outage.pause(attempt, jitter, now)
+        kind = outage.last
+        if first:
+            if policy.link_down == LinkDownPolicy.DRAFT_ONLY and self.drafter is not None:
+                log.warning(
+                    "no verifier (%s: %s); generating with the draft alone meanwhile", kind, err
+                )
+            else:
+                log.warning(
+                    "waiting for a verifier (%s: %s); giving up after %g s without progress",
+                    kind,
+                    err,
+                    policy.deadline_s,
+                )
+        elif kind != before and kind in (WaitCause.BUSY, WaitCause.DOWN):
+            log.info(
+                "still waiting for a verifier, %.0f s of %g s: now %s (%s)",
+                outage.waited(now),
+                policy.deadline_s,
+                kind,
+                err,
+            )
+        else:
+            log.debug(
+                "verifier session failed (%s); next attempt %d in %.1f s", err, attempt, delay
+            )
+        await self._pause(gen, cfg, rng, policy, delay)
+
+    async def _pause(
+        self,
+        gen: Generation,
+        cfg: PipelineConfig,
+        rng: np.random.Generator,
+        policy: RetryPolicy,
+        delay: float,
+    ) -> None:
+        """Between reconnection attempts: wait, or (draft_only) generate with the draft alone."""
+        if policy.link_down != LinkDownPolicy.DRAFT_ONLY or self.drafter is None:
+            await asyncio.sleep(delay)
+            return
+        deadline = time.monotonic() + delay
+        deterministic = cfg.sampling.greedy
+        while not gen.done:
+            # The drafter's q is the best local guess; these tokens are flagged unverified.
+            step = await self.worker.run(
+                self.drafter.draft, gen.committed, cfg.sampling, rng, deterministic=deterministic
+            )
+            gen.commit([step.token], TokenSource.LOCAL_DRAFT)
+            if time.monotonic() >= deadline:
+                break
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def _unopened(core: SingleCore | None, began: float) -> float | None:
+    """``began`` (when the session attempt began) if the session never opened (no Welcome
+    came): its time was spent waiting for a verifier; None for one that opened."""
+    return began if core is None or core.welcome is None else None
+
+
+async def _within(connecting: Awaitable[Transport], timeout: float) -> Transport:
+    """``connecting``'s transport, or asyncio.TimeoutError after ``timeout`` s (the attempt is
+    cancelled). Built on ``asyncio.wait``: ``asyncio.wait_for`` can swallow a cancellation on
+    Python <= 3.11."""
+    task = asyncio.ensure_future(connecting)
+    try:
+        await asyncio.wait({task}, timeout=timeout)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise asyncio.TimeoutError
+    return task.result()  # (one that ended as it was cancelled is used, not leaked)

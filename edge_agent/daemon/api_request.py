@@ -1,0 +1,532 @@
+"""The body of a generation request to ``edge-agent serve``, parsed and checked.
+
+Pure functions of the decoded JSON body (no I/O, no model): each parser has one job and raises
+:class:`~edge_agent.daemon.api_errors.ApiError` (HTTP 400 in OpenAI's shape) naming the offending
+field.
+:func:`parse_request` runs them in a fixed order, so the first fault found is the one answered:
+
+1. :func:`check_unsupported`: fields we refuse (tools, n > 1, penalties, ...),
+2. :func:`parse_streaming`: ``stream``, ``stream_options.include_usage``,
+3. :func:`parse_max_tokens`: ``max_completion_tokens``, else ``max_tokens``,
+4. :func:`parse_sampling`: ``temperature``, ``top_p``, ``top_k``, ``seed``,
+5. :func:`parse_ignore_eos`,
+6. :func:`parse_logprobs`: ``logprobs`` and ``top_logprobs`` (chat), ``logprobs`` (completions),
+7. :func:`parse_speculation`: our extension object ``"wanspec": {gamma, depth, mode, correction}``,
+8. :func:`build_pipeline`: the daemon's defaults with the request's values on top,
+9. :func:`completion_budget`: the context (the draft's and the verifier's,
+   :class:`ContextLimit`) bounds prompt + completion,
+10. :func:`parse_stops`: ``stop``.
+
+The prompt itself: :func:`parse_messages` (chat) and :func:`parse_prompt` (completions); the
+body before all of them: :func:`decode_body` (a JSON object, nested at most
+:data:`MAX_JSON_DEPTH` deep, its strings text: no lone surrogates).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, TypeGuard, TypeVar
+
+from edge_agent.daemon.api_errors import ApiError, bad_request
+from edge_agent.daemon.config import SEED_RANGE, EdgeSettings
+from edge_agent.daemon.unicode_text import SURROGATE
+from edge_agent.session.pipeline_config import Mode, PipelineConfig
+from shared.enums import TextEnum
+from shared.wire.params import MIN_TEMPERATURE
+from shared.wire.protocol import MAX_TOP_LOGPROBS, CorrectionMode
+
+Body = Mapping[str, Any]
+E = TypeVar("E", bound=TextEnum)
+
+MAX_STOPS = 4
+#: The fields of the ``"wanspec"`` extension object.
+SPECULATION_FIELDS = ("gamma", "depth", "mode", "correction")
+#: Fields we refuse unless absent or "off" (None, False, 0, [], {}), with the reason.
+UNSUPPORTED = {
+    "echo": "echo is not supported",
+    "suffix": "suffix is not supported",
+    "tools": "tools are not supported",
+    "functions": "functions are not supported",
+    "logit_bias": "logit_bias is not supported (it would change p and q alike, but not yet)",
+}
+#: Fields accepted only at 0.
+ZERO_ONLY = ("presence_penalty", "frequency_penalty")
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+#: Containers nested in a request body, the body itself counting 1. Real requests need about 4
+#: (body, messages, a message, its content parts); deeper bodies are refused before any parser
+#: (or an error message's json.dumps) recurses through them.
+MAX_JSON_DEPTH = 32
+
+
+# ---------------------------------------------------------------------------- the body
+
+
+def json_depth(value: object, limit: int) -> int:
+    """How deep containers (objects, arrays) nest in ``value`` (a scalar: 0), counted up to
+    ``limit + 1`` (enough to say "too deep"). Iterative: no recursion, whatever the input."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children: Any
+        if isinstance(v, dict):
+            children = v.values()
+        elif isinstance(v, list):
+            children = v
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            break
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+def lone_surrogate_field(body: Mapping[str, Any]) -> str | None:
+    """The top-level field of ``body`` with a string (or an object key) holding a surrogate
+    code point, or None. Iterative over the (depth-checked) containers."""
+    for field, value in body.items():
+        stack: list[object] = [field, value]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, str):
+                if SURROGATE.search(v):
+                    return str(field)
+            elif isinstance(v, dict):
+                stack.extend(v.keys())
+                stack.extend(v.values())
+            elif isinstance(v, list):
+                stack.extend(v)
+    return None
+
+
+def _too_deep() -> ApiError:
+    return ApiError(
+        400,
+        f"the request body nests JSON arrays/objects more than {MAX_JSON_DEPTH} levels deep",
+        code="invalid_json",
+    )
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The request body: a JSON object nested at most :data:`MAX_JSON_DEPTH` deep (400 else)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:  # nested past the interpreter's recursion limit
+        raise _too_deep() from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(
+            400, f"the request body is not valid JSON: {e}", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    if json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise _too_deep()
+    field = lone_surrogate_field(body)
+    if field is not None:
+        raise ApiError(
+            400,
+            f"{field}: a string holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape not "
+            "in a valid pair), which is not text",
+            param=field,
+            code="invalid_json",
+        )
+    return body
+
+
+# ---------------------------------------------------------------------------- values
+
+
+def is_int(v: object) -> TypeGuard[int]:
+    """A JSON integer (``true``/``false`` are not)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_num(v: object) -> TypeGuard[float]:
+    """A finite JSON number (``true``/``false`` are not)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def opt_int(body: Body, key: str, lo: int, hi: int | None = None) -> int | None:
+    """``body[key]``, an integer in ``lo..hi`` (``hi`` None: unbounded), or None if absent."""
+    v = body.get(key)
+    if v is None:
+        return None
+    if not is_int(v) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise bad_request(key, f"{key} must be an integer {rng}, got {json.dumps(v)}")
+    return int(v)
+
+
+def opt_num(body: Body, key: str, lo: float, hi: float, *, open_lo: bool = False) -> float | None:
+    """``body[key]``, a number in ``[lo, hi]`` (``(lo, hi]`` with ``open_lo``), or None."""
+    v = body.get(key)
+    if v is None:
+        return None
+    if not is_num(v) or v > hi or v < lo or (open_lo and v == lo):
+        side = "(" if open_lo else "["
+        raise bad_request(key, f"{key} must be a number in {side}{lo}, {hi}], got {json.dumps(v)}")
+    return float(v)
+
+
+def opt_choice(body: Body, key: str, enum: type[E], param: str, message: str) -> E | None:
+    """``body[key]`` as a member of ``enum``, or None if absent; else 400 on ``param``."""
+    v = body.get(key)
+    if v is None:
+        return None
+    try:
+        return enum.parse(v)
+    except ValueError:
+        raise bad_request(param, message) from None
+
+
+def opt_object(body: Body, key: str, message: str) -> Mapping[str, Any]:
+    """``body[key]`` as a JSON object; absent or falsy (null, 0, "", []) reads as ``{}``."""
+    v = body.get(key) or {}
+    if not isinstance(v, dict):
+        raise bad_request(key, message)
+    return v
+
+
+# ---------------------------------------------------------------------------- field groups
+
+
+@dataclass(frozen=True)
+class Streaming:
+    stream: bool = False
+    include_usage: bool = False  # a last chunk with the usage before ``[DONE]``
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The request's own sampling values; None: the daemon's default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """The ``"wanspec"`` extension object; None: the daemon's default."""
+
+    gamma: int | None = None
+    depth: int | None = None
+    mode: Mode | None = None
+    correction: CorrectionMode | None = None
+
+
+def check_unsupported(body: Body) -> None:
+    """Refuse what we cannot do: tools, penalties, several choices, ..."""
+    for key, why in UNSUPPORTED.items():
+        if body.get(key) not in (None, False, 0, [], {}):
+            raise bad_request(key, why, "unsupported_parameter")
+    for key in ZERO_ONLY:
+        if body.get(key) not in (None, 0, 0.0):
+            raise bad_request(key, f"{key} is not supported (must be 0)", "unsupported_parameter")
+    if opt_int(body, "n", 1) not in (None, 1):
+        raise bad_request("n", "only n=1 is supported")
+    if opt_int(body, "best_of", 1) not in (None, 1):
+        raise bad_request("best_of", "only best_of=1 is supported")
+
+
+def parse_streaming(body: Body) -> Streaming:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise bad_request("stream", "stream must be a boolean")
+    opts = opt_object(body, "stream_options", "stream_options must be an object")
+    return Streaming(bool(stream), bool(opts.get("include_usage", False)))
+
+
+def parse_max_tokens(body: Body) -> int | None:
+    """``max_completion_tokens`` (the current name) if given, else ``max_tokens``."""
+    n = opt_int(body, "max_completion_tokens", 1)
+    return n if n is not None else opt_int(body, "max_tokens", 1)
+
+
+def parse_temperature(body: Body) -> float | None:
+    """``temperature``: 0 (greedy), or in [:data:`~shared.wire.params.MIN_TEMPERATURE`, 2]."""
+    t = opt_num(body, "temperature", 0.0, 2.0)
+    if t is not None and 0.0 < t < MIN_TEMPERATURE:
+        raise bad_request(
+            "temperature",
+            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}: "
+            "smaller ones leave nothing to sample from",
+        )
+    return t
+
+
+def parse_sampling(body: Body) -> Sampling:
+    return Sampling(
+        temperature=parse_temperature(body),
+        top_p=opt_num(body, "top_p", 0.0, 1.0, open_lo=True),
+        top_k=opt_int(body, "top_k", 0),
+        seed=opt_int(body, "seed", *SEED_RANGE),
+    )
+
+
+def parse_ignore_eos(body: Body) -> bool:
+    v = body.get("ignore_eos", False)
+    if not isinstance(v, bool):
+        raise bad_request("ignore_eos", "ignore_eos must be a boolean")
+    return v
+
+
+def parse_logprobs(body: Body, *, chat: bool, federated: bool) -> int | None:
+    """How many alternatives to report per token, None for no log-probabilities.
+
+    Chat (OpenAI's chat API): ``logprobs`` a boolean, ``top_logprobs`` 0..20 with it.
+    Completions (the legacy API): ``logprobs`` an integer 0..20, the alternatives per token.
+    A federated daemon has no single target to report: 400."""
+    if chat:
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise bad_request("logprobs", "logprobs must be a boolean")
+        top = opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if top is not None and not on:
+            raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+        n = (top or 0) if on else None
+    else:
+        n = opt_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+        if body.get("top_logprobs") is not None:
+            raise bad_request(
+                "top_logprobs", "completions take the alternatives in logprobs (an integer)"
+            )
+    if n is not None and federated:
+        raise bad_request(
+            "logprobs",
+            "logprobs are not available with federated verification (several targets, "
+            "no one distribution to report)",
+            "unsupported_parameter",
+        )
+    return n
+
+
+def parse_speculation(body: Body) -> Speculation:
+    ext = opt_object(body, "wanspec", "wanspec must be an object of gamma, depth, mode, correction")
+    unknown = set(ext) - set(SPECULATION_FIELDS)
+    if unknown:
+        raise bad_request("wanspec", f"unknown wanspec field(s): {', '.join(sorted(unknown))}")
+    return Speculation(
+        gamma=opt_int(ext, "gamma", 1, 64),
+        depth=opt_int(ext, "depth", 1, 127),
+        mode=opt_choice(
+            ext, "mode", Mode, "wanspec.mode", f"mode must be one of {', '.join(Mode.choices())}"
+        ),
+        correction=opt_choice(
+            ext,
+            "correction",
+            CorrectionMode,
+            "wanspec.correction",
+            f"correction must be one of {CorrectionMode.choices()}",
+        ),
+    )
+
+
+def parse_stops(body: Body) -> tuple[str, ...]:
+    """``stop``: a string or a list of at most :data:`MAX_STOPS`; empty strings are dropped."""
+    v = body.get("stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad_request("stop", "stop must be a string or a list of strings")
+    if len(items) > MAX_STOPS:
+        raise bad_request("stop", f"at most {MAX_STOPS} stop sequences are supported")
+    return tuple(s for s in items if s)
+
+
+def build_pipeline(
+    settings: EdgeSettings, sampling: Sampling, spec: Speculation, logprobs: int | None = None
+) -> PipelineConfig:
+    """The daemon's defaults with the request's values on top; 400 on a bad combination."""
+    try:
+        cfg = settings.pipeline(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            gamma=spec.gamma,
+            depth=spec.depth,
+            mode=spec.mode,
+            correction=spec.correction,
+        )
+    except ValueError as e:
+        raise bad_request("wanspec", str(e)) from None
+    try:
+        return replace(cfg, logprobs=logprobs)
+    except ValueError as e:
+        raise bad_request("logprobs", str(e)) from None
+
+
+@dataclass(frozen=True)
+class ContextLimit:
+    """The tokens a generation may hold, prompt and completion: the least of the draft's
+    context and the verifier's (the ``max_context`` its connection's Ready announced); None
+    where unknown (no draft model, no verifier reached yet) or unbounded."""
+
+    draft: int | None
+    verifier: int | None
+
+    @property
+    def tokens(self) -> int | None:
+        known = [n for n in (self.draft, self.verifier) if n is not None]
+        return min(known) if known else None
+
+    def words(self, verb: str = "is") -> str:
+        """The limit in words, naming both numbers where both are known: ``verb`` "is" (the
+        context is N ...) or "of" (the context of N ...)."""
+        if self.draft is not None and self.verifier is not None:
+            return (
+                f"the context {verb} {self.tokens} (the draft's {self.draft}, the verifier's "
+                f"{self.verifier})"
+            )
+        if self.verifier is not None:
+            return f"the verifier's context {verb} {self.verifier}"
+        return f"this model's context {verb} {self.draft}"
+
+
+def completion_budget(
+    prompt_tokens: int, max_tokens: int | None, context: int | ContextLimit | None, default: int
+) -> int:
+    """The completion length: ``max_tokens``, else ``default`` capped by the room the
+    ``context`` (the draft's as a number, or a :class:`ContextLimit`; None: unbounded) leaves
+    after the prompt; 400 when they do not fit."""
+    if isinstance(context, int):
+        context = ContextLimit(context, None)
+    limit = None if context is None else context.tokens
+    if context is None or limit is None:
+        return max_tokens or default
+    room = limit - prompt_tokens
+    if room < 1:
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_tokens} tokens; {context.words('is')}",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and max_tokens > room:
+        over = context.words("of")
+        raise ApiError(
+            400,
+            f"max_tokens {max_tokens} + {prompt_tokens} prompt tokens exceed {over}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens or min(default, room)
+
+
+# ---------------------------------------------------------------------------- the whole request
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """What a generation request asks for, every default filled in."""
+
+    pipeline: PipelineConfig
+    max_tokens: int
+    seed: int | None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_request(
+    body: Body,
+    settings: EdgeSettings,
+    *,
+    prompt_tokens: int,
+    context: int | ContextLimit | None,
+    chat: bool = True,
+) -> ApiRequest:
+    """The sampling, length and speculation fields shared by both generation endpoints.
+
+    ``prompt_tokens``: the prompt's length; ``context``: the context (None: unbounded);
+    ``chat``: the chat endpoint (else completions: ``logprobs`` is read their way).
+    """
+    check_unsupported(body)
+    streaming = parse_streaming(body)
+    max_tokens = parse_max_tokens(body)
+    sampling = parse_sampling(body)
+    ignore_eos = parse_ignore_eos(body)
+    logprobs = parse_logprobs(body, chat=chat, federated=settings.federated)
+    pipeline = build_pipeline(settings, sampling, parse_speculation(body), logprobs)
+    budget = completion_budget(prompt_tokens, max_tokens, context, settings.max_tokens)
+    return ApiRequest(
+        pipeline=pipeline,
+        max_tokens=budget,
+        seed=sampling.seed if sampling.seed is not None else settings.seed,
+        stop=parse_stops(body),
+        ignore_eos=ignore_eos,
+        stream=streaming.stream,
+        include_usage=streaming.include_usage,
+    )
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+def message_text(i: int, content: object) -> str:
+    """The text of ``messages[i].content``: a string, a list of text parts, or null."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise bad_request(f"messages[{i}].content", "only text content parts are supported")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request(f"messages[{i}].content", "a text part needs a string 'text'")
+            parts.append(text)
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise bad_request(f"messages[{i}].content", "content must be a string or a list of text parts")
+
+
+def parse_messages(body: Body) -> list[dict[str, str]]:
+    """``messages`` as ``[{"role", "content"}]`` for a chat template (a ``developer`` message is
+    a ``system`` one)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(
+            "messages", "messages must be a non-empty list", "missing_required_parameter"
+        )
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}]", "each message needs a string 'role'")
+        role = m["role"]
+        if role not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}].role", f"unsupported role {role!r}")
+        clean.append(
+            {
+                "role": "system" if role == "developer" else role,
+                "content": message_text(i, m.get("content")),
+            }
+        )
+    return clean
+
+
+def parse_prompt(body: Body, vocab_size: int) -> str | list[int]:
+    """``prompt``: a non-empty string (to encode) or token ids in ``0..vocab_size - 1``; a list
+    holding one of them is unwrapped."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt", "prompt must not be empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise bad_request("prompt", f"token ids must be in 0..{vocab_size - 1}")
+        return [int(t) for t in prompt]
+    if prompt is None:
+        raise bad_request("prompt", "prompt is required", "missing_required_parameter")
+    raise bad_request("prompt", "prompt must be a string, one-string list, or a list of token ids")

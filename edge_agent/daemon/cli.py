@@ -1,0 +1,595 @@
+"""``edge-agent`` command line: ``serve`` (the local OpenAI-compatible daemon), ``chat`` (a REPL),
+``generate`` against a verifier, ``demo`` with a local one.
+
+Every command reads one :class:`~edge_agent.daemon.config.EdgeSettings`: flags > ``WANSPEC_EDGE_*``
+environment variables > the TOML file (``--config``, default ``~/.config/wanspec/edge.toml``) >
+defaults, with the same checks everywhere. The order of work is the same too: settings are
+loaded and checked (model specs, token and key files, the API's address) before torch is
+imported, so a mistake is one line (``edge-agent: error: ...``, exit status 2) within a fraction
+of a second; then torch, then the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import typing
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from shared.service.cli_args import parse_args
+
+if TYPE_CHECKING:
+    from edge_agent.daemon.config import EdgeSettings
+    from edge_agent.daemon.progress import Progress
+    from edge_agent.daemon.service import EdgeService
+
+DEFAULT_TARGET = "default"
+DEMO_PROMPT = "Explain in two sentences why the sky is blue."
+COMMANDS = ("generate", "demo", "serve", "chat")
+
+_SETTINGS_HELP: dict[str, str] = {
+    "verifier": "verifier WebSocket URL; several, comma-separated: federated verification "
+    "(SpecFed), or fail-over in order with --failover",
+    "failover": "several verifiers are fail-over targets instead of a federation",
+    "weights": "federation: comma-separated positive weight per verifier (default equal)",
+    "k": "federation: top-k size of each verifier's distributions (one, or one per verifier)",
+    "eps_target": "federation: adaptive K, smallest K whose kept mass is >= 1 - eps (k caps it)",
+    "reconstruction": "federation: A (renormalised top-K) or B (residual redistributed)",
+    "round_deadline": "federation: once one verifier answered a round, the least seconds it "
+    "waits for the others (up to 4 x that answer's time); a slower one is left out of rounds, "
+    "not dropped, and readmitted when a probe shows it keeps up",
+    "token_file": "file holding the verifier's bearer token",
+    "ca_file": "CA bundle to verify a wss:// verifier",
+    "insecure_skip_verify": "do not verify the verifier's TLS certificate",
+    "heartbeat": "WebSocket ping interval to the verifier, seconds",
+    "verifier_wait": "seconds a request may wait for a verifier without progress (down, busy, "
+    "or both in turn) before it gets 503 with Retry-After and its text so far; also the most "
+    "it waits for one of the daemon's generations (then 429)",
+    "link_down_deadline": "deprecated: the old name of --verifier-wait",
+    "link_down_fail_fast": "with fallback none and every verifier known down: seconds before a "
+    "request fails (0 = wait verifier_wait)",
+    "verdict_timeout": "seconds (at least) to wait for a Verdict before leaving a stalled verifier",
+    "probe_interval": "seconds between probes of the verifier's /health",
+    "fallback": "no verifier reachable: none (HTTP 503) or draft (unverified draft-only text)",
+    "draft": "draft model spec (self:skip=..., a folder, a .gguf, a cached hub id), or none: "
+    "no draft model, the verifier drafts and writes the text (needs cogen)",
+    "draft_base": "model whose weights a self:... draft shares (draft none: whose tokenizer "
+    "is loaded)",
+    "device": "where the draft runs",
+    "dtype": "draft weights' dtype (auto: float16 on cuda, float32 on the CPU)",
+    "threads": "torch CPU threads",
+    "gamma": "draft length γ",
+    "depth": "batches in flight D",
+    "cogen": "co-generation: the verifier decodes on its own while no draft of this session "
+    "is queued",
+    "hedge": "hedging: tokens drafted after the draft's second choice at its least confident "
+    "position while the pipeline is full, sent for the verifier (0 = off)",
+    "predraft": "outcome pre-drafting: branches prepared while the pipeline is full, sent at "
+    "once when a rejection's correction opens one (0 = off)",
+    "tree": "token trees: the prepared branches also go to the verifier, to be verified in "
+    "the forward of the batch they fork from (needs predraft)",
+    "mode": "pipelined or stop-and-wait",
+    "correction": "how a rejection is corrected at T > 0",
+    "temperature": "default temperature (0 = greedy; else at least 1e-4)",
+    "top_p": "default top-p",
+    "top_k": "default top-k (0 = off)",
+    "max_tokens": "default completion length",
+    "seed": "default seed",
+    "host": "address the API listens on (loopback by default)",
+    "port": "TCP port of the API",
+    "api_key_file": "file holding the API key clients must send as a Bearer token",
+    "model_id": "model id the API offers",
+    "max_queue": "requests allowed to wait before 429",
+    "max_concurrent": "generations served at once (draft steps batched across them)",
+    "stream_keepalive": "seconds of silence before a streaming response gets an SSE comment",
+    "write_timeout": "seconds a client may take to read a write before it is dropped",
+    "max_body": "largest request body, bytes",
+    "header_timeout": "seconds a connection has to send its request headers (and to idle "
+    "between requests)",
+    "max_pending_connections": "connections whose request has not reached a handler (half-sent "
+    "or idle in keep-alive); when all are taken a new one evicts the oldest, if old enough",
+    "max_pending_per_address": "such connections per client address (more: refused at once)",
+    "log_level": "logging level",
+}
+
+
+# Flags a command accepts (one settings story) but does not list in its --help: they do not
+# concern it.
+_HTTP = {"header_timeout", "max_pending_connections", "max_pending_per_address"}
+_API = {
+    "host", "port", "api_key_file", "model_id", "max_queue", "max_body", "probe_interval", *_HTTP,
+    "max_concurrent", "stream_keepalive", "write_timeout",
+}  # fmt: skip
+_LINK = {
+    "verifier", "failover", "weights", "k", "eps_target", "reconstruction", "round_deadline",
+    "token_file", "ca_file", "insecure_skip_verify", "heartbeat", "verifier_wait",
+    "link_down_deadline", "link_down_fail_fast", "verdict_timeout", "fallback",
+}  # fmt: skip
+#: Renamed settings (edge_agent.daemon.config.RENAMED): still accepted, listed in no --help.
+_DEPRECATED = {"link_down_deadline"}
+_UNLISTED: dict[str, set[str]] = {
+    "generate": _API,
+    "demo": _API | _LINK,  # the demo starts its own verifier
+    "serve": set(),
+    "chat": {
+        "max_queue",
+        "max_body",
+        "probe_interval",
+        "max_concurrent",
+        "stream_keepalive",
+        "write_timeout",
+        *_HTTP,
+    },
+}
+
+
+def _add_settings_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
+    """``--config`` and one flag per EdgeSettings field (None = not given)."""
+    from edge_agent.daemon.config import CONFIG_ENV, ENV_PREFIX, EdgeSettings, default_config_path
+
+    p.add_argument(
+        "--config",
+        default=None,
+        help=f"TOML settings file (env {CONFIG_ENV}; default {default_config_path()} if present)",
+    )
+    hints = typing.get_type_hints(EdgeSettings)
+    g = p.add_argument_group("settings (also WANSPEC_EDGE_<NAME> or the TOML file)")
+    unlisted = _UNLISTED.get(command, set())
+    for f in dataclasses.fields(EdgeSettings):
+        flag = "--" + f.name.replace("_", "-")
+        text = f"{_SETTINGS_HELP.get(f.name, '')} (default {f.default}; env {ENV_PREFIX}"
+        text += f"{f.name.upper()})"
+        if f.name in unlisted or f.name in _DEPRECATED:
+            text = argparse.SUPPRESS
+        tp = hints[f.name]
+        if tp is bool:  # --cogen / --no-cogen: either way beats the file and the environment
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+            continue
+        choices = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
+        g.add_argument(flag, default=None, choices=choices, help=text)
+
+
+def _cli_values(args: argparse.Namespace) -> dict[str, Any]:
+    from edge_agent.daemon.config import EdgeSettings
+
+    return {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EdgeSettings)}
+
+
+def load_cli_settings(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> EdgeSettings:
+    """EdgeSettings from the parsed flags, ``env`` (default ``os.environ``) and the TOML file."""
+    from edge_agent.daemon.config import load_edge_settings
+
+    return load_edge_settings(config=args.config, env=env, cli=_cli_values(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edge-agent",
+        description="wanspec edge agent: drafts locally, verified in the cloud over a WAN. "
+        "Every command reads the same settings: flags > WANSPEC_EDGE_* > --config FILE > "
+        "defaults.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for PROMPT against a verifier")
+    gen.add_argument("prompt")
+    _add_settings_args(gen, "generate")
+    gen.add_argument(
+        "--chat-template",
+        "--chat",
+        dest="chat",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="wrap PROMPT in the model's chat template (default: off)",
+    )
+    gen.add_argument("--json", action="store_true", help="last stdout line: one JSON summary")
+    demo = sub.add_parser(
+        "demo", help="start a local verifier with the default target and generate against it"
+    )
+    demo.add_argument("prompt", nargs="?", default=DEMO_PROMPT)
+    _add_settings_args(demo, "demo")
+    demo.add_argument("--target", default=DEFAULT_TARGET, help="verifier model spec")
+    demo.add_argument(
+        "--chat-template",
+        "--chat",
+        dest="chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap PROMPT in the model's chat template (default: on; --no-chat-template: "
+        "plain text completion)",
+    )
+    demo.add_argument("--json", action="store_true", help="last stdout line: one JSON summary")
+    serve = sub.add_parser(
+        "serve",
+        help="run the local OpenAI-compatible API (/v1/chat/completions, /v1/completions, ...)",
+    )
+    _add_settings_args(serve, "serve")
+    chat = sub.add_parser(
+        "chat",
+        help="interactive chat; uses a running `edge-agent serve`, else runs the agent here",
+    )
+    _add_settings_args(chat, "chat")
+    return parser
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def _write(s: str) -> None:
+    sys.stdout.write(s)
+    sys.stdout.flush()
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _warn(text: str) -> None:
+    _say(f"edge-agent: warning: {text}")
+
+
+def _error(e: BaseException) -> int:
+    _say(f"edge-agent: error: {e}")
+    return 2
+
+
+def _summary(r: dict[str, Any]) -> str:
+    from edge_agent.daemon.text import sources_line
+
+    head = (
+        f"{r['tokens']} tokens in {r['wall_s']:.2f} s ({r['tokens_per_s']} tok/s) · "
+        f"tokens from: {sources_line(r['token_sources'])} · "
+    )
+    if r.get("cloud_only"):
+        # No edge drafts: no acceptance, rounds or rejections of the edge's to report.
+        return (
+            head + f"cloud-only: no edge drafts · up {r['uplink_bytes']} B, "
+            f"down {r['downlink_bytes']} B"
+        )
+    acc = r["acceptance_rate"]
+    per_rej = r["downlink_bytes_per_rejection"]
+    means = "" if r["gamma_mean"] is None else f" (mean {r['gamma_mean']:g}/{r['depth_mean']:g})"
+    return head + (
+        f"{r['mode']} γ={r['gamma']} D={r['depth']}{means} · acceptance "
+        f"{'n/a' if acc is None else f'{acc:.0%}'}, {r['mean_accepted_per_round']} accepted/round"
+        f" over {r['rounds']} rounds · {r['rejections']} rejections, "
+        f"{r['discarded_batches']} discarded batches · up {r['uplink_bytes']} B "
+        f"({r['uplink_bytes_per_round']} B/round), down {r['downlink_bytes']} B "
+        f"({'n/a' if per_rej is None else per_rej} B/rejection)"
+    )
+
+
+def _finish(args: argparse.Namespace, result: dict[str, Any], max_tokens: int) -> None:
+    sys.stdout.write("\n")
+    if result.get("finish_reason") == "length":
+        if result["tokens"] < max_tokens:  # the context (the draft's or the verifier's) ended it
+            _say(f"[cut at {result['tokens']} tokens: the context is full]")
+        else:
+            _say(f"[cut at max_tokens = {result['tokens']}]")
+    print(f"[stats] {_summary(result)}", file=sys.stderr)
+    if args.json:
+        sys.stdout.write(orjson.dumps(result).decode() + "\n")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------- torch and the model
+
+
+def _prepare_torch(settings: EdgeSettings) -> None:
+    """After the checks: import torch, set its threads, and fail (``device = "cuda"``) or warn
+    (``auto``) when CUDA was expected and is not there."""
+    from edge_agent.daemon.progress import check_cuda
+
+    if settings.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, settings.threads))
+    warning = check_cuda(settings.device)
+    if warning:
+        _warn(warning)
+
+
+async def _load(settings: EdgeSettings, progress: Progress) -> EdgeService:
+    from edge_agent.daemon.service import EdgeService, loading_line
+
+    service = EdgeService(settings)
+    try:
+        progress.report(loading_line(settings))
+        async with progress.spinner():
+            await service.load(progress.report)
+        line = service.describe()
+    except BaseException:
+        await service.close()
+        raise
+    _say(f"[edge] {line}")
+    return service
+
+
+async def _generate_once(
+    service: EdgeService, prompt: str, chat: bool, write: Callable[[str], None]
+) -> dict[str, Any]:
+    from edge_agent.daemon.service import Finished, GenRequest
+    from edge_agent.daemon.text import encode_prompt
+
+    s = service.settings
+    loaded, _ = service.require()
+    prompt_ids = encode_prompt(loaded, prompt, chat=chat)
+    max_tokens = s.max_tokens
+    context = service.context_limit()
+    limit = context.tokens
+    if limit is not None:
+        if len(prompt_ids) >= limit:
+            raise ValueError(
+                f"the prompt ({len(prompt_ids)} tokens) fills the context: {context.words('is')}"
+            )
+        max_tokens = min(max_tokens, limit - len(prompt_ids))
+    req = GenRequest(prompt_ids, s.pipeline(), max_tokens, seed=s.seed)
+    result: dict[str, Any] | None = None
+    async with contextlib.aclosing(service.stream(req)) as events:
+        async for ev in events:
+            if isinstance(ev, Finished):
+                result = {"text": ev.text, **ev.stats}
+            else:
+                write(ev.text)
+    if result is None:  # pragma: no cover - stream() always ends with Finished
+        raise RuntimeError("the generation ended without a result")
+    return result
+
+
+# ---------------------------------------------------------------------------- the commands
+
+
+def _generate(args: argparse.Namespace, settings: EdgeSettings) -> int:
+    from edge_agent.daemon.progress import Progress
+
+    _prepare_torch(settings)
+
+    async def run() -> dict[str, Any]:
+        service = await _load(settings, Progress())
+        try:
+            return await _generate_once(service, args.prompt, args.chat, _write)
+        finally:
+            await service.close()
+
+    _finish(args, asyncio.run(run()), settings.max_tokens)
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    url = f"http://127.0.0.1:{port}/health"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the local verifier exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the local verifier was not ready within {timeout_s:.0f} s")
+
+
+def _demo(args: argparse.Namespace, settings: EdgeSettings) -> int:
+    from edge_agent.daemon.config import EdgeSettings
+    from edge_agent.daemon.progress import Progress
+
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="wanspec-demo-") as tmp:
+        token_file = Path(tmp) / "token"
+        token_file.write_text(secrets.token_urlsafe(24) + "\n")
+        token_file.chmod(0o600)
+        # The user's settings, but one verifier: the local one.
+        settings = dataclasses.replace(
+            settings,
+            verifier=f"ws://127.0.0.1:{port}/v1/session",
+            failover=False,
+            weights="",
+            k=EdgeSettings.k,
+            token_file=token_file,
+            # Two processes share this machine's cores: `threads` torch threads each (1 by
+            # default; torch's own choice, a thread per core in each, oversubscribes them).
+            threads=1 if settings.threads is None else settings.threads,
+        )
+        _prepare_torch(settings)
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(settings.threads))
+        env.setdefault("TRANSFORMERS_VERBOSITY", "error")  # (and no progress bars: main())
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys; from cloud_verifier.daemon.cli import main; sys.exit(main())",
+            "serve",
+            "--model",
+            args.target,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--token-file",
+            str(token_file),
+            "--log-level",
+            "warning",
+            "--threads",
+            str(settings.threads),
+        ]
+        if settings.cloud_only:
+            # No draft on the edge: the verifier drafts for itself (the edge's default draft,
+            # on the verifier), so the demo is cloud-only speculative decoding.
+            cmd += ["--cloud-draft", "tail,ngram", "--cloud-draft-model", EdgeSettings.draft]
+        _say(f"[demo] starting a local verifier ({args.target}) on 127.0.0.1:{port} …")
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+
+        async def run() -> dict[str, Any]:
+            # The draft loads here while the verifier loads there.
+            service = await _load(settings, Progress())
+            try:
+                await asyncio.to_thread(_wait_healthy, proc, port, 600)
+                how = "cloud-only" if settings.cloud_only else f"drafting with {settings.draft}"
+                _say(f"[demo] verifier ready; {how}\n")
+                return await _generate_once(service, args.prompt, args.chat, _write)
+            finally:
+                await service.close()
+
+        try:
+            result = asyncio.run(run())
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    _finish(args, result, settings.max_tokens)
+    return 0
+
+
+def _serve(args: argparse.Namespace, settings: EdgeSettings) -> int:
+    _prepare_torch(settings)
+    from edge_agent.daemon.server import serve
+
+    return asyncio.run(serve(settings))
+
+
+def _chat(args: argparse.Namespace, settings: EdgeSettings) -> int:
+    from edge_agent.daemon.progress import Progress
+
+    # Something on the screen at once: importing torch alone takes seconds.
+    progress = Progress()
+    progress.report("starting edge-agent chat")
+    progress.start()
+    try:
+        from edge_agent.daemon.chat import run_chat
+    except BaseException:
+        progress.stop(False)
+        raise
+    return run_chat(settings, progress=progress)
+
+
+_RUN: dict[str, Callable[[argparse.Namespace, EdgeSettings], int]] = {
+    "generate": _generate,
+    "demo": _demo,
+    "serve": _serve,
+    "chat": _chat,
+}
+
+
+def _daemon_answers(s: EdgeSettings) -> bool:
+    """Whether an ``edge-agent serve`` answers /health at the configured address (a quick,
+    blocking twin of :func:`edge_agent.daemon.chat.probe_server`, which needs the heavy imports)."""
+    try:
+        with urllib.request.urlopen(s.api_url + "/health", timeout=2) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as e:  # 503 while loading: still an edge-agent
+        body = e.read()
+    except (OSError, ValueError):
+        return False
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(data, dict) and "link" in data
+
+
+def _check(args: argparse.Namespace, env: Mapping[str, str]) -> EdgeSettings:
+    """Load and check the settings; nothing heavy is imported (ConfigError on a fault)."""
+    from edge_agent.daemon.config import (
+        check_before_loading,
+        check_link_files,
+        check_model_specs,
+        load_edge_settings,
+        retired_env_warnings,
+        setting_sources,
+    )
+    from edge_agent.daemon.unicode_text import text_error
+    from shared.runtime.model_spec import ModelSpecError, parse_model_spec
+    from shared.service.config import ConfigError
+
+    cli = _cli_values(args)
+    settings = load_edge_settings(config=args.config, env=env, cli=cli)
+    sources = setting_sources(config=args.config, env=env, cli=cli)
+    for text in retired_env_warnings(env, sources):
+        _warn(text)
+    if args.command in ("generate", "serve") and settings.token_file is None:
+        _warn(
+            "no token_file: the verifier must then run with --insecure-no-auth "
+            "(set --token-file, WANSPEC_EDGE_TOKEN_FILE or token_file in the config file)"
+        )
+    check_before_loading(settings, args.command, sources)
+    if args.command == "chat":
+        # The model and the link matter when chat runs the agent itself: not when a daemon
+        # answers on the configured address (chat then talks to it).
+        try:
+            check_model_specs(settings, sources)
+            check_link_files(settings, sources)
+        except ConfigError:
+            if not _daemon_answers(settings):
+                raise
+    if args.command == "demo":
+        try:
+            parse_model_spec(args.target)
+        except ModelSpecError as e:
+            raise ConfigError("target", str(e), "command line --target") from None
+    if args.command in ("generate", "demo"):  # before any model loads
+        err = text_error(args.prompt)
+        if err is not None:
+            raise ValueError(f"the prompt {err}")
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(build_parser(), argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        settings = _check(args, dict(os.environ))
+    except ValueError as e:  # ConfigError, ModelSpecError
+        return _error(e)
+    from edge_agent.daemon.progress import quiet_hub_progress
+
+    quiet_hub_progress()  # before torch and transformers are imported
+    level: int = getattr(logging, settings.log_level.upper())
+    if args.command != "serve":  # the daemon logs at its level; the others say what goes wrong
+        level = max(level, logging.WARNING)
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else level)
+    try:
+        return _RUN[args.command](args, settings)
+    except (ValueError, RuntimeError, OSError) as e:
+        # ConfigError, ModelSpecError, no verifier, refused token, unreadable file, ...
+        logging.getLogger("wanspec.edge").debug("details", exc_info=e)
+        return _error(e)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""The asyncio side of an edge session: read frames, feed the core, carry out its events.
+
+The rules live in :mod:`edge_agent.session.core` (and :mod:`edge_agent.session.federation_core`);
+this module only
+moves bytes and runs the draft model:
+
+* :func:`draft_loop`: whenever the core says drafting may go on, draft up to γ tokens from its
+  :class:`~edge_agent.session.core.DraftPlan` on the model worker, checking after each step that no
+  rejection voided the plan, then hand the batch to the core and write its frames;
+* :class:`LinkIO`: one verifier link's bounded send queue and its writer task, so frames leave in
+  exactly the order the core produced them (a Rollback before any Propose of the new epoch);
+* :func:`credit_loop`: with no draft model (cloud-only speculative decoding), the credits
+  that let the verifier's co-generation run on (:meth:`~edge_agent.session.core.SingleCore.credit`);
+* :func:`run_single`: the drafter (or the credits), the reader, the writer and the verdict
+  watchdog of one verifier session, owned here until the generation is done or the link
+  fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from edge_agent.model.drafter import BranchDrafting, DraftModel
+from edge_agent.model.tasks import ModelWorker, run_until_first_done
+from edge_agent.session.core import (
+    NO_RIVAL,
+    DraftPlan,
+    HedgePlan,
+    Pipeline,
+    PredraftPlan,
+    Rival,
+    SingleCore,
+    check_welcome,
+)
+from edge_agent.session.events import EdgeEvent, Fail, Send
+from edge_agent.session.transport import LinkClosed, Transport
+from shared.maths.sampling import Probs
+from shared.wire.protocol import Hello, Welcome, encode
+
+
+class VerdictTimeout(LinkClosed):
+    """The head batch got no Verdict by its deadline: the verifier is stalled (it may still
+    answer pings). The session is dropped and rebuilt from the committed ids."""
+
+
+class Signal:
+    """Wakes the tasks of one session whenever the core's state changed."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait_for(self, ready: Callable[[], bool], timeout: float | None = None) -> None:
+        """Until ``ready()``; raises asyncio.TimeoutError after ``timeout`` seconds.
+
+        Built on ``asyncio.wait``, never ``asyncio.wait_for``: on Python ≤ 3.11 the latter can
+        swallow a cancellation that races its inner wait, and an owner cancelling this task
+        would then wait for it forever."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not ready():
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                raise asyncio.TimeoutError
+            waiter = asyncio.ensure_future(self._event.wait())
+            try:
+                await asyncio.wait({waiter}, timeout=remaining)
+            finally:
+                waiter.cancel()
+
+
+class LinkIO:
+    """One verifier link: its transport and a bounded queue of frames to send, in order."""
+
+    def __init__(self, transport: Transport, max_queued: int) -> None:
+        self.transport = transport
+        self._outbox: asyncio.Queue[bytes] = asyncio.Queue(max_queued)
+        self.dropped = asyncio.Event()  # the core dropped this link: its tasks end
+        self.why = "dropped"  # the core's reason, once it dropped the link
+
+    def drop(self, why: str) -> None:
+        """End this link's tasks, for ``why``."""
+        self.why = why
+        self.dropped.set()
+
+    def room(self) -> int:
+        """Frames the queue can still take."""
+        return self._outbox.maxsize - self._outbox.qsize()
+
+    def write(self, data: bytes) -> None:
+        """Queue a frame (never blocks). A link that does not drain its queue is broken."""
+        try:
+            self._outbox.put_nowait(data)
+        except asyncio.QueueFull:
+            raise LinkClosed(
+                f"{self._outbox.maxsize} frames wait to be sent: the link does not drain"
+            ) from None
+
+    async def until_dropped(self) -> None:
+        await self.dropped.wait()
+
+    async def writer(self) -> None:
+        while True:
+            data = await self._outbox.get()
+            await self.transport.send(data)
+
+
+async def handshake(transport: Transport, hello: Hello, timeout_s: float) -> Welcome:
+    """Send Hello, await Welcome (see :func:`edge_agent.session.core.check_welcome`)."""
+    await transport.send(encode(hello))
+    data = await asyncio.wait_for(transport.recv(), timeout_s)
+    return check_welcome(hello, data)
+
+
+class DraftingCore(Protocol):
+    """What :func:`draft_loop` needs of a core."""
+
+    @property
+    def pipe(self) -> Pipeline: ...
+
+    def may_draft(self) -> bool: ...
+
+
+async def _draft_hedge(
+    core: DraftingCore, drafter: DraftModel, worker: ModelWorker, hp: HedgePlan
+) -> list[int]:
+    """Draft ``hp``'s continuation (greedy), stopping early as soon as the pipeline has room
+    again (the next batch comes first) or the plan is void."""
+    pipe = core.pipe
+    out: list[int] = []
+    while len(out) < hp.max_tokens and pipe.hedge_current(hp) and not core.may_draft():
+        step = await worker.run(
+            drafter.draft,
+            [*hp.context, hp.token, *out],
+            pipe.cfg.sampling,
+            pipe.rng,
+            deterministic=True,
+        )
+        out.append(step.token)
+        if step.token in pipe.gen.eos_ids:
+            break
+    return out
+
+
+@dataclass
+class _Growing:
+    """A branch being drafted for ``pp``: its tokens so far, their q rows and rivals."""
+
+    pp: PredraftPlan
+    draft: list[int] = field(default_factory=list)
+    q_rows: list[Probs] = field(default_factory=list)
+    rivals: list[Rival] = field(default_factory=list)
+    prob: float = 1.0
+
+
+#: A branch goes to the verifier (PipelineConfig.tree) when it reaches each of these lengths,
+#: and when its drafting stops: early enough to ride in the forward of the batch it forks from,
+#: and again as it grows (the verifier takes a branch's newest version).
+TREE_SENDS = frozenset({1, 2, 4, 8, 16, 32, 64})
+
+
+async def _predraft(
+    core: DraftingCore,
+    drafter: DraftModel,
+    worker: ModelWorker,
+    send: Callable[[PredraftPlan, list[int]], None] | None = None,
+) -> bool:
+    """Prepare outcomes (:meth:`~edge_agent.session.core.Pipeline.predraft_plan`): as many as the
+    budget leaves room for, stepped together in one batched forward a step where the draft
+    can (:class:`~edge_agent.model.drafter.BranchDrafting`), else one; stop as soon as the pipeline
+    has room again (a verdict came: the next batch comes first, and may be one of these, as
+    far as it got); keep what was drafted. With ``send`` (token trees), each branch also goes
+    to the verifier as it grows (:data:`TREE_SENDS`) and once it stops. Returns whether any
+    outcome was planned."""
+    pipe = core.pipe
+    many = drafter if isinstance(drafter, BranchDrafting) else None
+    room = pipe.cfg.predraft - len(pipe.branches)
+    budget = min(room, many.branch_batch) if many is not None else 1
+    growing: list[_Growing] = []
+    while len(growing) < budget and (pp := pipe.predraft_plan()) is not None:
+        growing.append(_Growing(pp))
+    eos = pipe.gen.eos_ids
+
+    def open_(g: _Growing) -> bool:
+        return (
+            len(g.draft) < g.pp.max_tokens
+            and not (g.draft and g.draft[-1] in eos)
+            and pipe.predraft_current(g.pp, g.draft)
+        )
+
+    while (active := [g for g in growing if open_(g)]) and not core.may_draft():
+        seqs = [[*g.pp.context, g.pp.token, *g.draft] for g in active]
+        det = active[0].pp.deterministic
+        params, rng = pipe.cfg.sampling, pipe.rng
+        if many is not None:
+            steps = await worker.run(
+                many.draft_many, seqs, params, rng, deterministic=det, rival=True
+            )
+        else:
+            steps = [
+                await worker.run(drafter.draft, seqs[0], params, rng, deterministic=det, rival=True)
+            ]
+            active = active[:1]
+        for g, step in zip(active, steps, strict=True):
+            g.draft.append(step.token)
+            g.q_rows.append(step.q)
+            g.rivals.append(step.rival or NO_RIVAL)
+            g.prob = step.prob
+            if send is not None and len(g.draft) in TREE_SENDS:
+                send(g.pp, list(g.draft))
+    for g in growing:
+        if send is not None and g.draft and len(g.draft) not in TREE_SENDS:
+            send(g.pp, list(g.draft))
+        pipe.add_branch(g.pp, g.draft, g.q_rows, g.rivals, g.prob)
+    return bool(growing)
+
+
+async def draft_loop(
+    core: DraftingCore,
+    drafter: DraftModel,
+    worker: ModelWorker,
+    signal: Signal,
+    submit: Callable[[DraftPlan, list[int], list[Probs], list[Rival]], None],
+    hedge: Callable[[HedgePlan, list[int]], None] | None = None,
+    branch: Callable[[PredraftPlan, list[int]], None] | None = None,
+) -> None:
+    """Draft batches while the generation runs; ``submit`` hands each to the core and writes
+    its frames. Waiting for room (backpressure, stop-and-wait) is counted as drafter idle time;
+    it is first spent preparing outcomes (``Pipeline.predraft_plan``: a batch that a rejection
+    opens is then sent at once, ``Pipeline.take_branch``), then, with ``hedge``, drafting hedges
+    (``Pipeline.hedge_plan``); ``branch`` sends prepared branches to the verifier as they grow
+    (token trees)."""
+    pipe = core.pipe
+    gen = pipe.gen
+    want_rival = (hedge is not None and pipe.cfg.hedge > 0) or pipe.cfg.predraft > 0
+    while not gen.done:
+        if not core.may_draft():
+            if pipe.cfg.predraft and await _predraft(core, drafter, worker, branch):
+                continue
+            hp = pipe.hedge_plan() if hedge is not None else None
+            if hedge is not None and hp is not None:
+                hedge(hp, await _draft_hedge(core, drafter, worker, hp))
+                continue
+            t0 = time.perf_counter()
+            await signal.wait_for(lambda: gen.done or core.may_draft())
+            gen.stats.drafter_wait_s += time.perf_counter() - t0
+            continue
+        plan = pipe.plan()
+        assert plan is not None
+        ready = pipe.take_branch(plan)
+        draft: list[int] = [] if ready is None else ready.draft
+        q_rows: list[Probs] = [] if ready is None else ready.q_rows
+        rivals: list[Rival] = [] if ready is None else ready.rivals
+        prob = 1.0 if ready is None else ready.prob
+        while pipe.wants_more(plan, draft, prob):
+            t0 = time.perf_counter()
+            step = await worker.run(
+                drafter.draft,
+                plan.context + draft,
+                pipe.cfg.sampling,
+                pipe.rng,
+                deterministic=plan.deterministic,
+                rival=want_rival,
+            )
+            pipe.on_draft_step(time.perf_counter() - t0)
+            if not pipe.current(plan, [*draft, step.token]):
+                break  # a rejection (or a differing co-generated token) voided this batch
+            draft.append(step.token)
+            q_rows.append(step.q)
+            rivals.append(step.rival or NO_RIVAL)
+            prob = step.prob
+        submit(plan, draft, q_rows, rivals)
+        signal.notify()
+
+
+async def credit_loop(
+    core: SingleCore, signal: Signal, carry_out: Callable[[list[EdgeEvent]], None]
+) -> None:
+    """Cloud-only sessions: send each credit as soon as the core says one is due."""
+    while not core.gen.done:
+        if core.wants_credit():
+            carry_out(core.credit(time.monotonic()))
+        await signal.wait_for(lambda: core.gen.done or core.wants_credit())
+
+
+async def verdict_watchdog(
+    pipe: Pipeline, signal: Signal, floor_s: float, now: Callable[[], float] = time.monotonic
+) -> None:
+    """Raise :class:`VerdictTimeout` when the head batch passes its verdict deadline
+    (:meth:`~edge_agent.session.core.Pipeline.verdict_deadline`) with no Verdict."""
+    while not pipe.gen.done:
+        deadline = pipe.verdict_deadline(floor_s)
+        if deadline is None:
+            await signal.wait_for(
+                lambda: pipe.gen.done or pipe.verdict_deadline(floor_s) is not None
+            )
+            continue
+
+        def moved(d: float = deadline) -> bool:
+            return pipe.gen.done or pipe.verdict_deadline(floor_s) != d
+
+        try:
+            await signal.wait_for(moved, max(0.0, deadline - now()))
+        except asyncio.TimeoutError:
+            raise VerdictTimeout(pipe.overdue(now(), deadline)) from None
+
+
+async def run_single(
+    core: SingleCore,
+    drafter: DraftModel | None,
+    worker: ModelWorker,
+    transport: Transport,
+    *,
+    verdict_timeout_s: float = 10.0,
+) -> None:
+    """Run ``core``'s generation over one established session until it is done (``drafter``
+    None: cloud-only, the verifier's co-generation writes the text). Raises
+    LinkClosed (VerdictTimeout for a stalled verifier) / VerifierError / DesyncError /
+    ProtocolError when the session fails."""
+    if core.gen.done:
+        return
+    signal = Signal()
+    io = LinkIO(transport, max_queued=core.cfg.send_queue_bound)
+
+    def carry_out(events: list[EdgeEvent]) -> None:
+        for event in events:
+            if isinstance(event, Send):
+                io.write(event.data)
+            elif isinstance(event, Fail):
+                raise event.error
+            else:  # a single session has no worker links to drop
+                raise AssertionError(f"{event} from a single-verifier core")
+
+    def submit(plan: DraftPlan, draft: list[int], q_rows: list[Probs], rivals: list[Rival]) -> None:
+        carry_out(core.propose(plan, draft, q_rows, time.monotonic(), rivals))
+
+    def hedge(hp: HedgePlan, draft: list[int]) -> None:
+        carry_out(core.hedge(hp, draft))
+
+    def branch(pp: PredraftPlan, draft: list[int]) -> None:
+        # A branch is optional: it never takes the room kept for batches and control frames
+        # (a link that drains slowly gets fewer branches, never a full queue).
+        if io.room() > core.cfg.send_queue_bound - core.cfg.tree_frames:
+            carry_out(core.tree_branch(pp, draft))
+
+    if drafter is not None and core.cfg.cogen and core.link.verifier_len < len(core.gen.committed):
+        # The prompt goes up at once: the verifier prefills it, and co-generates, while the
+        # first batch is drafted.
+        carry_out(core.credit(time.monotonic(), bonus=False))
+
+    async def reader() -> None:
+        while not core.gen.done:
+            data = await transport.recv()
+            carry_out(core.receive(data, time.monotonic()))
+            signal.notify()
+
+    await run_until_first_done(
+        (
+            credit_loop(core, signal, carry_out)
+            if drafter is None
+            else draft_loop(core, drafter, worker, signal, submit, hedge, branch)
+        ),
+        reader(),
+        io.writer(),
+        verdict_watchdog(core.pipe, signal, verdict_timeout_s),
+    )

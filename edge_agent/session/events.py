@@ -1,0 +1,47 @@
+"""What the edge's cores ask of their drivers (as wsproto's events sit beside its codec).
+
+A core (:class:`~edge_agent.session.core.SingleCore`,
+:class:`~edge_agent.session.federation_core.FederatedCore`)
+does no I/O: every call that feeds it (a drafted batch, a hedge, a frame from a verifier, a
+round's deadline) returns a list of these events, in the order they must be carried out. What a
+peer sends never raises into the driver (a frame that does not fit is a :class:`Fail`, or a
+:class:`Drop` of its worker); only a driver's own misuse (a call out of order) raises. A driver
+only reads the core's state, feeds it and carries out events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.errors import WanspecError
+
+
+@dataclass(frozen=True)
+class Send:
+    """Write ``data`` on link ``link`` (0: a single verifier session's only link). Frames of
+    one link leave in the order of their events (a Rollback before any Propose of its epoch)."""
+
+    data: bytes
+    link: int = 0
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Close link ``link``: the core has already counted the worker as down (the driver
+    reconnects it; it rejoins at a boundary)."""
+
+    link: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The session cannot go on: the driver ends it with ``error`` (a VerifierError,
+    DesyncError or ProtocolError). Nothing committed is lost: the caller rebuilds the session
+    from the committed ids, or gives up when the error is fatal. Every later feed of the core
+    returns the same failure."""
+
+    error: WanspecError
+
+
+EdgeEvent = Send | Drop | Fail

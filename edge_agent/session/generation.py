@@ -1,0 +1,212 @@
+"""One generation's committed text (the source of truth) and its counters.
+
+The committed ids are all that a new verifier session needs to resume (it re-prefills them), so a
+lost connection or a restarted verifier loses nothing; a session only ever appends to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.enums import TextEnum
+from shared.wire.protocol import Logprobs
+
+
+class TokenSource(TextEnum):
+    """Where a committed token came from. Every generated token has exactly one source, counted
+    where it is committed (:meth:`Generation.commit`), so the counts add up to the text."""
+
+    EDGE_DRAFT = "edge_draft"  # an edge draft token the target accepted
+    CORRECTION = "correction"  # the recovered token of a rejection (from the target's residual)
+    BONUS = "bonus"  # the target's token after a fully accepted batch
+    COGENERATED = "cogenerated"  # decoded by the verifier while no edge draft was queued
+    CLOUD_DRAFT = "cloud_draft"  # the verifier's own draft token, accepted (co-generation)
+    LOCAL_DRAFT = "local_draft"  # the draft's own, no verifier (link-down fallback = draft)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one generated token (log softmax of its logits, before
+    any sampling transform) and its likeliest alternatives. ``logprob`` is None for a token no
+    verifier scored: the draft's own while no verifier answered (link-down fallback), or one
+    whose Logprobs frame was lost with a connection."""
+
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class LogprobBook:
+    """The Logprobs frames of a generation, by absolute position: the log-probability of each
+    scored id there, and the position's likeliest alternatives. A position's entries describe
+    the committed text before it (a verifier scores only verified prefixes), so they never go
+    stale; the committed token looks its own up (:meth:`entry`)."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end  # the positions it keeps: [start, end)
+        self._at: dict[int, tuple[dict[int, float], tuple[tuple[int, float], ...]]] = {}
+
+    def note(self, msg: Logprobs) -> None:
+        """Keep a frame's entries; raises ValueError for positions outside [start, end)."""
+        p = msg.positions
+        if msg.pos < self.start or msg.pos + p > self.end:
+            raise ValueError(
+                f"log-probabilities for positions {msg.pos}..{msg.pos + p - 1} outside "
+                f"{self.start}..{self.end - 1}"
+            )
+        n = len(msg.top_ids) // p
+        ids, lp = msg.ids.tolist(), msg.lp.tolist()
+        top_ids, top_lp = msg.top_ids.tolist(), msg.top_lp.tolist()
+        for i in range(p):
+            hi = i + 1 if i < p - 1 else len(ids)
+            scores = dict(zip(ids[i:hi], lp[i:hi], strict=True))
+            top = tuple(zip(top_ids[i * n : (i + 1) * n], top_lp[i * n : (i + 1) * n], strict=True))
+            self._at[msg.pos + i] = (scores, top)
+
+    def entry(self, pos: int, token: int) -> TokenLogprob:
+        scores, top = self._at.get(pos, ({}, ()))
+        return TokenLogprob(token, scores.get(token), top)
+
+
+@dataclass
+class Stats:
+    """Counters of one generation, across sessions (reconnects)."""
+
+    rounds: int = 0  # verdicts received
+    draft_tokens: int = 0  # draft tokens verified (in verdicts received)
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    rejections: int = 0
+    recovered_tokens: int = 0
+    bonus_tokens: int = 0
+    cogen_tokens: int = 0  # tokens the verifier co-generated (Generated frames)
+    hedges_sent: int = 0  # Hedge frames sent
+    hedge_bytes: int = 0  # their bytes (part of uplink_bytes)
+    hedge_hits: int = 0  # co-generated tokens that continue a hedge sent (as it drafted them)
+    #: Outcome pre-drafting (PipelineConfig.predraft): branches prepared, their draft tokens,
+    #: the batches sent from one (a rejection answered from memory) and the tokens they carried.
+    predraft_branches: int = 0
+    predraft_tokens: int = 0
+    predraft_hits: int = 0
+    predraft_used_tokens: int = 0
+    #: The gap a rejection leaves: from its Verdict (or the co-generated token that dooms a
+    #: batch) to the next batch sent, summed, and the rejections so measured.
+    rejection_gap_s: float = 0.0
+    rejection_gaps: int = 0
+    depth_sum: int = 0  # Σ over verdicts of the pipeline depth then (mean D = depth_sum / rounds)
+    gamma_sum: int = 0  # Σ over verdicts of the draft length γ then (mean γ = gamma_sum / rounds)
+    discarded_batches: int = 0
+    discarded_tokens: int = 0
+    resamples: int = 0
+    proposes_sent: int = 0
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    downlink_rejection_bytes: int = 0
+    reconnects: int = 0
+    #: Progress frames received (the verifier's word that work waits or runs; busy, not dead).
+    progress_frames: int = 0
+    #: Session requests a busy verifier refused (503/429 with Retry-After), each waited out.
+    busy_refusals: int = 0
+    #: Cached tokens the verifier kept across reconnects (resumed sessions: no prefill of them).
+    resumed_tokens: int = 0
+    #: Prompt tokens the verifier took from its prefix cache (Verdict.cached): not prefilled.
+    prompt_cached_tokens: int = 0
+    #: Prompt tokens the edge's draft model held in its cache already (a chat's next turn).
+    draft_prompt_cached_tokens: int = 0
+    drafter_wait_s: float = 0.0  # time the drafter sat idle (queue full / stop-and-wait)
+    #: Committed generated tokens by source (they add up to the generated text).
+    sources: dict[TokenSource, int] = field(default_factory=lambda: dict.fromkeys(TokenSource, 0))
+    gamma_last: int = 0  # γ when the last verdict came (the controller's, in auto mode)
+    depth_last: int = 0  # D when the last verdict came
+
+    def count_accepted(self, n: int, gamma: int) -> None:
+        if len(self.accepted_per_position) < gamma:
+            self.accepted_per_position += [0] * (gamma - len(self.accepted_per_position))
+        for i in range(n):
+            self.accepted_per_position[i] += 1
+
+
+class Generation:
+    """One request's committed ids (prompt + generated), the source of truth.
+
+    ``on_commit`` is called with each batch of newly committed generated ids, in order.
+    """
+
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        eos_ids: Sequence[int] = (),
+        on_commit: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        if not prompt:
+            raise ValueError("the prompt must contain at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.committed: list[int] = [int(t) for t in prompt]
+        self.prompt_len = len(self.committed)
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.on_commit = on_commit
+        self.done = False
+        self.finish_reason: str | None = None
+        self.stats = Stats()
+        #: [start, end) spans of ``generated`` that no verifier checked (draft-only fallback).
+        self.unverified: list[tuple[int, int]] = []
+        #: Federated mode only: the federation's measurements (edge_agent.link.federation).
+        self.federation: Any = None
+        #: The target's log-probabilities (sessions that ask for them: Hello.logprobs). Up to
+        #: γ + 1 positions past the end may be scored (a batch the token limit cut short).
+        self.logprobs = LogprobBook(self.prompt_len, self.prompt_len + max_new_tokens + 129)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.committed[self.prompt_len :]
+
+    @property
+    def room(self) -> int:
+        """How many more tokens may be generated."""
+        return self.max_new_tokens - (len(self.committed) - self.prompt_len)
+
+    @property
+    def unverified_tokens(self) -> int:
+        return sum(b - a for a, b in self.unverified)
+
+    def commit(self, ids: Sequence[int], source: TokenSource) -> None:
+        """Append ids from ``source``, stopping at an end-of-sequence id or the token limit.
+
+        :attr:`TokenSource.LOCAL_DRAFT` ids are the draft's own (link-down fallback): they are
+        committed like any other, and recorded in :attr:`unverified`.
+        """
+        start = len(self.generated)
+        new: list[int] = []
+        for t in ids:
+            if self.done:
+                break
+            self.committed.append(int(t))
+            new.append(int(t))
+            if int(t) in self.eos_ids:
+                self.done, self.finish_reason = True, "stop"
+            elif self.room <= 0:
+                self.done, self.finish_reason = True, "length"
+        self.stats.sources[source] += len(new)
+        if new and source == TokenSource.LOCAL_DRAFT:
+            end = start + len(new)
+            if self.unverified and self.unverified[-1][1] == start:
+                self.unverified[-1] = (self.unverified[-1][0], end)
+            else:
+                self.unverified.append((start, end))
+        if new and self.on_commit is not None:
+            self.on_commit(new)
+
+    def token_logprobs(self, start: int, end: int) -> list[TokenLogprob]:
+        """Entries of generated tokens ``start`` .. ``end − 1`` (indices into :attr:`generated`)."""
+        return [
+            self.logprobs.entry(self.prompt_len + j, self.committed[self.prompt_len + j])
+            for j in range(start, end)
+        ]
+
+    def finish(self, reason: str) -> None:
+        self.done, self.finish_reason = True, reason

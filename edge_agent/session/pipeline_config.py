@@ -1,0 +1,141 @@
+"""The settings of one generation's pipeline: draft length, depth, mode, sampling, correction.
+
+Pure data shared by the edge's session cores, its drivers and its user interfaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.enums import TextEnum
+from shared.maths.compression import Reconstruction
+from shared.wire.params import SamplingParams
+from shared.wire.protocol import MAX_TOP_LOGPROBS, SEQ_MODULUS, CorrectionMode
+
+#: Frames besides Proposes a link may have waiting to be sent at once (a Hedge, a Rollback,
+#: a Resample, an Error).
+CONTROL_FRAMES = 4
+
+
+def max_inflight(depth: int) -> int:
+    """Batches a pipeline of depth ``depth`` may have in flight: ``depth`` still drafting, and
+    decided ones waiting for their Verdicts up to 4 × depth (batch numbers are 7-bit)."""
+    return min(SEQ_MODULUS - 1, 4 * depth)
+
+
+class Mode(TextEnum):
+    """``pipelined``: up to D batches in flight (PicoSpec); ``stop-and-wait``: one batch, and a
+    bonus token on every full acceptance (classic speculative decoding)."""
+
+    PIPELINED = "pipelined"
+    STOP_AND_WAIT = "stop-and-wait"
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    gamma: int = 4
+    depth: int = 2
+    mode: Mode = Mode.PIPELINED
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    correction: CorrectionMode = CorrectionMode.TOPK
+    reconstruction: Reconstruction = Reconstruction.RENORMALISED
+    #: Co-generation: the verifier decodes on its own whenever no valid draft of this session
+    #: is queued, and streams its tokens down (:mod:`cloud_verifier.session.core`).
+    cogen: bool = True
+    #: Hedging (with co-generation, where the verifier draws corrections itself): while the
+    #: pipeline is full, draft this many tokens after the draft's second choice at its least
+    #: confident position in flight (below ``hedge_below``) and send them as a Hedge, so that a
+    #: rejection there is followed by a verified forward, not a one-token step; 0 = off.
+    hedge: int = 0
+    hedge_below: float = 0.8
+    #: Outcome pre-drafting: while the pipeline is full, the drafter prepares up to this many
+    #: branches, each up to γ draft tokens after the draft's second choice at one of its least
+    #: confident positions in flight (the likeliest correction should the draft token there be
+    #: rejected); a rejection whose correction opens a prepared branch sends it as the next
+    #: batch at once (:meth:`~edge_agent.session.core.Pipeline.take_branch`); 0 = off.
+    predraft: int = 0
+    #: Token trees: each prepared branch also goes to the verifier as it grows (a Hedge at its
+    #: position), so that the batch it forks from is verified with it in one forward (tree
+    #: mask) and a rejection there that recovers its token commits its accepted tokens at once,
+    #: no round trip; with co-generation and a deterministic draft, where the verifier
+    #: recovers tokens itself (like hedges). Needs ``predraft``.
+    tree: bool = False
+    #: Adaptive draft length / depth (``--gamma auto`` / ``--depth auto``): ``gamma`` and
+    #: ``depth`` are then the starting values and ``max_gamma`` / ``max_depth`` the bounds of
+    #: the online controller (:mod:`edge_agent.session.controller`).
+    auto_gamma: bool = False
+    auto_depth: bool = False
+    max_gamma: int = 12
+    max_depth: int = 8
+    #: The target's log-probability of every generated token, with this many alternatives at
+    #: each position (Hello.logprobs, OpenAI's top_logprobs); None: none (no bytes spent).
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gamma <= 64:
+            raise ValueError(f"gamma must be in 1..64, got {self.gamma}")
+        if not 1 <= self.depth < SEQ_MODULUS:
+            raise ValueError(f"depth must be in 1..{SEQ_MODULUS - 1}, got {self.depth}")
+        if not 1 <= self.max_gamma <= 64:
+            raise ValueError(f"max_gamma must be in 1..64, got {self.max_gamma}")
+        if not 0 <= self.hedge <= 64:
+            raise ValueError(f"hedge must be in 0..64, got {self.hedge}")
+        if not 0 <= self.predraft <= 64:
+            raise ValueError(f"predraft must be in 0..64, got {self.predraft}")
+        if self.tree and not self.predraft:
+            raise ValueError("tree sends prepared branches: it needs predraft > 0")
+        if not 0.0 <= self.hedge_below <= 1.0:
+            raise ValueError(f"hedge_below must be in [0, 1], got {self.hedge_below}")
+        if not 1 <= self.max_depth < SEQ_MODULUS:
+            raise ValueError(f"max_depth must be in 1..{SEQ_MODULUS - 1}, got {self.max_depth}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        # Settings files and flags give strings: store members.
+        object.__setattr__(self, "mode", Mode.parse(self.mode, "mode"))
+        object.__setattr__(self, "correction", CorrectionMode.parse(self.correction, "correction"))
+        object.__setattr__(
+            self, "reconstruction", Reconstruction.parse(self.reconstruction, "reconstruction")
+        )
+        if (
+            self.logprobs is not None
+            and self.wire_correction == CorrectionMode.TOPK
+            and self.reconstruction == Reconstruction.REDISTRIBUTED
+        ):
+            # B spreads the residual mass over ids the verifier did not score: a correction
+            # drawn there would have no log-probability.
+            raise ValueError(
+                "logprobs need corrections among the ids the verifier scores: correction "
+                "candidates or greedy_draft, or reconstruction A"
+            )
+
+    @property
+    def wire_correction(self) -> CorrectionMode:
+        """Greedy decoding needs no q on the wire: q is one-hot, like the greedy-draft mode."""
+        return CorrectionMode.GREEDY_DRAFT if self.sampling.greedy else self.correction
+
+    @property
+    def deterministic_draft(self) -> bool:
+        return self.wire_correction == CorrectionMode.GREEDY_DRAFT
+
+    @property
+    def effective_depth(self) -> int:
+        return 1 if self.mode == Mode.STOP_AND_WAIT else self.depth
+
+    @property
+    def depth_bound(self) -> int:
+        """The deepest the pipeline can be: D, or ``max_depth`` when the controller adapts it."""
+        if self.mode == Mode.STOP_AND_WAIT:
+            return 1
+        return max(self.depth, self.max_depth) if self.auto_depth else self.depth
+
+    @property
+    def tree_frames(self) -> int:
+        """Frames of prepared branches (token trees) a link may have waiting: one a branch."""
+        return self.predraft if self.tree else 0
+
+    @property
+    def send_queue_bound(self) -> int:
+        """Frames one verifier link may have waiting to be sent: every batch in flight (none
+        sent yet, at the deepest), the control frames and the branches (token trees). The one
+        bound every driver uses."""
+        return max_inflight(self.depth_bound) + CONTROL_FRAMES + self.tree_frames

@@ -1,0 +1,235 @@
+"""What the reliability, fuzz and load runs share: tiny models, target-only greedy references, a
+real ``cloud-verifier serve`` process (start, SIGKILL, SIGTERM, restart on the same port, its
+memory), and an edge agent pointed at a URL.
+
+Everything listens on 127.0.0.1 only. Memory figures come from ``/proc/<pid>/status`` (Linux).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from ssl import SSLContext
+
+import aiohttp
+import torch
+
+from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
+from edge_agent.link.connection import LinkSettings, WebSocketTransport
+from edge_agent.model.drafter import Drafter
+from edge_agent.model.lm import CausalLM
+from edge_agent.model.tasks import ModelWorker
+from edge_agent.session.transport import Transport
+from shared.runtime.models import LoadedModel, load_model
+from testkit.tiny_models import build_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = 64  # tiny models: word-level tokenizer of 64 ids; 0..3 are specials (2 = EOS)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True)
+class TinyPair:
+    target_dir: Path
+    draft_dir: Path
+    target: LoadedModel
+    draft: LoadedModel
+
+
+def tiny_pair(folder: Path) -> TinyPair:
+    """The tests' pair: a 2-layer random Llama target (seed 0) and draft (seed 1), vocab 64."""
+    t = build_tiny_model(folder / "target", vocab_size=VOCAB, seed=0)
+    d = build_tiny_model(folder / "draft", vocab_size=VOCAB, seed=1)
+    return TinyPair(t, d, load_model(str(t)), load_model(str(d)))
+
+
+def target_greedy(target: LoadedModel, prompt: Sequence[int], n: int) -> list[int]:
+    """Target-only greedy decoding, one token per forward (the reference text at T = 0).
+    Runs past an end-of-sequence id: callers generate with no EOS ids."""
+    lm = CausalLM(target)
+    with torch.inference_mode():
+        logits = lm.extend(list(prompt))[-1]
+        out: list[int] = []
+        for _ in range(n):
+            t = int(torch.argmax(logits))
+            out.append(t)
+            logits = lm.extend([t])[0]
+    return out
+
+
+def write_tokens(path: Path, tokens: Sequence[str]) -> Path:
+    path.write_text("# bench tokens\n" + "".join(f"{t}\n" for t in tokens))
+    path.chmod(0o600)  # a secret (a looser mode is warned about)
+    return path
+
+
+def rss_kib(pid: int) -> tuple[int, int]:
+    """(current RSS, peak RSS) of ``pid`` in KiB, from /proc (VmRSS, VmHWM)."""
+    cur = peak = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                cur = int(line.split()[1])
+            elif line.startswith("VmHWM:"):
+                peak = int(line.split()[1])
+    return cur, peak
+
+
+class VerifierProcess:
+    """``cloud-verifier serve`` as a child process on a fixed port, restartable."""
+
+    def __init__(
+        self,
+        model: str,
+        port: int,
+        token_file: Path,
+        *,
+        args: Sequence[str] = (),
+        log_path: Path | None = None,
+        scheme: str = "http",
+        threads: int = 1,
+        command: Sequence[str] = ("-m", "cloud_verifier.daemon.cli", "serve"),
+    ) -> None:
+        """``command``: what runs the service after the interpreter (``-m bench.verifier``:
+        ``serve`` with padded forwards)."""
+        self.command = list(command)
+        self.model = model
+        self.threads = threads
+        self.port = port
+        self.token_file = token_file
+        self.args = list(args)
+        self.log_path = log_path
+        self.scheme = scheme
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        ws = "wss" if self.scheme == "https" else "ws"
+        return f"{ws}://127.0.0.1:{self.port}/v1/session"
+
+    def start(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("verifier already running")
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), HF_HUB_OFFLINE="1")
+        env.pop("WANSPEC_CONFIG", None)
+        cmd = [
+            sys.executable,
+            *self.command,
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--token-file",
+            str(self.token_file),
+            *self.args,
+        ]
+        out = (
+            open(self.log_path, "ab")  # noqa: SIM115  # closed in stop()
+            if self.log_path is not None
+            else subprocess.DEVNULL
+        )
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        if self.log_path is not None:
+            out.close()  # type: ignore[union-attr]  # the child holds its own descriptor
+        self.starts += 1
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("verifier not started")
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    async def wait_ready(self, timeout: float = 120.0) -> float:
+        """Poll /health until 200; returns the seconds waited. Raises if the process exits."""
+        t0 = time.monotonic()
+        url = f"{self.scheme}://127.0.0.1:{self.port}/health"
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() - t0 < timeout:
+                if not self.alive():
+                    rc = self.proc.returncode if self.proc is not None else None
+                    raise RuntimeError(f"verifier exited with {rc} (log: {self.log_path})")
+                with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                    async with http.get(
+                        url, ssl=False, timeout=aiohttp.ClientTimeout(total=2)
+                    ) as r:
+                        if r.status == 200:
+                            return time.monotonic() - t0
+                await asyncio.sleep(0.05)
+        raise RuntimeError(f"verifier not ready within {timeout:.0f} s")
+
+    async def kill(self) -> None:
+        """SIGKILL and reap: the process state is simply gone, like a crashed host."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            await self._reap(30.0)
+
+    async def terminate(self, timeout: float) -> tuple[int | None, float]:
+        """SIGTERM; returns (exit status or None if it did not exit in ``timeout``, seconds)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return (self.proc.returncode if self.proc else None), 0.0
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        rc = await self._reap(timeout)
+        dt = time.monotonic() - t0
+        if rc is None:
+            await self.kill()
+        return rc, dt
+
+    async def _reap(self, timeout: float) -> int | None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rc = self.proc.poll()
+            if rc is not None:
+                return rc
+            await asyncio.sleep(0.02)
+        return None
+
+    def rss_kib(self) -> tuple[int, int]:
+        return rss_kib(self.pid)
+
+    async def stop(self) -> None:
+        if self.alive():
+            rc, _ = await self.terminate(15.0)
+            if rc is None:
+                await self.kill()
+
+
+def make_agent(
+    draft: LoadedModel,
+    url: str,
+    token: str,
+    *,
+    heartbeat_s: float = 0.0,
+    retry: RetryPolicy | None = None,
+    worker: ModelWorker | None = None,
+    ssl: bool | SSLContext = False,
+) -> EdgeAgent:
+    """An edge agent whose every session is a fresh WebSocket to ``url``."""
+    link = LinkSettings(url=url, token=token, heartbeat_s=heartbeat_s, ssl=ssl)
+
+    async def connect() -> Transport:
+        return await WebSocketTransport.connect(link)
+
+    return EdgeAgent(Drafter(draft), draft.fingerprint, connect, retry=retry, worker=worker)
