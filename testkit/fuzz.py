@@ -59,19 +59,13 @@ import numpy as np
 from aiohttp import WSMessage, WSMsgType, web
 
 from bench.stream_ws import StreamWS
+from cloud_verifier.engine.work import Crop, Cropped, Draw, Drawn, Failed, Federated, Verified
 from cloud_verifier.session.core import (
     Close,
-    Crop,
-    Cropped,
-    Draw,
-    Drawn,
-    Failed,
-    Federated,
     Run,
     Send,
     SessionLimits,
     TargetInfo,
-    Verified,
     VerifierCore,
 )
 from edge_agent.daemon.agent import EdgeAgent, HandshakeError, RetryPolicy

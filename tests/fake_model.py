@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from cloud_verifier.session.core import (
+from cloud_verifier.engine.work import (
     BranchTaken,
     CoGenerate,
     Crop,
@@ -20,10 +20,10 @@ from cloud_verifier.session.core import (
     Federated,
     Result,
     Verified,
-    VerifierCore,
     Verify,
     Work,
 )
+from cloud_verifier.session.core import VerifierCore
 from shared.maths.rejection import Decision, draw_candidates, one_hot, verify_batch
 from shared.maths.sampling import sample
 from shared.wire.protocol import CorrectionMode, SparseDist

@@ -45,28 +45,30 @@ from cloud_verifier.engine.engine import (
 from cloud_verifier.engine.kv_manager import KVManager
 from cloud_verifier.engine.step_times import StallRule
 from cloud_verifier.engine.targets import Target, load_target
+from cloud_verifier.engine.work import (
+    CoGenerate,
+    Crop,
+    Draw,
+    Failed,
+    Federate,
+    Skipped,
+    Verified,
+    Verify,
+    Work,
+)
 from cloud_verifier.session.cloud_draft import DraftLength, parse_cloud_drafts
 from cloud_verifier.session.core import (
     CLOSE_OK,
     Adopt,
     Close,
-    CoGenerate,
-    Crop,
-    Draw,
     Event,
-    Failed,
-    Federate,
     Note,
     NoteKind,
     Run,
     Send,
     SessionLimits,
-    Skipped,
     TargetInfo,
-    Verified,
     VerifierCore,
-    Verify,
-    Work,
     context_limit,
 )
 from shared.errors import ErrorCode, WanspecError

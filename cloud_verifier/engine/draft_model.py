@@ -11,7 +11,7 @@ each. Only the drafted ids reach the host.
 Exactness (Leviathan et al., with a deterministic draft): a drafted token is the argmax of the
 draft model after the text before it, a function of that text alone, so q is a point mass and
 the co-generation forward verifies it by the greedy-draft rule
-(:class:`~cloud_verifier.session.core.CoGenerate`).
+(:class:`~cloud_verifier.engine.work.CoGenerate`).
 
 A session whose draft cache finds no free page is not drafted for in that step (its
 co-generation decodes one token): the draft pool never fails the target's work.

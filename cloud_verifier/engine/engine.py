@@ -10,7 +10,7 @@ Three parts (vLLM v1's EngineCore / Scheduler / ModelRunner split, on a small sc
 * :mod:`cloud_verifier.engine.runner`: the step itself, rows → one batched forward → decisions, and
   the slots' model state (the one owner of each cache length).
 
-Requests are typed: the core's :data:`~cloud_verifier.session.core.Work` for one :class:`Slot`. A
+Requests are typed: the core's :data:`~cloud_verifier.engine.work.Work` for one :class:`Slot`. A
 session has at most one request in flight (its core waits for the result), so a step sees each
 slot at most once. Stale work never reaches the engine: the core drops it first.
 
@@ -50,7 +50,7 @@ from cloud_verifier.engine.scheduler import (
 )
 from cloud_verifier.engine.step_times import StallRule, StepTimes
 from cloud_verifier.engine.targets import Target
-from cloud_verifier.session.core import (
+from cloud_verifier.engine.work import (
     CoGenerate,
     Failed,
     FailureKind,

@@ -3,7 +3,7 @@
 Runs on the engine's thread only (:mod:`cloud_verifier.engine.engine` owns the thread, the queue and
 the futures; :mod:`cloud_verifier.engine.scheduler` picks the step). The runner owns the target, its
 paged KV pool and every session slot's model state (pages, tokens, RNG, the p row kept for
-Resamples), and answers each request of a step with its :data:`~cloud_verifier.session.core.Result`:
+Resamples), and answers each request of a step with its :data:`~cloud_verifier.engine.work.Result`:
 
 * ``Crop`` (a pointer move in the pool) and ``Draw`` (a device draw from the kept row);
 * ``CoGenerate`` with ``model_tokens``: first the draft model's greedy draft, every such
@@ -16,9 +16,9 @@ Resamples), and answers each request of a step with its :data:`~cloud_verifier.s
 
 The slot's length is the one owner of the cache length: work names where it starts and the
 runner refuses work that does not start there; every result says the cache length after it,
-by the one crop rule (:func:`~cloud_verifier.session.core.cache_after`), which the session's core
+by the one crop rule (:func:`~cloud_verifier.engine.work.cache_after`), which the session's core
 adopts. A forward is committed (the slots' lengths moved) only once it returned; a failure
-leaves each slot as it was before the request (:class:`~cloud_verifier.session.core.Failed` says
+leaves each slot as it was before the request (:class:`~cloud_verifier.engine.work.Failed` says
 so).
 """
 
@@ -39,8 +39,7 @@ from cloud_verifier.engine.kv_manager import KVManager, Slot, new_generator
 from cloud_verifier.engine.scheduler import model_drafts_allowed
 from cloud_verifier.engine.step_times import DraftCost
 from cloud_verifier.engine.targets import Target
-from cloud_verifier.session.cloud_draft import Withheld, draft_length
-from cloud_verifier.session.core import (
+from cloud_verifier.engine.work import (
     BranchTaken,
     CoGenerate,
     Crop,
@@ -54,9 +53,11 @@ from cloud_verifier.session.core import (
     Result,
     Verified,
     Verify,
+    Withheld,
     Work,
     cache_after,
 )
+from cloud_verifier.session.cloud_draft import draft_length
 from shared.maths.rejection import Decision
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import OutOfPages, SlotPages

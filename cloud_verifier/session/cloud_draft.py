@@ -1,6 +1,6 @@
 """Cloud-side speculation: drafts the verifier makes for itself, from the session's own text.
 
-Used in co-generation (:class:`~cloud_verifier.session.core.CoGenerate`): while a session has no
+Used in co-generation (:class:`~cloud_verifier.engine.work.CoGenerate`): while a session has no
 valid
 edge draft queued, the verifier does not decode one token per forward but verifies a draft of
 its own in that forward, so a gap in the edge's drafts costs fewer target forwards; an edge
@@ -108,16 +108,6 @@ class DraftLength(TextEnum):
     AUTO = "auto"
     #: Always ``cloud_draft_tokens`` (within the room the co-generation bound leaves).
     FIXED = "fixed"
-
-
-class Withheld(TextEnum):
-    """Why a co-generation that asked for a model draft got none (it decodes one token)."""
-
-    #: The step had edge-drafted work
-    # (:func:`~cloud_verifier.engine.scheduler.model_drafts_allowed`).
-    LOAD = "load"
-    #: The session's acceptance does not pay for a draft forward (:func:`draft_length` = 0).
-    COST = "cost"
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:

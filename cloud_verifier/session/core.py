@@ -65,23 +65,41 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
+from cloud_verifier.engine.work import (
+    NO_IDS,
+    NO_PROBS,
+    Branch,
+    CoGenerate,
+    Crop,
+    Cropped,
+    Draw,
+    Drawn,
+    Failed,
+    Federate,
+    Federated,
+    Result,
+    Skipped,
+    Verified,
+    Verify,
+    Work,
+    WorkProgress,
+    cache_after,
+)
 from cloud_verifier.session.cloud_draft import (
     CloudDraft,
     DraftAcceptance,
     DraftLength,
-    Withheld,
     ngram_draft,
     tail_draft,
 )
 from shared.enums import TextEnum
 from shared.errors import ErrorCode
-from shared.maths.rejection import Decision
 from shared.wire.protocol import (
     SEQ_MODULUS,
     Candidates,
@@ -101,7 +119,6 @@ from shared.wire.protocol import (
     Resample,
     Resumed,
     Rollback,
-    SparseDist,
     Verdict,
     Welcome,
     WireContext,
@@ -194,249 +211,6 @@ class TargetInfo:
     max_length: int | None = None  # the model's own context limit, if any
 
 
-# ------------------------------------------------------------------------------- model work
-
-
-@dataclass(frozen=True)
-class Branch:
-    """A branch of a token tree (a hedge forking inside a Verify's draft): should the decision
-    at draft index ``at`` reject the draft token there and *recover* ``token``, ``draft`` is
-    what follows. It rides in the Verify's forward (a tree row: every branch sees the
-    accepted chain before ``at``, then itself) and is decided, where it opens, as a
-    deterministic draft after the recovered token (the greedy-draft rule).
-
-    Exact (recursive rejection sampling over siblings, trivial for point masses): the
-    recovered token is drawn first, from the law the chain alone would use, and only then
-    compared with the branch; the branch's tokens are fixed before any of the draws that
-    decide them, so accepting x with probability p(x) and recovering from p without x keeps
-    the law p at every position, whatever the branch holds."""
-
-    at: int
-    token: int
-    draft: npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True)
-class Verify:
-    """Run the target over ``fixed + draft`` starting at ``pos`` (= the cache length) and decide
-    the batch: *accepted* prefix, then a *recovered* correction or (``want_bonus``) a *bonus*.
-
-    ``more``: Proposes that were queued right behind ``propose`` (same epoch, consecutive
-    positions, no fixed tokens), verified in the same forward as one longer draft (coalesced);
-    the core answers each with its own Verdict.
-
-    ``matched``: with co-generation, the first segment's draft tokens that coincided with
-    tokens the verifier had already produced (accepted at no model cost); ``propose`` then holds
-    only the rest of that draft, and its fixed tokens are the known tokens the cache lacks."""
-
-    propose: Propose
-    want_bonus: bool
-    more: tuple[Propose, ...] = ()
-    matched: int = 0
-    #: Token-tree branches verified in the same forward (:class:`Branch`).
-    branches: tuple[Branch, ...] = ()
-
-    @property
-    def tree_tokens(self) -> int:
-        """The branches' tokens in the forward's row, beyond the chain."""
-        return sum(1 + len(b.draft) for b in self.branches)
-
-    @property
-    def segments(self) -> tuple[Propose, ...]:
-        return (self.propose, *self.more)
-
-    @property
-    def start(self) -> int:
-        return self.propose.pos
-
-    @property
-    def fixed(self) -> npt.NDArray[np.int64]:
-        return self.propose.fixed
-
-    @property
-    def draft(self) -> npt.NDArray[np.int64]:
-        """Every segment's draft, in order."""
-        if not self.more:
-            return self.propose.draft
-        return np.concatenate([p.draft for p in self.segments])
-
-    @property
-    def q(self) -> npt.NDArray[np.float32]:
-        if not self.more:
-            return self.propose.q
-        return np.concatenate([p.q for p in self.segments])
-
-
-@dataclass(frozen=True)
-class Federate:
-    """Run the target over ``fixed + draft`` and return the γ+1 sparse rows and the γ exact
-    scalars p_j(x_j) (SpecFed): the edge decides."""
-
-    propose: Propose
-
-    @property
-    def fixed(self) -> npt.NDArray[np.int64]:
-        return self.propose.fixed
-
-    @property
-    def draft(self) -> npt.NDArray[np.int64]:
-        return self.propose.draft
-
-    @property
-    def q(self) -> npt.NDArray[np.float32]:
-        return self.propose.q
-
-
-_NO_IDS: Final = np.zeros(0, np.int64)
-_NO_PROBS: Final = np.zeros(0, np.float32)
-
-
-@dataclass(frozen=True)
-class CoGenerate:
-    """Co-generation: run the target over ``fixed`` (the known tokens the cache lacks; none:
-    the last cached token is scored again) from ``pos`` (= the cache length) and sample the next
-    token from p — a *bonus* token with no draft before it. With a hedge that matches the text,
-    or a cloud draft (``cloud``: :mod:`cloud_verifier.session.cloud_draft`), ``draft`` is verified
-    as a
-    deterministic draft (q a point mass): *accepted* prefix, then the *recovered* token drawn
-    from p with the rejected token removed, or the *bonus* token; the verifier draws both itself
-    (the greedy-draft rule, whatever the session's correction mode). With ``model_tokens`` (and
-    no ``draft``), the model side first drafts up to that many tokens with its draft model,
-    greedily after the known text, and verifies them so (the result's ``drafted``)."""
-
-    pos: int
-    fixed: npt.NDArray[np.int64]
-    draft: npt.NDArray[np.int64] = field(default_factory=lambda: _NO_IDS)
-    q: npt.NDArray[np.float32] = field(default_factory=lambda: _NO_PROBS)
-    cloud: bool = False  # the draft is the verifier's own (not a hedge's)
-    model_tokens: int = 0  # the model side drafts up to this many tokens (cloud_draft_model)
-    #: The session's measured acceptance α of its model drafts: the model side drafts the
-    #: length that pays for itself (:func:`~cloud_verifier.session.cloud_draft.draft_length`) up to
-    #: ``model_tokens``; None: ``model_tokens`` as asked (``cloud_draft_length = fixed``).
-    model_alpha: float | None = None
-    #: Set by the model side: why it made no model draft (None: it made one, or none was asked).
-    withheld: Withheld | None = None
-
-
-@dataclass(frozen=True)
-class Crop:
-    """Keep the first ``pos`` tokens of the cache (Rollback)."""
-
-    pos: int
-
-
-@dataclass(frozen=True)
-class Draw:
-    """Draw ``m`` more candidates from the p row kept for the last rejection (Resample)."""
-
-    epoch: int
-    pos: int
-    m: int
-
-
-Work = Verify | Federate | CoGenerate | Crop | Draw
-
-
-def cache_after(work: Verify | Federate | CoGenerate | Crop, accepted: int = 0) -> int:
-    """The cache length once ``work`` is done with ``accepted`` draft tokens accepted: the one
-    crop rule. Verify / CoGenerate: start + fixed + the accepted draft tokens (a rejection drops
-    the rest; a recovered, bonus or co-generated token is not cached: it is the next row's
-    input or comes back as a fixed token); Federate: every token (the edge rolls back);
-    Crop: its position. The model side applies it and reports the length it holds, which the
-    core adopts (the results' ``cache_len``)."""
-    if isinstance(work, Crop):
-        return work.pos
-    if isinstance(work, CoGenerate):
-        return work.pos + len(work.fixed) + accepted
-    p = work.propose
-    if isinstance(work, Federate):
-        return p.pos + len(p.fixed) + len(p.draft)
-    return p.pos + len(p.fixed) + accepted
-
-
-@dataclass(frozen=True)
-class BranchTaken:
-    """A Verify's branch that the recovered token opened (``index`` into its ``branches``),
-    and the decision of its draft: accepted prefix, then recovered or bonus token."""
-
-    index: int
-    decision: Decision
-
-
-@dataclass(frozen=True)
-class Verified:
-    decision: Decision
-    #: The model side kept p at the rejected position for later Resamples (candidates mode).
-    kept_row: bool = False
-    #: The cache length the model side holds now (None: not reported; the core applies
-    #: :func:`cache_after` itself, as test doubles of the model side do).
-    cache_len: int | None = None
-    #: A CoGenerate with ``model_tokens``: the draft the model side made and verified.
-    drafted: npt.NDArray[np.int64] | None = None
-    #: A CoGenerate with ``model_tokens`` and no draft made: why (CoGenerate.withheld).
-    withheld: Withheld | None = None
-    #: Fixed tokens the model side took from its prefix cache for this work (not computed).
-    cached: int = 0
-    #: Hello.logprobs: the target's log-probabilities of the accepted tokens and of the
-    #: decision's ids, ``pos`` 0 standing for the first accepted token's position.
-    logprobs: Logprobs | None = None
-    #: A Verify's tree branch opened by the recovered token (the cache then holds the
-    #: recovered token and the branch's accepted tokens too).
-    branch: BranchTaken | None = None
-
-
-@dataclass(frozen=True)
-class Federated:
-    dists: tuple[SparseDist, ...]  # γ+1
-    p_draft: npt.NDArray[np.float32]  # [γ]
-    l1: npt.NDArray[np.float32] | None  # [γ+1, 2]
-    cache_len: int | None = None
-
-
-@dataclass(frozen=True)
-class Cropped:
-    cache_len: int | None = None
-
-
-@dataclass(frozen=True)
-class Drawn:
-    candidates: SparseDist
-    logprobs: Logprobs | None = None  # Hello.logprobs: of the candidates (pos 0: theirs)
-
-
-class FailureKind(TextEnum):
-    """Why the engine did not do a session's model work (:class:`Failed`)."""
-
-    ENDED = "ended"  # the session's slot was released
-    DESYNC = "desync"  # the work does not start where the cache ends
-    CONTEXT = "context"  # past the model's context length
-    BAD_WORK = "bad_work"  # token ids out of the vocabulary, nothing to predict from, ...
-    KV_QUOTA = "kv_quota"  # past the session's or its tenant's share of the KV cache
-    OUT_OF_PAGES = "out_of_pages"  # the KV pool has no free page
-    DRAFT_MODEL = "draft_model"  # the verifier's own draft model failed
-    MODEL = "model"  # the forward or the decision raised
-    ENGINE = "engine"  # a bug in the engine's step
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The model work was not done. ``cache_len``: what the cache holds now (restored or
-    not); ``kind``: why (the message says it to a person)."""
-
-    message: str
-    cache_len: int
-    kind: FailureKind = FailureKind.MODEL
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """The engine gave a :class:`CoGenerate` no forward (it is saturated with drafts to verify):
-    co-generation pauses until the next frame."""
-
-
-Result = Verified | Federated | Cropped | Drawn | Failed | Skipped
-
-
 # ------------------------------------------------------------------------------- events
 
 
@@ -494,18 +268,6 @@ def context_limit(limits: SessionLimits, engine_limit: int | None) -> int:
     gives a session (the model's limit and its share of the KV pool). The Welcome and the
     connection's Ready announce it; the core refuses a Propose past it (``context_full``)."""
     return min(limits.max_context, engine_limit or limits.max_context)
-
-
-@dataclass(frozen=True)
-class WorkProgress:
-    """Where the session's model work stands, from the engine (see :class:`Progress`):
-    ``stalled`` means the running step has run far past its estimate."""
-
-    steps: int
-    ahead: int
-    running: bool
-    eta_s: float
-    stalled: bool = False
 
 
 @dataclass
@@ -1064,7 +826,7 @@ class VerifierCore:
         ``known``; CoGenerate verifies it by the greedy-draft rule."""
         assert self.hello is not None
         if room <= 0:
-            return _NO_IDS, _NO_PROBS
+            return NO_IDS, NO_PROBS
         for h in reversed(self._hedges):
             ids = [h.token, *h.draft.tolist()]
             k = known - h.pos  # hedge tokens already in the text
@@ -1073,7 +835,7 @@ class VerifierCore:
                 # A point mass whatever the frame's q says: the greedy-draft rule recovers from
                 # p without x, which is exact only for q(x) = 1.
                 return draft, np.ones(len(draft), np.float32)
-        return _NO_IDS, _NO_PROBS
+        return NO_IDS, NO_PROBS
 
     def _coalesce(self, p: Propose) -> tuple[Propose, ...]:
         """The queued Proposes that continue ``p`` and may share its forward: the head of the

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cloud_verifier.session.core import Close, Run, SessionLimits, TargetInfo, VerifierCore, Work
+from cloud_verifier.engine.work import Work
+from cloud_verifier.session.core import Close, Run, SessionLimits, TargetInfo, VerifierCore
 from cloud_verifier.session.core import Event as VerifierEvent
 from cloud_verifier.session.core import Send as VSend
 from edge_agent.session.core import ContextExceeded

@@ -240,6 +240,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "edge.link": ("edge_agent.link",),  # verifier links, drivers feeding the cores
     "edge.daemon": ("edge_agent.daemon",),  # settings, the service, its API, REPL and CLI
     "verifier.session": ("cloud_verifier.session",),  # the session core: no I/O, no model
+    # the model work the session core asks for and the engine answers: plain data
+    "verifier.work": ("cloud_verifier.engine.work",),
     "verifier.engine": ("cloud_verifier.engine",),  # the target, its KV, the scheduler
     "verifier.daemon": ("cloud_verifier.daemon",),  # settings, the aiohttp app, metrics, CLI
 }
@@ -257,9 +259,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     "edge.model": {*_BELOW_SERVICES, "edge.session"},
     "edge.link": {*_BELOW_SERVICES, "edge.session", "edge.model"},
     "edge.daemon": {*_BELOW_SERVICES, "edge.session", "edge.model", "edge.link"},
-    "verifier.session": _BELOW_SERVICES,
-    "verifier.engine": {*_BELOW_SERVICES, "verifier.session"},
-    "verifier.daemon": {*_BELOW_SERVICES, "verifier.session", "verifier.engine"},
+    "verifier.work": _BELOW_SERVICES,
+    "verifier.session": {*_BELOW_SERVICES, "verifier.work"},
+    "verifier.engine": {*_BELOW_SERVICES, "verifier.work", "verifier.session"},
+    "verifier.daemon": {*_BELOW_SERVICES, "verifier.work", "verifier.session", "verifier.engine"},
 }
 
 _IO = {"asyncio", "aiohttp", "socket", "ssl", "threading"}
@@ -275,6 +278,7 @@ FORBIDDEN_PACKAGES: dict[str, set[str]] = {
     # the session rules are synchronous state machines: no event loop, no sockets, no model
     "edge.session": {*_TORCH, *_IO},
     "verifier.session": {*_TORCH, *_IO},
+    "verifier.work": {*_TORCH, *_IO},
 }
 
 

@@ -28,6 +28,7 @@ from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.step_times import StallRule, StepTimes
 from cloud_verifier.engine.targets import TorchTarget
+from cloud_verifier.engine.work import Verify, WorkProgress
 from cloud_verifier.session.core import (
     Adopt,
     Close,
@@ -37,8 +38,6 @@ from cloud_verifier.session.core import (
     SessionLimits,
     TargetInfo,
     VerifierCore,
-    Verify,
-    WorkProgress,
 )
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.link.connection import LinkSettings, VerifierBusy, WebSocketTransport, retry_after_s

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cloud_verifier.engine.work import Work
 from cloud_verifier.session.cloud_draft import CloudDraft
 from cloud_verifier.session.core import (
     Run,
@@ -23,7 +24,6 @@ from cloud_verifier.session.core import (
     SessionLimits,
     TargetInfo,
     VerifierCore,
-    Work,
 )
 from edge_agent.session.core import PredraftPlan, Rival, SingleCore, hello_for
 from edge_agent.session.generation import Generation, TokenSource

@@ -21,6 +21,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cloud_verifier.engine.work import Work
 from cloud_verifier.session.core import (
     Close,
     Run,
@@ -28,7 +29,6 @@ from cloud_verifier.session.core import (
     SessionLimits,
     TargetInfo,
     VerifierCore,
-    Work,
 )
 from edge_agent.session.core import DesyncError, SingleCore, VerifierError, hello_for
 from edge_agent.session.events import Drop

@@ -27,8 +27,7 @@ from cloud_verifier.engine.engine import (
 )
 from cloud_verifier.engine.step_times import DraftCost
 from cloud_verifier.engine.targets import NullTarget, Target, TorchTarget
-from cloud_verifier.session.cloud_draft import Withheld, draft_length
-from cloud_verifier.session.core import (
+from cloud_verifier.engine.work import (
     CoGenerate,
     Crop,
     Cropped,
@@ -39,7 +38,9 @@ from cloud_verifier.session.core import (
     Federated,
     Verified,
     Verify,
+    Withheld,
 )
+from cloud_verifier.session.cloud_draft import draft_length
 from shared.maths.rejection import try_candidates
 from shared.maths.sampling import transform
 from shared.runtime.batched_lm import BatchedLM, Row
@@ -720,7 +721,7 @@ def test_the_cpu_pool_is_sized_to_the_model_and_the_machine(
 ) -> None:
     """kv_tokens = auto on the CPU: 16,384 tokens, but never more than a tenth of the
     machine's memory (at least 1,024 tokens)."""
-    from cloud_verifier.engine.engine import engine as engine_module
+    from cloud_verifier.engine import engine as engine_module
 
     target = TorchTarget(load_model(str(tiny_model_dir)))
     per_token = target.kv_bytes_per_token()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cloud_verifier.engine.targets import NullTarget, TorchTarget
-from cloud_verifier.session.core import Branch, Verified, Verify
+from cloud_verifier.engine.work import Branch, Verified, Verify
 from shared.maths.sampling import transform
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages

@@ -10,31 +10,34 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cloud_verifier.session.cloud_draft import CloudDraft, DraftLength, Withheld
-from cloud_verifier.session.core import (
-    CLOSE_INTERNAL_ERROR,
-    CLOSE_OK,
+from cloud_verifier.engine.work import (
     BranchTaken,
-    Close,
     CoGenerate,
-    CoreState,
     Crop,
     Cropped,
     Draw,
     Drawn,
-    Event,
     Failed,
     Federate,
     Federated,
+    Verified,
+    Verify,
+    Withheld,
+)
+from cloud_verifier.session.cloud_draft import CloudDraft, DraftLength
+from cloud_verifier.session.core import (
+    CLOSE_INTERNAL_ERROR,
+    CLOSE_OK,
+    Close,
+    CoreState,
+    Event,
     Note,
     NoteKind,
     Run,
     Send,
     SessionLimits,
     TargetInfo,
-    Verified,
     VerifierCore,
-    Verify,
 )
 from shared.errors import ErrorCode
 from shared.maths.rejection import Decision
