@@ -1,7 +1,7 @@
 """Sparse top-K compression of a distribution, its reconstructions, aggregation and their bounds.
 
 A verifier sends the K most likely ids of p with their exact probabilities (a
-:class:`~shared.wire.protocol.SparseDist`); ε = 1 − Σ kept is the mass it leaves out. The receiver
+:class:`SparseDist`); ε = 1 − Σ kept is the mass it leaves out. The receiver
 rebuilds a full distribution p̂ one of two ways (SpecFed):
 
 * **A, renormalised**: p̂ = p / (1 − ε) on the kept ids, 0 elsewhere. ‖p̂ − p‖₁ = 2ε exactly.
@@ -17,15 +17,31 @@ acceptance rate is α = 1 − ½‖p − q‖₁, the change it suffers from usi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
 from shared.enums import TextEnum
-from shared.wire.protocol import SparseDist
 
 Probs = npt.NDArray[np.float64]
+#: Token ids, and probabilities as the wire carries them (float32).
+IdArray = npt.NDArray[np.int64]
+ProbArray = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """Top-K of a distribution: ``ids`` in decreasing probability, ``probs`` their exact values."""
+
+    ids: IdArray  # [K]
+    probs: ProbArray  # [K]
+
+    @property
+    def eps(self) -> float:
+        """ε: the probability mass outside the kept entries."""
+        return max(0.0, 1.0 - float(np.sum(self.probs, dtype=np.float64)))
 
 
 class Reconstruction(TextEnum):

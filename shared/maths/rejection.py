@@ -29,9 +29,27 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from shared.enums import TextEnum
 from shared.maths import compression
+from shared.maths.compression import SparseDist
 from shared.maths.sampling import Probs, accept, residual, sample
-from shared.wire.protocol import CorrectionMode, SparseDist
+
+
+class CorrectionMode(TextEnum):
+    """How a rejection is corrected (negotiated in Hello).
+
+    * ``topk``: the verifier sends the top-K of p at the rejected position; the edge samples the
+      residual norm(max(0, p̂ − q)) from the reconstruction p̂. Lossy: error bounded by ε.
+    * ``candidates``: exact. The verifier sends M ids drawn from p with the rejected id excluded,
+      with p of each; the edge accepts the first y with probability max(0, 1 − q(y)/p(y)). If all
+      M fail it sends Resample and receives M more (rare; counted).
+    * ``greedy_draft``: exact, ids only. The draft proposes deterministically (q one-hot), so the
+      acceptance probability is p(x) and the verifier samples the correction from p with x zeroed.
+    """
+
+    TOPK = "topk"
+    CANDIDATES = "candidates"
+    GREEDY_DRAFT = "greedy_draft"
 
 
 @dataclass(frozen=True)

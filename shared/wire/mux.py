@@ -6,7 +6,7 @@ A WebSocket message is ``varint(stream) ‖ payload``: the stream id as an unsig
 * **Stream 0** is the connection's own: its payload is one control frame (:class:`Ready`,
   :class:`WindowUpdate`, :class:`End`), a msgpack array ``[kind, ...]``.
 * **A stream s > 0** is one session, exactly as one WebSocket was in v1: its payload is one
-  session frame of :mod:`shared.wire.protocol` (Hello first, then Propose, Verdict, ...), with
+  session frame of :mod:`shared.wire.messages` (Hello first, then Propose, Verdict, ...), with
   its own state, sequence numbers and epochs. The edge opens a stream by sending its Hello on a
   new id, larger than every id it used before on this connection, and may send the session's
   first Propose behind it in the same flight: a session costs no round trip to open.
@@ -42,7 +42,7 @@ from typing import Any, Final
 import msgpack
 
 from shared.errors import WanspecError
-from shared.wire.protocol import PROTOCOL_VERSION, SUBPROTOCOL, Fingerprint, Welcome
+from shared.wire.messages import PROTOCOL_VERSION, SUBPROTOCOL, Fingerprint, Welcome
 
 #: The connection's own stream.
 CONTROL: Final = 0

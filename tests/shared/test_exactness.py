@@ -14,10 +14,15 @@ import numpy as np
 import pytest
 
 from shared.maths import compression as C
-from shared.maths.rejection import Decision, draw_candidates, one_hot, recover, verify_batch
-from shared.maths.sampling import sample, total_variation, transform
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import CorrectionMode
+from shared.maths.rejection import (
+    CorrectionMode,
+    Decision,
+    draw_candidates,
+    one_hot,
+    recover,
+    verify_batch,
+)
+from shared.maths.sampling import SamplingParams, sample, total_variation, transform
 from tests.stats import ALPHA, SETTINGS, N, bigram, chi_square_pvalue, logit_pair
 
 EXACT_MODES = [CorrectionMode.CANDIDATES, CorrectionMode.GREEDY_DRAFT, "topk_full"]

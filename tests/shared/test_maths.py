@@ -10,8 +10,14 @@ from hypothesis.extra.numpy import arrays
 
 from shared.maths import compression as C
 from shared.maths.rejection import Decision, draw_candidates, recover, verify_batch
-from shared.maths.sampling import acceptance_rate, residual, sample, total_variation, transform
-from shared.wire.params import SamplingParams
+from shared.maths.sampling import (
+    SamplingParams,
+    acceptance_rate,
+    residual,
+    sample,
+    total_variation,
+    transform,
+)
 
 TOL = 1e-9
 

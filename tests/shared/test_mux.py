@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shared.wire.messages import PROTOCOL_VERSION, SUBPROTOCOL, Fingerprint
 from shared.wire.mux import (
     MAX_STREAM_ID,
     ClientMux,
@@ -27,7 +28,6 @@ from shared.wire.mux import (
     split,
     stream_window,
 )
-from shared.wire.protocol import PROTOCOL_VERSION, SUBPROTOCOL, Fingerprint
 
 FP = Fingerprint("tok", 64, "tiny")
 READY = Ready(FP, 16, 8192, 8192, 1 << 20, 2, 4096)

@@ -11,13 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
-    _FRAMES,
-    HANDSHAKE_MAX_FRAME,
+from shared.maths.compression import SparseDist
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import SamplingParams
+from shared.wire.codec import decode, encode, message_equal, peek_type
+from shared.wire.fields import Flag, Float, Int, Map, Presence, Str, Table
+from shared.wire.messages import (
     PROTOCOL_VERSION,
     Candidates,
-    CorrectionMode,
     Error,
     FederatedReply,
     Fingerprint,
@@ -28,30 +29,17 @@ from shared.wire.protocol import (
     MsgType,
     Progress,
     Propose,
-    ProtocolError,
     ReplyMode,
     Resample,
     Resume,
     Resumed,
     Rollback,
-    SparseDist,
     Verdict,
     Welcome,
-    WireContext,
-    _Flag,
-    _Float,
-    _Int,
-    _Map,
-    _Presence,
-    _Str,
-    _Table,
-    decode,
-    encode,
-    id_width,
-    message_equal,
-    peek_type,
     text_digest,
 )
+from shared.wire.packing import HANDSHAKE_MAX_FRAME, ProtocolError, WireContext, id_width
+from shared.wire.schema import FRAMES
 
 SMOL = WireContext(vocab_size=49152)  # SmolLM2's vocabulary
 # Realistic mid-generation values: a thousand rejections in, position 4000.
@@ -483,19 +471,19 @@ def test_mutated_frames_never_crash(data: st.DataObject) -> None:
 # every field of every message is round-tripped and refused in each way it can be malformed.
 
 
-def _walk(table: _Table, prefix: str = "", path: tuple[object, ...] = ()) -> list[tuple]:
+def _walk(table: Table, prefix: str = "", path: tuple[object, ...] = ()) -> list[tuple]:
     """(path of keys, name in errors, field, attribute path) of every field, nested ones too."""
     out = []
     for f in table.fields:
         attr = f.attr or f.name
         out.append(((*path, f.key), prefix + f.name, f, attr))
-        if isinstance(f.kind, _Map):
+        if isinstance(f.kind, Map):
             for p, n, g, a in _walk(f.kind.table, f"{prefix}{f.name}.", (*path, f.key)):
                 out.append((p, n, g, f"{attr}.{a}"))
     return out
 
 
-SCHEMA = [(t, *row) for t in _FRAMES for row in _walk(t)]
+SCHEMA = [(t, *row) for t in FRAMES for row in _walk(t)]
 SCHEMA_IDS = [f"{t.scope}:{name}" for t, _, name, _, _ in SCHEMA]
 
 
@@ -503,7 +491,7 @@ def _wire(msg: object) -> dict[object, object]:
     return dict(msgpack.unpackb(encode(msg, SMOL), strict_map_key=False))  # type: ignore[arg-type]
 
 
-def _base(table: _Table, path: tuple[object, ...]) -> dict[object, object]:
+def _base(table: Table, path: tuple[object, ...]) -> dict[object, object]:
     """The wire map of the first test message of ``table`` that carries the field at ``path``."""
     for msg in ALL_MESSAGES:
         if type(msg) is table.cls:
@@ -531,11 +519,11 @@ def _refused(data: bytes) -> ProtocolError:
 
 
 def test_every_message_type_has_one_table() -> None:
-    assert sorted(t.msg_type for t in _FRAMES) == list(MsgType)
+    assert sorted(t.msg_type for t in FRAMES) == list(MsgType)
 
 
-@pytest.mark.parametrize("table", _FRAMES, ids=[t.scope for t in _FRAMES])
-def test_every_table_round_trips_every_field(table: _Table) -> None:
+@pytest.mark.parametrize("table", FRAMES, ids=[t.scope for t in FRAMES])
+def test_every_table_round_trips_every_field(table: Table) -> None:
     """Each message type round-trips, and every field (optional ones too) is on the wire in one of
     the round-tripped messages."""
     msgs = [m for m in ALL_MESSAGES if type(m) is table.cls]
@@ -549,7 +537,7 @@ def test_every_table_round_trips_every_field(table: _Table) -> None:
 
 @pytest.mark.parametrize("table,path,name,field,attr", SCHEMA, ids=SCHEMA_IDS)
 def test_every_field_refuses_a_wrong_type(
-    table: _Table, path: tuple[object, ...], name: str, field: object, attr: str
+    table: Table, path: tuple[object, ...], name: str, field: object, attr: str
 ) -> None:
     # No kind accepts a list (ids and probabilities travel as binary, never as lists).
     e = _refused(_set(_base(table, path), path, [1]))
@@ -558,10 +546,10 @@ def test_every_field_refuses_a_wrong_type(
 
 @pytest.mark.parametrize("table,path,name,field,attr", SCHEMA, ids=SCHEMA_IDS)
 def test_every_field_absent_or_nil(
-    table: _Table, path: tuple[object, ...], name: str, field: object, attr: str
+    table: Table, path: tuple[object, ...], name: str, field: object, attr: str
 ) -> None:
     presence = field.presence  # type: ignore[attr-defined]
-    if presence is _Presence.REQUIRED:
+    if presence is Presence.REQUIRED:
         e = _refused(_set(_base(table, path), path, _DROP))
         assert (e.field, e.message) == (name, "missing")
     else:
@@ -577,7 +565,7 @@ def test_every_field_absent_or_nil(
                 assert len(getattr(obj, leaf)) == len(default.default_factory())
             else:
                 assert getattr(obj, leaf) == want
-    if presence is _Presence.OPTIONAL:  # nil is absent
+    if presence is Presence.OPTIONAL:  # nil is absent
         nil = decode(_set(_base(table, path), path, None), SMOL)
         assert message_equal(nil, decode(_set(_base(table, path), path, _DROP), SMOL))
     else:
@@ -585,16 +573,14 @@ def test_every_field_absent_or_nil(
         assert e.field == name, e
 
 
-def _maps() -> list[tuple[_Table, tuple[object, ...], str]]:
-    out = [(t, (), t.scope) for t in _FRAMES]
-    out += [(t, path, name) for t, path, name, f, _ in SCHEMA if isinstance(f.kind, _Map)]
+def _maps() -> list[tuple[Table, tuple[object, ...], str]]:
+    out = [(t, (), t.scope) for t in FRAMES]
+    out += [(t, path, name) for t, path, name, f, _ in SCHEMA if isinstance(f.kind, Map)]
     return out
 
 
 @pytest.mark.parametrize("table,path,scope", _maps(), ids=[s for _, _, s in _maps()])
-def test_every_map_refuses_unknown_keys(
-    table: _Table, path: tuple[object, ...], scope: str
-) -> None:
+def test_every_map_refuses_unknown_keys(table: Table, path: tuple[object, ...], scope: str) -> None:
     for key in (99, "zz", -1):
         e = _refused(_set(_base(table, path or (0,)), (*path, key), 1))
         assert e.field == scope and "unknown field" in e.message, e
@@ -602,19 +588,19 @@ def test_every_map_refuses_unknown_keys(
 
 @pytest.mark.parametrize("table,path,name,field,attr", SCHEMA, ids=SCHEMA_IDS)
 def test_every_scalar_field_checks_its_range(
-    table: _Table, path: tuple[object, ...], name: str, field: object, attr: str
+    table: Table, path: tuple[object, ...], name: str, field: object, attr: str
 ) -> None:
     kind = field.kind  # type: ignore[attr-defined]
-    if isinstance(kind, _Int):  # (a _Flag is an _Int in [0, bit])
+    if isinstance(kind, Int):  # (a Flag is an Int in [0, bit])
         hi = kind.hi if kind.hi_of is None else kind.hi_of(SMOL)
         bad: list[object] = [kind.lo - 1, hi + 1, True, 1.5]
-    elif isinstance(kind, _Flag):
+    elif isinstance(kind, Flag):
         bad = [kind.bit + 1, -1, True]
-    elif isinstance(kind, _Float):
+    elif isinstance(kind, Float):
         bad = [kind.lo - 1.0, kind.hi + 1.0, float("nan"), float("inf"), True]
-    elif isinstance(kind, _Str):  # (a _Choice is a _Str too)
+    elif isinstance(kind, Str):  # (a _Choice is a Str too)
         bad = ["x" * (kind.max_len + 1), b"x"]
-    elif isinstance(kind, _Map):
+    elif isinstance(kind, Map):
         bad = ["x"]
     else:  # binary blobs: a ragged length or the wrong type
         bad = [b"\x01", "x", 5]
