@@ -9,10 +9,10 @@
    the product's third-party import statements alone (torch, for one, sets
    ``TORCHINDUCTOR_CACHE_DIR`` when ``torch._dynamo`` is imported: not the product's doing).
 4. The layers of ``shared`` (:data:`LAYERS`): each imports only the layers below it and none of the
-   third-party packages its layer forbids (wire and maths: no torch, no asyncio, no aiohttp;
-   nothing below the runtime imports torch); ``shared`` never imports the edge or the verifier,
-   and they never import each other. Each end is layered too, bottom up: session rules (no I/O,
-   no torch), the model or engine, the links (edge), the daemon.
+   third-party packages its layer forbids (maths and wire: no torch, no asyncio, no aiohttp; the
+   maths, below the wire, no msgpack; nothing below the runtime imports torch); ``shared`` never
+   imports the edge or the verifier, and they never import each other. Each end is layered too,
+   bottom up: session rules (no I/O, no torch), the model or engine, the links (edge), the daemon.
 5. A module lives in the package of its only user: every ``shared`` module is used (directly or
    through other ``shared`` modules) by both ``edge_agent`` and ``cloud_verifier``.
 """
@@ -229,8 +229,9 @@ def find_cycles() -> list[str]:
 #: The layers, bottom up: a module's layer is the first whose prefix it has.
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("shared.enums", "shared.errors"),  # the error root and its codes, TextEnum
-    "wire": ("shared.wire",),  # frames, their codec, the sampling parameters they carry
-    "maths": ("shared.maths",),  # the sampling transform, rejection, compression (numpy)
+    # the sampling parameters and transform, rejection, compression (numpy): pure values
+    "maths": ("shared.maths",),
+    "wire": ("shared.wire",),  # the frames, their codec (msgpack), the mux
     "runtime": ("shared.runtime",),  # torch: devices, the paged KV, the batched forward, models
     "service": ("shared.service",),  # daemons: settings, metrics, HTTP guards, systemd
     # each end, bottom up: session rules (pure cores), then the model or the engine, then the
@@ -251,8 +252,8 @@ _BELOW_SERVICES = {"base", "wire", "maths", "runtime", "service"}
 #: The product layers each layer may import (besides itself).
 MAY_IMPORT: dict[str, set[str]] = {
     "base": set(),
-    "wire": {"base"},
-    "maths": {"base", "wire"},
+    "maths": {"base"},
+    "wire": {"base", "maths"},
     "runtime": {"base", "wire", "maths"},
     "service": {"base", "wire"},
     "edge.session": _BELOW_SERVICES,
