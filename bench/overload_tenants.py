@@ -301,7 +301,7 @@ class RawSession:
             if isinstance(e, Fail):
                 raise e.error
             if isinstance(e, Send):
-                await self.ws.send_bytes(e.data)
+                await self.ws.send_bytes(encode(e.msg, self.core.ctx))
 
 
 async def open_session(

@@ -150,10 +150,12 @@ class Driver:
             q_rows.append(row)
         if self._core is not None:
             events = self._core.propose(plan, draft, q_rows)
-            frames = [e.data for e in events if isinstance(e, Send)]
+            frames = [encode(e.msg, link.ctx) for e in events if isinstance(e, Send)]
         else:
             b = pipe.push(plan, draft, q_rows, 0.0)
-            frames = [link.propose(pipe.gen.committed, b, 0, link.ctx.draft_probs)]
+            frames = [
+                encode(link.propose(pipe.gen.committed, b, 0, link.ctx.draft_probs), link.ctx)
+            ]
         t0 = time.perf_counter()
         for f in frames:
             await self.client.ws.send_bytes(f)
@@ -170,7 +172,7 @@ class Driver:
                 if isinstance(e, Fail):
                     raise e.error
                 if isinstance(e, Send):
-                    await self.client.ws.send_bytes(e.data)
+                    await self.client.ws.send_bytes(encode(e.msg, link.ctx))
         elif isinstance(reply, FederatedReply):
             pipe.commit_round(pipe.inflight[0], len(draft), 0.0)
         else:
@@ -198,7 +200,7 @@ class CloudOnlyDriver:
             if isinstance(e, Fail):
                 raise e.error
             if isinstance(e, Send):
-                await self.client.ws.send_bytes(e.data)
+                await self.client.ws.send_bytes(encode(e.msg, self.core.ctx))
 
     async def run(self, until: float, min_tokens: int = 0) -> None:
         """Until ``until`` (perf_counter) and at least ``min_tokens`` generated, or the end."""

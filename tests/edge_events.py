@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from edge_agent.session.events import Drop, EdgeEvent, Fail, Send
+from edge_agent.session.core import SingleCore
+from edge_agent.session.events import Drop, EdgeEvent, Fail
+from shared.wire.protocol import encode
 
 
-def sent(events: list[EdgeEvent], link: int = 0) -> list[bytes]:
-    """The frames a driver writes on ``link``, in order; a :class:`Fail` raises its error (as the
-    single-session driver does) and a :class:`Drop` is refused (a single session has none)."""
+def sent(core: SingleCore, events: list[EdgeEvent]) -> list[bytes]:
+    """The frames a driver writes for ``core``'s ``events``, in order, counted in its stats as
+    the driver counts them; a :class:`Fail` raises its error (as the single-session driver
+    does) and a :class:`Drop` is refused (a single session has none)."""
     out = []
     for event in events:
         if isinstance(event, Fail):
             raise event.error
         if isinstance(event, Drop):
             raise AssertionError(f"unexpected {event}")
-        if isinstance(event, Send) and event.link == link:
-            out.append(event.data)
+        data = encode(event.msg, core.ctx)
+        core.gen.stats.sent(event.msg, len(data))
+        out.append(data)
     return out

@@ -37,9 +37,10 @@ from edge_agent.session.core import (
     check_welcome,
 )
 from edge_agent.session.events import EdgeEvent, Fail, Send
+from edge_agent.session.generation import Stats
 from edge_agent.session.transport import LinkClosed, Transport
 from shared.maths.sampling import Probs
-from shared.wire.protocol import Hello, Welcome, encode
+from shared.wire.protocol import Hello, Message, Welcome, WireContext, encode
 
 
 class VerdictTimeout(LinkClosed):
@@ -77,10 +78,16 @@ class Signal:
 
 
 class LinkIO:
-    """One verifier link: its transport and a bounded queue of frames to send, in order."""
+    """One verifier link: its transport and a bounded queue of frames to send, in order.
+    Frames are encoded with the link's session context ``ctx`` and counted in ``stats`` as
+    they are queued."""
 
-    def __init__(self, transport: Transport, max_queued: int) -> None:
+    def __init__(
+        self, transport: Transport, ctx: WireContext, stats: Stats, max_queued: int
+    ) -> None:
         self.transport = transport
+        self.ctx = ctx
+        self.stats = stats
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue(max_queued)
         self.dropped = asyncio.Event()  # the core dropped this link: its tasks end
         self.why = "dropped"  # the core's reason, once it dropped the link
@@ -94,8 +101,11 @@ class LinkIO:
         """Frames the queue can still take."""
         return self._outbox.maxsize - self._outbox.qsize()
 
-    def write(self, data: bytes) -> None:
-        """Queue a frame (never blocks). A link that does not drain its queue is broken."""
+    def write(self, msg: Message) -> None:
+        """Queue ``msg``'s frame (never blocks). A link that does not drain its queue is
+        broken."""
+        data = encode(msg, self.ctx)
+        self.stats.sent(msg, len(data))
         try:
             self._outbox.put_nowait(data)
         except asyncio.QueueFull:
@@ -327,12 +337,12 @@ async def run_single(
     if core.gen.done:
         return
     signal = Signal()
-    io = LinkIO(transport, max_queued=core.cfg.send_queue_bound)
+    io = LinkIO(transport, core.ctx, core.gen.stats, max_queued=core.cfg.send_queue_bound)
 
     def carry_out(events: list[EdgeEvent]) -> None:
         for event in events:
             if isinstance(event, Send):
-                io.write(event.data)
+                io.write(event.msg)
             elif isinstance(event, Fail):
                 raise event.error
             else:  # a single session has no worker links to drop

@@ -101,7 +101,7 @@ class _Federation:
                 io.drop(event.why)
             elif isinstance(event, Send):
                 try:
-                    io.write(event.data)
+                    io.write(event.msg)
                 except LinkClosed as e:
                     self.core.link_down(event.link, str(e), time.monotonic())
                     io.drop(str(e))
@@ -143,9 +143,11 @@ class _Federation:
             except BaseException:
                 await transport.close()
                 raise
-            io = LinkIO(transport, max_queued=core.cfg.send_queue_bound)
-            self.io[index] = io
             core.link_up(index, welcome, time.monotonic())
+            io = LinkIO(
+                transport, core.ctx(index), core.gen.stats, max_queued=core.cfg.send_queue_bound
+            )
+            self.io[index] = io
             self.signal.notify()
             why = "dropped"
             try:

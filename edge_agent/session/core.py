@@ -42,8 +42,8 @@ any        Error frame                           :class:`VerifierError`
 FAILED     anything                              the same failure again
 ========== ===================================== =============================================
 
-Every call returns :mod:`edge_agent.session.events`: the frames to send
-(:class:`~edge_agent.session.events.Send`)
+Every call returns :mod:`edge_agent.session.events`: the messages to send
+(:class:`~edge_agent.session.events.Send`, encoded by the driver with :attr:`SingleCore.ctx`)
 and, where the table says an error, a :class:`~edge_agent.session.events.Fail` carrying it (state
 FAILED).
 """
@@ -88,7 +88,6 @@ from shared.wire.protocol import (
     Welcome,
     WireContext,
     decode,
-    encode,
     text_digest,
 )
 
@@ -784,7 +783,7 @@ class VerifierLink:
         index: int,
         with_q: bool,
         want_bonus: bool = False,
-    ) -> bytes:
+    ) -> Propose:
         """The Propose of batch ``b`` for this link (registered under ``index``)."""
         pos = self.verifier_len
         fixed = list(committed[pos:])
@@ -798,7 +797,7 @@ class VerifierLink:
             if with_q
             else np.ones(len(b.draft), np.float32)
         )
-        msg = Propose(
+        return Propose(
             epoch=self.epoch,
             seq=seq,
             pos=pos,
@@ -807,7 +806,6 @@ class VerifierLink:
             fixed=np.array(fixed, np.int64),
             want_bonus=want_bonus,
         )
-        return encode(msg, self.ctx)
 
     def decode(self, data: bytes) -> Message:
         """A frame from this verifier; Error frames raise (:func:`raise_error`)."""
@@ -882,6 +880,11 @@ class SingleCore:
         return self.pipe.gen
 
     @property
+    def ctx(self) -> WireContext:
+        """The session's WireContext: the driver encodes the core's Sends with it."""
+        return self.link.ctx
+
+    @property
     def resume_token(self) -> str | None:
         """The verifier's token to resume this session with, once its Welcome has come."""
         return None if self.welcome is None else self.welcome.resume
@@ -920,9 +923,7 @@ class SingleCore:
             if not draft:
                 return []
         b = self.pipe.push(plan, draft, q_rows, now, rivals)
-        data = self.link.propose(self.gen.committed, b, self.LINK, self.link.ctx.draft_probs)
-        self.gen.stats.uplink_bytes += len(data)
-        return [Send(data)]
+        return [Send(self.link.propose(self.gen.committed, b, self.LINK, self.ctx.draft_probs))]
 
     def wants_credit(self) -> bool:
         """Cloud-only: is a credit due? None in flight, and none sent yet in this session or
@@ -945,9 +946,7 @@ class SingleCore:
         self._credited = len(committed)
         b = self.pipe.push_credit(now)
         fixed = self.link.verifier_len < len(committed)
-        data = self.link.propose(committed, b, self.LINK, False, want_bonus=fixed and bonus)
-        self.gen.stats.uplink_bytes += len(data)
-        return [Send(data)]
+        return [Send(self.link.propose(committed, b, self.LINK, False, want_bonus=fixed and bonus))]
 
     def hedge(self, hp: HedgePlan, draft: list[int]) -> list[EdgeEvent]:
         """Send the Hedge frame of ``hp`` with its drafted continuation; nothing if it is void."""
@@ -973,15 +972,10 @@ class SingleCore:
 
     def _send_hedge(self, pos: int, token: int, draft: list[int]) -> list[EdgeEvent]:
         """The Hedge frame for ``token`` at ``pos`` and ``draft`` after it (a point mass: q 1),
-        counted in the stats and kept to count the verifier's hits."""
+        kept to count the verifier's hits."""
         msg = Hedge(pos, token, np.array(draft, np.int64), np.ones(len(draft), np.float32))
-        data = encode(msg, self.link.ctx)
-        st = self.gen.stats
-        st.hedges_sent += 1
-        st.hedge_bytes += len(data)
-        st.uplink_bytes += len(data)
         self.pipe.hedges.append((pos, [token, *draft]))
-        return [Send(data)]
+        return [Send(msg)]
 
     # ---------------------------------------------------------------- frames
 
@@ -1141,9 +1135,7 @@ class SingleCore:
         self._resample = (pos, q)
         self.pipe.recovering = True
         self.gen.stats.resamples += 1
-        data = encode(Resample(self.link.epoch, pos), self.link.ctx)
-        self.gen.stats.uplink_bytes += len(data)
-        return [Send(data)]
+        return [Send(Resample(self.link.epoch, pos))]
 
     def _candidates(self, c: Candidates) -> list[EdgeEvent]:
         assert self._resample is not None

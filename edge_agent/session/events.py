@@ -14,14 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.errors import WanspecError
+from shared.wire.protocol import Message
 
 
 @dataclass(frozen=True)
 class Send:
-    """Write ``data`` on link ``link`` (0: a single verifier session's only link). Frames of
-    one link leave in the order of their events (a Rollback before any Propose of its epoch)."""
+    """Write ``msg`` on link ``link`` (0: a single verifier session's only link), encoded by
+    the driver with that link's WireContext (as the verifier's core's Send is). Frames of one
+    link leave in the order of their events (a Rollback before any Propose of its epoch)."""
 
-    data: bytes
+    msg: Message
     link: int = 0
 
 

@@ -110,7 +110,6 @@ from shared.wire.protocol import (
     Rollback,
     Welcome,
     WireContext,
-    encode,
 )
 
 #: Once one verifier has answered a round, the least time the round waits for the others that
@@ -324,6 +323,14 @@ class FederatedCore:
         else:
             w.state = WorkerState.BEHIND
 
+    def ctx(self, index: int) -> WireContext:
+        """Worker ``index``'s WireContext while its link is up: the driver encodes the core's
+        Sends to it with this one."""
+        link = self.workers[index].link
+        if link is None:
+            raise ValueError(f"worker {index}'s link is down")
+        return link.ctx
+
     def link_down(self, index: int, why: str, now: float) -> bool:
         """Worker ``index``'s link is gone. True if it was up (counted as a drop)."""
         w = self.workers[index]
@@ -383,12 +390,11 @@ class FederatedCore:
                 continue
             assert w.link is not None and w.link.verifier_len <= len(text)
             fixed = len(text) - w.link.verifier_len
-            data = w.link.propose(text, b, w.index, with_q=False)
+            msg = w.link.propose(text, b, w.index, with_q=False)
             w.outstanding[b.seqs[w.index]] = Sent(now, fixed)
             if probe:
                 self.fed.probes += 1
-            self.gen.stats.uplink_bytes += len(data)
-            out.append(Send(data, w.index))
+            out.append(Send(msg, w.index))
         return out
 
     # ------------------------------------------------------------------ replies
@@ -555,9 +561,7 @@ class FederatedCore:
                 continue
             w.link.epoch += 1
             w.link.verifier_len = keep
-            data = encode(Rollback(w.link.epoch, keep), w.link.ctx)
-            self.gen.stats.uplink_bytes += len(data)
-            out.append(Send(data, w.index))
+            out.append(Send(Rollback(w.link.epoch, keep), w.index))
         return out
 
     def _decide(self, b: Batch, now: float) -> bool:

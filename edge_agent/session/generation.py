@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.enums import TextEnum
-from shared.wire.protocol import Logprobs
+from shared.wire.protocol import Hedge, Logprobs, Message
 
 
 class TokenSource(TextEnum):
@@ -120,6 +120,13 @@ class Stats:
     sources: dict[TokenSource, int] = field(default_factory=lambda: dict.fromkeys(TokenSource, 0))
     gamma_last: int = 0  # γ when the last verdict came (the controller's, in auto mode)
     depth_last: int = 0  # D when the last verdict came
+
+    def sent(self, msg: Message, size: int) -> None:
+        """A frame of ``size`` bytes went up (a core's Send, carried out by its driver)."""
+        self.uplink_bytes += size
+        if isinstance(msg, Hedge):
+            self.hedges_sent += 1
+            self.hedge_bytes += size
 
     def count_accepted(self, n: int, gamma: int) -> None:
         if len(self.accepted_per_position) < gamma:

@@ -83,7 +83,7 @@ class Edge:
             x, q = counting_draft(plan.context + draft, plan.deterministic)
             draft.append(x)
             q_rows.append(q)
-        self._log(sent(self.core.propose(plan, draft, q_rows)))
+        self._log(sent(self.core, self.core.propose(plan, draft, q_rows)))
         return True
 
     def fill(self) -> None:
@@ -91,7 +91,7 @@ class Edge:
             pass
 
     def _log(self, frames: list[bytes]) -> None:
-        self.sent += [decode(f, self.core.link.ctx) for f in frames]
+        self.sent += [decode(f, self.core.ctx) for f in frames]
 
     def head(self) -> Propose:
         """The Propose of the batch the next Verdict answers."""
@@ -107,7 +107,7 @@ class Edge:
         p = self.head()
         n = min(accepted, len(p.draft))
         v = Verdict(p.epoch, p.seq, n, **fields)  # type: ignore[arg-type]
-        self._log(sent(self.core.receive(encode(v, self.core.link.ctx))))
+        self._log(sent(self.core, self.core.receive(encode(v, self.core.ctx))))
 
     def proposes(self) -> list[tuple[int, int, int, list[int], list[int]]]:
         """(epoch, seq, pos, fixed, draft) of every Propose, in order."""
@@ -251,9 +251,9 @@ def test_candidates_resample_when_all_fail_and_no_drafting_meanwhile() -> None:
     # While the Resample round trip is pending, the drafter must not draft from a text that
     # lacks the recovered token.
     assert not e.core.may_draft() and e.core.pipe.plan() is None
-    e._log(sent(e.core.receive(encode(Candidates(1, 1, HOPELESS), e.core.link.ctx))))
+    e._log(sent(e.core, e.core.receive(encode(Candidates(1, 1, HOPELESS), e.core.ctx))))
     assert isinstance(e.sent[-1], Resample) and e.gen.stats.resamples == 2
-    e._log(sent(e.core.receive(encode(Candidates(1, 1, SURE), e.core.link.ctx))))
+    e._log(sent(e.core, e.core.receive(encode(Candidates(1, 1, SURE), e.core.ctx))))
     assert e.core.state == EdgeState.RUNNING and e.gen.generated == [6]
     e.draft_batch()
     assert e.proposes()[-1][:4] == (1, 4, 1, [6])  # the next Propose carries it as fixed
@@ -264,7 +264,7 @@ def test_candidates_for_another_position_is_a_desync() -> None:
     e.fill()
     e.answer(0, candidates=HOPELESS)
     with pytest.raises(DesyncError, match="Candidates for epoch 1, pos 7"):
-        sent(e.core.receive(encode(Candidates(1, 7, SURE), e.core.link.ctx)))
+        sent(e.core, e.core.receive(encode(Candidates(1, 7, SURE), e.core.ctx)))
 
 
 @pytest.mark.parametrize(
@@ -283,18 +283,18 @@ def test_verdicts_that_do_not_fit_are_desyncs(verdict: Verdict, match: str) -> N
     e = edge(PipelineConfig(gamma=2, depth=1, sampling=GREEDY), max_new=10)
     e.fill()
     with pytest.raises(DesyncError, match=match):
-        sent(e.core.receive(encode(verdict, e.core.link.ctx)))
+        sent(e.core, e.core.receive(encode(verdict, e.core.ctx)))
     assert e.gen.generated == []
 
 
 def test_verdict_with_nothing_in_flight_and_bonus_behind_batches() -> None:
     e = edge(PipelineConfig(gamma=1, depth=2, sampling=GREEDY), max_new=10)
     with pytest.raises(DesyncError, match="nothing in flight"):
-        sent(e.core.receive(encode(Verdict(0, 0, 1), e.core.link.ctx)))
+        sent(e.core, e.core.receive(encode(Verdict(0, 0, 1), e.core.ctx)))
     e = edge(PipelineConfig(gamma=1, depth=2, sampling=GREEDY), max_new=10)
     e.fill()
     with pytest.raises(DesyncError, match="bonus token while batches are in flight"):
-        sent(e.core.receive(encode(Verdict(0, 0, 1, bonus=2), e.core.link.ctx)))
+        sent(e.core, e.core.receive(encode(Verdict(0, 0, 1, bonus=2), e.core.ctx)))
 
 
 def test_a_failure_is_an_event_and_the_core_stays_failed() -> None:
@@ -303,14 +303,14 @@ def test_a_failure_is_an_event_and_the_core_stays_failed() -> None:
     e = edge(PipelineConfig(gamma=1, depth=2, sampling=GREEDY), max_new=10)
     e.fill()
     committed = list(e.gen.committed)
-    events = e.core.receive(encode(Verdict(0, 0, 1, bonus=2), e.core.link.ctx))
+    events = e.core.receive(encode(Verdict(0, 0, 1, bonus=2), e.core.ctx))
     assert len(events) == 1 and isinstance(events[0], Fail)
     assert isinstance(events[0].error, DesyncError)
     assert e.core.state == EdgeState.FAILED and not e.core.may_draft()
     plan = e.core.pipe.plan()
     if plan is not None:
         assert e.core.propose(plan, [3], [np.eye(V)[3]]) == events
-    assert e.core.receive(encode(Verdict(0, 1, 1), e.core.link.ctx)) == events
+    assert e.core.receive(encode(Verdict(0, 1, 1), e.core.ctx)) == events
     assert e.gen.committed == committed
 
 
@@ -318,7 +318,7 @@ def test_verifier_error_frames_raise() -> None:
     e = edge(PipelineConfig(gamma=1, sampling=GREEDY), max_new=10)
     e.fill()
     with pytest.raises(VerifierError) as info:
-        sent(e.core.receive(encode(Error("context_full", "full", fatal=False))))
+        sent(e.core, e.core.receive(encode(Error("context_full", "full", fatal=False))))
     assert info.value.code == "context_full" and not info.value.fatal
 
 
@@ -343,7 +343,7 @@ def _batch_with_rivals(e: Edge, draft: list[int], rivals: list[tuple[int, float]
     assert plan is not None
     q_rows = [counting_draft([x - 1], True)[1] for x in draft]
     rv = [Rival(t, c) for t, c in rivals]
-    e._log(sent(e.core.propose(plan, draft, q_rows, rivals=rv)))
+    e._log(sent(e.core, e.core.propose(plan, draft, q_rows, rivals=rv)))
 
 
 def _branch(e: Edge, tokens: list[int]) -> tuple[int, int]:
@@ -371,13 +371,15 @@ def test_predrafted_outcomes_are_planned_likeliest_first_and_sent_on_a_hit() -> 
     e.core.pipe.add_branch(pp, [5, 6, 7], rows, [Rival(8, 0.5), Rival(9, 0.7), Rival(9, 0.8)], 0.9)
     assert _branch(e, [12, 13]) == (3, 11)  # next likeliest first rejection: 0.9 · 0.4 · 0.4
     assert e.core.pipe.predraft_plan() is None  # two branches kept: the budget
-    e.core.receive(encode(Verdict(0, 0, 1, token=10), e.core.link.ctx), now=5.0)  # 2 rejected: 10
+    e.core.receive(encode(Verdict(0, 0, 1, token=10), e.core.ctx), now=5.0)  # 2 rejected: 10
     assert e.gen.committed == [0, 1, 10]
     plan = e.core.pipe.plan()
     assert plan is not None
     ready = e.core.pipe.take_branch(plan)
     assert ready is not None and ready.draft == [5, 6, 7] and len(ready.q_rows) == 3
-    e._log(sent(e.core.propose(plan, ready.draft, ready.q_rows, now=5.25, rivals=ready.rivals)))
+    e._log(
+        sent(e.core, e.core.propose(plan, ready.draft, ready.q_rows, now=5.25, rivals=ready.rivals))
+    )
     assert e.proposes()[-1] == (1, 1, 2, [10], [5, 6, 7])  # the branch, behind the correction
     st = e.gen.stats
     assert (st.predraft_branches, st.predraft_tokens, st.predraft_hits) == (2, 5, 1)
@@ -401,8 +403,8 @@ def test_a_prepared_branch_goes_to_the_verifier_as_a_hedge_only_where_trees_appl
     _batch_with_rivals(e, [1, 2, 3], [(9, 0.9), (10, 0.4), (11, 0.6)])
     pp = e.core.pipe.predraft_plan()
     assert pp is not None and (pp.pos, pp.token) == (2, 10)
-    (frame,) = sent(e.core.tree_branch(pp, [5, 6]))
-    h = decode(frame, e.core.link.ctx)
+    (frame,) = sent(e.core, e.core.tree_branch(pp, [5, 6]))
+    h = decode(frame, e.core.ctx)
     assert isinstance(h, Hedge) and (h.pos, h.token, h.draft.tolist()) == (2, 10, [5, 6])
     st = e.gen.stats
     assert st.hedges_sent == 1 and st.hedge_bytes == len(frame) and st.uplink_bytes > len(frame)
@@ -434,12 +436,12 @@ def test_predrafting_ranks_every_alternative_by_its_chance_to_be_the_first_corre
         Rival(13, 0.6, ((13, 0.3),)),
     ]
     q_rows = [counting_draft([x - 1], True)[1] for x in [1, 2, 3]]
-    e._log(sent(e.core.propose(plan, [1, 2, 3], q_rows, rivals=rivals)))
+    e._log(sent(e.core, e.core.propose(plan, [1, 2, 3], q_rows, rivals=rivals)))
     # 0.9·0.3, 0.9·0.2, 0.9·0.4·0.3, 0.9·0.1, 0.06, 0.04
     order = [_branch(e, [20 + k]) for k in range(6)]
     assert order == [(2, 10), (2, 11), (3, 13), (2, 12), (1, 9), (1, 8)]
     assert e.core.pipe.predraft_plan() is None  # every alternative has its branch
-    e.core.receive(encode(Verdict(0, 0, 1, token=11), e.core.link.ctx), now=5.0)
+    e.core.receive(encode(Verdict(0, 0, 1, token=11), e.core.ctx), now=5.0)
     assert e.gen.committed == [0, 1, 11]
     plan = e.core.pipe.plan()
     assert plan is not None

@@ -76,9 +76,8 @@ def draft(c: FederatedCore, tokens: list[int], now: float = 0.0) -> list[Send]:
 
 
 def frame(c: FederatedCore, f: Send) -> object:
-    w = c.workers[f.link]
-    assert w.link is not None
-    return decode(f.data, w.link.ctx)
+    """The frame ``f`` carries, through its link's codec (as the driver writes it)."""
+    return decode(encode(f.msg, c.ctx(f.link)), c.ctx(f.link))
 
 
 def reply_to(c: FederatedCore, f: Send, greedy: list[int]) -> bytes:
@@ -489,7 +488,7 @@ def test_members_of_any_speed_against_real_verifiers(
                 drafted += 1
             for e in c.propose(plan, draft, [np.eye(V)[x] for x in draft], now):
                 assert isinstance(e, Send)
-                inbox[e.link].append(e.data)
+                inbox[e.link].append(encode(e.msg, c.ctx(e.link)))
         # members take frames while idle; model work finishes on time
         for i, m in enumerate(members):
             while True:
@@ -518,7 +517,7 @@ def test_members_of_any_speed_against_real_verifiers(
             for e in c.decide(now):
                 assert not isinstance(e, Drop), e
                 if isinstance(e, Send):
-                    inbox[e.link].append(e.data)
+                    inbox[e.link].append(encode(e.msg, c.ctx(e.link)))
             continue
         # the next event: a forward ends, a Progress tick, a deadline (0.05 s steps at most)
         nxt = [m.done_at for m in members if m.work is not None]

@@ -202,7 +202,7 @@ def test_edge_refuses_each_corpus_frame(name: str, frame: bytes) -> None:
     draft = [(plan.context[-1] + 1 + i) % V for i in range(plan.max_tokens)]
     assert core.propose(plan, draft, [np.eye(V)[x] for x in draft])
     with pytest.raises((ProtocolError, DesyncError, VerifierError)):
-        sent(core.receive(frame))
+        sent(core, core.receive(frame))
     assert gen.committed == [1, 9], name
 
 

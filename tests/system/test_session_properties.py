@@ -232,7 +232,7 @@ def test_single_sessions_under_random_events(
         e, v = edge(), verifier()
         if action == "draft" and e.may_draft():
             draft, (plan, q_rows) = draft_batch(e, drafter)  # type: ignore[misc]
-            send_up(sent(e.propose(plan, draft, q_rows)))  # type: ignore[arg-type]
+            send_up(sent(e, e.propose(plan, draft, q_rows)))  # type: ignore[arg-type]
         elif action == "up" and uplink():
             if not down(v.feed(list(v.core.receive(uplink().popleft())))):
                 assert state["replayed"], "the verifier closed an honest session"
@@ -243,7 +243,7 @@ def test_single_sessions_under_random_events(
                 connect()
         elif action == "down" and downlink():
             try:
-                send_up(sent(e.receive(downlink().popleft())))
+                send_up(sent(e, e.receive(downlink().popleft())))
             except (DesyncError, VerifierError, ProtocolError) as err:
                 # Between honest ends only a replayed frame can break a session.
                 assert state["replayed"], err
@@ -315,7 +315,7 @@ def test_federated_sessions_under_random_events(
             if isinstance(o, Drop):
                 links.pop(o.link, None)
             elif isinstance(o, EdgeSend) and o.link in links:
-                links[o.link][1].append(o.data)
+                links[o.link][1].append(encode(o.msg, core.ctx(o.link)))
 
     for i in range(workers):
         join(i)
