@@ -69,7 +69,7 @@ def _hedges(edge: SingleCore) -> list[bytes]:
         cont = [hp.token]
         while len(cont) <= hp.max_tokens:
             cont.append(_greedy_q(cont[-1])[0])
-        out += sent(edge.hedge(hp, cont[1:]))
+        out += sent(edge, edge.hedge(hp, cont[1:]))
     return out
 
 
@@ -103,7 +103,7 @@ def _predraft_all(edge: SingleCore, rng: np.random.Generator, stale: bool) -> li
             q_rows.append(row)
             rivals.append(rival)
         if draft:
-            out += sent(edge.tree_branch(pp, draft))
+            out += sent(edge, edge.tree_branch(pp, draft))
         edge.pipe.add_branch(pp, draft, q_rows, rivals, 0.5)
     return out
 
@@ -123,7 +123,7 @@ def _tree_all(
             for _ in range(int(rng.integers(1, 3))):
                 cont.append(_greedy_q(cont[-1])[0])
             pp = PredraftPlan(pos, y, [*context, *draft][:pos], 2, deterministic=True)
-            out += sent(edge.tree_branch(pp, cont[1:]))
+            out += sent(edge, edge.tree_branch(pp, cont[1:]))
     return out
 
 
@@ -183,12 +183,12 @@ def generate_once(
                 pending.append(ev.work)
 
     if prompt_first:  # as the driver does: the prompt goes up before the first batch
-        up.extend(sent(edge.credit(bonus=False)))
+        up.extend(sent(edge, edge.credit(bonus=False)))
     while not gen.done:
         choice = rng.integers(5 if hedge or predraft else 4)
         if choice == 0 and cloud_only:
             if edge.wants_credit():  # no draft model: credits only
-                up.extend(sent(edge.credit()))
+                up.extend(sent(edge, edge.credit()))
         elif choice == 0 and edge.may_draft():
             plan = edge.pipe.plan()
             assert plan is not None
@@ -203,7 +203,7 @@ def generate_once(
                 rivals.append(rival)
                 draft.append(x)
                 q_rows.append(row)
-            up.extend(sent(edge.propose(plan, draft, q_rows, rivals=rivals)))
+            up.extend(sent(edge, edge.propose(plan, draft, q_rows, rivals=rivals)))
             if hedge and rng.integers(2):
                 up.extend(_hedges(edge))  # right behind the Propose
             if tree:
@@ -218,7 +218,7 @@ def generate_once(
         elif choice == 2 and pending:
             act(list(core.work_done(model.run(pending.pop(), core))))
         elif choice == 3 and down:
-            up.extend(sent(edge.receive(down.popleft())))
+            up.extend(sent(edge, edge.receive(down.popleft())))
     # Every token has one source: co-generated ones are counted as such, not as accepted drafts.
     sources = gen.stats.sources
     assert sum(sources.values()) == len(gen.generated)
