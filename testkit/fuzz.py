@@ -59,7 +59,16 @@ import numpy as np
 from aiohttp import WSMessage, WSMsgType, web
 
 from bench.stream_ws import StreamWS
-from cloud_verifier.engine.work import Crop, Cropped, Draw, Drawn, Failed, Federated, Verified
+from cloud_verifier.engine.work import (
+    Crop,
+    Cropped,
+    Draw,
+    Drawn,
+    Failed,
+    FailureKind,
+    Federated,
+    Verified,
+)
 from cloud_verifier.session.core import (
     Close,
     Run,
@@ -430,7 +439,7 @@ class Shadow:
         """The real verifier did not answer as predicted: end the pending work as failed
         (the session is closed after a mismatch anyway)."""
         if self.core.running is not None:
-            self.core.work_done(Failed("mismatch", self.core.cache_len))
+            self.core.work_done(Failed("mismatch", self.core.cache_len, FailureKind.MODEL))
 
 
 _HELLO_KINDS = (

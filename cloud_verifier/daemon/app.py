@@ -50,6 +50,7 @@ from cloud_verifier.engine.work import (
     Crop,
     Draw,
     Failed,
+    FailureKind,
     Federate,
     Skipped,
     Verified,
@@ -1492,6 +1493,8 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
     m = state.metrics
     result, timing = outcome.result, outcome.timing
     m.queue_seconds.observe(outcome.queued_s)
+    if isinstance(result, Failed):
+        m.model_errors.inc(kind=result.kind)
     if isinstance(work, CoGenerate):
         if isinstance(result, Verified):
             d = result.decision
@@ -1545,7 +1548,7 @@ async def _run_work(state: VerifierState, live: LiveSession, work: Work) -> list
     except Exception as e:  # the engine itself failed (shut down, or its thread died)
         if _check_engine(state) and live.logs.allow():
             log.warning("session %s: engine error", live.core.session_id, exc_info=e)
-        failed = Failed(f"{type(e).__name__}: {e}", live.slot.length)
+        failed = Failed(f"{type(e).__name__}: {e}", live.slot.length, FailureKind.ENGINE)
         outcome = Outcome(failed, None, 0.0)
     _count_work(state, work, outcome)
     if live.core.closed:  # closed meanwhile (e.g. too many bad frames): nothing to resume

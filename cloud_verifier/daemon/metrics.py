@@ -7,6 +7,7 @@ Only verdict-mode rounds count as drafts: in federated mode the edge decides acc
 
 from __future__ import annotations
 
+from cloud_verifier.engine.work import FailureKind
 from shared.service.metrics import Registry
 
 #: Buckets for per-round and per-forward times (seconds).
@@ -66,6 +67,12 @@ class VerifierMetrics:
         )
         self.errors_sent = r.counter(
             "wanspec_errors_sent_total", "Error frames sent, by code.", labels=("code",)
+        )
+        self.model_errors = r.counter(
+            "wanspec_model_errors_total",
+            "Model work not done (an Error model_error, or a co-generation paused), by failure "
+            f"kind ({', '.join(FailureKind.choices())}).",
+            labels=("kind",),
         )
         self.slow_readers = r.counter(
             "wanspec_slow_readers_total",

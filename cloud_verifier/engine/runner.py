@@ -273,13 +273,13 @@ class Runner:
         try:
             self.pool.crop(slot.pages, pos)
         except ValueError as e:
-            return Failed(f"ValueError: {e}", slot.length, FailureKind.BAD_WORK)
+            return Failed(str(e), slot.length, FailureKind.BAD_WORK)
         return Cropped(cache_len=slot.length)
 
     def _draw(self, slot: Slot, m: int) -> Result:
         if slot.kept is None or slot.generator is None:
             return Failed(
-                "RuntimeError: no rejected row kept for a Resample",
+                "no rejected row kept for a Resample",
                 slot.length,
                 FailureKind.BAD_WORK,
             )
@@ -293,7 +293,7 @@ class Runner:
                 lp = ds.logprobs(slot.kept_logits[None], [ask])[0]
             return Drawn(drawn, logprobs=lp)
         except Exception as e:
-            return Failed(f"{type(e).__name__}: {e}", slot.length)
+            return Failed(f"{type(e).__name__}: {e}", slot.length, FailureKind.MODEL)
 
     def _plan(
         self,
@@ -311,14 +311,14 @@ class Runner:
         start = before = slot.length
         if work_start(work) != start:
             return Failed(
-                f"Desync: the work starts at {work_start(work)}, the cache holds {start} tokens",
+                f"the work starts at {work_start(work)}, the cache holds {start} tokens",
                 start,
                 FailureKind.DESYNC,
             )
         fixed, draft = work.fixed.tolist(), work.draft.tolist()
         if not fixed and start == 0:
             return Failed(
-                "ValueError: no tokens in the cache: nothing to predict from",
+                "no tokens in the cache: nothing to predict from",
                 start,
                 FailureKind.BAD_WORK,
             )
@@ -327,21 +327,20 @@ class Runner:
         full_end = start + len(fixed) + len(draft)
         if target.max_length is not None and full_end > target.max_length:
             return Failed(
-                f"ContextLengthError: context of {full_end} tokens exceeds the model's maximum "
-                f"of {target.max_length}",
+                f"context of {full_end} tokens exceeds the model's maximum of {target.max_length}",
                 start,
                 FailureKind.CONTEXT,
             )
         new = fixed + draft
         if new and (min(new) < 0 or max(new) >= target.vocab_size):
             return Failed(
-                f"ValueError: token ids must be in [0, {target.vocab_size})",
+                f"token ids must be in [0, {target.vocab_size})",
                 start,
                 FailureKind.BAD_WORK,
             )
         quota = self.kv.over_quota(slot, full_end)
         if quota is not None:
-            return Failed(f"KVQuota: {quota}", start, FailureKind.KV_QUOTA)
+            return Failed(quota, start, FailureKind.KV_QUOTA)
         if fixed and start == 0:
             claimed = self.kv.claim(slot, fixed)
             start, fixed = claimed, fixed[claimed:]
@@ -456,7 +455,8 @@ class Runner:
             self._undo(p)
         if len(planned) == 1:
             p = planned[0]
-            return [(p.index, (Failed(f"{type(error).__name__}: {error}", p.start), None))]
+            failed = Failed(f"{type(error).__name__}: {error}", p.start, FailureKind.MODEL)
+            return [(p.index, (failed, None))]
         log.info("a batch of %d sessions failed (%s); running them one by one", len(planned), error)
         out: list[tuple[int, tuple[Result | Prefilled, Timing | None]]] = []
         for p in planned:

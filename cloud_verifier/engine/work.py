@@ -256,11 +256,13 @@ class FailureKind(TextEnum):
 @dataclass(frozen=True)
 class Failed:
     """The model work was not done. ``cache_len``: what the cache holds now (restored or
-    not); ``kind``: why (the message says it to a person)."""
+    not); ``kind``: why, set where the failure is found and carried as it is to the core (the
+    Error frame's text and the verifier's metrics name it); ``message`` says the rest to a
+    person (never the kind again)."""
 
     message: str
     cache_len: int
-    kind: FailureKind = FailureKind.MODEL
+    kind: FailureKind
 
 
 @dataclass(frozen=True)

@@ -1034,7 +1034,8 @@ class VerifierCore:
         ]
 
     def _failed(self, work: Work, result: Failed) -> list[Event]:
-        note = Note(NoteKind.MODEL_ERROR, result.message)
+        why = f"{result.kind}: {result.message}"  # the kind, then what it says to a person
+        note = Note(NoteKind.MODEL_ERROR, why)
         expected = self.cache_len  # the engine restores the cache to its length before the work
         self.cache_len = result.cache_len
         if isinstance(work, CoGenerate) and result.cache_len == expected:
@@ -1050,10 +1051,8 @@ class VerifierCore:
             return [
                 note,
                 Close(
-                    Error(
-                        ErrorCode.MODEL_ERROR, result.message + "; rebuild the session", fatal=True
-                    ),
+                    Error(ErrorCode.MODEL_ERROR, why + "; rebuild the session", fatal=True),
                     CLOSE_INTERNAL_ERROR,
                 ),
             ]
-        return [note, Send(Error(ErrorCode.MODEL_ERROR, result.message, fatal=False))]
+        return [note, Send(Error(ErrorCode.MODEL_ERROR, why, fatal=False))]

@@ -28,7 +28,7 @@ from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.step_times import StallRule, StepTimes
 from cloud_verifier.engine.targets import TorchTarget
-from cloud_verifier.engine.work import Verify, WorkProgress
+from cloud_verifier.engine.work import FailureKind, Verify, WorkProgress
 from cloud_verifier.session.core import (
     Adopt,
     Close,
@@ -399,7 +399,8 @@ async def test_kv_shares_bound_a_session_and_a_tenant(
     b = await v.open(hello(target))  # same token: 2 of its 6 pages left
     await b.send(propose(0, 0, [3], list(range(1, 20))))  # 20 tokens: 3 pages
     err = await b.recv_as(Error, timeout=30)
-    assert err.code == "model_error" and "KVQuota" in err.message and not err.fatal
+    assert err.code == "model_error" and not err.fatal
+    assert v.state.metrics.model_errors.get(kind=FailureKind.KV_QUOTA) == 1
     c = await v.open(hello(target), token=OTHER)  # another tenant is not held back
     await c.send(propose(0, 0, [3], list(range(1, 20))))
     assert isinstance(await c.recv(timeout=30), Verdict)

@@ -34,6 +34,7 @@ from cloud_verifier.engine.work import (
     Draw,
     Drawn,
     Failed,
+    FailureKind,
     Federate,
     Federated,
     Verified,
@@ -213,7 +214,7 @@ async def test_slots_and_kv_pages_are_bounded(target: TorchTarget) -> None:
     # a needs 5 pages of the 4: refused, its cache untouched; b still runs
     big, small = list(range(5, 23)), [5, 6, 7]
     outs = await _together(engine, [a.verify(big, [1]), b.verify(small, [1])])
-    assert isinstance(outs[0].result, Failed) and "KV cache is full" in outs[0].result.message
+    assert isinstance(outs[0].result, Failed) and outs[0].result.kind == FailureKind.OUT_OF_PAGES
     assert outs[0].result.cache_len == 0 and a.slot.length == 0
     assert isinstance(outs[1].result, Verified)
     # a rollback gives whole pages back; a released slot gives its pages and its index back
@@ -224,6 +225,32 @@ async def test_slots_and_kv_pages_are_bounded(target: TorchTarget) -> None:
     engine.release(a.slot)
     c = _Session(engine, target)
     assert c.slot.index == a.slot.index
+    engine.shutdown()
+
+
+async def test_work_refused_before_the_forward_says_why_by_its_kind(
+    tiny_model_dir: Path,
+) -> None:
+    """Each refusal the runner finds before the forward carries its FailureKind (the core,
+    the Error frame's text and the metrics name it), the slot left as it was."""
+    target = TorchTarget(load_model(str(tiny_model_dir)))
+    engine = await _engine(target, session_share=0.25)  # 128 of the 512 tokens
+    s = _Session(engine, target)
+    cases = [
+        (Verify(_propose([5, 6], [7], pos=3), False), FailureKind.DESYNC),
+        (Verify(_propose([], [7], pos=0), False), FailureKind.BAD_WORK),
+        (Verify(_propose([5, target.vocab_size], [7], pos=0), False), FailureKind.BAD_WORK),
+        (Verify(_propose([5] * 199, [7], pos=0), False), FailureKind.KV_QUOTA),
+        (Draw(0, 0, 2), FailureKind.BAD_WORK),  # no rejected row kept
+    ]
+    assert target.max_length is not None
+    too_long = _propose([5] * target.max_length, [7], pos=0)
+    cases.append((Verify(too_long, False), FailureKind.CONTEXT))
+    for work, kind in cases:
+        out = await engine.run(s.slot, work)
+        assert isinstance(out.result, Failed) and out.result.kind == kind, (work, out.result)
+        assert out.result.cache_len == 0 and s.slot.length == 0
+        assert not out.result.message.startswith(f"{kind}:"), out.result.message  # said once
     engine.shutdown()
 
 
@@ -243,7 +270,8 @@ async def test_a_failing_session_fails_alone(target: TorchTarget) -> None:
     runner._decide = broken  # type: ignore[method-assign]
     f, d = [5, 6, 7], _greedy(target, [5, 6, 7], 3, None)
     outs = await _together(engine, [a.verify([1, 2], [3]), b.verify(f, d)])
-    assert isinstance(outs[0].result, Failed) and "boom" in outs[0].result.message
+    assert isinstance(outs[0].result, Failed) and outs[0].result.kind == FailureKind.MODEL
+    assert "boom" in outs[0].result.message
     assert a.slot.length == 0 and a.slot.tokens == []
     b.check(f, d, outs[1])
 
@@ -401,7 +429,7 @@ async def test_an_engine_bug_fails_the_step_and_the_engine_goes_on(target: Torch
 
     runner._plan = broken  # type: ignore[method-assign]
     out = await asyncio.wait_for(a.verify([1, 2], [3])(), 10)
-    assert isinstance(out.result, Failed) and "internal engine error" in out.result.message
+    assert isinstance(out.result, Failed) and out.result.kind == FailureKind.ENGINE
     runner._plan = real  # type: ignore[method-assign]
     f, d = [5, 6, 7], _greedy(target, [5, 6, 7], 3, None)
     a.check(f, d, await a.verify(f, d)())

@@ -22,6 +22,7 @@ from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.engine import Engine
 from cloud_verifier.engine.targets import Target, TorchTarget
+from cloud_verifier.engine.work import FailureKind
 from shared.maths.sampling import transform
 from shared.runtime.models import load_model
 from shared.wire.params import SamplingParams
@@ -429,7 +430,8 @@ async def test_kv_cache_full_answers_503_and_is_in_metrics(
     assert isinstance(await pc.recv(), Verdict)
     await other.send(propose(0, 0, 0, [8], [4, 5]))
     err = await other.recv_as(Error)
-    assert err.code == "model_error" and "KV cache is full" in err.message and not err.fatal
+    assert err.code == "model_error" and not err.fatal
+    assert svc.metrics.model_errors.get(kind=FailureKind.OUT_OF_PAGES) == 1
     assert svc.server_session(other).slot.length == 0
     assert svc.engine.pages_free == 0
     with pytest.raises(aiohttp.WSServerHandshakeError) as e:

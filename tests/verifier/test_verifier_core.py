@@ -18,6 +18,7 @@ from cloud_verifier.engine.work import (
     Draw,
     Drawn,
     Failed,
+    FailureKind,
     Federate,
     Federated,
     Verified,
@@ -355,10 +356,12 @@ def test_max_bad_frames_closes_the_session() -> None:
 def test_model_failure_is_fatal_only_when_the_cache_was_not_restored() -> None:
     core = opened()
     core.receive(propose(core, 0, 0, 0, [5], [1]))
-    ev = core.work_done(Failed("boom", cache_len=0))
+    ev = core.work_done(Failed("RuntimeError: boom", 0, FailureKind.MODEL))
     assert errors(ev) == ["model_error"] and not core.closed
+    sent = [e.msg for e in ev if isinstance(e, Send)]
+    assert isinstance(sent[0], Error) and sent[0].message == "model: RuntimeError: boom"
     core.receive(propose(core, 0, 1, 0, [5], [1]))
-    ev = core.work_done(Failed("boom", cache_len=2))
+    ev = core.work_done(Failed("boom", 2, FailureKind.MODEL))
     assert core.closed and isinstance(ev[-1], Close) and ev[-1].code == CLOSE_INTERNAL_ERROR
 
 
@@ -647,7 +650,7 @@ def test_a_cloud_draft_that_fails_turns_cloud_drafts_off_for_the_session() -> No
     core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2, 3, 4, 1, 2]))
     work = run_of(core.work_done(Verified(Decision(1)))).work
     assert isinstance(work, CoGenerate) and work.cloud
-    ev = core.work_done(Failed("kv share", core.cache_len))
+    ev = core.work_done(Failed("kv share", core.cache_len, FailureKind.KV_QUOTA))
     assert not errors(ev)
     work = run_of(ev).work
     assert isinstance(work, CoGenerate) and not work.cloud and len(work.draft) == 0
