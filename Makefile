@@ -88,35 +88,15 @@ test: lint balancer docs
 
 # The fast lane: lint, types and the unit tests of the cores, the maths, the scheduler and the
 # codec, in under two minutes on a 2-core machine. `make test` runs everything, these included.
-# A file belongs here when it is pure: no server, no subprocess (test_imports.py's one
-# interpreter, which checks the layer contracts, excepted), no model beyond tiny in-process ones,
-# and quick (`pytest --durations=5 FILE`). Left out for their time: the statistical suites
-# (test_exactness, test_cogen, test_device_sampling: 20,000-sample chi-square tests, 30-80 s
-# each) and the engine's tests. A listed file that does not exist yet is reported and skipped.
-FAST_TESTS := \
-	tests/shared/test_protocol.py \
-	tests/shared/test_mux.py \
-	tests/shared/test_maths.py \
-	tests/shared/test_config.py \
-	tests/shared/test_errors.py \
-	tests/shared/test_imports.py \
-	tests/verifier/test_verifier_core.py \
-	tests/verifier/test_scheduler.py \
-	tests/verifier/test_kv_manager.py \
-	tests/verifier/test_cloud_draft.py \
-	tests/verifier/test_verifier_units.py \
-	tests/edge/test_edge_core.py \
-	tests/edge/test_federation_core.py \
-	tests/edge/test_aggregation.py \
-	tests/edge/test_controller.py \
-	tests/edge/test_api_request.py \
-	tests/edge/test_edge_config.py \
-	tests/system/test_session_properties.py
-FAST_MISSING := $(filter-out $(wildcard $(FAST_TESTS)),$(FAST_TESTS))
-
+# A test file joins it by saying so, `pytestmark = pytest.mark.fast` after its imports, when it
+# is pure: no server, no subprocess (test_imports.py's one interpreter, which checks the layer
+# contracts, excepted), no model beyond tiny in-process ones, and quick (`pytest --durations=5
+# FILE`). Left out for their time: the statistical suites (test_exactness, test_cogen,
+# test_device_sampling: 20,000-sample chi-square tests, 30-80 s each) and the engine's tests.
+# tests/shared/test_fast_lane.py checks that the lane holds the cores', codec's and scheduler's
+# suites.
 check: lint
-	$(if $(FAST_MISSING),@echo "make check: skipped (not found): $(FAST_MISSING)" >&2)
-	$(PY) -m pytest -q $(filter-out $(FAST_MISSING),$(FAST_TESTS))
+	$(PY) -m pytest -q -m fast
 
 demo: install
 	$(VENV)/bin/edge-agent demo

@@ -14,6 +14,8 @@ from shared.wire.params import SamplingParams
 from shared.wire.protocol import FederatedReply
 from tests.stats import ALPHA, chi_square_pvalue
 
+pytestmark = pytest.mark.fast
+
 
 def reply_for(ps: np.ndarray, draft: list[int], k: int) -> FederatedReply:
     """What a worker with exact rows ps ([γ+1, V]) sends for ``draft`` at top-k."""

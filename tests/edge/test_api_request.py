@@ -34,6 +34,8 @@ from edge_agent.daemon.config import EdgeSettings
 from edge_agent.session.pipeline_config import Mode
 from shared.wire.protocol import CorrectionMode
 
+pytestmark = pytest.mark.fast
+
 
 def fault(fn: Any, *args: Any, **kwargs: Any) -> ApiError:
     with pytest.raises(ApiError) as e:

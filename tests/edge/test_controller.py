@@ -9,6 +9,8 @@ import pytest
 
 from edge_agent.session.controller import Controller, ControllerLimits, model_throughput
 
+pytestmark = pytest.mark.fast
+
 
 def _feed(
     ctl: Controller,

@@ -28,6 +28,8 @@ from shared.maths.compression import Reconstruction
 from shared.service.config import ConfigError
 from shared.wire.protocol import CorrectionMode
 
+pytestmark = pytest.mark.fast
+
 
 def write(path: Path, text: str) -> Path:
     path.write_text(text)

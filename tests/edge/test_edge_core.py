@@ -44,6 +44,8 @@ from shared.wire.protocol import (
 )
 from tests.edge_events import sent
 
+pytestmark = pytest.mark.fast
+
 V = 16
 FP = Fingerprint("t", V, "test")
 GREEDY = SamplingParams(temperature=0.0)

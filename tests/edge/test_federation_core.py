@@ -42,6 +42,8 @@ from shared.wire.protocol import (
 )
 from tests.fake_model import FakeTargetModel, greedy_law
 
+pytestmark = pytest.mark.fast
+
 V = 16
 FP = Fingerprint("t", V, "test")
 WELCOME = Welcome(FP, "s", max_gamma=8, max_fixed=1024, max_context=4096, max_frame=1 << 20)

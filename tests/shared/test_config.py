@@ -12,6 +12,8 @@ import pytest
 from cloud_verifier.daemon.settings import VerifierSettings
 from shared.service.config import ConfigError, load_settings, parse_bool
 
+pytestmark = pytest.mark.fast
+
 
 @dataclass(frozen=True)
 class S:

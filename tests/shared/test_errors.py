@@ -8,7 +8,11 @@ import importlib
 import inspect
 from pathlib import Path
 
+import pytest
+
 from shared.errors import FATAL_CODES, ErrorCode, WanspecError
+
+pytestmark = pytest.mark.fast
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("shared", "edge_agent", "cloud_verifier")

@@ -28,6 +28,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast
+
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("shared", "edge_agent", "cloud_verifier")
 FORBIDDEN = ("bench", "testkit", "tests")

@@ -19,6 +19,8 @@ from shared.maths.sampling import (
     transform,
 )
 
+pytestmark = pytest.mark.fast
+
 TOL = 1e-9
 
 

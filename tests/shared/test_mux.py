@@ -29,6 +29,8 @@ from shared.wire.mux import (
     stream_window,
 )
 
+pytestmark = pytest.mark.fast
+
 FP = Fingerprint("tok", 64, "tiny")
 READY = Ready(FP, 16, 8192, 8192, 1 << 20, 2, 4096)
 

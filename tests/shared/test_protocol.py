@@ -41,6 +41,8 @@ from shared.wire.messages import (
 from shared.wire.packing import HANDSHAKE_MAX_FRAME, ProtocolError, WireContext, id_width
 from shared.wire.schema import FRAMES
 
+pytestmark = pytest.mark.fast
+
 SMOL = WireContext(vocab_size=49152)  # SmolLM2's vocabulary
 # Realistic mid-generation values: a thousand rejections in, position 4000.
 EPOCH, SEQ, POS = 1000, 100, 4000

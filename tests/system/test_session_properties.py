@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,6 +49,8 @@ from shared.wire.protocol import (
 )
 from tests.edge_events import sent
 from tests.fake_model import FakeTargetModel, greedy_law
+
+pytestmark = pytest.mark.fast
 
 V = 32
 FP = Fingerprint("t", V, "test")

@@ -21,6 +21,8 @@ from cloud_verifier.session.cloud_draft import (
 )
 from shared.service.config import ConfigError, load_settings
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize(
     ("text", "max_tokens", "want"),

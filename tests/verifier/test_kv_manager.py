@@ -10,6 +10,8 @@ from shared.runtime.kv_pool import PagedKV
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import Fingerprint, Hello
 
+pytestmark = pytest.mark.fast
+
 FP = Fingerprint(model_name="m", tokenizer_hash="t" * 16, vocab_size=64)
 HELLO = Hello(fingerprint=FP, sampling=SamplingParams(temperature=0.0))
 CPU = torch.device("cpu")

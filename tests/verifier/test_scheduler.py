@@ -25,6 +25,8 @@ from cloud_verifier.engine.scheduler import (
 )
 from cloud_verifier.engine.step_times import StallRule, StepTimes
 
+pytestmark = pytest.mark.fast
+
 CALL, CHEAP = Queued(Kind.CALL), Queued(Kind.CHEAP)
 
 

@@ -64,6 +64,8 @@ from shared.wire.protocol import (
     encode,
 )
 
+pytestmark = pytest.mark.fast
+
 V = 64
 NGRAM = frozenset({CloudDraft.NGRAM})
 FP = Fingerprint("t", V, "test")

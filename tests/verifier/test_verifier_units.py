@@ -17,6 +17,8 @@ from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages
 from shared.service.metrics import Registry
 
+pytestmark = pytest.mark.fast
+
 
 def test_metrics_render() -> None:
     reg = Registry()
