@@ -17,14 +17,23 @@ class WanspecError(Exception):
 
 
 class ErrorCode(TextEnum):
-    """The ``code`` of an Error frame (shared.wire.protocol.Error)."""
+    """The ``code`` of an Error frame (shared.wire.protocol.Error), and the reason of every
+    refusal of a session: the verifier's ``X-Wanspec-Refusal`` header on an HTTP refusal, the
+    code of a refused stream's Error, its ``wanspec_sessions_refused_total{reason}``; the edge
+    reads the same members back."""
 
     # handshake (fatal): the session is not opened
     BAD_HANDSHAKE = "bad_handshake"
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"
     BAD_HELLO = "bad_hello"
     UNSUPPORTED = "unsupported"
-    UNAUTHORIZED = "unauthorized"
+    UNAUTHORIZED = "unauthorized"  # also a connection's bearer token refused (HTTP 400 / 401)
+    # a connection refused before the WebSocket upgrade (HTTP 400 / 426 / 503)
+    BAD_HEADER = "bad_header"  # a header value that is not ASCII
+    NOT_WEBSOCKET = "not_websocket"  # no Upgrade: websocket
+    BAD_UPGRADE = "bad_upgrade"  # malformed upgrade headers (version, key)
+    SUBPROTOCOL = "subprotocol"  # this protocol's WebSocket subprotocol not offered
+    UNAVAILABLE = "unavailable"  # a 503 that names no reason (not the verifier's own, say)
     # a new session refused while the verifier is busy (fatal, with retry_after): not down
     BUSY = "busy"
     KV_FULL = "kv_full"

@@ -351,7 +351,7 @@ async def _guard_middleware(
         bad = _non_ascii_header(request)
         if bad is not None:
             if request.path == "/v1/session":
-                _refuse(state, "bad_header", web.HTTPBadRequest(), request)
+                _refuse(state, ErrorCode.BAD_HEADER, web.HTTPBadRequest(), request)
             raise web.HTTPBadRequest(text=f"header {bad} is not ASCII\n")
         return await handler(request)
     finally:
@@ -854,7 +854,10 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 
 def _refuse(
-    state: VerifierState, reason: str, exc: web.HTTPException, request: web.Request | None = None
+    state: VerifierState,
+    reason: ErrorCode,
+    exc: web.HTTPException,
+    request: web.Request | None = None,
 ) -> web.HTTPException:
     """Count and (rate-limited) log a refused session request; the refusal names its reason
     in the ``X-Wanspec-Refusal`` header."""
@@ -870,6 +873,14 @@ def _refuse(
             exc.status,
         )
     return exc
+
+
+def _status_code(status: ServiceStatus) -> ErrorCode:
+    """Why a verifier that is not ready refuses a session (on HTTP and on a stream alike):
+    it failed (down: no Retry-After), or it is loading or stopping (busy: come back)."""
+    if status == ServiceStatus.FAILED:
+        return ErrorCode.INTERNAL
+    return ErrorCode.STOPPING if status == ServiceStatus.STOPPING else ErrorCode.LOADING
 
 
 def _upgrade_requested(request: web.Request) -> bool:
@@ -906,7 +917,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     if len(request.headers.getall(hdrs.AUTHORIZATION, ())) > 1:
         raise _refuse(
             state,
-            "auth",
+            ErrorCode.UNAUTHORIZED,
             web.HTTPBadRequest(text="more than one Authorization header\n"),
             request,
         )
@@ -914,7 +925,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     if key is None:
         raise _refuse(
             state,
-            "auth",
+            ErrorCode.UNAUTHORIZED,
             web.HTTPUnauthorized(
                 text="missing or wrong bearer token\n",
                 headers={hdrs.WWW_AUTHENTICATE: 'Bearer realm="wanspec"'},
@@ -928,7 +939,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
         failed = state.status == ServiceStatus.FAILED
         raise _refuse(
             state,
-            state.status.value,
+            _status_code(state.status),
             web.HTTPServiceUnavailable(
                 text=json.dumps({"status": state.status, "reason": state.reason}),
                 content_type="application/json",
@@ -940,7 +951,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     if s.max_sessions_per_token and state.per_token.get(key, 0) >= s.max_sessions_per_token:
         raise _refuse(
             state,
-            "token_limit",
+            ErrorCode.TOKEN_LIMIT,
             web.HTTPTooManyRequests(
                 text=f"this token already holds {s.max_sessions_per_token} connections "
                 "(max_sessions_per_token)\n",
@@ -955,7 +966,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     if state.connections >= room:
         raise _refuse(
             state,
-            "busy",
+            ErrorCode.BUSY,
             web.HTTPServiceUnavailable(
                 text=f"connection limit {s.max_sessions} reached\n",
                 headers={hdrs.RETRY_AFTER: "1"},
@@ -966,7 +977,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
         # No session could start here now: say so before the upgrade, as to a busy HTTP API.
         raise _refuse(
             state,
-            refusal.code,
+            ErrorCode(refusal.code),
             web.HTTPServiceUnavailable(
                 text=refusal.message + "\n",
                 headers={hdrs.RETRY_AFTER: str(math.ceil(refusal.retry_after or 1))},
@@ -984,30 +995,32 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     if not _upgrade_requested(request):
         raise _refuse(
             state,
-            "not_websocket",
+            ErrorCode.NOT_WEBSOCKET,
             web.HTTPUpgradeRequired(
                 text="/v1/session is a WebSocket endpoint: send Upgrade: websocket\n",
                 headers={hdrs.UPGRADE: "websocket", hdrs.CONNECTION: "Upgrade"},
             ),
         )
     if not _offers_subprotocol(request):  # (before aiohttp, which logs a warning for it)
-        raise _refuse(state, "subprotocol", _wrong_subprotocol(request))
+        raise _refuse(state, ErrorCode.SUBPROTOCOL, _wrong_subprotocol(request))
     try:
         ready = ws.can_prepare(request)
     except (UnicodeError, ValueError):
         # Header bytes that are not ASCII: aiohttp cannot quote them in its 400 (UnicodeError)
         # nor base64-decode such a Sec-WebSocket-Key (ValueError).
         raise _refuse(
-            state, "bad_upgrade", web.HTTPBadRequest(text="malformed WebSocket upgrade headers\n")
+            state,
+            ErrorCode.BAD_UPGRADE,
+            web.HTTPBadRequest(text="malformed WebSocket upgrade headers\n"),
         ) from None
     if not ready.ok:
         raise _refuse(
             state,
-            "bad_upgrade",
+            ErrorCode.BAD_UPGRADE,
             web.HTTPBadRequest(text="malformed WebSocket upgrade (version or key)\n"),
         )
     if ready.protocol != SUBPROTOCOL:
-        raise _refuse(state, "subprotocol", _wrong_subprotocol(request))
+        raise _refuse(state, ErrorCode.SUBPROTOCOL, _wrong_subprotocol(request))
     state.connections += 1
     state.per_token[key] = state.per_token.get(key, 0) + 1
     conn: _Conn | None = None
@@ -1044,9 +1057,9 @@ def _admission(
     s = state.settings
     _check_engine(state)
     if state.status == ServiceStatus.FAILED:
-        return Error(ErrorCode.INTERNAL, f"the verifier failed: {state.reason}", True)
+        return Error(_status_code(state.status), f"the verifier failed: {state.reason}", True)
     if state.status != ServiceStatus.READY:
-        code = ErrorCode.STOPPING if state.status == ServiceStatus.STOPPING else ErrorCode.LOADING
+        code = _status_code(state.status)
         return Error(code, f"the verifier is {state.status}: {state.reason}", True, 5.0)
     if resuming:
         return None
@@ -1718,8 +1731,8 @@ async def _run_session(peer: _Stream, state: VerifierState, tenant: str = "") ->
     try:
         first = await asyncio.wait_for(peer.receive(), s.handshake_timeout)
     except asyncio.TimeoutError:
-        state.metrics.sessions_refused.inc(reason="handshake")
         err = Error(ErrorCode.BAD_HANDSHAKE, f"no Hello within {s.handshake_timeout} s", fatal=True)
+        state.metrics.sessions_refused.inc(reason=err.code)
         await _fatal(peer, state, Close(err), core)
         return
     if first.type != WSMsgType.BINARY:

@@ -133,9 +133,10 @@ class VerifierMetrics:
         self.sessions = r.counter("wanspec_sessions_total", "Sessions established (Welcome sent).")
         self.sessions_refused = r.counter(
             "wanspec_sessions_refused_total",
-            "Session requests refused, by reason (auth, loading, stopping, failed, busy, "
-            "overloaded, kv_full, token_limit, not_websocket, bad_upgrade, subprotocol, "
-            "handshake, fingerprint, rate_limited).",
+            "Session requests refused, by reason: the refusal's ErrorCode (unauthorized, "
+            "loading, stopping, internal, busy, overloaded, kv_full, token_limit, bad_header, "
+            "not_websocket, bad_upgrade, subprotocol, bad_handshake, bad_hello, "
+            "fingerprint_mismatch).",
             labels=("reason",),
         )
         self.sessions_resumed = r.counter(

@@ -143,7 +143,7 @@ class CoreState(TextEnum):
 
 class NoteKind(TextEnum):
     OPENED = "opened"
-    REFUSED = "refused"  # detail: handshake | fingerprint
+    REFUSED = "refused"  # detail: the Error code (bad_handshake, bad_hello, ...)
     STALE = "stale"  # a Propose of an old epoch dropped unprocessed
     BAD_FRAME = "bad_frame"
     EDGE_ERROR = "edge_error"  # detail: the edge's Error code and message
@@ -489,9 +489,10 @@ class VerifierCore:
 
     # ------------------------------------------------------------------ handshake
 
-    def _refuse(self, code: ErrorCode, message: str, why: str) -> list[Event]:
+    def _refuse(self, code: ErrorCode, message: str) -> list[Event]:
+        """The Hello refused: the session closes; the refusal's reason is the Error's code."""
         self.state = CoreState.CLOSED
-        return [Note(NoteKind.REFUSED, why), Close(Error(code, message, fatal=True))]
+        return [Note(NoteKind.REFUSED, code), Close(Error(code, message, fatal=True))]
 
     def _handshake(self, data: bytes | str) -> list[Event]:
         try:
@@ -499,28 +500,24 @@ class VerifierCore:
                 raise ProtocolError("frame", f"expected binary data, got {type(data).__name__}")
             msg = decode(data)
         except ProtocolError as e:
-            return self._refuse(ErrorCode.BAD_HANDSHAKE, f"expected Hello: {e}", "handshake")
+            return self._refuse(ErrorCode.BAD_HANDSHAKE, f"expected Hello: {e}")
         if not isinstance(msg, Hello):
             return self._refuse(
-                ErrorCode.BAD_HANDSHAKE,
-                f"expected Hello first, got {type(msg).__name__}",
-                "handshake",
+                ErrorCode.BAD_HANDSHAKE, f"expected Hello first, got {type(msg).__name__}"
             )
         t, lim = self.target, self.limits
         reason = msg.fingerprint.compatible_with(t.fingerprint)
         if reason is not None:
-            return self._refuse(ErrorCode.FINGERPRINT_MISMATCH, reason, "fingerprint")
+            return self._refuse(ErrorCode.FINGERPRINT_MISMATCH, reason)
         if msg.k > lim.max_k or msg.m > lim.max_k:
             return self._refuse(
                 ErrorCode.BAD_HELLO,
                 f"k = {msg.k} / m = {msg.m} exceed this verifier's limit {lim.max_k}",
-                "handshake",
             )
         if msg.logprobs is not None and msg.reply_mode == ReplyMode.FEDERATED:
             return self._refuse(
                 ErrorCode.BAD_HELLO,
                 "logprobs: a federated session gets distributions, not log-probabilities",
-                "handshake",
             )
         self.hello = msg
         self.ctx = WireContext(

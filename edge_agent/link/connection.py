@@ -15,7 +15,7 @@ import aiohttp
 
 from edge_agent.session.transport import LinkClosed
 from edge_agent.session.transport import VerifierBusy as VerifierBusy
-from shared.errors import WanspecError
+from shared.errors import ErrorCode, WanspecError
 from shared.wire.mux import (
     MAX_PREFIX,
     ClientMux,
@@ -129,7 +129,7 @@ class Connection:
             raise VerifierBusy(
                 f"verifier at {self.url}: {self.ready.max_streams} sessions are open on this "
                 "connection (its max_streams)",
-                "busy",
+                ErrorCode.BUSY,
                 1.0,
             )
         sid = self.mux.open()
@@ -313,16 +313,18 @@ async def _upgrade(
         if e.status in (401, 403):
             raise TokenRefused(f"verifier at {settings.url} refused the token ({e.status})") from e
         headers: Mapping[str, str] = e.headers or {}
+        # The verifier's reason, an ErrorCode value (a newer verifier's may be one this edge
+        # does not know: it is shown as it came).
         reason = str(headers.get(REFUSAL_HEADER, "")).strip()[:64]
         after = retry_after_s(headers.get("Retry-After"))
         if e.status in (429, 503):
-            why = reason or ("token_limit" if e.status == 429 else "unavailable")
+            why = reason or (ErrorCode.TOKEN_LIMIT if e.status == 429 else ErrorCode.UNAVAILABLE)
             message = f"verifier at {settings.url} {refusal_text(why, e.status)}"
             if after is not None:
                 raise VerifierBusy(f"{message}; retry after {after:g} s", why, after) from e
             raise LinkClosed(message) from e
         if 400 <= e.status < 500:
-            if reason == "subprotocol":
+            if reason == ErrorCode.SUBPROTOCOL:
                 raise LinkRefused(
                     f"verifier at {settings.url} does not speak {SUBPROTOCOL} "
                     f"(protocol {PROTOCOL_VERSION}) ({e.status}): it runs another version "
@@ -357,13 +359,18 @@ async def _upgrade(
     return session, ws
 
 
+#: How a busy verifier's refusal reads, by its reason.
+_REFUSAL_TEXT: dict[str, str] = {
+    ErrorCode.OVERLOADED: "is overloaded (its model queue is past max_queue_delay)",
+    ErrorCode.KV_FULL: "has no free KV cache page (kv_full)",
+    ErrorCode.BUSY: "holds its session limit (busy)",
+    ErrorCode.LOADING: "is still loading its model",
+    ErrorCode.STOPPING: "is draining or shutting down",
+    ErrorCode.TOKEN_LIMIT: "holds this token's session limit (429)",
+}
+
+
 def refusal_text(why: str, status: int = 503) -> str:
-    """How a busy verifier's refusal reads, by its reason."""
-    return {
-        "overloaded": "is overloaded (its model queue is past max_queue_delay)",
-        "kv_full": "has no free KV cache page (kv_full)",
-        "busy": "holds its session limit (busy)",
-        "loading": "is still loading its model",
-        "stopping": "is draining or shutting down",
-        "token_limit": "holds this token's session limit (429)",
-    }.get(why, f"refused the session ({status} {why})")
+    """How a busy verifier's refusal reads, by its reason (an ErrorCode value, or one this
+    edge does not know)."""
+    return _REFUSAL_TEXT.get(why, f"refused the session ({status} {why})")

@@ -536,5 +536,5 @@ async def test_every_refusal_names_its_reason_in_a_header(
     async with v.http.get(v.url.replace("ws://", "http://"), headers=headers) as r:
         assert r.status == 503 and r.headers[REFUSAL_HEADER] == "busy"
     async with v.http.get(v.url.replace("ws://", "http://")) as r:
-        assert r.status == 401 and r.headers[REFUSAL_HEADER] == "auth"
+        assert r.status == 401 and r.headers[REFUSAL_HEADER] == "unauthorized"
     await held.ws.close()

@@ -21,6 +21,7 @@ from cloud_verifier.daemon.tls import server_context
 from cloud_verifier.engine.targets import NullTarget
 from edge_agent.link.connection import LinkSettings, UntrustedCertificateError, WebSocketTransport
 from edge_agent.link.driver import handshake
+from shared.errors import ErrorCode
 from shared.service.config import ConfigError
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello, Welcome
@@ -67,7 +68,7 @@ async def test_tokens_rotate_through_the_file(aiohttp_server: Any, tmp_path: Pat
     assert await status_of(server, "new-token") == 101
     assert await status_of(server, "newer-token-with-another-length") == 101
     m = server.app[STATE].metrics.render()
-    assert 'wanspec_sessions_refused_total{reason="auth"} 3' in m
+    assert f'wanspec_sessions_refused_total{{reason="{ErrorCode.UNAUTHORIZED}"}} 3' in m
     # Refused before the upgrade: nothing was created for them.
     assert "wanspec_sessions_total 0" in m
 

@@ -45,6 +45,7 @@ from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.engine import EngineHealth
 from cloud_verifier.engine.targets import NullTarget, Target
+from shared.errors import ErrorCode
 from shared.runtime.batched_lm import Row
 from shared.service.http_guard import Listener
 from shared.service.sdnotify import Notifier
@@ -361,12 +362,12 @@ async def test_a_dead_engine_is_seen_by_health_sessions_new_connections_and_the_
             assert r.status == 503 and body["status"] == "failed", body
             assert "EngineKilled" in body["reason"] and body["engine"]["alive"] is False
             e = await refusal(http, url)
-            assert e.status == 503 and e.headers[REFUSAL_HEADER] == "failed"
+            assert e.status == 503 and e.headers[REFUSAL_HEADER] == ErrorCode.INTERNAL
             assert "Retry-After" not in e.headers
             dead_at = time.monotonic()
             await asyncio.sleep(0.4)
             assert not notify.pings(dead_at)
-            assert state.metrics.sessions_refused.get(reason="failed") == 1
+            assert state.metrics.sessions_refused.get(reason=ErrorCode.INTERNAL) == 1
     finally:
         await notify.close()
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

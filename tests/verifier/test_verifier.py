@@ -23,6 +23,7 @@ from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.engine import Engine
 from cloud_verifier.engine.targets import Target, TorchTarget
 from cloud_verifier.engine.work import FailureKind
+from shared.errors import ErrorCode
 from shared.maths.sampling import transform
 from shared.runtime.models import load_model
 from shared.wire.params import SamplingParams
@@ -359,7 +360,7 @@ async def test_auth_refused_before_upgrade(
         StreamWS(await svc.client.ws_connect("/v1/session", headers=auth_headers(TOKEN)))
     assert e.value.status == 400
     assert svc.state.sessions == {} and svc.state.connections == 0
-    assert svc.metrics.sessions_refused.get(reason="auth") == 3
+    assert svc.metrics.sessions_refused.get(reason=ErrorCode.UNAUTHORIZED) == 3
     assert svc.metrics.sessions.get() == 0 and svc.engine.forwards == 0
 
 

@@ -26,6 +26,7 @@ from aiohttp import WSCloseCode, WSMsgType
 from bench.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.cli import main as verifier_main
+from shared.errors import ErrorCode
 from shared.runtime.device import DeviceUnavailable, choose_device
 from shared.service.ratelog import LogLimiter
 from shared.wire.params import SamplingParams
@@ -582,8 +583,8 @@ async def test_refusals_are_counted_by_reason_and_logged_rate_limited(
         async with http.get(url + "/v1/session", headers=auth_headers("right-token")) as r:
             assert r.status == 426 and r.headers["Upgrade"] == "websocket"
     m = state.metrics.sessions_refused
-    assert m.get(reason="auth") == 30 and m.get(reason="not_websocket") == 1
-    assert m.get(reason="subprotocol") == 0
+    assert m.get(reason=ErrorCode.UNAUTHORIZED) == 30
+    assert m.get(reason=ErrorCode.NOT_WEBSOCKET) == 1 and m.get(reason=ErrorCode.SUBPROTOCOL) == 0
     refused = [r for r in caplog.records if "refused a session request" in r.getMessage()]
     assert 1 <= len(refused) <= 5 and all(r.levelno == logging.INFO for r in refused)
 
