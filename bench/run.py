@@ -116,6 +116,7 @@ from edge_agent.daemon.text import eos_ids
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
 from edge_agent.model.drafter import BranchDrafting, Drafter, DraftModel, DraftRow, DraftStep
 from edge_agent.model.lm import SupportsCausalLM
+from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from edge_agent.session.transport import Transport
 from shared.enums import TextEnum
@@ -723,13 +724,13 @@ async def run_spec(
 ) -> dict[str, Any]:
     stamps: list[float] = []
 
-    def on_commit(ids: list[int]) -> None:
-        now = time.perf_counter()
-        stamps.extend([now] * len(ids))
+    def on_event(ev: GenerationEvent) -> None:
+        if isinstance(ev, Committed):
+            stamps.extend([time.perf_counter()] * len(ev.ids))
 
     t0 = time.perf_counter()
     gen = await agent.generate(
-        prompt, cfg, max_new_tokens=n, eos_ids=eos, seed=0, on_commit=on_commit
+        prompt, cfg, max_new_tokens=n, eos_ids=eos, seed=0, on_event=on_event
     )
     wall = time.perf_counter() - t0
     st = gen.stats

@@ -61,6 +61,7 @@ from edge_agent.link.warm import WarmLink
 from edge_agent.model.batching import BatchingWorker
 from edge_agent.model.drafter import Drafter
 from edge_agent.model.tasks import ModelWorker
+from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import Transport
@@ -298,12 +299,12 @@ async def agent_request(agent: EdgeAgent, prompt: list[int], n: int, cfg: Pipeli
     t0 = time.perf_counter()
     first: list[float] = []
 
-    def on_commit(ids: list[int]) -> None:
-        if not first:
+    def on_event(ev: GenerationEvent) -> None:
+        if isinstance(ev, Committed) and not first:
             first.append(time.perf_counter() - t0)
 
-    gen = Generation(prompt, n, (), on_commit)
-    await agent.run(gen, cfg)
+    gen = Generation(prompt, n)
+    await agent.run(gen, cfg, on_event=on_event)
     return Sample(first[0] if first else 0.0, time.perf_counter() - t0, len(gen.generated))
 
 

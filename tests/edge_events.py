@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 from edge_agent.session.core import SingleCore
-from edge_agent.session.events import Drop, EdgeEvent, Fail
+from edge_agent.session.events import Drop, EdgeEvent, Fail, Send
 from shared.wire.protocol import encode
 
 
 def sent(core: SingleCore, events: list[EdgeEvent]) -> list[bytes]:
     """The frames a driver writes for ``core``'s ``events``, in order, counted in its stats as
-    the driver counts them; a :class:`Fail` raises its error (as the single-session driver
-    does) and a :class:`Drop` is refused (a single session has none)."""
+    the driver counts them (Committed and Finished are the consumer's); a :class:`Fail` raises
+    its error (as the single-session driver does) and a :class:`Drop` is refused (a single
+    session has none)."""
     out = []
     for event in events:
         if isinstance(event, Fail):
             raise event.error
         if isinstance(event, Drop):
             raise AssertionError(f"unexpected {event}")
+        if not isinstance(event, Send):
+            continue  # Committed, Finished: the consumer's
         data = encode(event.msg, core.ctx)
         core.gen.stats.sent(event.msg, len(data))
         out.append(data)

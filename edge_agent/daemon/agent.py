@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 
 from edge_agent.link.connection import TokenRefused, VerifierBusy
-from edge_agent.link.driver import VerdictTimeout, handshake, run_single
+from edge_agent.link.driver import Consumer, VerdictTimeout, handshake, run_single
 from edge_agent.link.federation import WorkerSpec, run_federated
 from edge_agent.model.drafter import DraftModel
 from edge_agent.model.tasks import ModelWorker
@@ -36,6 +36,7 @@ from edge_agent.session.core import (
     fit_context,
     hello_for,
 )
+from edge_agent.session.events import GenerationEvent
 from edge_agent.session.federation_core import ROUND_DEADLINE_S
 from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.pipeline_config import PipelineConfig
@@ -136,11 +137,12 @@ class EdgeAgent:
         max_new_tokens: int,
         eos_ids: Sequence[int] = (),
         seed: int | None = None,
-        on_commit: Callable[[list[int]], None] | None = None,
+        on_event: Consumer | None = None,
     ) -> Generation:
-        """Generate until an end-of-sequence id or ``max_new_tokens``; returns the Generation."""
-        gen = Generation(prompt, max_new_tokens, eos_ids, on_commit)
-        await self.run(gen, cfg, seed=seed)
+        """Generate until an end-of-sequence id or ``max_new_tokens``; returns the Generation.
+        ``on_event``: as :meth:`run`'s."""
+        gen = Generation(prompt, max_new_tokens, eos_ids)
+        await self.run(gen, cfg, seed=seed, on_event=on_event)
         return gen
 
     async def run(
@@ -150,12 +152,16 @@ class EdgeAgent:
         *,
         seed: int | None = None,
         retry: RetryPolicy | None = None,
+        on_event: Consumer | None = None,
     ) -> None:
         """Run ``gen`` until it is done. The caller keeps ``gen``: its committed ids and stats
-        survive a cancellation, and ``gen.finish(reason)`` (e.g. from ``on_commit``, on a stop
+        survive a cancellation, and ``gen.finish(reason)`` (e.g. from ``on_event``, on a stop
         string) ends the run cleanly after the current verdict. ``retry``: this run's policy
-        instead of the agent's (e.g. a short deadline while the link is known to be down)."""
+        instead of the agent's (e.g. a short deadline while the link is known to be down).
+        ``on_event`` is handed every Committed and Finished event of the generation, in order
+        (the sessions' and the draft-only fallback's)."""
         policy = retry or self.retry
+        tell = _teller(on_event)
         rng = np.random.default_rng(seed)
         if self.drafter is None and not cfg.cogen:
             raise ValueError("with no draft model the verifier writes the text: cogen must be on")
@@ -177,6 +183,7 @@ class EdgeAgent:
                 retry=policy,
                 deadline_s=self.round_deadline_s,
                 seed=seed,
+                on_event=on_event,
             )
             return
         jitter = random.Random(seed)
@@ -204,7 +211,7 @@ class EdgeAgent:
                 if welcome is not None:
                     # The connection's Ready says the verifier's context: the generation
                     # stops there ("length"), before its Hello names where it ends.
-                    fit_context(gen, welcome.max_context)
+                    tell(fit_context(gen, welcome.max_context))
                     if gen.done:
                         return
                 hello = self.hello(cfg, vseed, len(gen.committed) + gen.room, resume)
@@ -214,7 +221,7 @@ class EdgeAgent:
                         timeout = min(timeout, max(MIN_ATTEMPT_S, outage.remaining(_now())))
                     welcome = await handshake(transport, hello, timeout)
                     resume_token = welcome.resume
-                    fit_context(gen, welcome.max_context)
+                    tell(fit_context(gen, welcome.max_context))
                     if gen.done:
                         return
                 else:
@@ -233,18 +240,19 @@ class EdgeAgent:
                     self.worker,
                     transport,
                     verdict_timeout_s=policy.verdict_timeout_s,
+                    on_event=on_event,
                 )
             except TokenRefused:
                 raise  # PermissionError is an OSError, but retrying a refused token is pointless
             except (DesyncError, ProtocolError, VerdictTimeout) as e:
                 resume_token = None  # that session is not to be trusted or is stuck
                 await self._failed(
-                    gen, cfg, rng, outage, jitter, e, committed_before, _unopened(core, began)
+                    gen, cfg, rng, outage, jitter, e, committed_before, _unopened(core, began), tell
                 )
             except (LinkClosed, asyncio.TimeoutError, OSError) as e:
                 resume_token = _resume_token(core, resume_token)
                 await self._failed(
-                    gen, cfg, rng, outage, jitter, e, committed_before, _unopened(core, began)
+                    gen, cfg, rng, outage, jitter, e, committed_before, _unopened(core, began), tell
                 )
             except VerifierError as e:
                 if e.fatal and e.code in FATAL_CODES:
@@ -254,11 +262,11 @@ class EdgeAgent:
                     # pass it anyway, the text ends there: a new session would only be
                     # refused again (a reconnect loop that loses the text).
                     log.warning("the verifier's context is full (%s): the text ends here", e)
-                    gen.finish("length")
+                    tell([gen.finish("length")])
                     return
                 resume_token = _resume_token(core, resume_token)
                 await self._failed(
-                    gen, cfg, rng, outage, jitter, e, committed_before, _unopened(core, began)
+                    gen, cfg, rng, outage, jitter, e, committed_before, _unopened(core, began), tell
                 )
             finally:
                 if transport is not None:
@@ -290,6 +298,7 @@ class EdgeAgent:
         err: BaseException,
         committed_before: int,
         began: float | None,
+        tell: Callable[[list[GenerationEvent]], None],
     ) -> None:
         """A session failed: count it, give up by the policy, else pause before the next.
 
@@ -348,7 +357,7 @@ class EdgeAgent:
             log.debug(
                 "verifier session failed (%s); next attempt %d in %.1f s", err, attempt, delay
             )
-        await self._pause(gen, cfg, rng, policy, delay)
+        await self._pause(gen, cfg, rng, policy, delay, tell)
 
     async def _pause(
         self,
@@ -357,8 +366,10 @@ class EdgeAgent:
         rng: np.random.Generator,
         policy: RetryPolicy,
         delay: float,
+        tell: Callable[[list[GenerationEvent]], None],
     ) -> None:
-        """Between reconnection attempts: wait, or (draft_only) generate with the draft alone."""
+        """Between reconnection attempts: wait, or (draft_only) generate with the draft alone
+        (its commits are ``tell``'s, as a session's are its driver's)."""
         if policy.link_down != LinkDownPolicy.DRAFT_ONLY or self.drafter is None:
             await asyncio.sleep(delay)
             return
@@ -369,9 +380,20 @@ class EdgeAgent:
             step = await self.worker.run(
                 self.drafter.draft, gen.committed, cfg.sampling, rng, deterministic=deterministic
             )
-            gen.commit([step.token], TokenSource.LOCAL_DRAFT)
+            tell(gen.commit([step.token], TokenSource.LOCAL_DRAFT))
             if time.monotonic() >= deadline:
                 break
+
+
+def _teller(on_event: Consumer | None) -> Callable[[list[GenerationEvent]], None]:
+    """Hands events the agent itself produces (outside a session) to ``on_event``."""
+
+    def tell(events: list[GenerationEvent]) -> None:
+        for event in events:
+            if on_event is not None:
+                on_event(event)
+
+    return tell
 
 
 def _now() -> float:

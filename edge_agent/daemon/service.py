@@ -37,13 +37,14 @@ from edge_agent.link.connection import (
     TokenRefused,
     VerifierBusy,
 )
-from edge_agent.link.driver import VerdictTimeout
+from edge_agent.link.driver import Consumer, VerdictTimeout
 from edge_agent.link.federation import WorkerSpec
 from edge_agent.link.warm import LinkLost, WarmLink
 from edge_agent.model.batching import BatchingWorker
 from edge_agent.model.drafter import Drafter
 from edge_agent.model.tasks import ModelWorker
 from edge_agent.session.core import ContextExceeded, VerifierError
+from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.generation import Generation, TokenLogprob
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.retry import LinkDownPolicy
@@ -527,14 +528,16 @@ class EdgeService:
             return None
         return dataclasses.replace(agent.retry, deadline_s=fail_fast)
 
-    async def _run(self, gen: Generation, req: GenRequest) -> None:
+    async def _run(self, gen: Generation, req: GenRequest, on_event: Consumer) -> None:
         """The agent's run; with ``fallback = "draft"`` the agent itself keeps generating with
         the draft alone while no verifier answers (those tokens are flagged unverified). A run
         that fails logs one WARNING line (the 503's message, with the Retry-After it gives)."""
         _, agent = self.require()
         retry = self.fail_fast_policy(agent)
         try:
-            await agent.run(gen, seeded(req.pipeline, req.seed), seed=req.seed, retry=retry)
+            await agent.run(
+                gen, seeded(req.pipeline, req.seed), seed=req.seed, retry=retry, on_event=on_event
+            )
         except ContextExceeded as e:
             raise PromptTooLong(str(e)) from e
         except (LinkClosed, OSError, HandshakeError, asyncio.TimeoutError) as e:
@@ -609,24 +612,26 @@ class EdgeService:
             streamer = TextStreamer(loaded.tokenizer, on_text)
             first_at: list[float] = []  # when the first token was committed
 
-            def on_commit(ids: list[int]) -> None:
+            def on_event(event: GenerationEvent) -> None:
+                if not isinstance(event, Committed):
+                    return  # (the generation's end is the task's)
                 now = time.monotonic()
                 slot.committed(now)
-                if not first_at and ids:
+                if not first_at:
                     first_at.append(now)
-                streamer(ids)
+                streamer(list(event.ids))
 
             def rest() -> str:
                 """The text committed but not yet handed out (held back for a stop string or
                 an unfinished character): all of it goes, the generation being over."""
                 return scanner.feed(streamer.text()[streamer.emitted :]) + scanner.flush()
 
-            gen = Generation(req.prompt_ids, req.max_tokens, eos, on_commit)
+            gen = Generation(req.prompt_ids, req.max_tokens, eos)
             rtts: list[float] = []
             _RTTS.set(rtts)  # (the generation's task inherits it: its sessions report here)
             t0 = time.perf_counter()
             started = time.monotonic()
-            task = asyncio.create_task(self._run(gen, req), name="wanspec-generation")
+            task = asyncio.create_task(self._run(gen, req, on_event), name="wanspec-generation")
             task.add_done_callback(lambda _: pieces.put_nowait(None))
             outcome = "cancelled"
             sent: list[str] = []

@@ -36,11 +36,22 @@ from edge_agent.session.core import (
     SingleCore,
     check_welcome,
 )
-from edge_agent.session.events import EdgeEvent, Fail, Send
+from edge_agent.session.events import (
+    Committed,
+    EdgeEvent,
+    Fail,
+    Finished,
+    GenerationEvent,
+    Send,
+)
 from edge_agent.session.generation import Stats
 from edge_agent.session.transport import LinkClosed, Transport
 from shared.maths.sampling import Probs
 from shared.wire.protocol import Hello, Message, Welcome, WireContext, encode
+
+Consumer = Callable[[GenerationEvent], None]
+"""Who a driver hands a generation's Committed and Finished events to (the service, or the
+agent's caller), in order."""
 
 
 class VerdictTimeout(LinkClosed):
@@ -329,9 +340,11 @@ async def run_single(
     transport: Transport,
     *,
     verdict_timeout_s: float = 10.0,
+    on_event: Consumer | None = None,
 ) -> None:
     """Run ``core``'s generation over one established session until it is done (``drafter``
-    None: cloud-only, the verifier's co-generation writes the text). Raises
+    None: cloud-only, the verifier's co-generation writes the text); ``on_event`` is handed
+    the core's Committed and Finished events as they come. Raises
     LinkClosed (VerdictTimeout for a stalled verifier) / VerifierError / DesyncError /
     ProtocolError when the session fails."""
     if core.gen.done:
@@ -343,6 +356,9 @@ async def run_single(
         for event in events:
             if isinstance(event, Send):
                 io.write(event.msg)
+            elif isinstance(event, (Committed, Finished)):
+                if on_event is not None:
+                    on_event(event)
             elif isinstance(event, Fail):
                 raise event.error
             else:  # a single session has no worker links to drop

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from edge_agent.link.connection import LinkRefused, TokenRefused
-from edge_agent.link.driver import LinkIO, Signal, draft_loop, handshake
+from edge_agent.link.driver import Consumer, LinkIO, Signal, draft_loop, handshake
 from edge_agent.model.drafter import DraftModel
 from edge_agent.model.tasks import ModelWorker, cancel_all, run_until_first_done
 from edge_agent.session.core import DesyncError, DraftPlan, HandshakeError, Rival, VerifierError
-from edge_agent.session.events import Drop, EdgeEvent, Fail, Send
+from edge_agent.session.events import Committed, Drop, EdgeEvent, Fail, Finished, Send
 from edge_agent.session.federation_core import (
     ROUND_DEADLINE_S,
     FederatedCore,
@@ -77,8 +77,10 @@ class _Federation:
         worker: ModelWorker,
         retry: RetryPolicy,
         seed: int | None,
+        on_event: Consumer | None,
     ) -> None:
         self.core = core
+        self.on_event = on_event
         self.specs = list(specs)
         self.drafter = drafter
         self.worker = worker
@@ -92,6 +94,10 @@ class _Federation:
 
     def _emit(self, events: list[EdgeEvent]) -> None:
         for event in events:
+            if isinstance(event, (Committed, Finished)):
+                if self.on_event is not None:
+                    self.on_event(event)
+                continue
             if isinstance(event, Fail):  # the federated core drops workers instead
                 raise AssertionError(f"{event} from the federated core")
             io = self.io.get(event.link)
@@ -143,12 +149,12 @@ class _Federation:
             except BaseException:
                 await transport.close()
                 raise
-            core.link_up(index, welcome, time.monotonic())
+            news = core.link_up(index, welcome, time.monotonic())
             io = LinkIO(
                 transport, core.ctx(index), core.gen.stats, max_queued=core.cfg.send_queue_bound
             )
             self.io[index] = io
-            self.signal.notify()
+            self._emit(news)
             why = "dropped"
             try:
                 await run_until_first_done(self._read(index, io), io.writer(), io.until_dropped())
@@ -278,6 +284,7 @@ async def run_federated(
     retry: RetryPolicy,
     deadline_s: float = ROUND_DEADLINE_S,
     seed: int | None = None,
+    on_event: Consumer | None = None,
 ) -> FederationStats:
     """Run ``gen`` verified by ``workers`` until done; returns the federation's measurements
     (also set on ``gen.federation`` as soon as the run starts).
@@ -287,7 +294,8 @@ async def run_federated(
     a member that misses it is left out of the rounds, not dropped
     (:mod:`edge_agent.session.federation_core`). A member is dead, and dropped, only when silent
     past
-    the liveness bound whose floor is ``retry.verdict_timeout_s``, as a single verifier is."""
+    the liveness bound whose floor is ``retry.verdict_timeout_s``, as a single verifier is.
+    ``on_event`` is handed the generation's Committed and Finished events as they come."""
     core = FederatedCore(
         gen,
         cfg,
@@ -299,7 +307,7 @@ async def run_federated(
         seed=seed,
     )
     gen.federation = core.fed
-    await _Federation(core, workers, drafter, worker, retry, seed).run()
+    await _Federation(core, workers, drafter, worker, retry, seed, on_event).run()
     return core.fed
 
 
@@ -314,7 +322,7 @@ async def generate_federated(
     max_new_tokens: int,
     eos_ids: list[int] | tuple[int, ...] = (),
     seed: int | None = None,
-    on_commit: Callable[[list[int]], None] | None = None,
+    on_event: Consumer | None = None,
     deadline_s: float = ROUND_DEADLINE_S,
     no_worker_timeout_s: float = 30.0,
     liveness_s: float = 10.0,
@@ -322,7 +330,7 @@ async def generate_federated(
     """One federated generation; raises LinkClosed when no worker is reachable for too long.
     ``deadline_s`` and ``liveness_s``: see :func:`run_federated` (``liveness_s`` is the
     retry policy's ``verdict_timeout_s``)."""
-    gen = Generation(prompt, max_new_tokens, eos_ids, on_commit)
+    gen = Generation(prompt, max_new_tokens, eos_ids)
     fed = await run_federated(
         gen,
         cfg,
@@ -336,5 +344,6 @@ async def generate_federated(
         ),
         deadline_s=deadline_s,
         seed=seed,
+        on_event=on_event,
     )
     return gen, fed

@@ -58,7 +58,12 @@ from typing import Final, NoReturn
 import numpy as np
 
 from edge_agent.session.controller import Controller, ControllerLimits
-from edge_agent.session.events import EdgeEvent, Fail, Send
+from edge_agent.session.events import (
+    EdgeEvent,
+    Fail,
+    GenerationEvent,
+    Send,
+)
 from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.pipeline_config import Mode, PipelineConfig, max_inflight
 from edge_agent.session.transport import VerifierBusy
@@ -138,18 +143,20 @@ class ContextExceeded(WanspecError, ValueError):
         self.limit = limit
 
 
-def fit_context(gen: Generation, max_context: int) -> None:
+def fit_context(gen: Generation, max_context: int) -> list[GenerationEvent]:
     """Bound ``gen`` by a verifier's context (its Welcome's or its connection's Ready's
     ``max_context``): after this, prompt + ``max_new_tokens`` ≤ ``max_context``, so no
     Propose, hedge or co-generated token ever passes the verifier's limit, and a generation
     that reaches it ends with ``finish_reason`` "length" and its text (never a refusal that
     would be retried). A text already at the limit (a fail-over to a smaller verifier) ends
-    now. Raises :class:`ContextExceeded` when the prompt alone leaves no room."""
+    now (the :class:`~edge_agent.session.events.Finished` returned says so). Raises
+    :class:`ContextExceeded` when the prompt alone leaves no room."""
     if gen.prompt_len >= max_context:
         raise ContextExceeded(gen.prompt_len, max_context)
     gen.max_new_tokens = min(gen.max_new_tokens, max_context - gen.prompt_len)
     if gen.room <= 0 and not gen.done:
-        gen.finish("length")
+        return [gen.finish("length")]
+    return []
 
 
 class EdgeState(TextEnum):
@@ -401,6 +408,22 @@ class Pipeline:
         self._predrafted_version = 0
         #: When the last rejection came (None: the batch after it has been sent).
         self.rejected_at: float | None = None
+        #: What the commits since the last :meth:`news` tell the consumer, in order.
+        self._news: list[GenerationEvent] = []
+
+    def news(self) -> list[GenerationEvent]:
+        """The Committed / Finished events of the commits since the last call (its owner
+        returns them first among a call's events), and forget them."""
+        out, self._news = self._news, []
+        return out
+
+    def commit(self, ids: Sequence[int], source: TokenSource) -> None:
+        """Commit ``ids`` (:meth:`Generation.commit`), keeping what the consumer is told."""
+        self._news += self.gen.commit(ids, source)
+
+    def fit_context(self, max_context: int) -> None:
+        """:func:`fit_context`, keeping what the consumer is told."""
+        self._news += fit_context(self.gen, max_context)
 
     @property
     def gamma(self) -> int:
@@ -724,7 +747,7 @@ class Pipeline:
             raise DesyncError(f"tokens for position {start}, but {c} are committed")
         if list(tokens[:skip]) != self.gen.committed[start : start + skip]:
             raise DesyncError(f"tokens at {start} differ from the committed text")
-        self.gen.commit(tokens[skip:], source)
+        self.commit(tokens[skip:], source)
 
     def discard_inflight(self, keep: Batch | None = None) -> None:
         """Every batch in flight (behind ``keep``, when given) was drafted from a token that is
@@ -739,7 +762,7 @@ class Pipeline:
 
     def commit_recovered(self, token: int) -> None:
         self.gen.stats.recovered_tokens += 1
-        self.gen.commit([token], TokenSource.CORRECTION)
+        self.commit([token], TokenSource.CORRECTION)
 
     def commit_bonus(self, token: int, pos: int) -> None:
         if self.gen.done:
@@ -986,9 +1009,8 @@ class SingleCore:
         if self._failed is not None:
             return [self._failed]
         try:
-            if self.welcome is None:
-                return self._opening(data)
-            return self._receive(data, now)
+            events = self._opening(data) if self.welcome is None else self._receive(data, now)
+            return [*self.pipe.news(), *events]
         except (
             VerifierError,
             DesyncError,
@@ -998,7 +1020,7 @@ class SingleCore:
             ContextExceeded,
         ) as e:
             self._failed = Fail(e)
-            return [self._failed]
+            return [*self.pipe.news(), self._failed]
 
     def _opening(self, data: bytes) -> list[EdgeEvent]:
         """The first frame of a session opened with its first Propose: its Welcome (checked as
@@ -1010,7 +1032,7 @@ class SingleCore:
         ctx = self.link.ctx
         if welcome.max_gamma < ctx.max_gamma or welcome.max_fixed < ctx.max_fixed:
             raise DesyncError("the session's Welcome grants less than its connection's Ready")
-        fit_context(self.gen, welcome.max_context)  # (the Ready's was applied already)
+        self.pipe.fit_context(welcome.max_context)  # (the Ready's was applied already)
         self.welcome = welcome
         return []
 
@@ -1053,7 +1075,7 @@ class SingleCore:
         ):
             gen.stats.hedge_hits += 1
         b = next((b for b in pipe.inflight if b.start <= c < b.start + len(b.live)), None)
-        gen.commit([g.token], TokenSource.CLOUD_DRAFT if g.cloud else TokenSource.COGENERATED)
+        pipe.commit([g.token], TokenSource.CLOUD_DRAFT if g.cloud else TokenSource.COGENERATED)
         if b is None:
             # Past every draft in flight: the batch being drafted (if any) goes on while it
             # agrees with the new token (Pipeline.current); the verifier knows the text to here.

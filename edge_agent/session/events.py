@@ -1,12 +1,14 @@
-"""What the edge's cores ask of their drivers (as wsproto's events sit beside its codec).
+"""What the edge's cores ask of their drivers (as wsproto's events sit beside its codec),
+and what they tell the generation's consumer (:class:`Committed`, :class:`Finished`).
 
 A core (:class:`~edge_agent.session.core.SingleCore`,
-:class:`~edge_agent.session.federation_core.FederatedCore`)
-does no I/O: every call that feeds it (a drafted batch, a hedge, a frame from a verifier, a
-round's deadline) returns a list of these events, in the order they must be carried out. What a
-peer sends never raises into the driver (a frame that does not fit is a :class:`Fail`, or a
-:class:`Drop` of its worker); only a driver's own misuse (a call out of order) raises. A driver
-only reads the core's state, feeds it and carries out events.
+:class:`~edge_agent.session.federation_core.FederatedCore`) does no I/O and calls nothing out:
+every call that feeds it (a drafted batch, a hedge, a frame from a verifier, a round's
+deadline) returns a list of these events, in the order they must be carried out (a call's
+commits come first: they happened before anything it sends). What a peer sends never raises
+into the driver (a frame that does not fit is a :class:`Fail`, or a :class:`Drop` of its
+worker); only a driver's own misuse (a call out of order) raises. A driver only reads the
+core's state, feeds it and carries out events.
 """
 
 from __future__ import annotations
@@ -46,4 +48,23 @@ class Fail:
     error: WanspecError
 
 
-EdgeEvent = Send | Drop | Fail
+@dataclass(frozen=True)
+class Committed:
+    """Generated ids newly committed, in order (the driver hands them to its consumer: the
+    service decodes them into text). Every committed id is in exactly one such event."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The generation ended, for ``reason`` ("stop": an end-of-sequence id; "length": the
+    token limit or the verifier's context). Once per generation, after its last Committed."""
+
+    reason: str
+
+
+GenerationEvent = Committed | Finished
+"""What a driver hands to its consumer (the service, the agent's caller)."""
+
+EdgeEvent = Send | Drop | Fail | Committed | Finished

@@ -91,7 +91,6 @@ from edge_agent.session.core import (
     Pipeline,
     VerifierError,
     VerifierLink,
-    fit_context,
 )
 from edge_agent.session.events import Drop, EdgeEvent, Send
 from edge_agent.session.generation import Generation
@@ -296,13 +295,12 @@ class FederatedCore:
 
     # ------------------------------------------------------------------ links
 
-    def link_up(self, index: int, welcome: Welcome, now: float) -> None:
+    def link_up(self, index: int, welcome: Welcome, now: float) -> list[EdgeEvent]:
         """Worker ``index`` completed its handshake: in step at the start (or when nobody is),
         else probed with the next batch. The generation is bounded by every member's context
-        (:func:`~edge_agent.session.core.fit_context`: it ends with "length" at the smallest; a
-        prompt
-        past it raises ContextExceeded, answered 400)."""
-        fit_context(self.gen, welcome.max_context)
+        (:func:`~edge_agent.session.core.fit_context`: it ends with "length" at the smallest,
+        the Finished returned; a prompt past it raises ContextExceeded, answered 400)."""
+        self.pipe.fit_context(welcome.max_context)
         w = self.workers[index]
         ctx = WireContext(
             vocab_size=self.fingerprint.vocab_size,
@@ -322,6 +320,7 @@ class FederatedCore:
             self._enter_step(w)
         else:
             w.state = WorkerState.BEHIND
+        return [*self.pipe.news()]
 
     def ctx(self, index: int) -> WireContext:
         """Worker ``index``'s WireContext while its link is up: the driver encodes the core's
@@ -519,7 +518,7 @@ class FederatedCore:
             out += self._drop(w, why, now)
         while self._head_ready(now):
             out += self._decide_head(now)
-        return out
+        return [*self.pipe.news(), *out]
 
     def _decide_head(self, now: float) -> list[EdgeEvent]:
         pipe = self.pipe

@@ -6,10 +6,11 @@ lost connection or a restarted verifier loses nothing; a session only ever appen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from edge_agent.session.events import Committed, Finished, GenerationEvent
 from shared.enums import TextEnum
 from shared.wire.protocol import Hedge, Logprobs, Message
 
@@ -138,15 +139,11 @@ class Stats:
 class Generation:
     """One request's committed ids (prompt + generated), the source of truth.
 
-    ``on_commit`` is called with each batch of newly committed generated ids, in order.
-    """
+    It calls nothing out: :meth:`commit` returns the events that tell the consumer (the cores
+    return them, their drivers hand them on)."""
 
     def __init__(
-        self,
-        prompt: Sequence[int],
-        max_new_tokens: int,
-        eos_ids: Sequence[int] = (),
-        on_commit: Callable[[list[int]], None] | None = None,
+        self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = ()
     ) -> None:
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
@@ -156,7 +153,6 @@ class Generation:
         self.prompt_len = len(self.committed)
         self.max_new_tokens = max_new_tokens
         self.eos_ids = frozenset(int(t) for t in eos_ids)
-        self.on_commit = on_commit
         self.done = False
         self.finish_reason: str | None = None
         self.stats = Stats()
@@ -181,8 +177,10 @@ class Generation:
     def unverified_tokens(self) -> int:
         return sum(b - a for a, b in self.unverified)
 
-    def commit(self, ids: Sequence[int], source: TokenSource) -> None:
+    def commit(self, ids: Sequence[int], source: TokenSource) -> list[GenerationEvent]:
         """Append ids from ``source``, stopping at an end-of-sequence id or the token limit.
+        Returns what the consumer is told: the ids committed (none once done) and, when they
+        end the generation, that it finished.
 
         :attr:`TokenSource.LOCAL_DRAFT` ids are the draft's own (link-down fallback): they are
         committed like any other, and recorded in :attr:`unverified`.
@@ -205,8 +203,10 @@ class Generation:
                 self.unverified[-1] = (self.unverified[-1][0], end)
             else:
                 self.unverified.append((start, end))
-        if new and self.on_commit is not None:
-            self.on_commit(new)
+        out: list[GenerationEvent] = [Committed(tuple(new))] if new else []
+        if self.done and self.finish_reason is not None and new:
+            out.append(Finished(self.finish_reason))
+        return out
 
     def token_logprobs(self, start: int, end: int) -> list[TokenLogprob]:
         """Entries of generated tokens ``start`` .. ``end − 1`` (indices into :attr:`generated`)."""
@@ -215,5 +215,7 @@ class Generation:
             for j in range(start, end)
         ]
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str) -> Finished:
+        """End the generation for ``reason``; returns the event that tells the consumer."""
         self.done, self.finish_reason = True, reason
+        return Finished(reason)

@@ -7,7 +7,7 @@ interleaving (when the drafter runs, when a Verdict arrives), so each sequence b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -22,7 +22,7 @@ from edge_agent.session.core import (
     VerifierError,
     hello_for,
 )
-from edge_agent.session.events import Fail
+from edge_agent.session.events import Committed, Fail, Finished, GenerationEvent
 from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from shared.maths.sampling import Probs
@@ -68,6 +68,8 @@ class Edge:
 
     core: SingleCore
     sent: list[Message]
+    #: What the core told the consumer (Committed, Finished), in order.
+    told: list[GenerationEvent] = field(default_factory=list)
 
     @property
     def gen(self) -> Generation:
@@ -109,7 +111,9 @@ class Edge:
         p = self.head()
         n = min(accepted, len(p.draft))
         v = Verdict(p.epoch, p.seq, n, **fields)  # type: ignore[arg-type]
-        self._log(sent(self.core, self.core.receive(encode(v, self.core.ctx))))
+        events = self.core.receive(encode(v, self.core.ctx))
+        self.told += [ev for ev in events if isinstance(ev, (Committed, Finished))]
+        self._log(sent(self.core, events))
 
     def proposes(self) -> list[tuple[int, int, int, list[int], list[int]]]:
         """(epoch, seq, pos, fixed, draft) of every Propose, in order."""
@@ -158,6 +162,16 @@ def test_pipelined_commits_rollbacks_and_discards() -> None:
     assert e.core.pipe.epoch == 2
     assert st.sources[TokenSource.EDGE_DRAFT] == 6 and st.sources[TokenSource.CORRECTION] == 2
     assert sum(st.sources.values()) == len(gen.generated)
+    # The consumer is told each commit as it happens, in order, and the end once.
+    assert e.told == [
+        Committed((1, 2)),
+        Committed((3,)),
+        Committed((9,)),
+        Committed((10, 11)),
+        Committed((7,)),
+        Committed((8,)),
+        Finished("length"),
+    ]
 
 
 @pytest.mark.parametrize("depth", [1, 3])
@@ -208,6 +222,7 @@ def test_eos_stops_drafting_and_generation() -> None:
     assert e.proposes() == [(0, 0, 0, [0], [1, 2, 3])]
     e.answer(3)
     assert e.gen.generated == [1, 2, 3] and e.gen.finish_reason == "stop"
+    assert e.told == [Committed((1, 2, 3)), Finished("stop")]
     assert not e.core.may_draft()
 
 

@@ -593,9 +593,9 @@ async def test_cancelling_a_generation_is_clean(
     agent = EdgeAgent(Drafter(draft), draft.fingerprint, connect, retry=RetryPolicy(max_attempts=1))
     cfg = PipelineConfig(sampling=SamplingParams(0.0))
     started = asyncio.Event()
-    gen = Generation(PROMPT_IDS, 300, (), lambda ids: started.set())
+    gen = Generation(PROMPT_IDS, 300)
     before = asyncio.all_tasks()
-    task = asyncio.create_task(agent.run(gen, cfg))
+    task = asyncio.create_task(agent.run(gen, cfg, on_event=lambda _: started.set()))
     await asyncio.wait_for(started.wait(), 30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -16,7 +16,7 @@ from cloud_verifier.session.core import Close, Run, SessionLimits, TargetInfo, V
 from cloud_verifier.session.core import Event as VerifierEvent
 from cloud_verifier.session.core import Send as VSend
 from edge_agent.session.core import ContextExceeded
-from edge_agent.session.events import Drop, EdgeEvent, Send
+from edge_agent.session.events import Committed, Drop, EdgeEvent, Send
 from edge_agent.session.federation_core import (
     LIVENESS_FACTOR,
     WAIT_FACTOR,
@@ -206,7 +206,7 @@ def test_a_slow_member_is_left_out_not_dropped_and_rounds_go_at_the_fast_pace() 
     # One member answered: the round waits for the other up to max(1, 4 × 0.1) = 1 s.
     assert not c.round_ready(0.5) and c.wake_at() == 1.0
     assert c.round_ready(1.0)
-    assert c.decide(1.0) == []  # no Drop: left out
+    assert c.decide(1.0) == [Committed((2, 3))]  # no Drop: left out, nothing to send
     assert states(c) == [LIVE, BEHIND] and c.fed.left_out == 1 and c.gen.generated == [2, 3]
     # The slow verifier works through its Proposes one at a time, 15 s each, and sends a
     # Progress frame every second meanwhile.
@@ -366,7 +366,7 @@ def test_with_the_in_step_member_gone_the_left_out_one_carries_on() -> None:
     c.receive(1, reply_to(c, g, [4, 5, 6]), 9.0)
     assert c.round_ready(9.0)
     out += c.decide(9.0)
-    assert c.gen.generated == [2, 3, 4, 5] and not out
+    assert c.gen.generated == [2, 3, 4, 5] and out == [Committed((4, 5))]
 
 
 def test_when_the_fast_member_slows_down_the_members_swap_roles() -> None:
@@ -381,7 +381,7 @@ def test_when_the_fast_member_slows_down_the_members_swap_roles() -> None:
     c.receive(1, reply_to(c, g1, [4, 5, 6]), 30.1)
     assert states(c) == [LIVE, LIVE]  # 0.1 s ≤ ½ × max(1, 4 × 0.1 s): readmitted
     assert not c.round_ready(30.9) and c.round_ready(31.0)
-    assert c.decide(31.0) == []
+    assert c.decide(31.0) == [Committed((4, 5))]
     assert states(c) == [BEHIND, LIVE] and c.gen.generated == [2, 3, 4, 5]
     assert c.fed.left_out == 2 and c.fed.worker_drops == 0 and c.fed.worker_rejoins == 1
 

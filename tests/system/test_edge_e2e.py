@@ -30,6 +30,7 @@ from edge_agent.daemon.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.link.connection import LinkSettings, TokenRefused, WebSocketTransport
 from edge_agent.model.drafter import Drafter
 from edge_agent.model.lm import CausalLM
+from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.generation import TokenSource
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from edge_agent.session.transport import LinkClosed, Transport
@@ -480,9 +481,9 @@ class Outage:
             return await self.killer()
         return await self.inner()
 
-    def on_commit(self, ids: list[int]) -> None:
-        if self.phase == 1:
-            self.while_down += len(ids)
+    def on_event(self, ev: GenerationEvent) -> None:
+        if self.phase == 1 and isinstance(ev, Committed):
+            self.while_down += len(ev.ids)
             if self.while_down >= 6:
                 self.phase = 2  # the verifier is back
 
@@ -525,7 +526,7 @@ async def test_link_down_draft_only_policy_flags_and_resyncs(
             PROMPT,
             PipelineConfig(gamma=2, sampling=SamplingParams(0.0)),
             max_new_tokens=n,
-            on_commit=outage.on_commit,
+            on_event=outage.on_event,
         )
     finally:
         agent.close()

@@ -37,6 +37,7 @@ import pytest
 
 from bench.stream_ws import StreamWS
 from edge_agent.daemon.agent import RetryPolicy
+from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.runtime.models import LoadedModel, load_model
 from shared.wire.params import SamplingParams
@@ -166,12 +167,14 @@ async def test_an_edge_whose_replica_dies_resumes_on_another(fleet: Fleet) -> No
     state = {"committed": 0.0}
     commits_after: list[float] = []
 
-    def on_commit(ids: list[int]) -> None:
+    def on_event(ev: GenerationEvent) -> None:
+        if not isinstance(ev, Committed):
+            return
         now = time.monotonic()
         if "killed_at" in state:
             commits_after.append(now)
             return
-        state["committed"] += len(ids)
+        state["committed"] += len(ev.ids)
         if state["committed"] >= kill_at:
             # The replica holding this session: the one with an open session.
             holder = next(r for r in fleet.replicas if health(r.port)[1].get("sessions") == 1)
@@ -185,7 +188,7 @@ async def test_an_edge_whose_replica_dies_resumes_on_another(fleet: Fleet) -> No
         # No co-generation: with it, this tiny verifier decodes the whole text on its own and
         # streams it down before the kill lands (nothing would be left to fail over).
         cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0), cogen=False)
-        gen = await agent.generate(PROMPT, cfg, max_new_tokens=n, on_commit=on_commit)
+        gen = await agent.generate(PROMPT, cfg, max_new_tokens=n, on_event=on_event)
     finally:
         agent.close()
     assert "killed_at" in state and commits_after, "the replica was not killed mid-generation"

@@ -31,6 +31,7 @@ from edge_agent.model.batching import BatchingWorker
 from edge_agent.model.drafter import Drafter
 from edge_agent.model.tasks import ModelWorker
 from edge_agent.session.core import wire_context
+from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import LinkClosed, Transport
 from shared.errors import ErrorCode
@@ -102,8 +103,8 @@ async def test_the_first_token_costs_one_round_trip_on_a_warm_link(
         agent = agent_on(draft, warm.stream)
         first: list[float] = []
 
-        def on_commit(_ids: list[int]) -> None:
-            if not first:
+        def on_event(ev: GenerationEvent) -> None:
+            if isinstance(ev, Committed) and not first:
                 first.append(loop.time())
 
         try:
@@ -113,7 +114,7 @@ async def test_the_first_token_costs_one_round_trip_on_a_warm_link(
             for prompt in ([1, 5, 9], [1, 50, 51, 52]):
                 first.clear()
                 t0 = loop.time()
-                gen = await agent.generate(prompt, GREEDY, max_new_tokens=16, on_commit=on_commit)
+                gen = await agent.generate(prompt, GREEDY, max_new_tokens=16, on_event=on_event)
                 assert gen.generated == target_greedy(target, prompt, 16)
                 assert round_trips(emu.crossings, conn_id, t0, first[0]) == 1.0
             assert warm.connects == 1  # every session rode the same connection
@@ -124,7 +125,7 @@ async def test_the_first_token_costs_one_round_trip_on_a_warm_link(
             )
             first.clear()
             t0 = loop.time()
-            await cold.generate(PROMPT, GREEDY, max_new_tokens=8, on_commit=on_commit)
+            await cold.generate(PROMPT, GREEDY, max_new_tokens=8, on_event=on_event)
             cold.close()
             cold_id = max(c.conn for c in emu.crossings)
             assert cold_id != conn_id
@@ -371,19 +372,21 @@ async def test_a_dropped_connection_resumes_every_session(
         dropped = asyncio.Event()
 
         def counter(i: int) -> Any:
-            def on_commit(ids: list[int]) -> None:
-                committed[i] += len(ids)
+            def on_event(ev: GenerationEvent) -> None:
+                if not isinstance(ev, Committed):
+                    return
+                committed[i] += len(ev.ids)
                 if all(c >= 12 for c in committed) and not dropped.is_set():
                     dropped.set()
                     emu.drop_all()
 
-            return on_commit
+            return on_event
 
         try:
             gens = await asyncio.wait_for(
                 asyncio.gather(
                     *(
-                        a.generate(p, GREEDY, max_new_tokens=n, on_commit=counter(i))
+                        a.generate(p, GREEDY, max_new_tokens=n, on_event=counter(i))
                         for i, (a, p) in enumerate(zip(agents, prompts, strict=True))
                     )
                 ),
