@@ -83,6 +83,7 @@ from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.service import retry_policy
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
 from edge_agent.session.core import wire_context
+from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import Transport
 from shared.runtime.models import LoadedModel
@@ -601,9 +602,11 @@ async def one_cut(
     state: dict[str, float] = {}
     committed = 0
 
-    def on_commit(ids: list[int]) -> None:
+    def on_event(ev: GenerationEvent) -> None:
         nonlocal committed
-        committed += len(ids)
+        if not isinstance(ev, Committed):
+            return
+        committed += len(ev.ids)
         if drop_after is not None and "drop" not in state and committed >= drop_after:
             state["drop"] = time.monotonic()
             state["committed"] = committed
@@ -618,7 +621,7 @@ async def one_cut(
                 max_new_tokens=b.cfg.reconnect_tokens,
                 eos_ids=b.eos,
                 seed=seed,
-                on_commit=on_commit,
+                on_event=on_event,
             ),
             b.cfg.gen_timeout_s,
         )

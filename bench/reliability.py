@@ -42,6 +42,7 @@ from typing import Any
 
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
+from edge_agent.session.events import GenerationEvent
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import LinkClosed, Transport
@@ -309,17 +310,17 @@ async def _chaos_generation(
     pending = list(plan)
     fired: list[str] = []
 
-    def on_commit(new: list[int]) -> None:
+    def on_event(_event: GenerationEvent) -> None:
         while pending and len(gen.generated) >= pending[0][0]:
             _, kind = pending.pop(0)
             fired.append(kind)
             chaos.fire(kind)
 
-    gen = Generation(prompt, cfg.max_new_tokens, on_commit=on_commit)
+    gen = Generation(prompt, cfg.max_new_tokens)
     t0 = time.monotonic()
     error = None
     try:
-        await asyncio.wait_for(agent.run(gen, pcfg), cfg.generation_timeout_s)
+        await asyncio.wait_for(agent.run(gen, pcfg, on_event=on_event), cfg.generation_timeout_s)
     except Exception as e:  # a failed generation is a result, not the end of the run
         error = f"{type(e).__name__}: {e}"
     await chaos.settle()
