@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -21,13 +20,12 @@ import sys
 import tempfile
 import threading
 import time
-import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cloud_verifier.daemon.settings import ENV_PREFIX, TOML_SECTION, VerifierSettings
-from shared.service.cli_args import parse_args
+from shared.service.cli_args import add_setting_flags, parse_args, setting_values
 from shared.service.config import ConfigError, load_settings
 
 if TYPE_CHECKING:
@@ -41,99 +39,15 @@ DraftLoaderFactory = Callable[[VerifierSettings], Callable[["Target"], "Target"]
 
 log = logging.getLogger("cloud_verifier")
 
-_HELP: dict[str, str] = {
-    "model": "target model: default, a HF folder, a .gguf file, a cached hub id, or null:VOCAB",
-    "host": "address to listen on",
-    "port": "TCP port (0: any free port)",
-    "token_file": "file of bearer tokens, one per line (# comments and blank lines ignored)",
-    "insecure_no_auth": "serve without authentication (trusted networks only)",
-    "tls_cert": "PEM certificate (chain) to serve wss:// (needs --tls-key)",
-    "tls_key": "PEM private key of --tls-cert",
-    "device": "where the model runs",
-    "dtype": "model weights' dtype (auto: float32 on CPU, bfloat16 on CUDA)",
-    "max_sessions": "concurrent sessions",
-    "max_streams": "sessions one connection may carry at once (an edge's warm link)",
-    "stream_window": "bytes of session frames one stream may have unread (flow control)",
-    "max_sessions_per_token": "concurrent sessions per bearer token, those kept for "
-    "resumption included (0: only max_sessions)",
-    "max_context": "tokens per session (also capped by the model)",
-    "max_gamma": "draft tokens per Propose",
-    "max_fixed": "fixed (prompt/correction) tokens per Propose",
-    "max_k": "entries of a sparse distribution (Hello.k and Hello.m)",
-    "max_frame": "bytes per WebSocket frame (larger frames close the session)",
-    "max_bad_frames": "refused frames per session before it is closed",
-    "max_resamples": "Resample requests per rejection",
-    "cogen_ahead": "co-generation: tokens the verifier may decode for a session past its last "
-    "Propose (0: off)",
-    "cloud_draft": "the verifier's own drafts in co-generation: tail, ngram (comma-separated) "
-    "or off",
-    "cloud_draft_model": "a draft model on the verifier's device (self:skip=N, a folder, a "
-    ".gguf; '': none)",
-    "cloud_draft_tokens": "at most this many tokens per cloud draft",
-    "cloud_draft_length": "model draft length: auto (per session, what its measured acceptance "
-    "pays for) or fixed (cloud_draft_tokens)",
-    "tree_tokens": "token trees: branch tokens verified in a batch's forward (0: off; off "
-    "with tp > 1)",
-    "prefix_cache": "who shares cached prompt prefixes: tenant (per bearer token), global, off; "
-    "auto: tenant, off with tp > 1",
-    "prefill_chunk": "prompt tokens a step computes at most while other sessions are active, "
-    "shared fairly between tenants (0: no chunking)",
-    "prefill_share": "share one tenant's prompt tokens may add to the step time of other "
-    "tenants' rounds (0: prefill_chunk alone)",
-    "handshake_timeout": "seconds a client has to send Hello",
-    "idle_timeout": "seconds a session may go without model work before it is closed (0: never)",
-    "header_timeout": "seconds a connection may idle between requests, and then has for a "
-    "request's headers from its first byte",
-    "max_frame_rate": "frames a second one session may send; also, per connection, its "
-    "WebSocket pings, pongs and control frames (0: no limit)",
-    "frame_burst": "frames at once past max_frame_rate (a session's, and a connection's)",
-    "max_pending_connections": "connections whose request has not reached a handler (half-sent "
-    "or idle in keep-alive); when all are taken a new one evicts the oldest, if old enough",
-    "max_pending_per_address": "such connections per client address (more: refused at once)",
-    "token_reload_interval": "seconds between re-reads of the token file by content (0: only "
-    "on SIGHUP or a changed size/mtime)",
-    "heartbeat": "WebSocket ping interval in seconds (0: off)",
-    "close_timeout": "seconds to wait for a client's close reply",
-    "send_timeout": "seconds a frame may wait for a client that does not read, then it is closed",
-    "max_send_buffer": "unread bytes queued for a client before it is closed",
-    "shutdown_timeout": "seconds to let sessions finish on SIGTERM",
-    "threads": "torch CPU threads (default: torch's own choice, one per core; give each "
-    "process its share when the verifier and the edge share a machine)",
-    "tp": "tensor parallelism: run the target over this many ranks (one per GPU; re-launched "
-    "under torchrun, rank 0 serves); the heads must divide by it",
-    "drain_timeout": "on SIGTERM, seconds to drain first (/health 503, no new sessions, open "
-    "ones go on) before closing the rest (behind a load balancer; 0 = no drain)",
-    "log_level": "logging level",
-}
-
-
-def _add_settings_args(p: argparse.ArgumentParser) -> None:
-    """One option per settings field; None = not given (so lower sources can fill it)."""
-    hints = typing.get_type_hints(VerifierSettings)
-    for f in dataclasses.fields(VerifierSettings):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f"{_HELP.get(f.name, '')} (default: {f.default}; env {ENV_PREFIX}"
-        help_text += f"{f.name.upper()})"
-        tp = hints[f.name]
-        if tp is bool:  # --flag / --no-flag: either way beats the file and the environment
-            p.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-            continue
-        choices = None
-        if typing.get_origin(tp) is typing.Literal:
-            choices = typing.get_args(tp)
-        p.add_argument(flag, default=None, choices=choices, metavar=None, help=help_text)
-
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``serve``: ``--config`` and one per settings field."""
     p.add_argument("--config", help=f"TOML file with a [{TOML_SECTION}] table")
-    _add_settings_args(p)
+    add_setting_flags(p, VerifierSettings, ENV_PREFIX)
 
 
 def load_cli_settings(args: argparse.Namespace, env: dict[str, str]) -> VerifierSettings:
-    cli = {f.name: getattr(args, f.name) for f in dataclasses.fields(VerifierSettings)}
+    cli = setting_values(args, VerifierSettings)
     config = args.config or env.get(ENV_PREFIX + "CONFIG")
     return load_settings(
         VerifierSettings,
@@ -174,7 +88,7 @@ async def serve(
     from cloud_verifier.daemon.app import STATE, build_app, drain, make_runner, reload_tokens
     from shared.service.http_guard import Listener
     from shared.service.sdnotify import Notifier
-    from shared.service.status import ServiceStatus
+    from shared.service.status import ServiceStatus, StopSignals
 
     notifier = Notifier.from_env()
     app = build_app(
@@ -195,46 +109,36 @@ async def serve(
         return 2
     runner = make_runner(app)
     loop = asyncio.get_running_loop()
-    stopping = False
-
-    def on_signal(sig: signal.Signals) -> None:
-        nonlocal stopping
-        log.info("%s: shutting down", sig.name)
-        stopping = True
-        state.changed.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
     loop.add_signal_handler(signal.SIGHUP, reload_tokens, state, "SIGHUP")
     rc = 0
-    await runner.setup()  # starts the model load in the background
-    try:
-        await listener.start(runner)
-        for host, port in listener.addresses:
-            scheme = "https/wss" if ssl_context is not None else "http/ws"
-            log.info("listening on %s port %d (%s)", host, port, scheme)
-        announced = False
-        while True:
-            await state.changed.wait()
-            state.changed.clear()
-            if stopping:
-                await drain(state, settings.drain_timeout)
-                break
-            if state.status == ServiceStatus.FAILED:
-                log.error("%s", state.reason)
-                rc = 1
-                break
-            if state.status == ServiceStatus.READY and not announced:
-                # Port listening and model loaded: only now is the service up.
-                notifier.notify(f"READY=1\nSTATUS={state.reason}")
-                announced = True
-    finally:
-        notifier.notify("STOPPING=1\nSTATUS=stopping")
-        listener.close()
-        await runner.cleanup()
-        await listener.wait_closed()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
+    with StopSignals(state.changed, log) as stop:
+        await runner.setup()  # starts the model load in the background
+        try:
+            await listener.start(runner)
+            for host, port in listener.addresses:
+                scheme = "https/wss" if ssl_context is not None else "http/ws"
+                log.info("listening on %s port %d (%s)", host, port, scheme)
+            announced = False
+            while True:
+                await state.changed.wait()
+                state.changed.clear()
+                if stop.stopping:
+                    await drain(state, settings.drain_timeout)
+                    break
+                if state.status == ServiceStatus.FAILED:
+                    log.error("%s", state.reason)
+                    rc = 1
+                    break
+                if state.status == ServiceStatus.READY and not announced:
+                    # Port listening and model loaded: only now is the service up.
+                    notifier.notify(f"READY=1\nSTATUS={state.reason}")
+                    announced = True
+        finally:
+            notifier.notify("STOPPING=1\nSTATUS=stopping")
+            listener.close()
+            await runner.cleanup()
+            await listener.wait_closed()
+            loop.remove_signal_handler(signal.SIGHUP)
     log.info("stopped")
     return rc
 

@@ -35,7 +35,7 @@ from typing import Any, Final, TypeVar
 import torch
 
 from cloud_verifier.engine.draft_model import CloudDrafter
-from cloud_verifier.engine.kv_manager import KVManager, NoFreeSlot, PrefixCache, Shares, Slot
+from cloud_verifier.engine.kv_manager import KVManager, NoFreeSlot, Shares, Slot
 from cloud_verifier.engine.runner import FORWARDS, Prefilled, Runner, Timing, advance
 from cloud_verifier.engine.scheduler import (
     BatchLimits,
@@ -60,6 +60,7 @@ from cloud_verifier.engine.work import (
     Work,
     WorkProgress,
 )
+from cloud_verifier.session.tenancy import PrefixCache
 from shared.errors import WanspecError
 from shared.runtime.kv_pool import PagedKV
 from shared.wire.protocol import Hello

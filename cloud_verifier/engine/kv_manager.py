@@ -20,26 +20,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.enums import TextEnum
+from cloud_verifier.session.tenancy import PrefixCache
 from shared.errors import WanspecError
 from shared.runtime.kv_pool import OutOfPages, PagedKV, SlotPages, root_key
 from shared.wire.protocol import Fingerprint, Hello
 
-__all__ = ["KVManager", "NoFreeSlot", "PrefixCache", "Shares", "Slot", "new_generator"]
+__all__ = ["KVManager", "NoFreeSlot", "Shares", "Slot", "new_generator"]
 
 
 class NoFreeSlot(WanspecError, RuntimeError):
     """Every session slot is taken."""
-
-
-class PrefixCache(TextEnum):
-    """Who shares the KV pool's prefix cache (:mod:`shared.runtime.kv_pool`). A hit is a
-    timing side channel (it tells that someone sent the same prefix), so by default a prefix
-    is shared only among the sessions of one bearer token (cf. vLLM's ``cache_salt``)."""
-
-    OFF = "off"
-    TENANT = "tenant"  # one namespace per bearer token
-    GLOBAL = "global"  # one namespace for every session
 
 
 @dataclass(frozen=True)

@@ -8,18 +8,20 @@ field.
 1. :func:`check_unsupported`: fields we refuse (tools, n > 1, penalties, ...),
 2. :func:`parse_streaming`: ``stream``, ``stream_options.include_usage``,
 3. :func:`parse_max_tokens`: ``max_completion_tokens``, else ``max_tokens``,
-4. :func:`parse_sampling`: ``temperature``, ``top_p``, ``top_k``, ``seed``,
+4. :func:`parse_sampling`: ``temperature``, ``top_p``, ``top_k``; :func:`parse_seed`,
 5. :func:`parse_ignore_eos`,
 6. :func:`parse_logprobs`: ``logprobs`` and ``top_logprobs`` (chat), ``logprobs`` (completions),
 7. :func:`parse_speculation`: our extension object ``"wanspec": {gamma, depth, mode, correction}``,
-8. :func:`build_pipeline`: the daemon's defaults with the request's values on top,
+8. :func:`build_pipeline`: the daemon's defaults with the request's values on top
+   (``EdgeSettings.pipeline``, as the REPL's),
 9. :func:`completion_budget`: the context (the draft's and the verifier's,
    :class:`ContextLimit`) bounds prompt + completion,
 10. :func:`parse_stops`: ``stop``.
 
-The prompt itself: :func:`parse_messages` (chat) and :func:`parse_prompt` (completions); the
-body before all of them: :func:`decode_body` (a JSON object, nested at most
-:data:`MAX_JSON_DEPTH` deep, its strings text: no lone surrogates).
+Every bound is the one declared in :mod:`edge_agent.session.pipeline_config` (the REPL and the
+daemon's own defaults check the same). The prompt itself: :func:`parse_messages` (chat) and
+:func:`parse_prompt` (completions); the body before all of them: :func:`decode_body` (a JSON
+object, nested at most :data:`MAX_JSON_DEPTH` deep, its strings text: no lone surrogates).
 """
 
 from __future__ import annotations
@@ -31,11 +33,22 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeGuard, TypeVar
 
 from edge_agent.daemon.api_errors import ApiError, bad_request
-from edge_agent.daemon.config import SEED_RANGE, EdgeSettings
+from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.unicode_text import SURROGATE
-from edge_agent.session.pipeline_config import Mode, PipelineConfig
+from edge_agent.session.pipeline_config import (
+    DEPTH,
+    GAMMA,
+    MAX_TOKENS,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    Mode,
+    PipelineConfig,
+    RequestOptions,
+    check_temperature,
+)
 from shared.enums import TextEnum
-from shared.wire.params import MIN_TEMPERATURE
 from shared.wire.protocol import MAX_TOP_LOGPROBS, CorrectionMode
 
 Body = Mapping[str, Any]
@@ -200,26 +213,6 @@ class Streaming:
     include_usage: bool = False  # a last chunk with the usage before ``[DONE]``
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """The request's own sampling values; None: the daemon's default."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-
-
-@dataclass(frozen=True)
-class Speculation:
-    """The ``"wanspec"`` extension object; None: the daemon's default."""
-
-    gamma: int | None = None
-    depth: int | None = None
-    mode: Mode | None = None
-    correction: CorrectionMode | None = None
-
-
 def check_unsupported(body: Body) -> None:
     """Refuse what we cannot do: tools, penalties, several choices, ..."""
     for key, why in UNSUPPORTED.items():
@@ -244,29 +237,32 @@ def parse_streaming(body: Body) -> Streaming:
 
 def parse_max_tokens(body: Body) -> int | None:
     """``max_completion_tokens`` (the current name) if given, else ``max_tokens``."""
-    n = opt_int(body, "max_completion_tokens", 1)
-    return n if n is not None else opt_int(body, "max_tokens", 1)
+    n = opt_int(body, "max_completion_tokens", MAX_TOKENS.lo, MAX_TOKENS.hi)
+    return n if n is not None else opt_int(body, "max_tokens", MAX_TOKENS.lo, MAX_TOKENS.hi)
 
 
 def parse_temperature(body: Body) -> float | None:
-    """``temperature``: 0 (greedy), or in [:data:`~shared.wire.params.MIN_TEMPERATURE`, 2]."""
-    t = opt_num(body, "temperature", 0.0, 2.0)
-    if t is not None and 0.0 < t < MIN_TEMPERATURE:
-        raise bad_request(
-            "temperature",
-            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}: "
-            "smaller ones leave nothing to sample from",
-        )
+    """``temperature``: 0 (greedy), or at least MIN_TEMPERATURE, within TEMPERATURE."""
+    t = opt_num(body, "temperature", TEMPERATURE.lo, TEMPERATURE.hi)
+    if t is not None:
+        try:
+            check_temperature(t)
+        except ValueError as e:
+            raise bad_request("temperature", str(e)) from None
     return t
 
 
-def parse_sampling(body: Body) -> Sampling:
-    return Sampling(
+def parse_sampling(body: Body) -> RequestOptions:
+    """The request's own ``temperature``, ``top_p`` and ``top_k`` (None: the daemon's)."""
+    return RequestOptions(
         temperature=parse_temperature(body),
-        top_p=opt_num(body, "top_p", 0.0, 1.0, open_lo=True),
-        top_k=opt_int(body, "top_k", 0),
-        seed=opt_int(body, "seed", *SEED_RANGE),
+        top_p=opt_num(body, "top_p", TOP_P.lo, TOP_P.hi, open_lo=TOP_P.open_lo),
+        top_k=opt_int(body, "top_k", TOP_K.lo, TOP_K.hi),
     )
+
+
+def parse_seed(body: Body) -> int | None:
+    return opt_int(body, "seed", SEED.lo, SEED.hi)
 
 
 def parse_ignore_eos(body: Body) -> bool:
@@ -306,14 +302,16 @@ def parse_logprobs(body: Body, *, chat: bool, federated: bool) -> int | None:
     return n
 
 
-def parse_speculation(body: Body) -> Speculation:
+def parse_speculation(body: Body, options: RequestOptions | None = None) -> RequestOptions:
+    """``options`` (default: none given) with the ``"wanspec"`` object's values."""
     ext = opt_object(body, "wanspec", "wanspec must be an object of gamma, depth, mode, correction")
     unknown = set(ext) - set(SPECULATION_FIELDS)
     if unknown:
         raise bad_request("wanspec", f"unknown wanspec field(s): {', '.join(sorted(unknown))}")
-    return Speculation(
-        gamma=opt_int(ext, "gamma", 1, 64),
-        depth=opt_int(ext, "depth", 1, 127),
+    return replace(
+        options or RequestOptions(),
+        gamma=opt_int(ext, "gamma", GAMMA.lo, GAMMA.hi),
+        depth=opt_int(ext, "depth", DEPTH.lo, DEPTH.hi),
         mode=opt_choice(
             ext, "mode", Mode, "wanspec.mode", f"mode must be one of {', '.join(Mode.choices())}"
         ),
@@ -341,19 +339,11 @@ def parse_stops(body: Body) -> tuple[str, ...]:
 
 
 def build_pipeline(
-    settings: EdgeSettings, sampling: Sampling, spec: Speculation, logprobs: int | None = None
+    settings: EdgeSettings, options: RequestOptions, logprobs: int | None = None
 ) -> PipelineConfig:
     """The daemon's defaults with the request's values on top; 400 on a bad combination."""
     try:
-        cfg = settings.pipeline(
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            gamma=spec.gamma,
-            depth=spec.depth,
-            mode=spec.mode,
-            correction=spec.correction,
-        )
+        cfg = settings.pipeline(options)
     except ValueError as e:
         raise bad_request("wanspec", str(e)) from None
     try:
@@ -452,14 +442,15 @@ def parse_request(
     streaming = parse_streaming(body)
     max_tokens = parse_max_tokens(body)
     sampling = parse_sampling(body)
+    seed = parse_seed(body)
     ignore_eos = parse_ignore_eos(body)
     logprobs = parse_logprobs(body, chat=chat, federated=settings.federated)
-    pipeline = build_pipeline(settings, sampling, parse_speculation(body), logprobs)
+    pipeline = build_pipeline(settings, parse_speculation(body, sampling), logprobs)
     budget = completion_budget(prompt_tokens, max_tokens, context, settings.max_tokens)
     return ApiRequest(
         pipeline=pipeline,
         max_tokens=budget,
-        seed=sampling.seed if sampling.seed is not None else settings.seed,
+        seed=seed if seed is not None else settings.seed,
         stop=parse_stops(body),
         ignore_eos=ignore_eos,
         stream=streaming.stream,

@@ -24,7 +24,6 @@ from typing import Any, Protocol, TextIO
 import aiohttp
 
 from edge_agent.daemon.config import (
-    SEED_RANGE,
     EdgeSettings,
     check_link_files,
     check_model_specs,
@@ -34,9 +33,23 @@ from edge_agent.daemon.progress import Progress, check_cuda, quiet_hub_progress
 from edge_agent.daemon.service import EdgeService, Finished, GenRequest, PromptTooLong, loading_line
 from edge_agent.daemon.text import sources_line
 from edge_agent.daemon.unicode_text import text_error
-from edge_agent.session.pipeline_config import Mode, PipelineConfig
+from edge_agent.session.pipeline_config import (
+    DEPTH,
+    GAMMA,
+    MAX_TOKENS,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    Auto,
+    Mode,
+    PipelineConfig,
+    Range,
+    RequestOptions,
+    check_temperature,
+)
 from shared.errors import WanspecError
-from shared.wire.params import MIN_TEMPERATURE, SamplingParams
+from shared.wire.params import SamplingParams
 from shared.wire.protocol import CorrectionMode
 
 HELP = """Available commands:
@@ -56,26 +69,41 @@ class ChatError(WanspecError, RuntimeError):
     """A generation failed (the message says why); the REPL goes on."""
 
 
+#: The bounds of the numeric settings ``/set`` changes: the API's (and the daemon's defaults').
+BOUNDS: dict[str, Range[int] | Range[float]] = {
+    "temperature": TEMPERATURE,
+    "top_p": TOP_P,
+    "top_k": TOP_K,
+    "max_tokens": MAX_TOKENS,
+    "gamma": GAMMA,
+    "depth": DEPTH,
+    "seed": SEED,
+}
+
+
 @dataclass(frozen=True)
 class ChatOptions:
+    """The REPL's generation settings: the daemon's defaults (:meth:`from_settings`, same names),
+    changed by ``/set``."""
+
     temperature: float
     top_p: float
     top_k: int
     max_tokens: int
     seed: int | None
-    gamma: int | None  # None: auto (the online controller)
-    depth: int | None
+    gamma: int | Auto
+    depth: int | Auto
     mode: Mode
     correction: CorrectionMode
     system: str = ""
 
     @classmethod
     def from_settings(cls, s: EdgeSettings) -> ChatOptions:
-        return cls(
-            s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed,
-            None if s.gamma == "auto" else s.gamma, None if s.depth == "auto" else s.depth,
-            Mode.parse(s.mode, "mode"), CorrectionMode.parse(s.correction, "correction"),
-        )  # fmt: skip
+        return cls(**{f.name: getattr(s, f.name) for f in fields(cls) if f.name != "system"})
+
+    def request(self) -> RequestOptions:
+        """These values as a request's own (for ``EdgeSettings.pipeline``)."""
+        return RequestOptions(**{f.name: getattr(self, f.name) for f in fields(RequestOptions)})
 
     def with_setting(self, key: str, value: str) -> ChatOptions:
         """A copy with ``key`` set from text; ValueError with a message for the user."""
@@ -93,29 +121,20 @@ class ChatOptions:
             return replace(self, correction=CorrectionMode.parse(value, "correction"))
         if key == "seed" and value.lower() in ("none", "off", ""):
             return replace(self, seed=None)
-        if key == "gamma" and value.lower() == "auto":
-            return replace(self, gamma=None)
-        if key == "depth" and value.lower() == "auto":
-            return replace(self, depth=None)
+        changes: dict[str, Any] = {}
+        if key in ("gamma", "depth") and value.lower() == "auto":
+            changes[key] = "auto"
+            return replace(self, **changes)
+        bound = BOUNDS[key]
         try:
-            num: float | int = float(value) if key in ("temperature", "top_p") else int(value)
+            num: float | int = float(value) if isinstance(bound.lo, float) else int(value)
         except ValueError:
             raise ValueError(f"{key} needs a number, got {value!r}") from None
-        bounds: dict[str, tuple[float, float]] = {
-            "temperature": (0.0, 100.0),
-            "top_p": (1e-9, 1.0),
-            "top_k": (0, 2**24),
-            "max_tokens": (1, 1 << 20),
-            "gamma": (1, 64),
-            "depth": (1, 127),
-            "seed": SEED_RANGE,
-        }
-        lo, hi = bounds[key]
-        if not lo <= num <= hi:
-            raise ValueError(f"{key} must be in [{lo:g}, {hi:g}], got {value}")
-        if key == "temperature" and 0.0 < num < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}")
-        changes: dict[str, Any] = {key: num}
+        if num not in bound:
+            raise ValueError(f"{key} must be {bound.words()}, got {value}")
+        if key == "temperature":
+            check_temperature(num)
+        changes[key] = num
         return replace(self, **changes)
 
     @property
@@ -130,8 +149,6 @@ class ChatOptions:
         correction with the one in effect when they differ: "'candidates' (greedy_draft at
         T = 0)", as /stats reports it."""
         value = getattr(self, key)
-        if key in ("gamma", "depth") and value is None:
-            return "'auto'"
         text = repr(value.value if isinstance(value, Enum) else value)
         if key == "correction" and self.wire_correction != self.correction:
             text += f" ({self.wire_correction.value} at T = 0)"
@@ -189,7 +206,7 @@ class RemoteBackend:
                     ("mode", opts.mode.value),
                     ("correction", opts.correction.value),
                 )
-                if v is not None
+                if v != "auto"  # the daemon's own choice
             },
         }
         parts: list[str] = []
@@ -254,15 +271,7 @@ class LocalBackend:
             ids = ids["input_ids"]
         prompt = [int(t) for t in ids]
         try:
-            pipeline = self.service.settings.pipeline(
-                temperature=opts.temperature,
-                top_p=opts.top_p,
-                top_k=opts.top_k,
-                gamma=opts.gamma,
-                depth=opts.depth,
-                mode=opts.mode,
-                correction=opts.correction,
-            )
+            pipeline = self.service.settings.pipeline(opts.request())
         except ValueError as e:
             raise ChatError(str(e)) from None
         context = self.service.context_limit()

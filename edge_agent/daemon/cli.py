@@ -23,8 +23,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-import typing
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -33,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from shared.service.cli_args import parse_args
+from shared.service.cli_args import add_setting_flags, parse_args, setting_values
 
 if TYPE_CHECKING:
     from edge_agent.daemon.config import EdgeSettings
@@ -43,72 +41,6 @@ if TYPE_CHECKING:
 DEFAULT_TARGET = "default"
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
 COMMANDS = ("generate", "demo", "serve", "chat")
-
-_SETTINGS_HELP: dict[str, str] = {
-    "verifier": "verifier WebSocket URL; several, comma-separated: federated verification "
-    "(SpecFed), or fail-over in order with --failover",
-    "failover": "several verifiers are fail-over targets instead of a federation",
-    "weights": "federation: comma-separated positive weight per verifier (default equal)",
-    "k": "federation: top-k size of each verifier's distributions (one, or one per verifier)",
-    "eps_target": "federation: adaptive K, smallest K whose kept mass is >= 1 - eps (k caps it)",
-    "reconstruction": "federation: A (renormalised top-K) or B (residual redistributed)",
-    "round_deadline": "federation: once one verifier answered a round, the least seconds it "
-    "waits for the others (up to 4 x that answer's time); a slower one is left out of rounds, "
-    "not dropped, and readmitted when a probe shows it keeps up",
-    "token_file": "file holding the verifier's bearer token",
-    "ca_file": "CA bundle to verify a wss:// verifier",
-    "insecure_skip_verify": "do not verify the verifier's TLS certificate",
-    "heartbeat": "WebSocket ping interval to the verifier, seconds",
-    "verifier_wait": "seconds a request may wait for a verifier without progress (down, busy, "
-    "or both in turn) before it gets 503 with Retry-After and its text so far; also the most "
-    "it waits for one of the daemon's generations (then 429)",
-    "link_down_deadline": "deprecated: the old name of --verifier-wait",
-    "link_down_fail_fast": "with fallback none and every verifier known down: seconds before a "
-    "request fails (0 = wait verifier_wait)",
-    "verdict_timeout": "seconds (at least) to wait for a Verdict before leaving a stalled verifier",
-    "probe_interval": "seconds between probes of the verifier's /health",
-    "fallback": "no verifier reachable: none (HTTP 503) or draft (unverified draft-only text)",
-    "draft": "draft model spec (self:skip=..., a folder, a .gguf, a cached hub id), or none: "
-    "no draft model, the verifier drafts and writes the text (needs cogen)",
-    "draft_base": "model whose weights a self:... draft shares (draft none: whose tokenizer "
-    "is loaded)",
-    "device": "where the draft runs",
-    "dtype": "draft weights' dtype (auto: float16 on cuda, float32 on the CPU)",
-    "threads": "torch CPU threads",
-    "gamma": "draft length γ",
-    "depth": "batches in flight D",
-    "cogen": "co-generation: the verifier decodes on its own while no draft of this session "
-    "is queued",
-    "hedge": "hedging: tokens drafted after the draft's second choice at its least confident "
-    "position while the pipeline is full, sent for the verifier (0 = off)",
-    "predraft": "outcome pre-drafting: branches prepared while the pipeline is full, sent at "
-    "once when a rejection's correction opens one (0 = off)",
-    "tree": "token trees: the prepared branches also go to the verifier, to be verified in "
-    "the forward of the batch they fork from (needs predraft)",
-    "mode": "pipelined or stop-and-wait",
-    "correction": "how a rejection is corrected at T > 0",
-    "temperature": "default temperature (0 = greedy; else at least 1e-4)",
-    "top_p": "default top-p",
-    "top_k": "default top-k (0 = off)",
-    "max_tokens": "default completion length",
-    "seed": "default seed",
-    "host": "address the API listens on (loopback by default)",
-    "port": "TCP port of the API",
-    "api_key_file": "file holding the API key clients must send as a Bearer token",
-    "model_id": "model id the API offers",
-    "max_queue": "requests allowed to wait before 429",
-    "max_concurrent": "generations served at once (draft steps batched across them)",
-    "stream_keepalive": "seconds of silence before a streaming response gets an SSE comment",
-    "write_timeout": "seconds a client may take to read a write before it is dropped",
-    "max_body": "largest request body, bytes",
-    "header_timeout": "seconds a connection has to send its request headers (and to idle "
-    "between requests)",
-    "max_pending_connections": "connections whose request has not reached a handler (half-sent "
-    "or idle in keep-alive); when all are taken a new one evicts the oldest, if old enough",
-    "max_pending_per_address": "such connections per client address (more: refused at once)",
-    "log_level": "logging level",
-}
-
 
 # Flags a command accepts (one settings story) but does not list in its --help: they do not
 # concern it.
@@ -149,27 +81,15 @@ def _add_settings_args(p: argparse.ArgumentParser, command: str = "serve") -> No
         default=None,
         help=f"TOML settings file (env {CONFIG_ENV}; default {default_config_path()} if present)",
     )
-    hints = typing.get_type_hints(EdgeSettings)
     g = p.add_argument_group("settings (also WANSPEC_EDGE_<NAME> or the TOML file)")
-    unlisted = _UNLISTED.get(command, set())
-    for f in dataclasses.fields(EdgeSettings):
-        flag = "--" + f.name.replace("_", "-")
-        text = f"{_SETTINGS_HELP.get(f.name, '')} (default {f.default}; env {ENV_PREFIX}"
-        text += f"{f.name.upper()})"
-        if f.name in unlisted or f.name in _DEPRECATED:
-            text = argparse.SUPPRESS
-        tp = hints[f.name]
-        if tp is bool:  # --cogen / --no-cogen: either way beats the file and the environment
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
-            continue
-        choices = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
-        g.add_argument(flag, default=None, choices=choices, help=text)
+    unlisted = _UNLISTED.get(command, set()) | _DEPRECATED
+    add_setting_flags(g, EdgeSettings, ENV_PREFIX, unlisted=unlisted)
 
 
 def _cli_values(args: argparse.Namespace) -> dict[str, Any]:
     from edge_agent.daemon.config import EdgeSettings
 
-    return {f.name: getattr(args, f.name, None) for f in dataclasses.fields(EdgeSettings)}
+    return setting_values(args, EdgeSettings)
 
 
 def load_cli_settings(
@@ -381,25 +301,10 @@ def _free_port() -> int:
         return port
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    url = f"http://127.0.0.1:{port}/health"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the local verifier exited with status {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"the local verifier was not ready within {timeout_s:.0f} s")
-
-
 def _demo(args: argparse.Namespace, settings: EdgeSettings) -> int:
     from edge_agent.daemon.config import EdgeSettings
     from edge_agent.daemon.progress import Progress
+    from shared.service.status import wait_healthy
 
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="wanspec-demo-") as tmp:
@@ -451,7 +356,8 @@ def _demo(args: argparse.Namespace, settings: EdgeSettings) -> int:
             # The draft loads here while the verifier loads there.
             service = await _load(settings, Progress())
             try:
-                await asyncio.to_thread(_wait_healthy, proc, port, 600)
+                url = f"http://127.0.0.1:{port}/health"
+                await asyncio.to_thread(wait_healthy, proc, url, 600, "the local verifier")
                 how = "cloud-only" if settings.cloud_only else f"drafting with {settings.draft}"
                 _say(f"[demo] verifier ready; {how}\n")
                 return await _generate_once(service, args.prompt, args.chat, _write)

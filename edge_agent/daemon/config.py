@@ -29,9 +29,9 @@ import socket
 import ssl
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
 
 if sys.version_info >= (3, 11):
@@ -40,10 +40,34 @@ else:  # pragma: no cover - Python 3.10 (the Jetson)
     import tomli as tomllib
 
 from edge_agent.session.federation_core import ROUND_DEADLINE_S
-from edge_agent.session.pipeline_config import Mode, PipelineConfig
+from edge_agent.session.pipeline_config import (
+    DEPTH,
+    GAMMA,
+    MAX_TOKENS,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    Auto,
+    Mode,
+    PipelineConfig,
+    RequestOptions,
+    check_temperature,
+)
+from shared.enums import TextEnum
 from shared.maths.compression import Reconstruction
 from shared.runtime.model_spec import ModelSpecError, SpecKind, parse_model_spec
-from shared.service.config import ConfigError, Source, exposed_secret, load_settings
+from shared.service.config import (
+    ConfigError,
+    Device,
+    DType,
+    LogLevel,
+    Source,
+    exposed_secret,
+    load_settings,
+    setting,
+)
+from shared.service.settings_doc import main, settings_page
 from shared.wire.params import MIN_TEMPERATURE, SamplingParams
 from shared.wire.protocol import CorrectionMode
 
@@ -58,24 +82,17 @@ RETIRED_ENV = {
     "WANSPEC_TOKEN_FILE": ENV_PREFIX + "TOKEN_FILE",
 }
 
-# Settings files and flags spell choices as strings (shared.service.config checks Literal choices):
-# the values of Mode, CorrectionMode and Reconstruction (tests/edge/test_edge_config.py keeps them
-# equal).
-ModeName = Literal["pipelined", "stop-and-wait"]
-CorrectionName = Literal["candidates", "greedy_draft", "topk"]
-ReconstructionName = Literal["A", "B"]
-Device = Literal["auto", "cpu", "cuda"]
-DType = Literal["auto", "float32", "float16", "bfloat16"]
-Fallback = Literal["none", "draft"]
-LogLevel = Literal["debug", "info", "warning", "error"]
+
+class Fallback(TextEnum):
+    """What a request does when no verifier answers."""
+
+    NONE = "none"  # it fails with 503 and Retry-After, with its text so far
+    DRAFT = "draft"  # the draft alone writes on; the answer is marked unverified
+
 
 #: The ``draft`` that names no draft model: the edge loads the tokenizer of ``draft_base`` only and
 #: the verifier's co-generation, with its own drafts, writes the text (cloud-only speculation).
 NO_DRAFT = "none"
-
-#: Seeds are non-negative (numpy's generators refuse negative ones) and fit 64 bits.
-SEED_RANGE = (0, 2**64 - 1)
-
 
 #: The default of ``verifier_wait`` (seconds): a verifier restart takes a few.
 DEFAULT_VERIFIER_WAIT = 60.0
@@ -84,106 +101,237 @@ RENAMED = {"link_down_deadline": "verifier_wait"}
 _warned: set[str] = set()
 
 
-def _b(lo: float, hi: float | None = None) -> dict[str, float]:
-    return {"min": lo} if hi is None else {"min": lo, "max": hi}
-
-
 @dataclass(frozen=True)
 class EdgeSettings:
-    """Everything the daemon and the REPL need (see docs/edge/daemon.md, Settings)."""
+    """Everything the daemon and the REPL need, each setting declared once (type, default,
+    bounds, help): the flags, their ``--help`` and docs/reference/edge-settings.md
+    (``python -m edge_agent.daemon.config docs/reference/edge-settings.md``) are derived from
+    these declarations."""
 
     # --- verifier link(s)
-    #: One WebSocket URL (PicoSpec mode), or several separated by commas: then every draft is
-    #: verified by all of them (SpecFed mode) — or, with ``failover = true``, the first is used
-    #: and the others are fail-over targets tried in order when it cannot be reached.
-    verifier: str = "ws://127.0.0.1:8765/v1/session"
-    failover: bool = False
-    #: SpecFed mode: one positive weight per verifier (normalised; default equal), one top-k
-    #: size per verifier (or one for all), or an ε target for adaptive K (then k is the cap).
-    weights: str = ""
-    k: str = "64"
-    eps_target: float = field(default=0.0, metadata=_b(0.0, 0.999))
-    reconstruction: ReconstructionName = "A"  # A renormalised top-K, B residual redistributed
-    # federation: once one verifier has answered a round, the least time the round waits for the
-    # others that keep up (up to max(this, 4 × that answer's round time)); a slower one is left
-    # out of rounds, not dropped, and readmitted when a probe shows it keeps up
-    round_deadline: float = field(default=ROUND_DEADLINE_S, metadata=_b(0.01))
-    token_file: Path | None = None  # bearer token for the verifier (first non-comment line)
-    ca_file: Path | None = None  # CA bundle for a wss:// verifier
-    insecure_skip_verify: bool = False
-    heartbeat: float = field(default=10.0, metadata=_b(0.5))  # WebSocket ping interval, s
-    # s a request may wait for a verifier without progress, whatever it meets (refused or lost
-    # connections, busy refusals with Retry-After, or both in turn, as a crash-looping verifier
-    # gives): then it fails with 503 and Retry-After, with its text so far (fallback none)
-    verifier_wait: float = field(default=DEFAULT_VERIFIER_WAIT, metadata=_b(0.1, 86_400))
-    # deprecated: the old name of verifier_wait (which bounded a down link only); still read,
-    # with a warning, and moved to verifier_wait
-    link_down_deadline: float | None = field(default=None, metadata=_b(0.1, 86_400))
-    # s: with fallback "none" and every verifier known down (the probes or the last session said
-    # so), a request fails after this long instead of verifier_wait; 0 = off
-    link_down_fail_fast: float = field(default=3.0, metadata=_b(0.0, 86_400))
-    # s: the floor of the verdict deadline (a stalled verifier is left after max(this, 4 × RTT))
-    verdict_timeout: float = field(default=10.0, metadata=_b(0.1, 3600))
-    probe_interval: float = field(default=10.0, metadata=_b(0.2))  # verifier /health probe, s
-    #: What to do when no verifier answers: "none" (requests fail with 503) or "draft"
-    #: (generate with the draft alone; the answer is marked unverified).
-    fallback: Fallback = "none"
+    verifier: str = setting(
+        "ws://127.0.0.1:8765/v1/session",
+        help="verifier WebSocket URL; several, comma-separated: every draft is verified by all "
+        "of them (federated verification, SpecFed), or, with failover, the first is used and "
+        "the others are fail-over targets tried in order",
+    )
+    failover: bool = setting(
+        False, help="several verifiers are fail-over targets instead of a federation"
+    )
+    weights: str = setting(
+        "",
+        help="federation: one positive weight per verifier, comma-separated (normalised; "
+        '"": equal)',
+    )
+    k: str = setting(
+        "64",
+        help="federation: top-k size of each verifier's distributions (one for all, or one per "
+        "verifier, comma-separated); with eps_target, the cap of the adaptive K",
+    )
+    eps_target: float = setting(
+        0.0,
+        min=0.0,
+        max=0.999,
+        help="federation: adaptive K, the smallest K whose kept mass is at least 1 - eps (k "
+        "caps it); 0 = off",
+    )
+    reconstruction: Reconstruction = setting(
+        Reconstruction.RENORMALISED,
+        help="federation: A (renormalised top-K) or B (residual mass redistributed)",
+    )
+    round_deadline: float = setting(
+        ROUND_DEADLINE_S,
+        min=0.01,
+        help="federation: once one verifier has answered a round, the least seconds the round "
+        "waits for the others (up to 4 × that answer's round time); a slower one is left out "
+        "of rounds, not dropped, and readmitted when a probe shows it keeps up",
+    )
+    token_file: Path | None = setting(
+        None, help="file holding the verifier's bearer token (its first non-comment line)"
+    )
+    ca_file: Path | None = setting(None, help="CA bundle to verify a wss:// verifier with")
+    insecure_skip_verify: bool = setting(False, help="do not verify the verifier's TLS certificate")
+    heartbeat: float = setting(
+        10.0, min=0.5, help="WebSocket ping interval to the verifier, seconds"
+    )
+    verifier_wait: float = setting(
+        DEFAULT_VERIFIER_WAIT,
+        min=0.1,
+        max=86_400,
+        help="seconds a request may wait for a verifier without progress, whatever it meets "
+        "(refused or lost connections, busy refusals with Retry-After, or both in turn, as a "
+        "crash-looping verifier gives): then it fails with 503 and Retry-After, with its text "
+        "so far (fallback none); also the most it waits for one of the daemon's generations "
+        "(then 429)",
+    )
+    link_down_deadline: float | None = setting(
+        None,
+        min=0.1,
+        max=86_400,
+        help="deprecated: the old name of verifier_wait (which bounded a down link only); "
+        "still read, with a warning, and moved to verifier_wait",
+    )
+    link_down_fail_fast: float = setting(
+        3.0,
+        min=0.0,
+        max=86_400,
+        help="seconds: with fallback none and every verifier known down (the probes or the "
+        "last session said so), a request fails after this long instead of verifier_wait; "
+        "0 = off",
+    )
+    verdict_timeout: float = setting(
+        10.0,
+        min=0.1,
+        max=3600,
+        help="seconds, the floor of the verdict deadline: a stalled verifier is left after "
+        "max(this, 4 × RTT) without a Verdict (from the batch's sending, or from the "
+        "verifier's last Progress frame)",
+    )
+    probe_interval: float = setting(
+        10.0, min=0.2, help="seconds between probes of the verifier's /health (link state, RTT)"
+    )
+    fallback: Fallback = setting(
+        Fallback.NONE,
+        help="when no verifier answers: none (requests fail with 503) or draft (generate with "
+        "the draft alone; the answer is marked unverified)",
+    )
     # --- the draft model
-    # model spec; self:... shares the weights of draft_base; "none": no draft model, only the
-    # tokenizer of draft_base (the verifier drafts: cloud-only, for devices too weak to draft)
-    draft: str = "self:skip=12"
-    draft_base: str = "default"
-    device: Device = "auto"  # auto: cuda when available
-    dtype: DType = "auto"  # auto: float16 on cuda, float32 on the CPU
-    threads: int | None = field(default=None, metadata=_b(1, 1024))  # torch CPU threads
+    draft: str = setting(
+        "self:skip=12",
+        help="draft model spec (self:skip=N shares the weights of draft_base; a folder, a "
+        ".gguf, a cached hub id), or none: no draft model, only the tokenizer of draft_base "
+        "(the verifier drafts and writes the text: cloud-only, for devices too weak to draft; "
+        "needs cogen)",
+    )
+    draft_base: str = setting(
+        "default",
+        help="the model whose weights a self:... draft shares (draft none: whose tokenizer is "
+        "loaded)",
+    )
+    device: Device = setting(Device.AUTO, help="where the draft runs (auto: cuda when available)")
+    dtype: DType = setting(
+        DType.AUTO, help="the draft weights' dtype (auto: float16 on cuda, float32 on the CPU)"
+    )
+    threads: int | None = setting(
+        None,
+        min=1,
+        max=1024,
+        help="torch CPU threads (unset: torch's own choice, one per core; with a verifier on "
+        "the same machine give each its share)",
+    )
     # --- speculation
-    # "auto": the online controller picks γ and D from the session's own measurements
-    # (edge_agent.session.controller); a number fixes them.
-    gamma: int | Literal["auto"] = field(default="auto", metadata=_b(1, 64))
-    depth: int | Literal["auto"] = field(default="auto", metadata=_b(1, 127))
-    # co-generation: the verifier decodes on its own while no draft of this session is queued
-    cogen: bool = True
-    # hedging: tokens drafted after the draft's second choice at its least confident position
-    # while the pipeline is full, for the verifier to go on after a rejection there; 0 = off
-    hedge: int = field(default=0, metadata=_b(0, 64))
-    # outcome pre-drafting: branches prepared while the pipeline is full, each γ tokens after the
-    # draft's second choice where a rejection is likeliest in flight; a rejection whose
-    # correction opens one sends it at once; 0 = off
-    predraft: int = field(default=8, metadata=_b(0, 64))
-    # token trees: the prepared branches also go to the verifier as they grow, to be verified in
-    # the forward of the batch they fork from (tree mask); needs predraft
-    tree: bool = False
-    mode: ModeName = "pipelined"
-    correction: CorrectionName = "candidates"
-    # --- sampling defaults (a request's own values win)
-    temperature: float = field(default=0.0, metadata=_b(0.0, 100.0))
-    top_p: float = field(default=1.0, metadata=_b(0.0, 1.0))
-    top_k: int = field(default=0, metadata=_b(0))
-    max_tokens: int = field(default=512, metadata=_b(1, 1 << 20))
-    seed: int | None = field(default=None, metadata=_b(*SEED_RANGE))
+    gamma: int | Auto = setting(
+        "auto",
+        min=GAMMA.lo,
+        max=GAMMA.hi,
+        help="draft length γ: auto (the online controller picks it from the session's own "
+        "measurements) or a number",
+    )
+    depth: int | Auto = setting(
+        "auto",
+        min=DEPTH.lo,
+        max=DEPTH.hi,
+        help="batches in flight D: auto (the online controller) or a number",
+    )
+    cogen: bool = setting(
+        True,
+        help="co-generation: the verifier decodes on its own while no draft of this session is "
+        "queued",
+    )
+    hedge: int = setting(
+        0,
+        min=0,
+        max=64,
+        help="hedging: tokens drafted after the draft's second choice at its least confident "
+        "position while the pipeline is full, for the verifier to go on after a rejection "
+        "there; 0 = off",
+    )
+    predraft: int = setting(
+        8,
+        min=0,
+        max=64,
+        help="outcome pre-drafting: branches prepared while the pipeline is full, each γ tokens "
+        "after the draft's second choice where a rejection is likeliest in flight; a rejection "
+        "whose correction opens one sends it at once; 0 = off",
+    )
+    tree: bool = setting(
+        False,
+        help="token trees: the prepared branches also go to the verifier as they grow, to be "
+        "verified in the forward of the batch they fork from (tree mask); needs predraft",
+    )
+    mode: Mode = setting(
+        Mode.PIPELINED,
+        help="pipelined (up to D batches in flight) or stop-and-wait (one batch, classic "
+        "speculative decoding)",
+    )
+    correction: CorrectionMode = setting(
+        CorrectionMode.CANDIDATES,
+        help="how a rejection is corrected at T > 0: candidates (exact), greedy_draft (exact, "
+        "ids only), topk (PicoSpec, lossy)",
+    )
+    # --- sampling defaults (a request's own values win; they have the same bounds)
+    temperature: float = setting(
+        0.0,
+        min=TEMPERATURE.lo,
+        max=TEMPERATURE.hi,
+        help=f"default temperature (0 = greedy; else at least {MIN_TEMPERATURE:g})",
+    )
+    top_p: float = setting(
+        1.0, min=TOP_P.lo, max=TOP_P.hi, help="default top-p (nucleus sampling; above 0)"
+    )
+    top_k: int = setting(0, min=TOP_K.lo, max=TOP_K.hi, help="default top-k (0 = off)")
+    max_tokens: int = setting(
+        512, min=MAX_TOKENS.lo, max=MAX_TOKENS.hi, help="default completion length, tokens"
+    )
+    seed: int | None = setting(
+        None, min=SEED.lo, max=SEED.hi, help="default seed (unset: a fresh one per request)"
+    )
     # --- the local API
-    host: str = "127.0.0.1"
-    port: int = field(default=8760, metadata=_b(0, 65535))
-    api_key_file: Path | None = None  # Bearer key required on /v1/* when set
-    model_id: str = "wanspec"  # the id /v1/models lists
-    # Generations served at once (their draft steps share batched forwards); more requests
-    # wait, first come first served, up to max_queue of them (then 429).
-    max_concurrent: int = field(default=4, metadata=_b(1, 64))
-    max_queue: int = field(default=32, metadata=_b(1))  # waiting requests before 429
-    # A streaming response with nothing to say for this many seconds gets an SSE comment (the
-    # stream stays open through proxies); a client that takes none of a write within
-    # write_timeout seconds is dropped (its generation cancelled), never holding the others.
-    stream_keepalive: float = field(default=15.0, metadata=_b(0.1, 3600))
-    write_timeout: float = field(default=30.0, metadata=_b(0.1, 3600))
-    max_body: int = field(default=1 << 20, metadata=_b(1024, 1 << 30))  # request bytes
-    # Before a request reaches a handler (shared.service.http_guard): its headers must arrive within
-    # header_timeout s (also the keep-alive idle limit between requests), and at most
-    # max_pending_connections such connections are held, max_pending_per_address of them per
-    # client address (more are refused at once with 503).
-    header_timeout: float = field(default=10.0, metadata=_b(0.1, 3600))
-    max_pending_connections: int = field(default=512, metadata=_b(1))
-    max_pending_per_address: int = field(default=128, metadata=_b(1))
-    log_level: LogLevel = "info"
+    host: str = setting("127.0.0.1", help="address the API listens on (loopback by default)")
+    port: int = setting(8760, min=0, max=65535, help="TCP port of the API")
+    api_key_file: Path | None = setting(
+        None, help="file holding the API key clients must send as a Bearer token on /v1/*"
+    )
+    model_id: str = setting("wanspec", help="the model id the API offers (/v1/models)")
+    max_concurrent: int = setting(
+        4,
+        min=1,
+        max=64,
+        help="generations served at once (their draft steps share batched forwards); more "
+        "requests wait, first come first served, up to max_queue of them",
+    )
+    max_queue: int = setting(32, min=1, help="requests allowed to wait before 429")
+    stream_keepalive: float = setting(
+        15.0,
+        min=0.1,
+        max=3600,
+        help="seconds of silence before a streaming response gets an SSE comment (the stream "
+        "stays open through proxies)",
+    )
+    write_timeout: float = setting(
+        30.0,
+        min=0.1,
+        max=3600,
+        help="seconds a client may take to take any of a write before it is dropped (its "
+        "generation cancelled), never holding the others",
+    )
+    max_body: int = setting(1 << 20, min=1024, max=1 << 30, help="largest request body, bytes")
+    header_timeout: float = setting(
+        10.0,
+        min=0.1,
+        max=3600,
+        help="seconds a connection has to send its request headers (and to idle between requests)",
+    )
+    max_pending_connections: int = setting(
+        512,
+        min=1,
+        help="connections whose request has not reached a handler (half-sent, or idle in "
+        "keep-alive); when all are taken a new one evicts the oldest, if old enough",
+    )
+    max_pending_per_address: int = setting(
+        128, min=1, help="such connections per client address (more: refused at once with 503)"
+    )
+    log_level: LogLevel = setting(LogLevel.INFO, help="the least severe level logged")
 
     def __post_init__(self) -> None:
         self._move_renamed()
@@ -203,13 +351,12 @@ class EdgeSettings:
         ks = self.verifier_k
         if len(ks) != n or any(k < 1 for k in ks):
             raise ConfigError("k", f"needs one positive integer, or {n} (one per verifier)")
-        if self.top_p <= 0.0:
-            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if 0.0 < self.temperature < MIN_TEMPERATURE:
-            raise ConfigError(
-                "temperature",
-                f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {self.temperature}",
-            )
+        if self.top_p not in TOP_P:
+            raise ConfigError("top_p", f"must be {TOP_P.words()}, got {self.top_p}")
+        try:
+            check_temperature(self.temperature)
+        except ValueError as e:
+            raise ConfigError("temperature", str(e)) from None
         if not self.model_id.strip():
             raise ConfigError("model_id", "must not be empty")
         if self.tree and not self.predraft:
@@ -312,24 +459,16 @@ class EdgeSettings:
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
-    def pipeline(
-        self,
-        *,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        gamma: int | None = None,
-        depth: int | None = None,
-        mode: Mode | None = None,
-        correction: CorrectionMode | None = None,
-    ) -> PipelineConfig:
-        """These defaults with a request's own values (None: not given) on top.
-        Raises ValueError for a bad combination."""
+    def pipeline(self, request: RequestOptions | None = None) -> PipelineConfig:
+        """These defaults with a request's own values (``request``: None, or None fields: not
+        given) on top: the one place the daemon's defaults meet a request's (the API's, the
+        REPL's). Raises ValueError for a bad combination."""
+        r = request or RequestOptions()
 
         def pick(v: Any, default: Any) -> Any:
             return default if v is None else v
 
-        g, d = pick(gamma, self.gamma), pick(depth, self.depth)
+        g, d = pick(r.gamma, self.gamma), pick(r.depth, self.depth)
         return PipelineConfig(
             gamma=4 if g == "auto" else g,
             depth=4 if d == "auto" else d,
@@ -339,13 +478,13 @@ class EdgeSettings:
             hedge=self.hedge,
             predraft=self.predraft,
             tree=self.tree,
-            mode=Mode.parse(pick(mode, self.mode), "mode"),
-            correction=CorrectionMode.parse(pick(correction, self.correction), "correction"),
-            reconstruction=Reconstruction.parse(self.reconstruction, "reconstruction"),
+            mode=pick(r.mode, self.mode),
+            correction=pick(r.correction, self.correction),
+            reconstruction=self.reconstruction,
             sampling=SamplingParams(
-                pick(temperature, self.temperature),
-                pick(top_k, self.top_k),
-                pick(top_p, self.top_p),
+                pick(r.temperature, self.temperature),
+                pick(r.top_k, self.top_k),
+                pick(r.top_p, self.top_p),
             ),
         )
 
@@ -549,3 +688,29 @@ def check_before_loading(
         check_api_key_file(s, sources)
     if command == "serve":
         check_listen(s, sources)
+
+
+REFERENCE_INTRO = f"""
+Every setting of the `edge-agent` commands (`serve`, `chat`, `generate`, `demo`) is a
+command-line flag (`--verifier-wait` for `verifier_wait`), an environment variable
+`{ENV_PREFIX}<NAME>` (`{ENV_PREFIX}VERIFIER_WAIT`) and a top-level key of the TOML file
+(`--config F`, else `${CONFIG_ENV}`, else `~/.config/wanspec/edge.toml` if it exists; `-` or `_`
+in keys); the command line wins, then the environment, then the file, then the default. See
+[Edge daemon](../edge/daemon.md#settings) for how they are read and checked. A request's own
+`temperature`, `top_p`, `top_k`, `max_tokens`, `seed`, `gamma`, `depth`, `mode` and `correction`
+(the API's body, the REPL's `/set`) take the same values as these defaults.
+"""
+
+
+def reference_page() -> str:
+    """docs/reference/edge-settings.md."""
+    return settings_page(
+        EdgeSettings,
+        title="Edge settings",
+        intro=REFERENCE_INTRO,
+        regenerate=".venv/bin/python -m edge_agent.daemon.config docs/reference/edge-settings.md",
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main(reference_page(), sys.argv[1:]))

@@ -1,16 +1,79 @@
 """The settings of one generation's pipeline: draft length, depth, mode, sampling, correction.
 
-Pure data shared by the edge's session cores, its drivers and its user interfaces.
+Pure data shared by the edge's session cores, its drivers and its user interfaces, with the one
+declaration of the bounds of a generation's own options (:data:`GAMMA` ... :data:`SEED`): the
+daemon's defaults for them (``EdgeSettings``), the API's request body and the REPL's ``/set``
+all check these.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, Literal, TypeVar
 
 from shared.enums import TextEnum
 from shared.maths.compression import Reconstruction
-from shared.wire.params import SamplingParams
+from shared.wire.params import MIN_TEMPERATURE, SamplingParams
 from shared.wire.protocol import MAX_TOP_LOGPROBS, SEQ_MODULUS, CorrectionMode
+
+N = TypeVar("N", int, float)
+
+
+@dataclass(frozen=True)
+class Range(Generic[N]):
+    """The values ``lo..hi`` of a numeric option, both included (``lo`` excluded with
+    ``open_lo``)."""
+
+    lo: N
+    hi: N
+    open_lo: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        return (self.lo < value if self.open_lo else self.lo <= value) and value <= self.hi
+
+    def words(self) -> str:
+        """``in 1..64`` (integers), ``in (0, 1]`` (numbers)."""
+        if isinstance(self.lo, int) and isinstance(self.hi, int):
+            return f"in {self.lo}..{self.hi}"
+        return f"in {'(' if self.open_lo else '['}{self.lo:g}, {self.hi:g}]"
+
+    def check(self, name: str, value: N) -> N:
+        """``value``, or ValueError naming ``name`` and the range."""
+        if value not in self:
+            raise ValueError(f"{name} must be {self.words()}, got {value}")
+        return value
+
+
+#: Draft tokens per batch (γ).
+GAMMA = Range(1, 64)
+#: Batches in flight (D): batch numbers are 7-bit.
+DEPTH = Range(1, SEQ_MODULUS - 1)
+#: Sampling temperature (OpenAI's range); 0 is greedy, else at least MIN_TEMPERATURE
+#: (:func:`check_temperature`).
+TEMPERATURE = Range(0.0, 2.0)
+TOP_P = Range(0.0, 1.0, open_lo=True)
+#: 0 = off; no vocabulary is larger.
+TOP_K = Range(0, 1 << 24)
+#: Completion tokens of one generation.
+MAX_TOKENS = Range(1, 1 << 20)
+#: Seeds are non-negative (numpy's generators refuse negative ones) and fit 64 bits.
+SEED = Range(0, 2**64 - 1)
+
+#: ``gamma``/``depth`` chosen by the online controller (:mod:`edge_agent.session.controller`).
+Auto = Literal["auto"]
+
+
+def check_temperature(t: float) -> float:
+    """``t``: 0 (greedy), or in [MIN_TEMPERATURE, TEMPERATURE.hi]; ValueError otherwise
+    (smaller temperatures leave nothing to sample from)."""
+    TEMPERATURE.check("temperature", t)
+    if 0.0 < t < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}: "
+            "smaller ones leave nothing to sample from"
+        )
+    return t
+
 
 #: Frames besides Proposes a link may have waiting to be sent at once (a Hedge, a Rollback,
 #: a Resample, an Error).
@@ -29,6 +92,21 @@ class Mode(TextEnum):
 
     PIPELINED = "pipelined"
     STOP_AND_WAIT = "stop-and-wait"
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """A generation's own sampling and speculation values, laid over the daemon's defaults by
+    ``EdgeSettings.pipeline``; None: the default. The API's request body and the REPL's
+    settings are both read into one."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    gamma: int | Auto | None = None
+    depth: int | Auto | None = None
+    mode: Mode | None = None
+    correction: CorrectionMode | None = None
 
 
 @dataclass(frozen=True)
@@ -72,12 +150,9 @@ class PipelineConfig:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not 1 <= self.gamma <= 64:
-            raise ValueError(f"gamma must be in 1..64, got {self.gamma}")
-        if not 1 <= self.depth < SEQ_MODULUS:
-            raise ValueError(f"depth must be in 1..{SEQ_MODULUS - 1}, got {self.depth}")
-        if not 1 <= self.max_gamma <= 64:
-            raise ValueError(f"max_gamma must be in 1..64, got {self.max_gamma}")
+        GAMMA.check("gamma", self.gamma)
+        DEPTH.check("depth", self.depth)
+        GAMMA.check("max_gamma", self.max_gamma)
         if not 0 <= self.hedge <= 64:
             raise ValueError(f"hedge must be in 0..64, got {self.hedge}")
         if not 0 <= self.predraft <= 64:
@@ -86,8 +161,7 @@ class PipelineConfig:
             raise ValueError("tree sends prepared branches: it needs predraft > 0")
         if not 0.0 <= self.hedge_below <= 1.0:
             raise ValueError(f"hedge_below must be in [0, 1], got {self.hedge_below}")
-        if not 1 <= self.max_depth < SEQ_MODULUS:
-            raise ValueError(f"max_depth must be in 1..{SEQ_MODULUS - 1}, got {self.max_depth}")
+        DEPTH.check("max_depth", self.max_depth)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
         # Settings files and flags give strings: store members.

@@ -9,10 +9,17 @@ sources, highest precedence first:
    are then ignored),
 4. the dataclass defaults.
 
+Each setting is declared once, as a field made by :func:`setting`: its type (the annotation), its
+default, its bounds and its help text. Everything else is derived from that declaration: the TOML
+keys and environment variables (here), the command-line flags and their ``--help``
+(:func:`shared.service.cli_args.add_setting_flags`), and the settings reference in the docs
+(:mod:`shared.service.settings_doc`).
+
 Values are checked against the field's type annotation: ``int``, ``float``, ``bool``, ``str``,
-``pathlib.Path``, ``typing.Literal[...]`` choices, and ``X | None`` of those. Strings (environment,
-command line) are parsed; TOML values must already have the right type. Bounds go in the field's
-metadata (``field(default=..., metadata={"min": 1, "max": 65535})``); a ``__post_init__`` may raise
+``pathlib.Path``, a :class:`~shared.enums.TextEnum` (a closed set: parsed by value),
+``X | Literal["auto"]`` (a keyword beside a value), and ``X | None`` of those. Strings
+(environment, command line) are parsed; TOML values must already have the right type (an enum's
+value is a string). Bounds (``min``, ``max``) are checked on numbers; a ``__post_init__`` may raise
 :class:`ConfigError` (source left empty) for checks across fields, and the source of the offending
 key is filled in.
 
@@ -33,6 +40,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from shared.enums import TextEnum
 from shared.errors import WanspecError
 
 if sys.version_info >= (3, 11):
@@ -40,12 +48,90 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 (the Jetson)
     import tomli as tomllib
 
-__all__ = ["ConfigError", "Source", "load_settings", "parse_bool"]
+__all__ = [
+    "ConfigError",
+    "DType",
+    "Device",
+    "LogLevel",
+    "Source",
+    "Switch",
+    "choices",
+    "load_settings",
+    "parse_bool",
+    "setting",
+    "setting_help",
+    "settings_fields",
+    "type_parts",
+]
 
 T = TypeVar("T")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
+
+
+class Device(TextEnum):
+    """Where a model runs (both ends): ``auto`` is CUDA when torch sees a device, else the CPU
+    (:func:`shared.runtime.device.resolve_device`)."""
+
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class DType(TextEnum):
+    """A model's weight dtype; ``auto`` is each end's own choice for its device."""
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class Switch(TextEnum):
+    """A feature that is on, off, or decided by the program (``auto``)."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class LogLevel(TextEnum):
+    """The least severe level logged (``logging``'s names, in lower case)."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+def setting(default: Any, *, help: str, min: float | None = None, max: float | None = None) -> Any:
+    """One setting of a settings dataclass: ``name: type = setting(default, help=..., min=...,
+    max=...)``. The help text and the bounds live in the field's metadata, where the loader, the
+    command line and the docs read them (typed ``Any``, like :func:`dataclasses.field`, so the
+    annotation stays the field's type)."""
+    if not help.strip():
+        raise ValueError("a setting needs a help text")
+    meta: dict[str, Any] = {"help": help}
+    if min is not None:
+        meta["min"] = min
+    if max is not None:
+        meta["max"] = max
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def setting_help(f: dataclasses.Field[Any]) -> str:
+    """The help text declared with :func:`setting` (TypeError for a field declared otherwise:
+    every setting has one)."""
+    text = f.metadata.get("help")
+    if not isinstance(text, str):
+        raise TypeError(f"setting {f.name!r} is not declared with setting(..., help=...)")
+    return text
+
+
+def settings_fields(cls: type[Any]) -> list[dataclasses.Field[Any]]:
+    """The settings of a settings dataclass (its init fields), in declaration order."""
+    return [f for f in dataclasses.fields(cls) if f.init]
 
 
 class ConfigError(WanspecError, ValueError):
@@ -116,6 +202,25 @@ def _literal_alternative(tp: Any) -> tuple[tuple[Any, ...], Any] | None:
     return typing.get_args(lits[0]), other
 
 
+def type_parts(tp: Any) -> tuple[Any, tuple[str, ...], bool]:
+    """A setting's annotation taken apart: (the value type, the keywords allowed beside it,
+    whether None is allowed): ``int | Literal["auto"]`` → ``(int, ("auto",), False)``."""
+    choice = _literal_alternative(tp)
+    words = tuple(str(w) for w in choice[0]) if choice is not None else ()
+    inner, optional = _split_optional(choice[1] if choice is not None else tp)
+    return inner, words, optional
+
+
+def choices(tp: Any) -> tuple[str, ...] | None:
+    """Every spelling a closed set accepts (an enum's values, then any keywords beside them:
+    ``E | Literal["auto"]``), in declaration order; None for an open type (``int | Literal[...]``
+    included)."""
+    inner, words, _ = type_parts(tp)
+    if isinstance(inner, type) and issubclass(inner, TextEnum):
+        return (*inner.choices(), *words)
+    return None
+
+
 def _coerce(value: Any, tp: Any, *, from_text: bool) -> Any:
     """Convert/check ``value`` for annotation ``tp``; raise ValueError with a readable message.
 
@@ -138,11 +243,14 @@ def _coerce(value: Any, tp: Any, *, from_text: bool) -> Any:
         if optional:
             return None
         raise ValueError("a value is required")
-    if typing.get_origin(inner) is typing.Literal:
-        choices = typing.get_args(inner)
-        if value in choices:
+    if isinstance(inner, type) and issubclass(inner, TextEnum):
+        if isinstance(value, inner):
             return value
-        shown = ", ".join(str(c) for c in choices)
+        if isinstance(value, str):
+            text = value.strip() if from_text else value
+            if text in inner.choices():
+                return inner(text)
+        shown = ", ".join(inner.choices())
         raise ValueError(f"{value!r} is not one of {shown}")
     if inner is bool:
         if isinstance(value, bool):
@@ -235,7 +343,7 @@ def load_settings(
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls!r} is not a dataclass")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in settings_fields(cls)}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
 

@@ -10,8 +10,6 @@ from edge_agent.daemon.api_errors import ApiError
 from edge_agent.daemon.api_request import (
     MAX_STOPS,
     ApiRequest,
-    Sampling,
-    Speculation,
     Streaming,
     build_pipeline,
     check_unsupported,
@@ -26,12 +24,13 @@ from edge_agent.daemon.api_request import (
     parse_prompt,
     parse_request,
     parse_sampling,
+    parse_seed,
     parse_speculation,
     parse_stops,
     parse_streaming,
 )
 from edge_agent.daemon.config import EdgeSettings
-from edge_agent.session.pipeline_config import Mode
+from edge_agent.session.pipeline_config import Mode, RequestOptions
 from shared.wire.protocol import CorrectionMode
 
 pytestmark = pytest.mark.fast
@@ -142,13 +141,16 @@ def test_max_tokens_prefers_the_new_name() -> None:
 
 
 def test_sampling() -> None:
-    assert parse_sampling({}) == Sampling()
-    s = parse_sampling({"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 0})
-    assert s == Sampling(0.7, 0.9, 40, 0)
-    assert parse_sampling({"seed": 2**64 - 1}).seed == 2**64 - 1
-    assert fault(parse_sampling, {"seed": -1}).param == "seed"  # numpy refuses negative seeds
-    assert fault(parse_sampling, {"seed": 2**64}).param == "seed"
+    assert parse_sampling({}) == RequestOptions()
+    s = parse_sampling({"temperature": 0.7, "top_p": 0.9, "top_k": 40})
+    assert s == RequestOptions(temperature=0.7, top_p=0.9, top_k=40)
+    assert parse_seed({"seed": 0}) == 0
+    assert parse_seed({"seed": 2**64 - 1}) == 2**64 - 1
+    assert fault(parse_seed, {"seed": -1}).param == "seed"  # numpy refuses negative seeds
+    assert fault(parse_seed, {"seed": 2**64}).param == "seed"
     assert fault(parse_sampling, {"temperature": 5}).param == "temperature"
+    e = fault(parse_sampling, {"temperature": 1e-5})
+    assert e.message.startswith("temperature must be 0 (greedy) or at least 0.0001")
     assert fault(parse_sampling, {"top_p": 0}).param == "top_p"
     assert fault(parse_sampling, {"top_k": -1}).param == "top_k"
 
@@ -160,12 +162,13 @@ def test_ignore_eos() -> None:
 
 
 def test_speculation_extension() -> None:
-    assert parse_speculation({}) == Speculation()
-    assert parse_speculation({"wanspec": None}) == Speculation()
+    assert parse_speculation({}) == RequestOptions()
+    assert parse_speculation({"wanspec": None}) == RequestOptions()
     spec = parse_speculation(
-        {"wanspec": {"gamma": 8, "depth": 3, "mode": "stop-and-wait", "correction": "topk"}}
+        {"wanspec": {"gamma": 8, "depth": 3, "mode": "stop-and-wait", "correction": "topk"}},
+        RequestOptions(temperature=0.5),
     )
-    assert spec == Speculation(8, 3, Mode.STOP_AND_WAIT, CorrectionMode.TOPK)
+    assert spec == RequestOptions(0.5, None, None, 8, 3, Mode.STOP_AND_WAIT, CorrectionMode.TOPK)
     assert isinstance(spec.mode, Mode) and isinstance(spec.correction, CorrectionMode)
     e = fault(parse_speculation, {"wanspec": [1]})
     assert e.message == "wanspec must be an object of gamma, depth, mode, correction"
@@ -193,14 +196,15 @@ def test_stops() -> None:
 
 
 def test_pipeline_takes_the_requests_values_over_the_settings() -> None:
-    s = EdgeSettings(temperature=0.5, gamma=4, mode="pipelined", correction="candidates")
-    p = build_pipeline(s, Sampling(), Speculation())
+    s = EdgeSettings(
+        temperature=0.5, gamma=4, mode=Mode.PIPELINED, correction=CorrectionMode.CANDIDATES
+    )
+    p = build_pipeline(s, RequestOptions())
     assert (p.gamma, p.mode, p.correction, p.sampling.temperature) == (
         4, Mode.PIPELINED, CorrectionMode.CANDIDATES, 0.5,
     )  # fmt: skip
-    p = build_pipeline(
-        s, Sampling(temperature=0.0, top_k=5), Speculation(6, 1, Mode.STOP_AND_WAIT, None)
-    )
+    request = RequestOptions(temperature=0.0, top_k=5, gamma=6, depth=1, mode=Mode.STOP_AND_WAIT)
+    p = build_pipeline(s, request)
     assert (p.gamma, p.depth, p.mode, p.sampling.greedy, p.sampling.top_k) == (
         6, 1, Mode.STOP_AND_WAIT, True, 5,
     )  # fmt: skip

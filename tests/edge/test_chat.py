@@ -14,6 +14,8 @@ from typing import Any
 import pexpect
 import pytest
 
+from edge_agent.daemon.api_errors import ApiError
+from edge_agent.daemon.api_request import parse_request
 from edge_agent.daemon.chat import ChatError, ChatOptions, Event, Repl, stats_line
 from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.progress import Progress
@@ -108,7 +110,7 @@ def test_repl_in_process(
         child.expect_exact("Set temperature to 0.7.")
         child.expect_exact(">>> ")
         child.sendline("/set gamma 0")
-        child.expect_exact("error: gamma must be in [1, 64], got 0")
+        child.expect_exact("error: gamma must be in 1..64, got 0")
         child.expect_exact(">>> ")
         child.sendline("/set mode stop-and-wait")
         child.expect_exact("Set mode to 'stop-and-wait'.")
@@ -182,6 +184,44 @@ def test_options_and_stats_line() -> None:
     for key, value in [("top_k", "-1"), ("temperature", "hot"), ("nope", "1"), ("mode", "x")]:
         with pytest.raises(ValueError):
             opts.with_setting(key, value)
+    assert opts.with_setting("gamma", "8").with_setting("gamma", "auto").gamma == "auto"
+    assert EdgeSettings().pipeline(opts.with_setting("depth", "auto").request()).auto_depth
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "ok"),
+    [
+        ("temperature", 2.0, True),
+        ("temperature", 2.5, False),  # the REPL took up to 100, the API 2
+        ("temperature", 1e-5, False),
+        ("top_p", 0.0, False),
+        ("top_k", 1 << 24, True),
+        ("top_k", (1 << 24) + 1, False),
+        ("max_tokens", 0, False),
+        ("gamma", 65, False),
+        ("depth", 127, True),
+        ("depth", 128, False),
+        ("seed", 2**64 - 1, True),
+        ("seed", -1, False),
+    ],
+)
+def test_the_repl_and_the_api_agree_on_bounds(key: str, value: float, ok: bool) -> None:
+    """/set and a request body accept the same values (one declaration of the bounds)."""
+    opts = ChatOptions.from_settings(EdgeSettings())
+    try:
+        opts.with_setting(key, str(value))
+        repl_ok = True
+    except ValueError:
+        repl_ok = False
+    body: dict[str, Any] = {key: value}
+    if key in ("gamma", "depth"):
+        body = {"wanspec": body}
+    try:
+        parse_request(body, EdgeSettings(), prompt_tokens=1, context=None)
+        api_ok = True
+    except ApiError:
+        api_ok = False
+    assert (repl_ok, api_ok) == (ok, ok)
     st: dict[str, Any] = {
         "tokens_per_s": 12.345,
         "acceptance_rate": 0.75,
@@ -211,7 +251,9 @@ def test_multi_line_reading() -> None:
 
 
 def test_set_shows_the_correction_in_effect() -> None:
-    greedy = ChatOptions.from_settings(EdgeSettings(temperature=0.0, correction="candidates"))
+    greedy = ChatOptions.from_settings(
+        EdgeSettings(temperature=0.0, correction=CorrectionMode.CANDIDATES)
+    )
     assert greedy.wire_correction is CorrectionMode.GREEDY_DRAFT
     assert greedy.show("correction") == "'candidates' (greedy_draft at T = 0)"
     assert "correction   'candidates' (greedy_draft at T = 0)" in greedy.describe()

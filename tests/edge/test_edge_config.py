@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import socket
-import typing
 from pathlib import Path
 
 import pytest
 
 from edge_agent.daemon.cli import build_parser, load_cli_settings, main
 from edge_agent.daemon.config import (
-    CorrectionName,
     EdgeSettings,
-    ModeName,
-    ReconstructionName,
     check_before_loading,
     check_link_files,
     check_listen,
@@ -23,7 +19,7 @@ from edge_agent.daemon.config import (
     retired_env_warnings,
     setting_sources,
 )
-from edge_agent.session.pipeline_config import Mode
+from edge_agent.session.pipeline_config import Mode, RequestOptions
 from shared.maths.compression import Reconstruction
 from shared.service.config import ConfigError
 from shared.wire.protocol import CorrectionMode
@@ -105,22 +101,26 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
 def test_several_verifiers_and_pipeline_overrides() -> None:
     s = EdgeSettings(verifier="ws://a:1/v1/session, wss://b:2/v1/session", temperature=0.8)
     assert s.verifier_urls == ("ws://a:1/v1/session", "wss://b:2/v1/session")
-    p = s.pipeline(gamma=8, top_k=5)
+    p = s.pipeline(RequestOptions(gamma=8, top_k=5))
     assert (p.gamma, p.depth, p.sampling.temperature, p.sampling.top_k) == (8, 4, 0.8, 5)
     # a request's own γ fixes it; the default depth stays "auto" (the controller's, from 4)
     assert (p.auto_gamma, p.auto_depth, p.cogen) == (False, True, True)
-    assert s.pipeline(temperature=0.0).sampling.greedy
+    assert s.pipeline(RequestOptions(temperature=0.0)).sampling.greedy
 
 
-def test_setting_choices_are_the_enums_values() -> None:
-    # Settings files and flags spell these as strings; the pipeline gets enum members.
-    assert set(typing.get_args(ModeName)) == set(Mode.choices())
-    assert set(typing.get_args(CorrectionName)) == set(CorrectionMode.choices())
-    assert set(typing.get_args(ReconstructionName)) == set(Reconstruction.choices())
-    p = EdgeSettings(mode="stop-and-wait", correction="topk", reconstruction="B").pipeline()
+def test_closed_sets_are_the_enums() -> None:
+    """Settings files, variables and flags spell a closed set as its enum's values; the setting
+    holds the member, and the pipeline gets it."""
+    env = {"WANSPEC_EDGE_MODE": "stop-and-wait", "WANSPEC_EDGE_RECONSTRUCTION": "B"}
+    s = load_edge_settings(env=env, cli={"correction": "topk"})
+    assert s.mode is Mode.STOP_AND_WAIT and s.correction is CorrectionMode.TOPK
+    p = s.pipeline()
     assert p.mode is Mode.STOP_AND_WAIT and p.correction is CorrectionMode.TOPK
     assert p.reconstruction is Reconstruction.REDISTRIBUTED
-    p = EdgeSettings().pipeline(mode=Mode.STOP_AND_WAIT, correction=CorrectionMode.GREEDY_DRAFT)
+    with pytest.raises(ConfigError, match="'fast' is not one of pipelined, stop-and-wait"):
+        load_edge_settings(env={"WANSPEC_EDGE_MODE": "fast"})
+    request = RequestOptions(mode=Mode.STOP_AND_WAIT, correction=CorrectionMode.GREEDY_DRAFT)
+    p = EdgeSettings().pipeline(request)
     assert (p.mode, p.correction) == (Mode.STOP_AND_WAIT, CorrectionMode.GREEDY_DRAFT)
 
 

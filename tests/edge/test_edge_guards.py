@@ -25,7 +25,7 @@ import pytest
 from aiohttp import web
 
 from edge_agent.daemon.api_errors import ApiError
-from edge_agent.daemon.api_request import MAX_JSON_DEPTH, decode_body, parse_sampling
+from edge_agent.daemon.api_request import MAX_JSON_DEPTH, decode_body, parse_sampling, parse_seed
 from edge_agent.daemon.config import EdgeSettings, load_edge_settings
 from edge_agent.daemon.monitor import EdgeMetrics, LinkMonitor, VerifierLinkState
 from edge_agent.daemon.server import STATE, ServerState, build_app, make_listener, make_runner
@@ -167,7 +167,7 @@ def test_values_that_broke_generation_are_refused() -> None:
     """A negative seed (numpy refuses it), a temperature too small to divide by, JSON nested
     too deep: 400s naming the problem, from the pure parsers."""
     with pytest.raises(ApiError) as e:
-        parse_sampling({"seed": -1})
+        parse_seed({"seed": -1})
     assert (e.value.status, e.value.param) == (400, "seed")
     with pytest.raises(ApiError) as e:
         parse_sampling({"temperature": 5e-324})

@@ -1,27 +1,41 @@
-"""shared.service.config: precedence CLI > environment > TOML file > defaults, and error
-messages."""
+"""shared.service.config: precedence CLI > environment > TOML file > defaults, error messages,
+and settings declared once (``setting``), closed sets as enums."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import pytest
 
 from cloud_verifier.daemon.settings import VerifierSettings
-from shared.service.config import ConfigError, load_settings, parse_bool
+from shared.enums import TextEnum
+from shared.service.config import (
+    ConfigError,
+    choices,
+    load_settings,
+    parse_bool,
+    setting,
+    setting_help,
+    settings_fields,
+)
 
 pytestmark = pytest.mark.fast
+
+
+class Letter(TextEnum):
+    A = "a"
+    B = "b"
 
 
 @dataclass(frozen=True)
 class S:
     name: str = "x"
-    port: int = field(default=80, metadata={"min": 1, "max": 65535})
+    port: int = setting(80, min=1, max=65535, help="the port")
     ratio: float = 0.5
     fast: bool = False
-    mode: Literal["a", "b"] = "a"
+    mode: Letter = Letter.A
     path: Path | None = None
 
     def __post_init__(self) -> None:
@@ -46,6 +60,7 @@ def test_precedence_cli_env_file_default(tmp_path: Path) -> None:
         S, toml_path=toml, env=env, env_prefix="W_", cli={"port": "3", "name": None}, section="svc"
     )
     assert (s.name, s.port, s.ratio, s.mode, s.fast, s.path) == ("env", 3, 2.0, "b", False, None)
+    assert s.mode is Letter.B  # the member, parsed by value
     s = load_settings(S, toml_path=toml, env={}, env_prefix="W_", section="svc")
     assert (s.name, s.port) == ("file", 1)
 
@@ -119,3 +134,44 @@ def test_verifier_settings_cross_check(tmp_path: Path) -> None:
             cli={"token_file": str(tmp_path / "t")},
         )
     assert e.value.key == "insecure_no_auth" and "WANSPEC_INSECURE_NO_AUTH" in str(e.value)
+
+
+def test_setting_declares_help_and_bounds() -> None:
+    f = {f.name: f for f in settings_fields(S)}
+    assert setting_help(f["port"]) == "the port"
+    assert (f["port"].default, f["port"].metadata["min"], f["port"].metadata["max"]) == (
+        80,
+        1,
+        65535,
+    )
+    with pytest.raises(TypeError, match="'ratio' is not declared with setting"):
+        setting_help(f["ratio"])
+    with pytest.raises(ValueError, match="needs a help text"):
+        setting(1, help=" ")
+
+
+@dataclass(frozen=True)
+class Choices:
+    letter: Letter | None = None
+    cache: Letter | Literal["auto"] = "auto"
+    gamma: int | Literal["auto"] = "auto"
+    unsupported: Literal["x", "y"] = "x"
+
+
+def test_enums_are_closed_sets() -> None:
+    """A TextEnum field is parsed by value from every source (TOML too: a string), beside a
+    keyword (``E | Literal["auto"]``), or None; a bare Literal is refused: closed sets are
+    enums."""
+    assert choices(Letter) == ("a", "b")
+    assert choices(Letter | None) == ("a", "b")
+    assert choices(Letter | Literal["auto"]) == ("a", "b", "auto")
+    assert choices(int | Literal["auto"]) is None  # open: a number, or the keyword
+    cli = {"letter": " b ", "cache": "a", "gamma": "3"}
+    c = load_settings(Choices, cli=cli)
+    assert (c.letter, c.cache, c.gamma) == (Letter.B, Letter.A, 3)
+    assert c.letter is Letter.B and c.cache is Letter.A
+    assert load_settings(Choices, cli={"cache": "auto"}).cache == "auto"
+    with pytest.raises(ConfigError, match=r"'c' is not one of a, b \(or 'auto'\)"):
+        load_settings(Choices, cli={"cache": "c"})
+    with pytest.raises(TypeError, match="unsupported settings type"):
+        load_settings(Choices, cli={"unsupported": "y"})

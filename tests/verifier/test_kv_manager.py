@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cloud_verifier.engine.kv_manager import KVManager, NoFreeSlot, PrefixCache, Shares
+from cloud_verifier.engine.kv_manager import KVManager, NoFreeSlot, Shares
+from cloud_verifier.session.tenancy import PrefixCache
 from shared.runtime.kv_pool import PagedKV
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import Fingerprint, Hello
