@@ -109,36 +109,37 @@ async def serve(
         return 2
     runner = make_runner(app)
     loop = asyncio.get_running_loop()
+    stop = StopSignals(state.changed, log).install()
     loop.add_signal_handler(signal.SIGHUP, reload_tokens, state, "SIGHUP")
     rc = 0
-    with StopSignals(state.changed, log) as stop:
-        await runner.setup()  # starts the model load in the background
-        try:
-            await listener.start(runner)
-            for host, port in listener.addresses:
-                scheme = "https/wss" if ssl_context is not None else "http/ws"
-                log.info("listening on %s port %d (%s)", host, port, scheme)
-            announced = False
-            while True:
-                await state.changed.wait()
-                state.changed.clear()
-                if stop.stopping:
-                    await drain(state, settings.drain_timeout)
-                    break
-                if state.status == ServiceStatus.FAILED:
-                    log.error("%s", state.reason)
-                    rc = 1
-                    break
-                if state.status == ServiceStatus.READY and not announced:
-                    # Port listening and model loaded: only now is the service up.
-                    notifier.notify(f"READY=1\nSTATUS={state.reason}")
-                    announced = True
-        finally:
-            notifier.notify("STOPPING=1\nSTATUS=stopping")
-            listener.close()
-            await runner.cleanup()
-            await listener.wait_closed()
-            loop.remove_signal_handler(signal.SIGHUP)
+    await runner.setup()  # starts the model load in the background
+    try:
+        await listener.start(runner)
+        for host, port in listener.addresses:
+            scheme = "https/wss" if ssl_context is not None else "http/ws"
+            log.info("listening on %s port %d (%s)", host, port, scheme)
+        announced = False
+        while True:
+            await state.changed.wait()
+            state.changed.clear()
+            if stop.stopping:
+                await drain(state, settings.drain_timeout)
+                break
+            if state.status == ServiceStatus.FAILED:
+                log.error("%s", state.reason)
+                rc = 1
+                break
+            if state.status == ServiceStatus.READY and not announced:
+                # Port listening and model loaded: only now is the service up.
+                notifier.notify(f"READY=1\nSTATUS={state.reason}")
+                announced = True
+    finally:
+        notifier.notify("STOPPING=1\nSTATUS=stopping")
+        listener.close()
+        await runner.cleanup()
+        await listener.wait_closed()
+        stop.remove()
+        loop.remove_signal_handler(signal.SIGHUP)
     log.info("stopped")
     return rc
 

@@ -24,7 +24,6 @@ import contextlib
 import hmac
 import json
 import logging
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -62,7 +61,7 @@ from shared.enums import TextEnum
 from shared.service.http_guard import ConnectionGuard, Listener, http_logger
 from shared.service.metrics import CONTENT_TYPE
 from shared.service.sdnotify import Notifier
-from shared.service.status import ServiceStatus
+from shared.service.status import ServiceStatus, StopSignals
 
 log = logging.getLogger("wanspec.edge.server")
 #: The logger of aiohttp's request handlers (:func:`make_runner`): a malformed request is a
@@ -715,17 +714,7 @@ async def serve(settings: EdgeSettings) -> int:
     state = app[STATE]
     runner = make_runner(app, shutdown_timeout=5.0, access_log=None)
     listener = make_listener(app, settings.host, settings.port)
-    loop = asyncio.get_running_loop()
-    stopping = False
-
-    def on_signal(sig: signal.Signals) -> None:
-        nonlocal stopping
-        log.info("%s: shutting down", sig.name)
-        stopping = True
-        state.changed.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
+    stop = StopSignals(state.changed, log).install()
     rc = 0
     try:
         try:
@@ -740,7 +729,7 @@ async def serve(settings: EdgeSettings) -> int:
         while True:
             await state.changed.wait()
             state.changed.clear()
-            if stopping:
+            if stop.stopping:
                 break
             if state.status == ServiceStatus.FAILED:
                 rc = 1
@@ -757,6 +746,5 @@ async def serve(settings: EdgeSettings) -> int:
         listener.close()
         await runner.cleanup()
         await listener.wait_closed()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        stop.remove()
     return rc

@@ -21,9 +21,9 @@ class ServiceStatus(TextEnum):
 
 
 class StopSignals:
-    """SIGTERM and SIGINT ask a service to stop (both ends' ``serve``): while entered, either
+    """SIGTERM and SIGINT ask a service to stop (both ends' ``serve``): once installed, either
     sets :attr:`stopping` and ``wake`` (the event the service's main loop waits on), and logs
-    the signal on ``log``; leaving removes the handlers."""
+    the signal on ``log``; :meth:`remove` (in the service's ``finally``) takes them back."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -31,23 +31,21 @@ class StopSignals:
         self.wake = wake
         self.log = log
         self.stopping = False
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop = asyncio.get_running_loop()
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.log.info("%s: shutting down", sig.name)
         self.stopping = True
         self.wake.set()
 
-    def __enter__(self) -> StopSignals:
-        self._loop = asyncio.get_running_loop()
+    def install(self) -> StopSignals:
         for sig in self.SIGNALS:
             self._loop.add_signal_handler(sig, self._on_signal, sig)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._loop is not None:
-            for sig in self.SIGNALS:
-                self._loop.remove_signal_handler(sig)
+    def remove(self) -> None:
+        for sig in self.SIGNALS:
+            self._loop.remove_signal_handler(sig)
 
 
 def wait_healthy(
