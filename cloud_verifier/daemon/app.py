@@ -69,6 +69,7 @@ from cloud_verifier.session.core import (
     Send,
     SessionLimits,
     TargetInfo,
+    TokenCounts,
     VerifierCore,
     context_limit,
 )
@@ -1510,9 +1511,6 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
         m.model_errors.inc(kind=result.kind)
     if isinstance(work, CoGenerate):
         if isinstance(result, Verified):
-            d = result.decision
-            m.cogen_tokens.inc(d.accepted + 1)
-            (m.cloud_draft_tokens if work.cloud else m.hedge_tokens).inc(d.accepted)
             if work.cloud:
                 drafted = work.draft if result.drafted is None else result.drafted
                 m.cloud_draft_proposed.inc(len(drafted))
@@ -1524,7 +1522,6 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
         m.tree_branches.inc(len(work.branches))
         if result.branch is not None:
             m.tree_branches_opened.inc()
-            m.tree_tokens.inc(result.branch.decision.accepted)
     if isinstance(work, (Verify, Federate, CoGenerate)) and timing is not None:
         f = len(work.fixed)
         m.model_forwards.inc()
@@ -1566,7 +1563,18 @@ async def _run_work(state: VerifierState, live: LiveSession, work: Work) -> list
     _count_work(state, work, outcome)
     if live.core.closed:  # closed meanwhile (e.g. too many bad frames): nothing to resume
         return []
-    return live.core.work_done(outcome.result, time.monotonic())
+    before = live.core.tokens
+    events = live.core.work_done(outcome.result, time.monotonic())
+    _count_tokens(state.metrics, live.core.tokens - before)
+    return events
+
+
+def _count_tokens(m: VerifierMetrics, added: TokenCounts) -> None:
+    """The tokens a result added to its session's count (the core's, the one owner)."""
+    m.cogen_tokens.inc(added.cogen)
+    m.hedge_tokens.inc(added.hedge)
+    m.cloud_draft_tokens.inc(added.cloud_draft)
+    m.tree_tokens.inc(added.tree)
 
 
 async def _act(

@@ -521,7 +521,7 @@ class Runner:
                     [length + j for j in range(k + 1)],
                 )
                 self.pool.commit(slot.pages, length, [branch.token, *branch.draft[:k].tolist()])
-                self.pool.crop(slot.pages, length + k + 1)
+                self.pool.crop(slot.pages, cache_after(p.work, d.accepted, taken))
             elif length < slot.length:  # a rejection
                 self.pool.crop(slot.pages, length)
                 if d.candidates is not None:
@@ -572,7 +572,7 @@ class Runner:
             if not isinstance(work, Verify) or d.token is None:
                 continue
             for i, b in enumerate(work.branches):
-                if b.at == d.accepted and b.token == d.token:
+                if b.opened_by(d):
                     # Its token's row (scoring draft[0]) and each draft token's, in the block.
                     top = f + p.chain_rows + (p.branch_at[i] - p.branch_at[0])
                     rows += range(top, top + len(b.draft) + 1)

@@ -49,6 +49,14 @@ class Branch:
     token: int
     draft: npt.NDArray[np.int64]
 
+    def opened_by(self, decision: Decision) -> bool:
+        """The chain's decision opens this branch: it rejected the draft token at ``at`` and
+        recovered this branch's token (a recovered token the verifier drew itself)."""
+        return decision.token is not None and (decision.accepted, decision.token) == (
+            self.at,
+            self.token,
+        )
+
 
 @dataclass(frozen=True)
 class Verify:
@@ -172,13 +180,19 @@ class Draw:
 Work = Verify | Federate | CoGenerate | Crop | Draw
 
 
-def cache_after(work: Verify | Federate | CoGenerate | Crop, accepted: int = 0) -> int:
+def cache_after(
+    work: Verify | Federate | CoGenerate | Crop,
+    accepted: int = 0,
+    branch: BranchTaken | None = None,
+) -> int:
     """The cache length once ``work`` is done with ``accepted`` draft tokens accepted: the one
     crop rule. Verify / CoGenerate: start + fixed + the accepted draft tokens (a rejection drops
     the rest; a recovered, bonus or co-generated token is not cached: it is the next row's
-    input or comes back as a fixed token); Federate: every token (the edge rolls back);
-    Crop: its position. The model side applies it and reports the length it holds, which the
-    core adopts (the results' ``cache_len``)."""
+    input or comes back as a fixed token); a Verify's tree ``branch`` that the recovered token
+    opened keeps that token and the branch's accepted draft tokens too (not its own recovered
+    or bonus token); Federate: every token (the edge rolls back); Crop: its position. The model
+    side applies it and reports the length it holds, which the core adopts (the results'
+    ``cache_len``)."""
     if isinstance(work, Crop):
         return work.pos
     if isinstance(work, CoGenerate):
@@ -186,7 +200,8 @@ def cache_after(work: Verify | Federate | CoGenerate | Crop, accepted: int = 0) 
     p = work.propose
     if isinstance(work, Federate):
         return p.pos + len(p.fixed) + len(p.draft)
-    return p.pos + len(p.fixed) + accepted
+    opened = 0 if branch is None else 1 + branch.decision.accepted
+    return p.pos + len(p.fixed) + accepted + opened
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from typing import Final
 
 import numpy as np
@@ -75,6 +75,7 @@ from cloud_verifier.engine.work import (
     NO_IDS,
     NO_PROBS,
     Branch,
+    BranchTaken,
     CoGenerate,
     Crop,
     Cropped,
@@ -203,6 +204,24 @@ class SessionLimits:
 
 
 @dataclass(frozen=True)
+class TokenCounts:
+    """Tokens the verifier committed on its own in a session (or the difference of two such
+    counts): the one count, kept by the core; the daemon's metrics add what each result
+    added."""
+
+    cogen: int = 0  # co-generated tokens (each a draft token accepted, or a recovered / bonus)
+    hedge: int = 0  # of those, hedge draft tokens accepted (co-generated in one forward)
+    cloud_draft: int = 0  # of those, the verifier's own draft tokens accepted (cloud_draft)
+    tree: int = 0  # tree-branch draft tokens accepted (in the forward of their chain)
+
+    def __add__(self, other: TokenCounts) -> TokenCounts:
+        return TokenCounts(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def __sub__(self, other: TokenCounts) -> TokenCounts:
+        return TokenCounts(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+@dataclass(frozen=True)
 class TargetInfo:
     """What the core needs to know of the target model."""
 
@@ -257,10 +276,13 @@ def _logprobs_at(lp: Logprobs | None, pos: int) -> list[Event]:
 
 
 def _reported(
-    cache_len: int | None, work: Verify | Federate | CoGenerate | Crop, n: int = 0
+    cache_len: int | None,
+    work: Verify | Federate | CoGenerate | Crop,
+    n: int = 0,
+    branch: BranchTaken | None = None,
 ) -> int:
     """The cache length a result reports (the model side owns it), or the rule's."""
-    return cache_after(work, n) if cache_len is None else cache_len
+    return cache_after(work, n, branch) if cache_len is None else cache_len
 
 
 def context_limit(limits: SessionLimits, engine_limit: int | None) -> int:
@@ -319,14 +341,11 @@ class VerifierCore:
         #: The edge has committed a token the verifier does not know (a recovered token it drew
         #: itself, topk / candidates modes): no co-generation until it arrives as a fixed token.
         self.edge_ahead = False
-        self.cogen_tokens = 0
+        self.tokens = TokenCounts()  # what the verifier committed on its own
         self._cogen_paused = False
         self._proposed_end = 0  # end of the last Propose received (co-generation bound)
         #: Side drafts from the edge (Hedge frames), newest last; matched against the text.
         self._hedges: deque[Hedge] = deque(maxlen=limits.max_hedges)
-        self.hedge_tokens = 0  # hedge draft tokens accepted (co-generated in one forward)
-        self.tree_tokens = 0  # tree-branch tokens accepted (in the forward of the chain)
-        self.cloud_draft_tokens = 0  # the verifier's own draft tokens accepted (cloud_draft)
         self._cloud_off = False  # a cloud draft's work failed: this session co-generates without
         self._model_alpha = DraftAcceptance()  # its model drafts' acceptance (cloud_draft_length)
         #: The rest of the last rejected draft: (its position, its tokens) (cloud_draft tail).
@@ -940,17 +959,16 @@ class VerifierCore:
         branch = work.branches[br.index] if br is not None else None
         opened: list[int] = []  # the branch's accepted tokens, then its recovered / bonus one
         if br is not None and branch is not None:
-            if not (n < g and branch.at == n and branch.token == d.token):
+            if not (n < g and branch.opened_by(d)):
                 raise TypeError("a branch taken where the recovered token does not open it")
             last = br.decision.token if br.decision.token is not None else br.decision.bonus
             if last is None:
                 raise TypeError("a taken branch's decision carries no token")
             opened = [*branch.draft[: br.decision.accepted].tolist(), last]
-        # Cached beyond the rule's prefix: the recovered token and the accepted branch tokens.
+        # Cached beyond the chain's accepted prefix: the recovered token and the accepted
+        # branch tokens (as many as ``opened`` holds).
         taken = len(opened)
-        self.cache_len = _reported(result.cache_len, work, n) + (
-            taken if result.cache_len is None else 0
-        )
+        self.cache_len = _reported(result.cache_len, work, n, br)
         self.next_pos = self.cache_len - taken
         if n < g:
             # Rejection: every batch the edge sent behind this one is now of an old epoch.
@@ -994,7 +1012,7 @@ class VerifierCore:
             # commits the recovered token they follow).
             pos = len(self.text)
             self.text += opened
-            self.tree_tokens += len(opened) - 1
+            self.tokens += TokenCounts(tree=len(opened) - 1)
             out += [Send(Generated(self.epoch, pos + i, t)) for i, t in enumerate(opened)]
         return out
 
@@ -1011,11 +1029,8 @@ class VerifierCore:
         tokens = [*draft[: d.accepted].tolist(), token]
         pos = len(self.text)
         self.text += tokens
-        self.cogen_tokens += len(tokens)
-        if work.cloud:
-            self.cloud_draft_tokens += d.accepted
-        else:
-            self.hedge_tokens += d.accepted
+        cloud = d.accepted if work.cloud else 0  # the accepted draft's: a hedge's, or our own
+        self.tokens += TokenCounts(cogen=len(tokens), hedge=d.accepted - cloud, cloud_draft=cloud)
         if work.model_tokens:
             if len(draft):
                 self._model_alpha.observe(len(draft), d.accepted)

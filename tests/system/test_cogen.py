@@ -227,8 +227,8 @@ def generate_once(
         <= gen.stats.cogen_tokens
     )
     # Accepted cloud drafts are told apart (Generated.cloud) and counted as their own source.
-    assert sources[TokenSource.CLOUD_DRAFT] <= core.cloud_draft_tokens
-    drafted = core.hedge_tokens + core.cloud_draft_tokens + core.tree_tokens
+    assert sources[TokenSource.CLOUD_DRAFT] <= core.tokens.cloud_draft
+    drafted = core.tokens.hedge + core.tokens.cloud_draft + core.tokens.tree
     return gen.generated[:n], gen.stats.cogen_tokens, drafted
 
 

@@ -38,6 +38,7 @@ from cloud_verifier.session.core import (
     Send,
     SessionLimits,
     TargetInfo,
+    TokenCounts,
     VerifierCore,
 )
 from shared.errors import ErrorCode
@@ -473,7 +474,7 @@ def test_a_hedge_that_matches_the_correction_is_verified_in_the_cogeneration_for
     gen = [e.msg for e in ev if isinstance(e, Send) and isinstance(e.msg, Generated)]
     assert [(g.pos, g.token) for g in gen] == [(4, 6), (5, 11)]
     assert core.text == [1, 2, 7, 5, 6, 11] and core.cache_len == 5
-    assert core.hedge_tokens == 1 and core.cogen_tokens == 2
+    assert core.tokens == TokenCounts(cogen=2, hedge=1)
     # The hedge is spent: the next forward is a plain one-token step.
     work = run_of(ev).work
     assert isinstance(work, CoGenerate) and len(work.draft) == 0
@@ -538,7 +539,7 @@ def test_hedges_that_fork_inside_a_batch_ride_in_its_forward_as_a_tree() -> None
     gen = [e.msg for e in ev if isinstance(e, Send) and isinstance(e.msg, Generated)]
     assert [(g.epoch, g.pos, g.token) for g in gen] == [(1, 4, 6), (1, 5, 11)]
     assert ev.index(Send(v)) < ev.index(Send(gen[0]))
-    assert core.text == [1, 2, 7, 5, 6, 11] and core.tree_tokens == 1
+    assert core.text == [1, 2, 7, 5, 6, 11] and core.tokens.tree == 1
     assert (core.cache_len, core.next_pos) == (5, 3)
     work = run_of(ev).work  # co-generation goes on after the branch
     assert isinstance(work, CoGenerate) and work.pos == 5 and work.fixed.tolist() == [11]
@@ -627,7 +628,7 @@ def test_the_verifier_drafts_for_itself_in_cogeneration() -> None:
     ev = core.work_done(Verified(Decision(2, token=9)))  # 4, 5 accepted; 1 rejected: 9
     gen = [e.msg for e in ev if isinstance(e, Send) and isinstance(e.msg, Generated)]
     assert [(g.pos, g.token) for g in gen] == [(8, 4), (9, 5), (10, 9)]
-    assert (core.cloud_draft_tokens, core.hedge_tokens, core.cogen_tokens) == (2, 0, 3)
+    assert core.tokens == TokenCounts(cogen=3, cloud_draft=2)
     work = run_of(ev).work  # [..., 5, 9]: 9 never occurred before, a plain step
     assert isinstance(work, CoGenerate) and not work.cloud and len(work.draft) == 0
 
@@ -702,7 +703,7 @@ def test_a_cloud_draft_model_is_asked_for_when_no_other_source_drafts() -> None:
     ev = core.work_done(Verified(Decision(2, token=7), drafted=drafted))
     gen = [e.msg for e in ev if isinstance(e, Send) and isinstance(e.msg, Generated)]
     assert [(g.pos, g.token) for g in gen] == [(3, 4), (4, 5), (5, 7)]
-    assert core.cloud_draft_tokens == 2
+    assert core.tokens.cloud_draft == 2
 
 
 def test_a_model_draft_carries_the_sessions_measured_acceptance() -> None:
