@@ -22,15 +22,14 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from edge_agent.model.drafter import BranchDrafting, DraftModel
 from edge_agent.model.tasks import ModelWorker, run_until_first_done
 from edge_agent.session.core import (
     NO_RIVAL,
+    DraftingCore,
     DraftPlan,
     HedgePlan,
-    Pipeline,
     PredraftPlan,
     Rival,
     SingleCore,
@@ -140,32 +139,22 @@ async def handshake(transport: Transport, hello: Hello, timeout_s: float) -> Wel
     return check_welcome(hello, data)
 
 
-class DraftingCore(Protocol):
-    """What :func:`draft_loop` needs of a core."""
-
-    @property
-    def pipe(self) -> Pipeline: ...
-
-    def may_draft(self) -> bool: ...
-
-
 async def _draft_hedge(
     core: DraftingCore, drafter: DraftModel, worker: ModelWorker, hp: HedgePlan
 ) -> list[int]:
     """Draft ``hp``'s continuation (greedy), stopping early as soon as the pipeline has room
     again (the next batch comes first) or the plan is void."""
-    pipe = core.pipe
     out: list[int] = []
-    while len(out) < hp.max_tokens and pipe.hedge_current(hp) and not core.may_draft():
+    while len(out) < hp.max_tokens and core.hedge_current(hp) and not core.may_draft():
         step = await worker.run(
             drafter.draft,
             [*hp.context, hp.token, *out],
-            pipe.cfg.sampling,
-            pipe.rng,
+            core.cfg.sampling,
+            core.rng,
             deterministic=True,
         )
         out.append(step.token)
-        if step.token in pipe.gen.eos_ids:
+        if step.token in core.gen.eos_ids:
             break
     return out
 
@@ -200,26 +189,25 @@ async def _predraft(
     far as it got); keep what was drafted. With ``send`` (token trees), each branch also goes
     to the verifier as it grows (:data:`TREE_SENDS`) and once it stops. Returns whether any
     outcome was planned."""
-    pipe = core.pipe
     many = drafter if isinstance(drafter, BranchDrafting) else None
-    room = pipe.cfg.predraft - len(pipe.branches)
+    room = core.branch_room()
     budget = min(room, many.branch_batch) if many is not None else 1
     growing: list[_Growing] = []
-    while len(growing) < budget and (pp := pipe.predraft_plan()) is not None:
+    while len(growing) < budget and (pp := core.predraft_plan()) is not None:
         growing.append(_Growing(pp))
-    eos = pipe.gen.eos_ids
+    eos = core.gen.eos_ids
 
     def open_(g: _Growing) -> bool:
         return (
             len(g.draft) < g.pp.max_tokens
             and not (g.draft and g.draft[-1] in eos)
-            and pipe.predraft_current(g.pp, g.draft)
+            and core.predraft_current(g.pp, g.draft)
         )
 
     while (active := [g for g in growing if open_(g)]) and not core.may_draft():
         seqs = [[*g.pp.context, g.pp.token, *g.draft] for g in active]
         det = active[0].pp.deterministic
-        params, rng = pipe.cfg.sampling, pipe.rng
+        params, rng = core.cfg.sampling, core.rng
         if many is not None:
             steps = await worker.run(
                 many.draft_many, seqs, params, rng, deterministic=det, rival=True
@@ -239,7 +227,7 @@ async def _predraft(
     for g in growing:
         if send is not None and g.draft and len(g.draft) not in TREE_SENDS:
             send(g.pp, list(g.draft))
-        pipe.add_branch(g.pp, g.draft, g.q_rows, g.rivals, g.prob)
+        core.add_branch(g.pp, g.draft, g.q_rows, g.rivals, g.prob)
     return bool(growing)
 
 
@@ -258,14 +246,13 @@ async def draft_loop(
     opens is then sent at once, ``Pipeline.take_branch``), then, with ``hedge``, drafting hedges
     (``Pipeline.hedge_plan``); ``branch`` sends prepared branches to the verifier as they grow
     (token trees)."""
-    pipe = core.pipe
-    gen = pipe.gen
-    want_rival = (hedge is not None and pipe.cfg.hedge > 0) or pipe.cfg.predraft > 0
+    gen, cfg = core.gen, core.cfg
+    want_rival = (hedge is not None and cfg.hedge > 0) or cfg.predraft > 0
     while not gen.done:
         if not core.may_draft():
-            if pipe.cfg.predraft and await _predraft(core, drafter, worker, branch):
+            if cfg.predraft and await _predraft(core, drafter, worker, branch):
                 continue
-            hp = pipe.hedge_plan() if hedge is not None else None
+            hp = core.hedge_plan() if hedge is not None else None
             if hedge is not None and hp is not None:
                 hedge(hp, await _draft_hedge(core, drafter, worker, hp))
                 continue
@@ -273,25 +260,25 @@ async def draft_loop(
             await signal.wait_for(lambda: gen.done or core.may_draft())
             gen.stats.drafter_wait_s += time.perf_counter() - t0
             continue
-        plan = pipe.plan()
+        plan = core.plan()
         assert plan is not None
-        ready = pipe.take_branch(plan)
+        ready = core.take_branch(plan)
         draft: list[int] = [] if ready is None else ready.draft
         q_rows: list[Probs] = [] if ready is None else ready.q_rows
         rivals: list[Rival] = [] if ready is None else ready.rivals
         prob = 1.0 if ready is None else ready.prob
-        while pipe.wants_more(plan, draft, prob):
+        while core.wants_more(plan, draft, prob):
             t0 = time.perf_counter()
             step = await worker.run(
                 drafter.draft,
                 plan.context + draft,
-                pipe.cfg.sampling,
-                pipe.rng,
+                cfg.sampling,
+                core.rng,
                 deterministic=plan.deterministic,
                 rival=want_rival,
             )
-            pipe.on_draft_step(time.perf_counter() - t0)
-            if not pipe.current(plan, [*draft, step.token]):
+            core.on_draft_step(time.perf_counter() - t0)
+            if not core.current(plan, [*draft, step.token]):
                 break  # a rejection (or a differing co-generated token) voided this batch
             draft.append(step.token)
             q_rows.append(step.q)
@@ -312,25 +299,27 @@ async def credit_loop(
 
 
 async def verdict_watchdog(
-    pipe: Pipeline, signal: Signal, floor_s: float, now: Callable[[], float] = time.monotonic
+    core: DraftingCore,
+    signal: Signal,
+    floor_s: float,
+    now: Callable[[], float] = time.monotonic,
 ) -> None:
     """Raise :class:`VerdictTimeout` when the head batch passes its verdict deadline
     (:meth:`~edge_agent.session.core.Pipeline.verdict_deadline`) with no Verdict."""
-    while not pipe.gen.done:
-        deadline = pipe.verdict_deadline(floor_s)
+    gen = core.gen
+    while not gen.done:
+        deadline = core.verdict_deadline(floor_s)
         if deadline is None:
-            await signal.wait_for(
-                lambda: pipe.gen.done or pipe.verdict_deadline(floor_s) is not None
-            )
+            await signal.wait_for(lambda: gen.done or core.verdict_deadline(floor_s) is not None)
             continue
 
         def moved(d: float = deadline) -> bool:
-            return pipe.gen.done or pipe.verdict_deadline(floor_s) != d
+            return gen.done or core.verdict_deadline(floor_s) != d
 
         try:
             await signal.wait_for(moved, max(0.0, deadline - now()))
         except asyncio.TimeoutError:
-            raise VerdictTimeout(pipe.overdue(now(), deadline)) from None
+            raise VerdictTimeout(core.overdue(now(), deadline)) from None
 
 
 async def run_single(
@@ -376,7 +365,7 @@ async def run_single(
         if io.room() > core.cfg.send_queue_bound - core.cfg.tree_frames:
             carry_out(core.tree_branch(pp, draft))
 
-    if drafter is not None and core.cfg.cogen and core.link.verifier_len < len(core.gen.committed):
+    if drafter is not None and core.cfg.cogen and core.prompt_unsent():
         # The prompt goes up at once: the verifier prefills it, and co-generates, while the
         # first batch is drafted.
         carry_out(core.credit(time.monotonic(), bonus=False))
@@ -395,5 +384,5 @@ async def run_single(
         ),
         reader(),
         io.writer(),
-        verdict_watchdog(core.pipe, signal, verdict_timeout_s),
+        verdict_watchdog(core, signal, verdict_timeout_s),
     )

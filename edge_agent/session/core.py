@@ -772,6 +772,77 @@ class Pipeline:
         self.commit_at(pos, [token], TokenSource.BONUS)
 
 
+# ------------------------------------------------------------------------------ drafting
+
+
+class DraftingCore:
+    """What a core's driver may ask of its drafting (:class:`SingleCore`, the federated core):
+    the :class:`Pipeline`'s rules, behind the core, so that a driver talks to a core only
+    through its methods and events (it never holds the pipeline)."""
+
+    cfg: PipelineConfig
+    pipe: Pipeline
+
+    @property
+    def gen(self) -> Generation:
+        return self.pipe.gen
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The generation's randomness (the drafter draws from it too, in order)."""
+        return self.pipe.rng
+
+    def may_draft(self) -> bool:
+        return self.pipe.may_draft()
+
+    def plan(self) -> DraftPlan | None:
+        return self.pipe.plan()
+
+    def current(self, plan: DraftPlan, draft: Sequence[int] = ()) -> bool:
+        return self.pipe.current(plan, draft)
+
+    def wants_more(self, plan: DraftPlan, draft: Sequence[int], prob: float = 1.0) -> bool:
+        return self.pipe.wants_more(plan, draft, prob)
+
+    def on_draft_step(self, seconds: float) -> None:
+        self.pipe.on_draft_step(seconds)
+
+    def take_branch(self, plan: DraftPlan) -> Branch | None:
+        return self.pipe.take_branch(plan)
+
+    def hedge_plan(self) -> HedgePlan | None:
+        return self.pipe.hedge_plan()
+
+    def hedge_current(self, hp: HedgePlan) -> bool:
+        return self.pipe.hedge_current(hp)
+
+    def branch_room(self) -> int:
+        """Outcomes that may still be prepared (PipelineConfig.predraft) besides those kept."""
+        return self.cfg.predraft - len(self.pipe.branches)
+
+    def predraft_plan(self) -> PredraftPlan | None:
+        return self.pipe.predraft_plan()
+
+    def predraft_current(self, pp: PredraftPlan, draft: Sequence[int] = ()) -> bool:
+        return self.pipe.predraft_current(pp, draft)
+
+    def add_branch(
+        self,
+        pp: PredraftPlan,
+        draft: list[int],
+        q_rows: list[Probs],
+        rivals: Sequence[Rival],
+        prob: float,
+    ) -> None:
+        self.pipe.add_branch(pp, draft, q_rows, rivals, prob)
+
+    def verdict_deadline(self, floor_s: float) -> float | None:
+        return self.pipe.verdict_deadline(floor_s)
+
+    def overdue(self, now: float, deadline: float) -> str:
+        return self.pipe.overdue(now, deadline)
+
+
 # ------------------------------------------------------------------------------ one link
 
 
@@ -856,7 +927,7 @@ def gen_at(gen: Generation, pos: int) -> int | None:
     return gen.committed[pos] if 0 <= pos < len(gen.committed) else None
 
 
-class SingleCore:
+class SingleCore(DraftingCore):
     """One generation over one verifier session that decides (PicoSpec). See the state table in
     the module docstring. ``propose``, ``hedge`` and ``receive`` return the events to carry out,
     in order (:mod:`edge_agent.session.events`)."""
@@ -899,10 +970,6 @@ class SingleCore:
         self._credited: int | None = None  # the committed length at the last credit
 
     @property
-    def gen(self) -> Generation:
-        return self.pipe.gen
-
-    @property
     def ctx(self) -> WireContext:
         """The session's WireContext: the driver encodes the core's Sends with it."""
         return self.link.ctx
@@ -924,6 +991,11 @@ class SingleCore:
 
     def may_draft(self) -> bool:
         return self._failed is None and self.pipe.may_draft()
+
+    def prompt_unsent(self) -> bool:
+        """Committed tokens the verifier lacks (a new session's prompt): a drafting edge with
+        co-generation sends them at once in a credit (:meth:`credit`, bonus off)."""
+        return self.link.verifier_len < len(self.gen.committed)
 
     def propose(
         self,

@@ -87,6 +87,7 @@ from edge_agent.session.core import (
     PREFILL_ALLOWANCE_S,
     Batch,
     DesyncError,
+    DraftingCore,
     DraftPlan,
     Pipeline,
     VerifierError,
@@ -231,7 +232,7 @@ class Worker:
         return deadline
 
 
-class FederatedCore:
+class FederatedCore(DraftingCore):
     """One generation verified by a federation of workers (module docstring)."""
 
     def __init__(
@@ -270,10 +271,6 @@ class FederatedCore:
         #: When each in-flight batch got its first reply: id(batch) → (batch, time). Entries
         #: leave with their batch (:meth:`_forget_decided`), so an id is never reused here.
         self._first_reply: dict[int, tuple[Batch, float]] = {}
-
-    @property
-    def gen(self) -> Generation:
-        return self.pipe.gen
 
     def hello(self, index: int) -> Hello:
         s = self.cfg.sampling
