@@ -18,7 +18,15 @@ from typing import Literal
 
 from cloud_verifier.session.cloud_draft import CloudDraftError, DraftLength, parse_cloud_drafts
 from cloud_verifier.session.tenancy import PrefixCache
-from shared.service.config import ConfigError, Device, DType, LogLevel, Switch, setting
+from shared.service.config import (
+    ConfigError,
+    Device,
+    DType,
+    LogLevel,
+    Switch,
+    setting,
+    threads_setting,
+)
 from shared.service.settings_doc import main, settings_page
 
 #: Environment prefix and TOML table of the verifier's settings.
@@ -53,14 +61,7 @@ class VerifierSettings:
     dtype: DType = setting(
         DType.AUTO, help="the model weights' dtype (auto: float32 on the CPU, bfloat16 on CUDA)"
     )
-    threads: int | None = setting(
-        None,
-        min=1,
-        max=1024,
-        help="torch CPU threads (unset: torch's own choice, one per core); processes that "
-        "share a machine's cores (a local verifier beside the edge) each get their share, or "
-        "both run slower",
-    )
+    threads: int | None = threads_setting()
     compile: Switch = setting(
         Switch.AUTO,
         help="torch.compile the batched forward (shapes bucketed; CUDA graphs where torch uses "

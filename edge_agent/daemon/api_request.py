@@ -35,19 +35,7 @@ from typing import Any, TypeGuard, TypeVar
 from edge_agent.daemon.api_errors import ApiError, bad_request
 from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.unicode_text import SURROGATE
-from edge_agent.session.pipeline_config import (
-    DEPTH,
-    GAMMA,
-    MAX_TOKENS,
-    SEED,
-    TEMPERATURE,
-    TOP_K,
-    TOP_P,
-    Mode,
-    PipelineConfig,
-    RequestOptions,
-    check_temperature,
-)
+from edge_agent.session.pipeline_config import Bounds, Mode, PipelineConfig, RequestOptions
 from shared.enums import TextEnum
 from shared.wire.protocol import MAX_TOP_LOGPROBS, CorrectionMode
 
@@ -237,18 +225,23 @@ def parse_streaming(body: Body) -> Streaming:
 
 def parse_max_tokens(body: Body) -> int | None:
     """``max_completion_tokens`` (the current name) if given, else ``max_tokens``."""
-    n = opt_int(body, "max_completion_tokens", MAX_TOKENS.lo, MAX_TOKENS.hi)
-    return n if n is not None else opt_int(body, "max_tokens", MAX_TOKENS.lo, MAX_TOKENS.hi)
+    n = opt_int(body, "max_completion_tokens", Bounds.MAX_TOKENS.lo, Bounds.MAX_TOKENS.hi)
+    return (
+        n
+        if n is not None
+        else opt_int(body, "max_tokens", Bounds.MAX_TOKENS.lo, Bounds.MAX_TOKENS.hi)
+    )
 
 
 def parse_temperature(body: Body) -> float | None:
-    """``temperature``: 0 (greedy), or at least MIN_TEMPERATURE, within TEMPERATURE."""
-    t = opt_num(body, "temperature", TEMPERATURE.lo, TEMPERATURE.hi)
-    if t is not None:
-        try:
-            check_temperature(t)
-        except ValueError as e:
-            raise bad_request("temperature", str(e)) from None
+    """``temperature``: 0 (greedy), or large enough to sample with, within the bounds."""
+    t = opt_num(body, "temperature", Bounds.TEMPERATURE.lo, Bounds.TEMPERATURE.hi)
+    if t is not None and t not in Bounds.TEMPERATURE:
+        raise bad_request(
+            "temperature",
+            f"temperature must be {Bounds.TEMPERATURE.words()}, got {t!r}: smaller ones leave "
+            "nothing to sample from",
+        )
     return t
 
 
@@ -256,13 +249,15 @@ def parse_sampling(body: Body) -> RequestOptions:
     """The request's own ``temperature``, ``top_p`` and ``top_k`` (None: the daemon's)."""
     return RequestOptions(
         temperature=parse_temperature(body),
-        top_p=opt_num(body, "top_p", TOP_P.lo, TOP_P.hi, open_lo=TOP_P.open_lo),
-        top_k=opt_int(body, "top_k", TOP_K.lo, TOP_K.hi),
+        top_p=opt_num(
+            body, "top_p", Bounds.TOP_P.lo, Bounds.TOP_P.hi, open_lo=Bounds.TOP_P.open_lo
+        ),
+        top_k=opt_int(body, "top_k", Bounds.TOP_K.lo, Bounds.TOP_K.hi),
     )
 
 
 def parse_seed(body: Body) -> int | None:
-    return opt_int(body, "seed", SEED.lo, SEED.hi)
+    return opt_int(body, "seed", Bounds.SEED.lo, Bounds.SEED.hi)
 
 
 def parse_ignore_eos(body: Body) -> bool:
@@ -310,8 +305,8 @@ def parse_speculation(body: Body, options: RequestOptions | None = None) -> Requ
         raise bad_request("wanspec", f"unknown wanspec field(s): {', '.join(sorted(unknown))}")
     return replace(
         options or RequestOptions(),
-        gamma=opt_int(ext, "gamma", GAMMA.lo, GAMMA.hi),
-        depth=opt_int(ext, "depth", DEPTH.lo, DEPTH.hi),
+        gamma=opt_int(ext, "gamma", Bounds.GAMMA.lo, Bounds.GAMMA.hi),
+        depth=opt_int(ext, "depth", Bounds.DEPTH.lo, Bounds.DEPTH.hi),
         mode=opt_choice(
             ext, "mode", Mode, "wanspec.mode", f"mode must be one of {', '.join(Mode.choices())}"
         ),

@@ -33,21 +33,7 @@ from edge_agent.daemon.progress import Progress, check_cuda, quiet_hub_progress
 from edge_agent.daemon.service import EdgeService, Finished, GenRequest, PromptTooLong, loading_line
 from edge_agent.daemon.text import sources_line
 from edge_agent.daemon.unicode_text import text_error
-from edge_agent.session.pipeline_config import (
-    DEPTH,
-    GAMMA,
-    MAX_TOKENS,
-    SEED,
-    TEMPERATURE,
-    TOP_K,
-    TOP_P,
-    Auto,
-    Mode,
-    PipelineConfig,
-    Range,
-    RequestOptions,
-    check_temperature,
-)
+from edge_agent.session.pipeline_config import Auto, Bounds, Mode, PipelineConfig, RequestOptions
 from shared.errors import WanspecError
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import CorrectionMode
@@ -67,18 +53,6 @@ Use \"\"\" to begin and end a multi-line message. Ctrl-C stops an answer."""
 
 class ChatError(WanspecError, RuntimeError):
     """A generation failed (the message says why); the REPL goes on."""
-
-
-#: The bounds of the numeric settings ``/set`` changes: the API's (and the daemon's defaults').
-BOUNDS: dict[str, Range[int] | Range[float]] = {
-    "temperature": TEMPERATURE,
-    "top_p": TOP_P,
-    "top_k": TOP_K,
-    "max_tokens": MAX_TOKENS,
-    "gamma": GAMMA,
-    "depth": DEPTH,
-    "seed": SEED,
-}
 
 
 @dataclass(frozen=True)
@@ -125,15 +99,13 @@ class ChatOptions:
         if key in ("gamma", "depth") and value.lower() == "auto":
             changes[key] = "auto"
             return replace(self, **changes)
-        bound = BOUNDS[key]
+        bound = Bounds.of(key)  # the API's (and the daemon defaults')
         try:
             num: float | int = float(value) if isinstance(bound.lo, float) else int(value)
         except ValueError:
             raise ValueError(f"{key} needs a number, got {value!r}") from None
         if num not in bound:
             raise ValueError(f"{key} must be {bound.words()}, got {value}")
-        if key == "temperature":
-            check_temperature(num)
         changes[key] = num
         return replace(self, **changes)
 

@@ -40,20 +40,7 @@ else:  # pragma: no cover - Python 3.10 (the Jetson)
     import tomli as tomllib
 
 from edge_agent.session.federation_core import ROUND_DEADLINE_S
-from edge_agent.session.pipeline_config import (
-    DEPTH,
-    GAMMA,
-    MAX_TOKENS,
-    SEED,
-    TEMPERATURE,
-    TOP_K,
-    TOP_P,
-    Auto,
-    Mode,
-    PipelineConfig,
-    RequestOptions,
-    check_temperature,
-)
+from edge_agent.session.pipeline_config import Auto, Bounds, Mode, PipelineConfig, RequestOptions
 from shared.enums import TextEnum
 from shared.maths.compression import Reconstruction
 from shared.runtime.model_spec import ModelSpecError, SpecKind, parse_model_spec
@@ -66,6 +53,7 @@ from shared.service.config import (
     exposed_secret,
     load_settings,
     setting,
+    threads_setting,
 )
 from shared.service.settings_doc import main, settings_page
 from shared.wire.params import MIN_TEMPERATURE, SamplingParams
@@ -212,25 +200,19 @@ class EdgeSettings:
     dtype: DType = setting(
         DType.AUTO, help="the draft weights' dtype (auto: float16 on cuda, float32 on the CPU)"
     )
-    threads: int | None = setting(
-        None,
-        min=1,
-        max=1024,
-        help="torch CPU threads (unset: torch's own choice, one per core; with a verifier on "
-        "the same machine give each its share)",
-    )
+    threads: int | None = threads_setting()
     # --- speculation
     gamma: int | Auto = setting(
         "auto",
-        min=GAMMA.lo,
-        max=GAMMA.hi,
+        min=Bounds.GAMMA.lo,
+        max=Bounds.GAMMA.hi,
         help="draft length γ: auto (the online controller picks it from the session's own "
         "measurements) or a number",
     )
     depth: int | Auto = setting(
         "auto",
-        min=DEPTH.lo,
-        max=DEPTH.hi,
+        min=Bounds.DEPTH.lo,
+        max=Bounds.DEPTH.hi,
         help="batches in flight D: auto (the online controller) or a number",
     )
     cogen: bool = setting(
@@ -272,19 +254,30 @@ class EdgeSettings:
     # --- sampling defaults (a request's own values win; they have the same bounds)
     temperature: float = setting(
         0.0,
-        min=TEMPERATURE.lo,
-        max=TEMPERATURE.hi,
+        min=Bounds.TEMPERATURE.lo,
+        max=Bounds.TEMPERATURE.hi,
         help=f"default temperature (0 = greedy; else at least {MIN_TEMPERATURE:g})",
     )
     top_p: float = setting(
-        1.0, min=TOP_P.lo, max=TOP_P.hi, help="default top-p (nucleus sampling; above 0)"
+        1.0,
+        min=Bounds.TOP_P.lo,
+        max=Bounds.TOP_P.hi,
+        help="default top-p (nucleus sampling; above 0)",
     )
-    top_k: int = setting(0, min=TOP_K.lo, max=TOP_K.hi, help="default top-k (0 = off)")
+    top_k: int = setting(
+        0, min=Bounds.TOP_K.lo, max=Bounds.TOP_K.hi, help="default top-k (0 = off)"
+    )
     max_tokens: int = setting(
-        512, min=MAX_TOKENS.lo, max=MAX_TOKENS.hi, help="default completion length, tokens"
+        512,
+        min=Bounds.MAX_TOKENS.lo,
+        max=Bounds.MAX_TOKENS.hi,
+        help="default completion length, tokens",
     )
     seed: int | None = setting(
-        None, min=SEED.lo, max=SEED.hi, help="default seed (unset: a fresh one per request)"
+        None,
+        min=Bounds.SEED.lo,
+        max=Bounds.SEED.hi,
+        help="default seed (unset: a fresh one per request)",
     )
     # --- the local API
     host: str = setting("127.0.0.1", help="address the API listens on (loopback by default)")
@@ -351,12 +344,11 @@ class EdgeSettings:
         ks = self.verifier_k
         if len(ks) != n or any(k < 1 for k in ks):
             raise ConfigError("k", f"needs one positive integer, or {n} (one per verifier)")
-        if self.top_p not in TOP_P:
-            raise ConfigError("top_p", f"must be {TOP_P.words()}, got {self.top_p}")
-        try:
-            check_temperature(self.temperature)
-        except ValueError as e:
-            raise ConfigError("temperature", str(e)) from None
+        for key in ("top_p", "temperature"):  # bounds load_settings' min and max cannot say
+            try:
+                Bounds.of(key).check(key, getattr(self, key))
+            except ValueError as e:
+                raise ConfigError(key, str(e)) from None
         if not self.model_id.strip():
             raise ConfigError("model_id", "must not be empty")
         if self.tree and not self.predraft:

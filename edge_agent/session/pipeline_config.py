@@ -1,9 +1,8 @@
 """The settings of one generation's pipeline: draft length, depth, mode, sampling, correction.
 
 Pure data shared by the edge's session cores, its drivers and its user interfaces, with the one
-declaration of the bounds of a generation's own options (:data:`GAMMA` ... :data:`SEED`): the
-daemon's defaults for them (``EdgeSettings``), the API's request body and the REPL's ``/set``
-all check these.
+declaration of the bounds of a generation's own options (:class:`Bounds`): the daemon's defaults
+for them (``EdgeSettings``), the API's request body and the REPL's ``/set`` all check these.
 """
 
 from __future__ import annotations
@@ -22,19 +21,26 @@ N = TypeVar("N", int, float)
 @dataclass(frozen=True)
 class Range(Generic[N]):
     """The values ``lo..hi`` of a numeric option, both included (``lo`` excluded with
-    ``open_lo``)."""
+    ``open_lo``); with ``gap_below``, none strictly between ``lo`` and it (a temperature is 0,
+    greedy, or large enough to sample with)."""
 
     lo: N
     hi: N
     open_lo: bool = False
+    gap_below: N | None = None
 
     def __contains__(self, value: float) -> bool:
-        return (self.lo < value if self.open_lo else self.lo <= value) and value <= self.hi
+        above = self.lo < value if self.open_lo else self.lo <= value
+        in_gap = self.gap_below is not None and self.lo < value < self.gap_below
+        return above and value <= self.hi and not in_gap
 
     def words(self) -> str:
-        """``in 1..64`` (integers), ``in (0, 1]`` (numbers)."""
+        """``in 1..64`` (integers), ``in (0, 1]`` (numbers), ``0 or at least 0.0001, at most
+        2`` (with a gap)."""
         if isinstance(self.lo, int) and isinstance(self.hi, int):
             return f"in {self.lo}..{self.hi}"
+        if self.gap_below is not None:
+            return f"{self.lo:g} or at least {self.gap_below:g}, at most {self.hi:g}"
         return f"in {'(' if self.open_lo else '['}{self.lo:g}, {self.hi:g}]"
 
     def check(self, name: str, value: N) -> N:
@@ -44,35 +50,36 @@ class Range(Generic[N]):
         return value
 
 
-#: Draft tokens per batch (γ).
-GAMMA = Range(1, 64)
-#: Batches in flight (D): batch numbers are 7-bit.
-DEPTH = Range(1, SEQ_MODULUS - 1)
-#: Sampling temperature (OpenAI's range); 0 is greedy, else at least MIN_TEMPERATURE
-#: (:func:`check_temperature`).
-TEMPERATURE = Range(0.0, 2.0)
-TOP_P = Range(0.0, 1.0, open_lo=True)
-#: 0 = off; no vocabulary is larger.
-TOP_K = Range(0, 1 << 24)
-#: Completion tokens of one generation.
-MAX_TOKENS = Range(1, 1 << 20)
-#: Seeds are non-negative (numpy's generators refuse negative ones) and fit 64 bits.
-SEED = Range(0, 2**64 - 1)
+class Bounds:
+    """The one declaration of the bounds of a generation's own options: the daemon's defaults
+    for them (``EdgeSettings``), the API's request body and the REPL's ``/set`` check these
+    (as attributes named like the options, upper case)."""
+
+    #: Draft tokens per batch (γ).
+    GAMMA = Range(1, 64)
+    #: Batches in flight (D): batch numbers are 7-bit.
+    DEPTH = Range(1, SEQ_MODULUS - 1)
+    #: OpenAI's range; 0 is greedy, a smaller positive one leaves nothing to sample from.
+    TEMPERATURE = Range(0.0, 2.0, gap_below=MIN_TEMPERATURE)
+    TOP_P = Range(0.0, 1.0, open_lo=True)
+    #: 0 = off; no vocabulary is larger.
+    TOP_K = Range(0, 1 << 24)
+    #: Completion tokens of one generation.
+    MAX_TOKENS = Range(1, 1 << 20)
+    #: Seeds are non-negative (numpy's generators refuse negative ones) and fit 64 bits.
+    SEED = Range(0, 2**64 - 1)
+
+    @classmethod
+    def of(cls, option: str) -> Range[int] | Range[float]:
+        """The range of ``option`` (``"top_k"``); KeyError for an option without one."""
+        bound = getattr(cls, option.upper(), None)
+        if not isinstance(bound, Range):
+            raise KeyError(option)
+        return bound
+
 
 #: ``gamma``/``depth`` chosen by the online controller (:mod:`edge_agent.session.controller`).
 Auto = Literal["auto"]
-
-
-def check_temperature(t: float) -> float:
-    """``t``: 0 (greedy), or in [MIN_TEMPERATURE, TEMPERATURE.hi]; ValueError otherwise
-    (smaller temperatures leave nothing to sample from)."""
-    TEMPERATURE.check("temperature", t)
-    if 0.0 < t < MIN_TEMPERATURE:
-        raise ValueError(
-            f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}: "
-            "smaller ones leave nothing to sample from"
-        )
-    return t
 
 
 #: Frames besides Proposes a link may have waiting to be sent at once (a Hedge, a Rollback,
@@ -150,9 +157,9 @@ class PipelineConfig:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        GAMMA.check("gamma", self.gamma)
-        DEPTH.check("depth", self.depth)
-        GAMMA.check("max_gamma", self.max_gamma)
+        Bounds.GAMMA.check("gamma", self.gamma)
+        Bounds.DEPTH.check("depth", self.depth)
+        Bounds.GAMMA.check("max_gamma", self.max_gamma)
         if not 0 <= self.hedge <= 64:
             raise ValueError(f"hedge must be in 0..64, got {self.hedge}")
         if not 0 <= self.predraft <= 64:
@@ -161,7 +168,7 @@ class PipelineConfig:
             raise ValueError("tree sends prepared branches: it needs predraft > 0")
         if not 0.0 <= self.hedge_below <= 1.0:
             raise ValueError(f"hedge_below must be in [0, 1], got {self.hedge_below}")
-        DEPTH.check("max_depth", self.max_depth)
+        Bounds.DEPTH.check("max_depth", self.max_depth)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
         # Settings files and flags give strings: store members.

@@ -61,6 +61,7 @@ __all__ = [
     "setting",
     "setting_help",
     "settings_fields",
+    "threads_setting",
     "type_parts",
 ]
 
@@ -118,6 +119,17 @@ def setting(default: Any, *, help: str, min: float | None = None, max: float | N
     if max is not None:
         meta["max"] = max
     return dataclasses.field(default=default, metadata=meta)
+
+
+def threads_setting() -> Any:
+    """The ``threads`` setting, the same on both ends: torch's CPU threads."""
+    return setting(
+        None,
+        min=1,
+        max=1024,
+        help="torch CPU threads (unset: torch's own choice, one per core); processes that share "
+        "a machine's cores (a verifier beside an edge) each get their share, or both run slower",
+    )
 
 
 def setting_help(f: dataclasses.Field[Any]) -> str:

@@ -150,7 +150,7 @@ def test_sampling() -> None:
     assert fault(parse_seed, {"seed": 2**64}).param == "seed"
     assert fault(parse_sampling, {"temperature": 5}).param == "temperature"
     e = fault(parse_sampling, {"temperature": 1e-5})
-    assert e.message.startswith("temperature must be 0 (greedy) or at least 0.0001")
+    assert e.message.startswith("temperature must be 0 or at least 0.0001, at most 2, got 1e-05")
     assert fault(parse_sampling, {"top_p": 0}).param == "top_p"
     assert fault(parse_sampling, {"top_k": -1}).param == "top_k"
 
