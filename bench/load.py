@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,10 +38,13 @@ from shared.wire.params import SamplingParams
 from testkit.harness import (
     VOCAB,
     VerifierProcess,
+    config_from_args,
     free_port,
     make_agent,
+    run_in_workdir,
     target_greedy,
     tiny_pair,
+    write_json,
     write_tokens,
 )
 
@@ -237,25 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    cfg = LoadConfig(
-        sessions=args.sessions,
-        seconds=args.seconds,
-        tokens=args.tokens,
-        rtt_ms=args.rtt_ms,
-        max_new_tokens=args.max_new_tokens,
-        rss_slack_mib=args.rss_slack_mib,
-        seed=args.seed,
-    )
-    with tempfile.TemporaryDirectory(prefix="wanspec-load-") as tmp:
-        workdir = args.workdir or Path(tmp)
-        workdir.mkdir(parents=True, exist_ok=True)
-        report = asyncio.run(run(cfg, workdir))
+    cfg = config_from_args(LoadConfig, args)
+    report = run_in_workdir("wanspec-load-", args.workdir, lambda folder: run(cfg, folder))
     print(summary(report))
     for e in report.errors[:10]:
         print("error:", e)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+        write_json(args.out, report)
     return 0 if report.ok(cfg) else 1
 
 

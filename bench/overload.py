@@ -57,14 +57,12 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import platform
 import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -100,7 +98,15 @@ from shared.wire.protocol import (
     decode,
     encode,
 )
-from testkit.harness import REPO, VerifierProcess, free_port, tiny_pair, write_tokens
+from testkit.harness import (
+    REPO,
+    VerifierProcess,
+    free_port,
+    run_in_workdir,
+    tiny_pair,
+    write_json,
+    write_tokens,
+)
 from testkit.probe import Driver, ProbeClient, auth_headers
 
 if TYPE_CHECKING:  # bench.overload_tenants imports this module
@@ -970,12 +976,12 @@ def main(argv: list[str] | None = None) -> int:
     if tenants_only:
         raise SystemExit(f"settings of --tenants alone: {', '.join(tenants_only)}")
     cfg = config_from_args(args)
-    with tempfile.TemporaryDirectory(prefix="wanspec-overload-") as tmp:
-        workdir = args.workdir or Path(tmp)
-        workdir.mkdir(parents=True, exist_ok=True)
-        result = asyncio.run(run(cfg, workdir, log=lambda s: print(s, flush=True)))
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps(result, indent=1) + "\n")
+    result = run_in_workdir(
+        "wanspec-overload-",
+        args.workdir,
+        lambda wd: run(cfg, wd, log=lambda s: print(s, flush=True)),
+    )
+    write_json(cfg.out, result, indent=1)
     if not args.no_plot:
         plot(cfg.out.with_suffix(".png"), result)
     failed = sum(r["failed"] for r in result["loads"])

@@ -67,7 +67,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +86,14 @@ from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from shared.wire.mux import Ready
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Error, Hello, Progress, Welcome, decode, encode
-from testkit.harness import REPO, VerifierProcess, free_port, write_tokens
+from testkit.harness import (
+    REPO,
+    VerifierProcess,
+    free_port,
+    run_in_workdir,
+    write_json,
+    write_tokens,
+)
 from testkit.probe import auth_headers
 
 HONEST, ATTACKER = "honest", "attacker"
@@ -385,17 +392,25 @@ async def _open(
     return opened
 
 
-async def honest_user(t: Tenants, arm: Arm, i: int) -> None:
-    cfg = t.cfg
-    rng = np.random.default_rng([cfg.seed, i])
-    jitter = random.Random(cfg.seed * 1000 + i)
+async def _sessions(
+    t: Tenants, arm: Arm, who: str, n: int
+) -> AsyncIterator[tuple[np.random.Generator, random.Random, tuple[StreamWS, Hello, Welcome]]]:
+    """The sessions user ``n`` of its kind opens one after another until the arm ends (refusals
+    and failures to open counted and backed off), with its two random streams: ``rng`` for its
+    prompts and draws, ``jitter`` for its backoffs."""
+    rng = np.random.default_rng([t.cfg.seed, n])
+    jitter = random.Random(t.cfg.seed * 1000 + n)
     k = 0
     while time.monotonic() < arm.end:
         k += 1
-        opened = await _open(t, arm, HONEST, k, jitter)
-        if opened is None:
-            continue
-        ws, hello, welcome = opened
+        opened = await _open(t, arm, who, k, jitter)
+        if opened is not None:
+            yield rng, jitter, opened
+
+
+async def honest_user(t: Tenants, arm: Arm, i: int) -> None:
+    cfg = t.cfg
+    async for rng, jitter, (ws, hello, welcome) in _sessions(t, arm, HONEST, i):
         try:
             prompt = rng.integers(4, welcome.fingerprint.vocab_size, cfg.honest_prompt).tolist()
             s = RawSession(ws, hello, welcome, rng, prompt, cfg.gamma)
@@ -420,15 +435,7 @@ async def honest_user(t: Tenants, arm: Arm, i: int) -> None:
 
 async def attacker(t: Tenants, arm: Arm, j: int) -> None:
     cfg = t.cfg
-    rng = np.random.default_rng([cfg.seed, 10_000 + j])
-    jitter = random.Random(cfg.seed * 1000 + 10_000 + j)
-    k = 0
-    while time.monotonic() < arm.end:
-        k += 1
-        opened = await _open(t, arm, ATTACKER, k, jitter)
-        if opened is None:
-            continue
-        ws, hello, welcome = opened
+    async for rng, jitter, (ws, hello, welcome) in _sessions(t, arm, ATTACKER, 10_000 + j):
         sent = time.monotonic()
         record = AttackPrompt(sent - arm.t0, t.attack_prompt, None)
         arm.attack.append(record)
@@ -1047,15 +1054,10 @@ def config(smoke: bool, given: dict[str, Any]) -> TenantsConfig:
 
 
 def main(cfg: TenantsConfig, workdir: Path | None, *, no_plot: bool = False) -> int:
-    import json
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="wanspec-tenants-") as tmp:
-        wd = workdir or Path(tmp)
-        wd.mkdir(parents=True, exist_ok=True)
-        result = asyncio.run(run(cfg, wd, log=lambda s: print(s, flush=True)))
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps(result, indent=1) + "\n")
+    result = run_in_workdir(
+        "wanspec-tenants-", workdir, lambda wd: run(cfg, wd, log=lambda s: print(s, flush=True))
+    )
+    write_json(cfg.out, result, indent=1)
     if not no_plot:
         plot(cfg.out.with_suffix(".png"), result)
     print(report(result))

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import platform
 import sys
 import tempfile
@@ -48,7 +47,7 @@ from edge_agent.session.core import hello_for
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint
-from testkit.harness import VerifierProcess, free_port, write_tokens
+from testkit.harness import VerifierProcess, free_port, write_json, write_tokens
 from testkit.probe import CloudOnlyDriver, ProbeClient, auth_headers
 
 HIT = "wanspec_prefix_cache_hit_tokens_total"
@@ -194,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     result = asyncio.run(main_async(args))
     _print(result)
     result["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result, indent=1)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

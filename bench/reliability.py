@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import random
 import statistics
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -50,10 +48,13 @@ from shared.wire.params import SamplingParams
 from testkit.harness import (
     VOCAB,
     VerifierProcess,
+    config_from_args,
     free_port,
     make_agent,
+    run_in_workdir,
     target_greedy,
     tiny_pair,
+    write_json,
     write_tokens,
 )
 
@@ -380,25 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("wanspec.edge").setLevel(logging.ERROR)  # one line per reconnect
     logging.getLogger("bench.wanem").setLevel(logging.WARNING)  # refused upstream connects
-    cfg = ChaosConfig(
-        generations=args.generations,
-        max_new_tokens=args.max_new_tokens,
-        gamma=args.gamma,
-        depth=args.depth,
-        rtt_ms=args.rtt_ms,
-        heartbeat_s=args.heartbeat_s,
-        stall_s=args.stall_s,
-        extra_faults=args.extra_faults,
-        seed=args.seed,
-    )
-    with tempfile.TemporaryDirectory(prefix="wanspec-chaos-") as tmp:
-        workdir = args.workdir or Path(tmp)
-        workdir.mkdir(parents=True, exist_ok=True)
-        report = asyncio.run(run(cfg, workdir))
+    cfg = config_from_args(ChaosConfig, args)
+    report = run_in_workdir("wanspec-chaos-", args.workdir, lambda folder: run(cfg, folder))
     print(summary(report))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+        write_json(args.out, report)
     return 0 if report.ok() else 1
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import platform
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from cloud_verifier.daemon.auth import generate_token
 from edge_agent.session.generation import TokenSource
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello
-from testkit.harness import VerifierProcess, free_port, write_tokens
+from testkit.harness import VerifierProcess, free_port, write_json, write_tokens
 from testkit.probe import CloudOnlyDriver, Driver, ProbeClient, auth_headers
 
 ENGINES = {"batched": 64, "serial": 1, "cloud-sd": 64, "cloud-sd-fixed": 64}
@@ -347,8 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     result = asyncio.run(main_async(args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result, indent=1)
     if not args.no_plot:
         _plot(args.out.with_suffix(".png"), result)
     if "ratio" in result:

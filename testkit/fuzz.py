@@ -46,7 +46,6 @@ import logging
 import os
 import random
 import struct
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -117,11 +116,14 @@ from shared.wire.protocol import (
 from testkit.harness import (
     VOCAB,
     VerifierProcess,
+    config_from_args,
     free_port,
     make_agent,
     rss_kib,
+    run_in_workdir,
     target_greedy,
     tiny_pair,
+    write_json,
     write_tokens,
 )
 from testkit.probe import Driver, ProbeClient, auth_headers, replies_match
@@ -363,30 +365,24 @@ class Shadow:
         self.core.receive(encode(hello))
         self.fixed = list(fixed or [5])  # what the next valid Propose must carry
 
-    # The session's position, as the core sees it (tests may set them to start elsewhere).
+    # The session's position, as the core sees it.
     @property
     def epoch(self) -> int:
         return self.core.epoch
-
-    @epoch.setter
-    def epoch(self, v: int) -> None:
-        self.core.epoch = v
 
     @property
     def seq(self) -> int:
         return self.core.expected_seq
 
-    @seq.setter
-    def seq(self, v: int) -> None:
-        self.core.expected_seq = v
-
     @property
     def pos(self) -> int:
         return self.core.next_pos
 
-    @pos.setter
-    def pos(self, v: int) -> None:
-        self.core.next_pos = self.core.cache_len = v
+    def start_at(self, epoch: int, seq: int, pos: int) -> None:
+        """Put the session at (epoch, seq, pos), its cache that long (tests start elsewhere
+        than at 0)."""
+        self.core.epoch, self.core.expected_seq = epoch, seq
+        self.core.next_pos = self.core.cache_len = pos
 
     @property
     def pending(self) -> tuple[int, int] | None:
@@ -1528,17 +1524,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("wanspec.edge").setLevel(logging.ERROR)
-    cfg = FuzzConfig(
-        frames=args.frames,
-        edge_frames=args.edge_frames,
-        clients=args.clients,
-        http_requests=args.http_requests,
-        seed=args.seed,
-    )
-    with tempfile.TemporaryDirectory(prefix="wanspec-fuzz-") as tmp:
-        workdir = args.workdir or Path(tmp)
-        workdir.mkdir(parents=True, exist_ok=True)
-        report = asyncio.run(run(cfg, workdir))
+    cfg = config_from_args(FuzzConfig, args)
+    report = run_in_workdir("wanspec-fuzz-", args.workdir, lambda folder: run(cfg, folder))
     print(summary(report))
     if report.mismatches or report.hangs or report.edge_garbage or report.edge_crashes:
         print(
@@ -1551,8 +1538,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(asdict(report), indent=2) + "\n")
+        write_json(args.out, report)
     return 0 if report.ok() else 1
 
 

@@ -1,24 +1,29 @@
 """What the reliability, fuzz and load runs share: tiny models, target-only greedy references, a
 real ``cloud-verifier serve`` process (start, SIGKILL, SIGTERM, restart on the same port, its
-memory), and an edge agent pointed at a URL.
+memory), an edge agent pointed at a URL, and a run's working folder and JSON report.
 
 Everything listens on 127.0.0.1 only. Memory figures come from ``/proc/<pid>/status`` (Linux).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import dataclasses
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from ssl import SSLContext
+from typing import Any, TypeVar
 
 import aiohttp
 import torch
@@ -34,6 +39,37 @@ from testkit.tiny_models import build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 64  # tiny models: word-level tokenizer of 64 ids; 0..3 are specials (2 = EOS)
+
+R = TypeVar("R")
+C = TypeVar("C")
+
+
+def config_from_args(cls: type[C], args: argparse.Namespace) -> C:
+    """A run's config (a dataclass): the fields the command line names (an option of the
+    field's name), the others at their defaults."""
+    given = vars(args)
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]  # C: a dataclass
+    return cls(**{name: given[name] for name in names if name in given})
+
+
+def run_in_workdir(
+    prefix: str, workdir: Path | None, main: Callable[[Path], Coroutine[Any, Any, R]]
+) -> R:
+    """``asyncio.run(main(folder))``, where ``folder`` is ``workdir`` (made if missing, and kept:
+    models and logs stay there to be read) or else a temporary folder named ``prefix...``,
+    removed after."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        folder = workdir or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        return asyncio.run(main(folder))
+
+
+def write_json(path: Path, doc: Any, *, indent: int = 2) -> None:
+    """``doc`` as JSON at ``path`` (its folder made if missing); a dataclass as its fields."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    is_record = dataclasses.is_dataclass(doc) and not isinstance(doc, type)
+    data = dataclasses.asdict(doc) if is_record else doc
+    path.write_text(json.dumps(data, indent=indent) + "\n")
 
 
 def free_port() -> int:

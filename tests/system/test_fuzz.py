@@ -112,7 +112,7 @@ def test_shadow_never_expects_progress_from_a_bad_frame(
     (epoch, position); only the expected seq moves past a decoded Propose, as the verifier's
     rules say (every Propose consumes its seq, refused or not)."""
     sh = Shadow(CTX, federated=False, max_context=512, max_bad=10**6, max_resamples=4)
-    sh.epoch, sh.seq, sh.pos = epoch, seq, 7
+    sh.start_at(epoch, seq, 7)
     p = Propose(epoch, seq, 7, np.array([5, 6]), np.array([0.5, 0.5], np.float32))
     frame = encode(p, CTX)
     kind, bad = mutate_map(frame, r, V) if r.random() < 0.5 else mutate_bytes(frame, r)
