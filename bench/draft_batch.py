@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -28,9 +29,26 @@ from shared.runtime.models import load_model
 from shared.wire.params import SamplingParams
 
 
-def through_origin(xs: list[int], ys: list[float]) -> float:
-    """The least-squares slope a of y = a · x (the extra cost per unit of batch or tree)."""
+def cost_slope(median: dict[int, float], base: int) -> float | None:
+    """The least-squares slope a of cost(n) / cost(base) = 1 + a (n − base) over the sizes
+    measured (the extra cost per unit of batch or tree), or None when the first size measured
+    is not ``base``."""
+    sizes = list(median)
+    if sizes[0] != base:
+        return None
+    xs = [n - base for n in sizes]
+    ys = [median[n] / median[base] - 1 for n in sizes]
     return sum(x * y for x, y in zip(xs, ys, strict=True)) / max(1, sum(x * x for x in xs))
+
+
+def write_record(out: Path, args: argparse.Namespace, figures: dict[str, Any]) -> None:
+    """The machine, the run's settings and ``figures``, as indented JSON at ``out``."""
+    record = {
+        "machine": machine_info(),
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        **figures,
+    }
+    out.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
 
 
 def measure(drafter: Drafter, context: int, batch: int, steps: int, seed: int) -> list[float]:
@@ -73,25 +91,22 @@ def main(argv: list[str] | None = None) -> int:
         times = measure(drafter, args.context, b, args.steps, seed=100 + b)
         median[b] = statistics.median(times)
         print(f"B={b}: median {1000 * median[b]:.1f} ms per step ({args.steps} steps)", flush=True)
-    base = median[sizes[0]] if sizes[0] == 1 else None
-    fit = None
-    if base:
-        xs = [b - 1 for b in sizes]
-        ys = [median[b] / base - 1 for b in sizes]
-        fit = through_origin(xs, ys)
+    fit = cost_slope(median, base=1)
+    if fit is not None:
         print(
             f"cost(B) / cost(1) ≈ 1 + {fit:.3f} (B − 1) on this CPU; the bench emulates a "
             f"GPU-class device: 1 + {DRAFT_BATCH_COST:.4f} (B − 1)"
         )
     if args.out:
-        record = {
-            "machine": machine_info(),
-            "settings": {k: str(v) for k, v in vars(args).items()},
-            "median_step_s": {str(b): median[b] for b in sizes},
-            "batch_cost_per_extra_branch": fit,
-            "emulated_batch_cost_per_extra_branch": DRAFT_BATCH_COST,
-        }
-        args.out.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
+        write_record(
+            args.out,
+            args,
+            {
+                "median_step_s": {str(b): median[b] for b in sizes},
+                "batch_cost_per_extra_branch": fit,
+                "emulated_batch_cost_per_extra_branch": DRAFT_BATCH_COST,
+            },
+        )
     return 0
 
 

@@ -21,11 +21,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import orjson
 import torch
 
-from bench.draft_batch import through_origin
-from bench.run import machine_info
+from bench.draft_batch import cost_slope, write_record
 from bench.verifier import TREE_TOKEN_COST
 from cloud_verifier.engine.targets import TorchTarget
 from shared.runtime.batched_lm import Row
@@ -94,24 +92,22 @@ def main(argv: list[str] | None = None) -> int:
         measure(target, args.context, args.gamma, n, args.warmup)
         median[n] = statistics.median(measure(target, args.context, args.gamma, n, args.steps))
         print(f"N={n}: median {1000 * median[n]:.1f} ms per verify forward", flush=True)
-    fit = None
-    if sizes[0] == 0:
-        xs = sizes
-        ys = [median[n] / median[0] - 1 for n in sizes]
-        fit = through_origin(xs, ys)
+    fit = cost_slope(median, base=0)
+    if fit is not None:
         print(
             f"cost(N) / cost(0) ≈ 1 + {fit:.4f} N on this CPU; the bench emulates a GPU-class "
             f"verifier: 1 + {TREE_TOKEN_COST:.4f} N"
         )
     if args.out:
-        record = {
-            "machine": machine_info(),
-            "settings": {k: str(v) for k, v in vars(args).items()},
-            "median_forward_s": {str(n): median[n] for n in sizes},
-            "cost_per_tree_token": fit,
-            "emulated_cost_per_tree_token": TREE_TOKEN_COST,
-        }
-        args.out.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
+        write_record(
+            args.out,
+            args,
+            {
+                "median_forward_s": {str(n): median[n] for n in sizes},
+                "cost_per_tree_token": fit,
+                "emulated_cost_per_tree_token": TREE_TOKEN_COST,
+            },
+        )
     return 0
 
 
