@@ -254,6 +254,30 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+class _Alarm:
+    """One task's sleep, until a loop time or until a callback wakes it early."""
+
+    def __init__(self) -> None:
+        self._fut: asyncio.Future[None] | None = None
+
+    def wake(self) -> None:
+        if self._fut is not None:
+            _resolve(self._fut)
+
+    async def sleep(self, until: float | None) -> None:
+        """Until loop time ``until`` (None: no limit) or the next :meth:`wake`."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._fut = fut
+        timer = loop.call_at(until, _resolve, fut) if until is not None else None
+        try:
+            await fut
+        finally:
+            self._fut = None
+            if timer is not None:
+                timer.cancel()
+
+
 def _close_transport(transport: asyncio.BaseTransport | None, mode: CloseMode) -> None:
     if transport is None or transport.is_closing():
         return
@@ -278,7 +302,7 @@ class _Endpoint(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.paused_writing = False
         self.lost = False
-        self._waiter: asyncio.Future[None] | None = None
+        self._alarm = _Alarm()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -297,7 +321,7 @@ class _Endpoint(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self._wake()
+        self._alarm.wake()
         if self.conn is not None:
             self.conn.on_lost(self)
 
@@ -306,11 +330,7 @@ class _Endpoint(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.paused_writing = False
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None:
-            _resolve(self._waiter)
+        self._alarm.wake()
 
     def writable(self) -> bool:
         return self.transport is not None and not self.lost and not self.transport.is_closing()
@@ -321,15 +341,7 @@ class _Endpoint(asyncio.Protocol):
         while self.paused_writing and not self.lost:
             if deadline is not None and loop.time() >= deadline:
                 return False
-            fut: asyncio.Future[None] = loop.create_future()
-            self._waiter = fut
-            timer = loop.call_at(deadline, _resolve, fut) if deadline is not None else None
-            try:
-                await fut
-            finally:
-                self._waiter = None
-                if timer is not None:
-                    timer.cancel()
+            await self._alarm.sleep(deadline)
         return True
 
 
@@ -350,7 +362,7 @@ class _Pipe:
         self.cut_mode: CloseMode = "rst"
         self.closed_for_input = False  # cut or reset queued: ignore further input
         self.eof_delivered = False
-        self._waiter: asyncio.Future[None] | None = None
+        self._alarm = _Alarm()
 
     # -- input side (protocol callbacks, synchronous) ------------------------------------------
 
@@ -448,32 +460,19 @@ class _Pipe:
     # -- output side (the writer task) --------------------------------------------------------
 
     def kick(self) -> None:
-        if self._waiter is not None:
-            _resolve(self._waiter)
-
-    async def _sleep(self, until: float | None) -> None:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._waiter = fut
-        timer = loop.call_at(until, _resolve, fut) if until is not None else None
-        try:
-            await fut
-        finally:
-            self._waiter = None
-            if timer is not None:
-                timer.cancel()
+        self._alarm.wake()
 
     async def run(self) -> None:
         emu = self.conn.emu
         queue = self.queue
         while not self.conn.closed:
             if not queue:
-                await self._sleep(None)
+                await self._alarm.sleep(None)
                 continue
             now = emu.loop_time()
             due = max(queue[0][0], emu._stall_until[self.direction])
             if due > now + _SLACK_S:
-                await self._sleep(due)
+                await self._alarm.sleep(due)
                 continue
             horizon = now + _SLACK_S
             parts: list[memoryview] = []
