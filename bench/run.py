@@ -900,10 +900,10 @@ async def sweep(
                     if with_ar and not done(rtt, None, "ar", i):
                         a_up0, a_down0 = aemu.stats.bytes_up, aemu.stats.bytes_down
                         res = await run_ar(aemu.port, token, ids, cfg.tokens, eos)
-                        stamps = res.pop("stamps")
-                        extra = dict(res)
-                        extra["wire_bytes_up"] = aemu.stats.bytes_up - a_up0
-                        extra["wire_bytes_down"] = aemu.stats.bytes_down - a_down0
+                        extra = {
+                            "wire_bytes_up": aemu.stats.bytes_up - a_up0,
+                            "wire_bytes_down": aemu.stats.bytes_down - a_down0,
+                        }
                         for e in entries:
                             if e.oracle is not None and tuple(ids) in e.oracle.paths:
                                 extra["matches_oracle_path"] = e.oracle.on_path(
@@ -911,19 +911,8 @@ async def sweep(
                                 )
                                 break
                         record(
-                            Run(
-                                regime=regime.name,
-                                rtt_ms=rtt,
-                                mode="ar",
-                                depth=None,
-                                dataset=p["dataset"],
-                                tokens=res["tokens"],
-                                wall_s=res["wall_s"],
-                                tokens_per_s=res["tokens"] / res["wall_s"] * s,
-                                decode_tokens_per_s=decode_rate(stamps) * s,
-                                extra=extra,
-                                scale=s,
-                                prompt=i,
+                            measured_run(
+                                regime, rtt, p["dataset"], res, extra, "ar", None, prompt=i
                             )
                         )
                     for e in entries:
@@ -940,6 +929,37 @@ async def sweep(
             for agent in agents.values():
                 agent.close()
     return runs
+
+
+def measured_run(
+    regime: Regime,
+    rtt: float,
+    dataset: str,
+    res: dict[str, Any],
+    extra: dict[str, Any],
+    mode: str,
+    depth: int | None,
+    *,
+    prompt: int | None = None,
+) -> Run:
+    """The Run of one generation of ``regime`` at ``rtt``: ``res`` is run_ar's or run_spec's
+    result (tokens, wall_s, stamps, ...), its rates in emulated time (× the regime's scale S);
+    ``extra`` holds the rest of ``res`` and the caller's own measures."""
+    s = regime.scale
+    return Run(
+        regime=regime.name,
+        rtt_ms=rtt,
+        mode=mode,
+        depth=depth,
+        dataset=dataset,
+        tokens=res["tokens"],
+        wall_s=res["wall_s"],
+        tokens_per_s=res["tokens"] / res["wall_s"] * s,
+        decode_tokens_per_s=decode_rate(res["stamps"]) * s,
+        extra={**{k: v for k, v in res.items() if k != "stamps"}, **extra},
+        scale=s,
+        prompt=prompt,
+    )
 
 
 @dataclass(frozen=True)
@@ -974,8 +994,7 @@ async def _spec_run(
     o0 = replace(oracle.stats) if oracle is not None else None
     res = await run_spec(agent, mode.pipeline_config(), ids, cfg.tokens, eos)
     after = verifier_counts(vport)
-    stamps = res.pop("stamps")
-    extra = dict(res)
+    extra: dict[str, Any] = {}
     # The verifier's GPU time for this generation, in emulated seconds (the pads are × S).
     extra["verifier_busy_s"] = (after.busy_s - before.busy_s) / s
     extra["tree_branches"] = after.tree_branches - before.tree_branches
@@ -1002,22 +1021,13 @@ async def _spec_run(
                 "(a near-tie decided differently); the oracle's drafts after it are all wrong",
                 flush=True,
             )
-    return Run(
-        regime=regime.name,
-        rtt_ms=rtt,
-        mode=mode.label,
-        depth=mode.depth,
-        dataset=prompt["dataset"],
-        tokens=res["tokens"],
-        wall_s=res["wall_s"],
-        tokens_per_s=res["tokens"] / res["wall_s"] * s,
-        decode_tokens_per_s=decode_rate(stamps) * s,
-        extra=extra,
+    measured = measured_run(regime, rtt, prompt["dataset"], res, extra, mode.label, mode.depth)
+    return replace(
+        measured,
         draft=entry.name,
         mode_spec=mode.spec,
         gamma=mode.gamma,
         cogen=mode.cogen,
-        scale=s,
     )
 
 
