@@ -123,6 +123,7 @@ from shared.enums import TextEnum
 from shared.maths.sampling import Probs
 from shared.runtime.model_spec import SpecKind, parse_model_spec
 from shared.runtime.models import LoadedModel, load_model
+from shared.service.status import wait_healthy
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import Fingerprint
 from testkit.harness import write_tokens
@@ -425,7 +426,7 @@ def cloud_processes(
     try:
         wait_tcp(procs[0], aport, 900)
         for proc, port in zip(procs[1:], ports.values(), strict=True):
-            wait_http(proc, f"http://127.0.0.1:{port}/health", 900)
+            wait_healthy(proc, f"http://127.0.0.1:{port}/health", 900, f"verifier {port}")
         yield ports, aport
     finally:
         for p in procs:
@@ -435,21 +436,6 @@ def cloud_processes(
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
-
-
-def wait_http(proc: subprocess.Popen[bytes], url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready in {timeout:.0f} s")
 
 
 def wait_tcp(proc: subprocess.Popen[bytes], port: int, timeout: float) -> None:
