@@ -38,11 +38,11 @@ from shared.errors import WanspecError
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import CorrectionMode
 
-HELP = """Available commands:
+HELP = f"""Available commands:
   /set               Show the current settings
   /set KEY VALUE     Change a setting: temperature, top_p, top_k, max_tokens, seed (none to
-                     unset), gamma, depth, mode (pipelined|stop-and-wait),
-                     correction (candidates|greedy_draft|topk), system (a system prompt)
+                     unset), gamma, depth (auto or a number), mode ({"|".join(Mode.choices())}),
+                     correction ({"|".join(CorrectionMode.choices())}), system (a system prompt)
   /stats             Statistics of the last answer (and of this session)
   /clear             Clear the conversation
   /bye               Exit

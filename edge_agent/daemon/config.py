@@ -386,7 +386,7 @@ class EdgeSettings:
             raise ConfigError(
                 "cogen", "must be true with draft = none (the verifier writes the text)"
             )
-        if self.fallback == "draft":
+        if self.fallback == Fallback.DRAFT:
             raise ConfigError(
                 "fallback",
                 "cannot be 'draft' with draft = none (no draft model to answer alone while the "

@@ -6,6 +6,7 @@ top-level one, which lists no flag of the subcommand)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import typing
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -25,7 +26,7 @@ def shown_default(value: object) -> str:
     return str(value)
 
 
-def flag_help(f: Any, env_prefix: str) -> str:
+def flag_help(f: dataclasses.Field[Any], env_prefix: str) -> str:
     """A setting's ``--help`` text: its declared help, its default and its variable."""
     default = shown_default(f.default)
     return f"{setting_help(f)} (default: {default}; env {env_prefix}{f.name.upper()})"

@@ -77,7 +77,7 @@ def settings_page(cls: type[Any], *, title: str, intro: str, regenerate: str) ->
 def main(page: str, argv: Sequence[str]) -> int:
     """``python -m <settings module> [FILE]``: write the page to FILE, else print it."""
     if len(argv) > 1:
-        print(f"usage: {(argv and argv[0]) or 'settings'} [FILE]", file=sys.stderr)
+        print("usage: python -m <settings module> [FILE]", file=sys.stderr)
         return 2
     if argv:
         Path(argv[0]).write_text(page)
