@@ -16,8 +16,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import orjson
@@ -27,6 +28,53 @@ from bench.run import DRAFT_BATCH_COST, load_draft_model, machine_info
 from edge_agent.model.drafter import Drafter
 from shared.runtime.models import load_model
 from shared.wire.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class CostStudy:
+    """How a forward's cost grows with a size (a batch's branches, a verify's tree tokens):
+    ``unit`` names the size, ``what`` the forward timed, ``base`` the size costs are relative
+    to, ``emulated`` the bench's GPU-class slope; ``keys`` are the record's names for the
+    medians, the measured slope and the emulated one."""
+
+    unit: str
+    what: str
+    base: int
+    emulated: float
+    keys: tuple[str, str, str]
+
+    def run(
+        self,
+        args: argparse.Namespace,
+        sizes: list[int],
+        times: Callable[[int, int, int], list[float]],
+    ) -> None:
+        """``times(size, steps, seed)`` for each size: ``args.warmup`` steps first, unmeasured
+        (seed: the size), then the median of ``args.steps`` (seed: 100 + the size); the slope
+        relative to ``base``; the record to ``args.out``."""
+        median: dict[int, float] = {}
+        for n in sizes:
+            times(n, args.warmup, n)
+            median[n] = statistics.median(times(n, args.steps, 100 + n))
+            ms, per = 1000 * median[n], f"per {self.what} ({args.steps} steps)"
+            print(f"{self.unit}={n}: median {ms:.1f} ms {per}", flush=True)
+        fit = cost_slope(median, self.base)
+        if fit is not None:
+            x = self.unit if self.base == 0 else f"({self.unit} − {self.base})"
+            print(
+                f"cost({self.unit}) / cost({self.base}) ≈ 1 + {fit:.4f} {x} on this CPU; the "
+                f"bench emulates a GPU-class device: 1 + {self.emulated:.4f} {x}"
+            )
+        if args.out:
+            medians, measured, emulated = self.keys
+            record = {
+                "machine": machine_info(),
+                "settings": {k: str(v) for k, v in vars(args).items()},
+                medians: {str(n): median[n] for n in sizes},
+                measured: fit,
+                emulated: self.emulated,
+            }
+            args.out.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
 
 
 def cost_slope(median: dict[int, float], base: int) -> float | None:
@@ -39,16 +87,6 @@ def cost_slope(median: dict[int, float], base: int) -> float | None:
     xs = [n - base for n in sizes]
     ys = [median[n] / median[base] - 1 for n in sizes]
     return sum(x * y for x, y in zip(xs, ys, strict=True)) / max(1, sum(x * x for x in xs))
-
-
-def write_record(out: Path, args: argparse.Namespace, figures: dict[str, Any]) -> None:
-    """The machine, the run's settings and ``figures``, as indented JSON at ``out``."""
-    record = {
-        "machine": machine_info(),
-        "settings": {k: str(v) for k, v in vars(args).items()},
-        **figures,
-    }
-    out.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
 
 
 def measure(drafter: Drafter, context: int, batch: int, steps: int, seed: int) -> list[float]:
@@ -85,28 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     target = load_model(args.target)
     drafter = Drafter(load_draft_model(args.draft, target))
     sizes = [int(b) for b in args.batches.split(",")]
-    median: dict[int, float] = {}
-    for b in sizes:
-        measure(drafter, args.context, b, args.warmup, seed=b)
-        times = measure(drafter, args.context, b, args.steps, seed=100 + b)
-        median[b] = statistics.median(times)
-        print(f"B={b}: median {1000 * median[b]:.1f} ms per step ({args.steps} steps)", flush=True)
-    fit = cost_slope(median, base=1)
-    if fit is not None:
-        print(
-            f"cost(B) / cost(1) ≈ 1 + {fit:.3f} (B − 1) on this CPU; the bench emulates a "
-            f"GPU-class device: 1 + {DRAFT_BATCH_COST:.4f} (B − 1)"
-        )
-    if args.out:
-        write_record(
-            args.out,
-            args,
-            {
-                "median_step_s": {str(b): median[b] for b in sizes},
-                "batch_cost_per_extra_branch": fit,
-                "emulated_batch_cost_per_extra_branch": DRAFT_BATCH_COST,
-            },
-        )
+    keys = ("median_step_s", "batch_cost_per_extra_branch", "emulated_batch_cost_per_extra_branch")
+    study = CostStudy("B", "draft step", 1, DRAFT_BATCH_COST, keys)
+    study.run(args, sizes, lambda b, steps, seed: measure(drafter, args.context, b, steps, seed))
     return 0
 
 

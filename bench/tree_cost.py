@@ -15,7 +15,6 @@ figure instead (:data:`bench.verifier.TREE_TOKEN_COST`).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.draft_batch import cost_slope, write_record
+from bench.draft_batch import CostStudy
 from bench.verifier import TREE_TOKEN_COST
 from cloud_verifier.engine.targets import TorchTarget
 from shared.runtime.batched_lm import Row
@@ -47,9 +46,11 @@ def tree_row(slot: SlotPages, start: int, chain: list[int], extra: list[int]) ->
     return Row(slot, start, tuple(ids), len(ids), tree)
 
 
-def measure(target: TorchTarget, context: int, gamma: int, n: int, steps: int) -> list[float]:
+def measure(
+    target: TorchTarget, context: int, gamma: int, n: int, steps: int, seed: int
+) -> list[float]:
     """Seconds of each of ``steps`` verify forwards with ``n`` tree tokens."""
-    rng = np.random.default_rng(n)
+    rng = np.random.default_rng(seed)
     vocab = target.vocab_size
     lm = target.lm
     pool = lm.pool
@@ -87,27 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     target = TorchTarget(load_model(args.target))
     sizes = [int(n) for n in args.trees.split(",")]
     target.allocate(num_pages=-(-(args.context + args.gamma + 1 + max(sizes)) // 16), page_size=16)
-    median: dict[int, float] = {}
-    for n in sizes:
-        measure(target, args.context, args.gamma, n, args.warmup)
-        median[n] = statistics.median(measure(target, args.context, args.gamma, n, args.steps))
-        print(f"N={n}: median {1000 * median[n]:.1f} ms per verify forward", flush=True)
-    fit = cost_slope(median, base=0)
-    if fit is not None:
-        print(
-            f"cost(N) / cost(0) ≈ 1 + {fit:.4f} N on this CPU; the bench emulates a GPU-class "
-            f"verifier: 1 + {TREE_TOKEN_COST:.4f} N"
-        )
-    if args.out:
-        write_record(
-            args.out,
-            args,
-            {
-                "median_forward_s": {str(n): median[n] for n in sizes},
-                "cost_per_tree_token": fit,
-                "emulated_cost_per_tree_token": TREE_TOKEN_COST,
-            },
-        )
+    keys = ("median_forward_s", "cost_per_tree_token", "emulated_cost_per_tree_token")
+    study = CostStudy("N", "verify forward", 0, TREE_TOKEN_COST, keys)
+    study.run(
+        args,
+        sizes,
+        lambda n, steps, seed: measure(target, args.context, args.gamma, n, steps, seed),
+    )
     return 0
 
 
