@@ -29,13 +29,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from ssl import SSLContext
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import orjson
 
-from edge_agent.daemon.text import ssl_context
 from edge_agent.session.transport import Transport, announced_welcome
 from shared.enums import TextEnum
 from shared.service.metrics import Registry
@@ -255,13 +255,16 @@ class LinkInfo:
 class LinkMonitor:
     """The state of each verifier link, from periodic probes and from real sessions."""
 
-    def __init__(self, settings: EdgeSettings, metrics: EdgeMetrics) -> None:
+    def __init__(
+        self, settings: EdgeSettings, metrics: EdgeMetrics, ssl: SSLContext | bool = True
+    ) -> None:
+        """``ssl``: the TLS context of the probes, the sessions' own (True: verify the
+        verifier's certificate against the system's CAs)."""
         self.settings = settings
         self.metrics = metrics
         self.links = [LinkInfo(u) for u in settings.verifier_urls]
         self.changed: Callable[[], None] = lambda: None
-        ca = str(settings.ca_file) if settings.ca_file else None
-        self.ssl = ssl_context(ca, settings.insecure_skip_verify)
+        self.ssl = ssl
 
     @property
     def state(self) -> VerifierLinkState:

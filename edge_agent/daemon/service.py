@@ -27,7 +27,7 @@ from typing import Any
 
 from edge_agent.daemon.agent import EdgeAgent, HandshakeError, RetryPolicy, VerifierWaitOver
 from edge_agent.daemon.api_request import ContextLimit
-from edge_agent.daemon.config import NO_DRAFT, EdgeSettings, read_secret_file
+from edge_agent.daemon.config import NO_DRAFT, EdgeSettings, Fallback, read_secret_file
 from edge_agent.daemon.monitor import EdgeMetrics, LinkMonitor, TimedTransport, VerifierLinkState
 from edge_agent.daemon.progress import device_line
 from edge_agent.daemon.text import TextStreamer, eos_ids, result_json, ssl_context
@@ -50,9 +50,15 @@ from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.retry import LinkDownPolicy
 from edge_agent.session.transport import LinkClosed, Transport
 from shared.errors import WanspecError
-from shared.runtime.device import resolve_device
+from shared.runtime.device import resolve_device, resolve_dtype
 from shared.runtime.model_spec import SpecKind, parse_model_spec
-from shared.runtime.models import LoadedModel, LoadedTokenizer, load_model, load_tokenizer
+from shared.runtime.models import (
+    LoadedModel,
+    LoadedTokenizer,
+    load_draft,
+    load_model,
+    load_tokenizer,
+)
 from shared.wire.protocol import Welcome
 
 log = logging.getLogger("wanspec.edge.service")
@@ -263,7 +269,7 @@ def retry_policy(s: EdgeSettings) -> RetryPolicy:
     busy or both in turn (a verifier restart takes a few); "draft": the agent's draft-only
     link-down policy, reconnecting in the background. A batch with no Verdict past its
     deadline (``verdict_timeout`` at least) rebuilds the session."""
-    policy = LinkDownPolicy.DRAFT_ONLY if s.fallback == "draft" else LinkDownPolicy.WAIT
+    policy = LinkDownPolicy.DRAFT_ONLY if s.fallback == Fallback.DRAFT else LinkDownPolicy.WAIT
     return RetryPolicy(
         link_down=policy, deadline_s=s.verifier_wait, verdict_timeout_s=s.verdict_timeout
     )
@@ -274,16 +280,18 @@ def load_draft_model(s: EdgeSettings, report: Callable[[str], None]) -> LoadedMo
     import torch
 
     device = resolve_device(s.device)
-    name = s.dtype if s.dtype != "auto" else ("float16" if device == "cuda" else "float32")
+    name = resolve_dtype(s.dtype, device, on_cuda="float16")
     dtype = getattr(torch, name)
-    spec = parse_model_spec(s.draft)
-    if spec.kind == SpecKind.SELF:
+
+    def base() -> LoadedModel:
         report(f"loading {s.draft_base} ({device}, {name}) for the self-draft {s.draft}")
-        base = load_model(s.draft_base, device=device, dtype=dtype)
+        loaded = load_model(s.draft_base, device=device, dtype=dtype)
         report(f"deriving the self-draft {s.draft} (weights shared)")
-        return load_model(spec, base=base)
-    report(f"loading draft {s.draft} ({device}, {name})")
-    return load_model(spec, device=device, dtype=dtype)
+        return loaded
+
+    if parse_model_spec(s.draft).kind != SpecKind.SELF:
+        report(f"loading draft {s.draft} ({device}, {name})")
+    return load_draft(s.draft, base, device=device, dtype=dtype)
 
 
 def loading_line(s: EdgeSettings) -> str:
@@ -309,7 +317,11 @@ class EdgeService:
     def __init__(self, settings: EdgeSettings, metrics: EdgeMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or EdgeMetrics()
-        self.link = LinkMonitor(settings, self.metrics)
+        #: The TLS context of every connection to a verifier (sessions and probes alike).
+        self._ssl = ssl_context(
+            str(settings.ca_file) if settings.ca_file else None, settings.insecure_skip_verify
+        )
+        self.link = LinkMonitor(settings, self.metrics, ssl=self._ssl)
         self.queue = FairQueue(settings.max_queue, settings.max_concurrent)
         self.worker = ModelWorker("draft-model")
         self.loaded: LoadedModel | LoadedTokenizer | None = None
@@ -320,9 +332,6 @@ class EdgeService:
         self.batching: BatchingWorker | None = None
         token_file = settings.token_file
         self._token = read_secret_file(token_file, "token_file") if token_file else ""
-        self._ssl = ssl_context(
-            str(settings.ca_file) if settings.ca_file else None, settings.insecure_skip_verify
-        )
         self._preferred = 0
         #: The generations holding a place now, each with the time of its last progress.
         self._active: set[_Slot] = set()
@@ -521,7 +530,7 @@ class EdgeService:
         wait for one that is not."""
         fail_fast = self.settings.link_down_fail_fast
         if (
-            self.settings.fallback != "none"
+            self.settings.fallback != Fallback.NONE
             or not 0 < fail_fast < agent.retry.deadline_s
             or self.link.state != VerifierLinkState.DOWN
         ):

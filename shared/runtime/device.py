@@ -104,6 +104,15 @@ def resolve_device(device: str) -> str:
     return dev
 
 
+def resolve_dtype(dtype: str, dev: str, *, on_cuda: str) -> str:
+    """The dtype name a model loads in, for the setting ``dtype`` on device ``dev``: ``auto``
+    is float32 on the CPU and ``on_cuda`` on a CUDA device (each end's own choice: float16 for
+    the edge's draft, bfloat16 for the verifier's target); any other name is itself."""
+    if dtype != "auto":
+        return dtype
+    return on_cuda if dev.startswith("cuda") else "float32"
+
+
 def describe_device(dev: str) -> str:
     """``cpu`` or ``cuda:N (device name)``."""
     if not dev.startswith("cuda"):

@@ -14,6 +14,7 @@ fingerprints come from :mod:`shared.runtime.fingerprint`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,22 @@ def load_model(
         return _finish(draft, base.tokenizer, f"{base.name}:{suffix}")
     folder, name = _folder_and_name(parsed)
     return _load_folder(folder, name, device, dtype, tp_size)
+
+
+def load_draft(
+    spec: str | ModelSpec,
+    base: Callable[[], LoadedModel],
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
+    """A draft model. A ``self:`` spec shares the weights of the model ``base()`` returns
+    (called only for one: a base may be costly to load), on its device and dtype; any other
+    spec loads on its own, on ``device`` in ``dtype``."""
+    parsed = parse_model_spec(spec) if isinstance(spec, str) else spec
+    if parsed.kind == SpecKind.SELF:
+        return load_model(parsed, base=base())
+    return load_model(parsed, device=device, dtype=dtype)
 
 
 def _folder_and_name(parsed: ModelSpec) -> tuple[Path, str]:
