@@ -121,8 +121,7 @@ from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from edge_agent.session.transport import Transport
 from shared.enums import TextEnum
 from shared.maths.sampling import Probs
-from shared.runtime.model_spec import SpecKind, parse_model_spec
-from shared.runtime.models import LoadedModel, load_model
+from shared.runtime.models import LoadedModel, load_draft, load_model
 from shared.service.status import wait_healthy
 from shared.wire.params import SamplingParams
 from shared.wire.protocol import Fingerprint
@@ -1460,10 +1459,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_draft_model(spec: str, target: LoadedModel) -> LoadedModel:
     """A model draft; a ``self:...`` draft shares ``target``'s weights."""
-    parsed = parse_model_spec(spec)
-    if parsed.kind == SpecKind.SELF:
-        return load_model(parsed, base=target)
-    return load_model(parsed)
+    return load_draft(spec, lambda: target)
 
 
 def main(argv: list[str] | None = None) -> int:

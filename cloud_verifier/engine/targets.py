@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from shared.runtime.batched_lm import BatchedLM, Row
-from shared.runtime.device import describe_device, placement, resolve_device
+from shared.runtime.device import describe_device, placement, resolve_device, resolve_dtype
 from shared.runtime.kv_pool import PagedKV
 from shared.wire.protocol import Fingerprint
 
@@ -166,8 +166,7 @@ def load_target(
     if tp_size > 1 and dev.startswith("cuda"):
         dev = f"cuda:{local_rank}"
     log.info("device: %s", describe_device(dev))
-    if dtype == "auto":
-        dtype = "bfloat16" if dev.startswith("cuda") else "float32"
+    dtype = resolve_dtype(dtype, dev, on_cuda="bfloat16")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     compiled = compile_forward == "on" or (compile_forward == "auto" and dev.startswith("cuda"))
     if tp_size > 1:
