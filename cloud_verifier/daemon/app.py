@@ -44,7 +44,7 @@ from cloud_verifier.engine.engine import (
 )
 from cloud_verifier.engine.kv_manager import KVManager
 from cloud_verifier.engine.step_times import StallRule
-from cloud_verifier.engine.targets import Target, load_target
+from cloud_verifier.engine.targets import Target, compiles, load_target
 from cloud_verifier.engine.work import (
     CoGenerate,
     Crop,
@@ -264,9 +264,7 @@ def default_draft_loader(settings: VerifierSettings) -> Callable[[Target], Targe
         return None
 
     def load(target: Target) -> Target:
-        compiled = settings.compile == "on" or (
-            settings.compile == "auto" and target.device.type == "cuda"
-        )
+        compiled = compiles(settings.compile, str(target.device))
         return load_draft_target(spec, target, compile_forward=compiled)
 
     return load

@@ -28,6 +28,7 @@ import torch
 from shared.runtime.batched_lm import BatchedLM, Row
 from shared.runtime.device import describe_device, placement, resolve_device, resolve_dtype
 from shared.runtime.kv_pool import PagedKV
+from shared.service.config import Switch
 from shared.wire.protocol import Fingerprint
 
 log = logging.getLogger(__name__)
@@ -132,20 +133,26 @@ class TorchTarget:
         return self.lm.forward(rows)
 
 
+def compiles(switch: Switch, device: str) -> bool:
+    """Whether a forward on ``device`` is torch.compiled under the ``compile`` setting: ``on``;
+    ``auto``: on CUDA only; ``off``. The target's and the cloud draft model's rule."""
+    return switch == Switch.ON or (switch == Switch.AUTO and device.startswith("cuda"))
+
+
 def load_target(
     spec: str,
     *,
     device: str = "auto",
     dtype: str = "auto",
-    compile_forward: str = "auto",
+    compile_forward: Switch = Switch.AUTO,
     progress: bool | None = None,
     tp_size: int = 1,
     local_rank: int = 0,
 ) -> Target:
     """Load ``spec`` (blocking: call it on the engine's thread). ``null:VOCAB`` needs no model.
 
-    Logs one line naming the device. ``compile_forward``: ``auto`` (on for CUDA, off on the CPU),
-    ``on`` or ``off``. ``progress``: transformers' progress bars (None: only on a terminal).
+    Logs one line naming the device. ``compile_forward``: the ``compile`` setting
+    (:func:`compiles`). ``progress``: transformers' progress bars (None: only on a terminal).
     ``tp_size`` > 1: this rank's shards of a tensor-parallel model
     (:mod:`cloud_verifier.engine.tp`),
     on ``cuda:local_rank`` with CUDA, else the CPU; not compiled."""
@@ -168,7 +175,7 @@ def load_target(
     log.info("device: %s", describe_device(dev))
     dtype = resolve_dtype(dtype, dev, on_cuda="bfloat16")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    compiled = compile_forward == "on" or (compile_forward == "auto" and dev.startswith("cuda"))
+    compiled = compiles(compile_forward, dev)
     if tp_size > 1:
         compiled = False  # the sharded layers' hooks and collectives: eager only
     loaded = load_model(spec, device=dev, dtype=torch_dtype[dtype], tp_size=tp_size)

@@ -12,9 +12,10 @@ import torch
 
 from cloud_verifier.daemon.auth import Authenticator, AuthError, parse_tokens
 from cloud_verifier.daemon.metrics import VerifierMetrics
-from cloud_verifier.engine.targets import NullTarget, parse_null_spec
+from cloud_verifier.engine.targets import NullTarget, compiles, parse_null_spec
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages
+from shared.service.config import Switch
 from shared.service.metrics import Registry
 
 pytestmark = pytest.mark.fast
@@ -155,3 +156,10 @@ def test_a_token_file_others_can_read_is_warned_about(
         Authenticator(token_file=f)
         read_secret_file(f, "token_file")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_compile_auto_is_on_for_cuda_only() -> None:
+    """The one rule for the target and the cloud draft model (the ``compile`` setting)."""
+    assert compiles(Switch.AUTO, "cuda:0") and compiles(Switch.AUTO, "cuda")
+    assert not compiles(Switch.AUTO, "cpu") and not compiles(Switch.AUTO, "mps")
+    assert compiles(Switch.ON, "cpu") and not compiles(Switch.OFF, "cuda:0")
