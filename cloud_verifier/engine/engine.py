@@ -95,7 +95,10 @@ class EngineLimits:
     ``kv_tokens``: pool size in tokens over all sessions (rounded up to whole pages); 0: auto
     (:func:`_auto_kv_tokens`).
     ``batch_wait_s``: how long a step may wait for the other open sessions' work
-    (:func:`~cloud_verifier.engine.scheduler.should_gather`)."""
+    (:func:`~cloud_verifier.engine.scheduler.should_gather`).
+
+    Filled from the settings (``cloud_verifier.daemon.app.engine_limits``); the defaults are
+    the settings' defaults (tests/verifier/test_limits_derived.py holds them equal)."""
 
     slots: int = 64
     max_batch_sessions: int = 64
@@ -107,15 +110,15 @@ class EngineLimits:
     stall: StallRule = field(default_factory=StallRule)
     #: Shares of the KV pool: one session may hold at most ``session_share`` of its pages, the
     #: sessions of one tenant (bearer token) together ``tenant_share`` (1.0: no own limit).
-    session_share: float = 1.0
-    tenant_share: float = 1.0
+    session_share: float = 0.5
+    tenant_share: float = 0.75
     #: Who shares the prefix cache of the KV pool (off: no prefix caching).
-    prefix_cache: PrefixCache = PrefixCache.OFF
+    prefix_cache: PrefixCache = PrefixCache.TENANT
     #: Chunked prefill: prefill tokens a step computes at most while other sessions are
     #: active, shared fairly between tenants (0: no chunking;
     # :mod:`cloud_verifier.engine.scheduler`),
     #: and the share of such a step's time they may add to its rounds' (0: no such bound).
-    prefill_chunk: int = 0
+    prefill_chunk: int = 512
     prefill_share: float = 0.25
 
     def __post_init__(self) -> None:

@@ -37,8 +37,8 @@ class Shares:
     """Shares of the KV pool: one session may hold at most ``session`` of its pages, the
     sessions of one tenant together ``tenant`` (1.0: no own limit)."""
 
-    session: float = 1.0
-    tenant: float = 1.0
+    session: float
+    tenant: float
 
 
 @dataclass(eq=False)
@@ -87,11 +87,9 @@ def new_generator(hello: Hello, device: torch.device) -> torch.Generator | None:
 class KVManager:
     """Slots and page shares (module docstring). ``slots``: how many sessions may be open."""
 
-    def __init__(
-        self, slots: int, shares: Shares | None = None, prefix_cache: PrefixCache = PrefixCache.OFF
-    ) -> None:
+    def __init__(self, slots: int, shares: Shares, prefix_cache: PrefixCache) -> None:
         self.slots = slots
-        self.shares = shares or Shares()
+        self.shares = shares
         self.prefix_cache = prefix_cache
         self.pool: PagedKV | None = None
         self._fingerprint: Fingerprint | None = None

@@ -154,6 +154,11 @@ class NoteKind(TextEnum):
 
 @dataclass(frozen=True)
 class SessionLimits:
+    """One session's bounds, filled from the settings (``cloud_verifier.daemon.app.limits_from``)
+    but for the protocol's own (``max_queued``, ``max_stale_per_epoch``, ``max_hedges``); the
+    defaults are the settings' defaults (tests/verifier/test_limits_derived.py holds them
+    equal)."""
+
     max_gamma: int = 16
     max_fixed: int = 8192
     max_context: int = 8192
@@ -196,7 +201,7 @@ class SessionLimits:
     cloud_draft_length: DraftLength = DraftLength.AUTO
     #: Frames a session may send per second, sustained, and in a burst (a token bucket over
     #: the ``now`` passed in); past it the session is closed (rate_limited). 0 = no limit.
-    max_frame_rate: float = 0.0
+    max_frame_rate: float = 1000.0
     frame_burst: int = 2000
     #: Progress frames (Hello.progress): at most one per this many seconds, the first once the
     #: session's model work has waited this long.

@@ -106,8 +106,20 @@ def _propose(fixed: list[int], draft: list[int], pos: int) -> Propose:
     )
 
 
+#: An engine whose sessions share nothing (no KV shares, no prefix cache, no chunked
+#: prefill) unless a test asks for it.
+BARE: dict[str, Any] = {
+    "session_share": 1.0,
+    "tenant_share": 1.0,
+    "prefix_cache": PrefixCache.OFF,
+    "prefill_chunk": 0,
+}
+
+
 async def _engine(target: Target, **limits: Any) -> Engine:
-    engine = Engine(EngineLimits(**{"slots": 8, "page_size": 4, "kv_tokens": 512, **limits}))
+    engine = Engine(
+        EngineLimits(**{"slots": 8, "page_size": 4, "kv_tokens": 512, **BARE, **limits})
+    )
     await engine.load(lambda: target)
     return engine
 
@@ -445,7 +457,7 @@ async def test_a_cloud_draft_model_drafts_for_sessions_together_and_is_exact_gre
     from cloud_verifier.engine.draft_model import load_draft_target
 
     target = TorchTarget(load_model(str(tiny_model_dir)))
-    engine = Engine(EngineLimits(slots=4, page_size=4, kv_tokens=512))
+    engine = Engine(EngineLimits(slots=4, page_size=4, kv_tokens=512, **BARE))
     await engine.load(lambda: target, draft_loader=lambda t: load_draft_target("self:skip=1", t))
     runner = engine.require_runner()
     assert runner.drafter is not None
@@ -482,7 +494,9 @@ async def test_cloud_model_drafts_keep_the_joint_law_of_two_tokens() -> None:
     target's (chi-square over V² cells), with both acceptance and rejection exercised."""
     v, n, chunk = 8, 6000, 200
     null = NullTarget(v)
-    limits = EngineLimits(slots=chunk, max_batch_sessions=chunk, kv_tokens=chunk * 8, page_size=4)
+    limits = EngineLimits(
+        slots=chunk, max_batch_sessions=chunk, kv_tokens=chunk * 8, page_size=4, **BARE
+    )
     engine = Engine(limits)
     await engine.load(lambda: null, draft_loader=lambda t: NullTarget(v))
     params = SamplingParams(temperature=1.0)
@@ -529,7 +543,7 @@ async def test_model_drafts_give_way_to_edge_drafted_work() -> None:
     draft forward delays the edge's row); alone, it drafts (model_drafts_allowed)."""
     v = 16
     null = NullTarget(v)
-    engine = Engine(EngineLimits(slots=4, page_size=4, kv_tokens=256))
+    engine = Engine(EngineLimits(slots=4, page_size=4, kv_tokens=256, **BARE))
     await engine.load(lambda: null, draft_loader=lambda t: NullTarget(v))
     runner = engine.require_runner()
     assert runner.drafter is not None
@@ -569,7 +583,7 @@ async def test_a_sessions_model_draft_is_as_long_as_its_acceptance_pays_for() ->
     forward, one token decoded); sessions of one step draft together, each its own length."""
     v = 16
     null = NullTarget(v)
-    engine = Engine(EngineLimits(slots=4, page_size=4, kv_tokens=256))
+    engine = Engine(EngineLimits(slots=4, page_size=4, kv_tokens=256, **BARE))
     await engine.load(lambda: null, draft_loader=lambda t: NullTarget(v))
     runner = engine.require_runner()
     assert runner.drafter is not None

@@ -18,8 +18,17 @@ HELLO = Hello(fingerprint=FP, sampling=SamplingParams(temperature=0.0))
 CPU = torch.device("cpu")
 
 
-def _kv(slots: int = 4, pages: int = 8, shares: Shares | None = None, **kw: object) -> KVManager:
-    kv = KVManager(slots, shares, **kw)  # type: ignore[arg-type]
+#: No share of the pool below the whole of it.
+UNSHARED = Shares(1.0, 1.0)
+
+
+def _kv(
+    slots: int = 4,
+    pages: int = 8,
+    shares: Shares = UNSHARED,
+    prefix_cache: PrefixCache = PrefixCache.OFF,
+) -> KVManager:
+    kv = KVManager(slots, shares, prefix_cache)
     pool = PagedKV(
         layers=1,
         kv_heads=1,
