@@ -19,7 +19,7 @@ from edge_agent.model.drafter import Drafter
 from edge_agent.model.lm import CausalLM
 from edge_agent.model.tasks import ModelWorker
 from edge_agent.session.federation_core import FederationStats
-from edge_agent.session.pipeline_config import PipelineConfig
+from edge_agent.session.pipeline_config import PipelineConfig, RequestOptions
 from edge_agent.session.transport import Transport
 from shared.maths import compression as C
 from shared.maths.sampling import transform
@@ -320,7 +320,9 @@ async def test_daemon_service_runs_the_federation(
     service = EdgeService(settings)
     await service.load()
     try:
-        req = GenRequest(PROMPT, settings.pipeline(gamma=3), max_tokens=30, ignore_eos=True)
+        req = GenRequest(
+            PROMPT, settings.pipeline(RequestOptions(gamma=3)), max_tokens=30, ignore_eos=True
+        )
         finished = None
         async for piece in service.stream(req):
             if isinstance(piece, Finished):
