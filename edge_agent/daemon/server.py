@@ -55,6 +55,7 @@ from edge_agent.daemon.service import (
     VerifierUnavailable,
 )
 from edge_agent.daemon.text import encode_prompt
+from edge_agent.model.tasks import cancel_all
 from edge_agent.session.core import VerifierError
 from edge_agent.session.generation import TokenLogprob
 from shared.enums import TextEnum
@@ -641,11 +642,7 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(tasks)
         await state.service.close()
 
 

@@ -85,6 +85,12 @@ def ssl_context(ca_file: str | None, insecure: bool) -> ssl.SSLContext | bool:
     return True
 
 
+def ratio(num: float, den: float, digits: int) -> float | None:
+    """``num / den`` rounded to ``digits``, or None when there is nothing to divide by
+    (``den`` ≤ 0: no rounds, no tokens, no time)."""
+    return round(num / den, digits) if den > 0 else None
+
+
 def result_json(
     gen: Generation, text: str, wall_s: float, cfg: PipelineConfig, *, cloud_only: bool = False
 ) -> dict[str, Any]:
@@ -101,14 +107,12 @@ def result_json(
         "cloud_only": cloud_only,
         "finish_reason": gen.finish_reason,
         "wall_s": round(wall_s, 4),
-        "tokens_per_s": round(n / wall_s, 3) if wall_s > 0 else None,
+        "tokens_per_s": ratio(n, wall_s, 3),
         "rounds": st.rounds,
         "draft_tokens": st.draft_tokens,
         "accepted_tokens": st.accepted_tokens,
-        "acceptance_rate": round(st.accepted_tokens / st.draft_tokens, 4)
-        if st.draft_tokens
-        else None,
-        "mean_accepted_per_round": round(st.accepted_tokens / st.rounds, 4) if st.rounds else None,
+        "acceptance_rate": ratio(st.accepted_tokens, st.draft_tokens, 4),
+        "mean_accepted_per_round": ratio(st.accepted_tokens, st.rounds, 4),
         "accepted_per_position": st.accepted_per_position,
         "rejections": st.rejections,
         "bonus_tokens": st.bonus_tokens,
@@ -127,14 +131,12 @@ def result_json(
         "progress_frames": st.progress_frames,
         "uplink_bytes": st.uplink_bytes,
         "downlink_bytes": st.downlink_bytes,
-        "uplink_bytes_per_round": round(st.uplink_bytes / st.proposes_sent, 2)
-        if st.proposes_sent
-        else None,
+        "uplink_bytes_per_round": ratio(st.uplink_bytes, st.proposes_sent, 2),
         # (federated rounds carry distributions in every reply, not corrections on rejection)
-        "downlink_bytes_per_rejection": round(st.downlink_rejection_bytes / st.rejections, 2)
-        if st.rejections and gen.federation is None
-        else None,
-        "bytes_per_token": round((st.uplink_bytes + st.downlink_bytes) / n, 2) if n else None,
+        "downlink_bytes_per_rejection": (
+            ratio(st.downlink_rejection_bytes, st.rejections, 2) if gen.federation is None else None
+        ),
+        "bytes_per_token": ratio(st.uplink_bytes + st.downlink_bytes, n, 2),
         "drafter_idle_s": round(st.drafter_wait_s, 4),
         "federation": federation_json(gen),
         "token_sources": {str(s): n for s, n in st.sources.items()},
@@ -143,8 +145,8 @@ def result_json(
         # over verdicts; the configured start values before any verdict.
         "gamma": st.gamma_last or cfg.gamma,
         "depth": st.depth_last or cfg.effective_depth,
-        "gamma_mean": round(st.gamma_sum / st.rounds, 3) if st.rounds else None,
-        "depth_mean": round(st.depth_sum / st.rounds, 3) if st.rounds else None,
+        "gamma_mean": ratio(st.gamma_sum, st.rounds, 3),
+        "depth_mean": ratio(st.depth_sum, st.rounds, 3),
         "correction": cfg.wire_correction,
         "temperature": cfg.sampling.temperature,
     }

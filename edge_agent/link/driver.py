@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from edge_agent.model.drafter import BranchDrafting, DraftModel
 from edge_agent.model.tasks import ModelWorker, run_until_first_done
@@ -29,6 +28,7 @@ from edge_agent.session.core import (
     NO_RIVAL,
     DraftingCore,
     DraftPlan,
+    Growing,
     HedgePlan,
     PredraftPlan,
     Rival,
@@ -159,17 +159,6 @@ async def _draft_hedge(
     return out
 
 
-@dataclass
-class _Growing:
-    """A branch being drafted for ``pp``: its tokens so far, their q rows and rivals."""
-
-    pp: PredraftPlan
-    draft: list[int] = field(default_factory=list)
-    q_rows: list[Probs] = field(default_factory=list)
-    rivals: list[Rival] = field(default_factory=list)
-    prob: float = 1.0
-
-
 #: A branch goes to the verifier (PipelineConfig.tree) when it reaches each of these lengths,
 #: and when its drafting stops: early enough to ride in the forward of the batch it forks from,
 #: and again as it grows (the verifier takes a branch's newest version).
@@ -192,12 +181,12 @@ async def _predraft(
     many = drafter if isinstance(drafter, BranchDrafting) else None
     room = core.branch_room()
     budget = min(room, many.branch_batch) if many is not None else 1
-    growing: list[_Growing] = []
+    growing: list[Growing] = []
     while len(growing) < budget and (pp := core.predraft_plan()) is not None:
-        growing.append(_Growing(pp))
+        growing.append(Growing(pp))
     eos = core.gen.eos_ids
 
-    def open_(g: _Growing) -> bool:
+    def open_(g: Growing) -> bool:
         return (
             len(g.draft) < g.pp.max_tokens
             and not (g.draft and g.draft[-1] in eos)
@@ -227,7 +216,7 @@ async def _predraft(
     for g in growing:
         if send is not None and g.draft and len(g.draft) not in TREE_SENDS:
             send(g.pp, list(g.draft))
-        core.add_branch(g.pp, g.draft, g.q_rows, g.rivals, g.prob)
+        core.add_branch(g)
     return bool(growing)
 
 

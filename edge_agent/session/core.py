@@ -310,6 +310,18 @@ class Branch:
     prob: float = 1.0
 
 
+@dataclass
+class Growing:
+    """A branch being drafted for ``pp`` (by a driver): its tokens so far, their q rows and
+    rivals, and the draft's probability of the last one."""
+
+    pp: PredraftPlan
+    draft: list[int] = field(default_factory=list)
+    q_rows: list[Probs] = field(default_factory=list)
+    rivals: list[Rival] = field(default_factory=list)
+    prob: float = 1.0
+
+
 @dataclass(frozen=True)
 class DraftPlan:
     """What the drafter may do now: extend ``context`` by up to ``max_tokens`` tokens (stopping
@@ -826,15 +838,9 @@ class DraftingCore:
     def predraft_current(self, pp: PredraftPlan, draft: Sequence[int] = ()) -> bool:
         return self.pipe.predraft_current(pp, draft)
 
-    def add_branch(
-        self,
-        pp: PredraftPlan,
-        draft: list[int],
-        q_rows: list[Probs],
-        rivals: Sequence[Rival],
-        prob: float,
-    ) -> None:
-        self.pipe.add_branch(pp, draft, q_rows, rivals, prob)
+    def add_branch(self, g: Growing) -> None:
+        """Keep what was drafted for ``g.pp`` (:meth:`Pipeline.add_branch`)."""
+        self.pipe.add_branch(g.pp, g.draft, g.q_rows, g.rivals, g.prob)
 
     def verdict_deadline(self, floor_s: float) -> float | None:
         return self.pipe.verdict_deadline(floor_s)
