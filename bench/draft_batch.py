@@ -43,6 +43,17 @@ class CostStudy:
     emulated: float
     keys: tuple[str, str, str]
 
+    def parser(self, prog: str, doc: str) -> argparse.ArgumentParser:
+        """The options every study takes (the target, the context, the steps, the warm-up, the
+        record); the tool adds its sizes and its own."""
+        p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+        p.add_argument("--target", default="default")
+        p.add_argument("--context", type=int, default=256)
+        p.add_argument("--steps", type=int, default=12, help=f"measured {self.what}s per size")
+        p.add_argument("--warmup", type=int, default=3)
+        p.add_argument("--out", type=Path, default=None)
+        return p
+
     def run(
         self,
         args: argparse.Namespace,
@@ -108,23 +119,16 @@ def measure(drafter: Drafter, context: int, batch: int, steps: int, seed: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.draft_batch", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--target", default="default")
+    keys = ("median_step_s", "batch_cost_per_extra_branch", "emulated_batch_cost_per_extra_branch")
+    study = CostStudy("B", "draft step", 1, DRAFT_BATCH_COST, keys)
+    p = study.parser("python -m bench.draft_batch", __doc__)
     p.add_argument("--draft", default="self:skip=12")
     p.add_argument("--batches", default="1,2,4,8")
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--steps", type=int, default=12, help="measured steps per batch size")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # as the bench's edge process
     target = load_model(args.target)
     drafter = Drafter(load_draft_model(args.draft, target))
     sizes = [int(b) for b in args.batches.split(",")]
-    keys = ("median_step_s", "batch_cost_per_extra_branch", "emulated_batch_cost_per_extra_branch")
-    study = CostStudy("B", "draft step", 1, DRAFT_BATCH_COST, keys)
     study.run(args, sizes, lambda b, steps, seed: measure(drafter, args.context, b, steps, seed))
     return 0
 

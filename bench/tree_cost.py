@@ -14,10 +14,8 @@ figure instead (:data:`bench.verifier.TREE_TOKEN_COST`).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -73,23 +71,16 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.tree_cost", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--target", default="default")
+    keys = ("median_forward_s", "cost_per_tree_token", "emulated_cost_per_tree_token")
+    study = CostStudy("N", "verify forward", 0, TREE_TOKEN_COST, keys)
+    p = study.parser("python -m bench.tree_cost", __doc__)
     p.add_argument("--gamma", type=int, default=5)
     p.add_argument("--trees", default="0,4,8,16,32", help="tree tokens per forward")
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--steps", type=int, default=12, help="measured forwards per size")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # as the bench's verifier process
     target = TorchTarget(load_model(args.target))
     sizes = [int(n) for n in args.trees.split(",")]
     target.allocate(num_pages=-(-(args.context + args.gamma + 1 + max(sizes)) // 16), page_size=16)
-    keys = ("median_forward_s", "cost_per_tree_token", "emulated_cost_per_tree_token")
-    study = CostStudy("N", "verify forward", 0, TREE_TOKEN_COST, keys)
     study.run(
         args,
         sizes,
