@@ -59,7 +59,38 @@ class Branch:
 
 
 @dataclass(frozen=True)
-class Verify:
+class ProposeWork:
+    """Model work over the tokens of Proposes (:attr:`segments`: ``propose`` and any verified
+    with it): the first's fixed tokens, then every segment's draft, in one forward row."""
+
+    propose: Propose
+
+    @property
+    def segments(self) -> tuple[Propose, ...]:
+        return (self.propose,)
+
+    @property
+    def fixed(self) -> npt.NDArray[np.int64]:
+        return self.propose.fixed
+
+    @property
+    def draft(self) -> npt.NDArray[np.int64]:
+        """Every segment's draft, in order."""
+        segments = self.segments
+        if len(segments) == 1:
+            return self.propose.draft
+        return np.concatenate([p.draft for p in segments])
+
+    @property
+    def q(self) -> npt.NDArray[np.float32]:
+        segments = self.segments
+        if len(segments) == 1:
+            return self.propose.q
+        return np.concatenate([p.q for p in segments])
+
+
+@dataclass(frozen=True)
+class Verify(ProposeWork):
     """Run the target over ``fixed + draft`` starting at ``pos`` (= the cache length) and decide
     the batch: *accepted* prefix, then a *recovered* correction or (``want_bonus``) a *bonus*.
 
@@ -71,7 +102,6 @@ class Verify:
     tokens the verifier had already produced (accepted at no model cost); ``propose`` then holds
     only the rest of that draft, and its fixed tokens are the known tokens the cache lacks."""
 
-    propose: Propose
     want_bonus: bool
     more: tuple[Propose, ...] = ()
     matched: int = 0
@@ -91,42 +121,11 @@ class Verify:
     def start(self) -> int:
         return self.propose.pos
 
-    @property
-    def fixed(self) -> npt.NDArray[np.int64]:
-        return self.propose.fixed
-
-    @property
-    def draft(self) -> npt.NDArray[np.int64]:
-        """Every segment's draft, in order."""
-        if not self.more:
-            return self.propose.draft
-        return np.concatenate([p.draft for p in self.segments])
-
-    @property
-    def q(self) -> npt.NDArray[np.float32]:
-        if not self.more:
-            return self.propose.q
-        return np.concatenate([p.q for p in self.segments])
-
 
 @dataclass(frozen=True)
-class Federate:
+class Federate(ProposeWork):
     """Run the target over ``fixed + draft`` and return the γ+1 sparse rows and the γ exact
     scalars p_j(x_j) (SpecFed): the edge decides."""
-
-    propose: Propose
-
-    @property
-    def fixed(self) -> npt.NDArray[np.int64]:
-        return self.propose.fixed
-
-    @property
-    def draft(self) -> npt.NDArray[np.int64]:
-        return self.propose.draft
-
-    @property
-    def q(self) -> npt.NDArray[np.float32]:
-        return self.propose.q
 
 
 #: An empty draft: its token ids and their probabilities.
