@@ -39,7 +39,6 @@ from cloud_verifier.engine.engine import (
     EngineLimits,
     NoFreeSlot,
     Outcome,
-    PrefixCache,
     Slot,
 )
 from cloud_verifier.engine.kv_manager import KVManager
@@ -73,6 +72,7 @@ from cloud_verifier.session.core import (
     VerifierCore,
     context_limit,
 )
+from cloud_verifier.session.tenancy import PrefixCache
 from shared.errors import ErrorCode, WanspecError
 from shared.runtime.device import DeviceUnavailable
 from shared.service.http_guard import ConnectionGuard, http_logger

@@ -74,7 +74,6 @@ __all__ = [
     "EngineLimits",
     "NoFreeSlot",
     "Outcome",
-    "PrefixCache",
     "Slot",
     "Timing",
 ]

@@ -22,7 +22,6 @@ from cloud_verifier.engine.engine import (
     EngineLimits,
     NoFreeSlot,
     Outcome,
-    PrefixCache,
     Slot,
 )
 from cloud_verifier.engine.step_times import DraftCost
@@ -42,6 +41,7 @@ from cloud_verifier.engine.work import (
     Withheld,
 )
 from cloud_verifier.session.cloud_draft import draft_length
+from cloud_verifier.session.tenancy import PrefixCache
 from shared.maths.rejection import try_candidates
 from shared.maths.sampling import transform
 from shared.runtime.batched_lm import BatchedLM, Row
