@@ -10,7 +10,7 @@ engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -18,6 +18,9 @@ import numpy.typing as npt
 from shared.enums import TextEnum
 from shared.maths.rejection import Decision
 from shared.wire.protocol import Logprobs, Propose, SparseDist
+
+#: The scalar type of a per-token array (ids, probabilities).
+G = TypeVar("G", bound=np.generic)
 
 
 class Withheld(TextEnum):
@@ -76,17 +79,16 @@ class ProposeWork:
     @property
     def draft(self) -> npt.NDArray[np.int64]:
         """Every segment's draft, in order."""
-        segments = self.segments
-        if len(segments) == 1:
-            return self.propose.draft
-        return np.concatenate([p.draft for p in segments])
+        return _joined([p.draft for p in self.segments])
 
     @property
     def q(self) -> npt.NDArray[np.float32]:
-        segments = self.segments
-        if len(segments) == 1:
-            return self.propose.q
-        return np.concatenate([p.q for p in segments])
+        return _joined([p.q for p in self.segments])
+
+
+def _joined(parts: list[npt.NDArray[G]]) -> npt.NDArray[G]:
+    """The parts, in order (one part: itself, not a copy)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 @dataclass(frozen=True)
