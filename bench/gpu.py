@@ -92,9 +92,7 @@ def verify_times(
             ids[:, 1:].reshape(-1),
             np.full(batch * gamma, 0.5),
             ds.cu_from_gammas([gamma] * batch),
-            correction=["topk"] * batch,
-            want_bonus=[False] * batch,
-            generators=gens,
+            ds.Corrections(["topk"] * batch, [False] * batch, gens),
         )
         _sync(device)
         if i >= 3:  # warm-up steps (compilation) not counted

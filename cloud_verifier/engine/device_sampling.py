@@ -349,6 +349,21 @@ def _sparse(ids: npt.NDArray[np.int64], vals: npt.NDArray[np.float64], k: int) -
 
 
 @dataclass(frozen=True)
+class Corrections:
+    """Per session, in row order: how a rejection is corrected (the correction mode) and
+    whether a full acceptance takes a bonus token; its RNG (None only for a greedy session,
+    which draws nothing); K and the ε target (top-K corrections) and M (candidates), one value
+    for all or one per session."""
+
+    correction: Sequence[str]
+    want_bonus: Sequence[bool] | npt.ArrayLike
+    generators: Sequence[torch.Generator | None]
+    k: int | Sequence[int] = 10
+    eps_target: float | Sequence[float] = 0.0
+    m: int | Sequence[int] = 8
+
+
+@dataclass(frozen=True)
 class _Need:
     """What one session's decision row needs after acceptance (host bookkeeping)."""
 
@@ -365,20 +380,14 @@ def verify(
     cu_draft: npt.ArrayLike,
     *,
     greedy: Sequence[bool] | npt.ArrayLike,
-    correction: Sequence[str],
-    want_bonus: Sequence[bool] | npt.ArrayLike,
-    generators: Sequence[torch.Generator | None],
-    k: int | Sequence[int] = 10,
-    eps_target: float | Sequence[float] = 0.0,
-    m: int | Sequence[int] = 8,
+    corrections: Corrections,
 ) -> list[Decision]:
     """:func:`shared.maths.rejection.verify_batch` for B sessions at once, on probs' device.
 
     probs: [T + B, V] (after :func:`transform_rows`), laid out as the module docstring says.
-    draft_ids, q_draft: host [T]. cu_draft: host [B + 1]. Per session: greedy (T = 0 target),
-    correction mode, want_bonus, a generator on probs' device (None allowed for greedy
-    sessions, which draw nothing), k, eps_target, m. Two small device→host copies: the accepted
-    counts, then the ids and values of every correction and bonus.
+    draft_ids, q_draft: host [T]. cu_draft: host [B + 1]. Per session: greedy (T = 0 target)
+    and its :class:`Corrections` (generators on probs' device). Two small device→host copies:
+    the accepted counts, then the ids and values of every correction and bonus.
     """
     cu, x, tok_rows = _rows_and_tokens(probs, draft_ids, cu_draft)
     dev = probs.device
@@ -398,12 +407,7 @@ def verify(
         x,
         q_draft,
         greedy=greedy,
-        correction=correction,
-        want_bonus=want_bonus,
-        generators=generators,
-        k=k,
-        eps_target=eps_target,
-        m=m,
+        corrections=corrections,
     )
 
 
@@ -417,12 +421,7 @@ def _verify(
     q_draft: npt.ArrayLike,
     *,
     greedy: Sequence[bool] | npt.ArrayLike,
-    correction: Sequence[str],
-    want_bonus: Sequence[bool] | npt.ArrayLike,
-    generators: Sequence[torch.Generator | None],
-    k: int | Sequence[int],
-    eps_target: float | Sequence[float],
-    m: int | Sequence[int],
+    corrections: Corrections,
     row_argmax: Callable[[list[int]], torch.Tensor] | None = None,
 ) -> list[Decision]:
     """The body of :func:`verify` over two views of the probabilities: ``token_px()`` gives p of
@@ -437,11 +436,12 @@ def _verify(
     if len(qx) != len(x):
         raise ValueError(f"{len(qx)} q values for {len(x)} draft ids")
     gr = _per_session(greedy, b, np.bool_, "greedy")
-    bonus = _per_session(want_bonus, b, np.bool_, "want_bonus")
-    ks = _per_session(k, b, np.int64, "k")
-    eps = _per_session(eps_target, b, np.float64, "eps_target")
-    ms = _per_session(m, b, np.int64, "m")
-    modes = list(correction)
+    how = corrections
+    bonus = _per_session(how.want_bonus, b, np.bool_, "want_bonus")
+    ks = _per_session(how.k, b, np.int64, "k")
+    eps = _per_session(how.eps_target, b, np.float64, "eps_target")
+    ms = _per_session(how.m, b, np.int64, "m")
+    modes, generators = list(how.correction), how.generators
     if len(modes) != b or len(generators) != b:
         raise ValueError(f"{len(modes)} modes, {len(generators)} generators for {b} sessions")
     for s in range(b):
@@ -561,13 +561,7 @@ def verify_logits(
     draft_ids: npt.ArrayLike,
     q_draft: npt.ArrayLike,
     cu_draft: npt.ArrayLike,
-    *,
-    correction: Sequence[str],
-    want_bonus: Sequence[bool] | npt.ArrayLike,
-    generators: Sequence[torch.Generator | None],
-    k: int | Sequence[int] = 10,
-    eps_target: float | Sequence[float] = 0.0,
-    m: int | Sequence[int] = 8,
+    corrections: Corrections,
 ) -> list[Decision]:
     """:func:`verify` of ``transform_rows(logits, …)`` without transforming every row.
 
@@ -639,12 +633,7 @@ def verify_logits(
         x,
         q_draft,
         greedy=[p.greedy for p in params],
-        correction=correction,
-        want_bonus=want_bonus,
-        generators=generators,
-        k=k,
-        eps_target=eps_target,
-        m=m,
+        corrections=corrections,
         row_argmax=None if first_max is None else lambda rows: first_max[_idx(rows, dev)],
     )
 
@@ -652,37 +641,20 @@ def verify_logits(
 @dataclass(frozen=True)
 class VerifyBatch:
     """What :func:`verify_batch` decides, besides the logits: per session (in row order) its
-    sampling parameters, correction mode, whether a full acceptance takes a bonus token, its
-    RNG (None for greedy), K, ε target and M; and the concatenated draft ids, their q(x) and
-    the cumulative draft lengths ``cu_draft`` ([B + 1])."""
+    sampling parameters and :class:`Corrections`; and the concatenated draft ids, their q(x)
+    and the cumulative draft lengths ``cu_draft`` ([B + 1])."""
 
     params: Sequence[SamplingParams]
     draft_ids: npt.ArrayLike
     q_draft: npt.ArrayLike
     cu_draft: npt.ArrayLike
-    correction: Sequence[CorrectionMode]
-    want_bonus: Sequence[bool]
-    generators: Sequence[torch.Generator | None]
-    k: Sequence[int]
-    eps_target: Sequence[float]
-    m: Sequence[int]
+    corrections: Corrections
 
 
 def verify_batch(logits: torch.Tensor, batch: VerifyBatch) -> list[Decision]:
     """:func:`verify_logits` of one typed :class:`VerifyBatch` (the engine's call)."""
-    return verify_logits(
-        logits,
-        batch.params,
-        batch.draft_ids,
-        batch.q_draft,
-        batch.cu_draft,
-        correction=[str(c) for c in batch.correction],
-        want_bonus=list(batch.want_bonus),
-        generators=batch.generators,
-        k=batch.k,
-        eps_target=batch.eps_target,
-        m=batch.m,
-    )
+    b = batch
+    return verify_logits(logits, b.params, b.draft_ids, b.q_draft, b.cu_draft, b.corrections)
 
 
 def draw_candidates(

@@ -697,12 +697,14 @@ def _batch(
         draft_ids=np.concatenate(drafts),
         q_draft=np.concatenate(qs),
         cu_draft=ds.cu_from_gammas([len(d) for d in drafts]),
-        correction=correction,
-        want_bonus=want_bonus,
-        generators=[s.generator for s in slots],
-        k=[h.k for h in hellos],
-        eps_target=[h.eps_target for h in hellos],
-        m=[h.m for h in hellos],
+        corrections=ds.Corrections(
+            correction=correction,
+            want_bonus=want_bonus,
+            generators=[s.generator for s in slots],
+            k=[h.k for h in hellos],
+            eps_target=[h.eps_target for h in hellos],
+            m=[h.m for h in hellos],
+        ),
     )
 
 

@@ -14,6 +14,7 @@ values are wrong at small ε (test_float32_is_not_the_reference). Hence DEVICE_D
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -163,9 +164,9 @@ def test_verify_logits_equals_verify_of_transformed_rows(seed: int) -> None:
         m=3,
     )
     ref = D.verify(probs, draft, q, cu, greedy=[p.greedy for p in params],
-                   generators=_gens(seed, b), **kw)  # fmt: skip
+                   corrections=D.Corrections(generators=_gens(seed, b), **kw))  # fmt: skip
     got = D.verify_logits(_t(logits, torch.float32), params, draft, q, cu,
-                          generators=_gens(seed, b), **kw)  # fmt: skip
+                          D.Corrections(generators=_gens(seed, b), **kw))  # fmt: skip
     for r, g in zip(ref, got, strict=True):
         assert (r.accepted, r.token, r.bonus) == (g.accepted, g.token, g.bonus)
         for a, c in ((r.sparse, g.sparse), (r.candidates, g.candidates)):
@@ -202,9 +203,11 @@ def test_greedy_decisions_equal_verify_batch() -> None:
         q,
         cu,
         greedy=~sampling,
-        correction=modes,
-        want_bonus=bonus,
-        generators=[g if s else None for g, s in zip(_gens(1, b), sampling, strict=True)],
+        corrections=D.Corrections(
+            correction=modes,
+            want_bonus=bonus,
+            generators=[g if s else None for g, s in zip(_gens(1, b), sampling, strict=True)],
+        ),
     )
     assert len(decisions) == b
     for s in range(b):
@@ -252,11 +255,13 @@ def test_forced_outcomes_and_corrections_are_valid() -> None:
         q,
         cu,
         greedy=[False] * b,
-        correction=modes,
-        want_bonus=[True] * b,
-        generators=_gens(2, b),
-        k=4,
-        m=5,
+        corrections=D.Corrections(
+            correction=modes,
+            want_bonus=[True] * b,
+            generators=_gens(2, b),
+            k=4,
+            m=5,
+        ),
     )
     for s, d in enumerate(ds):
         assert d.accepted == reject_at[s] and d.rejected and d.bonus is None
@@ -312,10 +317,12 @@ def _first_tokens(
                 q_row[draft].astype(np.float32),
                 cu,
                 greedy=[False] * b,
-                correction=[correction] * b,
-                want_bonus=[False] * b,
-                generators=gens,
-                k=v,
+                corrections=D.Corrections(
+                    correction=[correction] * b,
+                    want_bonus=[False] * b,
+                    generators=gens,
+                    k=v,
+                ),
             )
         else:  # the engine's path: raw logits, transformed only where needed
             ds = D.verify_logits(
@@ -324,10 +331,12 @@ def _first_tokens(
                 draft,
                 q_row[draft].astype(np.float32),
                 cu,
-                correction=[correction] * b,
-                want_bonus=[False] * b,
-                generators=gens,
-                k=v,
+                corrections=D.Corrections(
+                    correction=[correction] * b,
+                    want_bonus=[False] * b,
+                    generators=gens,
+                    k=v,
+                ),
             )
         for s, d in enumerate(ds):
             x0 = int(draft[cu[s]])
@@ -427,9 +436,11 @@ def _generate_batch(
             qx,
             cu,
             greedy=[False] * len(active),
-            correction=[modes[s] for s in active],
-            want_bonus=[True] * len(active),
-            generators=[gens[s] for s in active],
+            corrections=D.Corrections(
+                correction=[modes[s] for s in active],
+                want_bonus=[True] * len(active),
+                generators=[gens[s] for s in active],
+            ),
         )
         for j, (s, d) in enumerate(zip(active, ds, strict=True)):
             xs = draft[cu[j] : cu[j + 1]].tolist()
@@ -513,11 +524,13 @@ def test_topk_corrections_equal_compress(k: int, eps: float) -> None:
         np.ones(b, np.float32),
         D.cu_from_gammas([1] * b),
         greedy=[False] * b,
-        correction=[CorrectionMode.TOPK] * b,
-        want_bonus=[False] * b,
-        generators=_gens(4, b),
-        k=k,
-        eps_target=eps,
+        corrections=D.Corrections(
+            correction=[CorrectionMode.TOPK] * b,
+            want_bonus=[False] * b,
+            generators=_gens(4, b),
+            k=k,
+            eps_target=eps,
+        ),
     )
     n_checked = 0
     for s, d in enumerate(ds):
@@ -631,11 +644,13 @@ def test_shapes_and_only_small_copies_leave_the_device(monkeypatch: pytest.Monke
         q,
         cu,
         greedy=greedy,
-        correction=modes,
-        want_bonus=[True] * b,
-        generators=_gens(6, b),
-        k=16,
-        m=8,
+        corrections=D.Corrections(
+            correction=modes,
+            want_bonus=[True] * b,
+            generators=_gens(6, b),
+            k=16,
+            m=8,
+        ),
     )
     assert len(ds) == b and 1 <= len(copies) <= 2
     assert sum(copies) <= b * (2 * 16 + 2 * 8 + 4)  # ids, counts and correction values only
@@ -659,18 +674,13 @@ def test_shapes_and_only_small_copies_leave_the_device(monkeypatch: pytest.Monke
 
 def test_verify_validates() -> None:
     probs = _t(np.full((5, 4), 0.25))
-    ok: dict[str, Any] = dict(
-        greedy=[False, False],
-        correction=[CorrectionMode.CANDIDATES] * 2,
-        want_bonus=[False, False],
-        generators=_gens(8, 2),
-    )
+    how = D.Corrections([CorrectionMode.CANDIDATES] * 2, [False, False], _gens(8, 2))
+    ok: dict[str, Any] = dict(greedy=[False, False], corrections=how)
     D.verify(probs, [0, 1, 2], np.full(3, 0.25), [0, 2, 3], **ok)
     with pytest.raises(ValueError):  # rows ≠ T + B
         D.verify(probs, [0, 1], np.full(2, 0.25), [0, 1, 2], **ok)
     with pytest.raises(ValueError):
         D.verify(probs, [0, 1, 9], np.full(3, 0.25), [0, 2, 3], **ok)
-    with pytest.raises(ValueError):
-        D.verify(probs, [0, 1, 2], np.full(3, 0.25), [0, 2, 3], **{**ok, "correction": ["x"] * 2})
-    with pytest.raises(ValueError):
-        D.verify(probs, [0, 1, 2], np.full(3, 0.25), [0, 2, 3], **{**ok, "generators": [None] * 2})
+    for bad in (replace(how, correction=["x"] * 2), replace(how, generators=[None] * 2)):
+        with pytest.raises(ValueError):
+            D.verify(probs, [0, 1, 2], np.full(3, 0.25), [0, 2, 3], **{**ok, "corrections": bad})
