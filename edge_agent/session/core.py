@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final, NoReturn
+from typing import Final, Generic, NoReturn, TypeVar
 
 import numpy as np
 
@@ -95,6 +95,8 @@ from shared.wire.protocol import (
     decode,
     text_digest,
 )
+
+T = TypeVar("T")
 
 #: The verdict deadline grows by this many seconds per fixed token in the head batch (a first
 #: round carries the prompt, whose prefill takes time before any Progress can say so).
@@ -363,6 +365,21 @@ class Batch:
         return self.draft if self.doomed_at < 0 else self.draft[: self.doomed_at]
 
 
+class VersionMarks(Generic[T]):
+    """Marks that hold while the pipeline's version stays: the set of another version is
+    empty (a rejection or a rebase voids what was planned on the text before it)."""
+
+    def __init__(self) -> None:
+        self._marks: set[T] = set()
+        self._version = 0
+
+    def at(self, version: int) -> set[T]:
+        """The marks of ``version`` (those of an older one are dropped), to read and add to."""
+        if version != self._version:
+            self._marks, self._version = set(), version
+        return self._marks
+
+
 class Pipeline:
     """The drafting and commit rules every edge session shares (module docstring)."""
 
@@ -406,8 +423,7 @@ class Pipeline:
         #: Seconds from sending a batch to its verdict, recent rounds (RTT + queueing + T_v).
         self.latencies: deque[float] = deque(maxlen=16)
         #: Positions hedged since the version last changed (one hedge per position).
-        self._hedged: set[int] = set()
-        self._hedged_version = 0
+        self._hedged: VersionMarks[int] = VersionMarks()
         #: Hedges sent, (pos, tokens from pos on), newest last: to count the verifier's hits.
         self.hedges: deque[tuple[int, list[int]]] = deque(maxlen=8)
         #: The last Progress frame: when it came and the verifier's estimate of the time left.
@@ -416,8 +432,7 @@ class Pipeline:
         #: Prepared outcomes (PipelineConfig.predraft), at most cfg.predraft of them.
         self.branches: list[Branch] = []
         #: (pos, token) outcomes planned since the version last changed (each prepared once).
-        self._predrafted: set[tuple[int, int]] = set()
-        self._predrafted_version = 0
+        self._predrafted: VersionMarks[tuple[int, int]] = VersionMarks()
         #: When the last rejection came (None: the batch after it has been sent).
         self.rejected_at: float | None = None
         #: What the commits since the last :meth:`news` tell the consumer, in order.
@@ -521,22 +536,20 @@ class Pipeline:
         cfg = self.cfg
         if not (cfg.hedge and cfg.cogen and self.deterministic_draft) or self.gen.done:
             return None
-        if self._hedged_version != self.version:
-            self._hedged.clear()
-            self._hedged_version = self.version
+        hedged = self._hedged.at(self.version)
         c = len(self.gen.committed)
         best: tuple[float, int, int] | None = None  # (conf, pos, rival)
         for b in self.inflight:
             for i, r in enumerate(b.rivals[: len(b.live)]):
                 pos = b.start + i
-                if pos < c or pos in self._hedged or r.conf >= cfg.hedge_below:
+                if pos < c or pos in hedged or r.conf >= cfg.hedge_below:
                     continue
                 if best is None or r.conf < best[0]:
                     best = (r.conf, pos, r.token)
         if best is None:
             return None
         _, pos, token = best
-        self._hedged.add(pos)
+        hedged.add(pos)
         text = self.gen.committed + self.tail
         room = self.gen.room - (pos + 1 - c)
         return HedgePlan(self.version, pos, token, text[:pos], min(cfg.hedge, room))
@@ -576,9 +589,7 @@ class Pipeline:
         self._prune_branches()
         if len(self.branches) >= cfg.predraft:
             return None
-        if self._predrafted_version != self.version:
-            self._predrafted.clear()
-            self._predrafted_version = self.version
+        predrafted = self._predrafted.at(self.version)
         c = len(self.gen.committed)
         best: tuple[float, int, int] | None = None  # (likelihood, pos, alternative)
         alive = 1.0  # the chance that every undecided token before this one is accepted
@@ -591,14 +602,14 @@ class Pipeline:
                 if r.conf >= 1.0:
                     continue
                 for y, qy in r.alternatives():
-                    if y == b.draft[i] or (pos, y) in self._predrafted:
+                    if y == b.draft[i] or (pos, y) in predrafted:
                         continue
                     if best is None or before * qy > best[0]:
                         best = (before * qy, pos, y)
         if best is None:
             return None
         _, pos, token = best
-        self._predrafted.add((pos, token))
+        predrafted.add((pos, token))
         room = self.gen.room - (pos + 1 - c)
         if room <= 0 or token in self.gen.eos_ids:
             return None
