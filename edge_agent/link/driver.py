@@ -37,10 +37,13 @@ from edge_agent.session.core import (
 )
 from edge_agent.session.events import (
     Committed,
+    Count,
     EdgeEvent,
     Fail,
     Finished,
     GenerationEvent,
+    RejectionGap,
+    Round,
     Send,
 )
 from edge_agent.session.generation import Stats
@@ -337,6 +340,8 @@ async def run_single(
             elif isinstance(event, (Committed, Finished)):
                 if on_event is not None:
                     on_event(event)
+            elif isinstance(event, (Count, Round, RejectionGap)):
+                core.gen.stats.apply(event)
             elif isinstance(event, Fail):
                 raise event.error
             else:  # a single session has no worker links to drop

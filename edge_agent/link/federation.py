@@ -31,7 +31,17 @@ from edge_agent.link.driver import Consumer, LinkIO, Signal, draft_loop, handsha
 from edge_agent.model.drafter import DraftModel
 from edge_agent.model.tasks import ModelWorker, cancel_all, run_until_first_done
 from edge_agent.session.core import DesyncError, DraftPlan, HandshakeError, Rival, VerifierError
-from edge_agent.session.events import Committed, Drop, EdgeEvent, Fail, Finished, Send
+from edge_agent.session.events import (
+    Committed,
+    Count,
+    Drop,
+    EdgeEvent,
+    Fail,
+    Finished,
+    RejectionGap,
+    Round,
+    Send,
+)
 from edge_agent.session.federation_core import (
     ROUND_DEADLINE_S,
     FederatedCore,
@@ -97,6 +107,9 @@ class _Federation:
             if isinstance(event, (Committed, Finished)):
                 if self.on_event is not None:
                     self.on_event(event)
+                continue
+            if isinstance(event, (Count, Round, RejectionGap)):
+                self.core.gen.stats.apply(event)
                 continue
             if isinstance(event, Fail):  # the federated core drops workers instead
                 raise AssertionError(f"{event} from the federated core")

@@ -59,10 +59,15 @@ import numpy as np
 
 from edge_agent.session.controller import Controller, ControllerLimits
 from edge_agent.session.events import (
+    Count,
+    Counter,
     EdgeEvent,
     Fail,
     GenerationEvent,
+    RejectionGap,
+    Round,
     Send,
+    Tally,
 )
 from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.pipeline_config import Mode, PipelineConfig, max_inflight
@@ -435,14 +440,19 @@ class Pipeline:
         self._predrafted: VersionMarks[tuple[int, int]] = VersionMarks()
         #: When the last rejection came (None: the batch after it has been sent).
         self.rejected_at: float | None = None
-        #: What the commits since the last :meth:`news` tell the consumer, in order.
-        self._news: list[GenerationEvent] = []
+        #: What happened since the last :meth:`news`, in order: what the commits tell the
+        #: consumer, what the steps report for the statistics.
+        self._news: list[GenerationEvent | Tally] = []
 
-    def news(self) -> list[GenerationEvent]:
-        """The Committed / Finished events of the commits since the last call (its owner
-        returns them first among a call's events), and forget them."""
+    def news(self) -> list[GenerationEvent | Tally]:
+        """The Committed / Finished and :data:`~edge_agent.session.events.Tally` events since
+        the last call (its owner returns them first among a call's events), and forget them."""
         out, self._news = self._news, []
         return out
+
+    def count(self, counter: Counter, n: int = 1) -> None:
+        """Report ``n`` more of ``counter`` (the driver counts it in the generation's stats)."""
+        self._news.append(Count(counter, n))
 
     def commit(self, ids: Sequence[int], source: TokenSource) -> None:
         """Commit ``ids`` (:meth:`Generation.commit`), keeping what the consumer is told."""
@@ -682,11 +692,9 @@ class Pipeline:
         start = len(self.gen.committed) + len(self.tail)
         b = Batch(plan.epoch, draft, q_rows, list(rivals), start=start, sent_at=now)
         self.inflight.append(b)
-        st = self.gen.stats
-        st.proposes_sent += 1
+        self.count(Counter.PROPOSES_SENT)
         if self.rejected_at is not None:
-            st.rejection_gap_s += max(0.0, now - self.rejected_at)
-            st.rejection_gaps += 1
+            self._news.append(RejectionGap(max(0.0, now - self.rejected_at)))
             self.rejected_at = None
         return b
 
@@ -725,7 +733,7 @@ class Pipeline:
 
     def on_progress(self, p: Progress, now: float) -> None:
         """A Progress frame at ``now``: the verifier's engine is moving this session's work."""
-        self.gen.stats.progress_frames += 1
+        self.count(Counter.PROGRESS_FRAMES)
         self.progress_at = now
         self.progress_eta_s = p.eta_ms / 1000.0
 
@@ -737,7 +745,6 @@ class Pipeline:
 
     def commit_round(self, b: Batch, accepted: int, now: float) -> None:
         """The head batch ``b`` was decided at ``now``: count it, commit its accepted prefix."""
-        st = self.gen.stats
         assert self.inflight and self.inflight[0] is b
         self.inflight.popleft()
         latency = max(0.0, now - b.sent_at)
@@ -751,14 +758,8 @@ class Pipeline:
         self._last_verdict_at = now
         gamma = len(b.draft)
         # γ and D in effect for this round (before the controller moves them for the next).
-        st.depth_sum += self.depth
-        st.gamma_sum += self.gamma
-        st.gamma_last, st.depth_last = self.gamma, self.depth
+        self._news.append(Round(gamma, accepted, self.gamma, self.depth))
         self.controller.on_verdict(gamma, accepted, latency)
-        st.rounds += 1
-        st.draft_tokens += gamma
-        st.accepted_tokens += accepted
-        st.count_accepted(accepted, gamma)
         self.commit_at(b.start, b.draft[:accepted], TokenSource.EDGE_DRAFT)
 
     def commit_at(self, start: int, tokens: Sequence[int], source: TokenSource) -> None:
@@ -775,23 +776,25 @@ class Pipeline:
     def discard_inflight(self, keep: Batch | None = None) -> None:
         """Every batch in flight (behind ``keep``, when given) was drafted from a token that is
         now void: they go, and a new epoch begins. The one place the epoch moves."""
-        st = self.gen.stats
+        batches = tokens = 0
         while self.inflight and self.inflight[-1] is not keep:
-            dropped = self.inflight.pop()
-            st.discarded_batches += 1
-            st.discarded_tokens += len(dropped.draft)
+            batches += 1
+            tokens += len(self.inflight.pop().draft)
+        if batches:
+            self.count(Counter.DISCARDED_BATCHES, batches)
+            self.count(Counter.DISCARDED_TOKENS, tokens)
         self.epoch += 1
         self.version += 1
 
     def commit_recovered(self, token: int) -> None:
-        self.gen.stats.recovered_tokens += 1
+        self.count(Counter.RECOVERED_TOKENS)
         self.commit([token], TokenSource.CORRECTION)
 
     def commit_bonus(self, token: int, pos: int) -> None:
         if self.gen.done:
             return
         if pos >= len(self.gen.committed):  # not co-generated already
-            self.gen.stats.bonus_tokens += 1
+            self.count(Counter.BONUS_TOKENS)
         self.commit_at(pos, [token], TokenSource.BONUS)
 
 
@@ -1035,7 +1038,8 @@ class SingleCore(DraftingCore):
             if not draft:
                 return []
         b = self.pipe.push(plan, draft, q_rows, now, rivals)
-        return [Send(self.link.propose(self.gen.committed, b, self.LINK, self.ctx.draft_probs))]
+        msg = self.link.propose(self.gen.committed, b, self.LINK, self.ctx.draft_probs)
+        return [*self.pipe.news(), Send(msg)]
 
     def wants_credit(self) -> bool:
         """Cloud-only: is a credit due? None in flight, and none sent yet in this session or
@@ -1114,7 +1118,7 @@ class SingleCore(DraftingCore):
     def _opening(self, data: bytes) -> list[EdgeEvent]:
         """The first frame of a session opened with its first Propose: its Welcome (checked as
         :func:`check_welcome` does), or the refusal that replaced it."""
-        self.gen.stats.downlink_bytes += len(data)
+        self.pipe.count(Counter.DOWNLINK_BYTES, len(data))
         welcome = check_welcome(self.hello, data)
         if welcome.resumed is not None:
             raise DesyncError("a new session's Welcome says it resumed one")
@@ -1126,7 +1130,7 @@ class SingleCore(DraftingCore):
         return []
 
     def _receive(self, data: bytes, now: float) -> list[EdgeEvent]:
-        self.gen.stats.downlink_bytes += len(data)
+        self.pipe.count(Counter.DOWNLINK_BYTES, len(data))
         msg = self.link.decode(data)
         if isinstance(msg, Progress):
             self.pipe.on_progress(msg, now)
@@ -1157,12 +1161,12 @@ class SingleCore(DraftingCore):
         epoch = self.link.epoch - sum(1 for b in pipe.inflight if b.doomed_at >= 0)
         if (g.epoch, g.pos) != (epoch, c):
             raise DesyncError(f"Generated for epoch {g.epoch}, pos {g.pos}; expected {epoch}, {c}")
-        gen.stats.cogen_tokens += 1
+        pipe.count(Counter.COGEN_TOKENS)
         if any(
             0 < c - p < len(ids) and ids[: c - p + 1] == [*gen.committed[p:], g.token]
             for p, ids in pipe.hedges
         ):
-            gen.stats.hedge_hits += 1
+            pipe.count(Counter.HEDGE_HITS)
         b = next((b for b in pipe.inflight if b.start <= c < b.start + len(b.live)), None)
         pipe.commit([g.token], TokenSource.CLOUD_DRAFT if g.cloud else TokenSource.COGENERATED)
         if b is None:
@@ -1181,7 +1185,7 @@ class SingleCore(DraftingCore):
         return []
 
     def _verdict(self, v: Verdict, size: int, now: float) -> list[EdgeEvent]:
-        pipe, st = self.pipe, self.gen.stats
+        pipe = self.pipe
         if not pipe.inflight:
             raise DesyncError(f"Verdict seq {v.seq} with nothing in flight")
         b = pipe.inflight[0]
@@ -1193,14 +1197,14 @@ class SingleCore(DraftingCore):
         if v.accepted > gamma:
             raise DesyncError(f"Verdict accepts {v.accepted} of {gamma} draft tokens")
         if v.cached:
-            st.prompt_cached_tokens += v.cached
+            pipe.count(Counter.PROMPT_CACHED_TOKENS, v.cached)
         if b.doomed_at >= 0:
             # The rejection a co-generated token announced: everything is committed already.
             at = b.start + b.doomed_at
             if v.accepted != b.doomed_at or v.token is None or v.token != gen_at(self.gen, at):
                 raise DesyncError(f"Verdict for a batch doomed at {at} does not reject it there")
             pipe.commit_round(b, v.accepted, now)
-            st.rejections += 1
+            pipe.count(Counter.REJECTIONS)
             return []
         decision = Decision(v.accepted, v.sparse, v.candidates, v.token, v.bonus)
         # Checked before anything is committed: a rejection carries exactly one correction, of
@@ -1223,8 +1227,8 @@ class SingleCore(DraftingCore):
         if decision.rejected:
             if len(self.gen.committed) != b.start + v.accepted:
                 raise DesyncError("a rejection behind a co-generated token")
-            st.rejections += 1
-            st.downlink_rejection_bytes += size
+            pipe.count(Counter.REJECTIONS)
+            pipe.count(Counter.DOWNLINK_REJECTION_BYTES, size)
             pipe.on_rejection(now)
             # The verifier cropped its cache to the accepted prefix and entered the next epoch.
             pipe.discard_inflight()
@@ -1245,7 +1249,7 @@ class SingleCore(DraftingCore):
         pos = self.link.verifier_len
         self._resample = (pos, q)
         self.pipe.recovering = True
-        self.gen.stats.resamples += 1
+        self.pipe.count(Counter.RESAMPLES)
         return [Send(Resample(self.link.epoch, pos))]
 
     def _candidates(self, c: Candidates) -> list[EdgeEvent]:

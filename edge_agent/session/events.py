@@ -1,5 +1,6 @@
 """What the edge's cores ask of their drivers (as wsproto's events sit beside its codec),
-and what they tell the generation's consumer (:class:`Committed`, :class:`Finished`).
+what they tell the generation's consumer (:class:`Committed`, :class:`Finished`) and what they
+report for its statistics (:data:`Tally`: the driver counts it).
 
 A core (:class:`~edge_agent.session.core.SingleCore`,
 :class:`~edge_agent.session.federation_core.FederatedCore`) does no I/O and calls nothing out:
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.enums import TextEnum
 from shared.errors import WanspecError
 from shared.wire.protocol import Message
 
@@ -67,4 +69,55 @@ class Finished:
 GenerationEvent = Committed | Finished
 """What a driver hands to its consumer (the service, the agent's caller)."""
 
-EdgeEvent = Send | Drop | Fail | Committed | Finished
+
+class Counter(TextEnum):
+    """A counter of the generation's :class:`~edge_agent.session.generation.Stats` that a core's
+    step moves (each value is the field's name)."""
+
+    PROPOSES_SENT = "proposes_sent"
+    DISCARDED_BATCHES = "discarded_batches"
+    DISCARDED_TOKENS = "discarded_tokens"
+    REJECTIONS = "rejections"
+    RECOVERED_TOKENS = "recovered_tokens"
+    BONUS_TOKENS = "bonus_tokens"
+    RESAMPLES = "resamples"
+    COGEN_TOKENS = "cogen_tokens"
+    HEDGE_HITS = "hedge_hits"
+    PROGRESS_FRAMES = "progress_frames"
+    PROMPT_CACHED_TOKENS = "prompt_cached_tokens"
+    DOWNLINK_BYTES = "downlink_bytes"
+    DOWNLINK_REJECTION_BYTES = "downlink_rejection_bytes"
+
+
+@dataclass(frozen=True)
+class Count:
+    """Add ``n`` to the generation's ``counter``: the driver counts what its core reports (as
+    the verifier's driver counts its core's Notes); the core writes no statistics."""
+
+    counter: Counter
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class Round:
+    """A verdict decided a batch of ``drafted`` draft tokens, ``accepted`` of them accepted,
+    with the draft length ``gamma`` and the depth ``depth`` then in effect."""
+
+    drafted: int
+    accepted: int
+    gamma: int
+    depth: int
+
+
+@dataclass(frozen=True)
+class RejectionGap:
+    """A batch went up ``seconds`` after the rejection (or the doomed batch) before it."""
+
+    seconds: float
+
+
+Tally = Count | Round | RejectionGap
+"""What a core reports for the generation's statistics (:meth:`Stats.apply
+<edge_agent.session.generation.Stats.apply>`)."""
+
+EdgeEvent = Send | Drop | Fail | Committed | Finished | Count | Round | RejectionGap

@@ -93,7 +93,7 @@ from edge_agent.session.core import (
     VerifierError,
     VerifierLink,
 )
-from edge_agent.session.events import Drop, EdgeEvent, Send
+from edge_agent.session.events import Counter, Drop, EdgeEvent, Send
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from shared.enums import TextEnum
@@ -379,7 +379,7 @@ class FederatedCore(DraftingCore):
         text = [*self.gen.committed, *self.pipe.tail]  # what the batch continues
         b = self.pipe.push(plan, draft, q_rows, now)
         assert b.start == len(text)
-        out: list[EdgeEvent] = []
+        out: list[EdgeEvent] = [*self.pipe.news()]
         for w in self.workers:
             probe = w.state == WorkerState.BEHIND and not w.outstanding and now >= w.probe_at
             if not (w.state == WorkerState.LIVE or probe):
@@ -397,16 +397,20 @@ class FederatedCore(DraftingCore):
 
     def receive(self, index: int, data: bytes, now: float) -> list[EdgeEvent]:
         """One frame from worker ``index``."""
+        events = self._receive(index, data, now)
+        return [*self.pipe.news(), *events]
+
+    def _receive(self, index: int, data: bytes, now: float) -> list[EdgeEvent]:
         w = self.workers[index]
         if not w.connected or w.link is None:
             return []  # a frame that raced the drop
-        self.gen.stats.downlink_bytes += len(data)
+        self.pipe.count(Counter.DOWNLINK_BYTES, len(data))
         try:
             msg = w.link.decode(data)
         except (ProtocolError, VerifierError) as e:
             return self._drop(w, str(e), now)
         if isinstance(msg, Progress):
-            self.gen.stats.progress_frames += 1
+            self.pipe.count(Counter.PROGRESS_FRAMES)
             w.progress_at, w.progress_eta_s = now, msg.eta_ms / 1000.0
             return []
         if not isinstance(msg, FederatedReply):
@@ -562,7 +566,7 @@ class FederatedCore(DraftingCore):
 
     def _decide(self, b: Batch, now: float) -> bool:
         """Aggregate the replies, commit; True on a rejection."""
-        pipe, st, fed = self.pipe, self.gen.stats, self.fed
+        pipe, fed = self.pipe, self.fed
         idx = sorted(b.replies)
         if len(idx) < len(self.workers):
             fed.rounds_with_missing_workers += 1
@@ -595,7 +599,7 @@ class FederatedCore(DraftingCore):
         if d.rejected:
             if d.token is None:
                 raise DesyncError("a federated rejection without a recovered token")
-            st.rejections += 1
+            pipe.count(Counter.REJECTIONS)
             pipe.on_rejection(now)
             pipe.discard_inflight()
             pipe.commit_recovered(d.token)

@@ -10,7 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_agent.session.events import Committed, Finished, GenerationEvent
+from edge_agent.session.events import (
+    Committed,
+    Count,
+    Finished,
+    GenerationEvent,
+    RejectionGap,
+    Tally,
+)
 from shared.enums import TextEnum
 from shared.wire.protocol import Hedge, Logprobs, Message
 
@@ -73,7 +80,9 @@ class LogprobBook:
 
 @dataclass
 class Stats:
-    """Counters of one generation, across sessions (reconnects)."""
+    """Counters of one generation, across sessions (reconnects). The cores write none of the
+    per-step ones: they report them as events, which the drivers count here (:meth:`apply`,
+    :meth:`sent`); the agent counts its own (reconnects, busy refusals, the draft's cache)."""
 
     rounds: int = 0  # verdicts received
     draft_tokens: int = 0  # draft tokens verified (in verdicts received)
@@ -121,6 +130,23 @@ class Stats:
     sources: dict[TokenSource, int] = field(default_factory=lambda: dict.fromkeys(TokenSource, 0))
     gamma_last: int = 0  # γ when the last verdict came (the controller's, in auto mode)
     depth_last: int = 0  # D when the last verdict came
+
+    def apply(self, tally: Tally) -> None:
+        """Count what a core reported (its driver calls this for each :data:`Tally` event)."""
+        if isinstance(tally, Count):
+            setattr(self, tally.counter.value, getattr(self, tally.counter.value) + tally.n)
+        elif isinstance(tally, RejectionGap):
+            self.rejection_gap_s += tally.seconds
+            self.rejection_gaps += 1
+        else:
+            # γ and D in effect for this round (before the controller moves them for the next).
+            self.depth_sum += tally.depth
+            self.gamma_sum += tally.gamma
+            self.gamma_last, self.depth_last = tally.gamma, tally.depth
+            self.rounds += 1
+            self.draft_tokens += tally.drafted
+            self.accepted_tokens += tally.accepted
+            self.count_accepted(tally.accepted, tally.drafted)
 
     def sent(self, msg: Message, size: int) -> None:
         """A frame of ``size`` bytes went up (a core's Send, carried out by its driver)."""

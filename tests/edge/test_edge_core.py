@@ -22,7 +22,7 @@ from edge_agent.session.core import (
     VerifierError,
     hello_for,
 )
-from edge_agent.session.events import Committed, Fail, Finished, GenerationEvent
+from edge_agent.session.events import Committed, Count, Counter, Fail, Finished, GenerationEvent
 from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from shared.maths.sampling import Probs
@@ -320,14 +320,15 @@ def test_a_failure_is_an_event_and_the_core_stays_failed() -> None:
     e = edge(PipelineConfig(gamma=1, depth=2, sampling=GREEDY), max_new=10)
     e.fill()
     committed = list(e.gen.committed)
-    events = e.core.receive(encode(Verdict(0, 0, 1, bonus=2), e.core.ctx))
-    assert len(events) == 1 and isinstance(events[0], Fail)
-    assert isinstance(events[0].error, DesyncError)
+    frame = encode(Verdict(0, 0, 1, bonus=2), e.core.ctx)
+    *tallies, fail = e.core.receive(frame)
+    assert tallies == [Count(Counter.DOWNLINK_BYTES, len(frame))]  # it came, all the same
+    assert isinstance(fail, Fail) and isinstance(fail.error, DesyncError)
     assert e.core.state == EdgeState.FAILED and not e.core.may_draft()
     plan = e.core.pipe.plan()
     if plan is not None:
-        assert e.core.propose(plan, [3], [np.eye(V)[3]]) == events
-    assert e.core.receive(encode(Verdict(0, 1, 1), e.core.ctx)) == events
+        assert e.core.propose(plan, [3], [np.eye(V)[3]]) == [fail]
+    assert e.core.receive(encode(Verdict(0, 1, 1), e.core.ctx)) == [fail]
     assert e.gen.committed == committed
 
 

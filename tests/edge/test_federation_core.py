@@ -16,7 +16,15 @@ from cloud_verifier.session.core import Close, Run, SessionLimits, TargetInfo, V
 from cloud_verifier.session.core import Event as VerifierEvent
 from cloud_verifier.session.core import Send as VSend
 from edge_agent.session.core import ContextExceeded
-from edge_agent.session.events import Committed, Drop, EdgeEvent, Send
+from edge_agent.session.events import (
+    Committed,
+    Count,
+    Drop,
+    EdgeEvent,
+    RejectionGap,
+    Round,
+    Send,
+)
 from edge_agent.session.federation_core import (
     LIVENESS_FACTOR,
     WAIT_FACTOR,
@@ -69,10 +77,22 @@ def core(
     )
 
 
+def acts(c: FederatedCore, events: list[EdgeEvent]) -> list[EdgeEvent]:
+    """``events`` less the tallies, which are counted in the generation's stats (as the
+    driver counts them)."""
+    out: list[EdgeEvent] = []
+    for e in events:
+        if isinstance(e, (Count, Round, RejectionGap)):
+            c.gen.stats.apply(e)
+        else:
+            out.append(e)
+    return out
+
+
 def draft(c: FederatedCore, tokens: list[int], now: float = 0.0) -> list[Send]:
     plan = c.pipe.plan()
     assert plan is not None
-    out = c.propose(plan, tokens, [np.eye(V)[x] for x in tokens], now)
+    out = acts(c, c.propose(plan, tokens, [np.eye(V)[x] for x in tokens], now))
     assert all(isinstance(o, Send) for o in out)
     return out  # type: ignore[return-value]
 
@@ -171,7 +191,7 @@ def test_replies_to_discarded_batches_are_ignored() -> None:
     c.receive(0, reply_to(c, a, [2, 7, 7]), 0.1)
     c.decide(0.1)  # rejects: b is discarded
     assert not c.pipe.inflight
-    assert c.receive(0, reply_to(c, b, [4, 5, 6]), 0.2) == []
+    assert acts(c, c.receive(0, reply_to(c, b, [4, 5, 6]), 0.2)) == []
     assert states(c) == [LIVE] and not c.workers[0].outstanding
 
 
@@ -189,7 +209,7 @@ def test_error_wrong_frames_and_wrong_gamma_drop_the_worker() -> None:
                 FederatedReply(0, 5, (SparseDist(np.array([1]), np.ones(1, np.float32)),) * 3,
                                np.ones(2, np.float32)), ctx),
         }[bad]  # fmt: skip
-        out = c.receive(0, data, 0.1)
+        out = acts(c, c.receive(0, data, 0.1))
         assert len(out) == 1 and isinstance(out[0], Drop), bad
         assert states(c) == [DOWN] and c.fed.worker_drops == 1
         assert c.none_up_since == 0.1
@@ -206,7 +226,7 @@ def test_a_slow_member_is_left_out_not_dropped_and_rounds_go_at_the_fast_pace() 
     # One member answered: the round waits for the other up to max(1, 4 × 0.1) = 1 s.
     assert not c.round_ready(0.5) and c.wake_at() == 1.0
     assert c.round_ready(1.0)
-    assert c.decide(1.0) == [Committed((2, 3))]  # no Drop: left out, nothing to send
+    assert acts(c, c.decide(1.0)) == [Committed((2, 3))]  # no Drop: left out, nothing to send
     assert states(c) == [LIVE, BEHIND] and c.fed.left_out == 1 and c.gen.generated == [2, 3]
     # The slow verifier works through its Proposes one at a time, 15 s each, and sends a
     # Progress frame every second meanwhile.
@@ -222,7 +242,7 @@ def test_a_slow_member_is_left_out_not_dropped_and_rounds_go_at_the_fast_pace() 
         c.receive(0, reply_to(c, frames[0], [4, 5, 6]), now + 0.1)
         for t in np.arange(np.ceil(now), now + 0.1):
             if queue:
-                assert c.receive(1, progress(c, 1, done_at - t), float(t)) == []
+                assert acts(c, c.receive(1, progress(c, 1, done_at - t), float(t))) == []
         now = round(now + 0.1, 6)
         if queue and now >= done_at:
             c.receive(1, reply_to(c, queue.pop(0), [0, 0, 0]), done_at)
@@ -301,7 +321,7 @@ def test_a_round_nobody_answered_waits_while_its_members_report_progress() -> No
     up(c)
     draft(c, [2, 3], 0.0)
     for t in range(1, 120):
-        assert c.receive(0, progress(c, 0, 15.0), float(t)) == []
+        assert acts(c, c.receive(0, progress(c, 0, 15.0), float(t))) == []
         assert not c.round_ready(float(t) + 0.5)
     assert states(c) == [LIVE] and c.fed.worker_drops == 0
     assert c.wake_at() == 119.0 + LIVENESS_FACTOR * 15.0
@@ -322,7 +342,7 @@ def test_a_silent_member_is_dropped_after_its_liveness_bound() -> None:
     c.decide(2.1)
     assert not c.round_ready(10.0)
     assert c.round_ready(10.01)
-    out = c.decide(10.01)
+    out = acts(c, c.decide(10.01))
     assert len(out) == 1 and isinstance(out[0], Drop) and "stalled" in out[0].why
     assert states(c) == [LIVE, DOWN] and c.fed.worker_drops == 1
 
@@ -365,7 +385,7 @@ def test_with_the_in_step_member_gone_the_left_out_one_carries_on() -> None:
     assert not c.round_ready(5.0)  # waits for it, however slow, while it is alive
     c.receive(1, reply_to(c, g, [4, 5, 6]), 9.0)
     assert c.round_ready(9.0)
-    out += c.decide(9.0)
+    out += acts(c, c.decide(9.0))
     assert c.gen.generated == [2, 3, 4, 5] and out == [Committed((4, 5))]
 
 
@@ -381,7 +401,7 @@ def test_when_the_fast_member_slows_down_the_members_swap_roles() -> None:
     c.receive(1, reply_to(c, g1, [4, 5, 6]), 30.1)
     assert states(c) == [LIVE, LIVE]  # 0.1 s ≤ ½ × max(1, 4 × 0.1 s): readmitted
     assert not c.round_ready(30.9) and c.round_ready(31.0)
-    assert c.decide(31.0) == [Committed((4, 5))]
+    assert acts(c, c.decide(31.0)) == [Committed((4, 5))]
     assert states(c) == [BEHIND, LIVE] and c.gen.generated == [2, 3, 4, 5]
     assert c.fed.left_out == 2 and c.fed.worker_drops == 0 and c.fed.worker_rejoins == 1
 
@@ -390,7 +410,7 @@ def test_a_round_nobody_can_answer_is_void_and_restarts_from_the_committed_ids()
     c = core(workers=1)
     up(c)
     draft(c, [2, 3], 0.0)
-    out = c.decide(10.02)  # silent past its liveness bound: dropped; the round is void
+    out = acts(c, c.decide(10.02))  # silent past its liveness bound: dropped; the round is void
     assert [type(e) for e in out] == [Drop]
     assert c.gen.generated == [] and c.pipe.epoch == 1 and not c.pipe.inflight
 
@@ -488,7 +508,7 @@ def test_members_of_any_speed_against_real_verifiers(
                 t = _target_next([*plan.context, *draft])
                 draft.append(t if hits[drafted % len(hits)] else (t + 1) % V)
                 drafted += 1
-            for e in c.propose(plan, draft, [np.eye(V)[x] for x in draft], now):
+            for e in acts(c, c.propose(plan, draft, [np.eye(V)[x] for x in draft], now)):
                 assert isinstance(e, Send)
                 inbox[e.link].append(encode(e.msg, c.ctx(e.link)))
         # members take frames while idle; model work finishes on time
