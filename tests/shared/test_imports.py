@@ -244,9 +244,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "edge.model": ("edge_agent.model",),  # the draft model and its worker
     "edge.link": ("edge_agent.link",),  # verifier links, drivers feeding the cores
     "edge.daemon": ("edge_agent.daemon",),  # settings, the service, its API, REPL and CLI
-    "verifier.session": ("cloud_verifier.session",),  # the session core: no I/O, no model
     # the model work the session core asks for and the engine answers: plain data
     "verifier.work": ("cloud_verifier.engine.work",),
+    "verifier.session": ("cloud_verifier.session",),  # the session core: no I/O, no model
     "verifier.engine": ("cloud_verifier.engine",),  # the target, its KV, the scheduler
     "verifier.daemon": ("cloud_verifier.daemon",),  # settings, the aiohttp app, metrics, CLI
 }
@@ -282,8 +282,8 @@ FORBIDDEN_PACKAGES: dict[str, set[str]] = {
     "service": _TORCH,
     # the session rules are synchronous state machines: no event loop, no sockets, no model
     "edge.session": {*_TORCH, *_IO},
-    "verifier.session": {*_TORCH, *_IO},
     "verifier.work": {*_TORCH, *_IO},
+    "verifier.session": {*_TORCH, *_IO},
 }
 
 
