@@ -26,8 +26,8 @@ import torch
 
 from bench.run import DRAFT_BATCH_COST, load_draft_model, machine_info
 from edge_agent.model.drafter import Drafter
+from shared.maths.sampling import SamplingParams
 from shared.runtime.models import load_model
-from shared.wire.params import SamplingParams
 
 
 @dataclass(frozen=True)

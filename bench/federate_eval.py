@@ -39,10 +39,11 @@ import torch
 
 from edge_agent.model.lm import CausalLM
 from shared.maths import compression as C
-from shared.maths.sampling import accept, residual, sample, transform
+from shared.maths.sampling import SamplingParams, accept, residual, sample, transform
 from shared.runtime.models import LoadedModel, load_model
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import FederatedReply, WireContext, encode
+from shared.wire.codec import encode
+from shared.wire.messages import FederatedReply
+from shared.wire.packing import WireContext
 from testkit.tiny_models import build_tiny_model
 
 DATA = Path(__file__).parent / "data"

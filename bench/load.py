@@ -34,7 +34,7 @@ from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.daemon.agent import RetryPolicy
 from edge_agent.model.tasks import ModelWorker
 from edge_agent.session.pipeline_config import PipelineConfig
-from shared.wire.params import SamplingParams
+from shared.maths.sampling import SamplingParams
 from testkit.harness import (
     VOCAB,
     VerifierProcess,

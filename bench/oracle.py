@@ -38,8 +38,7 @@ import numpy as np
 
 from edge_agent.model.drafter import DraftStep
 from edge_agent.model.lm import CausalLM, SupportsCausalLM
-from shared.maths.sampling import Probs
-from shared.wire.params import SamplingParams
+from shared.maths.sampling import Probs, SamplingParams
 
 __all__ = [
     "GreedyPaths",

@@ -32,9 +32,10 @@ from cloud_verifier.daemon.app import STATE, build_app
 from cloud_verifier.daemon.auth import Authenticator, generate_token
 from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.targets import Target, load_target
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import SamplingParams
 from shared.runtime.batched_lm import Row
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import SUBPROTOCOL, CorrectionMode, Hello, ReplyMode, Verdict
+from shared.wire.messages import SUBPROTOCOL, Hello, ReplyMode, Verdict
 from testkit.probe import Driver, ProbeClient, auth_headers
 
 

@@ -84,20 +84,11 @@ from edge_agent.session.core import wire_context
 from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import Transport
+from shared.maths.sampling import SamplingParams
 from shared.runtime.models import LoadedModel
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
-    SUBPROTOCOL,
-    Fingerprint,
-    Hello,
-    Propose,
-    ProtocolError,
-    Verdict,
-    Welcome,
-    WireContext,
-    decode,
-    encode,
-)
+from shared.wire.codec import decode, encode
+from shared.wire.messages import SUBPROTOCOL, Fingerprint, Hello, Propose, Verdict, Welcome
+from shared.wire.packing import ProtocolError, WireContext
 from testkit.harness import (
     REPO,
     VerifierProcess,

@@ -83,9 +83,10 @@ from edge_agent.session.core import SingleCore
 from edge_agent.session.events import Fail, Send
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
+from shared.maths.sampling import SamplingParams
+from shared.wire.codec import decode, encode
+from shared.wire.messages import SUBPROTOCOL, Error, Hello, Progress, Welcome
 from shared.wire.mux import Ready
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import SUBPROTOCOL, Error, Hello, Progress, Welcome, decode, encode
 from testkit.harness import (
     REPO,
     VerifierProcess,

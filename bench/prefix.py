@@ -45,8 +45,8 @@ from bench.verifier_load import _fingerprint
 from cloud_verifier.daemon.auth import generate_token
 from edge_agent.session.core import hello_for
 from edge_agent.session.pipeline_config import PipelineConfig
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import SUBPROTOCOL, Fingerprint
+from shared.maths.sampling import SamplingParams
+from shared.wire.messages import SUBPROTOCOL, Fingerprint
 from testkit.harness import VerifierProcess, free_port, write_json, write_tokens
 from testkit.probe import CloudOnlyDriver, ProbeClient, auth_headers
 

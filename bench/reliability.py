@@ -44,7 +44,7 @@ from edge_agent.session.events import GenerationEvent
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import LinkClosed, Transport
-from shared.wire.params import SamplingParams
+from shared.maths.sampling import SamplingParams
 from testkit.harness import (
     VOCAB,
     VerifierProcess,

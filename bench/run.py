@@ -120,11 +120,10 @@ from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from edge_agent.session.transport import Transport
 from shared.enums import TextEnum
-from shared.maths.sampling import Probs
+from shared.maths.sampling import Probs, SamplingParams
 from shared.runtime.models import LoadedModel, load_draft, load_model
 from shared.service.status import wait_healthy
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import Fingerprint
+from shared.wire.messages import Fingerprint
 from testkit.harness import write_tokens
 from testkit.tiny_models import build_tiny_model
 

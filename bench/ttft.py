@@ -65,8 +65,8 @@ from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import Transport
+from shared.maths.sampling import SamplingParams
 from shared.runtime.models import load_model
-from shared.wire.params import SamplingParams
 from testkit.harness import REPO, VerifierProcess, free_port, write_tokens
 
 TOKEN = "bench-ttft-token-0123456789abcdef"

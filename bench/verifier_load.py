@@ -46,8 +46,8 @@ import numpy as np
 from bench.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import generate_token
 from edge_agent.session.generation import TokenSource
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello
+from shared.maths.sampling import SamplingParams
+from shared.wire.messages import SUBPROTOCOL, Fingerprint, Hello
 from testkit.harness import VerifierProcess, free_port, write_json, write_tokens
 from testkit.probe import CloudOnlyDriver, Driver, ProbeClient, auth_headers
 

@@ -17,7 +17,7 @@ class WanspecError(Exception):
 
 
 class ErrorCode(TextEnum):
-    """The ``code`` of an Error frame (shared.wire.protocol.Error), and the reason of every
+    """The ``code`` of an Error frame (shared.wire.messages.Error), and the reason of every
     refusal of a session: the verifier's ``X-Wanspec-Refusal`` header on an HTTP refusal, the
     code of a refused stream's Error, its ``wanspec_sessions_refused_total{reason}``; the edge
     reads the same members back."""

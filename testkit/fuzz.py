@@ -82,17 +82,16 @@ from edge_agent.session.core import VerifierError
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import LinkClosed
-from shared.maths.rejection import Decision
+from shared.maths.compression import SparseDist
+from shared.maths.rejection import CorrectionMode, Decision
+from shared.maths.sampling import SamplingParams
 from shared.runtime.models import LoadedModel
-from shared.wire.mux import MuxError, encode_control, split
-from shared.wire.mux import frame as mux_frame
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
+from shared.wire.codec import decode, encode, message_equal
+from shared.wire.messages import (
     PROTOCOL_VERSION,
     SEQ_MODULUS,
     SUBPROTOCOL,
     Candidates,
-    CorrectionMode,
     Error,
     FederatedReply,
     Fingerprint,
@@ -101,18 +100,15 @@ from shared.wire.protocol import (
     Message,
     MsgType,
     Propose,
-    ProtocolError,
     ReplyMode,
     Resample,
     Rollback,
-    SparseDist,
     Verdict,
     Welcome,
-    WireContext,
-    decode,
-    encode,
-    message_equal,
 )
+from shared.wire.mux import MuxError, encode_control, split
+from shared.wire.mux import frame as mux_frame
+from shared.wire.packing import ProtocolError, WireContext
 from testkit.harness import (
     VOCAB,
     VerifierProcess,

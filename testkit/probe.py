@@ -23,19 +23,10 @@ from edge_agent.session.core import Pipeline, SingleCore, VerifierLink, wire_con
 from edge_agent.session.events import Fail, Send
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
-from shared.wire.protocol import (
-    CorrectionMode,
-    Error,
-    FederatedReply,
-    Hello,
-    Message,
-    ReplyMode,
-    Welcome,
-    WireContext,
-    decode,
-    encode,
-    message_equal,
-)
+from shared.maths.rejection import CorrectionMode
+from shared.wire.codec import decode, encode, message_equal
+from shared.wire.messages import Error, FederatedReply, Hello, Message, ReplyMode, Welcome
+from shared.wire.packing import WireContext
 
 M = TypeVar("M", bound=Message)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from edge_agent.session.core import SingleCore
 from edge_agent.session.events import Count, Drop, EdgeEvent, Fail, RejectionGap, Round, Send
-from shared.wire.protocol import encode
+from shared.wire.codec import encode
 
 
 def sent(core: SingleCore, events: list[EdgeEvent]) -> list[bytes]:

@@ -24,9 +24,9 @@ from cloud_verifier.engine.work import (
     Work,
 )
 from cloud_verifier.session.core import VerifierCore
-from shared.maths.rejection import Decision, draw_candidates, one_hot, verify_batch
+from shared.maths.compression import SparseDist
+from shared.maths.rejection import CorrectionMode, Decision, draw_candidates, one_hot, verify_batch
 from shared.maths.sampling import sample
-from shared.wire.protocol import CorrectionMode, SparseDist
 
 Row = npt.NDArray[np.float64]
 #: A target: the text so far -> p(· | text), a float64 row over V (after the session's

@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 from scipy import stats
 
-from shared.maths.sampling import transform
-from shared.wire.params import SamplingParams
+from shared.maths.sampling import SamplingParams, transform
 
 #: Samples per case.
 N = 20_000

@@ -80,6 +80,16 @@ from shared.service.metrics import CONTENT_TYPE
 from shared.service.ratelog import LogLimiter
 from shared.service.sdnotify import Notifier
 from shared.service.status import ServiceStatus
+from shared.wire.codec import decode, encode
+from shared.wire.messages import (
+    SUBPROTOCOL,
+    Error,
+    FederatedReply,
+    Hello,
+    Message,
+    Progress,
+    Verdict,
+)
 from shared.wire.mux import (
     MAX_PREFIX,
     OLD_SUBPROTOCOLS,
@@ -97,18 +107,7 @@ from shared.wire.mux import (
     old_protocol_message,
     stream_window,
 )
-from shared.wire.protocol import (
-    SUBPROTOCOL,
-    Error,
-    FederatedReply,
-    Hello,
-    Message,
-    Progress,
-    ProtocolError,
-    Verdict,
-    decode,
-    encode,
-)
+from shared.wire.packing import ProtocolError
 
 log = logging.getLogger(__name__)
 

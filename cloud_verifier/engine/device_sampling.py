@@ -78,9 +78,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from shared.maths.rejection import Decision
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import LOGPROB_FLOOR, CorrectionMode, Logprobs, SparseDist
+from shared.maths.compression import SparseDist
+from shared.maths.rejection import CorrectionMode, Decision
+from shared.maths.sampling import SamplingParams
+from shared.wire.messages import LOGPROB_FLOOR, Logprobs
 
 #: The dtype probabilities are computed in on the device (module docstring: why float64).
 DEVICE_DTYPE: Final = torch.float64

@@ -63,7 +63,7 @@ from cloud_verifier.engine.work import (
 from cloud_verifier.session.tenancy import PrefixCache
 from shared.errors import WanspecError
 from shared.runtime.kv_pool import PagedKV
-from shared.wire.protocol import Hello
+from shared.wire.messages import Hello
 
 __all__ = [
     "AUTO_KV_FRACTION",

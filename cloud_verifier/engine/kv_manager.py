@@ -23,7 +23,7 @@ import torch
 from cloud_verifier.session.tenancy import PrefixCache
 from shared.errors import WanspecError
 from shared.runtime.kv_pool import OutOfPages, PagedKV, SlotPages, root_key
-from shared.wire.protocol import Fingerprint, Hello
+from shared.wire.messages import Fingerprint, Hello
 
 __all__ = ["KVManager", "NoFreeSlot", "Shares", "Slot", "new_generator"]
 

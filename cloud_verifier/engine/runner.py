@@ -58,10 +58,10 @@ from cloud_verifier.engine.work import (
     cache_after,
 )
 from cloud_verifier.session.cloud_draft import draft_length
-from shared.maths.rejection import Decision
+from shared.maths.rejection import CorrectionMode, Decision
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import OutOfPages, SlotPages
-from shared.wire.protocol import CorrectionMode, Hello, Logprobs
+from shared.wire.messages import Hello, Logprobs
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from shared.runtime.batched_lm import BatchedLM, Row
 from shared.runtime.device import describe_device, placement, resolve_device, resolve_dtype
 from shared.runtime.kv_pool import PagedKV
 from shared.service.config import Switch
-from shared.wire.protocol import Fingerprint
+from shared.wire.messages import Fingerprint
 
 log = logging.getLogger(__name__)
 

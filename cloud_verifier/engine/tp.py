@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import PagedKV, SlotPages
-from shared.wire.protocol import Fingerprint
+from shared.wire.messages import Fingerprint
 
 log = logging.getLogger(__name__)
 

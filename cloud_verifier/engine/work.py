@@ -16,8 +16,9 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.enums import TextEnum
+from shared.maths.compression import SparseDist
 from shared.maths.rejection import Decision
-from shared.wire.protocol import Logprobs, Propose, SparseDist
+from shared.wire.messages import Logprobs, Propose
 
 #: The scalar type of a per-token array (ids, probabilities).
 G = TypeVar("G", bound=np.generic)
@@ -293,7 +294,7 @@ Result = Verified | Federated | Cropped | Drawn | Failed | Skipped
 @dataclass(frozen=True)
 class WorkProgress:
     """Where the session's model work stands, from the engine (see
-    :class:`~shared.wire.protocol.Progress`):
+    :class:`~shared.wire.messages.Progress`):
     ``stalled`` means the running step has run far past its estimate."""
 
     steps: int

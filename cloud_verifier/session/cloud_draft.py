@@ -17,7 +17,7 @@ the order a co-generation step tries them (a hedge of the edge's comes first):
 Exactness: a cloud draft is a deterministic function of the text known before any of the
 positions it drafts, so its q is a point mass; the verifier accepts a draft token x with
 probability min(1, p(x)/1) = p(x) and, on a rejection, draws the recovered token from
-norm(max(0, p − δ_x)) (the greedy-draft rule, :data:`~shared.wire.protocol.CorrectionMode`
+norm(max(0, p − δ_x)) (the greedy-draft rule, :data:`~shared.maths.rejection.CorrectionMode`
 ``GREEDY_DRAFT``), whatever correction mode the session negotiated: the committed text keeps the
 target's law (Leviathan et al., Theorem 1, with a deterministic draft).
 """

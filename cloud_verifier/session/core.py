@@ -101,10 +101,11 @@ from cloud_verifier.session.cloud_draft import (
 )
 from shared.enums import TextEnum
 from shared.errors import ErrorCode
-from shared.wire.protocol import (
+from shared.maths.rejection import CorrectionMode
+from shared.wire.codec import decode
+from shared.wire.messages import (
     SEQ_MODULUS,
     Candidates,
-    CorrectionMode,
     Error,
     FederatedReply,
     Fingerprint,
@@ -115,17 +116,15 @@ from shared.wire.protocol import (
     Message,
     Progress,
     Propose,
-    ProtocolError,
     ReplyMode,
     Resample,
     Resumed,
     Rollback,
     Verdict,
     Welcome,
-    WireContext,
-    decode,
     text_digest,
 )
+from shared.wire.packing import ProtocolError, WireContext
 
 #: WebSocket close codes the core asks for (RFC 6455).
 CLOSE_OK: Final = 1000

@@ -43,7 +43,9 @@ from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy, WaitCause
 from edge_agent.session.transport import LinkClosed, Transport, announced_welcome
 from shared.errors import FATAL_CODES, ErrorCode
-from shared.wire.protocol import Fingerprint, Hello, ProtocolError, Resume, Welcome, encode
+from shared.wire.codec import encode
+from shared.wire.messages import Fingerprint, Hello, Resume, Welcome
+from shared.wire.packing import ProtocolError
 
 __all__ = [
     "Connect",

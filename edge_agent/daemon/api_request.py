@@ -37,7 +37,8 @@ from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.unicode_text import SURROGATE
 from edge_agent.session.pipeline_config import Bounds, Mode, PipelineConfig, RequestOptions
 from shared.enums import TextEnum
-from shared.wire.protocol import MAX_TOP_LOGPROBS, CorrectionMode
+from shared.maths.rejection import CorrectionMode
+from shared.wire.messages import MAX_TOP_LOGPROBS
 
 Body = Mapping[str, Any]
 E = TypeVar("E", bound=TextEnum)

@@ -35,8 +35,8 @@ from edge_agent.daemon.text import sources_line
 from edge_agent.daemon.unicode_text import text_error
 from edge_agent.session.pipeline_config import Auto, Bounds, Mode, PipelineConfig, RequestOptions
 from shared.errors import WanspecError
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import CorrectionMode
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import SamplingParams
 
 HELP = f"""Available commands:
   /set               Show the current settings

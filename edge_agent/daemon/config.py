@@ -43,6 +43,8 @@ from edge_agent.session.federation_core import ROUND_DEADLINE_S
 from edge_agent.session.pipeline_config import Auto, Bounds, Mode, PipelineConfig, RequestOptions
 from shared.enums import TextEnum
 from shared.maths.compression import Reconstruction
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import MIN_TEMPERATURE, SamplingParams
 from shared.runtime.model_spec import ModelSpecError, SpecKind, parse_model_spec
 from shared.service.config import (
     ConfigError,
@@ -56,8 +58,6 @@ from shared.service.config import (
     threads_setting,
 )
 from shared.service.settings_doc import main, settings_page
-from shared.wire.params import MIN_TEMPERATURE, SamplingParams
-from shared.wire.protocol import CorrectionMode
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ import orjson
 from edge_agent.session.transport import Transport, announced_welcome
 from shared.enums import TextEnum
 from shared.service.metrics import Registry
-from shared.wire.protocol import Welcome
+from shared.wire.messages import Welcome
 
 if TYPE_CHECKING:
     from edge_agent.daemon.config import EdgeSettings

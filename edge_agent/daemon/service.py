@@ -59,7 +59,7 @@ from shared.runtime.models import (
     load_model,
     load_tokenizer,
 )
-from shared.wire.protocol import Welcome
+from shared.wire.messages import Welcome
 
 log = logging.getLogger("wanspec.edge.service")
 

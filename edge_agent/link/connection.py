@@ -16,6 +16,7 @@ import aiohttp
 from edge_agent.session.transport import LinkClosed
 from edge_agent.session.transport import VerifierBusy as VerifierBusy
 from shared.errors import ErrorCode, WanspecError
+from shared.wire.messages import PROTOCOL_VERSION, SUBPROTOCOL, Welcome
 from shared.wire.mux import (
     MAX_PREFIX,
     ClientMux,
@@ -27,7 +28,6 @@ from shared.wire.mux import (
     encode_control,
     frame,
 )
-from shared.wire.protocol import PROTOCOL_VERSION, SUBPROTOCOL, Welcome
 
 
 class TokenRefused(WanspecError, PermissionError):

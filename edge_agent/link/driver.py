@@ -49,7 +49,9 @@ from edge_agent.session.events import (
 from edge_agent.session.generation import Stats
 from edge_agent.session.transport import LinkClosed, Transport
 from shared.maths.sampling import Probs
-from shared.wire.protocol import Hello, Message, Welcome, WireContext, encode
+from shared.wire.codec import encode
+from shared.wire.messages import Hello, Message, Welcome
+from shared.wire.packing import WireContext
 
 Consumer = Callable[[GenerationEvent], None]
 """Who a driver hands a generation's Committed and Finished events to (the service, or the

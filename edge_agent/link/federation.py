@@ -53,7 +53,8 @@ from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.retry import RetryPolicy
 from edge_agent.session.transport import LinkClosed, Transport, VerifierBusy
 from shared.maths.sampling import Probs
-from shared.wire.protocol import Fingerprint, ProtocolError
+from shared.wire.messages import Fingerprint
+from shared.wire.packing import ProtocolError
 
 log = logging.getLogger("wanspec.federation")
 

@@ -20,9 +20,8 @@ import numpy.typing as npt
 
 from edge_agent.model.lm import CausalLM, SupportsCausalLM
 from edge_agent.session.core import Rival
-from shared.maths.sampling import Probs, sample, transform
+from shared.maths.sampling import Probs, SamplingParams, sample, transform
 from shared.runtime.kv_pool import SlotPages, common_prefix
-from shared.wire.params import SamplingParams
 
 
 @dataclass(frozen=True)

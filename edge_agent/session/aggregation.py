@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from shared.maths import compression
 from shared.maths.sampling import Probs, accept, residual, sample
-from shared.wire.protocol import FederatedReply
+from shared.wire.messages import FederatedReply
 
 #: Tolerance for float32 values on the wire when checking a bound.
 BOUND_TOL = 1e-4

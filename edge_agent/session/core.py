@@ -74,12 +74,12 @@ from edge_agent.session.pipeline_config import Mode, PipelineConfig, max_infligh
 from edge_agent.session.transport import VerifierBusy
 from shared.enums import TextEnum
 from shared.errors import FATAL_CODES, WanspecError
-from shared.maths.rejection import Decision, recover, try_candidates
+from shared.maths.rejection import CorrectionMode, Decision, recover, try_candidates
 from shared.maths.sampling import Probs
-from shared.wire.protocol import (
+from shared.wire.codec import decode
+from shared.wire.messages import (
     SEQ_MODULUS,
     Candidates,
-    CorrectionMode,
     Error,
     FederatedReply,
     Fingerprint,
@@ -90,16 +90,14 @@ from shared.wire.protocol import (
     Message,
     Progress,
     Propose,
-    ProtocolError,
     ReplyMode,
     Resample,
     Resume,
     Verdict,
     Welcome,
-    WireContext,
-    decode,
     text_digest,
 )
+from shared.wire.packing import ProtocolError, WireContext
 
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from shared.enums import TextEnum
 from shared.errors import WanspecError
-from shared.wire.protocol import Message
+from shared.wire.messages import Message
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 It composes the :class:`~edge_agent.session.core.Pipeline` with one
 :class:`~edge_agent.session.core.VerifierLink` per member (worker). Each batch goes to the members
 that
-are *in step*; each answers with a :class:`~shared.wire.protocol.FederatedReply` and, while its
-work waits or runs, :class:`~shared.wire.protocol.Progress` frames. The edge decides
+are *in step*; each answers with a :class:`~shared.wire.messages.FederatedReply` and, while its
+work waits or runs, :class:`~shared.wire.messages.Progress` frames. The edge decides
 (:func:`edge_agent.session.aggregation.decide`) against the weighted aggregate of the replies it
 has.
 Every feed returns :mod:`edge_agent.session.events` to carry out; ``now`` is always passed in.
@@ -97,20 +97,18 @@ from edge_agent.session.events import Counter, Drop, EdgeEvent, Send
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from shared.enums import TextEnum
-from shared.maths.sampling import Probs
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
-    CorrectionMode,
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import Probs, SamplingParams
+from shared.wire.messages import (
     FederatedReply,
     Fingerprint,
     Hello,
     Progress,
-    ProtocolError,
     ReplyMode,
     Rollback,
     Welcome,
-    WireContext,
 )
+from shared.wire.packing import ProtocolError, WireContext
 
 #: Once one verifier has answered a round, the least time the round waits for the others that
 #: keep up (the ``round_deadline`` setting's default).

@@ -19,7 +19,7 @@ from edge_agent.session.events import (
     Tally,
 )
 from shared.enums import TextEnum
-from shared.wire.protocol import Hedge, Logprobs, Message
+from shared.wire.messages import Hedge, Logprobs, Message
 
 
 class TokenSource(TextEnum):

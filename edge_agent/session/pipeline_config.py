@@ -12,8 +12,9 @@ from typing import Generic, Literal, TypeVar
 
 from shared.enums import TextEnum
 from shared.maths.compression import Reconstruction
-from shared.wire.params import MIN_TEMPERATURE, SamplingParams
-from shared.wire.protocol import MAX_TOP_LOGPROBS, SEQ_MODULUS, CorrectionMode
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import MIN_TEMPERATURE, SamplingParams
+from shared.wire.messages import MAX_TOP_LOGPROBS, SEQ_MODULUS
 
 N = TypeVar("N", int, float)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from shared.errors import WanspecError
-from shared.wire.protocol import Welcome
+from shared.wire.messages import Welcome
 
 
 class LinkClosed(WanspecError, ConnectionError):

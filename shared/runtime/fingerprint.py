@@ -1,6 +1,6 @@
 """Model fingerprints: what a draft and a target compare at handshake to prove they can pair.
 
-A :class:`~shared.wire.protocol.Fingerprint` holds the tokenizer hash, the logits width and the
+A :class:`~shared.wire.messages.Fingerprint` holds the tokenizer hash, the logits width and the
 model name; drafts and targets must agree on the first two (:meth:`Fingerprint.compatible_with`).
 """
 
@@ -11,7 +11,7 @@ import json
 
 from transformers import PreTrainedTokenizerBase
 
-from shared.wire.protocol import Fingerprint
+from shared.wire.messages import Fingerprint
 
 __all__ = ["model_fingerprint", "tokenizer_hash"]
 

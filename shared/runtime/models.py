@@ -33,7 +33,7 @@ from shared.runtime.fingerprint import model_fingerprint
 from shared.runtime.gguf import converted_gguf_folder
 from shared.runtime.layer_skip import layer_skip_draft
 from shared.runtime.model_spec import ModelSpec, ModelSpecError, SpecKind, parse_model_spec
-from shared.wire.protocol import Fingerprint
+from shared.wire.messages import Fingerprint
 
 __all__ = ["LoadedModel", "LoadedTokenizer", "enforce_offline", "load_model", "load_tokenizer"]
 

@@ -9,9 +9,8 @@ from hypothesis import strategies as st
 
 from edge_agent.session.aggregation import decide
 from shared.maths import compression as C
-from shared.maths.sampling import sample, transform
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import FederatedReply
+from shared.maths.sampling import SamplingParams, sample, transform
+from shared.wire.messages import FederatedReply
 from tests.stats import ALPHA, chi_square_pvalue
 
 pytestmark = pytest.mark.fast

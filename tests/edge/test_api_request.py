@@ -31,7 +31,7 @@ from edge_agent.daemon.api_request import (
 )
 from edge_agent.daemon.config import EdgeSettings
 from edge_agent.session.pipeline_config import Mode, RequestOptions
-from shared.wire.protocol import CorrectionMode
+from shared.maths.rejection import CorrectionMode
 
 pytestmark = pytest.mark.fast
 

@@ -20,8 +20,8 @@ from edge_agent.daemon.chat import ChatError, ChatOptions, Event, Repl, stats_li
 from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.progress import Progress
 from edge_agent.daemon.service import Finished
+from shared.maths.rejection import CorrectionMode
 from shared.runtime.models import LoadedModel, load_model
-from shared.wire.protocol import CorrectionMode
 from tests.edge_helpers import Servers, edge_settings
 from tests.waits import POLL_S, poll
 

@@ -8,9 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from edge_agent.model.drafter import RIVALS, Drafter
-from shared.maths.sampling import transform
+from shared.maths.sampling import SamplingParams, transform
 from shared.runtime.models import load_model
-from shared.wire.params import SamplingParams
 
 
 def test_the_rival_is_the_likeliest_other_token_and_conf_the_drafted_ones_probability(

@@ -21,8 +21,8 @@ from edge_agent.daemon.config import (
 )
 from edge_agent.session.pipeline_config import Mode, RequestOptions
 from shared.maths.compression import Reconstruction
+from shared.maths.rejection import CorrectionMode
 from shared.service.config import ConfigError
-from shared.wire.protocol import CorrectionMode
 
 pytestmark = pytest.mark.fast
 

@@ -25,22 +25,20 @@ from edge_agent.session.core import (
 from edge_agent.session.events import Committed, Count, Counter, Fail, Finished, GenerationEvent
 from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
-from shared.maths.sampling import Probs
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
+from shared.maths.compression import SparseDist
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import Probs, SamplingParams
+from shared.wire.codec import decode, encode
+from shared.wire.messages import (
     Candidates,
-    CorrectionMode,
     Error,
     Fingerprint,
     Hedge,
     Message,
     Propose,
     Resample,
-    SparseDist,
     Verdict,
     Welcome,
-    decode,
-    encode,
 )
 from tests.edge_events import sent
 

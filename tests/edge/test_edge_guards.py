@@ -30,11 +30,12 @@ from edge_agent.daemon.config import EdgeSettings, load_edge_settings
 from edge_agent.daemon.monitor import EdgeMetrics, LinkMonitor, VerifierLinkState
 from edge_agent.daemon.server import STATE, ServerState, build_app, make_listener, make_runner
 from edge_agent.daemon.service import EdgeService
-from shared.maths.sampling import sample, transform
+from shared.maths.sampling import MIN_TEMPERATURE, SamplingParams, sample, transform
 from shared.service.config import ConfigError
 from shared.service.status import ServiceStatus
-from shared.wire.params import MIN_TEMPERATURE, SamplingParams
-from shared.wire.protocol import Fingerprint, Hello, ProtocolError, decode, encode
+from shared.wire.codec import decode, encode
+from shared.wire.messages import Fingerprint, Hello
+from shared.wire.packing import ProtocolError
 from tests.verifiers import guarded_verifier
 from tests.waits import closed_within, until
 

@@ -27,8 +27,8 @@ import torch
 
 from edge_agent.daemon.service import EdgeService, FairQueue, QueueFull, StopScanner
 from edge_agent.session.pipeline_config import PipelineConfig
+from shared.maths.sampling import SamplingParams
 from shared.runtime.models import LoadedModel, load_model
-from shared.wire.params import SamplingParams
 from testkit.harness import target_greedy
 from tests.edge_helpers import TOKEN, Servers, edge_settings, wait_http
 from tests.waits import poll, until

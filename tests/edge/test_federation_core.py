@@ -34,19 +34,18 @@ from edge_agent.session.federation_core import (
 )
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
+from shared.maths.compression import SparseDist
+from shared.maths.sampling import SamplingParams
+from shared.wire.codec import decode, encode
+from shared.wire.messages import (
     Error,
     FederatedReply,
     Fingerprint,
     Progress,
     Propose,
     Rollback,
-    SparseDist,
     Verdict,
     Welcome,
-    decode,
-    encode,
 )
 from tests.fake_model import FakeTargetModel, greedy_law
 

@@ -31,9 +31,10 @@ from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.retry import GiveUp, Outage
 from edge_agent.session.transport import LinkClosed, Transport
+from shared.maths.sampling import SamplingParams
 from shared.runtime.models import LoadedModel
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import SUBPROTOCOL, Fingerprint, encode
+from shared.wire.codec import encode
+from shared.wire.messages import SUBPROTOCOL, Fingerprint
 from testkit.harness import target_greedy
 from tests.edge_helpers import TOKEN, Servers, edge_settings
 from tests.mux_server import OneStream

@@ -369,7 +369,7 @@ def test_imports_are_found_everywhere(tmp_path: Path) -> None:
         "import os.path\n"
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n"
-        "    from shared.wire.protocol import Hello\n"
+        "    from shared.wire.messages import Hello\n"
         "def f():\n"
         "    import edge_agent.daemon.agent\n"
         "    from . import sibling\n"
@@ -379,7 +379,7 @@ def test_imports_are_found_everywhere(tmp_path: Path) -> None:
     names = {i.target for i in imports_of("pkg.sub.mod", src)}
     assert {
         "os.path",
-        "shared.wire.protocol.Hello",
+        "shared.wire.messages.Hello",
         "edge_agent.daemon.agent",
         "pkg.sub.sibling",
         "pkg.up.thing",

@@ -9,8 +9,9 @@ import hashlib
 
 import pytest
 
+from shared.wire.codec import encode
+from shared.wire.messages import Fingerprint
 from shared.wire.mux import End, Ready, WindowUpdate, encode_control, frame
-from shared.wire.protocol import Fingerprint, encode
 from tests.shared.test_protocol import ALL_MESSAGES, SMOL
 
 _FP = Fingerprint("ab" * 32, 49152, "SmolLM2-135M-Instruct")

@@ -35,10 +35,10 @@ from bench.verifier import main as padded_verifier_main
 from cloud_verifier.daemon.cli import main as verifier_main
 from cloud_verifier.engine.targets import NullTarget
 from edge_agent.session.pipeline_config import Mode
+from shared.maths.sampling import SamplingParams
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello
+from shared.wire.messages import SUBPROTOCOL, Fingerprint, Hello
 from testkit.harness import free_port
 from testkit.probe import Driver, ProbeClient
 from tests.verifiers import serve_process, wait_healthy

@@ -23,18 +23,10 @@ from bench.overload_tenants import (
     targets,
 )
 from edge_agent.session.transport import Transport
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
-    Fingerprint,
-    Hello,
-    Propose,
-    Resumed,
-    Verdict,
-    Welcome,
-    WireContext,
-    decode,
-    encode,
-)
+from shared.maths.sampling import SamplingParams
+from shared.wire.codec import decode, encode
+from shared.wire.messages import Fingerprint, Hello, Propose, Resumed, Verdict, Welcome
+from shared.wire.packing import WireContext
 
 REPO = Path(__file__).resolve().parents[2]
 LOAD_KEYS = {

@@ -47,8 +47,10 @@ from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.retry import GiveUp, Outage
 from edge_agent.session.transport import LinkClosed, Transport
+from shared.maths.sampling import SamplingParams
 from shared.runtime.models import LoadedModel
-from shared.wire.protocol import (
+from shared.wire.codec import encode
+from shared.wire.messages import (
     SUBPROTOCOL,
     Error,
     Fingerprint,
@@ -59,10 +61,8 @@ from shared.wire.protocol import (
     Resume,
     Resumed,
     Rollback,
-    SamplingParams,
     Verdict,
     Welcome,
-    encode,
     text_digest,
 )
 from testkit.harness import target_greedy

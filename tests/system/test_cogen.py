@@ -28,9 +28,10 @@ from cloud_verifier.session.core import (
 from edge_agent.session.core import PredraftPlan, Rival, SingleCore, hello_for
 from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.pipeline_config import PipelineConfig
-from shared.maths.sampling import sample
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import CorrectionMode, Fingerprint, Welcome, decode, encode
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import SamplingParams, sample
+from shared.wire.codec import decode, encode
+from shared.wire.messages import Fingerprint, Welcome
 from tests.edge_events import sent
 from tests.fake_model import FakeTargetModel, bigram_law
 from tests.stats import ALPHA, chi_square_pvalue

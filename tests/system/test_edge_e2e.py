@@ -34,10 +34,9 @@ from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.generation import TokenSource
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from edge_agent.session.transport import LinkClosed, Transport
-from shared.maths.sampling import transform
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import SamplingParams, transform
 from shared.runtime.models import LoadedModel, load_model
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import CorrectionMode
 from testkit.harness import target_greedy
 from testkit.tiny_models import build_tiny_model
 from tests.edge_helpers import SlowTarget

@@ -41,9 +41,9 @@ from edge_agent.model.drafter import Drafter
 from edge_agent.session.core import ContextExceeded
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import Transport
+from shared.maths.sampling import SamplingParams
 from shared.runtime.models import LoadedModel
 from shared.service.status import ServiceStatus
-from shared.wire.params import SamplingParams
 from testkit.harness import target_greedy
 from tests.edge_helpers import TOKEN, SlowTarget, edge_settings
 from tests.verifiers import serve_verifier, session_url

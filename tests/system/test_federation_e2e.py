@@ -22,10 +22,9 @@ from edge_agent.session.federation_core import FederationStats
 from edge_agent.session.pipeline_config import PipelineConfig, RequestOptions
 from edge_agent.session.transport import Transport
 from shared.maths import compression as C
-from shared.maths.sampling import transform
+from shared.maths.sampling import SamplingParams, transform
 from shared.runtime.batched_lm import Row
 from shared.runtime.models import LoadedModel, load_model
-from shared.wire.params import SamplingParams
 from testkit.tiny_models import build_tiny_model
 from tests.stats import sequential_chi_square
 from tests.verifiers import KillAfter, serve_verifier, session_url

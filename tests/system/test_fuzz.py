@@ -22,28 +22,26 @@ from cloud_verifier.engine.targets import TorchTarget
 from edge_agent.session.core import DesyncError, SingleCore, VerifierError, hello_for
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig
+from shared.maths.compression import SparseDist
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import SamplingParams
 from shared.runtime.models import load_model
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
+from shared.wire.codec import decode, encode
+from shared.wire.messages import (
     SUBPROTOCOL,
     Candidates,
-    CorrectionMode,
     Error,
     FederatedReply,
     Fingerprint,
     Hello,
     Message,
     Propose,
-    ProtocolError,
     Resample,
     Rollback,
-    SparseDist,
     Verdict,
     Welcome,
-    WireContext,
-    decode,
-    encode,
 )
+from shared.wire.packing import ProtocolError, WireContext
 from testkit.fuzz import FuzzConfig, Shadow, corpus_frames, mutate_bytes, mutate_map, run
 from testkit.probe import Driver, ProbeClient, auth_headers
 from tests.edge_events import sent

@@ -19,8 +19,9 @@ from bench.load import LoadConfig, run
 from bench.stream_ws import StreamWS
 from cloud_verifier.daemon.app import STATE, _buffered, _close_sessions
 from cloud_verifier.engine.targets import NullTarget
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello, Propose, ReplyMode, encode
+from shared.maths.sampling import SamplingParams
+from shared.wire.codec import encode
+from shared.wire.messages import SUBPROTOCOL, Fingerprint, Hello, Propose, ReplyMode
 from testkit.probe import Driver, ProbeClient, auth_headers
 from tests.verifiers import ready, verifier_app
 from tests.waits import until

@@ -16,9 +16,9 @@ from edge_agent.model.lm import CausalLM
 from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.compression import Reconstruction
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import SamplingParams
 from shared.runtime.models import LoadedModel
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import CorrectionMode
 from tests.system.test_edge_e2e import TOKEN, agent_for, serve_app
 
 PROMPT = [1, 10, 20, 30, 40]

@@ -68,11 +68,11 @@ from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.targets import Target, TorchTarget
 from edge_agent.daemon.text import encode_prompt, eos_ids
+from shared.maths.sampling import SamplingParams
 from shared.runtime.batched_lm import Row
 from shared.runtime.models import LoadedModel, load_model
 from shared.service.sdnotify import Notifier
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import SUBPROTOCOL, Hello, Propose, Verdict
+from shared.wire.messages import SUBPROTOCOL, Hello, Propose, Verdict
 from testkit.harness import REPO, VerifierProcess, free_port, write_tokens
 from testkit.probe import Driver, ProbeClient, auth_headers
 from tests.edge_helpers import clean_env

@@ -21,7 +21,7 @@ from cloud_verifier.engine.targets import NullTarget
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
 from edge_agent.link.driver import handshake
 from edge_agent.session.transport import LinkClosed
-from shared.wire.protocol import Fingerprint, Hello
+from shared.wire.messages import Fingerprint, Hello
 from tests.verifiers import serve_verifier
 
 

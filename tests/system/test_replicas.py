@@ -39,9 +39,9 @@ from bench.stream_ws import StreamWS
 from edge_agent.daemon.agent import RetryPolicy
 from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.pipeline_config import PipelineConfig
+from shared.maths.sampling import SamplingParams
 from shared.runtime.models import LoadedModel, load_model
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import SUBPROTOCOL, Hello
+from shared.wire.messages import SUBPROTOCOL, Hello
 from testkit.harness import REPO, VerifierProcess, free_port, make_agent, target_greedy
 from testkit.probe import ProbeClient, auth_headers
 from testkit.tiny_models import build_tiny_model

@@ -37,16 +37,10 @@ from edge_agent.session.events import Send as EdgeSend
 from edge_agent.session.federation_core import FederatedCore, WorkerParams
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
-    Error,
-    Fingerprint,
-    Propose,
-    ProtocolError,
-    Welcome,
-    decode,
-    encode,
-)
+from shared.maths.sampling import SamplingParams
+from shared.wire.codec import decode, encode
+from shared.wire.messages import Error, Fingerprint, Propose, Welcome
+from shared.wire.packing import ProtocolError
 from tests.edge_events import sent
 from tests.fake_model import FakeTargetModel, greedy_law
 

@@ -35,20 +35,12 @@ from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import LinkClosed, Transport
 from shared.errors import ErrorCode
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import SamplingParams
 from shared.runtime.models import LoadedModel
+from shared.wire.codec import decode, encode
+from shared.wire.messages import PROTOCOL_VERSION, SUBPROTOCOL, Error, Hello, Propose, Welcome
 from shared.wire.mux import frame
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
-    PROTOCOL_VERSION,
-    SUBPROTOCOL,
-    CorrectionMode,
-    Error,
-    Hello,
-    Propose,
-    Welcome,
-    decode,
-    encode,
-)
 from testkit.harness import target_greedy
 from tests.stats import sequential_chi_square
 from tests.system.test_edge_e2e import target_rows

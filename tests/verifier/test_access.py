@@ -22,9 +22,9 @@ from cloud_verifier.engine.targets import NullTarget
 from edge_agent.link.connection import LinkSettings, UntrustedCertificateError, WebSocketTransport
 from edge_agent.link.driver import handshake
 from shared.errors import ErrorCode
+from shared.maths.sampling import SamplingParams
 from shared.service.config import ConfigError
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello, Welcome
+from shared.wire.messages import SUBPROTOCOL, Fingerprint, Hello, Welcome
 from testkit.harness import free_port
 from testkit.probe import auth_headers
 from tests.tls import self_signed

@@ -46,12 +46,12 @@ from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.engine import EngineHealth
 from cloud_verifier.engine.targets import NullTarget, Target
 from shared.errors import ErrorCode
+from shared.maths.sampling import SamplingParams
 from shared.runtime.batched_lm import Row
 from shared.service.http_guard import Listener
 from shared.service.sdnotify import Notifier
-from shared.wire.mux import frame, split
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
+from shared.wire.codec import decode, encode
+from shared.wire.messages import (
     SUBPROTOCOL,
     Error,
     Fingerprint,
@@ -60,9 +60,8 @@ from shared.wire.protocol import (
     Resume,
     Verdict,
     Welcome,
-    decode,
-    encode,
 )
+from shared.wire.mux import frame, split
 from testkit.probe import ProbeClient, auth_headers
 from tests.verifiers import ready
 from tests.waits import until

@@ -23,10 +23,16 @@ import torch
 
 from cloud_verifier.engine import device_sampling as D
 from shared.maths import compression as C
-from shared.maths.rejection import Decision, one_hot, recover, try_candidates, verify_batch
-from shared.maths.sampling import transform
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import CorrectionMode, SparseDist
+from shared.maths.compression import SparseDist
+from shared.maths.rejection import (
+    CorrectionMode,
+    Decision,
+    one_hot,
+    recover,
+    try_candidates,
+    verify_batch,
+)
+from shared.maths.sampling import SamplingParams, transform
 from tests.stats import ALPHA, SETTINGS, N, bigram, chi_square_pvalue, logit_pair
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -42,13 +42,12 @@ from cloud_verifier.engine.work import (
 )
 from cloud_verifier.session.cloud_draft import draft_length
 from cloud_verifier.session.tenancy import PrefixCache
-from shared.maths.rejection import try_candidates
-from shared.maths.sampling import transform
+from shared.maths.rejection import CorrectionMode, try_candidates
+from shared.maths.sampling import SamplingParams, transform
 from shared.runtime.batched_lm import BatchedLM, Row
 from shared.runtime.kv_pool import SlotPages
 from shared.runtime.models import load_model
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import CorrectionMode, Fingerprint, Hello, Propose, ReplyMode
+from shared.wire.messages import Fingerprint, Hello, Propose, ReplyMode
 from tests.stats import ALPHA, chi_square_pvalue
 from tests.waits import until
 

@@ -7,9 +7,9 @@ import torch
 
 from cloud_verifier.engine.kv_manager import KVManager, NoFreeSlot, Shares
 from cloud_verifier.session.tenancy import PrefixCache
+from shared.maths.sampling import SamplingParams
 from shared.runtime.kv_pool import PagedKV
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import Fingerprint, Hello
+from shared.wire.messages import Fingerprint, Hello
 
 pytestmark = pytest.mark.fast
 

@@ -29,19 +29,12 @@ import pytest
 from bench.stream_ws import StreamWS
 from cloud_verifier.engine.tp import Rank, decode_rows, encode_rows, rank_from_env, torchrun_args
 from edge_agent.session.pipeline_config import PipelineConfig
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import SamplingParams
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages
 from shared.runtime.models import LoadedModel, check_tp_size, load_model
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
-    SUBPROTOCOL,
-    CorrectionMode,
-    FederatedReply,
-    Hello,
-    Propose,
-    ReplyMode,
-    Welcome,
-)
+from shared.wire.messages import SUBPROTOCOL, FederatedReply, Hello, Propose, ReplyMode, Welcome
 from testkit.harness import REPO, VerifierProcess, free_port, make_agent, target_greedy
 from testkit.probe import ProbeClient, auth_headers
 from testkit.tiny_models import build_tiny_model

@@ -13,12 +13,12 @@ import torch
 
 from cloud_verifier.engine.targets import NullTarget, TorchTarget
 from cloud_verifier.engine.work import Branch, Verified, Verify
-from shared.maths.sampling import transform
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import SamplingParams, transform
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages
 from shared.runtime.models import load_model
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import CorrectionMode, Hello
+from shared.wire.messages import Hello
 from tests.stats import ALPHA, chi_square_pvalue
 from tests.verifier.test_engine import (
     GREEDY,

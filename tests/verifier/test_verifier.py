@@ -24,13 +24,13 @@ from cloud_verifier.engine.engine import Engine
 from cloud_verifier.engine.targets import Target, TorchTarget
 from cloud_verifier.engine.work import FailureKind
 from shared.errors import ErrorCode
-from shared.maths.sampling import transform
+from shared.maths.rejection import CorrectionMode
+from shared.maths.sampling import SamplingParams, transform
 from shared.runtime.models import load_model
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
+from shared.wire.codec import decode, encode
+from shared.wire.messages import (
     SUBPROTOCOL,
     Candidates,
-    CorrectionMode,
     Error,
     FederatedReply,
     Hello,
@@ -40,10 +40,8 @@ from shared.wire.protocol import (
     Resample,
     Rollback,
     Verdict,
-    WireContext,
-    decode,
-    encode,
 )
+from shared.wire.packing import WireContext
 from testkit.probe import Driver, ProbeClient, auth_headers, replies_match
 from testkit.tiny_models import build_tiny_model
 from tests.verifiers import ready

@@ -42,11 +42,12 @@ from cloud_verifier.session.core import (
     VerifierCore,
 )
 from shared.errors import ErrorCode
-from shared.maths.rejection import Decision
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
+from shared.maths.compression import SparseDist
+from shared.maths.rejection import CorrectionMode, Decision
+from shared.maths.sampling import SamplingParams
+from shared.wire.codec import encode
+from shared.wire.messages import (
     Candidates,
-    CorrectionMode,
     Error,
     FederatedReply,
     Fingerprint,
@@ -58,12 +59,10 @@ from shared.wire.protocol import (
     ReplyMode,
     Resample,
     Rollback,
-    SparseDist,
     Verdict,
     Welcome,
-    WireContext,
-    encode,
 )
+from shared.wire.packing import WireContext
 
 pytestmark = pytest.mark.fast
 

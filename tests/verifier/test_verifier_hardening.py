@@ -27,19 +27,11 @@ from bench.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.cli import main as verifier_main
 from shared.errors import ErrorCode
+from shared.maths.sampling import SamplingParams
 from shared.runtime.device import DeviceUnavailable, choose_device
 from shared.service.ratelog import LogLimiter
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import (
-    SUBPROTOCOL,
-    Error,
-    Fingerprint,
-    Hello,
-    Propose,
-    Rollback,
-    Verdict,
-    encode,
-)
+from shared.wire.codec import encode
+from shared.wire.messages import SUBPROTOCOL, Error, Fingerprint, Hello, Propose, Rollback, Verdict
 from testkit.fuzz import TOKEN as FUZZ_TOKEN
 from testkit.fuzz import _raw_request, http_fixed_cases
 from testkit.harness import free_port

@@ -17,9 +17,9 @@ from aiohttp import WSCloseCode, WSMsgType
 
 from bench.stream_ws import StreamWS
 from cloud_verifier.daemon.cli import main
+from shared.maths.sampling import SamplingParams
 from shared.service.sdnotify import Notifier
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import SUBPROTOCOL, Fingerprint, Hello
+from shared.wire.messages import SUBPROTOCOL, Fingerprint, Hello
 from testkit.probe import ProbeClient, auth_headers
 
 REPO = Path(__file__).resolve().parents[2]

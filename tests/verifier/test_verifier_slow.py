@@ -10,8 +10,8 @@ import torch
 
 from bench.stream_ws import StreamWS
 from cloud_verifier.engine.targets import TorchTarget
-from shared.wire.params import SamplingParams
-from shared.wire.protocol import SUBPROTOCOL, Hello, Propose, Verdict
+from shared.maths.sampling import SamplingParams
+from shared.wire.messages import SUBPROTOCOL, Hello, Propose, Verdict
 from testkit.probe import ProbeClient, auth_headers
 from tests.verifiers import ready, verifier_app
 
