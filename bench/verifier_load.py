@@ -203,7 +203,10 @@ async def _start_engine(
         "--device", args.device,
         "--compile", args.compile,
         "--max-batch-sessions", str(ENGINES[name]),
-        "--max-sessions", str(max(args.sessions)),
+        # twice the largest N: a measurement's sessions may still be closing on the verifier
+        # when the next one's connect (each closes its WebSockets and goes on), and a refusal
+        # for the connection limit would end the bench, not measure the engine
+        "--max-sessions", str(2 * max(args.sessions)),
         "--max-sessions-per-token", "0",
         "--kv-cache-tokens", str(max(args.sessions) * 1024),
         # every probe session runs on one token: the shares would bound the bench, not the engine
