@@ -24,6 +24,10 @@ from shared.service.config import (
     DType,
     LogLevel,
     Switch,
+    header_timeout_setting,
+    log_level_setting,
+    max_pending_connections_setting,
+    max_pending_per_address_setting,
     setting,
     threads_setting,
 )
@@ -228,28 +232,9 @@ class VerifierSettings:
         "Resample; pings do not count) before it is closed (1008, idle_timeout) and its slot "
         "freed; 0 = never",
     )
-    header_timeout: float = setting(
-        10.0,
-        min=0.1,
-        help="seconds a connection may send nothing (new, or idle in keep-alive) before it is "
-        "closed silently; a request's headers must be complete this long after its first byte, "
-        "else 408 and closed (the clock restarts at a request's first byte, so a request that "
-        "arrives as the idle limit runs out is served); a pending connection is held at most "
-        "twice this",
-    )
-    max_pending_connections: int = setting(
-        512,
-        min=1,
-        help="connections whose request has not reached a handler (half-sent, or idle in "
-        "keep-alive), counted before any authentication work; when all are taken a new one "
-        "evicts the oldest if that has waited at least min(1 s, header_timeout / 2), else it "
-        "gets 503",
-    )
-    max_pending_per_address: int = setting(
-        128,
-        min=1,
-        help="such connections per client address (more: refused at once with 503)",
-    )
+    header_timeout: float = header_timeout_setting()
+    max_pending_connections: int = max_pending_connections_setting()
+    max_pending_per_address: int = max_pending_per_address_setting()
     token_reload_interval: float = setting(
         1.0,
         min=0,
@@ -347,7 +332,7 @@ class VerifierSettings:
     frame_burst: int = setting(
         2000, min=1, help="frames at once past max_frame_rate (a session's, and a connection's)"
     )
-    log_level: LogLevel = setting(LogLevel.INFO, help="the least severe level logged")
+    log_level: LogLevel = log_level_setting()
 
     def __post_init__(self) -> None:
         try:

@@ -53,7 +53,11 @@ from shared.service.config import (
     LogLevel,
     Source,
     exposed_secret,
+    header_timeout_setting,
     load_settings,
+    log_level_setting,
+    max_pending_connections_setting,
+    max_pending_per_address_setting,
     setting,
     threads_setting,
 )
@@ -309,22 +313,10 @@ class EdgeSettings:
         "generation cancelled), never holding the others",
     )
     max_body: int = setting(1 << 20, min=1024, max=1 << 30, help="largest request body, bytes")
-    header_timeout: float = setting(
-        10.0,
-        min=0.1,
-        max=3600,
-        help="seconds a connection has to send its request headers (and to idle between requests)",
-    )
-    max_pending_connections: int = setting(
-        512,
-        min=1,
-        help="connections whose request has not reached a handler (half-sent, or idle in "
-        "keep-alive); when all are taken a new one evicts the oldest, if old enough",
-    )
-    max_pending_per_address: int = setting(
-        128, min=1, help="such connections per client address (more: refused at once with 503)"
-    )
-    log_level: LogLevel = setting(LogLevel.INFO, help="the least severe level logged")
+    header_timeout: float = header_timeout_setting()
+    max_pending_connections: int = max_pending_connections_setting()
+    max_pending_per_address: int = max_pending_per_address_setting()
+    log_level: LogLevel = log_level_setting()
 
     def __post_init__(self) -> None:
         self._move_renamed()

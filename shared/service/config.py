@@ -56,7 +56,11 @@ __all__ = [
     "Source",
     "Switch",
     "choices",
+    "header_timeout_setting",
     "load_settings",
+    "log_level_setting",
+    "max_pending_connections_setting",
+    "max_pending_per_address_setting",
     "parse_bool",
     "setting",
     "setting_help",
@@ -130,6 +134,50 @@ def threads_setting() -> Any:
         help="torch CPU threads (unset: torch's own choice, one per core); processes that share "
         "a machine's cores (a verifier beside an edge) each get their share, or both run slower",
     )
+
+
+# --- settings both ends declare with the same meaning: one declaration each (default, bounds,
+# help), so the two services' flags, --help and reference pages cannot drift apart. The three
+# connection-guard settings configure the same shared.service.http_guard.ConnectionGuard in
+# the verifier and in the edge's local API.
+
+
+def header_timeout_setting() -> Any:
+    """``header_timeout``: ConnectionGuard's header-read and keep-alive idle limit."""
+    return setting(
+        10.0,
+        min=0.1,
+        max=3600,
+        help="seconds a connection may send nothing (new, or idle in keep-alive) before it is "
+        "closed silently; a request's headers must be complete this long after its first byte, "
+        "else 408 and closed (the clock restarts at a request's first byte, so a request that "
+        "arrives as the idle limit runs out is served); a pending connection is held at most "
+        "twice this",
+    )
+
+
+def max_pending_connections_setting() -> Any:
+    """``max_pending_connections``: ConnectionGuard's cap on pending connections in all."""
+    return setting(
+        512,
+        min=1,
+        help="connections whose request has not reached a handler (half-sent, or idle in "
+        "keep-alive), counted before any authentication work; when all are taken a new one "
+        "evicts the oldest if that has waited at least min(1 s, header_timeout / 2), else it "
+        "gets 503",
+    )
+
+
+def max_pending_per_address_setting() -> Any:
+    """``max_pending_per_address``: ConnectionGuard's cap on pending connections per address."""
+    return setting(
+        128, min=1, help="such connections per client address (more: refused at once with 503)"
+    )
+
+
+def log_level_setting() -> Any:
+    """``log_level``: the process's logging threshold."""
+    return setting(LogLevel.INFO, help="the least severe level logged")
 
 
 def setting_help(f: dataclasses.Field[Any]) -> str:
