@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -22,10 +23,10 @@ import sys
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, hdrs, web
 
@@ -37,11 +38,9 @@ from cloud_verifier.engine.engine import (
     Engine,
     EngineHealth,
     EngineLimits,
-    NoFreeSlot,
     Outcome,
-    Slot,
 )
-from cloud_verifier.engine.kv_manager import KVManager
+from cloud_verifier.engine.kv_manager import KVManager, NoFreeSlot, Slot
 from cloud_verifier.engine.step_times import StallRule
 from cloud_verifier.engine.targets import Target, compiles, load_target
 from cloud_verifier.engine.work import (
@@ -56,7 +55,7 @@ from cloud_verifier.engine.work import (
     Verify,
     Work,
 )
-from cloud_verifier.session.cloud_draft import DraftLength, parse_cloud_drafts
+from cloud_verifier.session.cloud_draft import parse_cloud_drafts
 from cloud_verifier.session.core import (
     CLOSE_OK,
     Adopt,
@@ -108,6 +107,9 @@ from shared.wire.mux import (
     stream_window,
 )
 from shared.wire.packing import ProtocolError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 log = logging.getLogger(__name__)
 
@@ -208,52 +210,63 @@ class LiveSession:
     logs: LogLimiter = field(default_factory=lambda: LogLimiter(burst=5, interval=60.0))
 
 
-def limits_from(settings: VerifierSettings) -> SessionLimits:
-    return SessionLimits(
-        max_gamma=settings.max_gamma,
-        max_fixed=settings.max_fixed,
-        max_context=settings.max_context,
-        max_frame=settings.max_frame,
-        max_k=settings.max_k,
-        max_bad_frames=settings.max_bad_frames,
-        max_resamples=settings.max_resamples,
-        idle_timeout_s=settings.idle_timeout,
-        max_coalesced=settings.max_coalesced,
-        max_cogen_ahead=settings.cogen_ahead,
-        cloud_draft=parse_cloud_drafts(settings.cloud_draft),
-        cloud_model=bool(settings.cloud_draft_model),
-        cloud_draft_tokens=settings.cloud_draft_tokens,
-        cloud_draft_length=DraftLength(settings.cloud_draft_length),
-        max_frame_rate=settings.max_frame_rate,
-        frame_burst=settings.frame_burst,
-        progress_interval_s=settings.progress_interval,
-        # Taking a branch moves keys in the pool: rank 0's alone under tensor parallelism.
-        max_tree_tokens=settings.tree_tokens if settings.tp == 1 else 0,
-    )
-
-
-def engine_limits(settings: VerifierSettings) -> EngineLimits:
-    return EngineLimits(
-        slots=settings.max_sessions,
-        max_batch_sessions=settings.max_batch_sessions,
-        max_batch_tokens=settings.max_batch_tokens,
-        page_size=settings.kv_page_size,
-        kv_tokens=settings.kv_cache_tokens,
-        batch_wait_s=settings.batch_wait_ms / 1000.0,
-        session_share=settings.kv_session_share,
-        tenant_share=settings.kv_token_share,
-        stall=StallRule(floor_s=settings.stall_timeout),
-        prefix_cache=prefix_cache(settings),
-        prefill_chunk=settings.prefill_chunk,
-        prefill_share=settings.prefill_share,
-    )
-
-
 def prefix_cache(settings: VerifierSettings) -> PrefixCache:
     """The prefix cache's namespace: ``auto`` is per tenant, off under tensor parallelism."""
     if settings.prefix_cache == "auto":
         return PrefixCache.TENANT if settings.tp == 1 else PrefixCache.OFF
     return PrefixCache(settings.prefix_cache)
+
+
+#: How a limit is filled from the settings where it is not the setting of its own name: the
+#: setting it is under another name, a function of the settings (a conversion, or a rule across
+#: settings), or None (the limit's own bound: no setting names it, its default stands). Every
+#: other field is the setting of its name; a field with neither is an AttributeError at start,
+#: never a silent default.
+Fill = Mapping[str, "str | Callable[[VerifierSettings], object] | None"]
+
+SESSION_FILL: Final[Fill] = {
+    "idle_timeout_s": "idle_timeout",
+    "max_cogen_ahead": "cogen_ahead",
+    "progress_interval_s": "progress_interval",
+    "cloud_draft": lambda s: parse_cloud_drafts(s.cloud_draft),
+    "cloud_model": lambda s: bool(s.cloud_draft_model),
+    # Taking a branch moves keys in the pool: rank 0's alone under tensor parallelism.
+    "max_tree_tokens": lambda s: s.tree_tokens if s.tp == 1 else 0,
+    "max_queued": None,
+    "max_stale_per_epoch": None,
+    "max_hedges": None,
+}
+
+ENGINE_FILL: Final[Fill] = {
+    "slots": "max_sessions",
+    "page_size": "kv_page_size",
+    "kv_tokens": "kv_cache_tokens",
+    "session_share": "kv_session_share",
+    "tenant_share": "kv_token_share",
+    "batch_wait_s": lambda s: s.batch_wait_ms / 1000.0,
+    "stall": lambda s: StallRule(floor_s=s.stall_timeout),
+    "prefix_cache": prefix_cache,
+}
+
+L = TypeVar("L", bound="DataclassInstance")
+
+
+def fill(limits: type[L], settings: VerifierSettings, table: Fill) -> L:
+    """``limits`` filled from ``settings`` by ``table`` (see :data:`Fill`)."""
+    values: dict[str, object] = {}
+    for f in dataclasses.fields(limits):
+        how = table.get(f.name, f.name)
+        if how is not None:
+            values[f.name] = getattr(settings, how) if isinstance(how, str) else how(settings)
+    return limits(**values)
+
+
+def limits_from(settings: VerifierSettings) -> SessionLimits:
+    return fill(SessionLimits, settings, SESSION_FILL)
+
+
+def engine_limits(settings: VerifierSettings) -> EngineLimits:
+    return fill(EngineLimits, settings, ENGINE_FILL)
 
 
 def default_draft_loader(settings: VerifierSettings) -> Callable[[Target], Target] | None:

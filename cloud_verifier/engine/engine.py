@@ -35,7 +35,7 @@ from typing import Any, Final, TypeVar
 import torch
 
 from cloud_verifier.engine.draft_model import CloudDrafter
-from cloud_verifier.engine.kv_manager import KVManager, NoFreeSlot, Shares, Slot
+from cloud_verifier.engine.kv_manager import KVManager, Shares, Slot
 from cloud_verifier.engine.runner import FORWARDS, Prefilled, Runner, Timing, advance
 from cloud_verifier.engine.scheduler import (
     BatchLimits,
@@ -72,10 +72,7 @@ __all__ = [
     "EngineClosed",
     "EngineHealth",
     "EngineLimits",
-    "NoFreeSlot",
     "Outcome",
-    "Slot",
-    "Timing",
 ]
 
 log = logging.getLogger(__name__)
@@ -410,7 +407,8 @@ class Engine:
         return runner.target
 
     def open(self, hello: Hello, tenant: str = "") -> Slot:
-        """A slot for a session that said Hello (NoFreeSlot when all are taken)."""
+        """A slot for a session that said Hello
+        (:class:`~cloud_verifier.engine.kv_manager.NoFreeSlot` when all are taken)."""
         return self.kv.open(hello, tenant, self.require_target().device)
 
     def adopt(self, slot: Slot, hello: Hello, keep: int) -> list[int]:

@@ -95,12 +95,15 @@ class Queued:
 
 @dataclass(frozen=True)
 class BatchLimits:
+    """The engine's limits a step's plan reads (``EngineLimits.batch``): no defaults of their
+    own, they are the settings'."""
+
     max_sessions: int
     max_tokens: int
     #: Prefill tokens a step computes at most while other sessions are active (0: no chunking).
-    prefill_chunk: int = 0
+    prefill_chunk: int
     #: ... and at most this share of the step's time without them (0: no such bound).
-    prefill_share: float = 0.0
+    prefill_share: float
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,9 @@ from cloud_verifier.engine.engine import (
     Engine,
     EngineClosed,
     EngineLimits,
-    NoFreeSlot,
     Outcome,
-    Slot,
 )
+from cloud_verifier.engine.kv_manager import NoFreeSlot, Slot
 from cloud_verifier.engine.step_times import DraftCost
 from cloud_verifier.engine.targets import NullTarget, Target, TorchTarget
 from cloud_verifier.engine.work import (

@@ -1,16 +1,19 @@
-"""The session's and the engine's limits are the settings' (written once, in VerifierSettings):
-their defaults equal what the default settings give, and every limit is filled from a setting,
-but for the session rules' own bounds, which no setting names."""
+"""The session's and the engine's limits are the settings' (written once, in VerifierSettings,
+and filled by one table each, ``SESSION_FILL`` and ``ENGINE_FILL``): their defaults equal what
+the default settings give, and every limit is filled from a setting, but for the session rules'
+own bounds, which no setting names. The step plan's BatchLimits are the engine's."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import pytest
 
-from cloud_verifier.daemon.app import engine_limits, limits_from
+from cloud_verifier.daemon.app import ENGINE_FILL, SESSION_FILL, engine_limits, limits_from
 from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.engine import EngineLimits
+from cloud_verifier.engine.scheduler import BatchLimits
 from cloud_verifier.engine.step_times import StallRule
 from cloud_verifier.session.cloud_draft import CloudDraft, DraftLength
 from cloud_verifier.session.core import SessionLimits
@@ -84,3 +87,28 @@ def test_every_engine_limit_is_filled_from_a_setting() -> None:
     ]
     assert not same, same
     assert limits.stall == StallRule(floor_s=7.0) and limits.batch_wait_s == 0.001
+
+
+@pytest.mark.parametrize(
+    ("fields", "table"),
+    [
+        (dataclasses.fields(SessionLimits), SESSION_FILL),
+        (dataclasses.fields(EngineLimits), ENGINE_FILL),
+    ],
+)
+def test_the_fill_tables_name_only_the_limits_fields_and_settings(
+    fields: tuple[dataclasses.Field[object], ...], table: Mapping[str, object]
+) -> None:
+    settings = {f.name for f in dataclasses.fields(VerifierSettings)}
+    assert set(table) <= {f.name for f in fields}
+    assert {how for how in table.values() if isinstance(how, str)} <= settings
+
+
+def test_the_step_plans_limits_are_the_engines() -> None:
+    settings = dataclasses.replace(VerifierSettings(), **CHANGED)
+    assert engine_limits(settings).batch == BatchLimits(
+        max_sessions=settings.max_batch_sessions,
+        max_tokens=settings.max_batch_tokens,
+        prefill_chunk=settings.prefill_chunk,
+        prefill_share=settings.prefill_share,
+    )

@@ -38,7 +38,7 @@ def cogen(fixed: int = 0, decide: int = 1) -> Queued:
     return Queued(Kind.COGEN, fixed, decide)
 
 
-LIM = BatchLimits(max_sessions=3, max_tokens=100)
+LIM = BatchLimits(max_sessions=3, max_tokens=100, prefill_chunk=0, prefill_share=0.0)
 
 
 def rows(plan: StepPlan) -> list[tuple[int, int, int]]:
@@ -73,7 +73,7 @@ def test_cogen_without_room_is_skipped() -> None:
 def test_calls_run_before_the_step_whatever_is_queued() -> None:
     # A call behind a long prefill and rounds is still planned now, before the step.
     queue = [fwd(8000, tenant="a"), fwd(2), CHEAP, fwd(3000, tenant="b"), CALL, fwd(1), CALL]
-    plan = plan_step(queue, BatchLimits(8, 4096, 512), active_sessions=4)
+    plan = plan_step(queue, BatchLimits(8, 4096, 512, prefill_share=0.0), active_sessions=4)
     assert plan.calls == (4, 6)
     assert plan.cheap == (2,)
     assert plan.taken == frozenset({0, 1, 2, 3, 4, 5, 6})
@@ -82,7 +82,7 @@ def test_calls_run_before_the_step_whatever_is_queued() -> None:
 def test_a_long_prompt_never_holds_back_a_round() -> None:
     """Rounds first, whole; the prefill gets the chunk budget (others are open) and its row is
     not padding theirs: they run in separate forwards when that costs less."""
-    lim = BatchLimits(8, 4096, 512)
+    lim = BatchLimits(8, 4096, 512, prefill_share=0.0)
     queue = [fwd(8000, tenant="a")] + [fwd(2, tenant="h")] * 3
     plan = plan_step(queue, lim, active_sessions=4, overhead_tokens=10)
     assert rows(plan)[:3] == [(1, 2, 7), (2, 2, 7), (3, 2, 7)]
@@ -93,7 +93,7 @@ def test_a_long_prompt_never_holds_back_a_round() -> None:
 
 
 def test_a_lone_prefill_takes_the_whole_step() -> None:
-    lim = BatchLimits(8, 4096, 512)
+    lim = BatchLimits(8, 4096, 512, prefill_share=0.0)
     plan = plan_step([fwd(8000)], lim, active_sessions=1)
     assert rows(plan) == [(0, 4096, 4096)]
     # its last chunk carries the draft and decides
@@ -104,7 +104,7 @@ def test_a_lone_prefill_takes_the_whole_step() -> None:
 def test_prefill_budget_is_shared_fairly_between_tenants() -> None:
     """Eight sessions of one tenant against one of another: half the budget each; within the
     attacker, oldest first."""
-    lim = BatchLimits(16, 4096, 512)
+    lim = BatchLimits(16, 4096, 512, prefill_share=0.0)
     queue = [fwd(1500, tenant="attacker")] * 8 + [fwd(1500, tenant="honest")]
     plan = plan_step(queue, lim, active_sessions=12)
     got: dict[str, int] = {}
@@ -123,7 +123,7 @@ def test_fair_shares_is_max_min_fair() -> None:
 
 
 def test_rounds_leave_the_prefill_at_least_its_floor() -> None:
-    lim = BatchLimits(8, 64, 512)
+    lim = BatchLimits(8, 64, 512, prefill_share=0.0)
     queue = [fwd(DECODE_FIXED, 0), fwd(2000, tenant="a")]
     plan = plan_step(queue, lim, active_sessions=3)
     assert rows(plan) == [(0, DECODE_FIXED, DECODE_FIXED), (1, MIN_PREFILL, MIN_PREFILL)]
@@ -167,7 +167,7 @@ def test_every_round_is_served_every_step_beside_looping_long_prompts() -> None:
     """Four honest sessions beside eight of one tenant looping 8,000-token prompts: every
     honest round is in every step, and no step computes more than the rounds and one chunk
     budget."""
-    lim = BatchLimits(16, 4096, 512)
+    lim = BatchLimits(16, 4096, 512, prefill_share=0.0)
     honest = [fwd(2, 9, "h")] * 4
     attack = [fwd(8000, 1, "a")] * 8
     plans = simulate(attack + honest, lim, steps=40, active_sessions=12)
@@ -180,7 +180,7 @@ def test_every_round_is_served_every_step_beside_looping_long_prompts() -> None:
 
 
 def test_two_tenants_long_prompts_progress_at_the_same_rate() -> None:
-    lim = BatchLimits(16, 4096, 512)
+    lim = BatchLimits(16, 4096, 512, prefill_share=0.0)
     queue = [fwd(6000, 1, "a")] * 6 + [fwd(6000, 1, "b")]
     plans = simulate(queue, lim, steps=10, active_sessions=10)
     a = sum(r.chunk for p in plans for r in p.rows if r.index < 6)
@@ -217,7 +217,7 @@ def test_queue_eta_counts_a_prefill_in_chunks_not_as_its_age() -> None:
     times = StepTimes()
     times.anchor(10, 0.2)
     times.anchor(110, 1.2)
-    lim = BatchLimits(8, 4096, 100)
+    lim = BatchLimits(8, 4096, 100, prefill_share=0.0)
     rule = StallRule()
     queue = [fwd(8000, 1, "a")]
     # a new round waits one step: nothing but the prefill's chunk ahead of it
@@ -239,7 +239,7 @@ def test_the_plan_names_each_rows_pages_and_cuts_a_chunk_to_the_pages_there_are(
     """The KV manager's figures (tokens cached, pages held, pages free): rounds take their pages
     first; a prefill's chunk is cut to what is left (whole pages), and planned as it is when not
     a page is left, so that it fails at once instead of waiting without bound."""
-    lim = BatchLimits(8, 4096, 512)
+    lim = BatchLimits(8, 4096, 512, prefill_share=0.0)
     rnd = Queued(Kind.FORWARD, 2, 9, "h", cached=30, held=2)  # 30 + 11 tokens: one page more
     long = Queued(Kind.FORWARD, 2000, 1, "a", cached=0, held=0)
     plan = plan_step([rnd, long], lim, active_sessions=2, pages=Pages(free=6, size=16))
