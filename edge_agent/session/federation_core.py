@@ -26,7 +26,9 @@ docs/how-it-works/federation.md):
   *left out*: it keeps its session (its queued work finishes), is sent no more batches but a
   probe when it has none outstanding, and is *readmitted* as soon as a reply of its comes
   within ``READMIT_FRACTION`` of the wait bound (``max(deadline_s, WAIT_FACTOR × the fastest
-  in-step member's median round)``). A failed probe spaces the next by its own round time.
+  in-step member's median round)``) with no other Propose of its unanswered (caught up: it is
+  sent the next D batches, not D more on top of those it owes). A failed probe spaces the next
+  by its own round time.
 
 Member states:
 
@@ -41,8 +43,9 @@ LIVE    the round passed its wait bound       → BEHIND (left out; counted, not
         without its reply
 BEHIND  a batch is sent, nothing outstanding  Propose (a probe), at most one at a time
         and its probe is due
-BEHIND  a reply within the readmission bound  → LIVE (counted as a rejoin)
-BEHIND  a reply slower than that              next probe no sooner than that round time
+BEHIND  its last reply owed, within the       → LIVE (counted as a rejoin)
+        readmission bound
+BEHIND  its last reply owed, slower than that next probe no sooner than that round time
 LIVE,   FederatedReply for a batch in flight  filed for that batch's decision (a BEHIND
 BEHIND                                        member's too: nobody waits for it, but a reply
                                               in time counts)
@@ -432,6 +435,18 @@ class FederatedCore(DraftingCore):
         return []
 
     def _maybe_readmit(self, w: Worker, round_s: float, now: float) -> None:
+        """A left-out member's reply took ``round_s``. Once it has caught up (that was the last
+        Propose it owed): back in step if ``round_s`` is within the readmission bound, else its
+        next probe no sooner than ``round_s`` from now.
+
+        Bound: a member in step owes at most 2·D − 1 Proposes (D − 1 discarded by a rejection
+        it answered the head of, plus the D in flight); a left-out one no more than it owed
+        when left out, or one probe. A member in step is sent every new batch, so one
+        readmitted while it still owed Proposes would get D more on top of them: it waits until
+        its queue is empty, and a fast reply before that only says that it is catching up (its
+        last reply, queueing included, decides)."""
+        if w.outstanding:
+            return
         bound = READMIT_FRACTION * self.wait_bound(exclude=w)
         if round_s <= bound:
             log.info(

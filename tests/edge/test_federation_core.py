@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cloud_verifier.engine.work import Work
@@ -474,6 +474,14 @@ class _Member:
     workers=st.integers(2, 3),
     depth=st.integers(1, 3),
 )  # fmt: skip
+# A left-out member readmitted by a reply while it still owed 4 Proposes was sent 3 new ones
+# (7 > 2·D): it is readmitted only once it has caught up.
+@example(
+    phases=[(1.0, [3.0, 3.0, 0.05]), (15.0, [15.0, 15.0, 0.05]), (1.0, [0.3, 3.0, 0.05])],
+    hits=[False],
+    workers=2,
+    depth=3,
+)
 def test_members_of_any_speed_against_real_verifiers(
     phases: list[tuple[float, list[float]]], hits: list[bool], workers: int, depth: int
 ) -> None:
