@@ -319,7 +319,7 @@ def build_app(
             header_timeout=settings.header_timeout,
             max_pending=settings.max_pending_connections,
             max_pending_per_address=settings.max_pending_per_address,
-            metrics=metrics,
+            metrics=metrics.http,
         ),
     )
     metrics.slots_total.set(settings.max_sessions)

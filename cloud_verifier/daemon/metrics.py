@@ -8,7 +8,7 @@ Only verdict-mode rounds count as drafts: in federated mode the edge decides acc
 from __future__ import annotations
 
 from cloud_verifier.engine.work import FailureKind
-from shared.service.metrics import Registry
+from shared.service.metrics import Counter, Gauge, Histogram, HttpMetrics, Registry
 
 #: Buckets for per-round and per-forward times (seconds).
 _TIME_BUCKETS = (
@@ -20,118 +20,115 @@ _TIME_BUCKETS = (
 class VerifierMetrics:
     def __init__(self) -> None:
         r = self.registry = Registry()
-        self.num_drafts = r.counter(
-            "wanspec_spec_decode_num_drafts_total", "Draft batches verified (verdict mode)."
+        self.num_drafts = Counter(
+            r, "wanspec_spec_decode_num_drafts_total", "Draft batches verified (verdict mode)."
         )
-        self.num_draft_tokens = r.counter(
-            "wanspec_spec_decode_num_draft_tokens_total", "Draft tokens verified (verdict mode)."
+        self.num_draft_tokens = Counter(
+            r, "wanspec_spec_decode_num_draft_tokens_total", "Draft tokens verified (verdict mode)."
         )
-        self.num_accepted_tokens = r.counter(
-            "wanspec_spec_decode_num_accepted_tokens_total", "Draft tokens accepted."
+        self.num_accepted_tokens = Counter(
+            r, "wanspec_spec_decode_num_accepted_tokens_total", "Draft tokens accepted."
         )
-        self.accepted_per_pos = r.counter(
+        self.accepted_per_pos = Counter(
+            r,
             "wanspec_spec_decode_num_accepted_tokens_per_pos_total",
             "Draft tokens accepted, by position in the batch (0 = first draft token).",
             labels=("position",),
         )
-        self.corrections = r.counter(
+        self.corrections = Counter(
+            r,
             "wanspec_corrections_total",
             "Rejections answered, by correction kind (sparse, candidates, token).",
             labels=("kind",),
         )
-        self.bonus_tokens = r.counter("wanspec_bonus_tokens_total", "Bonus tokens sent.")
-        self.resamples = r.counter("wanspec_resamples_total", "Resample requests answered.")
-        self.federated_rounds = r.counter(
-            "wanspec_federated_rounds_total", "Proposes answered with a FederatedReply."
+        self.bonus_tokens = Counter(r, "wanspec_bonus_tokens_total", "Bonus tokens sent.")
+        self.resamples = Counter(r, "wanspec_resamples_total", "Resample requests answered.")
+        self.federated_rounds = Counter(
+            r, "wanspec_federated_rounds_total", "Proposes answered with a FederatedReply."
         )
-        self.fixed_tokens = r.counter(
+        self.fixed_tokens = Counter(
+            r,
             "wanspec_fixed_tokens_total",
             "Fixed tokens (prompt, corrections) run through the model.",
         )
-        self.rollbacks = r.counter("wanspec_rollbacks_total", "Rollback frames applied.")
-        self.stale_dropped = r.counter(
+        self.rollbacks = Counter(r, "wanspec_rollbacks_total", "Rollback frames applied.")
+        self.stale_dropped = Counter(
+            r,
             "wanspec_stale_proposes_dropped_total",
             "Proposes of an old epoch dropped without model work.",
         )
-        self.bytes_received = r.counter(
-            "wanspec_bytes_received_total", "WebSocket payload bytes received."
+        self.bytes_received = Counter(
+            r, "wanspec_bytes_received_total", "WebSocket payload bytes received."
         )
-        self.bytes_sent = r.counter("wanspec_bytes_sent_total", "WebSocket payload bytes sent.")
-        self.frames_received = r.counter(
-            "wanspec_frames_received_total", "WebSocket data frames received."
+        self.bytes_sent = Counter(r, "wanspec_bytes_sent_total", "WebSocket payload bytes sent.")
+        self.frames_received = Counter(
+            r, "wanspec_frames_received_total", "WebSocket data frames received."
         )
-        self.frames_sent = r.counter("wanspec_frames_sent_total", "WebSocket data frames sent.")
-        self.bad_frames = r.counter(
+        self.frames_sent = Counter(r, "wanspec_frames_sent_total", "WebSocket data frames sent.")
+        self.bad_frames = Counter(
+            r,
             "wanspec_bad_frames_total",
             "Frames refused with a non-fatal error (bad_frame, bad_seq, bad_pos, ...).",
         )
-        self.errors_sent = r.counter(
-            "wanspec_errors_sent_total", "Error frames sent, by code.", labels=("code",)
+        self.errors_sent = Counter(
+            r, "wanspec_errors_sent_total", "Error frames sent, by code.", labels=("code",)
         )
-        self.model_errors = r.counter(
+        self.model_errors = Counter(
+            r,
             "wanspec_model_errors_total",
             "Model work not done (an Error model_error, or a co-generation paused), by failure "
             f"kind ({', '.join(FailureKind.choices())}).",
             labels=("kind",),
         )
-        self.slow_readers = r.counter(
+        self.slow_readers = Counter(
+            r,
             "wanspec_slow_readers_total",
             "Sessions closed because the peer stopped reading (send_timeout, max_send_buffer).",
         )
-        self.connections_rate_limited = r.counter(
+        self.connections_rate_limited = Counter(
+            r,
             "wanspec_connections_rate_limited_total",
             "Connections closed because their WebSocket pings, pongs or control frames passed "
             "max_frame_rate / frame_burst (1008 rate_limited).",
         )
-        self.sessions_active = r.gauge("wanspec_sessions_active", "Open sessions.")
-        self.slots_used = r.gauge(
+        self.sessions_active = Gauge(r, "wanspec_sessions_active", "Open sessions.")
+        self.slots_used = Gauge(
+            r,
             "wanspec_session_slots_used",
             "Session slots held (sessions open or upgrading), against max_sessions.",
         )
-        self.slots_total = r.gauge("wanspec_session_slots_total", "max_sessions.")
-        self.idle_closed = r.counter(
+        self.slots_total = Gauge(r, "wanspec_session_slots_total", "max_sessions.")
+        self.idle_closed = Counter(
+            r,
             "wanspec_sessions_idle_closed_total",
             "Sessions closed after idle_timeout s without model work (their slot freed).",
         )
-        self.sessions_revoked = r.counter(
+        self.sessions_revoked = Counter(
+            r,
             "wanspec_sessions_revoked_total",
             "Sessions closed because their token was removed from the token file.",
         )
-        self.http_pending = r.gauge(
-            "wanspec_http_pending_connections",
-            "Connections whose request headers are not complete yet (or idle in keep-alive).",
+        self.http = HttpMetrics.declare(r, "wanspec_", "connections")
+        self.tokens_configured = Gauge(
+            r, "wanspec_tokens_configured", "Bearer tokens accepted now."
         )
-        self.http_refused = r.counter(
-            "wanspec_http_connections_refused_total",
-            "Connections refused at once (503) by reason (max_pending_connections, "
-            "max_pending_per_address).",
-            labels=("reason",),
-        )
-        self.http_evicted = r.counter(
-            "wanspec_http_pending_evicted_total",
-            "Pending connections closed to admit a new one (max_pending_connections reached; "
-            "the oldest, if it had waited long enough).",
-        )
-        self.header_timeouts = r.counter(
-            "wanspec_http_header_timeouts_total",
-            "Connections closed because their request headers did not arrive within "
-            "header_timeout.",
-        )
-        self.tokens_configured = r.gauge("wanspec_tokens_configured", "Bearer tokens accepted now.")
-        self.token_file_ok = r.gauge(
+        self.token_file_ok = Gauge(
+            r,
             "wanspec_token_file_ok",
             "1 when the token file was last read fine; 0 when it is empty, unparsable or "
             "unreadable (the previous tokens are kept).",
         )
-        self.token_reloads = r.counter(
-            "wanspec_token_reloads_total", "Token file reloads that changed the tokens."
+        self.token_reloads = Counter(
+            r, "wanspec_token_reloads_total", "Token file reloads that changed the tokens."
         )
-        self.token_file_errors = r.counter(
+        self.token_file_errors = Counter(
+            r,
             "wanspec_token_file_errors_total",
             "Token file reads that failed (empty, unparsable, unreadable; tokens kept).",
         )
-        self.sessions = r.counter("wanspec_sessions_total", "Sessions established (Welcome sent).")
-        self.sessions_refused = r.counter(
+        self.sessions = Counter(r, "wanspec_sessions_total", "Sessions established (Welcome sent).")
+        self.sessions_refused = Counter(
+            r,
             "wanspec_sessions_refused_total",
             "Session requests refused, by reason: the refusal's ErrorCode (unauthorized, "
             "loading, stopping, internal, busy, overloaded, kv_full, token_limit, bad_header, "
@@ -139,136 +136,163 @@ class VerifierMetrics:
             "fingerprint_mismatch).",
             labels=("reason",),
         )
-        self.sessions_resumed = r.counter(
+        self.sessions_resumed = Counter(
+            r,
             "wanspec_sessions_resumed_total",
             "Sessions that resumed a lost session's KV cache (no prefill of what it held).",
         )
-        self.resumed_tokens = r.counter(
-            "wanspec_resumed_tokens_total", "Cached tokens kept by resumed sessions."
+        self.resumed_tokens = Counter(
+            r, "wanspec_resumed_tokens_total", "Cached tokens kept by resumed sessions."
         )
-        self.resume_misses = r.counter(
+        self.resume_misses = Counter(
+            r,
             "wanspec_resume_misses_total",
             "Resume requests answered with a new session, by reason (unknown: no such lost "
             "session or expired; tenant: another bearer token's).",
             labels=("reason",),
         )
-        self.parked = r.gauge(
-            "wanspec_parked_sessions", "Lost sessions whose KV cache is kept for resumption."
+        self.parked = Gauge(
+            r, "wanspec_parked_sessions", "Lost sessions whose KV cache is kept for resumption."
         )
-        self.parked_dropped = r.counter(
+        self.parked_dropped = Counter(
+            r,
             "wanspec_parked_dropped_total",
             "Lost sessions' caches dropped, by reason (expired; budget: their pages passed "
             "resume_pages_share; pressure: a new session needed the slot or pages; token: a "
             "new session of the same token needed its room under max_sessions_per_token).",
             labels=("reason",),
         )
-        self.progress_frames = r.counter(
-            "wanspec_progress_frames_total", "Progress frames sent (model work waiting or running)."
+        self.progress_frames = Counter(
+            r,
+            "wanspec_progress_frames_total",
+            "Progress frames sent (model work waiting or running).",
         )
-        self.queue_delay = r.gauge(
+        self.queue_delay = Gauge(
+            r,
             "wanspec_queue_delay_seconds",
             "The engine's queueing delay as admission control last saw it.",
         )
-        self.model_forwards = r.counter(
+        self.model_forwards = Counter(
+            r,
             "wanspec_model_forwards_total",
             "Session rows in target forwards (one per verified Propose; a batched forward "
             "carries several).",
         )
-        self.coalesced = r.counter(
+        self.coalesced = Counter(
+            r,
             "wanspec_coalesced_proposes_total",
             "Proposes verified in the forward of the Propose queued before them (coalescing).",
         )
-        self.busy_seconds = r.counter(
+        self.busy_seconds = Counter(
+            r,
             "wanspec_engine_busy_seconds_total",
             "Seconds the engine spent in steps (target forwards and decisions, co-generation "
             "included): the verifier's GPU time; per committed token, divide by the tokens.",
         )
-        self.cogen_tokens = r.counter(
+        self.cogen_tokens = Counter(
+            r,
             "wanspec_cogen_tokens_total",
             "Tokens the verifier co-generated (decoded on its own while a session had no valid "
             "draft queued).",
         )
-        self.hedge_tokens = r.counter(
+        self.hedge_tokens = Counter(
+            r,
             "wanspec_hedge_tokens_total",
             "Co-generated tokens that were a hedge's draft tokens, accepted in one forward.",
         )
-        self.tree_branches = r.counter(
+        self.tree_branches = Counter(
+            r,
             "wanspec_tree_branches_total",
             "Token-tree branches verified in the forward of the batch they fork from.",
         )
-        self.tree_branches_opened = r.counter(
+        self.tree_branches_opened = Counter(
+            r,
             "wanspec_tree_branches_opened_total",
             "Of those, opened by the recovered token (their tokens committed in that forward).",
         )
-        self.tree_tokens = r.counter(
+        self.tree_tokens = Counter(
+            r,
             "wanspec_tree_tokens_total",
             "Draft tokens of opened token-tree branches accepted in the forward of their batch.",
         )
-        self.cloud_draft_proposed = r.counter(
+        self.cloud_draft_proposed = Counter(
+            r,
             "wanspec_cloud_draft_tokens_proposed_total",
             "Draft tokens the verifier made for itself (cloud_draft), verified in co-generation.",
         )
-        self.cloud_draft_tokens = r.counter(
+        self.cloud_draft_tokens = Counter(
+            r,
             "wanspec_cloud_draft_tokens_accepted_total",
             "Of those, accepted (co-generated in one forward with the next token).",
         )
-        self.cloud_drafts_withheld = r.counter(
+        self.cloud_drafts_withheld = Counter(
+            r,
             "wanspec_cloud_drafts_withheld_total",
             "Co-generations that asked for a cloud model draft and decoded one token instead: "
             "reason=load (the step verified edge drafts), reason=cost (the session's acceptance "
             "did not pay for the draft forwards).",
             labels=("reason",),
         )
-        self.cogen_skipped = r.counter(
+        self.cogen_skipped = Counter(
+            r,
             "wanspec_cogen_skipped_total",
             "Co-generation steps given no forward: the engine's step was full of drafts to verify.",
         )
-        self.batch_sessions = r.histogram(
+        self.batch_sessions = Histogram(
+            r,
             "wanspec_batch_sessions",
             "Sessions in one batched forward of the engine.",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         )
-        self.prefix_hit_tokens = r.counter(
+        self.prefix_hit_tokens = Counter(
+            r,
             "wanspec_prefix_cache_hit_tokens_total",
             "Prompt tokens new sessions took from the prefix cache instead of computing them.",
         )
-        self.prefix_cached_pages = r.gauge(
+        self.prefix_cached_pages = Gauge(
+            r,
             "wanspec_prefix_cache_pages",
             "KV pages in the prefix cache (held by sessions or idle; idle ones are evicted, "
             "least recently used first, when a page is needed).",
         )
-        self.prefix_evictions = r.counter(
+        self.prefix_evictions = Counter(
+            r,
             "wanspec_prefix_cache_evictions_total",
             "Cached KV pages evicted because a page was needed and none was free.",
         )
-        self.kv_bytes_total = r.gauge(
-            "wanspec_kv_cache_bytes_total", "KV cache memory preallocated (kv_cache_tokens)."
+        self.kv_bytes_total = Gauge(
+            r, "wanspec_kv_cache_bytes_total", "KV cache memory preallocated (kv_cache_tokens)."
         )
-        self.kv_bytes_used = r.gauge(
-            "wanspec_kv_cache_bytes_used", "KV cache memory in pages held by sessions."
+        self.kv_bytes_used = Gauge(
+            r, "wanspec_kv_cache_bytes_used", "KV cache memory in pages held by sessions."
         )
-        self.kv_pages_total = r.gauge("wanspec_kv_cache_pages_total", "KV cache pages.")
-        self.kv_pages_used = r.gauge("wanspec_kv_cache_pages_used", "KV cache pages held.")
-        self.model_ready = r.gauge(
+        self.kv_pages_total = Gauge(r, "wanspec_kv_cache_pages_total", "KV cache pages.")
+        self.kv_pages_used = Gauge(r, "wanspec_kv_cache_pages_used", "KV cache pages held.")
+        self.model_ready = Gauge(
+            r,
             "wanspec_model_ready",
             "1 once the target model is loaded; 0 again if the engine's thread dies.",
         )
-        self.verify_seconds = r.histogram(
+        self.verify_seconds = Histogram(
+            r,
             "wanspec_verify_seconds",
             "Worker time of one Propose: forward, sampling transform and decision.",
             buckets=_TIME_BUCKETS,
         )
-        self.forward_seconds = r.histogram(
+        self.forward_seconds = Histogram(
+            r,
             "wanspec_forward_seconds",
             "Worker time of the model forward alone.",
             buckets=_TIME_BUCKETS,
         )
-        self.queue_seconds = r.histogram(
+        self.queue_seconds = Histogram(
+            r,
             "wanspec_worker_queue_seconds",
             "Time a job waited for the model worker (other sessions' work ahead of it).",
             buckets=_TIME_BUCKETS,
         )
-        self.round_seconds = r.histogram(
+        self.round_seconds = Histogram(
+            r,
             "wanspec_round_seconds",
             "Propose taken up → reply sent, in the session handler (taken up: received, or, "
             "for one read ahead while the session's previous work ran, its own work started).",

@@ -662,7 +662,7 @@ def build_app(
         header_timeout=s.header_timeout,
         max_pending=s.max_pending_connections,
         max_pending_per_address=s.max_pending_per_address,
-        metrics=service.metrics,
+        metrics=service.metrics.http,
         logger=log,
     )
     app[STATE] = ServerState(

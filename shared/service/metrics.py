@@ -1,12 +1,13 @@
 """A tiny Prometheus text exposition (format 0.0.4): counters, gauges, histograms with labels.
 
-No dependencies, no asyncio, no I/O: a :class:`Registry` holds metrics and :meth:`Registry.render`
-returns the text a ``/metrics`` endpoint serves. Updates take a per-metric lock, so a worker
+No dependencies, no asyncio, no I/O: a :class:`Registry` holds metrics (each registers itself in
+the registry it is made for, as in ``prometheus_client``) and :meth:`Registry.render` returns the
+text a ``/metrics`` endpoint serves. Updates take a per-metric lock, so a worker
 thread may record into the same metrics as the event loop.
 
     reg = Registry()
-    drafts = reg.counter("wanspec_spec_decode_num_drafts_total", "Draft batches verified.")
-    per_pos = reg.counter("wanspec_x_total", "Per position.", labels=("position",))
+    drafts = Counter(reg, "wanspec_spec_decode_num_drafts_total", "Draft batches verified.")
+    per_pos = Counter(reg, "wanspec_x_total", "Per position.", labels=("position",))
     drafts.inc()
     per_pos.labels(position="0").inc()
     text = reg.render()
@@ -18,6 +19,7 @@ import math
 import re
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "Counter",
     "Gauge",
     "Histogram",
+    "HttpMetrics",
     "Registry",
 ]
 
@@ -65,7 +68,9 @@ def _label_text(names: Sequence[str], values: Sequence[str]) -> str:
 class _Metric:
     kind: str = ""
 
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
+    def __init__(
+        self, registry: Registry, name: str, help_text: str, labels: Sequence[str] = ()
+    ) -> None:
         if not _NAME_RE.match(name):
             raise ValueError(f"invalid metric name {name!r}")
         for label in labels:
@@ -75,6 +80,8 @@ class _Metric:
         self.help = help_text
         self.labelnames: tuple[str, ...] = tuple(labels)
         self._lock = threading.Lock()
+        # Last: a scrape may render it from now on (subclasses set their data before).
+        registry._register(self)
 
     def _key(self, labelvalues: dict[str, str]) -> LabelValues:
         if set(labelvalues) != set(self.labelnames):
@@ -96,9 +103,11 @@ class _Metric:
 class _Value(_Metric):
     """Counter and gauge: one float per label set."""
 
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labels)
+    def __init__(
+        self, registry: Registry, name: str, help_text: str, labels: Sequence[str] = ()
+    ) -> None:
         self._values: dict[LabelValues, float] = {} if labels else {(): 0.0}
+        super().__init__(registry, name, help_text, labels)
 
     def _add(self, key: LabelValues, amount: float) -> None:
         with self._lock:
@@ -172,12 +181,12 @@ class Histogram(_Metric):
 
     def __init__(
         self,
+        registry: Registry,
         name: str,
         help_text: str,
         labels: Sequence[str] = (),
         buckets: Iterable[float] = DEFAULT_BUCKETS,
     ) -> None:
-        super().__init__(name, help_text, labels)
         bounds = sorted(float(b) for b in buckets if not math.isinf(b))
         if not bounds or len(set(bounds)) != len(bounds):
             raise ValueError(f"{name}: buckets must be distinct and non-empty")
@@ -186,6 +195,7 @@ class Histogram(_Metric):
         self._data: dict[LabelValues, list[float]] = {}
         if not labels:
             self._data[()] = [0.0] * (len(self.bounds) + 1)
+        super().__init__(registry, name, help_text, labels)
 
     def observe(self, value: float, **labels: str) -> None:
         key = self._key(labels)
@@ -234,27 +244,6 @@ class Registry:
                 raise ValueError(f"metric {metric.name} is already registered")
             self._metrics[metric.name] = metric
 
-    def counter(self, name: str, help_text: str, labels: Sequence[str] = ()) -> Counter:
-        c = Counter(name, help_text, labels)
-        self._register(c)
-        return c
-
-    def gauge(self, name: str, help_text: str, labels: Sequence[str] = ()) -> Gauge:
-        g = Gauge(name, help_text, labels)
-        self._register(g)
-        return g
-
-    def histogram(
-        self,
-        name: str,
-        help_text: str,
-        labels: Sequence[str] = (),
-        buckets: Iterable[float] = DEFAULT_BUCKETS,
-    ) -> Histogram:
-        h = Histogram(name, help_text, labels, buckets)
-        self._register(h)
-        return h
-
     def names(self) -> list[str]:
         with self._lock:
             return list(self._metrics)
@@ -267,3 +256,47 @@ class Registry:
         for m in metrics:
             lines += m.render()
         return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class HttpMetrics:
+    """The metrics of a service's HTTP connection guard
+    (:class:`shared.service.http_guard.GuardMetrics`), declared alike for every service: named
+    ``{prefix}http_*``, their help calling the guarded connections ``connections``."""
+
+    http_pending: Gauge
+    http_refused: Counter
+    http_evicted: Counter
+    header_timeouts: Counter
+
+    @classmethod
+    def declare(cls, registry: Registry, prefix: str, connections: str) -> HttpMetrics:
+        """Registered in ``registry``; ``connections`` as it reads in the middle of a sentence
+        ("connections", "API connections")."""
+        each = connections[:1].upper() + connections[1:]
+        return cls(
+            http_pending=Gauge(
+                registry,
+                f"{prefix}http_pending_connections",
+                f"{each} whose request headers are not complete yet (or idle in keep-alive).",
+            ),
+            http_refused=Counter(
+                registry,
+                f"{prefix}http_connections_refused_total",
+                f"{each} refused at once (503) by reason (max_pending_connections, "
+                "max_pending_per_address).",
+                labels=("reason",),
+            ),
+            http_evicted=Counter(
+                registry,
+                f"{prefix}http_pending_evicted_total",
+                f"Pending {connections} closed to admit a new one (max_pending_connections "
+                "reached; the oldest, if it had waited long enough).",
+            ),
+            header_timeouts=Counter(
+                registry,
+                f"{prefix}http_header_timeouts_total",
+                f"{each} closed because their request headers did not arrive within "
+                "header_timeout.",
+            ),
+        )

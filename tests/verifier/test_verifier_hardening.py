@@ -235,7 +235,7 @@ async def test_a_full_pending_table_still_admits_new_clients() -> None:
         assert kinds == [b"HTTP/1.1 408"] * (12 - evicted) + [b"HTTP/1.1 503"] * evicted, answers
         for _, w in conns:
             w.close()
-    assert state.metrics.http_evicted.get() == evicted
+    assert state.metrics.http.http_evicted.get() == evicted
 
 
 async def test_idle_keep_alive_connections_are_closed_after_the_header_timeout() -> None:

@@ -16,17 +16,17 @@ from cloud_verifier.engine.targets import NullTarget, compiles, parse_null_spec
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages
 from shared.service.config import Switch
-from shared.service.metrics import Registry
+from shared.service.metrics import Counter, Gauge, Histogram, Registry
 
 pytestmark = pytest.mark.fast
 
 
 def test_metrics_render() -> None:
     reg = Registry()
-    c = reg.counter("a_total", "A count.")
-    lab = reg.counter("b_total", "Per thing.", labels=("thing",))
-    g = reg.gauge("c", "A gauge.")
-    h = reg.histogram("d_seconds", "Times.", buckets=(0.1, 1.0))
+    c = Counter(reg, "a_total", "A count.")
+    lab = Counter(reg, "b_total", "Per thing.", labels=("thing",))
+    g = Gauge(reg, "c", "A gauge.")
+    h = Histogram(reg, "d_seconds", "Times.", buckets=(0.1, 1.0))
     c.inc()
     c.inc(2)
     lab.labels(thing='x"y\\z\n').inc()
@@ -52,9 +52,9 @@ def test_metrics_render() -> None:
     with pytest.raises(ValueError, match="labels"):
         lab.inc(other="x")
     with pytest.raises(ValueError, match="already"):
-        reg.counter("a_total", "again")
+        Counter(reg, "a_total", "again")
     with pytest.raises(ValueError, match="invalid metric name"):
-        reg.gauge("bad-name", "x")
+        Gauge(reg, "bad-name", "x")
 
 
 def test_verifier_metric_names_are_stable() -> None:
