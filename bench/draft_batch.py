@@ -25,7 +25,7 @@ import orjson
 import torch
 
 from bench.run import DRAFT_BATCH_COST, load_draft_model, machine_info
-from edge_agent.model.drafter import Drafter
+from edge_agent.model.drafter import Drafter, DraftRow
 from shared.maths.sampling import SamplingParams
 from shared.runtime.models import load_model
 
@@ -106,12 +106,12 @@ def measure(drafter: Drafter, context: int, batch: int, steps: int, seed: int) -
     vocab = drafter.vocab_size
     prompt = [int(t) for t in rng.integers(0, vocab, size=context)]
     params = SamplingParams(0.0)
-    drafter.draft(prompt, params, rng, deterministic=True)
+    drafter.draft(DraftRow(prompt, params, rng, True))
     seqs = [[*prompt[: context - 1 - i % 8], int(rng.integers(vocab))] for i in range(batch)]
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        out = drafter.draft_many(seqs, params, rng, deterministic=True, rival=True)
+        out = drafter.draft_many([DraftRow(s, params, rng, True, rival=True) for s in seqs])
         times.append(time.perf_counter() - t0)
         seqs = [[*s, step.token] for s, step in zip(seqs, out, strict=True)]
     drafter.release_branches()

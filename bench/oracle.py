@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_agent.model.drafter import DraftStep
+from edge_agent.model.drafter import DraftRow, DraftStep
 from edge_agent.model.lm import CausalLM, SupportsCausalLM
 from shared.maths.sampling import Probs, SamplingParams
 
@@ -212,19 +212,11 @@ class OracleDrafter:
             raise ValueError("the draft needs at least one token of context")
         return self._onehot(self.propose(seq))
 
-    def draft(
-        self,
-        seq: Sequence[int],
-        params: SamplingParams,
-        rng: np.random.Generator,
-        *,
-        deterministic: bool,
-        rival: bool = False,
-    ) -> DraftStep:
-        """The oracle's token with a one-hot q, whatever ``deterministic`` (module docstring).
-        Its confidence is α (exactly calibrated, the same at every position: the adaptive γ's
-        early cut sees it); it has no rival (an oracle is never hedged)."""
-        if not seq:
+    def draft(self, row: DraftRow) -> DraftStep:
+        """The oracle's token with a one-hot q, whatever ``row.deterministic`` (module
+        docstring). Its confidence is α (exactly calibrated, the same at every position: the
+        adaptive γ's early cut sees it); it has no rival (an oracle is never hedged)."""
+        if not row.seq:
             raise ValueError("the draft needs at least one token of context")
-        x = self.propose(seq)
+        x = self.propose(row.seq)
         return DraftStep(x, self._onehot(x), self.alpha)

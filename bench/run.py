@@ -508,17 +508,9 @@ class TimedDrafter:
     def next_dist(self, seq: Sequence[int], params: SamplingParams) -> Probs:
         return self.inner.next_dist(seq, params)
 
-    def draft(
-        self,
-        seq: Sequence[int],
-        params: SamplingParams,
-        rng: np.random.Generator,
-        *,
-        deterministic: bool,
-        rival: bool = False,
-    ) -> DraftStep:
+    def draft(self, row: DraftRow) -> DraftStep:
         t0 = time.perf_counter()
-        out = self.inner.draft(seq, params, rng, deterministic=deterministic, rival=rival)
+        out = self.inner.draft(row)
         self._pad(t0, self.pad_s)
         return out
 
@@ -527,40 +519,16 @@ class TimedDrafter:
         """A GPU-class device's (the regime emulates a Jetson, not this CPU)."""
         return Drafter.BRANCH_BATCH_GPU
 
-    def draft_many(
-        self,
-        seqs: Sequence[Sequence[int]],
-        params: SamplingParams,
-        rng: np.random.Generator,
-        *,
-        deterministic: bool,
-        rival: bool = False,
-    ) -> list[DraftStep]:
-        """Branches stepped together: one batched forward where the inner draft has one (else
-        one step after another, computing nothing for an oracle), padded to a batched step's
-        emulated time, ``pad_s`` · (1 + DRAFT_BATCH_COST · (B − 1))."""
+    def draft_many(self, rows: Sequence[DraftRow]) -> list[DraftStep]:
+        """Branches (or concurrent generations' steps, :mod:`edge_agent.model.batching`)
+        stepped together: one batched forward where the inner draft has one (else one step
+        after another, computing nothing for an oracle), padded to a batched step's emulated
+        time, ``pad_s`` · (1 + DRAFT_BATCH_COST · (B − 1))."""
         t0 = time.perf_counter()
-        kw = {"deterministic": deterministic, "rival": rival}
         if isinstance(self.inner, BranchDrafting):
-            out = self.inner.draft_many(seqs, params, rng, **kw)
+            out = self.inner.draft_many(rows)
         else:
-            out = [self.inner.draft(seq, params, rng, **kw) for seq in seqs]
-        self._pad(t0, self.pad_s * (1 + DRAFT_BATCH_COST * (len(seqs) - 1)))
-        return out
-
-    def draft_rows(self, rows: Sequence[DraftRow]) -> list[DraftStep]:
-        """Concurrent generations' steps in one batched forward (the edge serving several
-        requests, :mod:`edge_agent.model.batching`), padded as ``draft_many``'s branches are."""
-        t0 = time.perf_counter()
-        if isinstance(self.inner, Drafter):
-            out = self.inner.draft_rows(rows)
-        else:
-            out = [
-                self.inner.draft(
-                    r.seq, r.params, r.rng, deterministic=r.deterministic, rival=r.rival
-                )
-                for r in rows
-            ]
+            out = [self.inner.draft(row) for row in rows]
         self._pad(t0, self.pad_s * (1 + DRAFT_BATCH_COST * (len(rows) - 1)))
         return out
 

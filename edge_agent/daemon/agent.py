@@ -25,7 +25,7 @@ import numpy as np
 from edge_agent.link.connection import TokenRefused, VerifierBusy
 from edge_agent.link.driver import Consumer, VerdictTimeout, handshake, run_single
 from edge_agent.link.federation import WorkerSpec, run_federated
-from edge_agent.model.drafter import DraftModel
+from edge_agent.model.drafter import DraftModel, DraftRow
 from edge_agent.model.tasks import ModelWorker
 from edge_agent.session.core import (
     ContextExceeded,
@@ -379,9 +379,8 @@ class EdgeAgent:
         deterministic = cfg.sampling.greedy
         while not gen.done:
             # The drafter's q is the best local guess; these tokens are flagged unverified.
-            step = await self.worker.run(
-                self.drafter.draft, gen.committed, cfg.sampling, rng, deterministic=deterministic
-            )
+            row = DraftRow(gen.committed, cfg.sampling, rng, deterministic)
+            step = await self.worker.run(self.drafter.draft, row)
             tell(gen.commit([step.token], TokenSource.LOCAL_DRAFT))
             if time.monotonic() >= deadline:
                 break

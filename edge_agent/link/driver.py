@@ -22,7 +22,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from edge_agent.model.drafter import BranchDrafting, DraftModel
+from edge_agent.model.drafter import BranchDrafting, DraftModel, DraftRow
 from edge_agent.model.tasks import ModelWorker, run_until_first_done
 from edge_agent.session.core import (
     NO_RIVAL,
@@ -151,13 +151,8 @@ async def _draft_hedge(
     again (the next batch comes first) or the plan is void."""
     out: list[int] = []
     while len(out) < hp.max_tokens and core.hedge_current(hp) and not core.may_draft():
-        step = await worker.run(
-            drafter.draft,
-            [*hp.context, hp.token, *out],
-            core.cfg.sampling,
-            core.rng,
-            deterministic=True,
-        )
+        row = DraftRow([*hp.context, hp.token, *out], core.cfg.sampling, core.rng, True)
+        step = await worker.run(drafter.draft, row)
         out.append(step.token)
         if step.token in core.gen.eos_ids:
             break
@@ -199,17 +194,17 @@ async def _predraft(
         )
 
     while (active := [g for g in growing if open_(g)]) and not core.may_draft():
-        seqs = [[*g.pp.context, g.pp.token, *g.draft] for g in active]
         det = active[0].pp.deterministic
-        params, rng = core.cfg.sampling, core.rng
-        if many is not None:
-            steps = await worker.run(
-                many.draft_many, seqs, params, rng, deterministic=det, rival=True
+        rows = [
+            DraftRow(
+                [*g.pp.context, g.pp.token, *g.draft], core.cfg.sampling, core.rng, det, rival=True
             )
+            for g in active
+        ]
+        if many is not None:
+            steps = await worker.run(many.draft_many, rows)
         else:
-            steps = [
-                await worker.run(drafter.draft, seqs[0], params, rng, deterministic=det, rival=True)
-            ]
+            steps = [await worker.run(drafter.draft, rows[0])]
             active = active[:1]
         for g, step in zip(active, steps, strict=True):
             g.draft.append(step.token)
@@ -263,14 +258,10 @@ async def draft_loop(
         prob = 1.0 if ready is None else ready.prob
         while core.wants_more(plan, draft, prob):
             t0 = time.perf_counter()
-            step = await worker.run(
-                drafter.draft,
-                plan.context + draft,
-                cfg.sampling,
-                core.rng,
-                deterministic=plan.deterministic,
-                rival=want_rival,
+            row = DraftRow(
+                plan.context + draft, cfg.sampling, core.rng, plan.deterministic, want_rival
             )
+            step = await worker.run(drafter.draft, row)
             core.on_draft_step(time.perf_counter() - t0)
             if not core.current(plan, [*draft, step.token]):
                 break  # a rejection (or a differing co-generated token) voided this batch

@@ -4,7 +4,7 @@ An edge that serves several requests at once runs each one's pipeline as before;
 steps (:meth:`~edge_agent.model.drafter.Drafter.draft`) come here instead of straight to the model
 worker. While a batch runs on the worker, the steps that arrive wait; the next batch takes all
 of them (up to ``max_rows``), in arrival order, as one
-:meth:`~edge_agent.model.drafter.Drafter.draft_rows` forward. Each generation has at most one step
+:meth:`~edge_agent.model.drafter.Drafter.draft_many` forward. Each generation has at most one step
 outstanding (its drafter awaits each step), so every generation gets one row of every batch it
 waits for: fair by construction, and a lone generation's steps go at once, unbatched.
 
@@ -21,19 +21,18 @@ import asyncio
 import contextlib
 import functools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from edge_agent.model.drafter import Drafter, DraftRow, DraftStep
+from edge_agent.model.drafter import BranchDrafting, Drafter, DraftModel, DraftRow, DraftStep
 from edge_agent.model.tasks import ModelWorker
 
 T = TypeVar("T")
 
 
-class RowDrafting(Protocol):
-    """A draft that steps several generations' rows in one forward (:class:`Drafter`)."""
-
-    def draft_rows(self, rows: Sequence[DraftRow]) -> list[DraftStep]: ...
+class RowDrafting(DraftModel, BranchDrafting, Protocol):
+    """A draft that steps one row, or several generations' rows in one forward
+    (:class:`Drafter`)."""
 
 
 class BatchingWorker(ModelWorker):
@@ -52,9 +51,9 @@ class BatchingWorker(ModelWorker):
         self.rows = 0
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        # (``drafter.draft`` itself, bound to this drafter: the call a generation's draft step is)
+        # (``drafter.draft(row)`` itself, bound to this drafter: a generation's draft step)
         if getattr(fn, "__self__", None) is self.drafter and getattr(fn, "__name__", "") == "draft":
-            step: Any = await self._step(DraftRow(*args, **kwargs))
+            step: Any = await self._step(*args, **kwargs)
             return step  # type: ignore[no-any-return]
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._calls.append((functools.partial(fn, *args, **kwargs), fut))
@@ -105,8 +104,12 @@ class BatchingWorker(ModelWorker):
     async def _run_batch(self, batch: list[tuple[DraftRow, asyncio.Future[DraftStep]]]) -> None:
         self.batches += 1
         self.rows += len(batch)
+        rows = [r for r, _ in batch]
         try:
-            steps = await self.inner.run(self.drafter.draft_rows, [r for r, _ in batch])
+            if len(rows) == 1:  # a lone step drafts on the cached sequence, as unbatched
+                steps = [await self.inner.run(self.drafter.draft, rows[0])]
+            else:
+                steps = await self.inner.run(self.drafter.draft_many, rows)
         except Exception as e:
             if len(batch) == 1:
                 if not batch[0][1].done():

@@ -39,6 +39,21 @@ class DraftStep:
     rival: Rival | None = None
 
 
+@dataclass(frozen=True)
+class DraftRow:
+    """One draft step request (:meth:`DraftModel.draft`, a row of
+    :meth:`BranchDrafting.draft_many`): the next token after ``seq`` (non-empty), drawn from the
+    draft distribution transformed by ``params`` with ``rng``, or its argmax when
+    ``deterministic`` (greedy decoding and the greedy-draft correction mode); ``rival``: compute
+    the step's rival too (a pass over the vocabulary: only while hedging or pre-drafting)."""
+
+    seq: Sequence[int]
+    params: SamplingParams
+    rng: np.random.Generator
+    deterministic: bool
+    rival: bool = False
+
+
 @runtime_checkable
 class DraftModel(Protocol):
     """What the edge drafts with: the model draft (:class:`Drafter`) and the benchmark's oracle
@@ -51,16 +66,8 @@ class DraftModel(Protocol):
         """The draft distribution q after ``seq`` (non-empty)."""
         ...
 
-    def draft(
-        self,
-        seq: Sequence[int],
-        params: SamplingParams,
-        rng: np.random.Generator,
-        *,
-        deterministic: bool,
-        rival: bool = False,
-    ) -> DraftStep:
-        """The next draft token after ``seq`` (``rival``: compute the step's rival too)."""
+    def draft(self, row: DraftRow) -> DraftStep:
+        """The next draft token after ``row.seq`` (:class:`DraftRow`)."""
         ...
 
 
@@ -154,54 +161,22 @@ class Drafter:
         out: Probs = transform(self._logits(seq), params)
         return out
 
-    def draft(
-        self,
-        seq: Sequence[int],
-        params: SamplingParams,
-        rng: np.random.Generator,
-        *,
-        deterministic: bool,
-        rival: bool = False,
-    ) -> DraftStep:
-        """Draw the next draft token after ``seq`` (:class:`DraftStep`): from the transformed
-        draft distribution, or its argmax when ``deterministic`` (greedy decoding and the
-        greedy-draft correction mode). ``rival`` costs a pass over the vocabulary: only
-        while hedging or pre-drafting."""
-        return _step(self._logits(seq), params, rng, deterministic, rival)
+    def draft(self, row: DraftRow) -> DraftStep:
+        """Draw the next draft token after ``row.seq`` (:class:`DraftStep`), on the cached
+        sequence."""
+        return _step(self._logits(row.seq), row)
 
-    def draft_many(
-        self,
-        seqs: Sequence[Sequence[int]],
-        params: SamplingParams,
-        rng: np.random.Generator,
-        *,
-        deterministic: bool,
-        rival: bool = False,
-    ) -> list[DraftStep]:
-        """The next draft step after each of ``seqs`` (non-empty), in one batched forward:
-        outcome pre-drafting's branches. Each sequence runs in a branch: the kept branch that
-        shares most of it where that is more than the cached sequence shares, cropped to what
-        they share, else a fork of the cached sequence where they part; branches not asked
-        about are kept, the latest first, up to ``KEPT_BRANCHES`` in all, and the rest given
-        back. Steps are drawn in order, as :meth:`draft` would draw them one after another."""
-        logits = self._many_logits(seqs)
-        return [_step(row, params, rng, deterministic, rival) for row in logits]
-
-    def draft_rows(self, rows: Sequence[DraftRow]) -> list[DraftStep]:
-        """One draft step for each of several generations at once (an edge serving several
-        requests): each row with its own sequence, sampling, RNG and kind, in one batched forward
-        (the sequences run in branches, as :meth:`draft_many`'s do); one row is :meth:`draft`.
-        A row's step is drawn from its own RNG exactly as :meth:`draft` would draw it."""
-        if len(rows) == 1:
-            r = rows[0]
-            return [
-                self.draft(r.seq, r.params, r.rng, deterministic=r.deterministic, rival=r.rival)
-            ]
+    def draft_many(self, rows: Sequence[DraftRow]) -> list[DraftStep]:
+        """The next draft step after each row's sequence, in one batched forward: outcome
+        pre-drafting's branches (rows sharing one RNG), or several generations' steps at once
+        (an edge serving several requests, each row with its own sampling, RNG and kind). Each
+        sequence runs in a branch: the kept branch that shares most of it where that is more
+        than the cached sequence shares, cropped to what they share, else a fork of the cached
+        sequence where they part; branches not asked about are kept, the latest first, up to
+        ``KEPT_BRANCHES`` in all, and the rest given back. Steps are drawn in order, each from
+        its row's RNG exactly as :meth:`draft` would draw them one after another."""
         logits = self._many_logits([r.seq for r in rows])
-        return [
-            _step(row, r.params, r.rng, r.deterministic, r.rival)
-            for row, r in zip(logits, rows, strict=True)
-        ]
+        return [_step(x, r) for x, r in zip(logits, rows, strict=True)]
 
     def _many_logits(self, seqs: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
         """The raw logits [len(seqs), V] after each sequence, in one batched forward over
@@ -241,17 +216,6 @@ class Drafter:
         self._branches = []
 
 
-@dataclass(frozen=True)
-class DraftRow:
-    """One generation's draft step request (:meth:`Drafter.draft_rows`)."""
-
-    seq: Sequence[int]
-    params: SamplingParams
-    rng: np.random.Generator
-    deterministic: bool
-    rival: bool = False
-
-
 def _sharing_most(
     branches: Sequence[SlotPages], seq: Sequence[int], floor: int
 ) -> tuple[SlotPages, int] | None:
@@ -265,22 +229,16 @@ def _sharing_most(
     return best
 
 
-def _step(
-    logits: npt.NDArray[np.float32],
-    params: SamplingParams,
-    rng: np.random.Generator,
-    deterministic: bool,
-    rival: bool,
-) -> DraftStep:
-    """A draft step from the draft's raw logits row (:meth:`Drafter.draft`)."""
-    q: Probs = transform(logits, params)
-    if deterministic:
+def _step(logits: npt.NDArray[np.float32], row: DraftRow) -> DraftStep:
+    """``row``'s draft step from the draft's raw logits row (:meth:`Drafter.draft`)."""
+    q: Probs = transform(logits, row.params)
+    if row.deterministic:
         x = int(np.argmax(q))
         onehot = np.zeros_like(q)
         onehot[x] = 1.0
-        return DraftStep(x, onehot, float(q[x]), _rival(logits, x) if rival else None)
-    x = sample(q, rng)
-    return DraftStep(x, q, float(q[x]), _rival(logits, x) if rival else None)
+        return DraftStep(x, onehot, float(q[x]), _rival(logits, x) if row.rival else None)
+    x = sample(q, row.rng)
+    return DraftStep(x, q, float(q[x]), _rival(logits, x) if row.rival else None)
 
 
 @runtime_checkable
@@ -293,12 +251,6 @@ class BranchDrafting(Protocol):
         """Branches one batched step should take (about the cost of one step here)."""
         ...
 
-    def draft_many(
-        self,
-        seqs: Sequence[Sequence[int]],
-        params: SamplingParams,
-        rng: np.random.Generator,
-        *,
-        deterministic: bool,
-        rival: bool = False,
-    ) -> list[DraftStep]: ...
+    def draft_many(self, rows: Sequence[DraftRow]) -> list[DraftStep]:
+        """Each row's step, in one batched forward, drawn in order (:class:`DraftRow`)."""
+        ...

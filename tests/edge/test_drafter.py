@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.model.drafter import RIVALS, Drafter
+from edge_agent.model.drafter import RIVALS, Drafter, DraftRow
 from shared.maths.sampling import SamplingParams, transform
 from shared.runtime.models import load_model
 
@@ -21,7 +21,7 @@ def test_the_rival_is_the_likeliest_other_token_and_conf_the_drafted_ones_probab
     for i in range(40):
         seq = [1, 2 + i % 7, 3 + i % 11]
         params = SamplingParams(0.0 if i % 2 else 1.0)
-        step = drafter.draft(seq, params, rng, deterministic=i % 2 == 1, rival=True)
+        step = drafter.draft(DraftRow(seq, params, rng, i % 2 == 1, rival=True))
         assert step.rival is not None
         p1 = transform(drafter._logits(seq), SamplingParams(1.0))  # temperature 1
         assert step.rival.token != step.token
@@ -41,7 +41,7 @@ def test_a_rival_carries_the_likeliest_alternatives_in_order(tiny_model_dir: Pat
     rng = np.random.default_rng(1)
     for i in range(10):
         seq = [1, 5 + i, 9 + 2 * i]
-        step = drafter.draft(seq, SamplingParams(1.0), rng, deterministic=False, rival=True)
+        step = drafter.draft(DraftRow(seq, SamplingParams(1.0), rng, False, rival=True))
         assert step.rival is not None
         p1 = transform(drafter._logits(seq), SamplingParams(1.0))
         others = [t for t in np.argsort(-p1, kind="stable").tolist() if t != step.token]
@@ -75,17 +75,17 @@ def test_branches_drafted_together_are_what_one_at_a_time_gives(tiny_model_dir: 
     greedy, t1 = SamplingParams(0.0), SamplingParams(1.0)
     rng = np.random.default_rng(0)
     main = [int(t) for t in np.random.default_rng(3).integers(1, 64, size=90)]
-    edge.draft(main, greedy, rng, deterministic=True)
+    edge.draft(DraftRow(main, greedy, rng, True))
     seqs = [[*main[:70], 7], [*main[:64], 9], [*main[:90], 11], [*main[:3], 12]]
     for k in range(3):
-        steps = edge.draft_many(seqs, t1, rng, deterministic=False, rival=True)
+        steps = edge.draft_many([DraftRow(s, t1, rng, False, rival=True) for s in seqs])
         for seq, step in zip(seqs, steps, strict=True):
             assert np.allclose(step.q, ref.next_dist(seq, t1), atol=1e-5)
             assert step.rival is not None and step.rival.token != step.token
         seqs = [[*seq, step.token] for seq, step in zip(seqs, steps, strict=True)]
         # The sequence rewrites positions of a page a branch shares: it copies it first.
-        edge.draft([*main[: 50 - k], k + 1], t1, rng, deterministic=False)
-    edge.draft(main, t1, rng, deterministic=False)
+        edge.draft(DraftRow([*main[: 50 - k], k + 1], t1, rng, False))
+    edge.draft(DraftRow(main, t1, rng, False))
     assert edge.lm.tokens == tuple(main)
     assert np.allclose(edge.next_dist(main, greedy), ref.next_dist(main, greedy), atol=1e-5)
     # The text follows the first branch: it becomes the sequence, one token computed.
@@ -104,16 +104,16 @@ def test_branches_are_kept_across_calls_up_to_their_bound(tiny_model_dir: Path) 
     edge = Drafter(load_model(str(tiny_model_dir)))
     greedy, rng = SamplingParams(0.0), np.random.default_rng(0)
     main = list(range(1, 41))
-    edge.draft(main, greedy, rng, deterministic=True)
+    edge.draft(DraftRow(main, greedy, rng, True))
     a = [*main[:30], 50, 51, 52]
-    edge.draft_many([a], greedy, rng, deterministic=True)
+    edge.draft_many([DraftRow(a, greedy, rng, True)])
     for k in range(Drafter.KEPT_BRANCHES + 4):
-        edge.draft_many([[*main[:20], k + 1, k + 2]], greedy, rng, deterministic=True)
+        edge.draft_many([DraftRow([*main[:20], k + 1, k + 2], greedy, rng, True)])
     assert len(edge._branches) == Drafter.KEPT_BRANCHES
     edge = Drafter(load_model(str(tiny_model_dir)))
-    edge.draft(main, greedy, rng, deterministic=True)
-    edge.draft_many([a], greedy, rng, deterministic=True)
-    edge.draft_many([[*main[:20], 9]], greedy, rng, deterministic=True)
+    edge.draft(DraftRow(main, greedy, rng, True))
+    edge.draft_many([DraftRow(a, greedy, rng, True)])
+    edge.draft_many([DraftRow([*main[:20], 9], greedy, rng, True)])
     extended = _count_extends(edge)
-    edge.draft([*a, 53], greedy, rng, deterministic=True)
+    edge.draft(DraftRow([*a, 53], greedy, rng, True))
     assert extended == [1] and edge.lm.tokens == (*a, 53)  # a's slot holds a: only 53 is new

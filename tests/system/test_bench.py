@@ -34,6 +34,7 @@ from bench.verifier import TREE_TOKEN_COST, PaddedTarget, tree_tokens
 from bench.verifier import main as padded_verifier_main
 from cloud_verifier.daemon.cli import main as verifier_main
 from cloud_verifier.engine.targets import NullTarget
+from edge_agent.model.drafter import DraftRow
 from edge_agent.session.pipeline_config import Mode
 from shared.maths.sampling import SamplingParams
 from shared.runtime.batched_lm import Row
@@ -128,11 +129,11 @@ def test_oracle_drafter_follows_the_greedy_path() -> None:
     never = OracleDrafter(paths, 32, 0.0)
     for k in range(len(path)):
         seq = list(prompt) + path[:k]
-        step = always.draft(seq, params, rng, deterministic=True)
+        step = always.draft(DraftRow(seq, params, rng, True))
         x, q = step.token, step.q
         assert x == path[k] and step.prob == 1.0 and step.rival is None
         assert q.dtype == np.float64 and q.shape == (32,) and q[x] == 1.0 and q.sum() == 1.0
-        assert never.draft(seq, params, rng, deterministic=True).token == (path[k] + 1) % 32
+        assert never.draft(DraftRow(seq, params, rng, True)).token == (path[k] + 1) % 32
     assert always.stats.hits == len(path) and never.stats.misses == len(path)
     # off the path (an earlier draft wrong), past the continuation, another prompt
     assert always.propose([*prompt, 10, 99]) == path[2]
@@ -155,7 +156,7 @@ def test_oracle_drafter_follows_the_greedy_path() -> None:
     assert 0.45 < np.mean(hits_a) < 0.55 and 0.75 < np.mean(hits_b) < 0.85
     assert all(hb for ha, hb in zip(hits_a, hits_b, strict=True) if ha)
     assert a.stats.alpha_measured == pytest.approx(np.mean(hits_a))
-    assert half.draft(list(long), params, rng, deterministic=True).prob == 0.5
+    assert half.draft(DraftRow(list(long), params, rng, True)).prob == 0.5
     assert a.on_path(long, greedy[:7]) and not a.on_path(long, [0])
 
 
@@ -175,7 +176,7 @@ def test_oracle_greedy_path_and_timed_padding(tiny_model_dir: Path) -> None:
     timed = TimedDrafter(oracle, 0.02)
     t0 = time.perf_counter()
     step = timed.draft(
-        prompt + path[:3], SamplingParams(0.0), np.random.default_rng(0), deterministic=True
+        DraftRow(prompt + path[:3], SamplingParams(0.0), np.random.default_rng(0), True)
     )
     assert time.perf_counter() - t0 >= 0.019
     assert step.token == path[3] and step.q.shape == (target.vocab_size,)
@@ -184,9 +185,8 @@ def test_oracle_greedy_path_and_timed_padding(tiny_model_dir: Path) -> None:
     # Branches stepped together: one padded batched step, 1 + A (B − 1) of one step.
     seqs = [prompt + path[:k] for k in (1, 2, 3)]
     t0 = time.perf_counter()
-    steps = timed.draft_many(
-        seqs, SamplingParams(0.0), np.random.default_rng(0), deterministic=True
-    )
+    rng = np.random.default_rng(0)
+    steps = timed.draft_many([DraftRow(s, SamplingParams(0.0), rng, True) for s in seqs])
     assert time.perf_counter() - t0 >= 0.02 * (1 + 2 * DRAFT_BATCH_COST) - 1e-3
     assert [x.token for x in steps] == path[1:4]
 
