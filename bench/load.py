@@ -17,7 +17,6 @@ exceed the first by more than ``--rss-slack-mib``); the number of concurrent ses
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -30,22 +29,17 @@ from typing import Any
 
 import aiohttp
 
-from bench.wanem import LinkConfig, WanEmulator
+from bench.wanem import LinkConfig
 from edge_agent.daemon.agent import RetryPolicy
 from edge_agent.model.tasks import ModelWorker
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.sampling import SamplingParams
 from testkit.harness import (
-    VOCAB,
-    VerifierProcess,
-    config_from_args,
-    free_port,
-    make_agent,
-    run_in_workdir,
-    target_greedy,
-    tiny_pair,
-    write_json,
-    write_tokens,
+    WanRig,
+    config_parser,
+    greedy_cases,
+    run_command,
+    wan_rig,
 )
 
 log = logging.getLogger("bench.load")
@@ -96,120 +90,107 @@ class LoadReport:
 async def run(cfg: LoadConfig, workdir: Path) -> LoadReport:
     report = LoadReport(config=asdict(cfg))
     t_start = time.monotonic()
-    pair = tiny_pair(workdir / "models")
     tokens = [f"load-token-{i}" for i in range(cfg.tokens)]
     per_token = -(-cfg.sessions // cfg.tokens)
-    verifier = VerifierProcess(
-        str(pair.target_dir),
-        free_port(),
-        write_tokens(workdir / "tokens", tokens),
-        args=(
-            f"--max-sessions={cfg.sessions + 16} --max-sessions-per-token={per_token + 4} "
-            "--heartbeat=5 --log-level=warning"
-        ).split(),
-        log_path=workdir / "verifier.log",
-    )
-    verifier.start()
-    emu: WanEmulator | None = None
-    worker = ModelWorker("draft-model")
-    try:
-        await verifier.wait_ready()
-        emu = WanEmulator(
-            upstream=("127.0.0.1", verifier.port),
-            link=LinkConfig(rtt_ms=cfg.rtt_ms, jitter_ms=cfg.jitter_ms, seed=cfg.seed),
-        )
-        await emu.start()
-        url = f"ws://127.0.0.1:{emu.port}/v1/session"
-        rng = random.Random(cfg.seed)
-        prompts = [
-            [1] + [rng.randrange(4, VOCAB) for _ in range(rng.randint(2, 10))]
-            for _ in range(cfg.prompts)
-        ]
-        expected = [target_greedy(pair.target, p, cfg.max_new_tokens) for p in prompts]
-        pcfg = PipelineConfig(gamma=cfg.gamma, depth=cfg.depth, sampling=SamplingParams(0.0))
-        retry = RetryPolicy(max_attempts=3, backoff_initial_s=0.05, backoff_max_s=0.2)
-        durations: list[float] = []
-        deadline = time.monotonic() + cfg.seconds
-
-        async def session(i: int) -> None:
-            agent = make_agent(pair.draft, url, tokens[i % cfg.tokens], retry=retry, worker=worker)
-            k = i
-            try:
-                while time.monotonic() < deadline:
-                    j = k % cfg.prompts
-                    k += 1
-                    t0 = time.monotonic()
-                    try:
-                        gen = await asyncio.wait_for(
-                            agent.generate(prompts[j], pcfg, max_new_tokens=cfg.max_new_tokens),
-                            120.0,
-                        )
-                    except Exception as e:
-                        report.errors.append(f"session {i}: {type(e).__name__}: {e}"[:300])
-                        return
-                    durations.append(time.monotonic() - t0)
-                    report.generations += 1
-                    report.tokens += len(gen.generated)
-                    report.reconnects += gen.stats.reconnects
-                    if gen.generated != expected[j]:
-                        report.wrong += 1
-            finally:
-                agent.close()
-
-        samples: list[int] = []
-        concurrent: list[int] = []
-        stop = asyncio.Event()
-
-        async def sample() -> None:
-            health = f"http://127.0.0.1:{verifier.port}/health"
-            async with aiohttp.ClientSession() as http:
-                while not stop.is_set():
-                    with contextlib.suppress(OSError):
-                        samples.append(verifier.rss_kib()[0])
-                    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                        async with http.get(health, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                            if r.status == 200:
-                                concurrent.append(int((await r.json())["sessions"]))
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(stop.wait(), 0.25)
-
-        sampler = asyncio.ensure_future(sample())
-        t_run = time.monotonic()
+    args = (
+        f"--max-sessions={cfg.sessions + 16} --max-sessions-per-token={per_token + 4} "
+        "--heartbeat=5 --log-level=warning"
+    ).split()
+    link = LinkConfig(rtt_ms=cfg.rtt_ms, jitter_ms=cfg.jitter_ms, seed=cfg.seed)
+    async with wan_rig(workdir, tokens, args, link) as rig:
+        worker = ModelWorker("draft-model")  # the drafts' one thread, shared by the sessions
         try:
-            await asyncio.gather(*(session(i) for i in range(cfg.sessions)))
+            await _measure(cfg, rig, tokens, worker, report)
         finally:
-            stop.set()
-            await sampler
-        run_s = time.monotonic() - t_run
-        report.tokens_per_s = round(report.tokens / run_s, 1)
-        _, peak = verifier.rss_kib()
-        q = max(1, len(samples) // 4)
-        report.rss_mib = {
-            "start": round(samples[0] / 1024, 1),
-            "first_quarter_max": round(max(samples[:q]) / 1024, 1),
-            "last_quarter_max": round(max(samples[-q:]) / 1024, 1),
-            "peak": round(peak / 1024, 1),
-        }
-        steady = concurrent[len(concurrent) // 10 : -max(1, len(concurrent) // 10)] or concurrent
-        report.concurrent_sessions = {
-            "max": max(concurrent, default=0),
-            "mean_steady": round(statistics.fmean(steady), 1) if steady else 0.0,
-            "min_steady": min(steady, default=0),
-        }
-        if durations:
-            durations.sort()
-            report.generation_s = {
-                "p50": round(durations[len(durations) // 2], 3),
-                "p99": round(durations[int(len(durations) * 0.99)], 3),
-                "max": round(durations[-1], 3),
-            }
-    finally:
-        worker.close()
-        if emu is not None:
-            await emu.stop()
-        await verifier.stop()
+            worker.close()
     report.wall_s = round(time.monotonic() - t_start, 1)
     return report
+
+
+async def _measure(
+    cfg: LoadConfig, rig: WanRig, tokens: list[str], worker: ModelWorker, report: LoadReport
+) -> None:
+    """The sessions' generations for ``cfg.seconds``, the verifier's memory and sessions
+    sampled meanwhile: into ``report``."""
+    rng = random.Random(cfg.seed)
+    cases = greedy_cases(rig.pair.target, rng, cfg.prompts, 10, cfg.max_new_tokens)
+    pcfg = PipelineConfig(gamma=cfg.gamma, depth=cfg.depth, sampling=SamplingParams(0.0))
+    retry = RetryPolicy(max_attempts=3, backoff_initial_s=0.05, backoff_max_s=0.2)
+    durations: list[float] = []
+    deadline = time.monotonic() + cfg.seconds
+
+    async def session(i: int) -> None:
+        agent = rig.agent(tokens[i % cfg.tokens], retry=retry, worker=worker)
+        k = i
+        try:
+            while time.monotonic() < deadline:
+                prompt, expected = cases[k % cfg.prompts]
+                k += 1
+                t0 = time.monotonic()
+                try:
+                    gen = await asyncio.wait_for(
+                        agent.generate(prompt, pcfg, max_new_tokens=cfg.max_new_tokens),
+                        120.0,
+                    )
+                except Exception as e:
+                    report.errors.append(f"session {i}: {type(e).__name__}: {e}"[:300])
+                    return
+                durations.append(time.monotonic() - t0)
+                report.generations += 1
+                report.tokens += len(gen.generated)
+                report.reconnects += gen.stats.reconnects
+                if gen.generated != expected:
+                    report.wrong += 1
+        finally:
+            agent.close()
+
+    samples: list[int] = []
+    concurrent: list[int] = []
+    stop = asyncio.Event()
+
+    async def sample() -> None:
+        health = f"http://127.0.0.1:{rig.verifier.port}/health"
+        async with aiohttp.ClientSession() as http:
+            while not stop.is_set():
+                with contextlib.suppress(OSError):
+                    samples.append(rig.verifier.rss_kib()[0])
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with http.get(health, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                        if r.status == 200:
+                            concurrent.append(int((await r.json())["sessions"]))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.25)
+
+    sampler = asyncio.ensure_future(sample())
+    t_run = time.monotonic()
+    try:
+        await asyncio.gather(*(session(i) for i in range(cfg.sessions)))
+    finally:
+        stop.set()
+        await sampler
+    run_s = time.monotonic() - t_run
+    report.tokens_per_s = round(report.tokens / run_s, 1)
+    _, peak = rig.verifier.rss_kib()
+    q = max(1, len(samples) // 4)
+    report.rss_mib = {
+        "start": round(samples[0] / 1024, 1),
+        "first_quarter_max": round(max(samples[:q]) / 1024, 1),
+        "last_quarter_max": round(max(samples[-q:]) / 1024, 1),
+        "peak": round(peak / 1024, 1),
+    }
+    steady = concurrent[len(concurrent) // 10 : -max(1, len(concurrent) // 10)] or concurrent
+    report.concurrent_sessions = {
+        "max": max(concurrent, default=0),
+        "mean_steady": round(statistics.fmean(steady), 1) if steady else 0.0,
+        "min_steady": min(steady, default=0),
+    }
+    if durations:
+        durations.sort()
+        report.generation_s = {
+            "p50": round(durations[len(durations) // 2], 3),
+            "p99": round(durations[int(len(durations) * 0.99)], 3),
+            "max": round(durations[-1], 3),
+        }
 
 
 def summary(rep: LoadReport) -> str:
@@ -225,26 +206,23 @@ def summary(rep: LoadReport) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n")[0])
-    d = LoadConfig()
-    p.add_argument("--sessions", type=int, default=d.sessions)
-    p.add_argument("--seconds", type=float, default=d.seconds)
-    p.add_argument("--tokens", type=int, default=d.tokens, help="bearer tokens to spread over")
-    p.add_argument("--rtt-ms", type=float, default=d.rtt_ms)
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--rss-slack-mib", type=float, default=d.rss_slack_mib)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out", type=Path)
-    p.add_argument("--workdir", type=Path)
+    p = config_parser(
+        "python -m bench.load",
+        __doc__,
+        LoadConfig,
+        "sessions",
+        "seconds",
+        ("tokens", "bearer tokens to spread over"),
+        "rtt_ms",
+        "max_new_tokens",
+        "rss_slack_mib",
+        "seed",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    cfg = config_from_args(LoadConfig, args)
-    report = run_in_workdir("wanspec-load-", args.workdir, lambda folder: run(cfg, folder))
-    print(summary(report))
+    cfg, report = run_command(LoadConfig, args, "wanspec-load-", run, summary)
     for e in report.errors[:10]:
         print("error:", e)
-    if args.out:
-        write_json(args.out, report)
     return 0 if report.ok(cfg) else 1
 
 

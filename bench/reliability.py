@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.wanem import LinkConfig, WanEmulator
+from bench.wanem import LinkConfig
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.session.events import GenerationEvent
 from edge_agent.session.generation import Generation
@@ -46,16 +46,11 @@ from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import LinkClosed, Transport
 from shared.maths.sampling import SamplingParams
 from testkit.harness import (
-    VOCAB,
-    VerifierProcess,
-    config_from_args,
-    free_port,
-    make_agent,
-    run_in_workdir,
-    target_greedy,
-    tiny_pair,
-    write_json,
-    write_tokens,
+    WanRig,
+    config_parser,
+    greedy_cases,
+    run_command,
+    wan_rig,
 )
 
 log = logging.getLogger("bench.reliability")
@@ -157,11 +152,9 @@ class Recorder:
 class Chaos:
     """Fires the planned faults of one generation as it commits tokens."""
 
-    def __init__(
-        self, emu: WanEmulator, verifier: VerifierProcess, cfg: ChaosConfig, report: ChaosReport
-    ) -> None:
-        self.emu = emu
-        self.verifier = verifier
+    def __init__(self, rig: WanRig, cfg: ChaosConfig, report: ChaosReport) -> None:
+        self.emu = rig.emu
+        self.verifier = rig.verifier
         self.cfg = cfg
         self.report = report
         self.rng = random.Random(cfg.seed)
@@ -216,70 +209,54 @@ class Chaos:
             self.tasks.clear()
 
 
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(f"prompts-{seed}")
-    return [[1] + [rng.randrange(4, VOCAB) for _ in range(rng.randint(2, 12))] for _ in range(n)]
-
-
 async def run(cfg: ChaosConfig, workdir: Path) -> ChaosReport:
     report = ChaosReport(config=asdict(cfg))
     t_start = time.monotonic()
-    pair = tiny_pair(workdir / "models")
-    tokens = write_tokens(workdir / "tokens", [TOKEN])
-    verifier = VerifierProcess(
-        str(pair.target_dir),
-        free_port(),
-        tokens,
-        args=(
-            f"--heartbeat={cfg.verifier_heartbeat_s} --shutdown-timeout={cfg.shutdown_timeout_s}"
-            " --log-level=warning"
-        ).split(),
-        log_path=workdir / "verifier.log",
-    )
-    verifier.start()
-    await verifier.wait_ready()
+    args = (
+        f"--heartbeat={cfg.verifier_heartbeat_s} --shutdown-timeout={cfg.shutdown_timeout_s}"
+        " --log-level=warning"
+    ).split()
     link = LinkConfig(rtt_ms=cfg.rtt_ms, jitter_ms=cfg.jitter_ms, seed=cfg.seed)
-    emu = WanEmulator(upstream=("127.0.0.1", verifier.port), link=link)
-    await emu.start()
-    retry = RetryPolicy(backoff_initial_s=0.05, backoff_max_s=1.0, handshake_timeout_s=10.0)
-    url = f"ws://127.0.0.1:{emu.port}/v1/session"
-    agent: EdgeAgent = make_agent(pair.draft, url, TOKEN, heartbeat_s=cfg.heartbeat_s, retry=retry)
-    recorder = Recorder(agent.connect)
-    agent.connect = recorder
-    pcfg = PipelineConfig(gamma=cfg.gamma, depth=cfg.depth, sampling=SamplingParams(0.0))
-    chaos = Chaos(emu, verifier, cfg, report)
-    try:
-        for i, prompt in enumerate(prompts(cfg.generations, cfg.seed)):
-            expected = target_greedy(pair.target, prompt, cfg.max_new_tokens)
-            clean = await asyncio.wait_for(
-                agent.generate(prompt, pcfg, max_new_tokens=cfg.max_new_tokens),
-                cfg.generation_timeout_s,
-            )
-            report.uninterrupted_equal_target += clean.generated == expected
-            res = await _chaos_generation(i, prompt, clean.generated, expected, agent, pcfg, chaos)
-            report.attempted += 1
-            report.survived += res.completed and res.equal_uninterrupted
-            report.equal_target_greedy += res.completed and res.equal_target
-            report.reconnects += res.reconnects
-            for k in res.faults:
-                report.faults_planned[k] = report.faults_planned.get(k, 0) + 1
-            if not (res.completed and res.equal_uninterrupted):
-                report.failures.append(asdict(res))
-            log.info(
-                "generation %d: %s, faults %s (fired %s), %d reconnects, %.1f s",
-                i,
-                "ok" if res.completed and res.equal_uninterrupted else "FAILED",
-                res.faults,
-                res.fired,
-                res.reconnects,
-                res.seconds,
-            )
-    finally:
-        agent.close()
-        await chaos.settle()
-        await emu.stop()
-        await verifier.stop()
-    report.verifier_starts = verifier.starts
+    async with wan_rig(workdir, [TOKEN], args, link) as rig:
+        retry = RetryPolicy(backoff_initial_s=0.05, backoff_max_s=1.0, handshake_timeout_s=10.0)
+        agent = rig.agent(TOKEN, heartbeat_s=cfg.heartbeat_s, retry=retry)
+        recorder = Recorder(agent.connect)
+        agent.connect = recorder
+        pcfg = PipelineConfig(gamma=cfg.gamma, depth=cfg.depth, sampling=SamplingParams(0.0))
+        chaos = Chaos(rig, cfg, report)
+        try:
+            rng = random.Random(f"prompts-{cfg.seed}")
+            cases = greedy_cases(rig.pair.target, rng, cfg.generations, 12, cfg.max_new_tokens)
+            for i, (prompt, expected) in enumerate(cases):
+                clean = await asyncio.wait_for(
+                    agent.generate(prompt, pcfg, max_new_tokens=cfg.max_new_tokens),
+                    cfg.generation_timeout_s,
+                )
+                report.uninterrupted_equal_target += clean.generated == expected
+                res = await _chaos_generation(
+                    i, prompt, clean.generated, expected, agent, pcfg, chaos
+                )
+                report.attempted += 1
+                report.survived += res.completed and res.equal_uninterrupted
+                report.equal_target_greedy += res.completed and res.equal_target
+                report.reconnects += res.reconnects
+                for k in res.faults:
+                    report.faults_planned[k] = report.faults_planned.get(k, 0) + 1
+                if not (res.completed and res.equal_uninterrupted):
+                    report.failures.append(asdict(res))
+                log.info(
+                    "generation %d: %s, faults %s (fired %s), %d reconnects, %.1f s",
+                    i,
+                    "ok" if res.completed and res.equal_uninterrupted else "FAILED",
+                    res.faults,
+                    res.fired,
+                    res.reconnects,
+                    res.seconds,
+                )
+        finally:
+            agent.close()
+            await chaos.settle()
+    report.verifier_starts = rig.verifier.starts
     report.going_away_seen = sum("code=1001" in c for c in recorder.closes)
     for start, end in chaos.stalls:
         seen = [t - start for t in recorder.attempts if start <= t < end]
@@ -358,22 +335,20 @@ def summary(report: ChaosReport) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.reliability", description=__doc__.split("\n")[0]
+    return config_parser(
+        "python -m bench.reliability",
+        __doc__,
+        ChaosConfig,
+        "generations",
+        "max_new_tokens",
+        "gamma",
+        "depth",
+        "rtt_ms",
+        "heartbeat_s",
+        "stall_s",
+        "extra_faults",
+        "seed",
     )
-    d = ChaosConfig()
-    p.add_argument("--generations", type=int, default=d.generations)
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--gamma", type=int, default=d.gamma)
-    p.add_argument("--depth", type=int, default=d.depth)
-    p.add_argument("--rtt-ms", type=float, default=d.rtt_ms)
-    p.add_argument("--heartbeat-s", type=float, default=d.heartbeat_s)
-    p.add_argument("--stall-s", type=float, default=d.stall_s)
-    p.add_argument("--extra-faults", type=int, default=d.extra_faults)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out", type=Path, help="write the JSON report here")
-    p.add_argument("--workdir", type=Path, help="keep models and the verifier's log here")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,11 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("wanspec.edge").setLevel(logging.ERROR)  # one line per reconnect
     logging.getLogger("bench.wanem").setLevel(logging.WARNING)  # refused upstream connects
-    cfg = config_from_args(ChaosConfig, args)
-    report = run_in_workdir("wanspec-chaos-", args.workdir, lambda folder: run(cfg, folder))
-    print(summary(report))
-    if args.out:
-        write_json(args.out, report)
+    _, report = run_command(ChaosConfig, args, "wanspec-chaos-", run, summary)
     return 0 if report.ok() else 1
 
 

@@ -78,7 +78,7 @@ from cloud_verifier.session.core import (
 )
 from edge_agent.daemon.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.link.connection import TokenRefused
-from edge_agent.session.core import VerifierError
+from edge_agent.session.core import VerifierError, wire_context
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import LinkClosed
@@ -112,14 +112,14 @@ from shared.wire.packing import ProtocolError, WireContext
 from testkit.harness import (
     VOCAB,
     VerifierProcess,
-    config_from_args,
+    config_parser,
     free_port,
     make_agent,
+    random_prompt,
     rss_kib,
-    run_in_workdir,
+    run_command,
     target_greedy,
     tiny_pair,
-    write_json,
     write_tokens,
 )
 from testkit.probe import Driver, ProbeClient, auth_headers, replies_match
@@ -331,35 +331,37 @@ class Shadow:
 
     def __init__(
         self,
-        ctx: WireContext,
-        federated: bool,
-        max_context: int,
-        max_bad: int,
-        max_resamples: int,
+        limits: SessionLimits,
+        vocab_size: int,
+        *,
+        federated: bool = False,
+        correction: CorrectionMode = CorrectionMode.TOPK,
         fixed: list[int] | None = None,
     ) -> None:
-        self.ctx = ctx
-        self.max_context = max_context
-        fp = Fingerprint("shadow", ctx.vocab_size, "shadow")
-        limits = SessionLimits(
-            max_gamma=ctx.max_gamma,
-            max_fixed=ctx.max_fixed,
-            max_context=max_context,
-            max_frame=ctx.max_frame,
-            max_k=ctx.max_k,
+        """A session of ``limits`` (those the verifier announced, and its frame limits) that
+        asked for ``correction``; ``ctx``, the session's WireContext, is the core's."""
+        self.max_context = limits.max_context
+        fp = Fingerprint("shadow", vocab_size, "shadow")
+        self.core = VerifierCore(TargetInfo(fp, vocab_size), limits, "shadow")
+        reply_mode = ReplyMode.FEDERATED if federated else ReplyMode.VERDICT
+        self.core.receive(encode(Hello(fp, reply_mode=reply_mode, correction=correction, k=1, m=1)))
+        assert self.core.ctx is not None, "the shadow's Hello is refused"
+        self.ctx: WireContext = self.core.ctx
+        self.fixed = list(fixed or [5])  # what the next valid Propose must carry
+
+    @staticmethod
+    def limits(welcome: Welcome, max_k: int, max_bad: int, max_resamples: int) -> SessionLimits:
+        """The limits of a session that got ``welcome``, from a verifier of ``--max-k``,
+        ``--max-bad-frames`` and ``--max-resamples`` (its other limits at their defaults)."""
+        return SessionLimits(
+            max_gamma=welcome.max_gamma,
+            max_fixed=welcome.max_fixed,
+            max_context=welcome.max_context,
+            max_frame=welcome.max_frame,
+            max_k=max_k,
             max_bad_frames=max_bad,
             max_resamples=max_resamples,
         )
-        self.core = VerifierCore(TargetInfo(fp, ctx.vocab_size), limits, "shadow")
-        hello = Hello(
-            fp,
-            reply_mode=ReplyMode.FEDERATED if federated else ReplyMode.VERDICT,
-            correction=CorrectionMode.TOPK if ctx.draft_probs else CorrectionMode.GREEDY_DRAFT,
-            k=1,
-            m=1,
-        )
-        self.core.receive(encode(hello))
-        self.fixed = list(fixed or [5])  # what the next valid Propose must carry
 
     # The session's position, as the core sees it.
     @property
@@ -552,20 +554,11 @@ class HostileClient:
             welcome = await self._recv(ws, None)
             if not isinstance(welcome, Welcome):
                 raise AssertionError(f"expected Welcome, got {welcome!r}")
-            ctx = WireContext(
-                vocab_size=welcome.fingerprint.vocab_size,
-                max_gamma=welcome.max_gamma,
-                max_fixed=welcome.max_fixed,
-                max_k=cfg.max_k,
-                max_frame=welcome.max_frame,
-                draft_probs=correction != CorrectionMode.GREEDY_DRAFT,
-            )
             sh = Shadow(
-                ctx,
+                Shadow.limits(welcome, cfg.max_k, cfg.max_bad_frames, cfg.max_resamples),
+                welcome.fingerprint.vocab_size,
                 federated=reply == ReplyMode.FEDERATED,
-                max_context=welcome.max_context,
-                max_bad=cfg.max_bad_frames,
-                max_resamples=cfg.max_resamples,
+                correction=correction,
                 fixed=[1, r.randrange(4, VOCAB)],
             )
             sent = 0
@@ -942,14 +935,7 @@ class HostileProxy:
             with contextlib.suppress(ProtocolError):
                 decoded = decode(real, st.ctx)
             if isinstance(decoded, Welcome) and st.hello is not None:
-                h = st.hello
-                st.ctx = WireContext(
-                    vocab_size=h.fingerprint.vocab_size,
-                    max_gamma=decoded.max_gamma,
-                    max_fixed=decoded.max_fixed,
-                    max_frame=decoded.max_frame,
-                    draft_probs=h.correction != CorrectionMode.GREEDY_DRAFT,
-                )
+                st.ctx = wire_context(st.hello, decoded)
             if self.budget > 0 and self.r.random() < self.p:
                 self.budget -= 1
                 self.report.edge_frames += 1
@@ -1203,7 +1189,7 @@ async def fuzz_edge(
     try:
         i = 0
         while proxy.budget > 0:
-            prompt = [1] + [r.randrange(4, VOCAB) for _ in range(r.randint(2, 10))]
+            prompt = random_prompt(r, 10)
             expected = target_greedy(target, prompt, cfg.edge_tokens)
             proxy.lied = False
             gen = Generation(prompt, cfg.edge_tokens)
@@ -1500,15 +1486,16 @@ def summary(rep: FuzzReport) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m testkit.fuzz", description=__doc__.split("\n")[0])
-    d = FuzzConfig()
-    p.add_argument("--frames", type=int, default=d.frames, help="hostile frames at the verifier")
-    p.add_argument("--edge-frames", type=int, default=d.edge_frames)
-    p.add_argument("--clients", type=int, default=d.clients)
-    p.add_argument("--http-requests", type=int, default=d.http_requests)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out", type=Path)
-    p.add_argument("--workdir", type=Path)
+    p = config_parser(
+        "python -m testkit.fuzz",
+        __doc__,
+        FuzzConfig,
+        ("frames", "hostile frames at the verifier"),
+        "edge_frames",
+        "clients",
+        "http_requests",
+        "seed",
+    )
     p.add_argument("--write-corpus", type=Path, help="write the small committed corpus and exit")
     return p
 
@@ -1520,9 +1507,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("wanspec.edge").setLevel(logging.ERROR)
-    cfg = config_from_args(FuzzConfig, args)
-    report = run_in_workdir("wanspec-fuzz-", args.workdir, lambda folder: run(cfg, folder))
-    print(summary(report))
+    _, report = run_command(FuzzConfig, args, "wanspec-fuzz-", run, summary)
     if report.mismatches or report.hangs or report.edge_garbage or report.edge_crashes:
         print(
             json.dumps(
@@ -1533,8 +1518,6 @@ def main(argv: list[str] | None = None) -> int:
                 indent=1,
             )
         )
-    if args.out:
-        write_json(args.out, report)
     return 0 if report.ok() else 1
 
 

@@ -1,6 +1,7 @@
-"""What the reliability, fuzz and load runs share: tiny models, target-only greedy references, a
-real ``cloud-verifier serve`` process (start, SIGKILL, SIGTERM, restart on the same port, its
-memory), an edge agent pointed at a URL, and a run's working folder and JSON report.
+"""What the reliability, fuzz and load runs share: tiny models, random prompts and their
+target-only greedy references, a real ``cloud-verifier serve`` process (start, SIGKILL, SIGTERM,
+restart on the same port, its memory), that process behind the WAN emulator, an edge agent
+pointed at a URL, and a run's command line, working folder and JSON report.
 
 Everything listens on 127.0.0.1 only. Memory figures come from ``/proc/<pid>/status`` (Linux).
 """
@@ -13,13 +14,14 @@ import contextlib
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from ssl import SSLContext
@@ -28,6 +30,7 @@ from typing import Any, TypeVar
 import aiohttp
 import torch
 
+from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
 from edge_agent.model.drafter import Drafter
@@ -50,6 +53,44 @@ def config_from_args(cls: type[C], args: argparse.Namespace) -> C:
     given = vars(args)
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]  # C: a dataclass
     return cls(**{name: given[name] for name in names if name in given})
+
+
+def config_parser(
+    prog: str, doc: str, cls: type[Any], *options: str | tuple[str, str]
+) -> argparse.ArgumentParser:
+    """A run's command line: ``--NAME`` for each named field of its config dataclass ``cls``
+    (``(name, help)`` to explain one), of the type of the field's default (an int, float or
+    str) and that default; ``--out`` (the JSON report) and ``--workdir``
+    (:func:`run_in_workdir`). :func:`config_from_args` reads the fields back."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    defaults = cls()
+    for option in options:
+        name, explained = (option, None) if isinstance(option, str) else option
+        default = getattr(defaults, name)
+        assert isinstance(default, (int, float, str)) and not isinstance(default, bool), name
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, type=type(default), default=default, help=explained)
+    p.add_argument("--out", type=Path, help="write the JSON report here")
+    p.add_argument("--workdir", type=Path, help="keep the models and the verifier's log here")
+    return p
+
+
+def run_command(
+    cls: type[C],
+    args: argparse.Namespace,
+    prefix: str,
+    run: Callable[[C, Path], Coroutine[Any, Any, R]],
+    summary: Callable[[R], str],
+) -> tuple[C, R]:
+    """A run as its command line (:func:`config_parser`) asks: its config, ``run`` in its working
+    folder (:func:`run_in_workdir`), the report's summary printed and the report written to
+    ``--out`` if given. Returns the config and the report."""
+    cfg = config_from_args(cls, args)
+    report = run_in_workdir(prefix, args.workdir, lambda folder: run(cfg, folder))
+    print(summary(report))
+    if args.out:
+        write_json(args.out, report)
+    return cfg, report
 
 
 def run_in_workdir(
@@ -92,6 +133,20 @@ def tiny_pair(folder: Path) -> TinyPair:
     t = build_tiny_model(folder / "target", vocab_size=VOCAB, seed=0)
     d = build_tiny_model(folder / "draft", vocab_size=VOCAB, seed=1)
     return TinyPair(t, d, load_model(str(t)), load_model(str(d)))
+
+
+def random_prompt(rng: random.Random, max_words: int) -> list[int]:
+    """BOS (1), then 2 to ``max_words`` random word ids (never a special, 0..3)."""
+    return [1] + [rng.randrange(4, VOCAB) for _ in range(rng.randint(2, max_words))]
+
+
+def greedy_cases(
+    target: LoadedModel, rng: random.Random, n: int, max_words: int, new_tokens: int
+) -> list[tuple[list[int], list[int]]]:
+    """``n`` (prompt, reference): a :func:`random_prompt` and its ``new_tokens`` of
+    :func:`target_greedy` (what an exact speculative decoding at T = 0 must generate)."""
+    prompts = [random_prompt(rng, max_words) for _ in range(n)]
+    return [(p, target_greedy(target, p, new_tokens)) for p in prompts]
 
 
 def target_greedy(target: LoadedModel, prompt: Sequence[int], n: int) -> list[int]:
@@ -269,3 +324,60 @@ def make_agent(
         return await WebSocketTransport.connect(link)
 
     return EdgeAgent(Drafter(draft), draft.fingerprint, connect, retry=retry, worker=worker)
+
+
+@dataclass(frozen=True)
+class WanRig:
+    """The tiny pair's target served by a verifier process, behind the WAN emulator."""
+
+    pair: TinyPair
+    verifier: VerifierProcess
+    emu: WanEmulator
+
+    @property
+    def url(self) -> str:
+        """The session endpoint through the emulator (what the edge connects to)."""
+        return f"ws://127.0.0.1:{self.emu.port}/v1/session"
+
+    def agent(
+        self,
+        token: str,
+        *,
+        heartbeat_s: float = 0.0,
+        retry: RetryPolicy | None = None,
+        worker: ModelWorker | None = None,
+    ) -> EdgeAgent:
+        """An edge agent of the pair's draft whose sessions go through the emulator
+        (:func:`make_agent`)."""
+        return make_agent(
+            self.pair.draft, self.url, token, heartbeat_s=heartbeat_s, retry=retry, worker=worker
+        )
+
+
+@contextlib.asynccontextmanager
+async def wan_rig(
+    workdir: Path, tokens: Sequence[str], args: Sequence[str], link: LinkConfig
+) -> AsyncIterator[WanRig]:
+    """:func:`tiny_pair` in ``workdir/models``; its target served by a :class:`VerifierProcess`
+    (bearer ``tokens``, options ``args``, its log ``workdir/verifier.log``) on a free port; a
+    :class:`~bench.wanem.WanEmulator` of ``link`` in front once it is ready. Both are stopped on
+    leaving (the verifier after the emulator)."""
+    pair = tiny_pair(workdir / "models")
+    verifier = VerifierProcess(
+        str(pair.target_dir),
+        free_port(),
+        write_tokens(workdir / "tokens", tokens),
+        args=args,
+        log_path=workdir / "verifier.log",
+    )
+    verifier.start()
+    emu: WanEmulator | None = None
+    try:
+        await verifier.wait_ready()
+        emu = WanEmulator(upstream=("127.0.0.1", verifier.port), link=link)
+        await emu.start()
+        yield WanRig(pair, verifier, emu)
+    finally:
+        if emu is not None:
+            await emu.stop()
+        await verifier.stop()

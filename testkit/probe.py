@@ -12,7 +12,7 @@ drafts are random ids with q drawn log-uniform.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -23,7 +23,6 @@ from edge_agent.session.core import Pipeline, SingleCore, VerifierLink, wire_con
 from edge_agent.session.events import Fail, Send
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
-from shared.maths.rejection import CorrectionMode
 from shared.wire.codec import decode, encode, message_equal
 from shared.wire.messages import Error, FederatedReply, Hello, Message, ReplyMode, Welcome
 from shared.wire.packing import WireContext
@@ -57,14 +56,8 @@ class ProbeClient:
             raise RuntimeError(f"expected Welcome, got {msg}")
         self.welcome = msg
         self.sent_hello = hello
-        self.ctx = WireContext(
-            vocab_size=msg.fingerprint.vocab_size,
-            max_gamma=msg.max_gamma,
-            max_fixed=msg.max_fixed,
-            max_k=1 << 20,
-            max_frame=1 << 30,
-            draft_probs=hello.correction != CorrectionMode.GREEDY_DRAFT,
-        )
+        # The edge's context of the session, but that a probe reads a frame of any size.
+        self.ctx = replace(wire_context(hello, msg), max_frame=1 << 30)
         return msg
 
     async def send(self, msg: Message) -> int:

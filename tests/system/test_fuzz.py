@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from bench.stream_ws import StreamWS
 from cloud_verifier.daemon.app import STATE
 from cloud_verifier.engine.targets import TorchTarget
+from cloud_verifier.session.core import SessionLimits
 from edge_agent.session.core import DesyncError, SingleCore, VerifierError, hello_for
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig
@@ -109,7 +110,9 @@ def test_shadow_never_expects_progress_from_a_bad_frame(
     """The fuzzer's oracle: a frame it predicts to be refused leaves the session where it was
     (epoch, position); only the expected seq moves past a decoded Propose, as the verifier's
     rules say (every Propose consumes its seq, refused or not)."""
-    sh = Shadow(CTX, federated=False, max_context=512, max_bad=10**6, max_resamples=4)
+    limits = SessionLimits(16, 64, 512, 4096, max_k=32, max_bad_frames=10**6, max_resamples=4)
+    sh = Shadow(limits, V)
+    assert sh.ctx == CTX  # the frames below are encoded for it
     sh.start_at(epoch, seq, 7)
     p = Propose(epoch, seq, 7, np.array([5, 6]), np.array([0.5, 0.5], np.float32))
     frame = encode(p, CTX)
@@ -166,8 +169,8 @@ async def test_corpus_against_a_live_session(aiohttp_client: Any, target: TorchT
             )
         )
         welcome = await ProbeClient(ws).hello(hello)
-        ctx = WireContext(V, welcome.max_gamma, welcome.max_fixed, 64, welcome.max_frame, False)
-        sh = Shadow(ctx, False, welcome.max_context, max_bad=16, max_resamples=64)
+        sh = Shadow(Shadow.limits(welcome, 64, 16, 64), V, correction=hello.correction)
+        ctx = sh.ctx
         predicted = sh.predict(frame)
         await ws.send_bytes(frame)
         got: Any = "none"
