@@ -216,7 +216,8 @@ async def _predraft(
     for g in growing:
         if send is not None and g.draft and len(g.draft) not in TREE_SENDS:
             send(g.pp, list(g.draft))
-        core.add_branch(g)
+        for count in core.add_branch(g):
+            core.gen.stats.apply(count)
     return bool(growing)
 
 
@@ -251,7 +252,9 @@ async def draft_loop(
             continue
         plan = core.plan()
         assert plan is not None
-        ready = core.take_branch(plan)
+        ready, counts = core.take_branch(plan)
+        for count in counts:
+            gen.stats.apply(count)
         draft: list[int] = [] if ready is None else ready.draft
         q_rows: list[Probs] = [] if ready is None else ready.q_rows
         rivals: list[Rival] = [] if ready is None else ready.rivals
@@ -321,8 +324,6 @@ async def run_single(
     the core's Committed and Finished events as they come. Raises
     LinkClosed (VerdictTimeout for a stalled verifier) / VerifierError / DesyncError /
     ProtocolError when the session fails."""
-    if core.gen.done:
-        return
     signal = Signal()
     io = LinkIO(transport, core.ctx, core.gen.stats, max_queued=core.cfg.send_queue_bound)
 
@@ -352,6 +353,9 @@ async def run_single(
         if io.room() > core.cfg.send_queue_bound - core.cfg.tree_frames:
             carry_out(core.tree_branch(pp, draft))
 
+    carry_out(core.opened())
+    if core.gen.done:
+        return
     if drafter is not None and core.cfg.cogen and core.prompt_unsent():
         # The prompt goes up at once: the verifier prefills it, and co-generates, while the
         # first batch is drafted.

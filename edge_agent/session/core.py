@@ -638,23 +638,24 @@ class Pipeline:
         q_rows: list[Probs],
         rivals: Sequence[Rival],
         prob: float,
-    ) -> None:
-        """Keep the branch drafted for ``pp`` (if it is still open and has tokens)."""
+    ) -> list[Count]:
+        """Keep the branch drafted for ``pp`` (if it is still open and has tokens); returns
+        what it counts (a branch prepared, and its tokens, whether or not the budget keeps
+        it)."""
         if not draft or not self.predraft_current(pp, draft):
-            return
-        st = self.gen.stats
-        st.predraft_branches += 1
-        st.predraft_tokens += len(draft)
+            return []
+        counts = [Count(Counter.PREDRAFT_BRANCHES), Count(Counter.PREDRAFT_TOKENS, len(draft))]
         self._prune_branches()
-        if len(self.branches) >= self.cfg.predraft:
-            return
-        ctx = [*pp.context, pp.token]
-        self.branches.append(Branch(ctx, list(draft), list(q_rows), list(rivals), prob))
+        if len(self.branches) < self.cfg.predraft:
+            ctx = [*pp.context, pp.token]
+            self.branches.append(Branch(ctx, list(draft), list(q_rows), list(rivals), prob))
+        return counts
 
-    def take_branch(self, plan: DraftPlan) -> Branch | None:
+    def take_branch(self, plan: DraftPlan) -> tuple[Branch | None, list[Count]]:
         """The prepared branch that continues ``plan``'s context, cut to what the plan still
         needs (its head may already be committed: co-generated tokens that agree with it),
-        removed from those kept; None if none does."""
+        removed from those kept (None if none does), and what taking it counts (a hit and the
+        tokens it carries)."""
         self._prune_branches()
         ctx = plan.context
         for i, br in enumerate(self.branches):
@@ -667,11 +668,11 @@ class Pipeline:
             del self.branches[i]
             end = k + plan.max_tokens
             out = Branch(ctx, br.draft[k:end], br.q_rows[k:end], br.rivals[k:end], br.prob)
-            st = self.gen.stats
-            st.predraft_hits += 1
-            st.predraft_used_tokens += len(out.draft)
-            return out
-        return None
+            return out, [
+                Count(Counter.PREDRAFT_HITS),
+                Count(Counter.PREDRAFT_USED_TOKENS, len(out.draft)),
+            ]
+        return None, []
 
     def on_rejection(self, now: float) -> None:
         """A rejection (or a co-generated token that dooms a batch) at ``now``: its gap runs
@@ -831,7 +832,7 @@ class DraftingCore:
     def on_draft_step(self, seconds: float) -> None:
         self.pipe.on_draft_step(seconds)
 
-    def take_branch(self, plan: DraftPlan) -> Branch | None:
+    def take_branch(self, plan: DraftPlan) -> tuple[Branch | None, list[Count]]:
         return self.pipe.take_branch(plan)
 
     def hedge_plan(self) -> HedgePlan | None:
@@ -850,9 +851,9 @@ class DraftingCore:
     def predraft_current(self, pp: PredraftPlan, draft: Sequence[int] = ()) -> bool:
         return self.pipe.predraft_current(pp, draft)
 
-    def add_branch(self, g: Growing) -> None:
+    def add_branch(self, g: Growing) -> list[Count]:
         """Keep what was drafted for ``g.pp`` (:meth:`Pipeline.add_branch`)."""
-        self.pipe.add_branch(g.pp, g.draft, g.q_rows, g.rivals, g.prob)
+        return self.pipe.add_branch(g.pp, g.draft, g.q_rows, g.rivals, g.prob)
 
     def verdict_deadline(self, floor_s: float) -> float | None:
         return self.pipe.verdict_deadline(floor_s)
@@ -936,7 +937,6 @@ def resumed_length(gen: Generation, welcome: Welcome) -> int:
         return 0
     if r.length > len(gen.committed) or r.digest != text_digest(gen.committed[: r.length]):
         raise DesyncError(f"the resumed session's {r.length} cached tokens are not this text")
-    gen.stats.resumed_tokens += r.length
     return r.length
 
 
@@ -979,6 +979,8 @@ class SingleCore(DraftingCore):
         )
         self.link = VerifierLink(wire_context(hello, welcome), self.pipe)
         self.link.verifier_len = resumed_length(gen, welcome)
+        if self.link.verifier_len:  # reported by :meth:`opened`
+            self.pipe.count(Counter.RESUMED_TOKENS, self.link.verifier_len)
         # The kind negotiated in the Hello; a greedy target always sends the token itself.
         self._correction_field = (
             "token" if hello.sampling.greedy else _CORRECTION_FIELD[hello.correction]
@@ -986,6 +988,11 @@ class SingleCore(DraftingCore):
         self._resample: tuple[int, Probs] | None = None  # (pos, q) of the pending correction
         self._failed: Fail | None = None
         self._credited: int | None = None  # the committed length at the last credit
+
+    def opened(self) -> list[EdgeEvent]:
+        """What the session's opening reports (the tokens a resumed session's verifier kept):
+        its driver carries these out first, before any other call."""
+        return [*self.pipe.news()]
 
     @property
     def ctx(self) -> WireContext:

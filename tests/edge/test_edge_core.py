@@ -37,8 +37,10 @@ from shared.wire.messages import (
     Message,
     Propose,
     Resample,
+    Resumed,
     Verdict,
     Welcome,
+    text_digest,
 )
 from tests.edge_events import sent
 
@@ -351,6 +353,19 @@ def test_a_new_session_resumes_from_the_committed_ids() -> None:
     again.fill()
     assert again.proposes()[0] == (0, 0, 0, [0, 1, 2], [3, 4])
     assert gen.generated == [1, 2]
+    assert again.core.opened() == []  # a new session: nothing resumed
+
+
+def test_a_resumed_session_reports_the_tokens_its_verifier_kept() -> None:
+    """A resumed session's next Propose starts where the verifier's cache ends; the tokens kept
+    are reported once, at the opening (the driver counts them), not written by the core."""
+    cfg = PipelineConfig(gamma=2, depth=2, sampling=GREEDY)
+    gen = Generation([0, 1, 2], 10)
+    kept = Resumed(2, text_digest([0, 1]))
+    welcome = Welcome(FP, "s", 16, 1024, 1024, 1 << 20, resume="r", resumed=kept)
+    core = SingleCore(gen, cfg, np.random.default_rng(0), hello_for(FP, cfg, 0), welcome)
+    assert core.opened() == [Count(Counter.RESUMED_TOKENS, 2)] and core.opened() == []
+    assert core.link.verifier_len == 2 and gen.stats.resumed_tokens == 0
 
 
 def _batch_with_rivals(e: Edge, draft: list[int], rivals: list[tuple[int, float]]) -> None:
@@ -367,7 +382,8 @@ def _branch(e: Edge, tokens: list[int]) -> tuple[int, int]:
     pp = e.core.pipe.predraft_plan()
     assert pp is not None
     rows = [counting_draft([t - 1], True)[1] for t in tokens]
-    e.core.pipe.add_branch(pp, tokens, rows, [], 0.9)
+    for count in e.core.pipe.add_branch(pp, tokens, rows, [], 0.9):
+        e.gen.stats.apply(count)
     return pp.pos, pp.token
 
 
@@ -384,15 +400,22 @@ def test_predrafted_outcomes_are_planned_likeliest_first_and_sent_on_a_hit() -> 
     pp = e.core.pipe.predraft_plan()
     assert pp is not None and (pp.pos, pp.token, pp.context, pp.max_tokens) == (2, 10, [0, 1], 3)
     rows = [counting_draft([t - 1], True)[1] for t in [5, 6, 7]]
-    e.core.pipe.add_branch(pp, [5, 6, 7], rows, [Rival(8, 0.5), Rival(9, 0.7), Rival(9, 0.8)], 0.9)
+    rivals = [Rival(8, 0.5), Rival(9, 0.7), Rival(9, 0.8)]
+    counts = e.core.pipe.add_branch(pp, [5, 6, 7], rows, rivals, 0.9)
+    assert counts == [Count(Counter.PREDRAFT_BRANCHES), Count(Counter.PREDRAFT_TOKENS, 3)]
+    for count in counts:
+        e.gen.stats.apply(count)
     assert _branch(e, [12, 13]) == (3, 11)  # next likeliest first rejection: 0.9 · 0.4 · 0.4
     assert e.core.pipe.predraft_plan() is None  # two branches kept: the budget
     e.core.receive(encode(Verdict(0, 0, 1, token=10), e.core.ctx), now=5.0)  # 2 rejected: 10
     assert e.gen.committed == [0, 1, 10]
     plan = e.core.pipe.plan()
     assert plan is not None
-    ready = e.core.pipe.take_branch(plan)
+    ready, counts = e.core.pipe.take_branch(plan)
     assert ready is not None and ready.draft == [5, 6, 7] and len(ready.q_rows) == 3
+    assert counts == [Count(Counter.PREDRAFT_HITS), Count(Counter.PREDRAFT_USED_TOKENS, 3)]
+    for count in counts:
+        e.gen.stats.apply(count)
     e._log(
         sent(e.core, e.core.propose(plan, ready.draft, ready.q_rows, now=5.25, rivals=ready.rivals))
     )
@@ -406,7 +429,7 @@ def test_predrafted_outcomes_are_planned_likeliest_first_and_sent_on_a_hit() -> 
     assert _branch(e, [8]) == (3, 8)  # the likeliest first rejection in [5, 6, 7]: its rival
     e.answer(0, token=14)
     plan = e.core.pipe.plan()
-    assert plan is not None and e.core.pipe.take_branch(plan) is None
+    assert plan is not None and e.core.pipe.take_branch(plan) == (None, [])
     assert not e.core.pipe.branches
 
 
@@ -461,7 +484,7 @@ def test_predrafting_ranks_every_alternative_by_its_chance_to_be_the_first_corre
     assert e.gen.committed == [0, 1, 11]
     plan = e.core.pipe.plan()
     assert plan is not None
-    ready = e.core.pipe.take_branch(plan)
+    ready, _ = e.core.pipe.take_branch(plan)
     assert ready is not None and ready.draft == [21]
 
 
@@ -475,9 +498,9 @@ def test_a_branch_whose_head_was_co_generated_sends_the_rest() -> None:
     pipe.branches.append(Branch([0, 1], [5, 6, 7], rows, [], 0.9))
     plan = DraftPlan(epoch=0, context=[0, 1, 5], max_tokens=3, deterministic=True)
     e.gen.commit([1, 5], TokenSource.COGENERATED)
-    ready = pipe.take_branch(plan)
+    ready, _ = pipe.take_branch(plan)
     assert ready is not None and ready.draft == [6, 7] and ready.context == [0, 1, 5]
     pipe.branches.append(Branch([0, 1, 5], [8, 9], rows[:2], [], 0.9))
     e.gen.commit([6], TokenSource.COGENERATED)  # disagrees with 8
     plan = DraftPlan(epoch=0, context=[0, 1, 5, 6], max_tokens=3, deterministic=True)
-    assert pipe.take_branch(plan) is None and not pipe.branches
+    assert pipe.take_branch(plan) == (None, []) and not pipe.branches

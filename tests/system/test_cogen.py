@@ -194,7 +194,7 @@ def generate_once(
             plan = edge.pipe.plan()
             assert plan is not None
             draft, q_rows, rivals = [], [], []
-            ready = edge.pipe.take_branch(plan)
+            ready, _ = edge.pipe.take_branch(plan)
             if ready is not None:
                 draft, q_rows, rivals = ready.draft, ready.q_rows, ready.rivals
                 if branch_hits is not None:
