@@ -37,7 +37,9 @@ from edge_agent.session.events import (
     Drop,
     EdgeEvent,
     Fail,
+    FedCount,
     Finished,
+    Measured,
     RejectionGap,
     Round,
     Send,
@@ -91,6 +93,8 @@ class _Federation:
         on_event: Consumer | None,
     ) -> None:
         self.core = core
+        #: The federation's measurements, counted from the core's events.
+        self.fed = FederationStats(eps_sum=[0.0] * len(core.workers))
         self.on_event = on_event
         self.specs = list(specs)
         self.drafter = drafter
@@ -112,6 +116,9 @@ class _Federation:
             if isinstance(event, (Count, Round, RejectionGap)):
                 self.core.gen.stats.apply(event)
                 continue
+            if isinstance(event, (FedCount, Measured)):
+                self.fed.apply(event)
+                continue
             if isinstance(event, Fail):  # the federated core drops workers instead
                 raise AssertionError(f"{event} from the federated core")
             io = self.io.get(event.link)
@@ -123,7 +130,7 @@ class _Federation:
                 try:
                     io.write(event.msg)
                 except LinkClosed as e:
-                    self.core.link_down(event.link, str(e), time.monotonic())
+                    self._emit(self.core.link_down(event.link, str(e), time.monotonic()))
                     io.drop(str(e))
         self.signal.notify()
 
@@ -179,7 +186,7 @@ class _Federation:
                 self.causes[index] = why
                 self.io.pop(index, None)
                 if not core.gen.done:  # the end of the generation is no drop
-                    core.link_down(index, why, time.monotonic())
+                    self._emit(core.link_down(index, why, time.monotonic()))
                 self.signal.notify()
                 with contextlib.suppress(Exception):
                     await transport.close()
@@ -320,9 +327,10 @@ async def run_federated(
         liveness_s=retry.verdict_timeout_s,
         seed=seed,
     )
-    gen.federation = core.fed
-    await _Federation(core, workers, drafter, worker, retry, seed, on_event).run()
-    return core.fed
+    federation = _Federation(core, workers, drafter, worker, retry, seed, on_event)
+    gen.federation = federation.fed
+    await federation.run()
+    return federation.fed
 
 
 async def generate_federated(

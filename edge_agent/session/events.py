@@ -125,4 +125,43 @@ Tally = Count | Round | RejectionGap
 """What a core reports for the generation's statistics (:meth:`Stats.apply
 <edge_agent.session.generation.Stats.apply>`)."""
 
-EdgeEvent = Send | Drop | Fail | Committed | Finished | Count | Round | RejectionGap
+
+class FedCounter(TextEnum):
+    """A counter of the federation's
+    :class:`~edge_agent.session.federation_core.FederationStats` (each value is the field's
+    name)."""
+
+    ROUNDS_WITH_MISSING_WORKERS = "rounds_with_missing_workers"
+    WORKER_DROPS = "worker_drops"
+    WORKER_REJOINS = "worker_rejoins"
+    LEFT_OUT = "left_out"
+    PROBES = "probes"
+
+
+@dataclass(frozen=True)
+class FedCount:
+    """Add ``n`` to the federation's ``counter`` (the federated driver counts it)."""
+
+    counter: FedCounter
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One position of a federated round measured: each answering worker's ε (worker index,
+    ε), the bias bound, its upper estimate where there is one, and the compression bounds it
+    violated (a bug: the core logs each)."""
+
+    eps: tuple[tuple[int, float], ...]
+    bias_bound: float
+    bias_upper: float | None
+    violations: int
+
+
+FedTally = FedCount | Measured
+"""What the federated core reports for the federation's statistics (:meth:`FederationStats.apply
+<edge_agent.session.federation_core.FederationStats.apply>`)."""
+
+EdgeEvent = (
+    Send | Drop | Fail | Committed | Finished | Count | Round | RejectionGap | FedCount | Measured
+)

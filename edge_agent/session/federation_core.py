@@ -96,7 +96,16 @@ from edge_agent.session.core import (
     VerifierError,
     VerifierLink,
 )
-from edge_agent.session.events import Counter, Drop, EdgeEvent, Send
+from edge_agent.session.events import (
+    Counter,
+    Drop,
+    EdgeEvent,
+    FedCount,
+    FedCounter,
+    FedTally,
+    Measured,
+    Send,
+)
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from shared.enums import TextEnum
@@ -158,6 +167,10 @@ class WorkerParams:
 
 @dataclass
 class FederationStats:
+    """The federation's measurements. The core writes none: it reports them as events
+    (:data:`~edge_agent.session.events.FedTally`), which the federated driver counts here
+    (:meth:`apply`)."""
+
     rounds_with_missing_workers: int = 0
     worker_drops: int = 0
     #: Times a member became LIVE again (readmitted after being left out, or after a drop).
@@ -172,6 +185,20 @@ class FederationStats:
     bias_bound_sum: float = 0.0
     bias_upper_sum: float = 0.0
     bias_upper_count: int = 0
+
+    def apply(self, tally: FedTally) -> None:
+        """Count what the federated core reported."""
+        if isinstance(tally, FedCount):
+            setattr(self, tally.counter.value, getattr(self, tally.counter.value) + tally.n)
+            return
+        self.positions_measured += 1
+        for i, e in tally.eps:
+            self.eps_sum[i] += e
+        self.bias_bound_sum += tally.bias_bound
+        if tally.bias_upper is not None:
+            self.bias_upper_sum += tally.bias_upper
+            self.bias_upper_count += 1
+        self.bound_violations += tally.violations
 
     def mean_eps(self) -> list[float]:
         n = max(1, self.positions_measured)
@@ -265,7 +292,9 @@ class FederatedCore(DraftingCore):
         self.deadline_s = deadline_s
         self.liveness_s = liveness_s
         self.seed = seed
-        self.fed = FederationStats(eps_sum=[0.0] * len(workers))
+        #: What happened to the federation since it was last returned (every call that feeds
+        #: the core returns it, after the pipeline's news).
+        self._fed_news: list[FedTally] = []
         #: Since when no worker has been connected (None while one is).
         self.none_up_since: float | None = 0.0
         self.rounds_decided = 0
@@ -318,7 +347,7 @@ class FederatedCore(DraftingCore):
             self._enter_step(w)
         else:
             w.state = WorkerState.BEHIND
-        return [*self.pipe.news()]
+        return self._news()
 
     def ctx(self, index: int) -> WireContext:
         """Worker ``index``'s WireContext while its link is up: the driver encodes the core's
@@ -328,13 +357,14 @@ class FederatedCore(DraftingCore):
             raise ValueError(f"worker {index}'s link is down")
         return link.ctx
 
-    def link_down(self, index: int, why: str, now: float) -> bool:
-        """Worker ``index``'s link is gone. True if it was up (counted as a drop)."""
+    def link_down(self, index: int, why: str, now: float) -> list[EdgeEvent]:
+        """Worker ``index``'s link is gone: what that reports (a drop, counted once; none if
+        it was down already)."""
         w = self.workers[index]
         if w.state == WorkerState.DOWN:
-            return False
+            return []
         log.warning("worker %s dropped: %s", w.params.name, why)
-        self.fed.worker_drops += 1
+        self._fed_count(FedCounter.WORKER_DROPS)
         w.state, w.link = WorkerState.DOWN, None
         w.outstanding.clear()
         for b in self.pipe.inflight:  # its next session owes these nothing
@@ -342,13 +372,24 @@ class FederatedCore(DraftingCore):
         if not any(x.connected for x in self.workers):
             self.none_up_since = now
         self._keep_someone_in_step()
-        return True
+        out: list[EdgeEvent] = [*self._fed_news]  # (the pipeline's news: its feed's to return)
+        self._fed_news = []
+        return out
+
+    def _news(self) -> list[EdgeEvent]:
+        """The pipeline's news, then the federation's, since the last call."""
+        out: list[EdgeEvent] = [*self.pipe.news(), *self._fed_news]
+        self._fed_news = []
+        return out
+
+    def _fed_count(self, counter: FedCounter) -> None:
+        self._fed_news.append(FedCount(counter))
 
     def _enter_step(self, w: Worker) -> None:
         w.state = WorkerState.LIVE
         w.joins += 1
         if w.joins > 1:
-            self.fed.worker_rejoins += 1
+            self._fed_count(FedCounter.WORKER_REJOINS)
 
     def _keep_someone_in_step(self, answered: Sequence[int] = ()) -> None:
         """With no member LIVE, those of ``answered`` (the members that answered the round just
@@ -380,7 +421,7 @@ class FederatedCore(DraftingCore):
         text = [*self.gen.committed, *self.pipe.tail]  # what the batch continues
         b = self.pipe.push(plan, draft, q_rows, now)
         assert b.start == len(text)
-        out: list[EdgeEvent] = [*self.pipe.news()]
+        out = self._news()
         for w in self.workers:
             probe = w.state == WorkerState.BEHIND and not w.outstanding and now >= w.probe_at
             if not (w.state == WorkerState.LIVE or probe):
@@ -390,7 +431,7 @@ class FederatedCore(DraftingCore):
             msg = w.link.propose(text, b, w.index, with_q=False)
             w.outstanding[b.seqs[w.index]] = Sent(now, fixed)
             if probe:
-                self.fed.probes += 1
+                out.append(FedCount(FedCounter.PROBES))
             out.append(Send(msg, w.index))
         return out
 
@@ -399,7 +440,7 @@ class FederatedCore(DraftingCore):
     def receive(self, index: int, data: bytes, now: float) -> list[EdgeEvent]:
         """One frame from worker ``index``."""
         events = self._receive(index, data, now)
-        return [*self.pipe.news(), *events]
+        return [*self._news(), *events]
 
     def _receive(self, index: int, data: bytes, now: float) -> list[EdgeEvent]:
         w = self.workers[index]
@@ -458,8 +499,7 @@ class FederatedCore(DraftingCore):
             w.probe_at = now + round_s  # at most half its time on probes
 
     def _drop(self, w: Worker, why: str, now: float) -> list[EdgeEvent]:
-        self.link_down(w.index, why, now)
-        return [Drop(w.index, why)]
+        return [*self.link_down(w.index, why, now), Drop(w.index, why)]
 
     # ------------------------------------------------------------------ rounds
 
@@ -532,7 +572,7 @@ class FederatedCore(DraftingCore):
             out += self._drop(w, why, now)
         while self._head_ready(now):
             out += self._decide_head(now)
-        return [*self.pipe.news(), *out]
+        return [*self._news(), *out]
 
     def _decide_head(self, now: float) -> list[EdgeEvent]:
         pipe = self.pipe
@@ -547,7 +587,7 @@ class FederatedCore(DraftingCore):
             if w.state == WorkerState.LIVE:  # slow, not dead: left out, session kept
                 w.state = WorkerState.BEHIND
                 w.probe_at = now
-                self.fed.left_out += 1
+                self._fed_count(FedCounter.LEFT_OUT)
                 log.info(
                     "worker %s left out of the rounds: no reply %.2f s after sending (wait "
                     "bound %.2f s); it keeps its session and is probed",
@@ -579,10 +619,10 @@ class FederatedCore(DraftingCore):
 
     def _decide(self, b: Batch, now: float) -> bool:
         """Aggregate the replies, commit; True on a rejection."""
-        pipe, fed = self.pipe, self.fed
+        pipe = self.pipe
         idx = sorted(b.replies)
         if len(idx) < len(self.workers):
-            fed.rounds_with_missing_workers += 1
+            self._fed_count(FedCounter.ROUNDS_WITH_MISSING_WORKERS)
         weights = [self.workers[i].params.weight for i in idx]
         # As in single mode, only stop-and-wait takes bonus tokens: a pipelined edge has
         # already drafted past the batch.
@@ -598,15 +638,9 @@ class FederatedCore(DraftingCore):
             want_bonus=self.cfg.mode == Mode.STOP_AND_WAIT,
         )
         for m in d.measures:
-            fed.positions_measured += 1
-            for i, e in zip(idx, m.eps, strict=True):
-                fed.eps_sum[i] += e
-            fed.bias_bound_sum += m.bias_bound
-            if m.bias_upper is not None:
-                fed.bias_upper_sum += m.bias_upper
-                fed.bias_upper_count += 1
+            eps = tuple(zip(idx, m.eps, strict=True))
+            self._fed_news.append(Measured(eps, m.bias_bound, m.bias_upper, len(m.violations)))
             for v in m.violations:
-                fed.bound_violations += 1
                 log.error("compression bound violated (a bug): %s", v)
         pipe.commit_round(b, d.accepted, now)
         if d.rejected:
