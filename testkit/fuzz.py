@@ -58,16 +58,7 @@ import numpy as np
 from aiohttp import WSMessage, WSMsgType, web
 
 from bench.stream_ws import StreamWS
-from cloud_verifier.engine.work import (
-    Crop,
-    Cropped,
-    Draw,
-    Drawn,
-    Failed,
-    FailureKind,
-    Federated,
-    Verified,
-)
+from cloud_verifier.engine import work
 from cloud_verifier.session.core import (
     Close,
     Run,
@@ -400,22 +391,22 @@ class Shadow:
             if isinstance(ev, Send) and isinstance(ev.msg, Error):
                 predicted = f"error:{ev.msg.code}"
             elif isinstance(ev, Run):
-                if isinstance(ev.work, Crop):
-                    self.core.work_done(Cropped())
+                if isinstance(ev.work, work.Crop):
+                    self.core.work_done(work.Cropped())
                     self.fixed = [5] if self.pos == 0 else []
                 else:
-                    predicted = "candidates" if isinstance(ev.work, Draw) else "verdict"
+                    predicted = "candidates" if isinstance(ev.work, work.Draw) else "verdict"
         return predicted
 
     def on_reply(self, p: Propose, reply: Message) -> None:
         """Complete the verify work of the valid Propose ``p`` with the real reply."""
         if isinstance(reply, FederatedReply):
-            self.core.work_done(Federated(reply.dists, reply.p_draft, reply.l1))
+            self.core.work_done(work.Federated(reply.dists, reply.p_draft, reply.l1))
             self.fixed = []
             return
         assert isinstance(reply, Verdict)
         d = Decision(reply.accepted, reply.sparse, reply.candidates, reply.token, reply.bonus)
-        self.core.work_done(Verified(d, kept_row=reply.candidates is not None))
+        self.core.work_done(work.Verified(d, kept_row=reply.candidates is not None))
         if reply.accepted < len(p.draft):
             corr = reply.token
             if corr is None and reply.sparse is not None:
@@ -427,13 +418,15 @@ class Shadow:
             self.fixed = [] if reply.bonus is None else [reply.bonus]
 
     def on_candidates(self, c: Candidates) -> None:
-        self.core.work_done(Drawn(c.candidates))
+        self.core.work_done(work.Drawn(c.candidates))
 
     def abandon(self) -> None:
         """The real verifier did not answer as predicted: end the pending work as failed
         (the session is closed after a mismatch anyway)."""
         if self.core.running is not None:
-            self.core.work_done(Failed("mismatch", self.core.cache_len, FailureKind.MODEL))
+            self.core.work_done(
+                work.Failed("mismatch", self.core.cache_len, work.FailureKind.MODEL)
+            )
 
 
 _HELLO_KINDS = (

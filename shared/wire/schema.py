@@ -19,6 +19,7 @@ import numpy as np
 from shared.maths.compression import IdArray, ProbArray, SparseDist
 from shared.maths.rejection import CorrectionMode
 from shared.maths.sampling import SamplingParams
+from shared.wire import messages
 from shared.wire.fields import (
     Bool,
     Choice,
@@ -40,28 +41,6 @@ from shared.wire.fields import (
     Temperature,
     TopKSizes,
 )
-from shared.wire.messages import (
-    MAX_TOP_LOGPROBS,
-    SEQ_MODULUS,
-    Candidates,
-    Error,
-    FederatedReply,
-    Fingerprint,
-    Generated,
-    Hedge,
-    Hello,
-    Logprobs,
-    MsgType,
-    Progress,
-    Propose,
-    ReplyMode,
-    Resample,
-    Resume,
-    Resumed,
-    Rollback,
-    Verdict,
-    Welcome,
-)
 from shared.wire.packing import ProtocolError, WireContext
 
 # Integer keys of the hot frames (the header's, K_VT = 0, is the tables' own). Names are used in
@@ -79,17 +58,17 @@ _U32_MAX: Final = 2**32 - 1
 _FLAG_BONUS: Final = 1
 
 
-def _make_propose(v: list[Any]) -> Propose:
+def _make_propose(v: list[Any]) -> messages.Propose:
     epoch, seq, pos, (draft, q), fixed, want_bonus = v
-    return Propose(epoch, seq, pos, draft, q, fixed, want_bonus)
+    return messages.Propose(epoch, seq, pos, draft, q, fixed, want_bonus)
 
 
-def _make_hedge(v: list[Any]) -> Hedge:
+def _make_hedge(v: list[Any]) -> messages.Hedge:
     pos, token, (draft, q) = v
-    return Hedge(pos, token, draft, q)
+    return messages.Hedge(pos, token, draft, q)
 
 
-def _make_verdict(v: list[Any]) -> Verdict:
+def _make_verdict(v: list[Any]) -> messages.Verdict:
     """At most one correction, and no bonus token with one."""
     sparse, candidates, token, bonus = v[3:7]
     n_corr = (sparse is not None) + (candidates is not None) + (token is not None)
@@ -97,23 +76,23 @@ def _make_verdict(v: list[Any]) -> Verdict:
         raise ProtocolError("verdict", "more than one correction")
     if bonus is not None and n_corr:
         raise ProtocolError("bonus", "a bonus token with a correction")
-    return Verdict(*v)
+    return messages.Verdict(*v)
 
 
 # FederatedReply.dists travels as three fields: the sizes, all ids, all probabilities.
-def _ks_of(r: FederatedReply) -> list[int]:
+def _ks_of(r: messages.FederatedReply) -> list[int]:
     return [len(d.ids) for d in r.dists]
 
 
-def _ids_of(r: FederatedReply) -> IdArray:
+def _ids_of(r: messages.FederatedReply) -> IdArray:
     return np.concatenate([d.ids for d in r.dists])
 
 
-def _probs_of(r: FederatedReply) -> ProbArray:
+def _probs_of(r: messages.FederatedReply) -> ProbArray:
     return np.concatenate([d.probs for d in r.dists])
 
 
-def _make_federated_reply(v: list[Any]) -> FederatedReply:
+def _make_federated_reply(v: list[Any]) -> messages.FederatedReply:
     """Split ids/probs into the γ+1 distributions of sizes ks (each: distinct ids, mass <= 1);
     γ p_draft scalars; l1, when sent, of shape [γ+1, 2]."""
     epoch, seq, ks, ids, probs, p_draft, l1 = v
@@ -134,39 +113,39 @@ def _make_federated_reply(v: list[Any]) -> FederatedReply:
         if len(l1) != 2 * len(ks):
             raise ProtocolError("l1", f"expected {2 * len(ks)} float32 values")
         l1 = l1.reshape(len(ks), 2)
-    return FederatedReply(epoch, seq, tuple(dists), p_draft, l1)
+    return messages.FederatedReply(epoch, seq, tuple(dists), p_draft, l1)
 
 
 def _scored_limit(ctx: WireContext) -> int:
     return ctx.max_gamma + max(ctx.max_k, 4096)
 
 
-def _make_logprobs(v: list[Any]) -> Logprobs:
+def _make_logprobs(v: list[Any]) -> messages.Logprobs:
     """At least one position, and the same number n <= MAX_TOP_LOGPROBS of alternatives at
     each."""
     pos, (ids, lp), last, (top_ids, top_lp) = v
     positions = len(ids) - last + 1
     if positions < 1:
         raise ProtocolError("last", f"{last} ids at the last position of {len(ids)}")
-    if len(top_ids) % positions or len(top_ids) // positions > MAX_TOP_LOGPROBS:
+    if len(top_ids) % positions or len(top_ids) // positions > messages.MAX_TOP_LOGPROBS:
         raise ProtocolError(
-            "top", f"{len(top_ids)} entries are not up to {MAX_TOP_LOGPROBS} per position"
+            "top", f"{len(top_ids)} entries are not up to {messages.MAX_TOP_LOGPROBS} per position"
         )
-    return Logprobs(pos, ids, lp, last, top_ids, top_lp)
+    return messages.Logprobs(pos, ids, lp, last, top_ids, top_lp)
 
 
-def _make_candidates(v: list[Any]) -> Candidates:
+def _make_candidates(v: list[Any]) -> messages.Candidates:
     if len(v[2].ids) == 0:
         raise ProtocolError("candidates", "empty")
-    return Candidates(*v)
+    return messages.Candidates(*v)
 
 
 _U32: Final = Int(0, _U32_MAX)
-_SEQ: Final = Int(0, SEQ_MODULUS - 1)
+_SEQ: Final = Int(0, messages.SEQ_MODULUS - 1)
 _TOKEN: Final = Int(0, lambda ctx: ctx.vocab_size - 1)
 _FP: Final = Map(
     Table(
-        Fingerprint,
+        messages.Fingerprint,
         "fp",
         [
             Field("tok", "tok", Str(128), "tokenizer_hash"),
@@ -192,7 +171,7 @@ _SAMPLING: Final = Map(
 
 _RESUME: Final = Map(
     Table(
-        Resume,
+        messages.Resume,
         "resume",
         [
             Field("token", "token", Str(64)),
@@ -203,7 +182,7 @@ _RESUME: Final = Map(
 )
 _RESUMED: Final = Map(
     Table(
-        Resumed,
+        messages.Resumed,
         "resumed",
         [
             Field("len", "len", Int(0, _U32_MAX), "length"),
@@ -215,12 +194,12 @@ _RESUMED: Final = Map(
 
 FRAMES: Final = (
     Frame(
-        MsgType.HELLO,
-        Hello,
+        messages.MsgType.HELLO,
+        messages.Hello,
         [
             Field("fp", "fp", _FP, "fingerprint"),
             Field("sampling", "sampling", _SAMPLING),
-            Field("reply", "reply", Choice(ReplyMode), "reply_mode"),
+            Field("reply", "reply", Choice(messages.ReplyMode), "reply_mode"),
             Field("correction", "correction", Choice(CorrectionMode)),
             Field("k", "k", Int(1, 1 << 24)),
             Field("eps", "eps", Float(0.0, 1.0), "eps_target"),
@@ -231,12 +210,17 @@ FRAMES: Final = (
             Field("progress", "progress", Flag(1), presence=Presence.OPTIONAL),
             Field("resume", "resume", _RESUME, presence=Presence.OPTIONAL),
             Field("resumable", "resumable", Flag(1), presence=Presence.OPTIONAL),
-            Field("logprobs", "logprobs", Int(0, MAX_TOP_LOGPROBS), presence=Presence.OPTIONAL),
+            Field(
+                "logprobs",
+                "logprobs",
+                Int(0, messages.MAX_TOP_LOGPROBS),
+                presence=Presence.OPTIONAL,
+            ),
         ],
     ),
     Frame(
-        MsgType.WELCOME,
-        Welcome,
+        messages.MsgType.WELCOME,
+        messages.Welcome,
         [
             Field("fp", "fp", _FP, "fingerprint"),
             Field("session", "session", Str(64), "session_id"),
@@ -249,8 +233,8 @@ FRAMES: Final = (
         ],
     ),
     Frame(
-        MsgType.ERROR,
-        Error,
+        messages.MsgType.ERROR,
+        messages.Error,
         [
             Field("code", "code", Str(64)),
             Field("msg", "msg", Str(4096), "message"),
@@ -259,8 +243,8 @@ FRAMES: Final = (
         ],
     ),
     Frame(
-        MsgType.PROPOSE,
-        Propose,
+        messages.MsgType.PROPOSE,
+        messages.Propose,
         [
             Field(K_EPOCH, "epoch", _U32),
             Field(K_SEQ, "seq", _SEQ),
@@ -272,8 +256,8 @@ FRAMES: Final = (
         _make_propose,
     ),
     Frame(
-        MsgType.VERDICT,
-        Verdict,
+        messages.MsgType.VERDICT,
+        messages.Verdict,
         [
             Field(K_EPOCH, "epoch", _U32),
             Field(K_SEQ, "seq", _SEQ),
@@ -287,8 +271,8 @@ FRAMES: Final = (
         _make_verdict,
     ),
     Frame(
-        MsgType.FEDERATED_REPLY,
-        FederatedReply,
+        messages.MsgType.FEDERATED_REPLY,
+        messages.FederatedReply,
         [
             Field(K_EPOCH, "epoch", _U32),
             Field(K_SEQ, "seq", _SEQ),
@@ -300,11 +284,19 @@ FRAMES: Final = (
         ],
         _make_federated_reply,
     ),
-    Frame(MsgType.ROLLBACK, Rollback, [Field(K_EPOCH, "epoch", _U32), Field(K_POS, "pos", _U32)]),
-    Frame(MsgType.RESAMPLE, Resample, [Field(K_EPOCH, "epoch", _U32), Field(K_POS, "pos", _U32)]),
     Frame(
-        MsgType.CANDIDATES,
-        Candidates,
+        messages.MsgType.ROLLBACK,
+        messages.Rollback,
+        [Field(K_EPOCH, "epoch", _U32), Field(K_POS, "pos", _U32)],
+    ),
+    Frame(
+        messages.MsgType.RESAMPLE,
+        messages.Resample,
+        [Field(K_EPOCH, "epoch", _U32), Field(K_POS, "pos", _U32)],
+    ),
+    Frame(
+        messages.MsgType.CANDIDATES,
+        messages.Candidates,
         [
             Field(K_EPOCH, "epoch", _U32),
             Field(K_POS, "pos", _U32),
@@ -313,8 +305,8 @@ FRAMES: Final = (
         _make_candidates,
     ),
     Frame(
-        MsgType.GENERATED,
-        Generated,
+        messages.MsgType.GENERATED,
+        messages.Generated,
         [
             Field(K_EPOCH, "epoch", _U32),
             Field(K_POS, "pos", _U32),
@@ -323,8 +315,8 @@ FRAMES: Final = (
         ],
     ),
     Frame(
-        MsgType.HEDGE,
-        Hedge,
+        messages.MsgType.HEDGE,
+        messages.Hedge,
         [
             Field(K_POS, "pos", _U32),
             Field(K_C, "token", _TOKEN),
@@ -333,8 +325,8 @@ FRAMES: Final = (
         _make_hedge,
     ),
     Frame(
-        MsgType.LOGPROBS,
-        Logprobs,
+        messages.MsgType.LOGPROBS,
+        messages.Logprobs,
         [
             Field(K_POS, "pos", _U32),
             # the accepted tokens (<= max_gamma) and a rejection's candidates (m <= 4096) or
@@ -346,8 +338,8 @@ FRAMES: Final = (
         _make_logprobs,
     ),
     Frame(
-        MsgType.PROGRESS,
-        Progress,
+        messages.MsgType.PROGRESS,
+        messages.Progress,
         [
             Field(K_A, "steps", _U32),
             Field(K_B, "ahead", _U32),
@@ -356,7 +348,7 @@ FRAMES: Final = (
         ],
     ),
 )
-if sorted(t.msg_type for t in FRAMES) != list(MsgType):
+if sorted(t.msg_type for t in FRAMES) != list(messages.MsgType):
     raise TypeError("every message type needs exactly one table")
 BY_CLASS: Final = {t.cls: t for t in FRAMES}
 #: Keyed by the header byte (version << 4 | type): one dict lookup validates and dispatches it.
