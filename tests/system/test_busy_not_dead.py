@@ -43,6 +43,7 @@ from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.link.connection import LinkSettings, VerifierBusy, WebSocketTransport, retry_after_s
 from edge_agent.model.drafter import Drafter
 from edge_agent.session.core import PREFILL_ALLOWANCE_S, DesyncError, Pipeline, resumed_length
+from edge_agent.session.events import Count
 from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.retry import GiveUp, Outage
@@ -190,6 +191,10 @@ def test_verdict_deadline_follows_progress_and_the_prompt_length() -> None:
     assert pipe.verdict_deadline(floor) == pytest.approx(112.0 + 4 * 20.0)
     pipe.on_progress(Progress(steps=2, ahead=0, eta_ms=100, running=True), now=190.0)
     assert pipe.verdict_deadline(floor) == pytest.approx(190.0 + floor)
+    # the pipeline reports the frames it saw (Count events); its driver counts them
+    for event in pipe.news():
+        if isinstance(event, Count):
+            pipe.gen.stats.apply(event)
     assert pipe.gen.stats.progress_frames == 2
 
 
