@@ -43,12 +43,11 @@ import logging
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from shared.service.metrics import Counter, Gauge
+from shared.service.metrics import HttpMetrics
 from shared.service.ratelog import LogLimiter
 
 log = logging.getLogger(__name__)
@@ -61,23 +60,6 @@ _TIMED_OUT = (
     b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
     b"Content-Type: text/plain\r\nContent-Length: 34\r\n\r\nrequest headers not sent in time\r\n"
 )
-
-
-class GuardMetrics(Protocol):
-    """The metrics a guard records into (each service names its own: ``wanspec_http_*`` for
-    the verifier, ``wanspec_edge_http_*`` for the edge)."""
-
-    @property
-    def http_pending(self) -> Gauge: ...  # pending connections now
-
-    @property
-    def http_refused(self) -> Counter: ...  # refused at once, by ``reason`` (label)
-
-    @property
-    def http_evicted(self) -> Counter: ...  # pending connections closed to admit a new one
-
-    @property
-    def header_timeouts(self) -> Counter: ...  # closed after header_timeout
 
 
 def _address(transport: asyncio.BaseTransport) -> str:
@@ -107,7 +89,7 @@ class ConnectionGuard:
         header_timeout: float,
         max_pending: int,
         max_pending_per_address: int,
-        metrics: GuardMetrics | None = None,
+        metrics: HttpMetrics | None = None,
         logger: logging.Logger = log,
     ) -> None:
         self.header_timeout = header_timeout

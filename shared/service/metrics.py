@@ -260,9 +260,10 @@ class Registry:
 
 @dataclass(frozen=True)
 class HttpMetrics:
-    """The metrics of a service's HTTP connection guard
-    (:class:`shared.service.http_guard.GuardMetrics`), declared alike for every service: named
-    ``{prefix}http_*``, their help calling the guarded connections ``connections``."""
+    """The metrics a service's HTTP connection guard
+    (:class:`shared.service.http_guard.ConnectionGuard`) records into, declared alike for every
+    service: named ``{prefix}http_*``, their help calling the guarded connections
+    ``connections``."""
 
     http_pending: Gauge
     http_refused: Counter
