@@ -237,6 +237,10 @@ class LinkInfo:
     #: 200 before then does not clear it (a verifier that refuses sessions as overloaded
     #: still answers /health 200); a session that commits does.
     busy_until: float | None = None
+    #: The verifier's target cannot pair with this edge's draft (the line says what to
+    #: change): the link is DOWN with this error whatever probes and sessions say, until a
+    #: connection announces a target that pairs (:meth:`LinkMonitor.mark_incompatible`).
+    incompatible: str | None = None
 
 
 class LinkMonitor:
@@ -276,6 +280,8 @@ class LinkMonitor:
 
     def _set(self, link: LinkInfo, state: VerifierLinkState, error: str | None) -> None:
         before = link.state
+        if link.incompatible is not None:
+            state, error = VerifierLinkState.DOWN, link.incompatible
         link.state, link.error, link.checked_at = state, error, time.time()
         if state != VerifierLinkState.BUSY:
             link.busy_until = None
@@ -292,6 +298,16 @@ class LinkMonitor:
             busy = link.busy_until is not None and now < link.busy_until
             if link.url == url and link.state != VerifierLinkState.STALLED and not busy:
                 self._set(link, VerifierLinkState.UP, None)
+
+    def mark_incompatible(self, url: str, reason: str | None) -> None:
+        """The target the verifier at ``url`` announced cannot pair with this edge's draft
+        (``reason``: the line that says what to change; DOWN until cleared), or it can (None:
+        the link's state is then what the next observation says)."""
+        for link in self.links:
+            if link.url == url:
+                link.incompatible = reason
+                if reason is not None:
+                    self._set(link, VerifierLinkState.DOWN, reason)
 
     def mark_lost(self, url: str, error: str) -> None:
         """The warm link's connection to ``url`` went: down, unless stalled (a stalled
@@ -326,8 +342,12 @@ class LinkMonitor:
         self.changed()
 
     def missing_token(self, has_token: bool) -> str | None:
-        """Why no request can succeed for want of a token (None: nothing says so): a verifier
-        refused this edge's token, or every verifier says it needs one and none is set."""
+        """Why no request can succeed, whatever the verifiers do next (None: nothing says so):
+        every verifier serves a target this edge's draft cannot pair with; a verifier refused
+        this edge's token, or every verifier says it needs one and none is set."""
+        mismatched = [x.incompatible for x in self.links if x.incompatible]
+        if mismatched and len(mismatched) == len(self.links):
+            return "; ".join(dict.fromkeys(mismatched))
         refused = [x.token_refused for x in self.links if x.token_refused]
         all_refused = bool(refused) and len(refused) == len(self.links)
         if not has_token and (all_refused or (self.links and all(x.auth for x in self.links))):

@@ -18,17 +18,25 @@ import contextvars
 import dataclasses
 import functools
 import logging
+import os
 import random
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from edge_agent.daemon.agent import EdgeAgent, HandshakeError, RetryPolicy, VerifierWaitOver
 from edge_agent.daemon.api_request import ContextLimit
-from edge_agent.daemon.config import NO_DRAFT, EdgeSettings, Fallback, read_secret_file
+from edge_agent.daemon.config import (
+    CONFIG_ENV,
+    NO_DRAFT,
+    EdgeSettings,
+    Fallback,
+    read_secret_file,
+)
 from edge_agent.daemon.monitor import EdgeMetrics, LinkMonitor, TimedTransport, VerifierLinkState
+from edge_agent.daemon.pairing import mismatch_line
 from edge_agent.daemon.progress import device_line
 from edge_agent.daemon.text import TextStreamer, eos_ids, result_json, ssl_context
 from edge_agent.link.connection import (
@@ -39,7 +47,7 @@ from edge_agent.link.connection import (
 )
 from edge_agent.link.driver import Consumer, VerdictTimeout
 from edge_agent.link.federation import WorkerSpec
-from edge_agent.link.warm import LinkLost, WarmLink
+from edge_agent.link.warm import LinkLost, ModelMismatch, WarmLink
 from edge_agent.model.batching import BatchingWorker
 from edge_agent.model.drafter import Drafter
 from edge_agent.model.tasks import ModelWorker
@@ -301,6 +309,29 @@ def loading_line(s: EdgeSettings) -> str:
     return f"loading the draft {s.draft}"
 
 
+def pairing_setting(s: EdgeSettings) -> str:
+    """The setting to change when the edge's tokenizer does not pair with a target: with
+    ``draft = "none"`` the tokenizer is ``draft_base``'s, else ``draft`` (a self-draft too:
+    naming a model of the target's family there is the direct fix)."""
+    return "draft_base" if s.cloud_only else "draft"
+
+
+def tokenizer_spec(s: EdgeSettings) -> str:
+    """The model whose tokenizer the edge uses: ``draft_base`` for a self-draft or
+    ``draft = "none"``, else ``draft``."""
+    if s.cloud_only or s.draft.strip().startswith("self:"):
+        return s.draft_base
+    return s.draft
+
+
+def settings_place(env: Mapping[str, str]) -> str:
+    """Where an operator changes the edge's settings, as a mismatch line names it."""
+    configured = env.get(CONFIG_ENV)
+    if configured:
+        return configured
+    return "edge.toml (/etc/wanspec/edge.toml for the systemd unit)"
+
+
 def load_edge_tokenizer(s: EdgeSettings, report: Callable[[str], None]) -> LoadedTokenizer:
     """``draft = "none"`` (blocking): the tokenizer of ``draft_base`` alone, no weights."""
     report(loading_line(s))
@@ -374,6 +405,8 @@ class EdgeService:
             self.eos, self.max_context = eos_ids(loaded), self.drafter.lm.max_length
             what = f"draft {loaded.name}"
         self.loaded = loaded
+        for url in self.settings.verifier_urls:
+            self._check_pairing(url)  # links that came up while the draft loaded
         retry = retry_policy(self.settings)
         worker = self.worker
         if self.drafter is not None and self.settings.max_concurrent > 1:
@@ -442,6 +475,10 @@ class EdgeService:
             i = (self._preferred + k) % len(urls)
             try:
                 transport = await self.links[i].stream()
+            except ModelMismatch as e:  # (/health says so already: _check_pairing)
+                errors.append(str(e))
+                permanent += 1
+                continue
             except TokenRefused as e:
                 self.link.mark_token_refused(urls[i], str(e))
                 raise HandshakeError(str(e)) from e  # reconnecting cannot help
@@ -469,7 +506,8 @@ class EdgeService:
         connection opened (up, unless a stall or a busy refusal still holds), a lost one
         (down, unless stalled), a busy refusal, a failed attempt (down), a refused token."""
         if err is None:
-            self.link.mark_connected(url)
+            if self._check_pairing(url):
+                self.link.mark_connected(url)
         elif isinstance(err, LinkLost):
             self.link.mark_lost(url, str(err))
         elif isinstance(err, TokenRefused):
@@ -478,6 +516,28 @@ class EdgeService:
             self.link.mark_busy(url, str(err), err.retry_after)
         else:
             self.link.mark(url, False, str(err) or type(err).__name__)
+
+    def _check_pairing(self, url: str) -> bool:
+        """Compare the target the verifier at ``url`` announced with the edge's draft (once
+        both are known): whether they pair. A mismatch is logged once per announced target,
+        in one line that says what to change, and the link opens no session (its requests
+        fail at once, /health says why) until the verifier announces a target that pairs."""
+        link = self.links[self.settings.verifier_urls.index(url)]
+        target = link.announced
+        if self.loaded is None or target is None:
+            return True
+        line = mismatch_line(
+            self.loaded.fingerprint,
+            target,
+            target_of=f"{url}'s target",
+            setting=pairing_setting(self.settings),
+            config=settings_place(os.environ),
+        )
+        if line is not None and line != link.refusal:
+            log.error("%s", line)
+        link.refuse(line)
+        self.link.mark_incompatible(url, line)
+        return line is None
 
     def _on_welcome(self, welcome: Welcome) -> None:
         """A session's own Welcome: its context bounds the link's (a verifier's Ready may
@@ -540,7 +600,9 @@ class EdgeService:
     async def _run(self, gen: Generation, req: GenRequest, on_event: Consumer) -> None:
         """The agent's run; with ``fallback = "draft"`` the agent itself keeps generating with
         the draft alone while no verifier answers (those tokens are flagged unverified). A run
-        that fails logs one WARNING line (the 503's message, with the Retry-After it gives)."""
+        that fails logs one WARNING line (the 503's message, with the Retry-After it gives),
+        unless every verifier's target cannot pair with the draft: that was logged once, when
+        the links said so (:meth:`_check_pairing`), and each request's 503 repeats it."""
         _, agent = self.require()
         retry = self.fail_fast_policy(agent)
         try:
@@ -562,7 +624,10 @@ class EdgeService:
                 self.link.mark(None, False, str(e))
             if isinstance(e, (LinkClosed, asyncio.TimeoutError)) and after is None:
                 after = DEFAULT_RETRY_AFTER_S  # (a refused token or model: retrying won't help)
-            if retry is not None:
+            mismatched = all(link.refusal is not None for link in self.links)
+            if isinstance(e, HandshakeError) and mismatched:
+                why = "no verifier could be used"
+            elif retry is not None:
                 why = (
                     "no verifier could be used (every verifier was already down and fallback "
                     f"is none: gave up after link_down_fail_fast = {retry.deadline_s:g} s)"
@@ -573,7 +638,8 @@ class EdgeService:
             else:
                 why = "no verifier could be used"
             tail = "" if after is None else f" (Retry-After {after} s)"
-            log.warning("request failed: %s: %s%s", why, e, tail)
+            level = logging.DEBUG if mismatched else logging.WARNING
+            log.log(level, "request failed: %s: %s%s", why, e, tail)
             raise VerifierUnavailable(f"{why}: {e}", retry_after=after) from e
         if gen.unverified_tokens == 0 and not self.settings.federated:
             self.link.mark(self.settings.verifier_urls[self._preferred], True)

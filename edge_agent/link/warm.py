@@ -7,8 +7,12 @@ leave at once, and its first token arrives one round trip (plus the prefill) lat
 :class:`WarmLink` owns one task, the keeper, which opens the connection and reopens it in the
 background when it drops, with jittered exponential backoff (a busy verifier's Retry-After is
 honoured; a refused token or a verifier of another protocol version is retried at the backoff's
-ceiling, not hammered). A request that finds no connection waits for the attempt under way (one
-at a time, shared by every caller), or starts one, and gets its error: the agent's retry policy
+ceiling, not hammered). Each Ready names the verifier's target (:attr:`WarmLink.announced`); a
+link told that its target cannot pair with the edge's draft (:meth:`WarmLink.refuse`) stays
+open but opens no session (:class:`ModelMismatch`) until a Ready announces another model.
+
+A request that finds no connection waits for the attempt under way (one at a time, shared by
+every caller), or starts one, and gets its error: the agent's retry policy
 (:class:`~edge_agent.session.retry.RetryPolicy`) decides what then.
 """
 
@@ -29,6 +33,7 @@ from edge_agent.link.connection import (
     TokenRefused,
 )
 from edge_agent.session.transport import LinkClosed, VerifierBusy
+from shared.wire.messages import Fingerprint
 
 #: Hears of the link's changes: None when a connection opened (its Ready came), the error
 #: when an attempt failed, :class:`LinkLost` when the open connection went.
@@ -37,6 +42,11 @@ LinkObserver = Callable[[BaseException | None], None]
 
 class LinkLost(LinkClosed):
     """The warm link's open connection went (its message names why)."""
+
+
+class ModelMismatch(LinkRefused):
+    """The verifier's target cannot pair with the edge's draft (the message says what to
+    change): no session is opened on this link, and waiting does not help."""
 
 
 log = logging.getLogger("wanspec.edge.link")
@@ -71,6 +81,10 @@ class WarmLink:
         #: the link is down (None: no connection opened yet).
         self.max_context: int | None = None
         self._announced: int | None = None  # the last Ready's max_context
+        #: The target fingerprint of the last Ready (None: no connection opened yet).
+        self.announced: Fingerprint | None = None
+        #: Why this link opens no session (:meth:`refuse`), None while it may.
+        self.refusal: str | None = None
 
     @property
     def up(self) -> bool:
@@ -87,7 +101,15 @@ class WarmLink:
         conn = self._conn
         if conn is None or conn.closed.is_set():
             conn = await self._connect()
+        if self.refusal is not None:
+            raise ModelMismatch(self.refusal)
         return conn.open_stream()
+
+    def refuse(self, reason: str | None) -> None:
+        """``reason``: why the target :attr:`announced` cannot serve this edge (its sessions
+        would be refused), or None when it can. Set by the link's owner when it compares
+        fingerprints; a new Ready clears it (the observer then hears of the new target)."""
+        self.refusal = reason
 
     async def _connect(self) -> Connection:
         if self._attempt is None:
@@ -118,7 +140,9 @@ class WarmLink:
             # A verifier that announces something new (a restart with other settings) is
             # taken at its word again; the same Ready keeps what its sessions showed.
             self._announced, self.max_context = announced, announced
-        self._tell(None)
+        if conn.ready.fingerprint != self.announced:
+            self.announced, self.refusal = conn.ready.fingerprint, None
+        self._tell(None)  # (the observer compares the announced target with its draft)
         old, self._conn = self._conn, conn
         if old is not None:
             await old.close()

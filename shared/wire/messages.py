@@ -79,16 +79,22 @@ class Fingerprint:
     model_name: str
 
     def compatible_with(self, other: Fingerprint) -> str | None:
-        """None when compatible, else a reason a user can act on."""
+        """None when compatible, else a reason a user can act on. ``self`` is the draft's
+        fingerprint, ``other`` the target's (every caller's order: the reason names them so)."""
+        fix = (
+            f"set the edge's draft to a model that shares {other.model_name}'s tokenizer, or "
+            f"serve a target of {self.model_name}'s family (docs/model-pairs.md)"
+        )
         if self.vocab_size != other.vocab_size:
             return (
-                f"vocabulary size differs: {self.model_name} has {self.vocab_size}, "
-                f"{other.model_name} has {other.vocab_size}"
+                f"vocabulary size differs: draft {self.model_name} has {self.vocab_size}, "
+                f"target {other.model_name} has {other.vocab_size}; {fix}"
             )
         if self.tokenizer_hash != other.tokenizer_hash:
             return (
-                f"tokenizers differ: {self.model_name} ({self.tokenizer_hash[:12]}) vs "
-                f"{other.model_name} ({other.tokenizer_hash[:12]}); draft and target must share one"
+                f"tokenizers differ: draft {self.model_name} ({self.tokenizer_hash[:12]}) vs "
+                f"target {other.model_name} ({other.tokenizer_hash[:12]}); draft and target "
+                f"must share one: {fix}"
             )
         return None
 
