@@ -1,5 +1,6 @@
 """``edge-agent`` command line: ``serve`` (the local OpenAI-compatible daemon), ``chat`` (a REPL),
-``generate`` against a verifier, ``demo`` with a local one.
+``generate`` against a verifier, ``demo`` with a local one, ``check`` whether the draft pairs with
+a target (its tokenizer only: no weights, no GPU, offline) or with each verifier's.
 
 Every command reads one :class:`~edge_agent.daemon.config.EdgeSettings`: flags > ``WANSPEC_EDGE_*``
 environment variables > the TOML file (``--config``, default ``~/.config/wanspec/edge.toml``) >
@@ -37,10 +38,11 @@ if TYPE_CHECKING:
     from edge_agent.daemon.config import EdgeSettings
     from edge_agent.daemon.progress import Progress
     from edge_agent.daemon.service import EdgeService
+    from shared.wire.messages import Fingerprint
 
 DEFAULT_TARGET = "default"
 DEMO_PROMPT = "Explain in two sentences why the sky is blue."
-COMMANDS = ("generate", "demo", "serve", "chat")
+COMMANDS = ("generate", "demo", "serve", "chat", "check")
 
 # Flags a command accepts (one settings story) but does not list in its --help: they do not
 # concern it.
@@ -69,6 +71,7 @@ _UNLISTED: dict[str, set[str]] = {
         "write_timeout",
         *_HTTP,
     },
+    "check": _API,
 }
 
 
@@ -148,6 +151,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="interactive chat; uses a running `edge-agent serve`, else runs the agent here",
     )
     _add_settings_args(chat, "chat")
+    check = sub.add_parser(
+        "check",
+        help="check that the draft shares its tokenizer with a target (--target) or with each "
+        "verifier's; exit status 0: they pair, 1: one does not",
+        description="Load the tokenizer of the draft (draft_base's for a self-draft or draft "
+        "none) and of each --target (no weights, no GPU, offline: a local folder, a .gguf, or "
+        "a hub id already in the Hugging Face cache) and compare their fingerprints; without "
+        "--target, compare with the target each configured verifier announces. One line per "
+        "target; exit status 0 when all pair, 1 when one does not, 2 on an error.",
+    )
+    check.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        metavar="MODEL",
+        help="a target model spec to compare with (repeatable); without it, each verifier's",
+    )
+    _add_settings_args(check, "check")
     return parser
 
 
@@ -399,11 +420,72 @@ def _chat(args: argparse.Namespace, settings: EdgeSettings) -> int:
     return run_chat(settings, progress=progress)
 
 
+async def _announced_targets(settings: EdgeSettings) -> list[tuple[str, Fingerprint | str]]:
+    """Each verifier's target, from the Ready its connection starts with (no session is
+    opened), or why it could not be reached."""
+    from edge_agent.daemon.config import read_secret_file
+    from edge_agent.daemon.text import ssl_context
+    from edge_agent.link.connection import Connection, LinkRefused, LinkSettings
+    from edge_agent.session.transport import LinkClosed
+
+    token = read_secret_file(settings.token_file, "token_file") if settings.token_file else ""
+    tls = ssl_context(
+        str(settings.ca_file) if settings.ca_file else None, settings.insecure_skip_verify
+    )
+    out: list[tuple[str, Fingerprint | str]] = []
+    for url in settings.verifier_urls:
+        link = LinkSettings(url=url, token=token, heartbeat_s=0, ssl=tls)
+        try:
+            conn = await Connection.connect(link)
+        except (LinkClosed, LinkRefused, OSError, PermissionError) as e:
+            out.append((url, str(e) or type(e).__name__))
+            continue
+        try:
+            out.append((url, conn.ready.fingerprint))
+        finally:
+            await conn.close()
+    return out
+
+
+def _pair_check(args: argparse.Namespace, settings: EdgeSettings) -> int:
+    """``check``: one line per target on stdout; 0 when every one pairs with the draft, 1 when
+    one does not, 2 when a verifier could not be asked."""
+    from edge_agent.daemon.pairing import fingerprint_words, mismatch_line
+    from edge_agent.daemon.service import pairing_setting, settings_place, tokenizer_spec
+    from shared.runtime.models import load_tokenizer
+
+    setting = pairing_setting(settings)
+    edge = load_tokenizer(tokenizer_spec(settings)).fingerprint
+    targets: list[tuple[str, Fingerprint | str]]
+    if args.target:
+        targets = [("", load_tokenizer(t).fingerprint) for t in args.target]
+    else:
+        targets = asyncio.run(_announced_targets(settings))
+    status = 0
+    for url, fp in targets:
+        if isinstance(fp, str):
+            print(f"edge: cannot ask {url}: {fp} (check offline: edge-agent check --target MODEL)")
+            status = 2
+            continue
+        whose = f"{url}'s target" if url else "the target"
+        line = mismatch_line(
+            edge, fp, target_of=whose, setting=setting, config=settings_place(os.environ)
+        )
+        if line is None:
+            print(f"ok: {setting} {fingerprint_words(edge)} pairs with {whose} {fp.model_name}")
+        else:
+            print(line)
+            status = max(status, 1)
+    sys.stdout.flush()
+    return status
+
+
 _RUN: dict[str, Callable[[argparse.Namespace, EdgeSettings], int]] = {
     "generate": _generate,
     "demo": _demo,
     "serve": _serve,
     "chat": _chat,
+    "check": _pair_check,
 }
 
 
@@ -463,6 +545,15 @@ def _check(args: argparse.Namespace, env: Mapping[str, str]) -> EdgeSettings:
             parse_model_spec(args.target)
         except ModelSpecError as e:
             raise ConfigError("target", str(e), "command line --target") from None
+    if args.command == "check":
+        check_model_specs(settings, sources)
+        for target in args.target:
+            try:
+                parse_model_spec(target)
+            except ModelSpecError as e:
+                raise ConfigError("target", str(e), "command line --target") from None
+        if not args.target:
+            check_link_files(settings, sources)
     if args.command in ("generate", "demo"):  # before any model loads
         err = text_error(args.prompt)
         if err is not None:

@@ -88,9 +88,13 @@ def _hub_snapshot(spec: str) -> Path:
     try:
         folder = snapshot_download(repo_id=spec, local_files_only=True)
     except Exception as exc:  # LocalEntryNotFoundError and friends
+        from huggingface_hub.constants import HF_HUB_CACHE
+
         raise ModelSpecError(
-            f"model spec {spec!r}: hub id is not in the local Hugging Face cache and nothing is "
-            f"downloaded (offline); pass a local folder or .gguf path instead ({exc})"
+            f"model spec {spec!r}: hub id is not in the local Hugging Face cache ({HF_HUB_CACHE}) "
+            "and nothing is downloaded (offline): stage it there first (hf download "
+            f"{spec}; the systemd units' cache is HF_HOME=/var/cache/wanspec/hf, see "
+            f"docs/model-pairs.md), or pass a local folder or .gguf path instead ({exc})"
         ) from exc
     return Path(folder)
 
