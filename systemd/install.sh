@@ -18,6 +18,14 @@
 #   --verifier URL   edge: wss:// URL of the verifier, for a new edge.toml (ws:// loopback only)
 #   --ca FILE        edge: CA certificate of the verifier's certificate (public: ca.pem)
 #   --api-key FILE   edge: the key API clients must send (--api-key-file)
+#   --target MODEL   cloud: the target model for a new verifier.toml (default: default)
+#   --draft MODEL    edge: the draft model for a new edge.toml; it must share the target's
+#                    tokenizer (docs/model-pairs.md; check with `edge-agent check`)
+#   --draft-base MODEL
+#                    edge: the model a self:... draft shares, or whose tokenizer draft "none"
+#                    loads, for a new edge.toml
+#   MODEL: a folder (e.g. /srv/models/Qwen3-32B), a .gguf file, or a hub id staged in the
+#   units' cache, HF_HOME=/var/cache/wanspec/hf (the units run offline: nothing is downloaded)
 #
 # What goes where (below --root):
 #   /etc/wanspec/               0755 root:root  settings, no secrets: verifier.toml / edge.toml
@@ -45,6 +53,9 @@ listen=
 verifier=
 ca=
 api_key=
+target=
+draft=
+draft_base=
 
 die() { echo "install.sh: error: $*" >&2; exit 2; }
 usage() { sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit "${1:-0}"; }
@@ -62,6 +73,9 @@ while [ $# -gt 0 ]; do
         --verifier) verifier=${2:?--verifier needs a URL}; shift ;;
         --ca) ca=${2:?--ca needs a file}; shift ;;
         --api-key) api_key=${2:?--api-key needs a file}; shift ;;
+        --target) target=${2:?--target needs a model}; shift ;;
+        --draft) draft=${2:?--draft needs a model}; shift ;;
+        --draft-base) draft_base=${2:?--draft-base needs a model}; shift ;;
         -h|--help) usage 0 ;;
         *) die "unknown argument: $1 (see --help)" ;;
     esac
@@ -73,6 +87,12 @@ case "$prefix" in *[[:space:]\\\#%\$\"\'\&]*) die "--prefix may not contain spac
 for f in "$token" "$tls_cert" "$tls_key" "$ca" "$api_key"; do
     [ -z "$f" ] || [ -f "$f" ] || die "$f: no such file"
 done
+# A model spec goes into a TOML string: no quotes, backslashes, spaces or control characters.
+for m in "$target" "$draft" "$draft_base"; do
+    case "$m" in
+        *[[:space:][:cntrl:]\\\"]*) die "model $m: no spaces, quotes or backslashes" ;;
+    esac
+done
 
 etc="${root%/}/etc/wanspec"
 private="$etc/private"
@@ -81,7 +101,7 @@ has() { [ -f "$private/$1" ]; }
 
 # Check everything before writing anything.
 if [ "$role" = cloud ]; then
-    [ -z "$verifier$ca$api_key" ] || die "--verifier, --ca and --api-key are edge options"
+    [ -z "$verifier$ca$api_key$draft$draft_base" ] || die "--verifier, --ca, --api-key, --draft and --draft-base are edge options"
     if [ "$behind_proxy" = 1 ]; then
         [ -z "$tls_cert$tls_key" ] || die "--behind-proxy: TLS is the terminator's, not --tls-*"
         case "$listen" in
@@ -95,7 +115,7 @@ if [ "$role" = cloud ]; then
         die "the verifier listens on the network with TLS only: give --tls-cert and --tls-key (or --behind-proxy)"
     fi
 else
-    [ -z "$tls_cert$tls_key$listen" ] && [ "$behind_proxy" = 0 ] || die "--tls-*, --behind-proxy, --listen are cloud options"
+    [ -z "$tls_cert$tls_key$listen$target" ] && [ "$behind_proxy" = 0 ] || die "--tls-*, --behind-proxy, --listen, --target are cloud options"
     [ -n "$token" ] || has edge.token || die "give the verifier's bearer token: --token FILE"
     case "$verifier" in
         "") [ -e "$etc/edge.toml" ] || die "give --verifier wss://HOST:PORT/v1/session (no $etc/edge.toml yet)" ;;
@@ -127,10 +147,14 @@ put_secret() {
         install -m 0600 "${own[@]}" "$1" "$private/$2"
     fi
 }
-# new_setting NAME TEXT: a settings file (no secrets: 0644), written only if there is none yet.
+# new_setting NAME TEXT [GIVEN]: a settings file (no secrets: 0644), written only if there is
+# none yet (GIVEN: the options that would have gone into it, named when it is kept).
 new_setting() {
     if [ -e "$etc/$1" ]; then
         echo "install.sh: keeping $etc/$1 (edit it to change the settings)"
+        if [ -n "${3:-}" ]; then
+            echo "install.sh: note: $3 not written: $etc/$1 exists; set it there" >&2
+        fi
         chmod a+r "$etc/$1"
         return
     fi
@@ -163,14 +187,14 @@ if [ "$role" = cloud ]; then
         # No TLS: the terminator in front (docs: nginx on this host, HAProxy on another)
         # faces the WAN. The address is on ExecStart (it beats the file and the environment):
         # loopback unless the terminator is elsewhere (--listen, a private address).
-        new_setting verifier.toml $'[verifier]\nmodel = "default"\n'
+        new_setting verifier.toml $'[verifier]\nmodel = "'"${target:-default}"$'"\n' "${target:+--target $target}"
         unit cloud-verifier.service "
 /^LoadCredential=tls\\./d
 s#--tls-cert \${CREDENTIALS_DIRECTORY}/tls.crt --tls-key \${CREDENTIALS_DIRECTORY}/tls.key#--host ${listen:-127.0.0.1}#"
     else
         put_secret "$tls_cert" tls.crt
         put_secret "$tls_key" tls.key
-        new_setting verifier.toml $'[verifier]\nmodel = "default"\nhost = "0.0.0.0"\n'
+        new_setting verifier.toml $'[verifier]\nmodel = "'"${target:-default}"$'"\nhost = "0.0.0.0"\n' "${target:+--target $target}"
         unit cloud-verifier.service ''
     fi
     name=cloud-verifier
@@ -186,7 +210,16 @@ else
             text+='ca_file = "/etc/wanspec/ca.pem"'$'\n'
         fi
     fi
-    new_setting edge.toml "$text"
+    given=
+    if [ -n "$draft" ]; then
+        text+="draft = \"$draft\""$'\n'
+        given="--draft $draft"
+    fi
+    if [ -n "$draft_base" ]; then
+        text+="draft_base = \"$draft_base\""$'\n'
+        given="${given:+$given and }--draft-base $draft_base"
+    fi
+    new_setting edge.toml "$text" "$given"
     put_secret "$api_key" edge.apikey
     if has edge.apikey; then
         unit edge-agent.service '

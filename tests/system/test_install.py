@@ -588,3 +588,54 @@ def test_cli_parsers_still_take_the_unit_flags() -> None:
     assert isinstance(a, argparse.Namespace) and a.tls_key == "k"
     e = edge_cli.build_parser().parse_args(["serve", "--token-file", "t", "--api-key-file", "k"])
     assert e.api_key_file == "k"
+
+
+# ----------------------------------------------------------------------------- model pairs
+
+
+def test_install_writes_the_models_of_a_pair(root: Path, prefix: Path) -> None:
+    """``--target`` (cloud) and ``--draft``/``--draft-base`` (edge) go into the new settings
+    files, read back as the units read them; a kept file is named, not rewritten."""
+    token = root / "given-token"
+    token.write_text("edge-secret\n")
+    run_install(root, "cloud", "--behind-proxy", "--target", "/srv/models/Qwen3-32B")
+    unit = root / "etc" / "systemd" / "system" / "cloud-verifier.service"
+    creds = load_credentials(root, unit)
+    args = verifier_cli.build_parser().parse_args(service_argv(root, unit, creds))
+    assert verifier_cli.load_cli_settings(args, {}).model == "/srv/models/Qwen3-32B"
+    kept = run_install(root, "cloud", "--behind-proxy", "--target", "Qwen/Qwen3-32B")
+    assert "--target Qwen/Qwen3-32B not written" in kept.stderr
+    assert 'model = "/srv/models/Qwen3-32B"' in (root / "etc/wanspec/verifier.toml").read_text()
+
+    url = "wss://verifier.example:8765/v1/session"
+    draft = ["--draft", "/srv/models/Qwen3-0.6B", "--draft-base", "Qwen/Qwen3-0.6B"]
+    run_install(
+        root, "edge", "--prefix", str(prefix), "--token", str(token), "--verifier", url, *draft
+    )
+    unit = root / "etc" / "systemd" / "system" / "edge-agent.service"
+    creds = load_credentials(root, unit)
+    args = edge_cli.build_parser().parse_args(service_argv(root, unit, creds))
+    settings = edge_cli.load_cli_settings(args, {})
+    assert settings.verifier == url and settings.draft == "/srv/models/Qwen3-0.6B"
+    assert settings.draft_base == "Qwen/Qwen3-0.6B"
+    kept = run_install(root, "edge", "--draft", "/srv/models/other")
+    assert "--draft /srv/models/other not written" in kept.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["edge", "--draft", 'a"b'], "no spaces, quotes or backslashes"),
+        (["edge", "--draft", "a b"], "no spaces, quotes or backslashes"),
+        (["edge", "--draft-base", "a\\b"], "no spaces, quotes or backslashes"),
+        (["edge", "--target", "x"], "--target are cloud options"),
+        (["cloud", "--behind-proxy", "--draft", "x"], "--draft-base are edge options"),
+    ],
+)
+def test_install_refuses_bad_model_options(root: Path, args: list[str], error: str) -> None:
+    token = root / "t"
+    token.write_text("x\n")
+    url = ["--token", str(token), "--verifier", "wss://v.example:8765/v1/session"]
+    bad = run_install(root, *args, *(url if args[0] == "edge" else []), check=False)
+    assert bad.returncode == 2 and error in bad.stderr
+    assert not (root / "etc" / "wanspec").exists()
