@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -214,3 +215,29 @@ async def test_check_asks_each_verifier(
     rc = await asyncio.to_thread(main, argv)
     out = capsys.readouterr().out
     assert rc == 2 and out.startswith(f"edge: cannot ask {dead}: ") and "--target MODEL" in out
+
+
+def test_a_verifier_that_comes_back_with_a_target_that_pairs_is_used_again(
+    tmp_path: Path,
+) -> None:
+    """The verdict follows the announced target: a restart with a target of the draft's
+    family clears the refusal and the link is up again; the same mismatch is logged once."""
+    url = "ws://127.0.0.1:9/v1/session"
+    service = EdgeService(EdgeSettings(verifier=url, draft="none", draft_base=str(tmp_path)))
+    try:
+        service.loaded = SimpleNamespace(fingerprint=SMOL, name=SMOL.model_name)  # type: ignore[assignment]
+        link = service.links[0]
+        link.announced = QWEN  # (as a Ready sets it)
+        service._on_link(url, None)
+        info = service.link.links[0]
+        assert link.refusal is not None and info.state == "down" and info.error == link.refusal
+        assert 'set draft_base = "default"' not in link.refusal  # the target is Qwen3's
+        assert 'set draft_base = "Qwen/Qwen3-0.6B"' in link.refusal
+        service.link.mark(url, True)  # a probe's 200, a session elsewhere: still down
+        assert info.state == "down" and service.link.missing_token(True) == link.refusal
+        link.announced, link.refusal = Fingerprint(SMOL.tokenizer_hash, 49152, "default"), None
+        service._on_link(url, None)
+        assert link.refusal is None and info.incompatible is None and info.state == "up"
+        assert service.link.missing_token(True) is None
+    finally:
+        service.worker.close()
