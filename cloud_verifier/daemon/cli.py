@@ -1,4 +1,5 @@
-"""``cloud-verifier`` command line: ``serve``, ``gen-token``.
+"""``cloud-verifier`` command line: ``serve``, ``gen-token``, ``check`` (whether a draft pairs
+with the configured target: their tokenizers only, no weights, no GPU, offline).
 
 Every ``serve`` setting can also come from ``WANSPEC_<NAME>`` environment variables or the
 ``[verifier]`` table of a TOML file (``--config F`` or ``$WANSPEC_CONFIG``); the command line wins,
@@ -335,6 +336,42 @@ def write_secret(path: Path, text: str, *, force: bool = False) -> None:
         raise
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    """``check --draft MODEL``: one line, exit 0 when the draft pairs with the target of the
+    settings (``model``), 1 when it does not, 2 on an error (a model not staged, a bad file)."""
+    from cloud_verifier.engine.targets import parse_null_spec
+    from shared.runtime.models import load_tokenizer
+    from shared.runtime.pairing import fingerprint_words, mismatch_line
+
+    def error(text: str) -> int:
+        print(f"cloud-verifier: error: {text}", file=sys.stderr)
+        return 2
+
+    try:
+        settings = load_cli_settings(args, dict(os.environ))
+        if parse_null_spec(settings.model) is not None:
+            return error(f"model {settings.model!r} has no tokenizer to compare with")
+        _check_model_spec(settings.model)
+        _check_model_spec(args.draft, "draft")
+        target = load_tokenizer(settings.model).fingerprint
+        draft = load_tokenizer(args.draft).fingerprint
+    except (ValueError, OSError) as e:  # ConfigError, ModelSpecError, an unreadable file
+        return error(str(e))
+    line = mismatch_line(
+        draft,
+        target,
+        target_of="this verifier's target",
+        config="the edge's edge.toml",
+        speaker="cloud-verifier",
+    )
+    if line is not None:
+        print(line)
+        return 1
+    whose = f"this verifier's target {target.model_name}"
+    print(f"ok: draft {fingerprint_words(draft)} pairs with {whose}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cloud-verifier", description="wanspec cloud verifier: verifies edge drafts."
@@ -350,6 +387,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_tok.add_argument("--force", action="store_true", help="replace FILE if it exists")
     p_tok.set_defaults(func=_cmd_gen_token)
+
+    p_check = sub.add_parser(
+        "check",
+        help="check that a draft shares its tokenizer with the target (model); exit status 0: "
+        "they pair, 1: they do not",
+        description="Load the tokenizers of --draft and of the target the settings name "
+        "(model: --config, WANSPEC_MODEL, --model) without weights, offline, and compare their "
+        "fingerprints. Exit status 0 when they pair, 1 when they do not, 2 on an error.",
+    )
+    p_check.add_argument(
+        "--draft", required=True, metavar="MODEL", help="the edge's draft model spec"
+    )
+    add_serve_arguments(p_check)
+    p_check.set_defaults(func=_cmd_check)
     return parser
 
 

@@ -450,9 +450,9 @@ async def _announced_targets(settings: EdgeSettings) -> list[tuple[str, Fingerpr
 def _pair_check(args: argparse.Namespace, settings: EdgeSettings) -> int:
     """``check``: one line per target on stdout; 0 when every one pairs with the draft, 1 when
     one does not, 2 when a verifier could not be asked."""
-    from edge_agent.daemon.pairing import fingerprint_words, mismatch_line
     from edge_agent.daemon.service import pairing_setting, settings_place, tokenizer_spec
     from shared.runtime.models import load_tokenizer
+    from shared.runtime.pairing import fingerprint_words, mismatch_line
 
     setting = pairing_setting(settings)
     edge = load_tokenizer(tokenizer_spec(settings)).fingerprint

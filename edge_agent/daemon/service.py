@@ -36,7 +36,6 @@ from edge_agent.daemon.config import (
     read_secret_file,
 )
 from edge_agent.daemon.monitor import EdgeMetrics, LinkMonitor, TimedTransport, VerifierLinkState
-from edge_agent.daemon.pairing import mismatch_line
 from edge_agent.daemon.progress import device_line
 from edge_agent.daemon.text import TextStreamer, eos_ids, result_json, ssl_context
 from edge_agent.link.connection import (
@@ -67,6 +66,7 @@ from shared.runtime.models import (
     load_model,
     load_tokenizer,
 )
+from shared.runtime.pairing import mismatch_line
 from shared.wire.messages import Welcome
 
 log = logging.getLogger("wanspec.edge.service")

@@ -14,13 +14,14 @@ from typing import Any
 import aiohttp
 import pytest
 
+from cloud_verifier.daemon.cli import main as verifier_main
 from cloud_verifier.engine.targets import TorchTarget
 from edge_agent.daemon.cli import main
 from edge_agent.daemon.config import EdgeSettings
-from edge_agent.daemon.pairing import family_of, mismatch_line
 from edge_agent.daemon.server import build_app as build_edge_app
 from edge_agent.daemon.service import EdgeService
 from shared.runtime.models import LoadedModel
+from shared.runtime.pairing import family_of, mismatch_line
 from shared.wire.messages import Fingerprint
 from testkit.tiny_models import build_tiny_model
 from tests.edge_helpers import clean_env
@@ -241,3 +242,32 @@ def test_a_verifier_that_comes_back_with_a_target_that_pairs_is_used_again(
         assert service.link.missing_token(True) is None
     finally:
         service.worker.close()
+
+
+def test_cloud_verifier_check_compares_a_draft_with_the_configured_target(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    tiny_draft_dir: Path,
+    other_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name, value in clean_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    config = tmp_path / "verifier.toml"
+    config.write_text(f'[verifier]\nmodel = "{tiny_model_dir}"\nhost = "0.0.0.0"\n')
+    base = ["check", "--config", str(config), "--draft"]
+    assert verifier_main([*base, str(tiny_draft_dir)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"ok: draft {tiny_draft_dir.name} (tokenizer ")
+    assert out.endswith(f"pairs with this verifier's target {tiny_model_dir.name}\n")
+    assert verifier_main([*base, str(other_dir)]) == 1
+    line = capsys.readouterr().out
+    assert line.startswith(f"cloud-verifier: draft {other_dir.name} (tokenizer ")
+    assert f"this verifier's target {tiny_model_dir.name} (tokenizer " in line
+    assert "set draft to a model that shares" in line and line.count("\n") == 1
+    assert verifier_main([*base, "Qwen/Qwen3-0.6B"]) == 2
+    err = capsys.readouterr().err
+    assert "setting 'draft'" in err and "hf download Qwen/Qwen3-0.6B" in err
+    assert verifier_main(["check", "--model", "null:64", "--draft", str(tiny_draft_dir)]) == 2
+    assert "has no tokenizer to compare with" in capsys.readouterr().err

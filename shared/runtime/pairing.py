@@ -73,11 +73,12 @@ def mismatch_line(
     target_of: str = "the target",
     setting: str = "draft",
     config: str = "the edge's settings",
+    speaker: str = "edge",
 ) -> str | None:
     """None when ``draft`` pairs with ``target``; else one line naming both models and what
     to change: ``setting`` (``draft``, or ``draft_base`` for a self-draft or ``draft = "none"``)
     in ``config``, or the target. ``target_of`` names whose target it is (``"the target"``,
-    ``"wss://host:8765/v1/session's target"``)."""
+    ``"wss://host:8765/v1/session's target"``); ``speaker`` starts the line (who says it)."""
     if draft.compatible_with(target) is None:
         return None
     fam = family_of(target.model_name)
@@ -88,7 +89,7 @@ def mismatch_line(
     other = family_of(draft.model_name)
     serve = f", e.g. {other.target}" if other is not None else ""
     return (
-        f"edge: {setting} {fingerprint_words(draft)} does not share the tokenizer of "
+        f"{speaker}: {setting} {fingerprint_words(draft)} does not share the tokenizer of "
         f"{target_of} {fingerprint_words(target)}: {change} in {config}, or serve a "
         f"target of the {setting}'s family{serve} ({PAIRING_DOC})"
     )
