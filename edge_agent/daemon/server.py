@@ -1,7 +1,8 @@
 """``edge-agent serve``: an OpenAI-compatible local API in front of :class:`EdgeService`.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streaming as Server-Sent
-Events ending with ``data: [DONE]``, or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+Events ending with ``data: [DONE]``, or not), ``GET /v1/models``, ``GET /v1/models/{model}``,
+``GET /health``, ``GET /metrics``; docs/edge/api.md documents each (a test checks).
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``. Every response of a
 generation carries our extension ``"wanspec": {...}`` (acceptance, bytes, rounds, RTT; in the
 last chunk when streaming). Request bodies are checked by the pure parsers of
@@ -43,6 +44,7 @@ from edge_agent.daemon.api_request import (
 )
 from edge_agent.daemon.config import EdgeSettings, listen_error, read_secret_file
 from edge_agent.daemon.monitor import Availability
+from edge_agent.daemon.ollama_api import ServerHooks, add_ollama_routes
 from edge_agent.daemon.progress import Progress, quiet_hub_progress
 from edge_agent.daemon.service import (
     EdgeService,
@@ -174,11 +176,16 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def _usage(f: Finished) -> dict[str, int]:
+def _usage(f: Finished | Partial) -> dict[str, Any]:
+    """OpenAI's ``usage``: ``prompt_tokens_details.cached_tokens`` is the prompt tokens the
+    verifier took from its prefix cache (``wanspec.prompt_cached_tokens``; a resumed session
+    may report a hit again: never more than the prompt)."""
+    cached = min(int(f.stats.get("prompt_cached_tokens", 0)), f.prompt_tokens)
     return {
         "prompt_tokens": f.prompt_tokens,
         "completion_tokens": f.completion_tokens,
         "total_tokens": f.prompt_tokens + f.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -254,13 +261,8 @@ class _Shape:
     def partial(self, p: Partial) -> dict[str, Any]:
         """A failed generation's text so far, as ``final`` would give it (no finish_reason:
         it did not finish), with its usage and statistics."""
-        usage = {
-            "prompt_tokens": p.prompt_tokens,
-            "completion_tokens": p.completion_tokens,
-            "total_tokens": p.prompt_tokens + p.completion_tokens,
-        }
         choices = [self._choice(p.text, None, None, full=True)]
-        return {"choices": choices, "usage": usage, "wanspec": p.stats}
+        return {"choices": choices, "usage": _usage(p), "wanspec": p.stats}
 
 
 def _decoder(state: ServerState) -> Decode:
@@ -676,6 +678,10 @@ def build_app(
     app.router.add_post("/v1/completions", completions_handler)
     app.router.add_get("/v1/models", models_handler)
     app.router.add_get("/v1/models/{model}", model_handler)
+    add_ollama_routes(
+        app,
+        ServerHooks(app[STATE], chat_prompt, _gen_error, _key_matches, _require_ready, _GEN_ERRORS),
+    )
     app.router.add_get("/health", health_handler)
     app.router.add_get("/metrics", metrics_handler)
     app.cleanup_ctx.append(_background_ctx)
