@@ -5,7 +5,8 @@ Pure functions of the decoded JSON body (no I/O, no model): each parser has one 
 field.
 :func:`parse_request` runs them in a fixed order, so the first fault found is the one answered:
 
-1. :func:`check_unsupported`: fields we refuse (tools, n > 1, penalties, ...),
+1. :func:`check_keys`: every key against :data:`REQUEST_KEYS` (unknown ones, and those set to
+   what we cannot do: tools, n > 1, penalties, ...),
 2. :func:`parse_streaming`: ``stream``, ``stream_options.include_usage``,
 3. :func:`parse_max_tokens`: ``max_completion_tokens``, else ``max_tokens``,
 4. :func:`parse_sampling`: ``temperature``, ``top_p``, ``top_k``; :func:`parse_seed`,
@@ -46,21 +47,205 @@ E = TypeVar("E", bound=TextEnum)
 MAX_STOPS = 4
 #: The fields of the ``"wanspec"`` extension object.
 SPECULATION_FIELDS = ("gamma", "depth", "mode", "correction")
-#: Fields we refuse unless absent or "off" (None, False, 0, [], {}), with the reason.
-UNSUPPORTED = {
-    "echo": "echo is not supported",
-    "suffix": "suffix is not supported",
-    "tools": "tools are not supported",
-    "functions": "functions are not supported",
-    "logit_bias": "logit_bias is not supported (it would change p and q alike, but not yet)",
-}
-#: Fields accepted only at 0.
-ZERO_ONLY = ("presence_penalty", "frequency_penalty")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 #: Containers nested in a request body, the body itself counting 1. Real requests need about 4
 #: (body, messages, a message, its content parts); deeper bodies are refused before any parser
 #: (or an error message's json.dumps) recurses through them.
 MAX_JSON_DEPTH = 32
+
+
+# ---------------------------------------------------------------------------- the keys
+
+
+class Endpoint(TextEnum):
+    """The generation endpoints, whose request keys :data:`REQUEST_KEYS` lists."""
+
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+
+
+class KeyUse(TextEnum):
+    """What a generation endpoint does with a request key. ``null`` is the key's absence, for
+    every key the endpoint knows."""
+
+    HONOURED = "honoured"  # read and checked by a parser below
+    IGNORED = "ignored"  # accepted with any value: it cannot change the text nor what it is for
+    OFF_ONLY = "off_only"  # accepted only at values that ask for nothing (``off``); else 400
+    REFUSED = "refused"  # 400 at any value but null: not implemented
+
+
+BOTH = (Endpoint.CHAT, Endpoint.COMPLETIONS)
+CHAT = (Endpoint.CHAT,)
+COMPLETIONS = (Endpoint.COMPLETIONS,)
+
+
+@dataclass(frozen=True)
+class RequestKey:
+    """One key of a generation request's body: where it is known, what is done with it, and
+    (``note``) why, in the docs' words. ``off``: the values an ``OFF_ONLY`` key accepts."""
+
+    name: str
+    use: KeyUse
+    endpoints: tuple[Endpoint, ...]
+    note: str
+    off: tuple[Any, ...] = ()
+
+
+_H, _I, _O, _R = KeyUse.HONOURED, KeyUse.IGNORED, KeyUse.OFF_ONLY, KeyUse.REFUSED
+#: Every key the generation endpoints know, and the one place that says what each does: a key
+#: not listed for an endpoint is refused there (400 ``unknown_parameter``), all such keys named
+#: in one message. docs/edge/api.md lists this table (:func:`request_keys_markdown`).
+REQUEST_KEYS: tuple[RequestKey, ...] = (
+    RequestKey("model", _H, BOTH, "the served `model_id`; another: 404 `model_not_found`"),
+    RequestKey("messages", _H, CHAT, "roles `system`, `developer`, `user`, `assistant`; text"),
+    RequestKey("prompt", _H, COMPLETIONS, "a string, a list of one string, or token ids"),
+    RequestKey("max_tokens", _H, BOTH, f"the completion's length, {Bounds.MAX_TOKENS.words()}"),
+    RequestKey("max_completion_tokens", _H, BOTH, "the same; wins over `max_tokens`"),
+    RequestKey("temperature", _H, BOTH, f"{Bounds.TEMPERATURE.words()} (0: greedy)"),
+    RequestKey("top_p", _H, BOTH, Bounds.TOP_P.words()),
+    RequestKey("top_k", _H, BOTH, f"an extension (as vLLM's), {Bounds.TOP_K.words()}; 0: off"),
+    RequestKey("seed", _H, BOTH, f"{Bounds.SEED.words()} (what it fixes: below)"),
+    RequestKey("stop", _H, BOTH, f"a string or up to {MAX_STOPS} strings"),
+    RequestKey("stream", _H, BOTH, "Server-Sent Events ending with `data: [DONE]`"),
+    RequestKey(
+        "stream_options",
+        _H,
+        BOTH,
+        "`include_usage` (a last chunk with `usage`); `include_obfuscation` ignored (no padding "
+        "is sent); other keys refused",
+    ),
+    RequestKey("logprobs", _H, BOTH, "chat: a boolean; completions: 0 to 20 alternatives"),
+    RequestKey("top_logprobs", _H, CHAT, "0 to 20, with `logprobs: true`"),
+    RequestKey("ignore_eos", _H, BOTH, "an extension (as vLLM's): generate past the end token"),
+    RequestKey("wanspec", _H, BOTH, "an extension: `gamma`, `depth`, `mode`, `correction`"),
+    RequestKey("n", _O, BOTH, "one choice per request", (1,)),
+    RequestKey("best_of", _O, COMPLETIONS, "one candidate per request", (1,)),
+    RequestKey("presence_penalty", _O, BOTH, "penalties are not implemented", (0,)),
+    RequestKey("frequency_penalty", _O, BOTH, "penalties are not implemented", (0,)),
+    RequestKey("repetition_penalty", _O, BOTH, "vLLM's; penalties are not implemented", (1,)),
+    RequestKey("min_p", _O, BOTH, "vLLM's; min-p sampling is not implemented", (0,)),
+    RequestKey("logit_bias", _O, BOTH, "not implemented (it would bias draft and target)", ({},)),
+    RequestKey("echo", _O, COMPLETIONS, "the prompt is not repeated in the answer", (False,)),
+    RequestKey("suffix", _O, COMPLETIONS, "no insertion (fill-in-the-middle)", ("",)),
+    RequestKey("tools", _O, CHAT, "tool calls are not supported", ([],)),
+    RequestKey("functions", _O, CHAT, "tool calls are not supported", ([],)),
+    RequestKey(
+        "tool_choice",
+        _O,
+        CHAT,
+        "with no tools, `none` and `auto` both mean text, the same text",
+        ("none", "auto"),
+    ),
+    RequestKey(
+        "function_call",
+        _O,
+        CHAT,
+        "with no functions, `none` and `auto` mean text",
+        ("none", "auto"),
+    ),
+    RequestKey(
+        "parallel_tool_calls",
+        _O,
+        CHAT,
+        "a boolean; with no tools it changes nothing",
+        (True, False),
+    ),
+    RequestKey(
+        "response_format",
+        _O,
+        CHAT,
+        "plain text; `json_object` and `json_schema` need constrained decoding, not implemented",
+        ({"type": "text"},),
+    ),
+    RequestKey("modalities", _O, CHAT, "text only", (["text"],)),
+    RequestKey(
+        "store", _O, CHAT, "nothing is stored (there is no route to read it back)", (False,)
+    ),
+    RequestKey("user", _I, BOTH, "an end-user id for OpenAI's abuse checks; nothing reads it"),
+    RequestKey("safety_identifier", _I, CHAT, "the same as `user`"),
+    RequestKey("metadata", _I, CHAT, "tags for stored completions; none are stored"),
+    RequestKey("service_tier", _I, CHAT, "OpenAI's price and latency tier; all are served alike"),
+    RequestKey(
+        "prompt_cache_key",
+        _I,
+        CHAT,
+        "a routing hint for OpenAI's cache; the verifier's prefix cache needs none",
+    ),
+    RequestKey("reasoning_effort", _R, CHAT, "not passed to the chat template"),
+    RequestKey("verbosity", _R, CHAT, "not implemented"),
+    RequestKey("prediction", _R, CHAT, "predicted outputs are not implemented"),
+    RequestKey("audio", _R, CHAT, "text only"),
+    RequestKey("web_search_options", _R, CHAT, "no web search"),
+)
+#: The keys of ``stream_options``: honoured (True) or accepted and ignored (False).
+STREAM_OPTIONS = {"include_usage": True, "include_obfuscation": False}
+
+
+def known_keys(endpoint: Endpoint) -> dict[str, RequestKey]:
+    """The keys ``endpoint`` knows, by name."""
+    return {k.name: k for k in REQUEST_KEYS if endpoint in k.endpoints}
+
+
+def _json_equal(a: object, b: object) -> bool:
+    """Equal as JSON values: ``true`` is not ``1``, ``1`` is ``1.0``."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
+
+
+def _refusal(key: RequestKey, value: object) -> str:
+    """Why ``value`` of ``key`` is refused, in one clause."""
+    note = key.note.replace("`", "")
+    if key.use == KeyUse.OFF_ONLY:
+        allowed = " or ".join(json.dumps(v) for v in key.off)
+        return f"{key.name} ({note}: only {allowed} is accepted, got {json.dumps(value)})"
+    return f"{key.name} ({note})"
+
+
+def check_keys(body: Body, endpoint: Endpoint) -> None:
+    """Refuse, in one 400, every key ``endpoint`` does not know (``unknown_parameter``) and
+    every known one set to what it cannot do (``unsupported_parameter``); the honoured keys'
+    values are the parsers' to check."""
+    known = known_keys(endpoint)
+    unknown = [k for k in body if k not in known]
+    refused = []
+    for name, value in body.items():
+        key = known.get(name)
+        if key is None or value is None or key.use in (KeyUse.HONOURED, KeyUse.IGNORED):
+            continue
+        if key.use == KeyUse.REFUSED or not any(_json_equal(value, v) for v in key.off):
+            refused.append((name, _refusal(key, value)))
+    if not unknown and not refused:
+        return
+    parts = []
+    if unknown:
+        elsewhere = Endpoint.COMPLETIONS if endpoint == Endpoint.CHAT else Endpoint.CHAT
+        theirs = known_keys(elsewhere)
+        names = [f"{k} (a {elsewhere} parameter)" if k in theirs else k for k in unknown]
+        parts.append(f"unrecognized request argument(s) supplied: {', '.join(names)}")
+    if refused:
+        parts.append(f"not supported: {'; '.join(why for _, why in refused)}")
+    first = unknown[0] if unknown else refused[0][0]
+    code = "unknown_parameter" if unknown else "unsupported_parameter"
+    raise bad_request(first, "; ".join(parts), code)
+
+
+def request_keys_markdown() -> str:
+    """The table of :data:`REQUEST_KEYS` as docs/edge/api.md shows it."""
+    use_words = {
+        KeyUse.HONOURED: "honoured",
+        KeyUse.IGNORED: "accepted, ignored",
+        KeyUse.REFUSED: "refused",
+    }
+    where = {BOTH: "both", CHAT: "chat", COMPLETIONS: "completions"}
+    lines = ["| key | endpoint | handling | notes |", "|---|---|---|---|"]
+    for k in REQUEST_KEYS:
+        if k.use == KeyUse.OFF_ONLY:
+            use = "only " + " or ".join(f"`{json.dumps(v)}`" for v in k.off)
+        else:
+            use = use_words[k.use]
+        lines.append(f"| `{k.name}` | {where[k.endpoints]} | {use} | {k.note} |")
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------- the body
@@ -202,25 +387,19 @@ class Streaming:
     include_usage: bool = False  # a last chunk with the usage before ``[DONE]``
 
 
-def check_unsupported(body: Body) -> None:
-    """Refuse what we cannot do: tools, penalties, several choices, ..."""
-    for key, why in UNSUPPORTED.items():
-        if body.get(key) not in (None, False, 0, [], {}):
-            raise bad_request(key, why, "unsupported_parameter")
-    for key in ZERO_ONLY:
-        if body.get(key) not in (None, 0, 0.0):
-            raise bad_request(key, f"{key} is not supported (must be 0)", "unsupported_parameter")
-    if opt_int(body, "n", 1) not in (None, 1):
-        raise bad_request("n", "only n=1 is supported")
-    if opt_int(body, "best_of", 1) not in (None, 1):
-        raise bad_request("best_of", "only best_of=1 is supported")
-
-
 def parse_streaming(body: Body) -> Streaming:
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise bad_request("stream", "stream must be a boolean")
     opts = opt_object(body, "stream_options", "stream_options must be an object")
+    unknown = sorted(set(opts) - set(STREAM_OPTIONS))
+    if unknown:
+        raise bad_request(
+            "stream_options",
+            f"unknown stream_options field(s): {', '.join(unknown)} (known: "
+            f"{', '.join(STREAM_OPTIONS)})",
+            "unknown_parameter",
+        )
     return Streaming(bool(stream), bool(opts.get("include_usage", False)))
 
 
@@ -262,7 +441,9 @@ def parse_seed(body: Body) -> int | None:
 
 
 def parse_ignore_eos(body: Body) -> bool:
-    v = body.get("ignore_eos", False)
+    v = body.get("ignore_eos")
+    if v is None:
+        return False
     if not isinstance(v, bool):
         raise bad_request("ignore_eos", "ignore_eos must be a boolean")
     return v
@@ -434,7 +615,7 @@ def parse_request(
     ``prompt_tokens``: the prompt's length; ``context``: the context (None: unbounded);
     ``chat``: the chat endpoint (else completions: ``logprobs`` is read their way).
     """
-    check_unsupported(body)
+    check_keys(body, Endpoint.CHAT if chat else Endpoint.COMPLETIONS)
     streaming = parse_streaming(body)
     max_tokens = parse_max_tokens(body)
     sampling = parse_sampling(body)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -9,10 +10,14 @@ import pytest
 from edge_agent.daemon.api_errors import ApiError
 from edge_agent.daemon.api_request import (
     MAX_STOPS,
+    REQUEST_KEYS,
+    STREAM_OPTIONS,
     ApiRequest,
+    Endpoint,
+    KeyUse,
     Streaming,
     build_pipeline,
-    check_unsupported,
+    check_keys,
     completion_budget,
     message_text,
     opt_int,
@@ -74,28 +79,121 @@ def test_opt_num_closed_and_open_ranges() -> None:
 # ---------------------------------------------------------------------------- field groups
 
 
-@pytest.mark.parametrize(
-    ("body", "param", "code"),
-    [
-        ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
-        ({"logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
-        ({"n": 2}, "n", "invalid_value"),
-        ({"n": 0}, "n", "invalid_value"),
-        ({"best_of": 3}, "best_of", "invalid_value"),
-    ],
-)
-def test_unsupported_fields_are_refused(body: dict[str, Any], param: str, code: str) -> None:
-    e = fault(check_unsupported, body)
-    assert (e.status, e.param, e.code) == (400, param, code)
+# ---------------------------------------------------------------------------- the keys
+
+ENDPOINTS = list(Endpoint)
+#: A value no honoured key's parser takes.
+BOGUS = {"bogus": 1}
 
 
-def test_unsupported_fields_are_fine_when_off() -> None:
-    check_unsupported(
-        {"logprobs": False, "tools": [], "logit_bias": {}, "echo": 0, "suffix": None, "n": 1,
-         "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0}
-    )  # fmt: skip
-    assert fault(check_unsupported, {"n": 2}).message == "only n=1 is supported"
+def keys_of(use: KeyUse) -> list[tuple[str, Endpoint]]:
+    return [(k.name, e) for k in REQUEST_KEYS if k.use == use for e in k.endpoints]
+
+
+def test_the_table_names_each_key_once_and_its_off_values_for_off_only_keys() -> None:
+    names = [k.name for k in REQUEST_KEYS]
+    assert len(names) == len(set(names))
+    for k in REQUEST_KEYS:
+        assert bool(k.off) == (k.use == KeyUse.OFF_ONLY), k.name
+        assert k.endpoints and k.note
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_unknown_keys_are_all_named_in_one_400(endpoint: Endpoint) -> None:
+    body = {"min_p": 0, "zzz": 1, "repetition_penalty": 1.0, "frobnicate": None, "user": "u"}
+    e = fault(check_keys, body, endpoint)
+    assert (e.status, e.param, e.code) == (400, "zzz", "unknown_parameter")
+    assert e.message == "unrecognized request argument(s) supplied: zzz, frobnicate"
+    e = fault(parse_request, {**body, "n": 3}, EdgeSettings(), prompt_tokens=1, context=None,
+              chat=endpoint == Endpoint.CHAT)  # fmt: skip
+    assert e.message == (
+        "unrecognized request argument(s) supplied: zzz, frobnicate; not supported: n (one "
+        "choice per request: only 1 is accepted, got 3)"
+    )
+
+
+def test_a_key_of_the_other_endpoint_is_unknown_and_says_whose_it_is() -> None:
+    e = fault(check_keys, {"messages": []}, Endpoint.COMPLETIONS)
+    assert e.message == (
+        "unrecognized request argument(s) supplied: messages (a /v1/chat/completions parameter)"
+    )
+    e = fault(check_keys, {"prompt": "x", "echo": False}, Endpoint.CHAT)
+    assert (e.param, e.code) == ("prompt", "unknown_parameter")
+    assert "echo (a /v1/completions parameter)" in e.message
+
+
+@pytest.mark.parametrize(("key", "endpoint"), keys_of(KeyUse.OFF_ONLY))
+def test_an_off_only_key_is_accepted_off_and_refused_on(key: str, endpoint: Endpoint) -> None:
+    (spec,) = [k for k in REQUEST_KEYS if k.name == key]
+    for off in (None, *spec.off):
+        check_keys({key: off}, endpoint)
+    for on in ({"x": 1}, ["x"], "x", 7, True, False):
+        if json.dumps(on) in {json.dumps(v) for v in spec.off}:
+            continue
+        e = fault(check_keys, {key: on}, endpoint)
+        assert (e.param, e.code) == (key, "unsupported_parameter")
+        assert e.message.startswith(f"not supported: {key} (")
+
+
+def test_off_values_compare_as_json() -> None:
+    check_keys({"n": 1.0, "presence_penalty": 0.0, "tool_choice": "none"}, Endpoint.CHAT)
+    for body in ({"n": True}, {"presence_penalty": False}, {"echo": 0}):
+        e = fault(check_keys, body, Endpoint.COMPLETIONS)
+        assert e.code == "unsupported_parameter"
+    e = fault(check_keys, {"response_format": {"type": "json_object"}}, Endpoint.CHAT)
+    assert e.message == (
+        "not supported: response_format (plain text; json_object and json_schema need "
+        'constrained decoding, not implemented: only {"type": "text"} is accepted, got '
+        '{"type": "json_object"})'
+    )
+
+
+@pytest.mark.parametrize(("key", "endpoint"), keys_of(KeyUse.REFUSED))
+def test_a_refused_key_is_refused_at_any_value_but_null(key: str, endpoint: Endpoint) -> None:
+    check_keys({key: None}, endpoint)
+    values: list[Any] = ["low", False, {}, 0]
+    for value in values:
+        e = fault(check_keys, {key: value}, endpoint)
+        assert (e.param, e.code) == (key, "unsupported_parameter")
+
+
+@pytest.mark.parametrize(("key", "endpoint"), keys_of(KeyUse.IGNORED))
+def test_an_ignored_key_changes_nothing(key: str, endpoint: Endpoint) -> None:
+    s = EdgeSettings()
+    plain = parse_request({}, s, prompt_tokens=1, context=None, chat=endpoint == Endpoint.CHAT)
+    for value in ("u-1", {"a": "b"}, 3, True):
+        r = parse_request(
+            {key: value}, s, prompt_tokens=1, context=None, chat=endpoint == Endpoint.CHAT
+        )
+        assert r == plain
+
+
+@pytest.mark.parametrize(("key", "endpoint"), keys_of(KeyUse.HONOURED))
+def test_an_honoured_key_is_read_a_bad_value_refused_by_name(key: str, endpoint: Endpoint) -> None:
+    """Each honoured key has a parser: a value none takes is a 400 naming the key."""
+    if key == "model":
+        return  # the server's (it 404s a model it does not serve): tests/edge/test_edge_server.py
+    if key == "messages":
+        e = fault(parse_messages, {key: BOGUS})
+    elif key == "prompt":
+        e = fault(parse_prompt, {key: BOGUS}, 100)
+    else:
+        chat = endpoint == Endpoint.CHAT
+        body = {key: BOGUS, "logprobs": True} if key == "top_logprobs" else {key: BOGUS}
+        e = fault(parse_request, body, EdgeSettings(), prompt_tokens=1, context=None, chat=chat)
+    assert e.status == 400
+    assert e.param == key
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_every_known_key_may_be_null(endpoint: Endpoint) -> None:
+    body = {k.name: None for k in REQUEST_KEYS if endpoint in k.endpoints}
+    r = parse_request(
+        body, EdgeSettings(), prompt_tokens=1, context=None, chat=endpoint == Endpoint.CHAT
+    )
+    assert r == parse_request(
+        {}, EdgeSettings(), prompt_tokens=1, context=None, chat=endpoint == Endpoint.CHAT
+    )
 
 
 def test_logprobs_fields() -> None:
@@ -130,6 +228,12 @@ def test_streaming() -> None:
     assert parse_streaming({"stream": True, "stream_options": None}) == Streaming(True, False)
     assert fault(parse_streaming, {"stream": "yes"}).message == "stream must be a boolean"
     assert fault(parse_streaming, {"stream_options": [1]}).param == "stream_options"
+    assert parse_streaming({"stream": True, "stream_options": dict.fromkeys(STREAM_OPTIONS, True)})
+    e = fault(parse_streaming, {"stream_options": {"include_usage": True, "x": 1, "a": 2}})
+    assert (e.param, e.code) == ("stream_options", "unknown_parameter")
+    assert e.message == (
+        "unknown stream_options field(s): a, x (known: include_usage, include_obfuscation)"
+    )
 
 
 def test_max_tokens_prefers_the_new_name() -> None:
@@ -158,7 +262,8 @@ def test_sampling() -> None:
 def test_ignore_eos() -> None:
     assert parse_ignore_eos({}) is False
     assert parse_ignore_eos({"ignore_eos": True}) is True
-    assert fault(parse_ignore_eos, {"ignore_eos": None}).message == "ignore_eos must be a boolean"
+    assert parse_ignore_eos({"ignore_eos": None}) is False  # null is absence, as for every key
+    assert fault(parse_ignore_eos, {"ignore_eos": 1}).message == "ignore_eos must be a boolean"
 
 
 def test_speculation_extension() -> None:
