@@ -15,7 +15,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -252,6 +252,79 @@ def test_a_conversations_next_turn_reuses_both_caches(client: openai.OpenAI) -> 
     ws2 = second.model_extra["wanspec"]  # type: ignore[index]
     assert ws2["prompt_cached_tokens"] >= 32  # turn 1's two full pages of 16
     assert ws2["draft_prompt_cached_tokens"] >= len(turn1)
+    # OpenAI's own field says the verifier's hits, read back typed by the official client
+    for r, ws in ((first, ws1), (second, ws2)):
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        assert r.usage.prompt_tokens_details.cached_tokens == ws["prompt_cached_tokens"]
+
+
+def _streamed_usage(stream: Any) -> tuple[Any, dict[str, Any]]:
+    """The usage chunk of a stream (include_usage) and the wanspec object of its last chunk."""
+    usage, ws = None, {}
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+        elif chunk.choices[0].finish_reason:
+            ws = chunk.model_extra["wanspec"]
+    assert usage is not None
+    return usage, ws
+
+
+def test_cached_tokens_in_the_streamed_usage_of_both_endpoints(client: openai.OpenAI) -> None:
+    """stream_options.include_usage: the usage chunk has prompt_tokens_details.cached_tokens,
+    the verifier's prefix-cache hit, on chat and completions; a repeated prompt hits."""
+    rng = np.random.default_rng(23)
+    ids = [int(x) for x in rng.integers(4, 60, 40)]  # ids no other test sends
+    words = " ".join(f"t{x}" for x in rng.integers(4, 60, 40))
+    kw: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "temperature": 0, "stream": True}
+    kw |= {"stream_options": {"include_usage": True}, "extra_body": {"ignore_eos": True}}
+    msgs: Any = [{"role": "user", "content": words}]
+    creates: list[Callable[[], Any]] = [
+        lambda: client.completions.create(prompt=ids, **kw),
+        lambda: client.chat.completions.create(messages=msgs, **kw),
+    ]
+    for create in creates:
+        cold, ws_cold = _streamed_usage(create())
+        warm, ws_warm = _streamed_usage(create())
+        assert cold.prompt_tokens_details.cached_tokens == ws_cold["prompt_cached_tokens"] == 0
+        assert warm.prompt_tokens_details.cached_tokens == ws_warm["prompt_cached_tokens"] >= 32
+        assert warm.prompt_tokens_details.cached_tokens <= warm.prompt_tokens
+
+
+def test_unknown_and_unsupported_keys_are_a_400_naming_them(client: openai.OpenAI) -> None:
+    """Through the official client: keys the endpoint does not know are named together in one
+    400 (OpenAI's shape, read back as BadRequestError); the ignored ones pass."""
+    kw: dict[str, Any] = {"model": "tiny", "max_tokens": 2, "temperature": 0}
+    msgs: Any = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            messages=msgs, extra_body={"min_p": 0.05, "mirostat": 2, "typical_p": 0.9}, **kw
+        )
+    assert (e.value.status_code, e.value.code, e.value.param) == (
+        400, "unknown_parameter", "mirostat",
+    )  # fmt: skip
+    body: Any = e.value.body
+    assert body["message"] == (
+        "unrecognized request argument(s) supplied: mirostat, typical_p; not supported: min_p "
+        "(vLLM's; min-p sampling is not implemented: only 0 is accepted, got 0.05)"
+    )  # as docs/edge/api.md shows it
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt=PROMPT_IDS, extra_body={"messages": msgs}, **kw)
+    assert e.value.code == "unknown_parameter" and "/v1/chat/completions" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(messages=msgs, response_format={"type": "json_object"}, **kw)
+    assert (e.value.code, e.value.param) == ("unsupported_parameter", "response_format")
+    r = client.chat.completions.create(
+        messages=msgs,
+        user="u-1",
+        metadata={"k": "v"},
+        tool_choice="none",
+        response_format={"type": "text"},
+        extra_body={"min_p": 0, "repetition_penalty": 1},
+        **kw,
+    )
+    assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def test_models_and_health(edge: tuple[str, EdgeService], client: openai.OpenAI) -> None:
