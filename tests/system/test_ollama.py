@@ -95,6 +95,9 @@ def test_list_show_version_and_the_probe(
     status, body = get(edge[0] + "/api/version")
     assert status == 200 and json.loads(body)["version"]
     assert get(edge[0] + "/") == (200, "Ollama is running")
+    head = urllib.request.Request(edge[0] + "/", method="HEAD")
+    with urllib.request.urlopen(head, timeout=10) as resp:
+        assert resp.status == 200
 
 
 def test_greedy_generate_is_the_targets_text_streaming_or_not(
@@ -132,6 +135,9 @@ def test_the_last_object_carries_the_wanspec_statistics(
         ws = last["wanspec"]
         assert ws["verified"] is True and ws["uplink_bytes"] > 0 and ws["rtt_ms"] is not None
         assert ws["tokens"] == last["eval_count"] and last["done"] is True
+    # The daemon's metrics count these requests as they count the OpenAI routes'.
+    _, text = get(edge[0] + "/metrics")
+    assert 'wanspec_edge_requests_total{endpoint="/api/generate",code="200"}' in text
 
 
 def test_greedy_chat_is_the_targets_text_through_the_chat_template(
@@ -199,7 +205,9 @@ def test_an_empty_prompt_loads_the_model(client: ollama.Client) -> None:
     assert c.done_reason == "load"
 
 
-def test_unsupported_options_and_fields_get_a_400_naming_them(client: ollama.Client) -> None:
+def test_unsupported_options_and_fields_get_a_400_naming_them(
+    client: ollama.Client, edge: tuple[str, EdgeService]
+) -> None:
     msgs = [{"role": "user", "content": "t1"}]
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="tiny", messages=msgs, stream=False, options={"min_p": 0.1, "zz": 1})
@@ -213,6 +221,14 @@ def test_unsupported_options_and_fields_get_a_400_naming_them(client: ollama.Cli
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model="nope", prompt="t1", stream=False)
     assert e.value.status_code == 404 and "nope" in e.value.error
+    # A body over max_body: 413, in Ollama's shape.
+    big = {"model": "tiny", "prompt": "t1 " * (edge[1].settings.max_body // 3 + 1)}
+    req = urllib.request.Request(
+        edge[0] + "/api/generate", data=json.dumps(big).encode(), method="POST"
+    )
+    with pytest.raises(urllib.error.HTTPError) as http:
+        urllib.request.urlopen(req, timeout=30)
+    assert http.value.code == 413 and "error" in json.loads(http.value.read())
     # Options that change no text, and those at their neutral value, are accepted.
     ok = client.chat(
         model="tiny",
