@@ -5,9 +5,9 @@ Pure functions of the decoded JSON body (no I/O, no model): each parser has one 
 field.
 :func:`parse_request` runs them in a fixed order, so the first fault found is the one answered:
 
-1. :func:`check_keys`: every key against :data:`REQUEST_KEYS` (unknown ones, and those set to
-   what we cannot do: tools, n > 1, penalties, ...),
-2. :func:`parse_streaming`: ``stream``, ``stream_options.include_usage``,
+1. :func:`check_keys`: every key against :data:`REQUEST_KEYS`, all faults in one 400 (the keys
+   the endpoint does not know, and those set to what we cannot do: tools, n > 1, penalties),
+2. :func:`parse_streaming`: ``stream``, ``stream_options`` (:data:`STREAM_OPTIONS`),
 3. :func:`parse_max_tokens`: ``max_completion_tokens``, else ``max_tokens``,
 4. :func:`parse_sampling`: ``temperature``, ``top_p``, ``top_k``; :func:`parse_seed`,
 5. :func:`parse_ignore_eos`,
