@@ -24,7 +24,9 @@ import numpy as np
 import orjson
 import torch
 
-from bench.run import DRAFT_BATCH_COST, load_draft_model, machine_info
+from bench.costs import DRAFT_BATCH_COST
+from bench.provenance import provenance
+from bench.run import load_draft_model, machine_info
 from edge_agent.model.drafter import Drafter, DraftRow
 from shared.maths.sampling import SamplingParams
 from shared.runtime.models import load_model
@@ -84,6 +86,7 @@ class CostStudy:
                 medians: {str(n): median[n] for n in sizes},
                 measured: fit,
                 emulated: self.emulated,
+                "provenance": provenance(),
             }
             args.out.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n")
 

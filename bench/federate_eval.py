@@ -37,6 +37,7 @@ import numpy as np
 import orjson
 import torch
 
+from bench.provenance import provenance
 from edge_agent.model.lm import CausalLM
 from shared.maths import compression as C
 from shared.maths.sampling import SamplingParams, accept, residual, sample, transform
@@ -314,7 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.time() - t0, 1),
     }
     (args.out / "federated.json").write_bytes(
-        orjson.dumps({"meta": meta, "results": res}, option=orjson.OPT_INDENT_2)
+        orjson.dumps(
+            {"meta": meta, "results": res, "provenance": provenance()},
+            option=orjson.OPT_INDENT_2,
+        )
     )
     (args.out / "federated.md").write_text(markdown(res, meta))
     plot(res, args.out / "federated.png")

@@ -73,6 +73,7 @@ import aiohttp
 import numpy as np
 
 from bench.oracle import GreedyPaths, OracleDrafter
+from bench.provenance import provenance
 from bench.run import TimedDrafter, parse_mode
 from bench.stream_ws import StreamWS
 from bench.wanem import LinkConfig, WanEmulator
@@ -972,6 +973,7 @@ def main(argv: list[str] | None = None) -> int:
         args.workdir,
         lambda wd: run(cfg, wd, log=lambda s: print(s, flush=True)),
     )
+    result["provenance"] = provenance()
     write_json(cfg.out, result, indent=1)
     if not args.no_plot:
         plot(cfg.out.with_suffix(".png"), result)

@@ -77,6 +77,7 @@ import numpy as np
 from aiohttp import WSMsgType
 
 from bench.overload import scrape, wait_idle
+from bench.provenance import provenance
 from bench.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import generate_token
 from edge_agent.session.core import SingleCore
@@ -1058,6 +1059,7 @@ def main(cfg: TenantsConfig, workdir: Path | None, *, no_plot: bool = False) -> 
     result = run_in_workdir(
         "wanspec-tenants-", workdir, lambda wd: run(cfg, wd, log=lambda s: print(s, flush=True))
     )
+    result["provenance"] = provenance()
     write_json(cfg.out, result, indent=1)
     if not no_plot:
         plot(cfg.out.with_suffix(".png"), result)

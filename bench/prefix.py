@@ -40,6 +40,7 @@ import aiohttp
 import numpy as np
 
 from bench.overload import scrape
+from bench.provenance import provenance
 from bench.stream_ws import StreamWS
 from bench.verifier_load import _fingerprint
 from cloud_verifier.daemon.auth import generate_token
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     result = asyncio.run(main_async(args))
     _print(result)
     result["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    result["provenance"] = provenance()
     write_json(args.out, result, indent=1)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -14,6 +14,8 @@ from typing import Any
 
 import orjson
 
+from bench.provenance import provenance
+
 
 def _fmt(v: Any, digits: int = 2) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -315,6 +317,7 @@ def write_outputs(
         "summary": rows,
         "runs": [asdict(r) for r in runs],
         "plots": pngs,
+        "provenance": provenance(),
     }
     (out / "results.json").write_bytes(
         orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)

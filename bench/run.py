@@ -28,14 +28,15 @@ no compute), each padded to the regime's draft time. Modes (``--modes`` for mode
   rejection's verdict at the edge to the next batch sent, in emulated ms); ``auto:tree``
   (``auto tree``) sends the branches to the verifier too (token trees, ``PipelineConfig.tree``:
   a batch is verified with the branches forking inside it in one forward, each tree token
-  padded at :data:`bench.verifier.TREE_TOKEN_COST` of a verify; ``tree_open_rate``, the
+  padded at :data:`bench.costs.TREE_TOKEN_COST` of a verify; ``tree_open_rate``, the
   rejections whose recovered token opened a branch there);
 * ``cloud-sd``: cloud-only speculative decoding, what a user would pick instead: no draft on
   the edge (credits only), a second verifier process of the regime that drafts for itself
   (``cloud_draft = tail,ngram`` and ``cloud_draft_model = --cloud-model``, ``--cloud-draft-tokens``
   a step, each draft step padded to ``--cloud-draft-ms-per-token``, by default verify ×
-  2.7/24.6, the team's H200 measurement, docs/benchmarks/index.md, The PicoSpec regime;
-  ``python -m bench.gpu`` repeats it); ``cloud-sd:ngram``: a third, prompt lookup only;
+  :data:`bench.costs.CLOUD_DRAFT_PER_VERIFY`, 2.7/24.6 from the H200 measurement in
+  docs/results/gpu_costs.json; ``python -m bench.gpu`` repeats it); ``cloud-sd:ngram``: a
+  third, prompt lookup only;
 * ``hybrid``: ``auto`` against the ``cloud-sd`` verifier (edge drafts, cloud drafts in the gaps);
   ``hybrid:predraft``, ``hybrid:tree`` as for ``auto``;
 * ``assisted``: transformers' ``generate(assistant_model=...)`` with each model draft, one
@@ -109,6 +110,7 @@ import numpy as np
 import orjson
 
 from bench.ar_server import encode_request
+from bench.costs import CLOUD_DRAFT_PER_VERIFY, DRAFT_BATCH_COST
 from bench.oracle import GreedyPaths, OracleDrafter, is_oracle, parse_oracle
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
@@ -135,10 +137,6 @@ DEFAULT_ORACLE_MODES = "pipe:4x4,auto"
 DEFAULT_RTTS = "0,100,200,300"
 DEFAULT_ORACLE_RTTS = "0,100,300"
 ASSISTED_GAMMA = 4
-#: A draft step of the verifier's own draft model, in verifies: the team measured a
-#: Qwen3-0.6B-shaped decode step at 2.7 ms (compiled, H200) beside 24.6 ms for a Qwen3-32B-shaped
-#: verify of the same batch (python -m bench.gpu repeats it); the emulated regime keeps that ratio.
-CLOUD_DRAFT_PER_VERIFY = 2.7 / 24.6
 
 
 # ------------------------------------------------------------------------------ settings
@@ -227,11 +225,6 @@ class ModeSpec:
         )
 
 
-#: The emulated cost of each branch beyond the first in a batched draft forward, as a fraction
-#: of one step: GPU-class, from the team's H200 measurement (../shared/MODELS.md: 8 sessions ×
-#: 5 tokens 73.9 ms against 1 × 5 tokens 68.9 ms, eager), (73.9 / 68.9 − 1) / 7 ≈ 0.0104. This
-#: CPU's own, from ``python -m bench.draft_batch``, is stated beside it in the docs.
-DRAFT_BATCH_COST = (73.9 / 68.9 - 1) / 7
 #: Branches prepared at most in the ``:predraft`` modes.
 PREDRAFT_BRANCHES = 8
 #: Tokens a hedge carries after its rival token in the ``:hedge`` modes.
@@ -1381,7 +1374,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--cloud-draft-ms-per-token",
         type=float,
         default=None,
-        help="the verifier's own draft step, emulated (default: verify × 2.7/24.6, measured)",
+        help="the verifier's own draft step, emulated (default: verify × 2.7/24.6, "
+        "docs/results/gpu_costs.json)",
     )
     p.add_argument(
         "--cloud-model",
@@ -1583,6 +1577,8 @@ def machine_info() -> dict[str, Any]:
 
 
 __all__ = [
+    "CLOUD_DRAFT_PER_VERIFY",
+    "DRAFT_BATCH_COST",
     "BenchConfig",
     "ModeSpec",
     "Regime",

@@ -7,7 +7,7 @@ forwards of one row (the chain, then N tree tokens in branches of 4 forking at t
 positions in turn), each timed (the forward alone: what the tree adds to a verify). Nothing is
 committed, so every forward sees the same cache. The ratio cost(N) / cost(0) gives the cost of a
 tree token, 1 + a · N, fitted by least squares; the bench pads tree tokens at the GPU-class
-figure instead (:data:`bench.verifier.TREE_TOKEN_COST`).
+figure instead (:data:`bench.costs.TREE_TOKEN_COST`).
 
     python -m bench.tree_cost --out docs/results/tree_cost.json
 """
@@ -20,8 +20,8 @@ import time
 import numpy as np
 import torch
 
+from bench.costs import TREE_TOKEN_COST
 from bench.draft_batch import CostStudy
-from bench.verifier import TREE_TOKEN_COST
 from cloud_verifier.engine.targets import TorchTarget
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages

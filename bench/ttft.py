@@ -22,8 +22,8 @@ intervals from the same resampling.
 requests served 1, 2, 4 or 8 at a time by one edge (its draft steps batched,
 :mod:`edge_agent.model.batching`), each draft step padded to 24 ms and a batched step of B rows to
 24
-· (1 + c · (B − 1)) ms with c from the team's H200 measurement
-(:data:`bench.run.DRAFT_BATCH_COST`); the verifier's forwards padded to 166 ms
+· (1 + c · (B − 1)) ms with c from the H200 measurement in docs/results/gpu_costs.json
+(:data:`bench.costs.DRAFT_BATCH_COST`); the verifier's forwards padded to 166 ms
 (:mod:`bench.verifier`); RTT 100 ms. Aggregate and per-request tokens/s, emulated.
 
     python -m bench.ttft --out docs/results            # the full run (about an hour here)
@@ -52,7 +52,9 @@ import numpy as np
 import numpy.typing as npt
 
 from bench.ar_server import encode_request
-from bench.run import DRAFT_BATCH_COST, TimedDrafter, load_draft_model, machine_info
+from bench.costs import DRAFT_BATCH_COST, SOURCE, VERIFY_EAGER_B1_MS, VERIFY_EAGER_B8_MS
+from bench.provenance import provenance
+from bench.run import TimedDrafter, load_draft_model, machine_info
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.daemon.text import encode_prompt
@@ -618,8 +620,9 @@ async def concurrency_part(
             "verify_ms": VERIFY_MS,
             "rtt_ms": args.concurrency_rtt,
             "batched_draft_step": f"{DRAFT_MS} ms x (1 + {DRAFT_BATCH_COST:.4f} (B - 1))",
-            "batched_draft_step_source": "the team's H200 measurement (../shared/MODELS.md): "
-            "8 branches x 5 tokens at 1.07 of 1 x 5 (bench.run.DRAFT_BATCH_COST)",
+            "batched_draft_step_source": f"{SOURCE}: 8 sessions x 5 tokens at "
+            f"{VERIFY_EAGER_B8_MS / VERIFY_EAGER_B1_MS:.2f} of 1 x 5 "
+            "(bench.costs.DRAFT_BATCH_COST)",
             "tokens_per_request": n,
             "requests_per_run": args.concurrency_requests,
         },
@@ -890,6 +893,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         torch.set_num_threads(1)
         doc = asyncio.run(amain(args))
+        doc["provenance"] = provenance()
         path.write_text(json.dumps(doc, indent=1) + "\n")
     plot(doc, args.out / "ttft.png")
     (args.out / "ttft.md").write_text(report(doc))

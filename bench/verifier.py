@@ -21,6 +21,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from bench.costs import TREE_TOKEN_COST
 from cloud_verifier.daemon.cli import add_serve_arguments, run_serve
 from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.draft_model import load_draft_target
@@ -50,13 +51,6 @@ class WrappedTarget:
         return self.inner.forward(rows)
 
 
-#: The emulated cost of each token-tree token (a branch token beyond the chain) in a verify, as
-#: a fraction of the verify: GPU-class, from the team's H200 measurement
-#: (../shared/MODELS.md: a Qwen3-32B-shaped verify of 8 sessions × 5 tokens 73.9 ms against 1 ×
-#: 5 tokens 68.9 ms, eager: 35 more tokens in one forward), (73.9 / 68.9 − 1) / 35 ≈ 0.0021.
-TREE_TOKEN_COST = (73.9 / 68.9 - 1) / 35
-
-
 def tree_tokens(row: Row) -> int:
     """A row's tokens past its chain (a token tree's branches): 0 for a chain."""
     if row.parents is None:
@@ -69,7 +63,7 @@ class PaddedTarget(WrappedTarget):
     """Device-regime emulation: every (batched) forward takes at least ``pad_ms`` (sleeping
     the rest on the engine's thread), whatever the number of sessions in it: on a GPU a
     batch of a few sessions costs about what one does (see docs/benchmarks/verifier.md).
-    Token-tree tokens are not free: each adds :data:`TREE_TOKEN_COST` of the pad."""
+    Token-tree tokens are not free: each adds :data:`bench.costs.TREE_TOKEN_COST` of the pad."""
 
     def __init__(self, inner: Target, pad_ms: float, decode_pad_ms: float = 0.0) -> None:
         super().__init__(inner, f"{inner.description}, forwards padded to {pad_ms:g} ms")

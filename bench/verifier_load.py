@@ -43,6 +43,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from bench.provenance import provenance
 from bench.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import generate_token
 from edge_agent.session.generation import TokenSource
@@ -349,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     result = asyncio.run(main_async(args))
+    result["provenance"] = provenance()
     write_json(args.out, result, indent=1)
     if not args.no_plot:
         _plot(args.out.with_suffix(".png"), result)

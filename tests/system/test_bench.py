@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -16,6 +18,7 @@ import orjson
 import pytest
 import torch
 
+from bench.costs import TREE_TOKEN_COST
 from bench.oracle import OracleDrafter, greedy_continuation, parse_oracle
 from bench.run import (
     DRAFT_BATCH_COST,
@@ -30,7 +33,7 @@ from bench.run import (
     parse_mode,
 )
 from bench.stream_ws import StreamWS
-from bench.verifier import TREE_TOKEN_COST, PaddedTarget, tree_tokens
+from bench.verifier import PaddedTarget, tree_tokens
 from bench.verifier import main as padded_verifier_main
 from cloud_verifier.daemon.cli import main as verifier_main
 from cloud_verifier.engine.targets import NullTarget
@@ -45,6 +48,16 @@ from testkit.probe import Driver, ProbeClient
 from tests.verifiers import serve_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def assert_provenance(doc: dict[str, Any]) -> None:
+    """A results file records the commit, the date and the machine it was made on."""
+    p = doc["provenance"]
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", p["commit"]), p["commit"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", p["date"]), p["date"]
+    machine = p["machine"]
+    assert machine["cpus"] >= 1 and machine["platform"] and machine["torch"]
+    assert "gpu" in machine
 
 
 def test_ceiling_formula() -> None:
@@ -203,6 +216,7 @@ def test_draft_batch_measures_batched_branch_steps(tmp_path: Path, tiny_model_di
     record = orjson.loads(out.read_bytes())
     assert set(record["median_step_s"]) == {"1", "3"}
     assert record["batch_cost_per_extra_branch"] is not None and record["machine"]["cpus"] >= 1
+    assert_provenance(record)
 
 
 def test_time_estimate_runs_oracles_cheaper() -> None:
@@ -326,6 +340,7 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
     assert not (tmp_path / "runs.jsonl").exists()  # the journal goes once the results are in
     doc = orjson.loads((tmp_path / "results.json").read_bytes())
     assert {"machine", "settings", "regimes", "summary", "runs", "plots"} <= set(doc)
+    assert_provenance(doc)
     rows = doc["summary"]
     assert all("draft" in r for r in rows)
     drafts = doc["settings"]["drafts"]
@@ -428,6 +443,7 @@ def test_ttft_bench_smoke(tmp_path: Path) -> None:
     con = doc["concurrency"]["summary"]
     assert [r["concurrency"] for r in con] == [1, 2] and con[0]["aggregate_over_one"][0] == 1.0
     assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
+    assert_provenance(doc)
 
 
 @pytest.mark.slow
@@ -451,6 +467,7 @@ def test_federate_eval_smoke(tmp_path: Path) -> None:
             if how == "B":
                 assert r["bias_bar"] <= by[(k, "A")]["bias_bar"] + 1e-9  # B never above A
     assert (tmp_path / "federated.md").exists()
+    assert_provenance(doc)
     assert (tmp_path / "federated.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -465,9 +482,25 @@ def test_gpu_bench_refuses_without_cuda_and_runs_small_on_the_cpu(
         assert not (tmp_path / "no.json").exists()
     out = tmp_path / "gpu.json"
     args = ["--small", "--device", "cpu", "--no-compile", "--reps", "2", "--batches", "1,2"]
+    args += ["--trees", "0,4", "--branches", "1,2"]
     assert gpu_main([*args, "--context", "16", "--out", str(out)]) == 0
     result = orjson.loads(out.read_bytes())
-    assert result["verify_eager_b1_ms"] > 0 and result["draft_step_eager_ms"] > 0
+    # the same format as the committed docs/results/gpu_costs.json, every cost re-measured
+    committed = orjson.loads((REPO / "docs" / "results" / "gpu_costs.json").read_bytes())
+    assert {"what", "command", "setup", "measured", "costs", "provenance"} <= set(result)
+    assert set(result["costs"]) == set(committed["costs"])
+    measured = result["measured"]
+    for key in ("verify_eager_b1_ms", "verify_eager_b2_ms", "tree_eager_n0_ms",
+                "tree_eager_n4_ms", "draft_step_eager_ms", "draft_batch_eager_b1_ms",
+                "draft_batch_eager_b2_ms"):  # fmt: skip
+        assert measured[key] > 0, key
+    assert result["costs"]["draft_batch_cost"]["basis"].startswith("slope of draft_batch")
+    assert result["costs"]["tree_token_cost"]["basis"].startswith("slope of tree")
+    assert result["costs"]["cloud_draft_per_verify"]["value"] == pytest.approx(
+        measured["draft_step_eager_ms"] / measured["verify_eager_b1_ms"]
+    )
+    assert result["setup"]["target_shape"]["name"] == "small"
+    assert_provenance(result)
 
 
 def test_verifier_load_smoke(tmp_path: Path) -> None:
@@ -486,6 +519,7 @@ def test_verifier_load_smoke(tmp_path: Path) -> None:
         assert len(result[key]) == 2 and all(x > 0 for x in result[key]), key
     assert all(0 <= x <= 1 for x in result["cloud-sd_cloud_share"])
     assert out.with_suffix(".png").stat().st_size > 1000
+    assert_provenance(result)
 
 
 def test_prefix_bench_smoke(tmp_path: Path) -> None:
@@ -512,6 +546,7 @@ def test_prefix_bench_smoke(tmp_path: Path) -> None:
         < off["summary"]["shared_prompt_tokens_computed"]
     )
     assert all(t["ttft_s"] > 0 for t in turns)
+    assert_provenance(result)
 
 
 def test_tree_cost_measures_a_verify_with_and_without_tree_tokens(
@@ -528,3 +563,4 @@ def test_tree_cost_measures_a_verify_with_and_without_tree_tokens(
     assert set(doc["median_forward_s"]) == {"0", "4", "8"}
     assert doc["cost_per_tree_token"] is not None
     assert doc["emulated_cost_per_tree_token"] == pytest.approx(TREE_TOKEN_COST)
+    assert_provenance(doc)
