@@ -29,8 +29,9 @@ from typing import Any, Final, Generic, Protocol, TypeVar
 from aiohttp import hdrs, web
 
 from edge_agent.daemon.api_errors import ApiError, from_http
-from edge_agent.daemon.api_request import build_pipeline, completion_budget, decode_body
+from edge_agent.daemon.api_request import build_pipeline, completion_budget
 from edge_agent.daemon.config import EdgeSettings
+from edge_agent.daemon.http_stream import Writer, next_event, read_body
 from edge_agent.daemon.ollama_request import (
     CHAT_KEYS,
     GENERATE_KEYS,
@@ -88,22 +89,6 @@ class ServerHooks(Generic[S]):
 
 
 HOOKS = web.AppKey("wanspec_ollama_hooks", ServerHooks)
-
-
-async def read_body(request: web.Request) -> dict[str, Any]:
-    return decode_body(await request.read())  # HTTPRequestEntityTooLarge over client_max_size
-
-
-@dataclass
-class Writer:
-    """A streaming response's writes, each within ``timeout`` seconds: a client that stops
-    reading is dropped (asyncio.TimeoutError), its generation cancelled."""
-
-    resp: web.StreamResponse
-    timeout: float
-
-    async def write(self, data: bytes) -> None:
-        await asyncio.wait_for(self.resp.write(data), self.timeout)
 
 
 # ---------------------------------------------------------------------------- names and errors
@@ -227,25 +212,6 @@ def _line(obj: Any) -> bytes:
     return dumps(obj).encode() + b"\n"
 
 
-async def _next_event(
-    out: Writer, events: AsyncIterator[Piece | Finished], keepalive: float, idle: bytes
-) -> Piece | Finished:
-    """The next event; meanwhile the line ``idle`` (an empty chunk: NDJSON has no comments)
-    every ``keepalive`` seconds."""
-    nxt = asyncio.ensure_future(events.__anext__())
-    try:
-        while True:
-            done, _ = await asyncio.wait({nxt}, timeout=keepalive)
-            if done:
-                return nxt.result()
-            await out.write(idle)
-    finally:
-        if not nxt.done():
-            nxt.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await nxt
-
-
 async def _stream(
     hooks: ServerHooks[Any],
     out: Writer,
@@ -256,7 +222,7 @@ async def _stream(
     keepalive = hooks.state.settings.stream_keepalive
     while True:
         try:
-            ev = await _next_event(out, events, keepalive, idle)
+            ev = await next_event(out, events, keepalive, idle)
         except hooks.gen_errors as e:
             await out.write(_line({"error": error_text(hooks.gen_error(e))}))
             break

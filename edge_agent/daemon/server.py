@@ -37,12 +37,12 @@ from edge_agent.daemon.api_errors import ApiError, bad_request, from_http
 from edge_agent.daemon.api_logprobs import Decode, chat_logprobs, completion_logprobs
 from edge_agent.daemon.api_request import (
     ApiRequest,
-    decode_body,
     parse_messages,
     parse_prompt,
     parse_request,
 )
 from edge_agent.daemon.config import EdgeSettings, listen_error, read_secret_file
+from edge_agent.daemon.http_stream import Writer, next_event, read_body
 from edge_agent.daemon.monitor import Availability
 from edge_agent.daemon.ollama_api import ServerHooks, add_ollama_routes
 from edge_agent.daemon.progress import Progress, quiet_hub_progress
@@ -142,11 +142,6 @@ def gen_request(api: ApiRequest, prompt_ids: list[int]) -> GenRequest:
 
 
 # ---------------------------------------------------------------------------- handlers
-
-
-async def _read_body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()  # HTTPRequestEntityTooLarge over client_max_size
-    return decode_body(raw)
 
 
 def _check_model(state: ServerState, body: dict[str, Any]) -> str:
@@ -276,7 +271,7 @@ def _decoder(state: ServerState) -> Decode:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await _read_body(request)
+    body = await read_body(request)
     model = _check_model(state, body)
     _require_ready(state)
     prompt_ids = chat_prompt(state, body) if chat else completion_prompt(state, body)
@@ -320,7 +315,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         # The headers go at once (a client sees the request accepted, even while it waits for a
         # place or a verifier); from here an error is an event of the stream.
         await resp.prepare(request)
-        out_ = _Writer(resp, state.settings.write_timeout)
+        out_ = Writer(resp, state.settings.write_timeout)
         try:
             await _stream_events(
                 out_, events, head, shape, api.include_usage, state.settings.stream_keepalive
@@ -331,42 +326,12 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return resp
 
 
-@dataclass
-class _Writer:
-    """A streaming response's writes, each within ``timeout`` seconds: a client that stops
-    reading is dropped (asyncio.TimeoutError), its generation cancelled; the others go on."""
-
-    resp: web.StreamResponse
-    timeout: float
-
-    async def write(self, data: bytes) -> None:
-        await asyncio.wait_for(self.resp.write(data), self.timeout)
-
-
 #: The SSE comment that keeps a quiet stream open (clients and proxies ignore comments).
 KEEPALIVE: Final = b": keep-alive\n\n"
 
 
-async def _next_event(
-    out: _Writer, events: AsyncIterator[Piece | Finished], keepalive: float
-) -> Piece | Finished:
-    """The next event; meanwhile an SSE comment every ``keepalive`` seconds."""
-    nxt = asyncio.ensure_future(events.__anext__())
-    try:
-        while True:
-            done, _ = await asyncio.wait({nxt}, timeout=keepalive)
-            if done:
-                return nxt.result()
-            await out.write(KEEPALIVE)
-    finally:
-        if not nxt.done():
-            nxt.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await nxt
-
-
 async def _stream_events(
-    out: _Writer,
+    out: Writer,
     events: AsyncIterator[Piece | Finished],
     head: dict[str, Any],
     shape: _Shape,
@@ -377,7 +342,7 @@ async def _stream_events(
         await out.write(_sse({**head, **_role()}))
     while True:
         try:
-            ev = await _next_event(out, events, keepalive)
+            ev = await next_event(out, events, keepalive, KEEPALIVE)
         except _GEN_ERRORS as e:
             await out.write(_sse(_gen_error(e).body()))
             break

@@ -174,14 +174,14 @@ async def test_fair_queue_serves_max_active_at_once_then_in_arrival_order() -> N
 async def test_a_write_the_client_never_takes_ends_at_its_deadline() -> None:
     """A streaming client that reads nothing: the write is given up after write_timeout (the
     handler then leaves, cancelling that generation only)."""
-    from edge_agent.daemon.server import _Writer
+    from edge_agent.daemon.http_stream import Writer
 
     class Stuck:
         async def write(self, data: bytes) -> None:
             await asyncio.Event().wait()  # a full socket buffer that never drains
 
     with pytest.raises(asyncio.TimeoutError):
-        await _Writer(Stuck(), 0.05).write(b"data: x\n\n")  # type: ignore[arg-type]
+        await Writer(Stuck(), 0.05).write(b"data: x\n\n")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- the API
