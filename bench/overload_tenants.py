@@ -64,7 +64,6 @@ import math
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -77,7 +76,7 @@ import numpy as np
 from aiohttp import WSMsgType
 
 from bench.overload import scrape, wait_idle
-from bench.provenance import provenance
+from bench.provenance import git, provenance
 from bench.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import generate_token
 from edge_agent.session.core import SingleCore
@@ -741,24 +740,15 @@ def targets(ratios: dict[str, Any], arms: dict[str, dict[str, Any]]) -> dict[str
 # ------------------------------------------------------------------------------ the run
 
 
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(
-            ["git", *args], cwd=REPO, capture_output=True, text=True, check=True, timeout=30
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def _code() -> dict[str, Any]:
     """Which code ran: the commit, whether the verifier's code differs from it, and where the
     verifier package was imported from (the verifier process runs from the same tree)."""
     import cloud_verifier
 
-    changed = _git("status", "--porcelain", "--", "cloud_verifier", "shared", "edge_agent")
+    changed = git("status", "--porcelain", "--", "cloud_verifier", "shared", "edge_agent")
     return {
-        "commit": _git("rev-parse", "HEAD"),
-        "commit_subject": _git("log", "-1", "--format=%s")[:120],
+        "commit": git("rev-parse", "HEAD"),
+        "commit_subject": git("log", "-1", "--format=%s")[:120],
         "verifier_code_uncommitted_changes": bool(changed),
         "tree": str(REPO),
         "cloud_verifier_imported_from": str(Path(cloud_verifier.__file__).parent),

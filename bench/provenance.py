@@ -19,7 +19,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _git(*args: str) -> str:
+def git(*args: str) -> str:
+    """``git ARGS`` in the repository: its output, stripped; ``""`` when git fails or is absent."""
     try:
         return subprocess.run(
             ["git", *args], cwd=REPO, capture_output=True, text=True, check=True, timeout=30
@@ -31,10 +32,10 @@ def _git(*args: str) -> str:
 def commit() -> str:
     """``git rev-parse HEAD`` of this tree, ``-dirty`` appended when tracked files differ from
     it; ``"unknown"`` outside a git checkout."""
-    head = _git("rev-parse", "HEAD")
+    head = git("rev-parse", "HEAD")
     if not head:
         return "unknown"
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
     return f"{head}-dirty" if dirty else head
 
 
