@@ -674,6 +674,30 @@ class Pipeline:
             ]
         return None, []
 
+    def classify_miss(self, b: Batch, at: int, token: int) -> None:
+        """Outcome pre-drafting: ``token`` corrects the draft at ``b.start + at`` (called before
+        the batches behind it go, while the version that planned branches holds). If no kept
+        branch starts with it (one that does is taken, and counted, by :meth:`take_branch`),
+        count why: the correction was not among the draft's known alternatives there
+        (``Rival.alternatives``); it was, but ``cfg.predraft`` branches were already kept (the
+        cap); it was, with room, but its branch was not planned or not finished in time."""
+        if not self.cfg.predraft:
+            return
+        pos = b.start + at
+        ctx = [*self.gen.committed[:pos], token]
+        if any(br.context == ctx for br in self.branches):
+            return
+        rival = b.rivals[at] if at < len(b.rivals) else NO_RIVAL
+        known = rival is not NO_RIVAL and any(y == token for y, _ in rival.alternatives())
+        if not known:
+            self.count(Counter.PREDRAFT_MISS_NOT_ALTERNATIVE)
+        elif (pos, token) not in self._predrafted.at(self.version) and len(
+            self.branches
+        ) >= self.cfg.predraft:
+            self.count(Counter.PREDRAFT_MISS_CAP)
+        else:
+            self.count(Counter.PREDRAFT_MISS_TIME)
+
     def on_rejection(self, now: float) -> None:
         """A rejection (or a co-generated token that dooms a batch) at ``now``: its gap runs
         until the next batch is sent."""
@@ -1182,6 +1206,7 @@ class SingleCore(DraftingCore):
         if b.draft[c - b.start] == g.token:
             return []
         b.doomed_at = c - b.start
+        pipe.classify_miss(b, b.doomed_at, g.token)
         pipe.on_rejection(now)
         # The verifier enters the next epoch when it rejects ``b``, before it reads anything
         # sent from now on; it knows the text up to the new token.
@@ -1234,12 +1259,14 @@ class SingleCore(DraftingCore):
                 raise DesyncError("a rejection behind a co-generated token")
             pipe.count(Counter.REJECTIONS)
             pipe.count(Counter.DOWNLINK_REJECTION_BYTES, size)
+            q = b.q_rows[v.accepted]
+            token = recover(decision, q, pipe.rng, reconstruction=self.cfg.reconstruction)
+            if token is not None:
+                pipe.classify_miss(b, v.accepted, token)
             pipe.on_rejection(now)
             # The verifier cropped its cache to the accepted prefix and entered the next epoch.
             pipe.discard_inflight()
             self.link.verifier_len = len(self.gen.committed)
-            q = b.q_rows[v.accepted]
-            token = recover(decision, q, pipe.rng, reconstruction=self.cfg.reconstruction)
             if token is None:
                 return self._ask_resample(q)
             pipe.commit_recovered(token)

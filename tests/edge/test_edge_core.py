@@ -433,6 +433,44 @@ def test_predrafted_outcomes_are_planned_likeliest_first_and_sent_on_a_hit() -> 
     assert not e.core.pipe.branches
 
 
+def test_each_rejection_no_branch_answers_is_counted_with_why() -> None:
+    """Pre-drafting's misses, by reason: the correction was not among the draft's known
+    alternatives; it was, but the branch budget was full (the cap); it was, with room, but no
+    branch was ready (time). A rejection a branch answers counts no miss (a hit, once taken)."""
+
+    def miss(correction: int, branches: int, predraft: int = 2) -> tuple[int, int, int]:
+        cfg = PipelineConfig(gamma=3, depth=1, sampling=GREEDY, cogen=False, predraft=predraft)
+        e = edge(cfg, max_new=12)
+        _batch_with_rivals(e, [1, 2, 3], [(9, 0.9), (10, 0.4), (11, 0.6)])
+        for k in range(branches):  # planned likeliest first: (2, 10), then (3, 11)
+            _branch(e, [20 + k])
+        verdict = encode(Verdict(0, 0, 1, token=correction), e.core.ctx)
+        e._log(sent(e.core, e.core.receive(verdict, now=5.0)))
+        assert e.gen.committed == [0, 1, correction]
+        st = e.gen.stats
+        return st.predraft_miss_not_alternative, st.predraft_miss_cap, st.predraft_miss_time
+
+    assert miss(10, branches=1) == (0, 0, 0)  # its branch is there: a hit, not a miss
+    assert miss(12, branches=1) == (1, 0, 0)  # 12 was never an alternative at position 2
+    assert miss(10, branches=0) == (0, 0, 1)  # an alternative, room left, not prepared yet
+    # The budget (one branch, spent at position 3) left no room for position 2's alternative.
+    cfg = PipelineConfig(gamma=3, depth=1, sampling=GREEDY, cogen=False, predraft=1)
+    e = edge(cfg, max_new=12)
+    _batch_with_rivals(e, [1, 2, 3], [(9, 0.9), (10, 0.4), (11, 0.6)])
+    pp = e.core.pipe.predraft_plan()
+    assert pp is not None and (pp.pos, pp.token) == (2, 10)
+    e.core.pipe._predrafted.at(e.core.pipe.version).discard((2, 10))  # as if never planned
+    rows = [counting_draft([t - 1], True)[1] for t in [7]]
+    e.core.pipe.branches.append(Branch([0, 1, 2, 11], [7], rows, [], 0.9))
+    e._log(sent(e.core, e.core.receive(encode(Verdict(0, 0, 1, token=10), e.core.ctx), now=5.0)))
+    st = e.gen.stats
+    assert (st.predraft_miss_not_alternative, st.predraft_miss_cap, st.predraft_miss_time) == (
+        0,
+        1,
+        0,
+    )
+
+
 def test_a_prepared_branch_goes_to_the_verifier_as_a_hedge_only_where_trees_apply() -> None:
     """Token trees: a branch being prepared is sent as a Hedge at its position (the verifier
     takes the newest version of it); nothing with trees off, without co-generation, or once
