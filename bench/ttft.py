@@ -36,13 +36,12 @@ import argparse
 import asyncio
 import contextlib
 import json
-import operator
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from bench.ar_server import encode_request
 from bench.costs import DRAFT_BATCH_COST, SOURCE, VERIFY_EAGER_B1_MS, VERIFY_EAGER_B8_MS
 from bench.provenance import provenance
 from bench.run import TimedDrafter, load_draft_model, machine_info
+from bench.stats import bootstrap_diff, bootstrap_median, bootstrap_ratio
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.daemon.text import encode_prompt
@@ -100,46 +100,6 @@ class Cell:
     rtt_ms: float
     tokens: int  # asked for
     samples: list[Sample] = field(default_factory=list)
-
-
-def bootstrap_median(x: Sequence[float], rng: np.random.Generator, n: int = 2000) -> list[float]:
-    """The median and its 95 % percentile-bootstrap interval."""
-    a = np.asarray(x, float)
-    boots = np.median(rng.choice(a, (n, len(a))), axis=1)
-    return [float(np.median(a)), float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))]
-
-
-def _bootstrap_pair(
-    num: Sequence[float],
-    den: Sequence[float],
-    rng: np.random.Generator,
-    op: Callable[[Any, Any], Any],
-    n: int = 2000,
-) -> list[float]:
-    """op(median(num), median(den)) and its 95 % interval (both resampled independently)."""
-    a, b = np.asarray(num, float), np.asarray(den, float)
-    ra = np.median(rng.choice(a, (n, len(a))), axis=1)
-    rb = np.median(rng.choice(b, (n, len(b))), axis=1)
-    r = op(ra, rb)
-    return [
-        float(op(np.median(a), np.median(b))),
-        float(np.quantile(r, 0.025)),
-        float(np.quantile(r, 0.975)),
-    ]
-
-
-def bootstrap_ratio(
-    num: Sequence[float], den: Sequence[float], rng: np.random.Generator
-) -> list[float]:
-    """median(num) / median(den) and its 95 % interval."""
-    return _bootstrap_pair(num, den, rng, operator.truediv)
-
-
-def bootstrap_diff(
-    num: Sequence[float], den: Sequence[float], rng: np.random.Generator
-) -> list[float]:
-    """median(num) − median(den) and its 95 % interval."""
-    return _bootstrap_pair(num, den, rng, operator.sub)
 
 
 def rtt_slope(
