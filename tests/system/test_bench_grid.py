@@ -3,12 +3,16 @@ verifier) on small synthetic traces."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench import stats
+from bench import capacity, grid, stats
+from bench.prompts import DATASETS, Split
+from bench.traces import Trace, TraceSet, load_traces, save_traces
 
 # ------------------------------------------------------------------------------------ stats
 
@@ -85,3 +89,323 @@ def test_ttft_uses_the_one_copy_of_the_median_helpers() -> None:
     assert (r, rl, rh) == (2.0, 2.0, 2.0)
     d, dl, dh = stats.bootstrap_diff([5.0, 6.0, 7.0], [1.0, 2.0, 3.0], rng)
     assert d == 4.0 and dl <= d <= dh
+
+
+# ------------------------------------------------------------------------- synthetic traces
+
+
+def synthetic_trace(
+    name: str, split: Split, alpha: float, rng: np.random.Generator, length: int = 24
+) -> Trace:
+    """A trace whose draft's argmax is the target's token with probability ``alpha`` (else the
+    target's token is second)."""
+    prompt = tuple(int(x) for x in rng.integers(10, 1000, 12))
+    path = tuple(int(x) for x in rng.integers(10, 1000, length))
+    top, top_p = [], []
+    for t in path:
+        others = [int(x) for x in rng.choice(np.arange(1000, 2000), 7, replace=False)]
+        row = [t, *others] if rng.random() < alpha else [others[0], t, *others[1:]]
+        top.append(tuple(row))
+        top_p.append((0.6, 0.2, 0.1, 0.04, 0.03, 0.02, 0.005, 0.005))
+    dataset = name.split("/")[0]
+    return Trace(name, dataset, split, prompt, path, False, tuple(top), tuple(top_p))
+
+
+def write_traces(
+    path: Path,
+    *,
+    measured: int = 2,
+    tuning: int = 1,
+    alpha_measured: float = 0.8,
+    alpha_tuning: float = 0.8,
+    length: int = 24,
+) -> Path:
+    """``measured`` and ``tuning`` traces of every dataset in a trace file."""
+    rng = np.random.default_rng(0)
+    traces = []
+    for d in DATASETS:
+        for i in range(measured):
+            traces.append(synthetic_trace(f"{d}/{i}", Split.MEASURED, alpha_measured, rng, length))
+        for i in range(measured, measured + tuning):
+            traces.append(synthetic_trace(f"{d}/{i}", Split.TUNING, alpha_tuning, rng, length))
+    save_traces(path, TraceSet("target", "draft", length, 8, {}, tuple(traces)))
+    return path
+
+
+def brackets(value: float | None, ci: list[float] | None) -> bool:
+    assert value is not None and ci is not None
+    return ci[0] - 1e-9 <= value <= ci[1] + 1e-9
+
+
+# ---------------------------------------------------------------------------------- grid
+
+SUMMARY_KEYS = {
+    "regime",
+    "draft",
+    "rtt_ms",
+    "mode",
+    "mode_spec",
+    "reply_tokens",
+    "tokens_mean",
+    "prompts",
+    "tokens_per_s",
+    "decode_tokens_per_s",
+    "ttft_s",
+    "ttft_p50_s",
+    "reply_s",
+    "speedup_vs_ar",
+    "speedup_vs_ar_ci",
+    "speedup_vs_cloud_sd",
+    "speedup_vs_cloud_sd_ci",
+    "decode_speedup_vs_ar",
+    "decode_speedup_vs_ar_ci",
+    "verifier_busy_s_per_100_tokens",
+    "draft_acceptance",
+    "alpha_per_token",
+    "mean_accepted_per_round",
+    "cloud_draft_acceptance",
+    "uplink_bytes_per_round",
+    "downlink_bytes_per_rejection",
+    "predraft_hit_rate",
+    "predraft_miss_alternative",
+    "predraft_miss_none",
+    "cloud_draft",
+    "gamma",
+    "cloud_draft_cost",
+    "edge_batch_cost",
+    "best_of",
+    "role",
+}
+
+
+def test_grid_smoke_writes_every_key(tmp_path: Path) -> None:
+    traces = write_traces(tmp_path / "traces.json.gz")
+    out = tmp_path / "grid"
+    assert grid.main(["--traces", str(traces), "--out", str(out), "--smoke", "--workers", "1"]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert set(doc) == {
+        "regime",
+        "settings",
+        "tuning",
+        "summary",
+        "categories",
+        "targets",
+        "provenance",
+    }
+    s = grid.SMOKE
+    points = len(s.rtts_ms) * len(s.reply_tokens) * len(s.cloud_draft_costs)
+    # ar, best cloud-sd, the edge modes, the pre-draft modes at the CPU cost, best edge.
+    assert len(doc["summary"]) == points * (2 + len(s.edge_modes) + 2 + 1)
+    for row in doc["summary"]:
+        assert set(row) == SUMMARY_KEYS
+        assert row["prompts"] == 2 * len(DATASETS)
+        for key in ("speedup_vs_ar", "speedup_vs_cloud_sd", "decode_speedup_vs_ar"):
+            assert brackets(row[key], row[f"{key}_ci"]), (key, row)
+        if row["role"] == "ar":
+            assert row["speedup_vs_ar_ci"] == [1.0, 1.0]
+        if row["role"] == "best cloud-sd":
+            assert row["cloud_draft"] in ("model", "mixed") and row["gamma"] in s.gammas
+            assert row["speedup_vs_cloud_sd_ci"] == [1.0, 1.0]
+            assert row["uplink_bytes_per_round"] is None  # no Propose in cloud-sd
+        if row["role"] == "best edge":
+            assert row["best_of"] == list(s.edge_modes) and row["mode_spec"] in s.edge_modes
+        if row["mode_spec"] in grid.PREDRAFT_MODES:
+            assert row["predraft_hit_rate"] is not None
+    costs = {r["edge_batch_cost"] for r in doc["summary"] if r["mode_spec"] == "auto:predraft"}
+    assert costs == {grid.DRAFT_BATCH_COST, grid.cpu_draft_batch_cost()}
+    tuned = [t for t in doc["tuning"] if t["family"] == "cloud-sd"]
+    assert len(tuned) == points * 2 * len(s.gammas)
+    assert all(t["prompts"] == len(DATASETS) for t in doc["tuning"])
+    assert {c["dataset"] for c in doc["categories"]} == set(DATASETS)
+    for c in doc["categories"]:
+        assert brackets(c["speedup_vs_ar"], c["speedup_vs_ar_ci"])
+        assert {"alpha_per_token", "mean_accepted_per_round", "speedup_vs_cloud_sd_ci"} <= set(c)
+    names = [t["name"] for t in doc["targets"]]
+    assert len(names) == len(set(names)) == 2 + 2 + 3 + 2
+    for t in doc["targets"]:
+        assert {"name", "measured", "ci", "threshold", "met"} <= set(t)
+        if t["ci"] is not None:
+            assert brackets(t["measured"], t["ci"])
+            assert t["met"] == (t["ci"][0] >= t["threshold"])
+    assert {"commit", "date", "machine"} <= set(doc["provenance"])
+    assert {"token_cost_source", "cloud_draft_cost_source", "edge_batch_cost_sources"} <= set(
+        doc["regime"]
+    )
+
+
+def test_best_cloud_sd_is_chosen_on_the_tuning_prompts_only(tmp_path: Path) -> None:
+    # Tuning prompts: the draft is always right (long cloud drafts pay); measured prompts: it
+    # is mostly wrong (short ones do). The choice must follow the tuning prompts.
+    path = write_traces(
+        tmp_path / "t.json.gz", measured=1, tuning=1, alpha_measured=0.2, alpha_tuning=1.0
+    )
+    traces = load_traces(path)
+    settings = grid.Settings(
+        rtts_ms=(100.0,), reply_tokens=(24,), cloud_draft_costs=(0.05,), gammas=(2, 8)
+    )
+    point = (100.0, 24, 0.05)
+    with grid.Runner(path, traces, 1) as runner:
+        g = grid.Grid(runner, settings, 0.2)
+        kind, gamma = g.tune_cloud([point])[point]
+
+        def score(split: Split, k: str, gm: int) -> float:
+            cell = g.cell(split, f"cloud-sd:{k}:{gm}", *point)
+            return grid.mean(r.tokens_per_s for r in runner.get(cell))
+
+        configs = [(k, gm) for k in ("model", "mixed") for gm in settings.gammas]
+        on_tuning = max(configs, key=lambda kg: score(Split.TUNING, *kg))
+        on_measured = max(configs, key=lambda kg: score(Split.MEASURED, *kg))
+    assert (kind, gamma) == on_tuning
+    assert on_measured != on_tuning  # the two sets favour different configs
+    rows = [t for t in g.tuning if t["chosen"]]
+    assert len(rows) == 1 and rows[0]["mode_spec"] == f"cloud-sd:{kind}:{gamma}"
+
+
+def test_validation_compares_the_same_prompts(tmp_path: Path) -> None:
+    path = write_traces(tmp_path / "t.json.gz", measured=2, tuning=1)
+    traces = load_traces(path)
+    runs = []
+    for mode, spec in (("ar", "ar"), ("auto predraft", "auto:predraft"), ("cloud-sd", None)):
+        for i in range(2):
+            cell = grid.Cell(
+                "measured",
+                spec or "cloud-sd:mixed:4",
+                100.0,
+                16,
+                grid.CLOUD_DRAFT_PER_VERIFY,
+                grid.DRAFT_BATCH_COST,
+            )
+            (sim,) = grid.run_cell(cell, [traces.by_name(f"chat/{i}")])
+            # The "real" run is exactly twice as fast as the simulation.
+            runs.append(
+                {
+                    "prompt": i,
+                    "dataset": "chat",
+                    "mode": mode,
+                    "mode_spec": spec,
+                    "rtt_ms": 100.0,
+                    "tokens": 16,
+                    "tokens_per_s": 2 * sim.tokens_per_s,
+                    "decode_tokens_per_s": 2 * sim.decode_tokens_per_s,
+                    "ttft_s": sim.ttft_s / 2,
+                }
+            )
+    runs.append({**runs[0], "mode": "something else"})  # not simulated: left out
+    with grid.Runner(path, traces, 1) as runner:
+        rows = grid.validation(runner, traces, {"runs": runs}, 200)
+    assert [(r["mode"], r["runs"]) for r in rows] == [
+        ("ar", 2),
+        ("auto predraft", 2),
+        ("cloud-sd", 2),
+    ]
+    for r in rows:
+        assert r["sim_over_measured"] == pytest.approx(0.5)
+        assert r["sim_over_measured_ci"] == pytest.approx([0.5, 0.5])
+        assert r["sim_over_measured_decode"] == pytest.approx(0.5)
+        assert r["sim_over_measured_ttft"] == pytest.approx(2.0)
+        assert r["measured_tokens_per_s"] == pytest.approx(2 * r["sim_tokens_per_s"])
+
+
+# ------------------------------------------------------------------------------ capacity
+
+CAPACITY_ROW_KEYS = {
+    "mode",
+    "mode_spec",
+    "edges",
+    "per_user_tokens_per_s_p50",
+    "per_user_tokens_per_s_p10",
+    "ttft_p99_s",
+    "goodput_tokens_per_s",
+    "verifier_busy_s_per_100_tokens",
+    "verifier_utilisation",
+    "replies",
+}
+
+
+def test_capacity_smoke_writes_every_key(tmp_path: Path) -> None:
+    traces = write_traces(tmp_path / "traces.json.gz")
+    out = tmp_path / "capacity.json"
+    argv = ["--traces", str(traces), "--out", str(out), "--smoke", "--workers", "1"]
+    assert capacity.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) == {
+        "settings",
+        "best_cloud_sd",
+        "cost_model",
+        "slos",
+        "rows",
+        "users_at_slo",
+        "simulated_n",
+        "headline",
+        "provenance",
+    }
+    modes = ["ar", "best cloud-sd", "auto", "auto predraft", "hybrid", "hybrid predraft"]
+    plan = capacity.SMOKE
+    assert [(r["mode"], r["edges"]) for r in doc["rows"]] == [
+        (m, n) for m in modes for n in plan.edges
+    ]
+    for r in doc["rows"]:
+        assert set(r) == CAPACITY_ROW_KEYS
+        assert r["replies"] == r["edges"] * plan.requests_per_user
+        assert r["per_user_tokens_per_s_p10"] <= r["per_user_tokens_per_s_p50"]
+        assert 0 < r["verifier_utilisation"] <= 1
+    assert [s["name"] for s in doc["slos"]] == ["reading", "fast"]
+    assert list(doc["users_at_slo"]) == modes
+    for found in doc["users_at_slo"].values():
+        assert set(found) == {"reading", "fast"}
+        assert all(0 <= n <= plan.max_users for n in found.values())
+    h = doc["headline"]
+    assert set(h) == {
+        "slo",
+        "users",
+        "best_edge_mode",
+        "best_edge_over_best_cloud_sd",
+        "best_edge_over_ar",
+    }
+    assert h["best_edge_mode"] in modes[2:]
+    assert {"forward_s", "points", "extrapolation", "k"} <= set(doc["cost_model"])
+    assert doc["best_cloud_sd"]["source"].startswith("tuned here")
+
+
+def test_capacity_takes_the_grids_choice(tmp_path: Path) -> None:
+    results = tmp_path / "results.json"
+    row = {
+        "role": "best cloud-sd",
+        "rtt_ms": 100.0,
+        "reply_tokens": 256,
+        "cloud_draft_cost": grid.CLOUD_DRAFT_PER_VERIFY,
+        "cloud_draft": "model",
+        "gamma": 6,
+    }
+    results.write_text(json.dumps({"summary": [{**row, "rtt_ms": 50.0, "gamma": 2}, row]}))
+    assert capacity.best_cloud_from_grid(results, capacity.Plan()) == ("model", 6)
+    assert capacity.best_cloud_from_grid(results, capacity.SMOKE) is None
+    assert capacity.best_cloud_from_grid(tmp_path / "absent.json", capacity.Plan()) is None
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 37, 64, 1000, 2047, 2048, 5000])
+def test_users_at_slo_search_on_a_monotone_fake(k: int) -> None:
+    asked: list[int] = []
+
+    def ok(n: int) -> bool:
+        asked.append(n)
+        return n <= k
+
+    assert capacity.largest_meeting(ok, 2048) == min(k, 2048)
+    assert len(asked) <= 2 * 12  # doubling, then bisection: logarithmic
+    assert all(1 <= n <= 2048 for n in asked)
+
+
+@pytest.mark.parametrize("k", [1, 2, 37, 100, 300, 1000, 2047])
+def test_users_at_slo_search_to_a_resolution(k: int) -> None:
+    asked: list[int] = []
+
+    def ok(n: int) -> bool:
+        asked.append(n)
+        return n <= k
+
+    found = capacity.largest_meeting(ok, 2048, resolution=8)
+    assert found <= k and k - found <= max(1, found // 8)
+    assert len(asked) == len(set(asked))  # never asks twice
+    with pytest.raises(ValueError):
+        capacity.largest_meeting(ok, 0)
