@@ -143,16 +143,18 @@ class Kind(TextEnum):
 class CloudDraftKind(TextEnum):
     MODEL = "model"  # the cloud's draft model only
     MIXED = "mixed"  # the product's default order: tail (hybrid only), then n-gram, then the model
+    NGRAM = "ngram"  # prompt lookup only, no model (the bench's ``cloud-sd:ngram``)
 
 
 _FORMS = (
-    "ar, cloud-sd:mixed:G, cloud-sd:model:G, saw:G, pipe:GxD[:nocogen][:predraft], auto, "
-    "auto:predraft, hybrid, hybrid:predraft (or a mode's label)"
+    "ar, cloud-sd:mixed:G, cloud-sd:model:G, cloud-sd:ngram:G, saw:G, "
+    "pipe:GxD[:nocogen][:predraft], auto, auto:predraft, hybrid, hybrid:predraft "
+    "(or a mode's label)"
 )
-_SPEC_CLOUD = re.compile(r"^cloud-sd:(mixed|model):(\d+)$")
+_SPEC_CLOUD = re.compile(r"^cloud-sd:(mixed|model|ngram):(\d+)$")
 _SPEC_SAW = re.compile(r"^saw:(\d+)$")
 _SPEC_PIPE = re.compile(r"^pipe:(\d+)x(\d+)(:nocogen)?(:predraft)?$")
-_LABEL_CLOUD = re.compile(r"^cloud-sd (mixed|model) γ=(\d+)$")
+_LABEL_CLOUD = re.compile(r"^cloud-sd (mixed|model|ngram) γ=(\d+)$")
 _LABEL_SAW = re.compile(r"^stop-and-wait γ=(\d+)$")
 _LABEL_PIPE = re.compile(r"^pipelined γ=(\d+) D=(\d+)( no-cogen)?( predraft)?$")
 
@@ -260,13 +262,16 @@ class SimMode:
         for cloud-sd and hybrid, as the bench's cloud-sd verifier is started)."""
         if self.kind not in (Kind.CLOUD_SD, Kind.HYBRID):
             return SessionLimits()
-        sources = (
-            frozenset({CloudDraft.TAIL, CloudDraft.NGRAM})
-            if self.cloud_draft == CloudDraftKind.MIXED
-            else frozenset()
-        )
+        kind = self.cloud_draft
+        sources = {
+            CloudDraftKind.MIXED: frozenset({CloudDraft.TAIL, CloudDraft.NGRAM}),
+            CloudDraftKind.MODEL: frozenset(),
+            CloudDraftKind.NGRAM: frozenset({CloudDraft.NGRAM}),
+        }[kind]
         return SessionLimits(
-            cloud_draft=sources, cloud_model=True, cloud_draft_tokens=self.cloud_gamma
+            cloud_draft=sources,
+            cloud_model=kind != CloudDraftKind.NGRAM,
+            cloud_draft_tokens=self.cloud_gamma,
         )
 
 

@@ -183,6 +183,8 @@ def test_a_repetitive_text_makes_mixed_cloud_drafts_beat_model_drafts() -> None:
     assert mixed.cloud_accepted > 40
     assert model.cloud_accepted == 0
     assert mixed.reply_s < 0.6 * model.reply_s
+    ngram = one("cloud-sd:ngram:4", tr, 96, Link(0.1))
+    assert ngram.cloud_accepted == mixed.cloud_accepted
 
 
 #: Pipelined with branches: the pipeline is full between verdicts, so the drafter has room.
@@ -259,6 +261,7 @@ SPECS = {
     "ar": "ar",
     "cloud-sd:mixed:4": "cloud-sd mixed γ=4",
     "cloud-sd:model:6": "cloud-sd model γ=6",
+    "cloud-sd:ngram:8": "cloud-sd ngram γ=8",
     "saw:4": "stop-and-wait γ=4",
     "pipe:4x4": "pipelined γ=4 D=4",
     "pipe:4x2:nocogen": "pipelined γ=4 D=2 no-cogen",
@@ -280,7 +283,7 @@ def test_mode_specs_and_labels_round_trip(spec: str, label: str) -> None:
         assert mode.predraft == PREDRAFT_BRANCHES
 
 
-@pytest.mark.parametrize("junk", ["", "pipe:4", "saw:x", "cloud-sd:ngram:4", "auto:tree", "AR"])
+@pytest.mark.parametrize("junk", ["", "pipe:4", "saw:x", "cloud-sd:tail:4", "auto:tree", "AR"])
 def test_a_bad_mode_is_refused_naming_it_and_the_forms(junk: str) -> None:
     with pytest.raises(ValueError, match="expected one of") as e:
         SimMode.parse(junk)
