@@ -4,8 +4,12 @@ A small aiohttp service in its own process, on the same target model as the veri
 sends one request frame (msgpack: prompt ids as little-endian uint32 bytes, max_new_tokens,
 eos ids); the service decodes token by token and sends each id as its own 4-byte frame as soon
 as it exists (what a streaming cloud API does), then closes; or, with ``keep``, sends an empty
-frame and waits for the next request on the same connection (a kept-alive API). ``--pad-ms``
-pads each step to a given time (the device-regime emulation).
+frame and waits for the next request on the same connection (a kept-alive API). With
+``report``, that end frame carries the reply's busy seconds instead (little-endian float64: the
+model worker's time in this reply's steps, the prefill step included, pads included), so a
+benchmark prices ``ar``'s GPU time as it measures the verifier's. ``--pad-ms`` pads each step
+to a given time (the device-regime emulation). :class:`ArClient` is the edge's side of a
+kept-alive connection.
 
     python -m bench.ar_server --model default --port 8701 --token-file TOKEN [--pad-ms 146]
 """
@@ -17,9 +21,11 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgpack
 import numpy as np
 from aiohttp import WSMsgType, web
@@ -34,31 +40,58 @@ STATE = web.AppKey("ar_state", dict)
 MAX_REQUEST = 1 << 20
 
 
-def _decode_request(data: bytes) -> tuple[list[int], int, set[int], bool]:
+#: Bytes of a token frame (one little-endian uint32) and of a reported end frame (float64).
+TOKEN_FRAME = 4
+BUSY_FRAME = 8
+
+
+@dataclass(frozen=True)
+class ArRequest:
+    prompt: list[int]
+    max_new_tokens: int
+    eos: set[int]
+    keep: bool = False  # the connection stays open after the reply
+    report: bool = False  # the end frame carries the reply's busy seconds (needs ``keep``)
+
+
+def _decode_request(data: bytes) -> ArRequest:
     try:
         m = msgpack.unpackb(data, raw=False, max_bin_len=MAX_REQUEST, max_array_len=64)
         prompt = np.frombuffer(m["prompt"], "<u4").astype(np.int64).tolist()
-        n = int(m["max_new_tokens"])
-        eos = {int(t) for t in m.get("eos", [])}
-        keep = bool(m.get("keep", False))
+        req = ArRequest(
+            prompt,
+            int(m["max_new_tokens"]),
+            {int(t) for t in m.get("eos", [])},
+            bool(m.get("keep", False)),
+            bool(m.get("report", False)),
+        )
     except Exception as e:
         raise ValueError(f"bad request: {e}") from e
-    if not prompt or not 1 <= n <= 1 << 16:
+    if not prompt or not 1 <= req.max_new_tokens <= 1 << 16:
         raise ValueError("bad request: empty prompt or max_new_tokens out of range")
-    return prompt, n, eos, keep
+    if req.report and not req.keep:
+        raise ValueError("bad request: report needs keep (the end frame carries the busy time)")
+    return req
 
 
 def encode_request(
-    prompt: list[int], max_new_tokens: int, eos: list[int], *, keep: bool = False
+    prompt: list[int],
+    max_new_tokens: int,
+    eos: list[int],
+    *,
+    keep: bool = False,
+    report: bool = False,
 ) -> bytes:
     """A request; ``keep``: the connection stays open for the next one (a kept-alive cloud API:
-    the reply ends with an empty frame instead of the close)."""
+    the reply ends with an end frame instead of the close), empty, or with ``report`` the
+    reply's busy seconds (:data:`BUSY_FRAME` bytes)."""
     out = msgpack.packb(
         {
             "prompt": np.asarray(prompt, "<u4").tobytes(),
             "max_new_tokens": max_new_tokens,
             "eos": eos,
             "keep": keep,
+            "report": report,
         },
         use_bin_type=True,
     )
@@ -79,14 +112,15 @@ def build_app(loaded: Any, auth: Authenticator, pad_ms: float) -> web.Applicatio
     return app
 
 
-def _step(lm: CausalLM, ids: list[int], pad_s: float) -> int:
-    """One padded decode step on the model worker: the next greedy token."""
+def _step(lm: CausalLM, ids: list[int], pad_s: float) -> tuple[int, float]:
+    """One padded decode step on the model worker (the first one is the prefill): the next
+    greedy token and the step's seconds, pad included."""
     t0 = time.perf_counter()
     tok = int(lm.extend(ids)[-1].argmax())
     rest = pad_s - (time.perf_counter() - t0)
     if rest > 0:
         time.sleep(rest)
-    return tok
+    return tok, time.perf_counter() - t0
 
 
 async def _handler(request: web.Request) -> web.StreamResponse:
@@ -102,22 +136,97 @@ async def _handler(request: web.Request) -> web.StreamResponse:
             await ws.close(message=b"expected one binary request frame")
             return ws
         try:
-            prompt, n, eos, keep = _decode_request(msg.data)
+            req = _decode_request(msg.data)
         except ValueError as e:
             await ws.close(message=str(e).encode()[:120])
             return ws
         lm = CausalLM(st["loaded"])
-        feed = prompt
-        for _ in range(n):
-            tok = await loop.run_in_executor(st["pool"], _step, lm, feed, st["pad_s"])
+        feed = req.prompt
+        busy = 0.0
+        for _ in range(req.max_new_tokens):
+            tok, spent = await loop.run_in_executor(st["pool"], _step, lm, feed, st["pad_s"])
+            busy += spent
             await ws.send_bytes(np.array([tok], "<u4").tobytes())
-            if tok in eos:
+            if tok in req.eos:
                 break
             feed = [tok]
-        if not keep:
+        if not req.keep:
             await ws.close()
             return ws
-        await ws.send_bytes(b"")  # the end of this reply; the connection stays open
+        # The end of this reply; the connection stays open.
+        await ws.send_bytes(np.array([busy], "<f8").tobytes() if req.report else b"")
+
+
+@dataclass
+class ArReply:
+    """One reply of the AR service, as the edge saw it (``perf_counter`` seconds)."""
+
+    sent_at: float  # the request left
+    stamps: list[float] = field(default_factory=list)  # each token's arrival
+    ids: list[int] = field(default_factory=list)
+    down_bytes: int = 0  # token frames' payload
+    busy_s: float | None = None  # the service's reported busy seconds (with ``report``)
+    ended_at: float = 0.0  # the end frame's arrival
+
+
+class ArClient:
+    """A kept-alive connection to the AR service (``/v1/generate``, through an emulator or
+    not): one WebSocket opened by :meth:`open` and reused by every :meth:`request` until
+    :meth:`close`, so a request pays no TCP or WebSocket handshake. Each wait has
+    ``timeout_s``."""
+
+    def __init__(self, url: str, token: str | None, *, timeout_s: float = 600.0) -> None:
+        self.url = url
+        self.token = token
+        self.timeout_s = timeout_s
+        self.http: aiohttp.ClientSession | None = None
+        self.ws: aiohttp.ClientWebSocketResponse[Any] | None = None
+        #: Connections opened (one while the service keeps it).
+        self.connects = 0
+
+    async def open(self) -> None:
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self.ws = await self.http.ws_connect(self.url, headers=headers, heartbeat=None)
+        self.connects += 1
+
+    async def __aenter__(self) -> ArClient:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def request(self, prompt: list[int], n: int, eos: list[int]) -> ArReply:
+        """One reply of at most ``n`` tokens (ends early at an ``eos`` id), with its busy time."""
+        if self.ws is None or self.ws.closed:
+            await self.close()
+            await self.open()
+        assert self.ws is not None
+        reply = ArReply(time.perf_counter())
+        await self.ws.send_bytes(encode_request(prompt, n, eos, keep=True, report=True))
+        while True:
+            msg = await self.ws.receive(timeout=self.timeout_s)
+            now = time.perf_counter()
+            if msg.type != WSMsgType.BINARY:
+                raise RuntimeError(f"AR service closed the connection mid-reply: {msg.type.name}")
+            if len(msg.data) == BUSY_FRAME:
+                reply.busy_s = float(np.frombuffer(msg.data, "<f8")[0])
+                reply.ended_at = now
+                return reply
+            if len(msg.data) != TOKEN_FRAME:
+                raise RuntimeError(f"AR service sent a {len(msg.data)}-byte frame")
+            reply.stamps.append(now)
+            reply.ids.append(int(np.frombuffer(msg.data, "<u4")[0]))
+            reply.down_bytes += len(msg.data)
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            await self.ws.close()
+            self.ws = None
+        if self.http is not None:
+            await self.http.close()
+            self.http = None
 
 
 def main(argv: list[str] | None = None) -> int:

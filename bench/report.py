@@ -1,8 +1,9 @@
 """Benchmark outputs: results.json (every raw figure), results.md (tables), PNG plots.
 
-results.md: per regime and draft, a table of tokens/s and speed-up vs ``ar`` (RTT × mode), then
-the details of every row (acceptance, bytes, ceiling). Plots: ``tokens_per_s_vs_rtt.png`` (one
-panel per regime and draft, a line per mode and the ``ar`` line) and ``bytes_per_token.png``.
+results.md: per regime, reply length and draft, a table of tokens/s and speed-up vs ``ar`` (RTT ×
+mode), then the details of every row (TTFT, acceptance, bytes, ceiling). Plots, of the longest
+replies: ``tokens_per_s_vs_rtt.png`` (one panel per regime and draft, a line per mode and the
+``ar`` line), ``verifier_busy_per_token.png`` and ``bytes_per_token.png``.
 """
 
 from __future__ import annotations
@@ -108,11 +109,11 @@ def _sources(row: dict[str, Any]) -> str:
 
 def detail_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
-        "| RTT ms | mode | tok/s | decode tok/s | × AR | × cloud-sd | "
+        "| RTT ms | mode | tok/s | decode tok/s | TTFT s | × AR | × cloud-sd | "
         "verifier busy s / 100 tokens | token sources | "
-        "acceptance | accepted/round | co-gen tok/gen | up B/round | down B/rejection | "
-        "B/token | ceiling tok/s | of ceiling |",
-        "|" + "---|" * 16,
+        "draft acceptance | α per token | accepted/round | co-gen tok/gen | up B/round | "
+        "down B/rejection | B/token | ceiling tok/s | of ceiling |",
+        "|" + "---|" * 18,
     ]
     for r in rows:
         cap = _fmt(r.get("ceiling_tokens_per_s"))
@@ -120,10 +121,11 @@ def detail_table(rows: list[dict[str, Any]]) -> list[str]:
             cap += " ≈"
         out.append(
             f"| {r['rtt_ms']:g} | {r['mode']} | {_fmt(r['tokens_per_s'])} | "
-            f"{_fmt(r['decode_tokens_per_s'])} | {_fmt(r.get('speedup_vs_ar'))} | "
-            f"{_fmt(r.get('speedup_vs_cloud_sd'))} | "
+            f"{_fmt(r['decode_tokens_per_s'])} | {_fmt(r.get('ttft_s'))} | "
+            f"{_fmt(r.get('speedup_vs_ar'))} | {_fmt(r.get('speedup_vs_cloud_sd'))} | "
             f"{_fmt(r.get('verifier_busy_s_per_100_tokens'))} | {_sources(r)} | "
-            f"{_fmt(r.get('acceptance'))} | {_fmt(r.get('mean_accepted_per_round'))} | "
+            f"{_fmt(r.get('draft_acceptance'))} | {_fmt(r.get('alpha_per_token'))} | "
+            f"{_fmt(r.get('mean_accepted_per_round'))} | "
             f"{_fmt(r.get('cogen_tokens_per_generation'), 1)} | "
             f"{_fmt(r.get('uplink_bytes_per_round'), 1)} | "
             f"{_fmt(r.get('downlink_bytes_per_rejection'), 1)} | "
@@ -133,28 +135,35 @@ def detail_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _length_tables(reg: Any, sel: list[dict[str, Any]]) -> list[str]:
+    """Per draft: the speed table and the details, for one regime's rows of one reply length."""
+    out: list[str] = []
+    for draft in _drafts(sel):
+        mine = [r for r in sel if r.get("draft") == draft]
+        scale = mine[0].get("time_scale") if mine else None
+        s = f", time-dilated ×{scale:g}" if reg.emulated and scale else ""
+        alpha = [r["oracle_alpha_measured"] for r in mine if r.get("oracle_alpha_measured")]
+        a = f", measured α {sum(alpha) / len(alpha):.2f}" if alpha else ""
+        out.append(f"##### draft `{draft}`{s}{a}\n")
+        out += speed_table(sel, draft)
+        out.append("")
+        ar = [r for r in sel if r["mode"] == "ar" and r["rtt_ms"] in {x["rtt_ms"] for x in mine}]
+        out += detail_table(sorted(ar + mine, key=lambda r: r["rtt_ms"]))
+        out.append("")
+    return out
+
+
 def tables(rows: list[dict[str, Any]], regimes: list[Any]) -> str:
     out = []
     for reg in regimes:
-        sel = [r for r in rows if r["regime"] == reg.name]
-        if not sel:
+        here = [r for r in rows if r["regime"] == reg.name]
+        if not here:
             continue
-        scales = sorted({r["time_scale"] for r in sel if r.get("time_scale") is not None})
+        scales = sorted({r["time_scale"] for r in here if r.get("time_scale") is not None})
         out.append(f"### {_regime_title(reg, scales)}\n")
-        for draft in _drafts(sel):
-            mine = [r for r in sel if r.get("draft") == draft]
-            scale = mine[0].get("time_scale") if mine else None
-            s = f", time-dilated ×{scale:g}" if reg.emulated and scale else ""
-            alpha = [r["oracle_alpha_measured"] for r in mine if r.get("oracle_alpha_measured")]
-            a = f", measured α {sum(alpha) / len(alpha):.2f}" if alpha else ""
-            out.append(f"#### draft `{draft}`{s}{a}\n")
-            out += speed_table(sel, draft)
-            out.append("")
-            ar = [
-                r for r in sel if r["mode"] == "ar" and r["rtt_ms"] in {x["rtt_ms"] for x in mine}
-            ]
-            out += detail_table(sorted(ar + mine, key=lambda r: r["rtt_ms"]))
-            out.append("")
+        for length in sorted({r.get("reply_tokens", 0) for r in here}):
+            out.append(f"#### replies of {length} tokens\n")
+            out += _length_tables(reg, [r for r in here if r.get("reply_tokens", 0) == length])
     if rows:
         out.append(
             "× AR: speed-up over the cloud-only autoregressive baseline at the same RTT; "
@@ -162,7 +171,9 @@ def tables(rows: list[dict[str, Any]], regimes: list[Any]) -> str:
             "with the draft model, no edge draft) at the same RTT. Token sources: accepted edge "
             "drafts, corrections, bonus tokens, tokens the verifier decoded (cogen) and its own "
             "accepted draft tokens (cloud). "
-            "≈: ceiling from assumed γ = 4 / D = 4 (the edge did not report the means).\n"
+            "Draft acceptance: accepted / drafted tokens; α per token: accepted / (accepted + "
+            "rejections), the drafts the verifier judged. ≈: an approximate ceiling (auto: at "
+            "the means of γ and D); –: a mode outside the ceiling's model.\n"
         )
         out.append(
             f"Sending the full distribution instead would cost "
@@ -177,6 +188,8 @@ def plots(out: Path, rows: list[dict[str, Any]], regimes: list[Any]) -> list[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    longest = max((r.get("reply_tokens", 0) for r in rows), default=0)
+    rows = [r for r in rows if r.get("reply_tokens", 0) == longest]
     written = []
     panels = [
         (reg.name, draft)
@@ -328,8 +341,9 @@ def write_outputs(
         f"Machine: {machine['platform']}, {machine['cpus']} CPUs; torch {machine['torch']}, "
         f"transformers {machine['transformers']}; commit {machine['git_commit']}; "
         f"{machine['date']}.\n",
-        f"Target `{cfg.target}`, drafts {drafts}; greedy, {cfg.tokens} new tokens per prompt, "
-        f"{cfg.prompts_per_dataset} prompt(s) per dataset (GSM8K, everyday chat, HumanEval), link "
+        f"Target `{cfg.target}`, drafts {drafts}; greedy, replies of "
+        f"{' and '.join(map(str, cfg.tokens))} tokens per prompt, {cfg.prompts_per_dataset} "
+        f"prompt(s) per dataset ({', '.join(cfg.datasets)}; measured split), on warm links, link "
         f"{cfg.bandwidth_mbit:g} Mbit/s each way. Modes of model drafts: "
         f"`{','.join(cfg.modes)}` at RTTs {', '.join(f'{x:g}' for x in cfg.rtts_ms)} ms; "
         f"of oracle drafts: `{','.join(cfg.oracle_modes)}` at RTTs "

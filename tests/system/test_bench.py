@@ -30,7 +30,10 @@ from bench.run import (
     TimedDrafter,
     ceiling,
     estimate,
+    in_ceiling_model,
+    parse_args,
     parse_mode,
+    summarise,
 )
 from bench.stream_ws import StreamWS
 from bench.verifier import PaddedTarget, tree_tokens
@@ -202,6 +205,25 @@ def test_oracle_greedy_path_and_timed_padding(tiny_model_dir: Path) -> None:
     steps = timed.draft_many([DraftRow(s, SamplingParams(0.0), rng, True) for s in seqs])
     assert time.perf_counter() - t0 >= 0.02 * (1 + 2 * DRAFT_BATCH_COST) - 1e-3
     assert [x.token for x in steps] == path[1:4]
+    # --draft-batch-cost: this CPU's 0.20 per extra branch instead of the GPU class's
+    cpu = TimedDrafter(oracle, 0.02, batch_cost=0.2)
+    cpu.draft_many([DraftRow(s, SamplingParams(0.0), rng, True) for s in seqs])
+    assert cpu.times[-1] >= 0.02 * 1.4 - 1e-3 > 0.02 * (1 + 2 * DRAFT_BATCH_COST)
+    with pytest.raises(ValueError, match="batch_cost"):
+        TimedDrafter(oracle, 0.02, batch_cost=-0.1)
+
+
+def test_bench_options_reply_lengths_datasets_and_batch_cost() -> None:
+    args = parse_args(["--tokens", "32,256", "--datasets", "gsm8k,qa", "--draft-batch-cost", "0.2"])
+    assert args.tokens == (32, 256) and args.datasets == ("gsm8k", "qa")
+    assert args.draft_batch_cost == 0.2 and str(args.out) == "docs/results/bench/real"
+    defaults = parse_args([])
+    assert defaults.tokens == (32, 256) and defaults.draft_batch_cost == DRAFT_BATCH_COST
+    assert "translation" in defaults.datasets and "rag" in defaults.datasets
+    for bad in (["--tokens", "32,x"], ["--tokens", "0"], ["--datasets", "mtbench"],
+                ["--draft-batch-cost", "-1"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(bad)
 
 
 def test_draft_batch_measures_batched_branch_steps(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -296,12 +318,120 @@ def test_padding_is_not_a_product_setting(capsys: pytest.CaptureFixture[str]) ->
     assert e.value.code == 2 and "--emulate-verify-ms" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+def _spec_extra(**over: Any) -> dict[str, Any]:
+    """A speculative run's ``extra`` as run_spec and _spec_run record it."""
+    extra: dict[str, Any] = {
+        "rounds": 10, "draft_tokens": 40, "accepted_tokens": 26, "rejections": 6,
+        "uplink_bytes": 2000, "downlink_bytes": 500, "proposes": 10,
+        "downlink_rejection_bytes": 120, "verdict_tokens": 32, "cogen_tokens": 0,
+        "wire_bytes_up": 2100, "wire_bytes_down": 600, "draft_step_s_mean": 0.024,
+        "verify_s_mean": 0.166, "gamma_mean": 4.0, "depth_mean": 4.0, "verifier_busy_s": 2.0,
+        "stats": {"sources": {"edge_draft": 26, "correction": 6}},
+    }  # fmt: skip
+    return extra | over
+
+
+def _summary_run(mode: str, draft: str | None, extra: dict[str, Any], tps: float = 10.0,
+                 rtt: float = 100.0, reply: int = 32, prompt: int = 0) -> Run:  # fmt: skip
+    spec = None if mode == "ar" else mode
+    label = "ar" if mode == "ar" else parse_mode(mode).label
+    return Run(regime="picospec", rtt_ms=rtt, mode=label, depth=None, dataset="gsm8k",
+               tokens=32, wall_s=32 / tps, tokens_per_s=tps, decode_tokens_per_s=tps * 1.2,
+               extra=extra, draft=draft, mode_spec=spec, prompt=prompt, reply_tokens=reply,
+               ttft_s=0.5)  # fmt: skip
+
+
+def _summary(runs: list[Run]) -> dict[tuple[str | None, str, int], dict[str, Any]]:
+    reg = Regime("picospec", 24.0, 166.0, 146.0)
+    cfg = BenchConfig(Path("x"), drafts=("real", "oracle:alpha=0.9"),
+                      modes=("auto", "auto:predraft", "hybrid:predraft", "cloud-sd"),
+                      oracle_modes=("auto",), regimes=(reg,))  # fmt: skip
+    rows = summarise(runs, cfg, [reg], 256)
+    return {(r["draft"], r["mode"], r["reply_tokens"]): r for r in rows}
+
+
+def test_summary_keys_the_comparisons_by_draft_and_reply_length() -> None:
+    """Defect c: an oracle has no cloud-sd of its own (None), and a row is compared with the
+    cloud-sd and ar rows of its own draft and reply length only."""
+    ar_extra = {"downlink_bytes": 128, "wire_bytes_up": 50, "wire_bytes_down": 300,
+                "verifier_busy_s": 4.8}  # fmt: skip
+    runs = [
+        _summary_run("ar", None, ar_extra, tps=5.0),
+        _summary_run("ar", None, ar_extra, tps=4.0, reply=256),
+        _summary_run("auto", "real", _spec_extra(), tps=12.0),
+        _summary_run("auto", "real", _spec_extra(), tps=11.0, reply=256),
+        _summary_run("cloud-sd", "real", _spec_extra(proposes=0, uplink_bytes=300), tps=8.0),
+        _summary_run("cloud-sd", "real", _spec_extra(proposes=0), tps=10.0, reply=256),
+        _summary_run("auto", "oracle:alpha=0.9", _spec_extra(), tps=16.0),
+    ]
+    rows = _summary(runs)
+    assert rows[("real", "auto", 32)]["speedup_vs_cloud_sd"] == pytest.approx(12 / 8)
+    assert rows[("real", "auto", 256)]["speedup_vs_cloud_sd"] == pytest.approx(11 / 10)
+    assert rows[("real", "auto", 256)]["speedup_vs_ar"] == pytest.approx(11 / 4)
+    oracle = rows[("oracle:alpha=0.9", "auto", 32)]
+    assert oracle["speedup_vs_cloud_sd"] is None
+    assert oracle["speedup_vs_ar"] == pytest.approx(16 / 5)
+    assert rows[("real", "auto", 32)]["ttft_s"] == 0.5
+
+
+def test_summary_figures_fix_the_defects() -> None:
+    """Defects a, b, d, e: cloud-sd sends no Propose (no rounds: None, not the total), ar's
+    busy time is the one its service reported (the prefill step included), the per-token α
+    beside the draft acceptance, and no ceiling for a mode outside its model."""
+    ar_extra = {"downlink_bytes": 128, "wire_bytes_up": 50, "wire_bytes_down": 300,
+                "verifier_busy_s": 4.8}  # fmt: skip
+    runs = [
+        _summary_run("ar", None, ar_extra, tps=5.0),
+        _summary_run("auto", "real", _spec_extra()),
+        _summary_run("auto:predraft", "real", _spec_extra()),
+        _summary_run("hybrid:predraft", "real", _spec_extra()),
+        _summary_run("cloud-sd", "real", _spec_extra(proposes=0, uplink_bytes=300)),
+    ]
+    rows = _summary(runs)
+    assert rows[("real", "cloud-sd", 32)]["uplink_bytes_per_round"] is None  # a
+    assert rows[("real", "auto", 32)]["uplink_bytes_per_round"] == pytest.approx(200)
+    # b: 100 × busy / tokens, as every mode (not 100 / the decode rate, which left out the
+    # prefill: 100 / 6 = 16.7 here)
+    assert rows[(None, "ar", 32)]["verifier_busy_s_per_100_tokens"] == pytest.approx(15.0)
+    auto = rows[("real", "auto", 32)]
+    assert "acceptance" not in auto
+    assert auto["draft_acceptance"] == pytest.approx(26 / 40)  # d
+    assert auto["alpha_per_token"] == pytest.approx(26 / 32)
+    assert auto["fraction_of_ceiling"] is not None and auto["ceiling_approx"]  # e
+    for mode in ("auto predraft", "hybrid predraft", "cloud-sd"):
+        row = rows[("real", mode, 32)]
+        assert row["fraction_of_ceiling"] is None and row["ceiling_tokens_per_s"] is None, mode
+    assert in_ceiling_model(parse_mode("pipe:4x4")) and in_ceiling_model(parse_mode("saw:4"))
+    for spec in ("auto:predraft", "auto:tree", "pipe:4x4:hedge", "hybrid", "cloud-sd"):
+        assert not in_ceiling_model(parse_mode(spec)), spec
+
+
+async def test_ar_service_reports_its_busy_time_with_the_prefill(tiny_model_dir: Path) -> None:
+    """Defect b: the AR service's reply ends with its busy seconds, every step padded, the
+    prefill step (the one that yields the first token) included, on one kept-alive connection."""
+    from aiohttp.test_utils import TestServer
+
+    from bench.ar_server import ArClient, build_app
+    from cloud_verifier.daemon.auth import Authenticator
+    from shared.runtime.models import load_model
+
+    app = build_app(load_model(str(tiny_model_dir)), Authenticator(["t"]), pad_ms=40.0)
+    async with TestServer(app) as server:
+        url = str(server.make_url("/v1/generate")).replace("http", "ws", 1)
+        async with ArClient(url, "t") as client:
+            one = await client.request([1, 7, 9, 11], 1, [])
+            three = await client.request([1, 7, 9, 11], 3, [])
+        assert client.connects == 1  # kept alive
+    assert len(one.ids) == 1 and one.busy_s is not None and one.busy_s >= 0.039  # the prefill
+    assert len(three.ids) == 3 and three.busy_s is not None and three.busy_s >= 3 * 0.039
+    assert three.stamps[0] - three.sent_at < three.ended_at - three.sent_at
+
+
 def _run(rtt: float, prompt: int) -> Run:
     return Run(regime="picospec", rtt_ms=rtt, mode="auto", depth=None, dataset="gsm8k",
                tokens=8, wall_s=1.0, tokens_per_s=8.0, decode_tokens_per_s=9.0,
                extra={"text_ids": [1, 2]}, draft="d", mode_spec="auto", scale=6.0,
-               prompt=prompt)  # fmt: skip
+               prompt=prompt, reply_tokens=32)  # fmt: skip
 
 
 def test_journal_resumes_the_runs_it_has_and_only_on_the_same_settings(tmp_path: Path) -> None:
@@ -360,52 +490,59 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
     assert tree and all(r["tree"] and "tree_open_rate" in r for r in tree)
     assert ("raw", model, "assisted") in modes
     assert {r["rtt_ms"] for r in rows} == {0.0, 50.0}
+    assert {r["reply_tokens"] for r in rows} == {4, 6}  # each prompt at each length
+    assert doc["settings"]["draft_batch_cost"] == DRAFT_BATCH_COST
+    # on warm links: every run found its connection open
+    assert all(r["reconnects"] == 0 for r in rows if r["mode"] != "assisted")
     # the oracle ran at its own time scale, the model draft and ar at theirs
     scales = {(r["regime"], r["draft"]): r["time_scale"] for r in rows if r["mode"] != "assisted"}
     assert scales[("picospec", oracle)] == 2.0 and scales[("picospec", model)] == 1.0
     assert scales[("picospec", None)] == 1.0
     for row in rows:
         assert row["tokens_per_s"] > 0
+        same = (row["regime"], row["rtt_ms"], row["reply_tokens"])
+        if row["mode"] != "assisted":
+            # the first token comes after the request went up, before the whole reply
+            assert 0 < row["ttft_s"] < row["reply_tokens"] / row["tokens_per_s"]
         if row["mode"] == "ar":
             assert row["verifier_busy_s_per_100_tokens"] > 0
         if row["mode"] != "ar" and row["regime"] == "picospec":
-            ar = [
-                r
-                for r in rows
-                if (r["regime"], r["rtt_ms"], r["mode"]) == ("picospec", row["rtt_ms"], "ar")
-            ]
+            ar = [r for r in rows if (r["regime"], r["rtt_ms"], r["reply_tokens"]) == same
+                  and r["mode"] == "ar"]  # fmt: skip
             assert row["speedup_vs_ar"] == pytest.approx(
                 row["tokens_per_s"] / ar[0]["tokens_per_s"]
             )
         if row["regime"] == "picospec" and row["draft"] == model:
-            sd = [r for r in rows if (r["regime"], r["rtt_ms"], r["mode"])
-                  == ("picospec", row["rtt_ms"], "cloud-sd")]  # fmt: skip
+            sd = [r for r in rows if (r["regime"], r["rtt_ms"], r["reply_tokens"]) == same
+                  and r["mode"] == "cloud-sd"]  # fmt: skip
             assert row["speedup_vs_cloud_sd"] == pytest.approx(
                 row["tokens_per_s"] / sd[0]["tokens_per_s"]
             )
+        if row["draft"] == oracle:
+            assert row["speedup_vs_cloud_sd"] is None  # no cloud-sd of its own
         if row["mode"].startswith("cloud-sd"):
             # no edge draft: every token but the prompt's bonus is the verifier's
             shares = row["token_sources"]
             assert shares.get("edge_draft", 0) == 0 and shares.get("correction", 0) == 0
             assert sum(shares.values()) == pytest.approx(1.0)
             assert row["verifier_busy_s_per_100_tokens"] > 0
+            assert row["uplink_bytes_per_round"] is None  # credits only: no Propose, no round
         elif row["mode"] not in ("ar", "assisted"):
             assert sum(row["token_sources"].values()) == pytest.approx(1.0)
             # what the verifier's engine spent on the text (forwards, pads included)
             assert row["verifier_busy_s_per_100_tokens"] > 0
-            if row["cogen"] and row["acceptance"] is None:
+            if row["cogen"] and row["draft_acceptance"] is None:
                 # the verifier co-generated the whole (6-token) text before any edge batch
                 assert row["token_sources"].get("edge_draft", 0) == 0
             else:
-                for key in (
-                    "acceptance",
-                    "mean_accepted_per_round",
-                    "uplink_bytes_per_round",
-                    "bytes_per_token",
-                    "ceiling_tokens_per_s",
-                    "fraction_of_ceiling",
-                ):
+                keys = ["draft_acceptance", "alpha_per_token", "mean_accepted_per_round",
+                        "uplink_bytes_per_round", "bytes_per_token"]  # fmt: skip
+                modelled = in_ceiling_model(parse_mode(row["mode_spec"]))
+                for key in keys + ["ceiling_tokens_per_s", "fraction_of_ceiling"] * modelled:
                     assert row[key] is not None, key
+                assert row["alpha_per_token"] >= row["draft_acceptance"]
+                if not modelled:
+                    assert row["fraction_of_ceiling"] is None
                 # ids + q, not distributions (one is |V| × 4 = 1024 B here); with co-generation
                 # a 6-token generation may send a single Propose, whose fixed tokens are the prompt
                 assert row["uplink_bytes_per_round"] < 400
