@@ -1,250 +1,501 @@
-"""Publish a benchmark's results: rewrite the README's results table and the benchmark page's
-tables from ``results.json``, between their markers, so that every published figure is read off
-the committed file and none is typed by hand.
+"""Publish the benchmark: rewrite the README's results table and the benchmark page's tables from
+the committed results, between their markers, so that every published figure is read off the
+committed files and none is typed by hand.
 
     python -m bench.publish docs/results/bench/results.json          # rewrite both
     python -m bench.publish docs/results/bench/results.json --check  # exit 1 if either differs
 
-README.md, between ``<!-- results:begin -->`` and ``<!-- results:end -->``: the real draft's
-tokens/s per RTT and mode, each with its speed-up over ``ar`` and over ``cloud-sd``, and outcome
-pre-drafting's hit rate, gap per rejection and unused branch tokens per RTT.
-docs/benchmarks/index.md, between ``<!-- bench-tables:begin -->`` and ``<!-- bench-tables:end -->``:
-the same tables, the verifier's busy seconds per 100 committed tokens, the token sources at RTT
-100 ms, the datasets at RTT 100 ms, and the oracle drafts' rows.
+The inputs: the users' grid, ``docs/results/bench/results.json`` (``python -m bench.grid``: the
+simulation, per RTT, reply length, cloud draft cost c and edge batch cost b, every ratio with its
+95 % interval paired by prompt), and the operators' capacity, ``docs/results/capacity.json``
+(``python -m bench.capacity``; ``--capacity`` names another file).
+
+README.md, between ``<!-- results:begin -->`` and ``<!-- results:end -->``: 256-token replies at
+the measured c and the GPU-class b, per RTT: ``ar``, the best cloud-sd (its choice) and the best
+edge mode (its mode), tok/s with the speed-ups and their intervals, the time to first token, a
+line comparing the best edge mode with the best cloud-sd, and the users one verifier serves at
+the reading service level. docs/benchmarks/index.md, between ``<!-- bench-tables:begin -->`` and
+``<!-- bench-tables:end -->``: that table for every reply length, at the other cloud draft costs
+and at this CPU's batch cost, the verifier's busy time, pre-drafting, the categories, the
+targets, the capacity, users at each service level and the simulation's validation.
+
+A claim is worded by its interval (:func:`claim`): "≥" only where the low end is ≥ 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from bench.report import _fmt, _modes, _sources
+from bench.costs import CLOUD_DRAFT_PER_VERIFY, DRAFT_BATCH_COST
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BENCH_PAGE = ROOT / "docs" / "benchmarks" / "index.md"
+#: Where the capacity study lies, relative to the grid's results.json (docs/results/bench/).
+CAPACITY = Path("..") / "capacity.json"
 
-#: The RTT of the sources and datasets paragraphs (the issue's reference RTT).
-REFERENCE_RTT_MS = 100.0
+#: The README's reply length.
+README_TOKENS = 256
+#: The service level the README's users line reads.
+README_SLO = "reading"
+#: Roles of the grid's rows (``role``), and the modes of the two chosen rows.
+BEST_CLOUD_SD = "best cloud-sd"
+BEST_EDGE = "best edge"
+AR = "ar"
 
 
-def _x(v: float | None) -> str:
-    return "–" if v is None else f"{_fmt(v)}×"
+def _close(a: Any, b: float) -> bool:
+    return isinstance(a, (int, float)) and math.isclose(float(a), b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def num(v: Any, digits: int = 2) -> str:
+    """A figure as the tables print it; "–" for none."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def ci(v: Any) -> str:
+    """An interval ``[low, high]`` as "[lo–hi]"; "" for none."""
+    if not isinstance(v, (list, tuple)) or len(v) != 2 or None in v:
+        return ""
+    return f" [{v[0]:.2f}–{v[1]:.2f}]"
+
+
+def times(value: Any, interval: Any = None) -> str:
+    """A speed-up with its interval: "1.92× [1.84–2.01]"."""
+    return "–" if value is None else f"{value:.2f}×{ci(interval)}"
+
+
+def claim(interval: Any) -> str:
+    """The word a ratio's 95 % interval allows against 1: "≥" only where its low end is ≥ 1,
+    "<" where its high end is below 1, "≈" (not told apart) otherwise; "?" without one."""
+    if not isinstance(interval, (list, tuple)) or len(interval) != 2 or None in interval:
+        return "?"
+    low, high = interval
+    if low >= 1:
+        return "≥"
+    if high < 1:
+        return "<"
+    return "≈"
+
+
+def share(v: Any) -> str:
+    return "–" if v is None else f"{100 * v:.0f} %"
+
+
+def _rtt(v: Any) -> str:
+    return f"{float(v):g}"
 
 
 class Results:
-    """One ``results.json``: its summary rows, runs and settings, read once."""
+    """The grid's ``results.json`` and the capacity study, read once."""
 
-    def __init__(self, data: dict[str, Any], path: str) -> None:
+    def __init__(self, data: dict[str, Any], capacity: dict[str, Any] | None, path: str) -> None:
         self.data = data
+        self.capacity = capacity
         self.path = path
-        self.rows: list[dict[str, Any]] = data["summary"]
-        self.runs: list[dict[str, Any]] = data["runs"]
-        self.settings: dict[str, Any] = data["settings"]
-        self.regime: str = data["regimes"][0]["name"]
+        self.rows: list[dict[str, Any]] = list(data["summary"])
 
     @classmethod
-    def load(cls, path: Path) -> Results:
+    def load(cls, path: Path, capacity: Path | None = None) -> Results:
+        """``path``: the grid's results.json; ``capacity``: the capacity study (default
+        :data:`CAPACITY` beside it; absent: no capacity sections)."""
+        cap_path = capacity if capacity is not None else (path.parent / CAPACITY).resolve()
+        cap = orjson.loads(cap_path.read_bytes()) if cap_path.exists() else None
         folder = path.resolve().parent
         shown = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
-        return cls(orjson.loads(path.read_bytes()), str(shown))
+        return cls(orjson.loads(path.read_bytes()), cap, str(shown))
 
-    def model_draft(self) -> str:
-        """The first draft that is a model (not an oracle)."""
-        for d in self.settings["drafts"]:
-            if not d.startswith("oracle:"):
-                return str(d)
-        raise SystemExit("publish: the run has no model draft")
+    # ------------------------------------------------------------------ rows
 
-    def sel(self, draft: str | None) -> list[dict[str, Any]]:
-        return [r for r in self.rows if r["regime"] == self.regime and r.get("draft") == draft]
+    def at(
+        self,
+        tokens: int,
+        cost: float = CLOUD_DRAFT_PER_VERIFY,
+        batch: float = DRAFT_BATCH_COST,
+    ) -> list[dict[str, Any]]:
+        """The rows of one reply length, cloud draft cost and edge batch cost."""
+        return [
+            r
+            for r in self.rows
+            if r.get("reply_tokens") == tokens
+            and _close(r.get("cloud_draft_cost"), cost)
+            and _close(r.get("edge_batch_cost"), batch)
+        ]
 
-    def modes(self, draft: str) -> list[str]:
-        return _modes(self.sel(draft))
+    @staticmethod
+    def role(row: dict[str, Any]) -> str:
+        """ar, best cloud-sd, best edge, or edge (every other mode)."""
+        if row.get("role"):
+            return str(row["role"])
+        if row.get("best_cloud_sd") or row.get("mode") == BEST_CLOUD_SD:
+            return BEST_CLOUD_SD
+        if row.get("best_of") or row.get("mode") == BEST_EDGE:
+            return BEST_EDGE
+        return AR if row.get("mode") == AR else "edge"
 
-    def rtts(self, draft: str) -> list[float]:
-        return sorted({r["rtt_ms"] for r in self.sel(draft)})
+    def by_role(self, rows: Iterable[dict[str, Any]], role: str) -> dict[float, dict[str, Any]]:
+        return {float(r["rtt_ms"]): r for r in rows if self.role(r) == role}
 
-    def row(self, draft: str | None, rtt: float, mode: str) -> dict[str, Any] | None:
-        for r in self.sel(draft):
-            if r["rtt_ms"] == rtt and r["mode"] == mode:
-                return r
-        return None
+    @staticmethod
+    def rtts(rows: Iterable[dict[str, Any]]) -> list[float]:
+        return sorted({float(r["rtt_ms"]) for r in rows})
+
+    def edge_modes(self, rows: Sequence[dict[str, Any]]) -> list[str]:
+        """The edge modes' labels, in the rows' order."""
+        out: list[str] = []
+        for r in rows:
+            if self.role(r) == "edge" and r["mode"] not in out:
+                out.append(str(r["mode"]))
+        return out
+
+    def lengths(self) -> list[int]:
+        return sorted({int(r["reply_tokens"]) for r in self.rows})
+
+    def other_costs(self) -> list[float]:
+        return sorted(
+            {
+                float(r["cloud_draft_cost"])
+                for r in self.rows
+                if r.get("cloud_draft_cost") is not None
+                and not _close(r["cloud_draft_cost"], CLOUD_DRAFT_PER_VERIFY)
+            }
+        )
+
+    def other_batches(self) -> list[float]:
+        return sorted(
+            {
+                float(r["edge_batch_cost"])
+                for r in self.rows
+                if r.get("edge_batch_cost") is not None
+                and not _close(r["edge_batch_cost"], DRAFT_BATCH_COST)
+            }
+        )
 
     # ------------------------------------------------------------------ tables
 
-    def speed_table(self, draft: str) -> list[str]:
-        modes = self.modes(draft)
-        out = [
-            "| RTT ms | ar | " + " | ".join(modes) + " |",
-            "|" + "---|" * (len(modes) + 2),
-        ]
-        for rtt in self.rtts(draft):
-            ar = self.row(None, rtt, "ar")
+    def choice(self, row: dict[str, Any]) -> str:
+        """What a chosen row chose: the best cloud-sd its cloud draft and γ, the best edge its
+        mode."""
+        if self.role(row) == BEST_CLOUD_SD:
+            return f"{row.get('cloud_draft')} γ={row.get('gamma')}"
+        return str(row.get("mode_spec") or row.get("mode"))
+
+    def cell(
+        self, row: dict[str, Any] | None, *, vs_cloud: bool = True, chosen: bool = True
+    ) -> str:
+        """The figures of one row: "tok/s (× ar [lo–hi], × cloud-sd [lo–hi]) choice"."""
+        if row is None:
+            return "–"
+        parts = [times(row.get("speedup_vs_ar"), row.get("speedup_vs_ar_ci"))]
+        if vs_cloud:
+            parts.append(times(row.get("speedup_vs_cloud_sd"), row.get("speedup_vs_cloud_sd_ci")))
+        choice = f" {self.choice(row)}" if chosen else ""
+        return f"{num(row['tokens_per_s'], 1)} ({', '.join(parts)}){choice}"
+
+    def headline_table(self, rows: Sequence[dict[str, Any]], *, ar_ttft: bool = True) -> list[str]:
+        """Per RTT: ar, the best cloud-sd and the best edge mode; TTFT of the three (of the
+        two speculative ones without ``ar_ttft``)."""
+        ar, sd = self.by_role(rows, AR), self.by_role(rows, BEST_CLOUD_SD)
+        edge = self.by_role(rows, BEST_EDGE)
+        out = ["| RTT ms | ar | best cloud-sd | best edge | TTFT s |", "|---|---|---|---|---|"]
+        for rtt in self.rtts(rows):
+            a, s, e = ar.get(rtt), sd.get(rtt), edge.get(rtt)
+            ttft = "/".join(
+                num((x or {}).get("ttft_s")) for x in ((a, s, e) if ar_ttft else (s, e))
+            )
+            out.append(
+                f"| {_rtt(rtt)} | {num((a or {}).get('tokens_per_s'), 1)} "
+                f"| {self.cell(s, vs_cloud=False)} | {self.cell(e)} | {ttft} |"
+            )
+        return out
+
+    def claim_line(self, rows: Sequence[dict[str, Any]]) -> str:
+        """The best edge mode against the best cloud-sd in :func:`claim`'s words, the RTTs
+        grouped by word in RTT order."""
+        groups: dict[str, list[str]] = {}
+        for rtt, r in sorted(self.by_role(rows, BEST_EDGE).items()):
+            groups.setdefault(claim(r.get("speedup_vs_cloud_sd_ci")), []).append(_rtt(rtt))
+        said = "; ".join(f"{word} at {', '.join(rtts)} ms" for word, rtts in groups.items())
+        return f"Best edge vs best cloud-sd: {said}."
+
+    def modes_table(self, rows: Sequence[dict[str, Any]]) -> list[str]:
+        """RTT × every edge mode: tok/s (× ar, × cloud-sd, with intervals)."""
+        modes = self.edge_modes(rows)
+        out = ["| RTT ms | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+        for rtt in self.rtts(rows):
+            by = {
+                r["mode"]: r for r in rows if float(r["rtt_ms"]) == rtt and self.role(r) == "edge"
+            }
             cells = []
             for m in modes:
-                r = self.row(draft, rtt, m)
+                r = by.get(m)
                 cells.append(
                     "–"
                     if r is None
-                    else f"{_fmt(r['tokens_per_s'])} ({_x(r.get('speedup_vs_ar'))}, "
-                    f"{_x(r.get('speedup_vs_cloud_sd'))})"
+                    else f"{num(r['tokens_per_s'])} ("
+                    f"{times(r.get('speedup_vs_ar'), r.get('speedup_vs_ar_ci'))}, "
+                    f"{times(r.get('speedup_vs_cloud_sd'), r.get('speedup_vs_cloud_sd_ci'))})"
+                )
+            out.append(f"| {_rtt(rtt)} | " + " | ".join(cells) + " |")
+        return out
+
+    def busy_table(self, rows: Sequence[dict[str, Any]]) -> list[str]:
+        """RTT × mode: the verifier's busy seconds per 100 committed tokens."""
+        named = [AR, BEST_CLOUD_SD, *self.edge_modes(rows)]
+        out = ["| RTT ms | " + " | ".join(named) + " |", "|---" * (len(named) + 1) + "|"]
+        for rtt in self.rtts(rows):
+            here = [r for r in rows if float(r["rtt_ms"]) == rtt]
+            cells = []
+            for m in named:
+                r = next((x for x in here if m in (self.role(x), x["mode"])), None)
+                cells.append(num((r or {}).get("verifier_busy_s_per_100_tokens")))
+            out.append(f"| {_rtt(rtt)} | " + " | ".join(cells) + " |")
+        return out
+
+    def predraft_table(self, rows: Sequence[dict[str, Any]]) -> list[str]:
+        """Per RTT and pre-drafting mode: hit rate and why the misses missed."""
+        pre = [r for r in rows if self.role(r) == "edge" and r.get("predraft_hit_rate") is not None]
+        if not pre:
+            return []
+        out = [
+            "| RTT ms | mode | hit rate | miss: not an alternative | miss: no branch |",
+            "|---|---|---|---|---|",
+        ]
+        for r in sorted(pre, key=lambda x: (float(x["rtt_ms"]), x["mode"])):
+            out.append(
+                f"| {_rtt(r['rtt_ms'])} | {r['mode']} | {num(r['predraft_hit_rate'])} "
+                f"| {share(r.get('predraft_miss_alternative'))} "
+                f"| {share(r.get('predraft_miss_none'))} |"
+            )
+        return out
+
+    def batch_table(self, tokens: int, batch: float) -> list[str]:
+        """The rows run at edge batch cost ``batch`` beside the same modes at the GPU class."""
+        cheap = self.at(tokens)
+        rows = [r for r in self.at(tokens, batch=batch) if self.role(r) == "edge"]
+        if not rows:
+            return []
+        out = [
+            f"| RTT ms | mode | b = {DRAFT_BATCH_COST:.4f} | b = {batch:.2f} | hit rate "
+            f"(b = {batch:.2f}) |",
+            "|---|---|---|---|---|",
+        ]
+        for r in sorted(rows, key=lambda x: (float(x["rtt_ms"]), x["mode"])):
+            base = next(
+                (x for x in cheap if x["mode"] == r["mode"] and x["rtt_ms"] == r["rtt_ms"]), None
+            )
+            out.append(
+                f"| {_rtt(r['rtt_ms'])} | {r['mode']} | {self.cell(base, chosen=False)} "
+                f"| {self.cell(r, chosen=False)} "
+                f"| {num(r.get('predraft_hit_rate'))} |"
+            )
+        return out
+
+    def categories_table(self) -> list[str]:
+        rows = self.data.get("categories") or []
+        if not rows:
+            return []
+        first = rows[0]
+        out = [
+            f"Per category at RTT {_rtt(first['rtt_ms'])} ms, {first['reply_tokens']}-token "
+            "replies:",
+            "",
+            "| category | mode | prompts | α per token | accepted / round | tok/s | × ar "
+            "| × best cloud-sd |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            out.append(
+                f"| {r['dataset']} | {self.choice(r) if r['mode'] == BEST_EDGE else r['mode']} "
+                f"| {r.get('prompts', '–')} | {num(r.get('alpha_per_token'))} "
+                f"| {num(r.get('mean_accepted_per_round'))} | {num(r.get('tokens_per_s'))} "
+                f"| {times(r.get('speedup_vs_ar'), r.get('speedup_vs_ar_ci'))} "
+                f"| {times(r.get('speedup_vs_cloud_sd'), r.get('speedup_vs_cloud_sd_ci'))} |"
+            )
+        return out
+
+    def targets_table(self) -> list[str]:
+        rows = self.data.get("targets") or []
+        if not rows:
+            return []
+        out = ["| target | measured | 95 % interval | threshold | met |", "|---|---|---|---|---|"]
+        for t in rows:
+            interval = ci(t.get("ci")).strip() or "–"
+            met = t.get("met")
+            out.append(
+                f"| {t['name']} | {num(t.get('measured'))} | {interval} "
+                f"| ≥ {num(t.get('threshold'))} | {'–' if met is None else num(bool(met))} |"
+            )
+        return out
+
+    def capacity_tables(self) -> list[str]:
+        cap = self.capacity
+        if cap is None:
+            return ["No capacity study (`docs/results/capacity.json`) yet."]
+        out = [
+            "| mode | edges | per-user tok/s p50 | p10 | TTFT p99 s | goodput tok/s "
+            "| verifier busy s / 100 tokens |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in cap.get("rows", []):
+            out.append(
+                f"| {r['mode']} | {r['edges']} | {num(r.get('per_user_tokens_per_s_p50'))} "
+                f"| {num(r.get('per_user_tokens_per_s_p10'))} | {num(r.get('ttft_p99_s'))} "
+                f"| {num(r.get('goodput_tokens_per_s'), 1)} "
+                f"| {num(r.get('verifier_busy_s_per_100_tokens'))} |"
+            )
+        slos = [s["name"] for s in cap.get("slos", [])]
+        if slos:
+            out += ["", "Users one verifier serves at each service level:", ""]
+            out.append("| mode | " + " | ".join(self.slo_name(s) for s in slos) + " |")
+            out.append("|---" * (len(slos) + 1) + "|")
+            for mode, found in cap.get("users_at_slo", {}).items():
+                out.append(f"| {mode} | " + " | ".join(num(found.get(s)) for s in slos) + " |")
+        return out
+
+    def slo_terms(self, name: str) -> str:
+        """A service level's terms: "p10 ≥ 5 tok/s, p99 TTFT ≤ 1.5 s"."""
+        for s in (self.capacity or {}).get("slos", []):
+            if s["name"] == name:
+                return (
+                    f"p10 ≥ {s['min_tokens_per_s_p10']:g} tok/s, p99 TTFT ≤ "
+                    f"{s['max_ttft_p99_s']:g} s"
+                )
+        return name
+
+    def slo_name(self, name: str) -> str:
+        """A service level by its name and terms: "reading (p10 ≥ 5 tok/s, p99 TTFT ≤ 1.5 s)"."""
+        terms = self.slo_terms(name)
+        return name if terms == name else f"{name} ({terms})"
+
+    def users_line(self) -> str:
+        cap = self.capacity
+        if cap is None:
+            return "Users per verifier: no capacity study yet."
+        users = {m: v.get(README_SLO) for m, v in cap.get("users_at_slo", {}).items()}
+        listed = ", ".join(f"{m} {num(n)}" for m, n in users.items())
+        return f"Users per verifier at {self.slo_terms(README_SLO)}: {listed}."
+
+    def validation_table(self) -> list[str]:
+        rows = self.data.get("validation") or []
+        if not rows:
+            return ["No real-time validation run in this results file."]
+        out = [
+            "| mode | RTT ms | runs | tok/s measured → simulated (sim/measured) "
+            "| decode tok/s | TTFT s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            cells = []
+            for key, suffix in (("tokens_per_s", ""), ("decode_tokens_per_s", "_decode"),
+                                ("ttft_s", "_ttft")):  # fmt: skip
+                ratio = r.get(f"sim_over_measured{suffix}")
+                cells.append(
+                    f"{num(r.get(f'measured_{key}'))} → {num(r.get(f'sim_{key}'))} "
+                    f"({times(ratio, r.get(f'sim_over_measured{suffix}_ci'))})"
                 )
             out.append(
-                f"| {rtt:g} | {_fmt(ar['tokens_per_s'] if ar else None)} | "
+                f"| {r['mode']} | {_rtt(r['rtt_ms'])} | {r.get('runs', '–')} | "
                 + " | ".join(cells)
                 + " |"
             )
         return out
 
-    def busy_table(self, draft: str) -> list[str]:
-        modes = self.modes(draft)
-        out = ["| RTT ms | ar | " + " | ".join(modes) + " |", "|" + "---|" * (len(modes) + 2)]
-        for rtt in self.rtts(draft):
-            ar = self.row(None, rtt, "ar")
-            cells = [_fmt((self.row(draft, rtt, m) or {}).get("verifier_busy_s_per_100_tokens"))
-                     for m in modes]  # fmt: skip
-            ar_busy = _fmt(ar.get("verifier_busy_s_per_100_tokens") if ar else None)
-            out.append(f"| {rtt:g} | {ar_busy} | " + " | ".join(cells) + " |")
-        return out
-
-    def predraft_table(self, draft: str) -> list[str]:
-        """Per RTT and mode with outcome pre-drafting: the hit rate (rejections answered from a
-        prepared branch), the gap per rejection against the same mode without pre-drafting
-        (``auto predraft`` against ``auto``), and the branch tokens drafted but never used."""
-        modes = [
-            m for m in self.modes(draft)
-            if any(r["mode"] == m and r.get("predraft") for r in self.sel(draft))
-        ]  # fmt: skip
-        if not modes:
-            return []
-        out = [
-            "| RTT ms | mode | hit rate | gap per rejection, ms (without → with) "
-            "| branch tokens never used / generation |",
-            "|---|---|---|---|---|",
-        ]
-        for rtt in self.rtts(draft):
-            for m in modes:
-                r = self.row(draft, rtt, m)
-                if r is None:
-                    continue
-                base = self.row(draft, rtt, m.removesuffix(" predraft"))
-                without = _fmt(base.get("gap_per_rejection_ms"), 0) if base else "–"
-                out.append(
-                    f"| {rtt:g} | {m} | {_fmt(r.get('predraft_hit_rate'))} "
-                    f"| {without} → {_fmt(r.get('gap_per_rejection_ms'), 0)} "
-                    f"| {_fmt(r.get('predraft_unused_tokens_per_generation'), 0)} |"
-                )
-        return out
-
-    def sources(self, draft: str, rtt: float) -> list[str]:
-        out = []
-        for m in self.modes(draft):
-            out.append(f"- {m}: {_sources(self.row(draft, rtt, m) or {}) or '–'}")
-        return out
-
-    def datasets(self, draft: str, rtt: float) -> list[str]:
-        """Per dataset: mean tokens/s of each mode's runs, and the edge draft's acceptance in
-        ``auto`` (accepted / drafted tokens over that dataset's runs)."""
-        modes = self.modes(draft)
-        tps: dict[tuple[str, str], list[float]] = defaultdict(list)
-        acc: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        order: list[str] = []
-        for run in self.runs:
-            if run["regime"] != self.regime or run["rtt_ms"] != rtt:
-                continue
-            if run.get("draft") not in (None, draft):
-                continue
-            ds = run["dataset"]
-            if ds not in order:
-                order.append(ds)
-            tps[(ds, run["mode"])].append(run["tokens_per_s"])
-            if run.get("draft") == draft and run["mode"] == "auto":
-                acc[ds][0] += run["extra"]["accepted_tokens"]
-                acc[ds][1] += run["extra"]["draft_tokens"]
-        out = [
-            "| dataset | acceptance (auto) | ar | " + " | ".join(modes) + " |",
-            "|" + "---|" * (len(modes) + 3),
-        ]
-        for ds in order:
-            a, d = acc[ds]
-            cells = [_fmt(_mean(tps.get((ds, m), []))) for m in ["ar", *modes]]
-            out.append(f"| {ds} | {_fmt(a / d if d else None)} | " + " | ".join(cells) + " |")
-        return out
-
-    def oracle_lines(self) -> list[str]:
-        out = []
-        for d in self.settings["drafts"]:
-            if not d.startswith("oracle:"):
-                continue
-            for m in self.modes(d):
-                cells = []
-                for rtt in self.rtts(d):
-                    r = self.row(d, rtt, m)
-                    if r is not None:
-                        cells.append(
-                            f"RTT {rtt:g}: {_fmt(r['tokens_per_s'])} "
-                            f"({_x(r.get('speedup_vs_ar'))} AR, "
-                            f"{_x(r.get('speedup_vs_cloud_sd'))} cloud-sd)"
-                        )
-                out.append(f"`{d}`, `{m}`: " + ", ".join(cells))
-        return out
-
     # ------------------------------------------------------------------ sections
 
-    def caption(self, draft: str) -> str:
-        s = self.settings
-        commit = self.data["machine"].get("git_commit", "?")
+    def caption(
+        self, tokens: int, cost: float = CLOUD_DRAFT_PER_VERIFY, *, ar_ttft: bool = True
+    ) -> str:
         return (
-            f"Real draft `{draft}`: tok/s (× AR, × cloud-sd); run of commit {commit},\n"
-            f"{s['prompts_per_dataset']} prompts each of GSM8K, chat and HumanEval, "
-            f"{s['tokens']} tokens per prompt (`{self.path}/`):"
+            f"{tokens}-token replies, c = {cost:.2f}: tok/s (× ar, × best cloud-sd; 95 % CI); "
+            f"TTFT {'ar/' if ar_ttft else ''}sd/edge:"
         )
 
     def readme_section(self) -> str:
-        """The speed table (pre-drafting's own table is on the benchmark page)."""
-        draft = self.model_draft()
-        parts = [self.caption(draft), "", *self.speed_table(draft)]
-        return "\n".join(parts)
-
-    def _predraft_part(self, draft: str) -> list[str]:
-        table = self.predraft_table(draft)
-        return ["Outcome pre-drafting (emulated gaps):", "", *table, ""] if table else []
+        rows = self.at(README_TOKENS)
+        return "\n".join(
+            [
+                "Simulated, " + self.caption(README_TOKENS, ar_ttft=False),
+                "",
+                *self.headline_table(rows, ar_ttft=False),
+                "",
+                self.users_line(),
+            ]
+        )
 
     def page_section(self) -> str:
-        draft = self.model_draft()
-        rtt = REFERENCE_RTT_MS
-        parts = [
-            f"### Real draft `{draft}`: tok/s (× AR, × cloud-sd)",
+        parts: list[str] = []
+        for tokens in self.lengths():
+            rows = self.at(tokens)
+            parts += [
+                f"### {tokens}-token replies",
+                "",
+                self.caption(tokens),
+                "",
+                *self.headline_table(rows),
+                "",
+                self.claim_line(rows),
+                "",
+                "Every edge mode:",
+                "",
+                *self.modes_table(rows),
+                "",
+            ]
+        top = max(self.lengths(), default=README_TOKENS)
+        for cost in self.other_costs():
+            rows = self.at(top, cost=cost)
+            parts += [
+                f"### Cloud draft step c = {cost:.2f}",
+                "",
+                self.caption(top, cost),
+                "",
+                *self.headline_table(rows),
+                "",
+                self.claim_line(rows),
+                "",
+            ]
+        for batch in self.other_batches():
+            parts += [
+                f"### Edge batch cost b = {batch:.2f}",
+                "",
+                f"{top}-token replies, each extra branch of a batched draft step at {batch:.2f} "
+                f"of a step (this CPU) against {DRAFT_BATCH_COST:.4f} (GPU class):",
+                "",
+                *self.batch_table(top, batch),
+                "",
+            ]
+        rows = self.at(top)
+        parts += [
+            "### Verifier busy seconds per 100 committed tokens",
             "",
-            *self.speed_table(draft),
+            *self.busy_table(rows),
             "",
-            "Verifier busy seconds per 100 committed tokens (emulated):",
-            "",
-            *self.busy_table(draft),
-            "",
-            *self._predraft_part(draft),
-            f"Token sources at RTT {rtt:g} ms:",
-            "",
-            *self.sources(draft, rtt),
-            "",
-            f"By dataset at RTT {rtt:g} ms (tok/s; edge draft acceptance in auto):",
-            "",
-            *self.datasets(draft, rtt),
         ]
-        oracles = self.oracle_lines()
-        if oracles:
-            parts += ["", "Oracles: " + oracles[0], *("\n" + o for o in oracles[1:])]
+        pre = self.predraft_table(rows)
+        if pre:
+            parts += ["### Outcome pre-drafting", "", *pre, ""]
+        cats = self.categories_table()
+        if cats:
+            parts += ["### Categories", "", *cats, ""]
+        targets = self.targets_table()
+        if targets:
+            parts += ["### Targets", "", *targets, ""]
+        parts += ["### Edges per verifier", "", *self.capacity_tables(), ""]
+        parts += ["### Validation against the real-time run", "", *self.validation_table()]
         return "\n".join(parts)
-
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 def replace_between(text: str, marker: str, body: str) -> str:
@@ -263,10 +514,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.publish", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("results", type=Path, help="a bench run's results.json")
+    p.add_argument("results", type=Path, help="the grid's results.json (python -m bench.grid)")
+    p.add_argument(
+        "--capacity",
+        type=Path,
+        default=None,
+        help="the capacity study (default: ../capacity.json beside results.json)",
+    )
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if out of date")
     args = p.parse_args(argv)
-    res = Results.load(args.results)
+    res = Results.load(args.results, args.capacity)
     stale = []
     for path, marker, body in (
         (README, "results", res.readme_section()),
