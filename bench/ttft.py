@@ -50,7 +50,7 @@ import aiohttp
 import numpy as np
 import numpy.typing as npt
 
-from bench.ar_server import encode_request
+from bench.ar_server import ArClient
 from bench.costs import DRAFT_BATCH_COST, SOURCE, VERIFY_EAGER_B1_MS, VERIFY_EAGER_B8_MS
 from bench.provenance import provenance
 from bench.run import TimedDrafter, load_draft_model, machine_info
@@ -270,42 +270,11 @@ async def agent_request(agent: EdgeAgent, prompt: list[int], n: int, cfg: Pipeli
     return Sample(first[0] if first else 0.0, time.perf_counter() - t0, len(gen.generated))
 
 
-class ArClient:
-    """A kept-alive connection to the AR server (through the emulator)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.http: aiohttp.ClientSession | None = None
-        self.ws: aiohttp.ClientWebSocketResponse[Any] | None = None
-
-    async def open(self) -> None:
-        self.http = aiohttp.ClientSession()
-        self.ws = await self.http.ws_connect(
-            self.url, headers={"Authorization": f"Bearer {TOKEN}"}, heartbeat=None
-        )
-
-    async def request(self, prompt: list[int], n: int) -> Sample:
-        assert self.ws is not None
-        t0 = time.perf_counter()
-        await self.ws.send_bytes(encode_request(prompt, n, [], keep=True))
-        ttft: float | None = None
-        tokens = 0
-        while True:
-            msg = await self.ws.receive(timeout=600)
-            if msg.type != aiohttp.WSMsgType.BINARY:
-                raise RuntimeError(f"AR server closed: {msg.type.name}")
-            if not msg.data:
-                break
-            tokens += 1
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-        return Sample(ttft or 0.0, time.perf_counter() - t0, tokens)
-
-    async def close(self) -> None:
-        if self.ws is not None:
-            await self.ws.close()
-        if self.http is not None:
-            await self.http.close()
+async def ar_request(client: ArClient, prompt: list[int], n: int) -> Sample:
+    """One reply of the AR server on ``client``'s kept-alive connection."""
+    reply = await client.request(prompt, n, [])
+    ttft = reply.stamps[0] - reply.sent_at if reply.stamps else 0.0
+    return Sample(ttft, reply.ended_at - reply.sent_at, len(reply.ids))
 
 
 # ------------------------------------------------------------------------------ part 1
@@ -347,7 +316,7 @@ async def latency_part(
 
                 cold = EdgeAgent(Drafter(draft), draft.fingerprint, cold_connect)
                 cfg = PipelineConfig(sampling=SamplingParams(0.0), predraft=8)
-                ar_client = ArClient(f"ws://127.0.0.1:{ar_emu.port}/v1/generate")
+                ar_client = ArClient(f"ws://127.0.0.1:{ar_emu.port}/v1/generate", TOKEN)
                 async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1200)) as http:
                     for rtt in args.rtts:
                         emu.set_link(rtt_ms=rtt)
@@ -367,7 +336,7 @@ async def latency_part(
                                 await asyncio.sleep(args.pause)
                                 cold_c.samples.append(await agent_request(cold, prompts[q], n, cfg))
                                 await asyncio.sleep(args.pause)
-                                ar_c.samples.append(await ar_client.request(prompts[q], n))
+                                ar_c.samples.append(await ar_request(ar_client, prompts[q], n))
                                 print(
                                     f"rtt {rtt:g} n {n} rep {i}: ttft warm "
                                     f"{warm_c.samples[-1].ttft_s:.3f} cold "
