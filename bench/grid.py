@@ -741,7 +741,12 @@ def validation(
     groups: dict[tuple[str, float], list[tuple[dict[str, Any], PromptResult]]] = {}
     for run in doc.get("runs", []):
         spec = REALTIME_MODES.get(str(run.get("mode")))
-        if spec is None:
+        # Only the picospec regime's runs with the traces' draft are what the traces simulate.
+        if (
+            spec is None
+            or run.get("regime", "picospec") != "picospec"
+            or run.get("draft") not in (None, traces.draft)
+        ):
             continue
         trace = traces.by_name(f"{run['dataset']}/{int(run['prompt'])}")
         cell = Cell(

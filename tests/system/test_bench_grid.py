@@ -291,6 +291,8 @@ def test_validation_compares_the_same_prompts(tmp_path: Path) -> None:
                 }
             )
     runs.append({**runs[0], "mode": "something else"})  # not simulated: left out
+    runs.append({**runs[0], "draft": "oracle:alpha=0.9"})  # not the traces' draft: left out
+    runs.append({**runs[0], "regime": "raw"})  # not the emulated regime: left out
     with grid.Runner(path, traces, 1) as runner:
         rows = grid.validation(runner, traces, {"runs": runs}, 200)
     assert [(r["mode"], r["runs"]) for r in rows] == [
