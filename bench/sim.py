@@ -39,7 +39,15 @@ runs the product's own rules, not a model of them:
   an on-path context is ``draft_top[j][0]`` (right iff ``draft_ok(j)``), with probability
   ``draft_top_p[j][0]`` and rivals the next ``RIVALS`` entries (``drafter._rival``); after an
   off-path context it is always wrong: ``draft_top[j][0]``, or ``draft_top[j][1]`` where that
-  one is right, with the trace's probabilities at j. The cloud's draft model is the edge's.
+  one is right, with the trace's probabilities at j. The cloud's draft model is the edge's. So
+  a ``tail`` cloud draft (the rest of a rejected batch, drafted after its wrong token) is never
+  accepted here, where a real draft often goes on as the target does: hybrid's tail source is
+  worth nothing in the simulation.
+* **Pre-drafting's counters are the product's** (``Pipeline.classify_miss``):
+  ``predraft_miss_alternative`` is its not-an-alternative count (the correction is not among the
+  draft's ``RIVALS`` alternatives at that position), ``predraft_miss_none`` its cap + time
+  counts. A branch still growing when its rejection comes is counted a miss for time and then
+  answers it (``take_branch``): hits + misses may exceed rejections.
 
 Simplifications (each a difference from a real run to expect):
 
