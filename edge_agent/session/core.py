@@ -438,6 +438,9 @@ class Pipeline:
         self._predrafted: VersionMarks[tuple[int, int]] = VersionMarks()
         #: When the last rejection came (None: the batch after it has been sent).
         self.rejected_at: float | None = None
+        #: A rejection whose correction had a branch planned but not yet kept: a hit if that
+        #: branch is taken for the next batch, else a miss for time (decided at that push).
+        self._late_branch = False
         #: What happened since the last :meth:`news`, in order: what the commits tell the
         #: consumer, what the steps report for the statistics.
         self._news: list[GenerationEvent | Tally] = []
@@ -666,6 +669,7 @@ class Pipeline:
             if ctx[n:] != br.draft[:k]:
                 continue
             del self.branches[i]
+            self._late_branch = False  # a branch still growing at its rejection: a hit after all
             end = k + plan.max_tokens
             out = Branch(ctx, br.draft[k:end], br.q_rows[k:end], br.rivals[k:end], br.prob)
             return out, [
@@ -685,18 +689,27 @@ class Pipeline:
             return
         pos = b.start + at
         ctx = [*self.gen.committed[:pos], token]
+        self._settle_late(hit=False)
         if any(br.context == ctx for br in self.branches):
             return
         rival = b.rivals[at] if at < len(b.rivals) else NO_RIVAL
         known = rival is not NO_RIVAL and any(y == token for y, _ in rival.alternatives())
         if not known:
             self.count(Counter.PREDRAFT_MISS_NOT_ALTERNATIVE)
-        elif (pos, token) not in self._predrafted.at(self.version) and len(
-            self.branches
-        ) >= self.cfg.predraft:
+        elif (pos, token) in self._predrafted.at(self.version):
+            # Planned, still being drafted: the next push says whether it came in time.
+            self._late_branch = True
+        elif len(self.branches) >= self.cfg.predraft:
             self.count(Counter.PREDRAFT_MISS_CAP)
         else:
             self.count(Counter.PREDRAFT_MISS_TIME)
+
+    def _settle_late(self, *, hit: bool) -> None:
+        """The branch a rejection waited for (:meth:`classify_miss`) was taken (``hit``) or
+        not: in the second case the rejection counts as a miss for time."""
+        if self._late_branch and not hit:
+            self.count(Counter.PREDRAFT_MISS_TIME)
+        self._late_branch = False
 
     def on_rejection(self, now: float) -> None:
         """A rejection (or a co-generated token that dooms a batch) at ``now``: its gap runs
@@ -716,6 +729,7 @@ class Pipeline:
         b = Batch(plan.epoch, draft, q_rows, list(rivals), start=start, sent_at=now)
         self.inflight.append(b)
         self.count(Counter.PROPOSES_SENT)
+        self._settle_late(hit=False)
         if self.rejected_at is not None:
             self._news.append(RejectionGap(max(0.0, now - self.rejected_at)))
             self.rejected_at = None

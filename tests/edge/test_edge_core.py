@@ -471,6 +471,35 @@ def test_each_rejection_no_branch_answers_is_counted_with_why() -> None:
     )
 
 
+def test_a_branch_still_growing_at_its_rejection_is_a_hit_if_taken_else_a_miss_for_time() -> None:
+    """The correction's branch was planned but not kept yet when the verdict came: if it is
+    kept and taken for the next batch, that is a hit and no miss; if the next batch is drafted
+    without it, a miss for time. Either way hits + misses = rejections."""
+    for in_time in (True, False):
+        cfg = PipelineConfig(gamma=3, depth=1, sampling=GREEDY, cogen=False, predraft=2)
+        e = edge(cfg, max_new=12)
+        _batch_with_rivals(e, [1, 2, 3], [(9, 0.9), (10, 0.4), (11, 0.6)])
+        pp = e.core.pipe.predraft_plan()
+        assert pp is not None and (pp.pos, pp.token) == (2, 10)
+        e._log(sent(e.core, e.core.receive(encode(Verdict(0, 0, 1, token=10), e.core.ctx))))
+        if in_time:
+            rows = [counting_draft([t - 1], True)[1] for t in [5, 6]]
+            for count in e.core.pipe.add_branch(pp, [5, 6], rows, [], 0.9):
+                e.gen.stats.apply(count)
+        plan = e.core.pipe.plan()
+        assert plan is not None
+        ready, counts = e.core.pipe.take_branch(plan)
+        for count in counts:
+            e.gen.stats.apply(count)
+        draft = ready.draft if ready is not None else [7]
+        rows = [counting_draft([t - 1], True)[1] for t in draft]
+        e._log(sent(e.core, e.core.propose(plan, draft, rows)))
+        st = e.gen.stats
+        misses = st.predraft_miss_not_alternative + st.predraft_miss_cap + st.predraft_miss_time
+        assert (st.predraft_hits, misses, st.rejections) == ((1, 0, 1) if in_time else (0, 1, 1))
+        assert st.predraft_miss_time == (0 if in_time else 1)
+
+
 def test_a_prepared_branch_goes_to_the_verifier_as_a_hedge_only_where_trees_apply() -> None:
     """Token trees: a branch being prepared is sent as a Hedge at its position (the verifier
     takes the newest version of it); nothing with trees off, without co-generation, or once
