@@ -69,7 +69,7 @@ SLOS: tuple[dict[str, Any], ...] = (
 HEADLINE_SLO = "reading"
 MAX_USERS = 2048
 #: The users-at-a-service-level search resolves N to within 1/RESOLUTION (0: exactly).
-RESOLUTION = 8
+RESOLUTION = 0
 SEED = 0
 #: Deadline for one mode's rows and searches in a worker.
 MODE_TIMEOUT_S = 3600.0
