@@ -558,7 +558,12 @@ def categories(grid: Grid, choices: dict[Point, Choice], draft: str) -> list[dic
     if p not in choices:
         return []
     ch = choices[p]
-    roles = dict((c.spec if r == "edge" else r, c) for r, c in grid.measured_cells(p, ch))
+    # The edge rows at the GPU-class batch cost (the CPU-cost rows share their specs).
+    roles = {
+        c.spec if r == "edge" else r: c
+        for r, c in grid.measured_cells(p, ch)
+        if r != "edge" or c.edge_batch_cost == DRAFT_BATCH_COST
+    }
     modes = [("best edge", roles["best edge"])]
     if "hybrid:predraft" in roles:
         modes.append(("hybrid:predraft", roles["hybrid:predraft"]))
@@ -589,6 +594,8 @@ def categories(grid: Grid, choices: dict[Point, Choice], draft: str) -> list[dic
                     "mode_spec": c.spec,
                     "rtt_ms": c.rtt_ms,
                     "reply_tokens": c.tokens,
+                    "cloud_draft_cost": c.cloud_draft_cost,
+                    "edge_batch_cost": c.edge_batch_cost,
                     "prompts": len(rs),
                     "alpha_per_token": acc["alpha_per_token"],
                     "mean_accepted_per_round": acc["mean_accepted_per_round"],

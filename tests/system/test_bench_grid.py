@@ -219,6 +219,12 @@ def test_grid_smoke_writes_every_key(tmp_path: Path) -> None:
     assert {c["dataset"] for c in doc["categories"]} == set(DATASETS)
     for c in doc["categories"]:
         assert brackets(c["speedup_vs_ar"], c["speedup_vs_ar_ci"])
+        assert c["edge_batch_cost"] == grid.DRAFT_BATCH_COST
+    for d in DATASETS:
+        best, hybrid = (c for c in doc["categories"] if c["dataset"] == d and c["rtt_ms"] == 100.0)
+        assert (best["mode"], hybrid["mode_spec"]) == ("best edge", "hybrid:predraft")
+        if best["mode_spec"] == "hybrid:predraft":  # the same simulation: the same figures
+            assert best["tokens_per_s"] == hybrid["tokens_per_s"]
         assert {"alpha_per_token", "mean_accepted_per_round", "speedup_vs_cloud_sd_ci"} <= set(c)
     names = [t["name"] for t in doc["targets"]]
     assert len(names) == len(set(names)) == 2 + 2 + 3 + 2
