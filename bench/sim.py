@@ -759,7 +759,7 @@ class _Edge:
         self.reply.sent_s = now
         cloud_only = self.sim.mode.kind == Kind.CLOUD_SD
         if not cloud_only and self.cfg.cogen and self.core.prompt_unsent():
-            self._carry_out(self.core.credit(now, bonus=False))
+            self._carry_out(self.core.credit(now))  # as the driver: its bonus is token 1
         self._proc = self._credit_loop() if cloud_only else self._draft_loop()
         self._resume()
 

@@ -357,9 +357,10 @@ async def run_single(
     if core.gen.done:
         return
     if drafter is not None and core.cfg.cogen and core.prompt_unsent():
-        # The prompt goes up at once: the verifier prefills it, and co-generates, while the
-        # first batch is drafted.
-        carry_out(core.credit(time.monotonic(), bonus=False))
+        # The prompt goes up at once: the verifier prefills it and sends its forward's token
+        # (the first token in one round trip), then co-generates, while the first batch is
+        # drafted.
+        carry_out(core.credit(time.monotonic()))
 
     async def reader() -> None:
         while not core.gen.done:

@@ -1057,7 +1057,7 @@ class SingleCore(DraftingCore):
 
     def prompt_unsent(self) -> bool:
         """Committed tokens the verifier lacks (a new session's prompt): a drafting edge with
-        co-generation sends them at once in a credit (:meth:`credit`, bonus off)."""
+        co-generation sends them at once in a credit (:meth:`credit`), asking for their token."""
         return self.link.verifier_len < len(self.gen.committed)
 
     def propose(
@@ -1094,9 +1094,10 @@ class SingleCore(DraftingCore):
     def credit(self, now: float = 0.0, *, bonus: bool = True) -> list[EdgeEvent]:
         """Send a credit (module docstring): an empty Propose at the committed end; with
         tokens the verifier lacks (the prompt), they go as fixed tokens and the Propose asks
-        for the bonus token of their forward (``bonus``: a cloud-only session; an edge that
-        drafts too sends its prompt so, bonus off, before its first batch is drafted, so
-        that the verifier prefills, and co-generates, while it drafts)."""
+        for the bonus token of their forward (``bonus``; an edge that drafts too sends its
+        prompt so before its first batch is drafted, so that the verifier prefills, and its
+        forward's token comes back in one round trip, while the edge drafts: taken as a
+        co-generated token by :meth:`_verdict`)."""
         if self._failed is not None:
             return [self._failed]
         if not self.cfg.cogen:
@@ -1210,17 +1211,27 @@ class SingleCore(DraftingCore):
             for p, ids in pipe.hedges
         ):
             pipe.count(Counter.HEDGE_HITS)
+        return self._commit_known(
+            g.token, TokenSource.CLOUD_DRAFT if g.cloud else TokenSource.COGENERATED, now
+        )
+
+    def _commit_known(self, token: int, source: TokenSource, now: float) -> list[EdgeEvent]:
+        """A token the verifier drew at the committed end on its own (co-generated, or the
+        prompt credit's bonus) while batches may be in flight: commit it; a draft in flight
+        at its position that agrees stands, one that differs dooms its batch."""
+        pipe, gen = self.pipe, self.gen
+        c = len(gen.committed)
         b = next((b for b in pipe.inflight if b.start <= c < b.start + len(b.live)), None)
-        pipe.commit([g.token], TokenSource.CLOUD_DRAFT if g.cloud else TokenSource.COGENERATED)
+        pipe.commit([token], source)
         if b is None:
             # Past every draft in flight: the batch being drafted (if any) goes on while it
             # agrees with the new token (Pipeline.current); the verifier knows the text to here.
             self.link.verifier_len = max(self.link.verifier_len, c + 1)
             return []
-        if b.draft[c - b.start] == g.token:
+        if b.draft[c - b.start] == token:
             return []
         b.doomed_at = c - b.start
-        pipe.classify_miss(b, b.doomed_at, g.token)
+        pipe.classify_miss(b, b.doomed_at, token)
         pipe.on_rejection(now)
         # The verifier enters the next epoch when it rejects ``b``, before it reads anything
         # sent from now on; it knows the text up to the new token.
@@ -1242,6 +1253,18 @@ class SingleCore(DraftingCore):
             raise DesyncError(f"Verdict accepts {v.accepted} of {gamma} draft tokens")
         if v.cached:
             pipe.count(Counter.PROMPT_CACHED_TOKENS, v.cached)
+        if not b.draft and v.bonus is not None and len(pipe.inflight) > 1:
+            # The prompt's credit (sent before the first batch was drafted) answered with its
+            # forward's token while the batches drafted meanwhile are in flight: the token was
+            # drawn from p before any of their drafts was looked at, exactly as a co-generated
+            # one, and is taken as one (TTFT: one round trip and the prefill).
+            if v.accepted or b.start != len(self.gen.committed):
+                raise DesyncError(f"a credit's Verdict accepts {v.accepted} at {b.start}")
+            pipe.commit_round(b, 0, now)
+            if self.gen.done:
+                return []
+            pipe.count(Counter.BONUS_TOKENS)
+            return self._commit_known(v.bonus, TokenSource.BONUS, now)
         if b.doomed_at >= 0:
             # The rejection a co-generated token announced: everything is committed already.
             at = b.start + b.doomed_at

@@ -131,6 +131,34 @@ def edge(cfg: PipelineConfig, max_new: int, eos: Sequence[int] = (), seed: int =
     return Edge(SingleCore(gen, cfg, np.random.default_rng(seed), hello, welcome), [])
 
 
+def test_the_prompt_credits_token_comes_in_one_round_trip_and_is_taken_as_co_generated() -> None:
+    """The prompt goes up alone (a credit asking for its forward's token) before the first
+    batch is drafted: the Verdict's token is the first of the reply, and the batches drafted
+    meanwhile meet it as they would a co-generated token (agreeing: they stand; differing: the
+    first is doomed there, the rest void)."""
+    for token in (1, 9):
+        e = edge(PipelineConfig(gamma=2, depth=2, sampling=GREEDY), max_new=8)
+        e._log(sent(e.core, e.core.credit(0.0)))
+        e.fill()  # A [1, 2], B [3, 4], drafted while the prompt was in flight
+        assert e.proposes() == [(0, 0, 0, [0], []), (0, 1, 1, [], [1, 2]), (0, 2, 3, [], [3, 4])]
+        assert e.sent[0].want_bonus  # type: ignore[attr-defined]
+        e.answer(0, bonus=token)
+        assert e.gen.committed == [0, token]
+        if token == 1:  # agrees with A's head: A and B stand
+            assert [b.doomed_at for b in e.core.pipe.inflight] == [-1, -1]
+            e.answer(2)
+            e.answer(2)
+            assert e.gen.committed == [0, 1, 2, 3, 4]
+        else:  # A is doomed at its head (the verifier rejects it there), B is void
+            assert [b.doomed_at for b in e.core.pipe.inflight] == [0]
+            e.answer(0, token=9)
+            assert e.gen.committed == [0, 9] and e.core.pipe.epoch == 1
+            e.fill()
+            assert e.proposes()[-2][:4] == (1, 3, 2, [])  # next batches start after the token
+        st = e.gen.stats
+        assert st.bonus_tokens == 1 and st.rejections == (token != 1)
+
+
 def test_pipelined_commits_rollbacks_and_discards() -> None:
     e = edge(PipelineConfig(gamma=2, depth=2, mode=Mode.PIPELINED, sampling=GREEDY), max_new=8)
     e.fill()  # A [1, 2], B [3, 4]: depth 2 reached
