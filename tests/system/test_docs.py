@@ -112,31 +112,3 @@ def test_commands_do_not_need_an_activated_venv() -> None:
             if command:
                 found.append(f"{page.relative_to(REPO)}:{number}: {line.strip()}")
     assert not found, found
-
-
-def test_the_predrafting_table_sets_each_mode_beside_the_same_mode_without_it() -> None:
-    """``bench.publish``'s pre-drafting rows: the gap "without" is the same mode's row with no
-    pre-drafting (``auto`` for ``auto predraft``), "–" where the run has none, and a run with no
-    pre-drafting mode gets no table at all."""
-    from bench import publish
-
-    def row(mode: str, predraft: int, gap: float, hit: float | None = None) -> dict[str, object]:
-        return {
-            "regime": "picospec", "draft": "d", "rtt_ms": 100.0, "mode": mode,
-            "tokens_per_s": 1.0, "predraft": predraft, "predraft_hit_rate": hit,
-            "gap_per_rejection_ms": gap, "predraft_unused_tokens_per_generation": 40.4,
-        }  # fmt: skip
-
-    data = {
-        "summary": [row("auto", 0, 99.6), row("auto predraft", 8, 57.8, 0.68),
-                    row("hybrid predraft", 8, 69.5, 0.56)],
-        "runs": [], "settings": {"drafts": ["d"]}, "regimes": [{"name": "picospec"}],
-        "machine": {},
-    }  # fmt: skip
-    table = publish.Results(data, "x").predraft_table("d")
-    assert table[2:] == [
-        "| 100 | auto predraft | 0.68 | 100 → 58 | 40 |",
-        "| 100 | hybrid predraft | 0.56 | – → 70 | 40 |",
-    ]
-    data["summary"] = [row("auto", 0, 99.6)]
-    assert publish.Results(data, "x").predraft_table("d") == []
