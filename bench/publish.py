@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 
 from bench.costs import CLOUD_DRAFT_PER_VERIFY, DRAFT_BATCH_COST
+from bench.report import num
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -53,17 +54,6 @@ AR = "ar"
 
 def _close(a: Any, b: float) -> bool:
     return isinstance(a, (int, float)) and math.isclose(float(a), b, rel_tol=1e-6, abs_tol=1e-9)
-
-
-def num(v: Any, digits: int = 2) -> str:
-    """A figure as the tables print it; "–" for none."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return str(v)
 
 
 def ci(v: Any) -> str:

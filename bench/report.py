@@ -18,7 +18,8 @@ import orjson
 from bench.provenance import provenance
 
 
-def _fmt(v: Any, digits: int = 2) -> str:
+def num(v: Any, digits: int = 2) -> str:
+    """A figure as the tables print it; "–" for none."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"
     if isinstance(v, bool):
@@ -75,12 +76,12 @@ def speed_table(rows: list[dict[str, Any]], draft: str) -> list[str]:
             cells.append(
                 "–"
                 if r is None
-                else f"{_fmt(r['tokens_per_s'])} ({_fmt(r.get('speedup_vs_ar'))}, "
-                f"{_fmt(r.get('speedup_vs_cloud_sd'))})"
+                else f"{num(r['tokens_per_s'])} ({num(r.get('speedup_vs_ar'))}, "
+                f"{num(r.get('speedup_vs_cloud_sd'))})"
             )
         base = ar.get(rtt)
         out.append(
-            f"| {rtt:g} | {_fmt(base['tokens_per_s'] if base else None)} | "
+            f"| {rtt:g} | {num(base['tokens_per_s'] if base else None)} | "
             + " | ".join(cells)
             + " |"
         )
@@ -116,21 +117,21 @@ def detail_table(rows: list[dict[str, Any]]) -> list[str]:
         "|" + "---|" * 18,
     ]
     for r in rows:
-        cap = _fmt(r.get("ceiling_tokens_per_s"))
+        cap = num(r.get("ceiling_tokens_per_s"))
         if r.get("ceiling_approx"):
             cap += " ≈"
         out.append(
-            f"| {r['rtt_ms']:g} | {r['mode']} | {_fmt(r['tokens_per_s'])} | "
-            f"{_fmt(r['decode_tokens_per_s'])} | {_fmt(r.get('ttft_s'))} | "
-            f"{_fmt(r.get('speedup_vs_ar'))} | {_fmt(r.get('speedup_vs_cloud_sd'))} | "
-            f"{_fmt(r.get('verifier_busy_s_per_100_tokens'))} | {_sources(r)} | "
-            f"{_fmt(r.get('draft_acceptance'))} | {_fmt(r.get('alpha_per_token'))} | "
-            f"{_fmt(r.get('mean_accepted_per_round'))} | "
-            f"{_fmt(r.get('cogen_tokens_per_generation'), 1)} | "
-            f"{_fmt(r.get('uplink_bytes_per_round'), 1)} | "
-            f"{_fmt(r.get('downlink_bytes_per_rejection'), 1)} | "
-            f"{_fmt(r.get('bytes_per_token'), 1)} | {cap} | "
-            f"{_fmt(r.get('fraction_of_ceiling'))} |"
+            f"| {r['rtt_ms']:g} | {r['mode']} | {num(r['tokens_per_s'])} | "
+            f"{num(r['decode_tokens_per_s'])} | {num(r.get('ttft_s'))} | "
+            f"{num(r.get('speedup_vs_ar'))} | {num(r.get('speedup_vs_cloud_sd'))} | "
+            f"{num(r.get('verifier_busy_s_per_100_tokens'))} | {_sources(r)} | "
+            f"{num(r.get('draft_acceptance'))} | {num(r.get('alpha_per_token'))} | "
+            f"{num(r.get('mean_accepted_per_round'))} | "
+            f"{num(r.get('cogen_tokens_per_generation'), 1)} | "
+            f"{num(r.get('uplink_bytes_per_round'), 1)} | "
+            f"{num(r.get('downlink_bytes_per_rejection'), 1)} | "
+            f"{num(r.get('bytes_per_token'), 1)} | {cap} | "
+            f"{num(r.get('fraction_of_ceiling'))} |"
         )
     return out
 
