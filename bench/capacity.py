@@ -10,6 +10,9 @@ first requests start spread uniformly (seeded) over one ``ar`` reply time. Modes
 (continuous batching), the best cloud-sd (the grid's choice at RTT 100, 256 tokens and the
 measured cloud draft cost; tuned here as the grid does when no grid file is given), ``auto``,
 ``auto:predraft``, ``hybrid`` and ``hybrid:predraft`` (with the best cloud-sd's draft kind and γ).
+Under load the best cloud-sd is searched again among :data:`CLOUD_CANDIDATES`: the one serving
+the most users at the headline level stands as "best cloud-sd" (the grid's choice, fastest for
+one user, is among them).
 
 Per mode and N: per-user tokens/s over all replies (median, 10th percentile), TTFT p99, goodput
 (tokens over the span), verifier busy time per 100 tokens and utilisation. Per mode and service
@@ -61,6 +64,14 @@ REPLY_TOKENS = 256
 EDGES = (1, 4, 16, 64)
 REQUESTS_PER_USER = 4
 EDGE_MODES = ("auto", "auto:predraft", "hybrid", "hybrid:predraft")
+#: cloud-sd under load: the single-user best (long drafts) is not an operator's best, so these
+#: configurations are searched too and "best cloud-sd" here is the one serving the most users
+#: at :data:`HEADLINE_SLO` (chosen on the measured prompts: a choice that favours the baseline).
+CLOUD_CANDIDATES: tuple[tuple[CloudDraftKind, int], ...] = tuple(
+    (kind, gamma)
+    for kind in (CloudDraftKind.MODEL, CloudDraftKind.MIXED)
+    for gamma in (2, 4, 8, 16, 32)
+)
 #: The service levels users are counted at.
 SLOS: tuple[dict[str, Any], ...] = (
     {"name": "reading", "min_tokens_per_s_p10": 5.0, "max_ttft_p99_s": 1.5},
@@ -86,9 +97,17 @@ class Plan:
     max_users: int = MAX_USERS
     resolution: int = RESOLUTION
     seed: int = SEED
+    cloud_candidates: tuple[tuple[CloudDraftKind, int], ...] = CLOUD_CANDIDATES
 
 
-SMOKE = Plan(tokens=16, edges=(1, 2, 4), requests_per_user=2, max_users=16, resolution=0)
+SMOKE = Plan(
+    tokens=16,
+    edges=(1, 2, 4),
+    requests_per_user=2,
+    max_users=16,
+    resolution=0,
+    cloud_candidates=((CloudDraftKind.MODEL, 2), (CloudDraftKind.MIXED, 4)),
+)
 
 
 def largest_meeting(ok: Callable[[int], bool], limit: int = MAX_USERS, resolution: int = 0) -> int:
@@ -270,15 +289,10 @@ def build(traces_path: Path, *, plan: Plan, grid_path: Path | None, workers: int
     spread = mean(r.reply_s for r in run_cell(ar_cell, measured))
     cloud_name = "best cloud-sd"
     jobs = [ModeJob(AR, ar_cell, spread, plan, str(traces_path))]
-    jobs.append(
-        ModeJob(
-            cloud_name,
-            Cell(m, cloud_spec(CloudDraftKind(kind), gamma), plan.rtt_ms, plan.tokens, c, b),
-            spread,
-            plan,
-            str(traces_path),
-        )
-    )
+    candidates = list(dict.fromkeys([(CloudDraftKind(kind), gamma), *plan.cloud_candidates]))
+    for ck, cg in candidates:
+        cell = Cell(m, cloud_spec(ck, cg), plan.rtt_ms, plan.tokens, c, b)
+        jobs.append(ModeJob(f"cloud-sd {ck.value} γ={cg}", cell, spread, plan, str(traces_path)))
     for spec in EDGE_MODES:
         cloud = (kind, gamma) if spec.startswith("hybrid") else None
         cell = Cell(m, spec, plan.rtt_ms, plan.tokens, c, b, cloud)
@@ -289,7 +303,18 @@ def build(traces_path: Path, *, plan: Plan, grid_path: Path | None, workers: int
             results = [f.result(timeout=MODE_TIMEOUT_S) for f in futures]
     else:
         results = [run_mode(j) for j in jobs]
-    found = {j.name: r["users_at_slo"] for j, r in zip(jobs, results, strict=True)}
+    # The cloud-sd candidate serving the most users at the headline level (ties: the first,
+    # the single-user best) stands as "best cloud-sd"; the others are listed beside.
+    tried = [(j, r) for j, r in zip(jobs, results, strict=True) if j.name.startswith("cloud-sd ")]
+    best_job, best = max(tried, key=lambda jr: int(jr[1]["users_at_slo"][HEADLINE_SLO]))
+    others = [{"mode_spec": j.cell.spec, "users_at_slo": r["users_at_slo"]} for j, r in tried]
+    for row in best["rows"]:
+        row["mode"] = cloud_name
+    kept = [(j, r) for j, r in zip(jobs, results, strict=True) if j not in [x for x, _ in tried]]
+    kept.insert(1, (best_job, best))
+    jobs, results = [j for j, _ in kept], [r for _, r in kept]
+    names = [cloud_name if j is best_job else j.name for j in jobs]
+    found = {n: r["users_at_slo"] for n, r in zip(names, results, strict=True)}
     return {
         "settings": {
             "rtt_ms": plan.rtt_ms,
@@ -310,12 +335,17 @@ def build(traces_path: Path, *, plan: Plan, grid_path: Path | None, workers: int
             "draft": traces.draft,
             "workers": workers,
         },
-        "best_cloud_sd": {"cloud_draft": kind, "gamma": gamma, "source": source},
+        "best_cloud_sd": {
+            "mode_spec": best_job.cell.spec,
+            "chosen_by": f"the most users at {HEADLINE_SLO!r} of the candidates (measured prompts)",
+            "fastest_alone": {"cloud_draft": kind, "gamma": gamma, "source": source},
+            "candidates": others,
+        },
         "cost_model": cost_model(),
         "slos": list(SLOS),
         "rows": [row for r in results for row in r["rows"]],
         "users_at_slo": found,
-        "simulated_n": {j.name: r["simulated_n"] for j, r in zip(jobs, results, strict=True)},
+        "simulated_n": {n: r["simulated_n"] for n, r in zip(names, results, strict=True)},
         "headline": headline(found, cloud_name),
         "provenance": provenance(),
     }

@@ -372,7 +372,12 @@ def test_capacity_smoke_writes_every_key(tmp_path: Path) -> None:
     }
     assert h["best_edge_mode"] in modes[2:]
     assert {"forward_s", "points", "extrapolation", "k"} <= set(doc["cost_model"])
-    assert doc["best_cloud_sd"]["source"].startswith("tuned here")
+    best = doc["best_cloud_sd"]
+    assert best["fastest_alone"]["source"].startswith("tuned here")
+    # "best cloud-sd" under load is the candidate serving the most users at the headline level
+    tried = {c["mode_spec"]: c["users_at_slo"]["reading"] for c in best["candidates"]}
+    assert len(tried) >= 2 and best["mode_spec"] in tried
+    assert tried[best["mode_spec"]] == max(tried.values()) == h["users"]["best cloud-sd"]
 
 
 def test_capacity_takes_the_grids_choice(tmp_path: Path) -> None:
