@@ -31,7 +31,7 @@ def test_the_verifier_pages_figures_come_from_the_files_it_cites() -> None:
         and math.isclose(r.get("edge_batch_cost", -1), costs.DRAFT_BATCH_COST, rel_tol=1e-6)
     ]
     assert auto, "no auto rows of 256 tokens at c = CLOUD_DRAFT_PER_VERIFY in results.json"
-    assert f"(α = {min(auto):.2f}–{max(auto):.2f}, `alpha_per_token` of the 256-token rows" in page
+    assert f"(α = {min(auto):.3f}–{max(auto):.3f}, `alpha_per_token` of the 256-token rows" in page
     cloud = _load("docs/results/verifier_load_cloud.json")
     for i, n in enumerate(cloud["sessions"]):
         row = (
