@@ -216,3 +216,18 @@ def test_publish_rewrites_and_check_tells_stale(
     page.write_text(page.read_text().replace("0.70", "0.71"))
     assert publish.main([str(grid), "--check"]) == 1
     assert "out of date: index.md" in capsys.readouterr().out
+
+
+def test_a_category_shows_the_best_edge_mode_once_when_it_is_also_listed() -> None:
+    """The best edge mode is often one of the modes listed beside it (hybrid predraft): the
+    category table shows that mode once per category, not twice."""
+    data = fixture()
+    extra = [c | {"mode": "hybrid predraft"} for c in data["categories"]]
+    data["categories"] = data["categories"] + extra
+    table = Results(data, capacity(), "x").categories_table()
+    body = [line for line in table if line.startswith("| ") and not line.startswith("| category")]
+    assert len(body) == 3 and [line.split(" | ")[0] for line in body] == [
+        "| gsm8k",
+        "| chat",
+        "| translation",
+    ]
