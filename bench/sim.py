@@ -106,7 +106,7 @@ from cloud_verifier.session.cloud_draft import CloudDraft, draft_length
 from cloud_verifier.session.core import Close, Run, SessionLimits, TargetInfo, VerifierCore
 from cloud_verifier.session.core import Send as VSend
 from edge_agent.model.drafter import RIVALS, Drafter
-from edge_agent.session.core import NO_RIVAL, Growing, Rival, SingleCore, hello_for
+from edge_agent.session.core import NO_RIVAL, Rival, SingleCore, hello_for
 from edge_agent.session.events import Committed, Count, EdgeEvent, Fail, Finished, RejectionGap
 from edge_agent.session.events import Round as RoundEvent
 from edge_agent.session.events import Send as ESend
@@ -804,13 +804,10 @@ class _Edge:
                 continue
             plan = core.plan()
             assert plan is not None
-            ready, counts = core.take_branch(plan)
+            start, counts = core.batch_start(plan)
             for count in counts:
                 gen.stats.apply(count)
-            draft: list[int] = [] if ready is None else ready.draft
-            q_rows: list[Probs] = [] if ready is None else ready.q_rows
-            rivals: list[Rival] = [] if ready is None else ready.rivals
-            prob = 1.0 if ready is None else ready.prob
+            draft, q_rows, rivals, prob = start.draft, start.q_rows, start.rivals, start.prob
             while core.wants_more(plan, draft, prob):
                 seconds = self.sim.costs.draft_s + self.prefill_s
                 self.prefill_s = 0.0  # the draft model's prefill, with its first step
@@ -829,26 +826,12 @@ class _Edge:
         """``_predraft`` (branches stepped together, ``BRANCH_BATCH`` at once)."""
         core, gen = self.core, self.gen
         budget = min(core.branch_room(), BRANCH_BATCH)
-        growing: list[Growing] = []
-        while len(growing) < budget and (pp := core.predraft_plan()) is not None:
-            growing.append(Growing(pp))
-        eos = gen.eos_ids
-
-        def open_(g: Growing) -> bool:
-            return (
-                len(g.draft) < g.pp.max_tokens
-                and not (g.draft and g.draft[-1] in eos)
-                and core.predraft_current(g.pp, g.draft)
-            )
-
-        while (active := [g for g in growing if open_(g)]) and not core.may_draft():
+        growing = core.plan_branches(budget)
+        while (active := [g for g in growing if core.branch_open(g)]) and not core.may_draft():
             yield self.sim.costs.draft_step_s(len(active))
             for g in active:
                 tok, p, rival = self._step([*g.pp.context, g.pp.token, *g.draft], True)
-                g.draft.append(tok)
-                g.q_rows.append(_Q)
-                g.rivals.append(rival)
-                g.prob = p
+                g.add(tok, _Q, rival, p)
         for g in growing:
             for count in core.add_branch(g):
                 gen.stats.apply(count)

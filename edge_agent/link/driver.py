@@ -28,7 +28,6 @@ from edge_agent.session.core import (
     NO_RIVAL,
     DraftingCore,
     DraftPlan,
-    Growing,
     HedgePlan,
     PredraftPlan,
     Rival,
@@ -181,19 +180,8 @@ async def _predraft(
     many = drafter if isinstance(drafter, BranchDrafting) else None
     room = core.branch_room()
     budget = min(room, many.branch_batch) if many is not None else 1
-    growing: list[Growing] = []
-    while len(growing) < budget and (pp := core.predraft_plan()) is not None:
-        growing.append(Growing(pp))
-    eos = core.gen.eos_ids
-
-    def open_(g: Growing) -> bool:
-        return (
-            len(g.draft) < g.pp.max_tokens
-            and not (g.draft and g.draft[-1] in eos)
-            and core.predraft_current(g.pp, g.draft)
-        )
-
-    while (active := [g for g in growing if open_(g)]) and not core.may_draft():
+    growing = core.plan_branches(budget)
+    while (active := [g for g in growing if core.branch_open(g)]) and not core.may_draft():
         det = active[0].pp.deterministic
         rows = [
             DraftRow(
@@ -207,10 +195,7 @@ async def _predraft(
             steps = [await worker.run(drafter.draft, rows[0])]
             active = active[:1]
         for g, step in zip(active, steps, strict=True):
-            g.draft.append(step.token)
-            g.q_rows.append(step.q)
-            g.rivals.append(step.rival or NO_RIVAL)
-            g.prob = step.prob
+            g.add(step.token, step.q, step.rival or NO_RIVAL, step.prob)
             if send is not None and len(g.draft) in TREE_SENDS:
                 send(g.pp, list(g.draft))
     for g in growing:
@@ -252,13 +237,10 @@ async def draft_loop(
             continue
         plan = core.plan()
         assert plan is not None
-        ready, counts = core.take_branch(plan)
+        start, counts = core.batch_start(plan)
         for count in counts:
             gen.stats.apply(count)
-        draft: list[int] = [] if ready is None else ready.draft
-        q_rows: list[Probs] = [] if ready is None else ready.q_rows
-        rivals: list[Rival] = [] if ready is None else ready.rivals
-        prob = 1.0 if ready is None else ready.prob
+        draft, q_rows, rivals, prob = start.draft, start.q_rows, start.rivals, start.prob
         while core.wants_more(plan, draft, prob):
             t0 = time.perf_counter()
             row = DraftRow(

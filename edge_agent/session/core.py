@@ -326,6 +326,13 @@ class Growing:
     rivals: list[Rival] = field(default_factory=list)
     prob: float = 1.0
 
+    def add(self, token: int, q: Probs, rival: Rival, prob: float) -> None:
+        """One more drafted token: its q row, its rival and the draft's probability of it."""
+        self.draft.append(token)
+        self.q_rows.append(q)
+        self.rivals.append(rival)
+        self.prob = prob
+
 
 @dataclass(frozen=True)
 class DraftPlan:
@@ -873,6 +880,12 @@ class DraftingCore:
     def take_branch(self, plan: DraftPlan) -> tuple[Branch | None, list[Count]]:
         return self.pipe.take_branch(plan)
 
+    def batch_start(self, plan: DraftPlan) -> tuple[Branch, list[Count]]:
+        """What the batch for ``plan`` starts from: the prepared branch that continues it
+        (:meth:`Pipeline.take_branch`, and what taking it counts), else nothing drafted yet."""
+        ready, counts = self.pipe.take_branch(plan)
+        return ready or Branch(list(plan.context), [], [], []), counts
+
     def hedge_plan(self) -> HedgePlan | None:
         return self.pipe.hedge_plan()
 
@@ -888,6 +901,22 @@ class DraftingCore:
 
     def predraft_current(self, pp: PredraftPlan, draft: Sequence[int] = ()) -> bool:
         return self.pipe.predraft_current(pp, draft)
+
+    def plan_branches(self, budget: int) -> list[Growing]:
+        """Up to ``budget`` outcomes to prepare now, likeliest first (:meth:`predraft_plan`)."""
+        out: list[Growing] = []
+        while len(out) < budget and (pp := self.pipe.predraft_plan()) is not None:
+            out.append(Growing(pp))
+        return out
+
+    def branch_open(self, g: Growing) -> bool:
+        """May ``g`` grow by another token: short of its length, not ended by an
+        end-of-sequence id, and its context still open (:meth:`predraft_current`)."""
+        return (
+            len(g.draft) < g.pp.max_tokens
+            and not (g.draft and g.draft[-1] in self.gen.eos_ids)
+            and self.pipe.predraft_current(g.pp, g.draft)
+        )
 
     def add_branch(self, g: Growing) -> list[Count]:
         """Keep what was drafted for ``g.pp`` (:meth:`Pipeline.add_branch`)."""
