@@ -809,8 +809,7 @@ def regime(traces: TraceSet, cpu_cost: float) -> dict[str, Any]:
         "timings_source": "PicoSpec's Llama 3.2 1B (edge draft, Jetson) / Llama 70B (verify, "
         "autoregressive step) timings: draft step 24 ms, verify of 1 + γ = 5 tokens 166 ms, "
         "autoregressive step 146 ms (bench.run's picospec regime)",
-        "forward_cost": "a forward of n tokens costs verify_s · (1 + k · (n − 5)) for n ≥ 5 and "
-        "interpolates linearly between ar_s at n = 1 and verify_s at n = 5",
+        "forward_cost": Costs.FORWARD_RULE,
         "token_cost_k": TREE_TOKEN_COST,
         "token_cost_source": f"{SOURCE}: 1 × 5 tokens {VERIFY_EAGER_B1_MS} ms against 8 × 5 "
         f"tokens {VERIFY_EAGER_B8_MS} ms",

@@ -82,7 +82,7 @@ import re
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Final
+from typing import ClassVar, Final
 
 import numpy as np
 
@@ -297,9 +297,14 @@ class Costs:
     cloud_draft_per_verify: float = CLOUD_DRAFT_PER_VERIFY
     draft_batch_cost: float = DRAFT_BATCH_COST  # the edge's batched draft step
 
+    #: :meth:`forward_s` in words, for the results files that state the cost model.
+    FORWARD_RULE: ClassVar[str] = (
+        "a forward of n tokens (all sessions batched together) costs verify_s · (1 + k · (n − 5)) "
+        "for n ≥ 5 and interpolates linearly between ar_s at n = 1 and verify_s at n = 5"
+    )
+
     def forward_s(self, tokens: int) -> float:
-        """A forward of ``tokens`` batch tokens: ``verify_s · (1 + k (n − 5))`` from 5 tokens
-        on, linear between ``ar_s`` at 1 and ``verify_s`` at 5; 0 for none."""
+        """A forward of ``tokens`` batch tokens (:attr:`FORWARD_RULE`); 0 for none."""
         if tokens <= 0:
             return 0.0
         if tokens >= ROW_TOKENS:
