@@ -235,8 +235,7 @@ def best_cloud_from_grid(path: Path, plan: Plan) -> tuple[str, int] | None:
 def cost_model() -> dict[str, Any]:
     costs = Costs()
     return {
-        "forward_s": "verify_s · (1 + k · (n − 5)) for a forward of n ≥ 5 tokens (all sessions "
-        "batched together), linear between ar_s at n = 1 and verify_s at n = 5",
+        "forward_s": Costs.FORWARD_RULE,
         "verify_s": costs.verify_s,
         "ar_s": costs.ar_s,
         "draft_s": costs.draft_s,
@@ -305,16 +304,15 @@ def build(traces_path: Path, *, plan: Plan, grid_path: Path | None, workers: int
         results = [run_mode(j) for j in jobs]
     # The cloud-sd candidate serving the most users at the headline level (ties: the first,
     # the single-user best) stands as "best cloud-sd"; the others are listed beside.
-    tried = [(j, r) for j, r in zip(jobs, results, strict=True) if j.name.startswith("cloud-sd ")]
+    pairs = list(zip(jobs, results, strict=True))
+    tried = [(j, r) for j, r in pairs if j.name.startswith("cloud-sd ")]
     best_job, best = max(tried, key=lambda jr: int(jr[1]["users_at_slo"][HEADLINE_SLO]))
     others = [{"mode_spec": j.cell.spec, "users_at_slo": r["users_at_slo"]} for j, r in tried]
     for row in best["rows"]:
         row["mode"] = cloud_name
-    kept = [(j, r) for j, r in zip(jobs, results, strict=True) if j not in [x for x, _ in tried]]
-    kept.insert(1, (best_job, best))
-    jobs, results = [j for j, _ in kept], [r for _, r in kept]
-    names = [cloud_name if j is best_job else j.name for j in jobs]
-    found = {n: r["users_at_slo"] for n, r in zip(names, results, strict=True)}
+    kept = [(j.name, r) for j, r in pairs if not j.name.startswith("cloud-sd ")]
+    kept.insert(1, (cloud_name, best))  # after ar, as the modes are listed
+    found = {name: r["users_at_slo"] for name, r in kept}
     return {
         "settings": {
             "rtt_ms": plan.rtt_ms,
@@ -343,9 +341,9 @@ def build(traces_path: Path, *, plan: Plan, grid_path: Path | None, workers: int
         },
         "cost_model": cost_model(),
         "slos": list(SLOS),
-        "rows": [row for r in results for row in r["rows"]],
+        "rows": [row for _, r in kept for row in r["rows"]],
         "users_at_slo": found,
-        "simulated_n": {n: r["simulated_n"] for n, r in zip(names, results, strict=True)},
+        "simulated_n": {name: r["simulated_n"] for name, r in kept},
         "headline": headline(found, cloud_name),
         "provenance": provenance(),
     }
