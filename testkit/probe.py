@@ -24,7 +24,15 @@ from edge_agent.session.events import Fail, Send
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from shared.wire.codec import decode, encode, message_equal
-from shared.wire.messages import Error, FederatedReply, Hello, Message, ReplyMode, Welcome
+from shared.wire.messages import (
+    Error,
+    FederatedReply,
+    Hello,
+    Message,
+    Progress,
+    ReplyMode,
+    Welcome,
+)
 from shared.wire.packing import WireContext
 
 M = TypeVar("M", bound=Message)
@@ -48,10 +56,16 @@ class ProbeClient:
         self.ctx: WireContext | None = None
         self.welcome: Welcome | None = None
         self.sent_hello: Hello | None = None
+        #: Progress frames before the Welcome: the session waited in the admission line.
+        self.queued: list[Progress] = []
 
-    async def hello(self, hello: Hello) -> Welcome:
+    async def hello(self, hello: Hello, timeout: float | None = 30.0) -> Welcome:
+        """Send ``hello`` and await its Welcome; Progress frames before it (the session waits
+        in the verifier's admission line) are kept in :attr:`queued`, each restarting the
+        ``timeout``."""
         await self.ws.send_bytes(encode(hello))
-        msg = await self.recv()
+        while isinstance(msg := await self.recv(timeout), Progress):
+            self.queued.append(msg)
         if not isinstance(msg, Welcome):
             raise RuntimeError(f"expected Welcome, got {msg}")
         self.welcome = msg

@@ -55,6 +55,7 @@ from cloud_verifier.engine.work import (
     Verify,
     Work,
 )
+from cloud_verifier.session.admission import AdmissionLine, LineFull, Ticket
 from cloud_verifier.session.cloud_draft import parse_cloud_drafts
 from cloud_verifier.session.core import (
     CLOSE_OK,
@@ -166,7 +167,9 @@ class VerifierState:
     websockets: dict[web.WebSocketResponse, asyncio.BaseTransport | None] = field(
         default_factory=dict
     )
-    connections: int = 0  # upgraded or upgrading: counted against max_sessions
+    #: Upgraded or upgrading connections: at most max_sessions + admission_queue (each
+    #: carries a session, live or waiting, while it is of use).
+    connections: int = 0
     #: Connections per token key (``Authenticator.identify``), against max_sessions_per_token.
     per_token: dict[str, int] = field(default_factory=dict)
     #: Sessions (streams) admitted and not yet over, against max_sessions, and per token key,
@@ -190,6 +193,9 @@ class VerifierState:
     conns: set[_Conn] = field(default_factory=set)
     #: The engine's thread was found dead (once; ``_engine_died`` acted on it).
     engine_dead: bool = False
+    #: Sessions waiting for their turn to start (the admission line), and each one's stream.
+    line: AdmissionLine = field(default_factory=lambda: AdmissionLine(0, 1))
+    waiting: dict[Ticket, _Stream] = field(default_factory=dict)
 
     def set_status(self, status: ServiceStatus, reason: str) -> None:
         self.status, self.reason = status, reason
@@ -322,6 +328,7 @@ def build_app(
             metrics=metrics.http,
         ),
     )
+    app[STATE].line = AdmissionLine(settings.admission_queue, settings.admission_queue_per_token)
     metrics.slots_total.set(settings.max_sessions)
     app.router.add_get("/v1/session", session_handler)
     app.router.add_get("/health", health_handler)
@@ -973,19 +980,13 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     # connection is not refused as busy (beyond max_sessions, by at most the kept sessions)
     # nor overloaded; each stream it opens is admitted on its own (a resume always).
     kept = _kept(state, key)
-    room = s.max_sessions + (len(state.parked) if kept else 0)
-    if state.connections >= room:
-        raise _refuse(
-            state,
-            ErrorCode.BUSY,
-            web.HTTPServiceUnavailable(
-                text=f"connection limit {s.max_sessions} reached\n",
-                headers={hdrs.RETRY_AFTER: "1"},
-            ),
-        )
-    refusal = None if kept else _admission(state, key, make_room=False)
-    if refusal is not None and refusal.code in (ErrorCode.KV_FULL, ErrorCode.OVERLOADED):
-        # No session could start here now: say so before the upgrade, as to a busy HTTP API.
+    refusal = None
+    if not kept and _must_wait(state, key, make_room=False) is not None:
+        refusal = _line_refusal(state, key)
+    if refusal is not None:
+        # No session could start here now, nor wait in line (a full line: overloaded, before
+        # the connection limit, which a full line reaches too): say so before the upgrade,
+        # as to a busy HTTP API.
         raise _refuse(
             state,
             ErrorCode(refusal.code),
@@ -994,6 +995,16 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
                 headers={hdrs.RETRY_AFTER: str(math.ceil(refusal.retry_after or 1))},
             ),
             request if refusal.code == ErrorCode.OVERLOADED else None,
+        )
+    room = s.max_sessions + s.admission_queue + (len(state.parked) if kept else 0)
+    if state.connections >= room:
+        raise _refuse(
+            state,
+            ErrorCode.BUSY,
+            web.HTTPServiceUnavailable(
+                text=f"connection limit {room} reached (max_sessions + admission_queue)\n",
+                headers={hdrs.RETRY_AFTER: "1"},
+            ),
         )
     ws = web.WebSocketResponse(
         protocols=(SUBPROTOCOL,),
@@ -1054,17 +1065,15 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     return ws
 
 
-def _admission(
-    state: VerifierState, key: str, *, resuming: bool = False, make_room: bool = True
-) -> Error | None:
-    """Why a new session of token ``key`` cannot start now (a fatal Error with the
-    Retry-After it names: busy, not down; without one: failed), or None.
+def _refusal(state: VerifierState, key: str, *, resuming: bool = False) -> Error | None:
+    """Why a new session of token ``key`` is refused now, whatever the load (a fatal Error:
+    with Retry-After the service is loading or stopping, busy not down; without one it
+    failed), or None: it may start, or wait in the admission line for its turn.
 
     ``resuming``: its Hello resumes a session kept for this token (:func:`_resumes`); that
     session holds its slot and pages already, so it is refused only when the service is not
-    ready. ``make_room``: sessions kept for resumption may be dropped to admit it (the token's
-    own first: they count against max_sessions_per_token); False checks without dropping any
-    (before the upgrade, when which session comes is not known yet)."""
+    ready. The per-token cap counts the token's live and waiting sessions (a quota, not a
+    wait: 429-like ``token_limit``)."""
     s = state.settings
     _check_engine(state)
     if state.status == ServiceStatus.FAILED:
@@ -1075,7 +1084,7 @@ def _admission(
     if resuming:
         return None
     cap = s.max_sessions_per_token
-    live = state.token_streams.get(key, 0)
+    live = state.token_streams.get(key, 0) + state.line.of(key)
     if cap and live >= cap:
         return Error(
             ErrorCode.TOKEN_LIMIT,
@@ -1083,9 +1092,25 @@ def _admission(
             True,
             1.0,
         )
+    return None
+
+
+def _must_wait(state: VerifierState, key: str, *, make_room: bool = True) -> Error | None:
+    """Why a session of token ``key`` that may start (:func:`_refusal`) cannot start now, or
+    None: every session slot is taken, the KV pool is full, or the engine's queue is past
+    ``max_queue_delay`` while other sessions are served (a lone session is always admitted: a
+    slow step is not overload). The Error is the reason it waits in line, and what it is
+    refused with if the line is full.
+
+    ``make_room``: sessions kept for resumption may be dropped to admit it (the token's own
+    first: they count against max_sessions_per_token); False checks without dropping any
+    (before the upgrade, when which session comes is not known yet)."""
+    s = state.settings
+    cap = s.max_sessions_per_token
+    live = state.token_streams.get(key, 0)
     if cap and make_room:
         # Its own kept sessions make room, oldest first: live + kept stays within the cap.
-        while live + _kept(state, key) >= cap:
+        while live + _kept(state, key) >= cap and _kept(state, key):
             _unpark(state, next(t for t, p in state.parked.items() if p.tenant == key), "token")
     if state.streams >= s.max_sessions:
         return Error(ErrorCode.BUSY, f"session limit {s.max_sessions} reached", True, 1.0)
@@ -1096,11 +1121,10 @@ def _admission(
             True,
             1.0,
         )
-    if s.max_queue_delay > 0:
+    if s.max_queue_delay > 0 and state.streams > 0:
         delay = state.engine.queue_delay_s()
         state.metrics.queue_delay.set(delay)
         if delay > s.max_queue_delay:
-            # Retry-After: about when the queue will have drained (each edge adds its own jitter).
             return Error(
                 ErrorCode.OVERLOADED,
                 f"overloaded: the model queue is {delay:.1f} s deep "
@@ -1109,6 +1133,84 @@ def _admission(
                 float(max(1, min(60, math.ceil(delay)))),
             )
     return None
+
+
+def _line_refusal(state: VerifierState, key: str) -> Error | None:
+    """The refusal of a session of token ``key`` that must wait when the admission line has
+    no room for it (503 ``overloaded``, Retry-After: about when the last place in line
+    starts), or None."""
+    line = state.line
+    if len(line) < line.capacity and line.of(key) < min(line.per_tenant, line.capacity):
+        return None
+    return _full_line(state, f"the admission line is full ({len(line)} sessions wait)")
+
+
+def _full_line(state: VerifierState, why: str) -> Error:
+    eta = state.line.eta_s(len(state.line), max(1, state.streams))
+    after = float(max(1, min(60, math.ceil(eta))))
+    return Error(ErrorCode.OVERLOADED, f"overloaded: {why}", True, after)
+
+
+def _admit(state: VerifierState, st: _Stream, tenant: str) -> None:
+    """``st``'s session starts: it counts against max_sessions and its token's cap."""
+    st.admitted_at = time.monotonic()
+    state.streams += 1
+    state.token_streams[tenant] = state.token_streams.get(tenant, 0) + 1
+
+
+def _pump(state: VerifierState) -> None:
+    """Start waiting sessions, in the line's order, while the next one can start (called
+    whenever a session ends, one joins, or a waiting one's Progress is due). The head that
+    cannot start holds the line: nobody overtakes it."""
+    line = state.line
+    while line and state.status == ServiceStatus.READY:
+        head = line.order(state.token_streams)[0]
+        if _must_wait(state, head.tenant) is not None:
+            break
+        line.start(head)
+        st = state.waiting.pop(head)
+        st.ticket = None
+        _admit(state, st, head.tenant)
+        state.metrics.admission_wait.observe(max(0.0, time.monotonic() - head.at))
+        st.wake()
+    if state.status != ServiceStatus.READY:
+        for st in state.waiting.values():
+            st.wake()  # each sees the status and is refused
+    state.metrics.admission_waiting.set(len(line))
+
+
+async def _wait_turn(peer: _Stream, state: VerifierState, core: VerifierCore) -> bool:
+    """Wait in the admission line until this session's turn comes (True), its stream ends, or
+    the service stops (False: it was told why). Every ``progress_interval`` s the line is
+    looked at again and, if the edge asked for them, a Progress frame tells it its place
+    (``ahead``: sessions that start before it), the engine's steps (it moves) and the
+    expected wait."""
+    s = state.settings
+    hello = core.hello
+    assert hello is not None
+    while True:
+        _pump(state)
+        if peer.ticket is None and peer.admitted_at is not None:
+            core.admitted(time.monotonic())
+            return True
+        if peer.close_code is not None:
+            return False
+        err = _refusal(state, "", resuming=True)  # the service's status
+        if err is not None or peer.ticket is None:
+            err = err or Error(ErrorCode.INTERNAL, "left the admission line", True)
+            await _send_msg(peer, state, err, core)
+            await peer.close(WSCloseCode.TRY_AGAIN_LATER, err.code)
+            return False
+        if hello.progress:
+            place = state.line.place(peer.ticket, state.token_streams)
+            eta = state.line.eta_s(place, state.streams)
+            eta_ms = min(2**32 - 1, round(1000 * eta))
+            steps = state.engine.steps % 2**32
+            await _send_msg(peer, state, Progress(steps, place, eta_ms, False), core)
+            state.metrics.progress_frames.inc()
+        peer.turn = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(peer.turn), s.progress_interval)
 
 
 # ---------------------------------------------------------------------------- a connection
@@ -1257,15 +1359,26 @@ class _Stream:
         #: None while open.
         self.close_code: int | None = None
         self.ended_here = False
+        #: Its place in the admission line while it waits (None: admitted, or never waited).
+        self.ticket: Ticket | None = None
+        #: When its session was admitted (monotonic seconds; None: not yet).
+        self.admitted_at: float | None = None
+        #: Set when its turn may have come (admitted, ended, or the service stopped).
+        self.turn: asyncio.Future[None] | None = None
 
     def deliver(self, payload: bytes) -> None:
         self.inbox.put_nowait(WSMessage(WSMsgType.BINARY, payload, None))
+
+    def wake(self) -> None:
+        if self.turn is not None and not self.turn.done():
+            self.turn.set_result(None)
 
     def finish(self, code: int, reason: str = "") -> None:
         """The peer ended it (or the connection is gone): the session loop sees a close."""
         if self.close_code is None:
             self.close_code = code
             self.inbox.put_nowait(WSMessage(WSMsgType.CLOSED, code, reason))
+            self.wake()
 
     @property
     def lost(self) -> bool:
@@ -1397,13 +1510,29 @@ async def _on_mux_event(conn: _Conn, tenant: str, ev: MuxEvent) -> None:
         if st is not None:
             st.finish(ev.code, ev.reason)
     elif isinstance(ev, Opened):
-        refusal = _admission(state, tenant, resuming=_resumes(state, ev.payload, tenant))
+        # Busy waits in line: a session that may start but cannot now (slots, pages, a deep
+        # queue behind other sessions) joins the admission line, behind any already there;
+        # it is refused only by the service's status, its token's cap or a full line.
+        resuming = _resumes(state, ev.payload, tenant)
+        refusal = _refusal(state, tenant, resuming=resuming)
+        ticket: Ticket | None = None
+        waits = refusal is None and not resuming
+        if waits and (state.line or _must_wait(state, tenant) is not None):
+            try:
+                ticket = state.line.join(tenant, time.monotonic())
+            except LineFull as e:
+                refusal = _full_line(state, str(e))
         if refusal is not None:
             await _refuse_stream(conn, ev.stream, refusal)
             return
         st = conn.streams[ev.stream] = _Stream(conn, ev.stream)
-        state.streams += 1
-        state.token_streams[tenant] = state.token_streams.get(tenant, 0) + 1
+        if ticket is None:
+            _admit(state, st, tenant)
+        else:
+            st.ticket = ticket
+            state.waiting[ticket] = st
+            state.metrics.sessions_queued.inc()
+            state.metrics.admission_waiting.set(len(state.line))
         st.deliver(ev.payload)
         task = asyncio.create_task(_stream_task(st, tenant), name=f"wanspec-stream-{ev.stream}")
         conn.tasks.add(task)
@@ -1454,12 +1583,19 @@ async def _stream_task(st: _Stream, tenant: str) -> None:
     except ConnectionError:
         pass
     finally:
-        state.streams -= 1
-        state.token_streams[tenant] -= 1
-        if not state.token_streams[tenant]:
-            del state.token_streams[tenant]
+        if st.ticket is not None:  # it never got its turn
+            state.line.leave(st.ticket)
+            state.waiting.pop(st.ticket, None)
+            st.ticket = None
+        elif st.admitted_at is not None:
+            state.streams -= 1
+            state.token_streams[tenant] -= 1
+            if not state.token_streams[tenant]:
+                del state.token_streams[tenant]
+            state.line.served(time.monotonic() - st.admitted_at)
         conn.streams.pop(st.stream, None)
         conn.mux.end(st.stream)
+        _pump(state)  # a slot (or a place in line) is free: the next session's turn may come
 
 
 # ---------------------------------------------------------------------------- the session loop
@@ -1763,6 +1899,8 @@ async def _run_session(peer: _Stream, state: VerifierState, tenant: str = "") ->
             elif isinstance(ev, Close):
                 await _fatal(peer, state, ev, core)
         return
+    if peer.ticket is not None and not await _wait_turn(peer, state, core):
+        return  # ended, or refused by the service's status, while it waited in line
     slot: Slot | None = None
     ask = next((ev for ev in events if isinstance(ev, Adopt)), None)
     if ask is not None:

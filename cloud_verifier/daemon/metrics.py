@@ -167,6 +167,22 @@ class VerifierMetrics:
             "wanspec_progress_frames_total",
             "Progress frames sent (model work waiting or running).",
         )
+        self.sessions_queued = Counter(
+            r,
+            "wanspec_sessions_queued_total",
+            "New sessions that waited in the admission line (they could not start at once).",
+        )
+        self.admission_waiting = Gauge(
+            r,
+            "wanspec_admission_waiting",
+            "Sessions waiting in the admission line now (at most admission_queue).",
+        )
+        self.admission_wait = Histogram(
+            r,
+            "wanspec_admission_wait_seconds",
+            "Time a session waited in the admission line before it started.",
+            buckets=_TIME_BUCKETS,
+        )
         self.queue_delay = Gauge(
             r,
             "wanspec_queue_delay_seconds",

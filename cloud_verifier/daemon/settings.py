@@ -83,9 +83,26 @@ class VerifierSettings:
     max_sessions: int = setting(
         64,
         min=1,
-        help="concurrent sessions, and the engine's session slots; also the connections (more "
-        "sessions: refused busy with a retry time; more connections: HTTP 503 before the "
-        "upgrade)",
+        help="concurrent sessions, and the engine's session slots (more sessions wait in the "
+        "admission line, admission_queue); connections are bounded by max_sessions + "
+        "admission_queue (more: HTTP 503 busy before the upgrade)",
+    )
+    admission_queue: int = setting(
+        256,
+        min=0,
+        max=1 << 16,
+        help="sessions that may wait in the admission line for a slot, KV pages or a shorter "
+        "model queue (served in arrival order, fairly between tokens, told their place and "
+        "expected wait in Progress frames); past it a new session is refused 503 overloaded "
+        "with Retry-After. 0 = no line: refused at once",
+    )
+    admission_queue_per_token: int = setting(
+        192,
+        min=1,
+        max=1 << 16,
+        help="sessions of one bearer token that may wait in the admission line (a fleet whose "
+        "edges share a token is one tenant); past it that token's new session is refused 503 "
+        "overloaded",
     )
     max_streams: int = setting(
         64,
@@ -272,8 +289,9 @@ class VerifierSettings:
         15.0,
         min=0,
         help="admission control: while the engine's queueing delay (estimated from its queue "
-        "and step times, or seen by recent steps) exceeds this many seconds, new sessions get "
-        "503 overloaded with Retry-After; open sessions go on being served. 0 = off",
+        "and step times, or seen by recent steps) exceeds this many seconds and other sessions "
+        "are being served, a new session waits in the admission line (a lone session is always "
+        "admitted: a slow step is not overload); open sessions go on being served. 0 = off",
     )
     progress_interval: float = setting(
         1.0,

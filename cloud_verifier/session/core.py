@@ -472,6 +472,11 @@ class VerifierCore:
             out += self._handle(self._queue.popleft(), self._now)
         return out + self._maybe_cogen()
 
+    def admitted(self, now: float) -> None:
+        """The session's turn in the verifier's admission line came at ``now``: its idle clock
+        starts then (time spent waiting in line is not idleness)."""
+        self._active_at = max(self._active_at, now)
+
     def idle_deadline(self) -> float | None:
         """When an open session with no model work is closed (None: not now, or never)."""
         if self.state != CoreState.OPEN or self.limits.idle_timeout_s <= 0:

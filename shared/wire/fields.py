@@ -468,7 +468,14 @@ class Frame(Table):
         vt = (PROTOCOL_VERSION << 4) | int(msg_type)
         super().__init__(cls, msg_type.name.lower(), fields, vt=vt, make=make)
         self.msg_type = msg_type
-        self.hot = msg_type not in (MsgType.HELLO, MsgType.WELCOME, MsgType.ERROR)
+        # Hot frames need the session's context; these do not, and may come before it (a
+        # Progress frame while the session waits in the verifier's admission line).
+        self.hot = msg_type not in (
+            MsgType.HELLO,
+            MsgType.WELCOME,
+            MsgType.ERROR,
+            MsgType.PROGRESS,
+        )
 
 
 def _default_of(f: dataclasses.Field[Any]) -> Callable[[], Any]:

@@ -80,7 +80,10 @@ async def test_a_session_that_only_answers_pings_is_closed_and_frees_its_slot() 
     idle_timeout with 1008 ``idle_timeout``; its slot (the only one) serves the next client."""
     auth = Authenticator(["idle-token"])
     async with (
-        guarded_verifier(auth, idle_timeout=0.5, heartbeat=0.1, max_sessions=1) as (state, url),
+        # admission_queue 0: no line, so a connection past the one slot is refused (503).
+        guarded_verifier(
+            auth, idle_timeout=0.5, heartbeat=0.1, max_sessions=1, admission_queue=0
+        ) as (state, url),
         aiohttp.ClientSession() as http,
     ):
         pc = await open_session(http, url, "idle-token")
