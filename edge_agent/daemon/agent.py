@@ -221,7 +221,7 @@ class EdgeAgent:
                     timeout = policy.handshake_timeout_s
                     if policy.link_down == LinkDownPolicy.WAIT and outage.waiting:
                         timeout = min(timeout, max(MIN_ATTEMPT_S, outage.remaining(_now())))
-                    welcome = await handshake(transport, hello, timeout)
+                    welcome = await handshake(transport, hello, timeout, gen.stats)
                     resume_token = welcome.resume
                     tell(fit_context(gen, welcome.max_context))
                     if gen.done:

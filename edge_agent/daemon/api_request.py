@@ -12,7 +12,8 @@ field.
 4. :func:`parse_sampling`: ``temperature``, ``top_p``, ``top_k``; :func:`parse_seed`,
 5. :func:`parse_ignore_eos`,
 6. :func:`parse_logprobs`: ``logprobs`` and ``top_logprobs`` (chat), ``logprobs`` (completions),
-7. :func:`parse_speculation`: our extension object ``"wanspec": {gamma, depth, mode, correction}``,
+7. :func:`parse_speculation`: our extension object ``"wanspec": {gamma, depth, mode, correction,
+   timeout}`` (:func:`parse_timeout` its ``timeout``),
 8. :func:`build_pipeline`: the daemon's defaults with the request's values on top
    (``EdgeSettings.pipeline``, as the REPL's),
 9. :func:`completion_budget`: the context (the draft's and the verifier's,
@@ -46,7 +47,7 @@ E = TypeVar("E", bound=TextEnum)
 
 MAX_STOPS = 4
 #: The fields of the ``"wanspec"`` extension object.
-SPECULATION_FIELDS = ("gamma", "depth", "mode", "correction")
+SPECULATION_FIELDS = ("gamma", "depth", "mode", "correction", "timeout")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 #: Containers nested in a request body, the body itself counting 1. Real requests need about 4
 #: (body, messages, a message, its content parts); deeper bodies are refused before any parser
@@ -481,7 +482,9 @@ def parse_logprobs(body: Body, *, chat: bool, federated: bool) -> int | None:
 
 def parse_speculation(body: Body, options: RequestOptions | None = None) -> RequestOptions:
     """``options`` (default: none given) with the ``"wanspec"`` object's values."""
-    ext = opt_object(body, "wanspec", "wanspec must be an object of gamma, depth, mode, correction")
+    ext = opt_object(
+        body, "wanspec", "wanspec must be an object of gamma, depth, mode, correction, timeout"
+    )
     unknown = set(ext) - set(SPECULATION_FIELDS)
     if unknown:
         raise bad_request("wanspec", f"unknown wanspec field(s): {', '.join(sorted(unknown))}")
@@ -500,6 +503,17 @@ def parse_speculation(body: Body, options: RequestOptions | None = None) -> Requ
             f"correction must be one of {CorrectionMode.choices()}",
         ),
     )
+
+
+def parse_timeout(body: Body) -> float | None:
+    """``wanspec.timeout``: the request's deadline in seconds (None: the daemon's
+    ``request_timeout``). It bounds every wait of the request (the daemon's queue, the
+    verifier's admission line) and its generation; past it the request ends with 504 and its
+    text so far."""
+    ext = opt_object(body, "wanspec", "wanspec must be an object")
+    lo, hi = Bounds.TIMEOUT.lo, Bounds.TIMEOUT.hi
+    v = opt_num(ext, "timeout", lo, hi)
+    return None if v is None else float(v)
 
 
 def parse_stops(body: Body) -> tuple[str, ...]:
@@ -600,6 +614,8 @@ class ApiRequest:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    #: The request's deadline (seconds; None: the daemon's request_timeout).
+    timeout_s: float | None = None
 
 
 def parse_request(
@@ -632,6 +648,7 @@ def parse_request(
         ignore_eos=ignore_eos,
         stream=streaming.stream,
         include_usage=streaming.include_usage,
+        timeout_s=parse_timeout(body),
     )
 
 

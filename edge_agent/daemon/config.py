@@ -151,10 +151,20 @@ class EdgeSettings:
         min=0.1,
         max=86_400,
         help="seconds a request may wait for a verifier without progress, whatever it meets "
-        "(refused or lost connections, busy refusals with Retry-After, or both in turn, as a "
-        "crash-looping verifier gives): then it fails with 503 and Retry-After, with its text "
-        "so far (fallback none); also the most it waits for one of the daemon's generations "
-        "(then 429)",
+        "(refused or lost connections, busy refusals with Retry-After, a full admission line, "
+        "or these in turn, as a crash-looping verifier gives): then it fails with 503 and "
+        "Retry-After, with its text so far (fallback none). A wait that makes progress (in the "
+        "verifier's admission line, told its place) is not bounded by this but by "
+        "request_timeout",
+    )
+    request_timeout: float = setting(
+        600.0,
+        min=Bounds.TIMEOUT.lo,
+        max=Bounds.TIMEOUT.hi,
+        help="seconds a request may take in all: its wait for one of the max_concurrent "
+        "generations, its wait in the verifier's admission line (busy, not down: the verifier "
+        "reports its place) and its generation; past it the request ends with 504 and its text "
+        "so far. The default is the OpenAI client's own; per request: wanspec.timeout",
     )
     link_down_deadline: float | None = setting(
         None,
@@ -295,9 +305,12 @@ class EdgeSettings:
         min=1,
         max=64,
         help="generations served at once (their draft steps share batched forwards); more "
-        "requests wait, first come first served, up to max_queue of them",
+        "requests wait, first come first served, up to max_queue of them, each at most until "
+        "its deadline (request_timeout)",
     )
-    max_queue: int = setting(32, min=1, help="requests allowed to wait before 429")
+    max_queue: int = setting(
+        32, min=1, help="requests allowed to wait for a generation; one more gets 429 at once"
+    )
     stream_keepalive: float = setting(
         15.0,
         min=0.1,

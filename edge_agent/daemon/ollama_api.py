@@ -248,6 +248,7 @@ def gen_request(state: ServerView, prompt_ids: list[int], opts: OllamaOptions) -
         max_tokens=cap_to_num_ctx(len(prompt_ids), budget, opts.num_ctx),
         seed=opts.seed if opts.seed is not None else s.seed,
         stop=opts.stop,
+        timeout_s=opts.timeout_s,
     )
 
 

@@ -28,6 +28,7 @@ from edge_agent.daemon.api_request import (
     parse_sampling,
     parse_speculation,
     parse_stops,
+    parse_timeout,
 )
 from edge_agent.session.pipeline_config import Bounds, RequestOptions
 
@@ -160,6 +161,8 @@ class OllamaOptions:
     seed: int | None
     stop: tuple[str, ...]
     num_ctx: int | None
+    #: ``wanspec.timeout``: the request's deadline (seconds; None: request_timeout).
+    timeout_s: float | None = None
 
 
 def parse_num_predict(options: Body) -> int | None:
@@ -185,6 +188,7 @@ def parse_ollama_options(body: Body) -> OllamaOptions:
         seed=parse_ollama_seed(options),
         stop=parse_stops(options),
         num_ctx=opt_int(options, "num_ctx", 1),
+        timeout_s=parse_timeout(body),
     )
 
 

@@ -54,6 +54,7 @@ from edge_agent.daemon.service import (
     Piece,
     PromptTooLong,
     QueueFull,
+    RequestTimeout,
     VerifierUnavailable,
 )
 from edge_agent.daemon.text import encode_prompt
@@ -138,6 +139,7 @@ def gen_request(api: ApiRequest, prompt_ids: list[int]) -> GenRequest:
         seed=api.seed,
         stop=api.stop,
         ignore_eos=api.ignore_eos,
+        timeout_s=api.timeout_s,
     )
 
 
@@ -190,6 +192,15 @@ def _gen_error(e: BaseException, partial: dict[str, Any] | None = None) -> ApiEr
     if isinstance(e, QueueFull):
         return ApiError(
             429, str(e), type_="rate_limit_error", code="queue_full", retry_after=e.retry_after
+        )
+    if isinstance(e, RequestTimeout):
+        return ApiError(
+            504,
+            str(e),
+            type_="server_error",
+            code="request_timeout",
+            retry_after=e.retry_after,
+            partial=partial,
         )
     if isinstance(e, VerifierUnavailable):
         return ApiError(

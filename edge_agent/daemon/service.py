@@ -22,7 +22,7 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +113,12 @@ class VerifierUnavailable(WanspecError, RuntimeError):
         self.partial = partial
 
 
+class RequestTimeout(VerifierUnavailable):
+    """The request's deadline (``request_timeout``, or its own ``wanspec.timeout``) passed
+    before its text was done: it waited that long in line (the daemon's, the verifier's) or
+    generated that long (HTTP 504, with its text so far)."""
+
+
 class PromptTooLong(WanspecError, ValueError):
     """The prompt does not fit the context of the verifier (found when its session opened:
     the API answers 400 ``context_length_exceeded``)."""
@@ -155,8 +161,8 @@ class FairQueue:
 
     @contextlib.asynccontextmanager
     async def slot(self, wait_s: float | None = None) -> AsyncIterator[None]:
-        """Hold a place; wait for one at most ``wait_s`` seconds (None: no bound), then
-        :class:`QueueFull`."""
+        """Hold a place; wait for one at most ``wait_s`` seconds (None: no bound: the
+        request's deadline), then :class:`QueueFull`."""
         if self.busy or self._waiters:
             self.check()
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -173,8 +179,9 @@ class FairQueue:
                 if isinstance(e, asyncio.TimeoutError):
                     raise QueueFull(
                         f"waited {wait_s:g} s for one of the {self.max_active} generations "
-                        "(verifier_wait); try again later",
-                        retry_after=max(1, round(wait_s or 1)),
+                        "(the request's deadline: request_timeout or wanspec.timeout); try "
+                        "again later",
+                        retry_after=max(1, min(60, round(wait_s or 1))),
                     ) from e
                 raise
         else:
@@ -247,6 +254,8 @@ class GenRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    #: The request's deadline in seconds, all waits included (None: request_timeout).
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -597,7 +606,9 @@ class EdgeService:
             return None
         return dataclasses.replace(agent.retry, deadline_s=fail_fast)
 
-    async def _run(self, gen: Generation, req: GenRequest, on_event: Consumer) -> None:
+    async def _run(
+        self, gen: Generation, req: GenRequest, on_event: Consumer, deadline: float
+    ) -> None:
         """The agent's run; with ``fallback = "draft"`` the agent itself keeps generating with
         the draft alone while no verifier answers (those tokens are flagged unverified). A run
         that fails logs one WARNING line (the 503's message, with the Retry-After it gives),
@@ -605,10 +616,24 @@ class EdgeService:
         the links said so (:meth:`_check_pairing`), and each request's 503 repeats it."""
         _, agent = self.require()
         retry = self.fail_fast_policy(agent)
+        run = agent.run(
+            gen, seeded(req.pipeline, req.seed), seed=req.seed, retry=retry, on_event=on_event
+        )
         try:
-            await agent.run(
-                gen, seeded(req.pipeline, req.seed), seed=req.seed, retry=retry, on_event=on_event
-            )
+            if not await _by(run, deadline):
+                budget = self._timeout(req)
+                st = gen.stats
+                why = (
+                    f"the request's deadline of {budget:g} s passed (request_timeout, or the "
+                    f"request's wanspec.timeout) after {len(gen.generated)} tokens"
+                )
+                if st.progress_frames:
+                    why += (
+                        f"; the verifier was busy, not down ({st.progress_frames} Progress "
+                        "frames: this request waited in its admission line or for its model)"
+                    )
+                log.warning("request failed: %s", why)
+                raise RequestTimeout(why, retry_after=DEFAULT_RETRY_AFTER_S)
         except ContextExceeded as e:
             raise PromptTooLong(str(e)) from e
         except (LinkClosed, OSError, HandshakeError, asyncio.TimeoutError) as e:
@@ -654,8 +679,12 @@ class EdgeService:
         """
         loaded, _ = self.require()
         self.metrics.queue_waiting.set(self.queue.waiting + 1)
-        # The wait for a place is bounded by the same one setting as the wait for a verifier.
-        async with self.queue.slot(self.settings.verifier_wait):
+        # Every wait of the request (a place here, a turn in the verifier's line) and its
+        # generation are bounded by its deadline; verifier_wait bounds only what makes no
+        # progress (the agent's Outage).
+        budget = self._timeout(req)
+        deadline = time.monotonic() + budget
+        async with self.queue.slot(budget):
             self.metrics.queue_waiting.set(self.queue.waiting)
             self.metrics.busy.set(self.queue.active)
             slot = _Slot(time.monotonic())
@@ -706,7 +735,9 @@ class EdgeService:
             _RTTS.set(rtts)  # (the generation's task inherits it: its sessions report here)
             t0 = time.perf_counter()
             started = time.monotonic()
-            task = asyncio.create_task(self._run(gen, req, on_event), name="wanspec-generation")
+            task = asyncio.create_task(
+                self._run(gen, req, on_event, deadline), name="wanspec-generation"
+            )
             task.add_done_callback(lambda _: pieces.put_nowait(None))
             outcome = "cancelled"
             sent: list[str] = []
@@ -763,6 +794,10 @@ class EdgeService:
                 self.metrics.busy.set(self.queue.active - 1)
                 self.metrics.record(gen, time.perf_counter() - t0, outcome)
 
+    def _timeout(self, req: GenRequest) -> float:
+        """``req``'s deadline in seconds: its own, else the daemon's request_timeout."""
+        return req.timeout_s if req.timeout_s is not None else self.settings.request_timeout
+
     def _stats(
         self, gen: Generation, wall: float, req: GenRequest, rtts: list[float]
     ) -> dict[str, Any]:
@@ -771,3 +806,21 @@ class EdgeService:
         out["prompt_tokens"] = len(req.prompt_ids)
         out["rtt_ms"] = round(1000 * min(rtts), 2) if rtts else None
         return out
+
+
+async def _by(run: Coroutine[Any, Any, None], deadline: float) -> bool:
+    """Run ``run`` until it ends (True; what it raised is raised) or the monotonic
+    ``deadline`` passes (False: it is cancelled and awaited). Built on ``asyncio.wait``:
+    ``asyncio.wait_for`` can swallow a cancellation on Python <= 3.11."""
+    task = asyncio.ensure_future(run)
+    try:
+        await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return False
+    task.result()
+    return True

@@ -128,6 +128,7 @@ def result_json(
         "prompt_cached_tokens": st.prompt_cached_tokens,
         "draft_prompt_cached_tokens": st.draft_prompt_cached_tokens,
         "busy_refusals": st.busy_refusals,
+        "admission_wait_ms": round(1000 * st.admission_wait_s, 2),
         "progress_frames": st.progress_frames,
         "uplink_bytes": st.uplink_bytes,
         "downlink_bytes": st.downlink_bytes,

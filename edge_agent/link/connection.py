@@ -361,7 +361,7 @@ async def _upgrade(
 
 #: How a busy verifier's refusal reads, by its reason.
 _REFUSAL_TEXT: dict[str, str] = {
-    ErrorCode.OVERLOADED: "is overloaded (its model queue is past max_queue_delay)",
+    ErrorCode.OVERLOADED: "is overloaded (its admission line is full: admission_queue)",
     ErrorCode.KV_FULL: "has no free KV cache page (kv_full)",
     ErrorCode.BUSY: "holds its session limit (busy)",
     ErrorCode.LOADING: "is still loading its model",

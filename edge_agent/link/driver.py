@@ -33,6 +33,7 @@ from edge_agent.session.core import (
     Rival,
     SingleCore,
     check_welcome,
+    queue_progress,
 )
 from edge_agent.session.events import (
     Committed,
@@ -136,11 +137,28 @@ class LinkIO:
             await self.transport.send(data)
 
 
-async def handshake(transport: Transport, hello: Hello, timeout_s: float) -> Welcome:
-    """Send Hello, await Welcome (see :func:`edge_agent.session.core.check_welcome`)."""
+async def handshake(
+    transport: Transport, hello: Hello, timeout_s: float, stats: Stats | None = None
+) -> Welcome:
+    """Send Hello, await Welcome (see :func:`edge_agent.session.core.check_welcome`).
+
+    Busy is not dead: while the session waits in the verifier's admission line, its Progress
+    frames say so (counted in ``stats``, with the time waited), and each restarts the
+    ``timeout_s`` bound, which therefore bounds only silence; the request's own deadline
+    bounds the wait."""
     await transport.send(encode(hello))
-    data = await asyncio.wait_for(transport.recv(), timeout_s)
-    return check_welcome(hello, data)
+    queued_at: float | None = None
+    while True:
+        data = await asyncio.wait_for(transport.recv(), timeout_s)
+        if queue_progress(data) is None:
+            welcome = check_welcome(hello, data)
+            if stats is not None and queued_at is not None:
+                stats.admission_wait_s += max(0.0, time.monotonic() - queued_at)
+            return welcome
+        if queued_at is None:
+            queued_at = time.monotonic()
+        if stats is not None:
+            stats.progress_frames += 1
 
 
 async def _draft_hedge(

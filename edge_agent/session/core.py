@@ -240,6 +240,17 @@ def check_welcome(hello: Hello, data: bytes) -> Welcome:
     return msg
 
 
+def queue_progress(data: bytes) -> Progress | None:
+    """``data`` as the Progress frame of a session waiting in the verifier's admission line
+    (before its Welcome: ``ahead`` sessions start before it, in about ``eta_ms``), or None
+    for any other frame (left to :func:`check_welcome`)."""
+    try:
+        msg = decode(data)
+    except ProtocolError:
+        return None
+    return msg if isinstance(msg, Progress) else None
+
+
 def wire_context(hello: Hello, welcome: Welcome) -> WireContext:
     """The session's WireContext on the edge, from the limits the verifier announced."""
     return WireContext(
@@ -1054,6 +1065,8 @@ class SingleCore(DraftingCore):
         )
         self._resample: tuple[int, Probs] | None = None  # (pos, q) of the pending correction
         self._failed: Fail | None = None
+        #: When its first Progress before the Welcome came (it waits in the admission line).
+        self._queued_at: float | None = None
         self._credited: int | None = None  # the committed length at the last credit
 
     def opened(self) -> list[EdgeEvent]:
@@ -1175,7 +1188,7 @@ class SingleCore(DraftingCore):
         if self._failed is not None:
             return [self._failed]
         try:
-            events = self._opening(data) if self.welcome is None else self._receive(data, now)
+            events = self._opening(data, now) if self.welcome is None else self._receive(data, now)
             return [*self.pipe.news(), *events]
         except (
             VerifierError,
@@ -1188,11 +1201,22 @@ class SingleCore(DraftingCore):
             self._failed = Fail(e)
             return [*self.pipe.news(), self._failed]
 
-    def _opening(self, data: bytes) -> list[EdgeEvent]:
+    def _opening(self, data: bytes, now: float) -> list[EdgeEvent]:
         """The first frame of a session opened with its first Propose: its Welcome (checked as
-        :func:`check_welcome` does), or the refusal that replaced it."""
+        :func:`check_welcome` does), or the refusal that replaced it. Before it, Progress
+        frames while the session waits in the verifier's admission line (its place, the
+        expected wait): busy, not dead, they move the verdict deadline as a running round's
+        do."""
         self.pipe.count(Counter.DOWNLINK_BYTES, len(data))
+        queued = queue_progress(data)
+        if queued is not None:
+            self.pipe.on_progress(queued, now)
+            if self._queued_at is None:
+                self._queued_at = now
+            return []
         welcome = check_welcome(self.hello, data)
+        if self._queued_at is not None:
+            self.gen.stats.admission_wait_s += max(0.0, now - self._queued_at)
         if welcome.resumed is not None:
             raise DesyncError("a new session's Welcome says it resumed one")
         ctx = self.link.ctx

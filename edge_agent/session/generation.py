@@ -123,6 +123,9 @@ class Stats:
     reconnects: int = 0
     #: Progress frames received (the verifier's word that work waits or runs; busy, not dead).
     progress_frames: int = 0
+    #: Seconds sessions waited in the verifier's admission line (from its first Progress
+    #: before the Welcome to the Welcome): busy, not down; bounded by the request's deadline.
+    admission_wait_s: float = 0.0
     #: Session requests a busy verifier refused (503/429 with Retry-After), each waited out.
     busy_refusals: int = 0
     #: Cached tokens the verifier kept across reconnects (resumed sessions: no prefill of them).

@@ -69,6 +69,9 @@ class Bounds:
     MAX_TOKENS = Range(1, 1 << 20)
     #: Seeds are non-negative (numpy's generators refuse negative ones) and fit 64 bits.
     SEED = Range(0, 2**64 - 1)
+    #: A request's deadline (seconds): all its waits (the daemon's queue, the verifier's
+    #: admission line) and its generation.
+    TIMEOUT = Range(1.0, 86_400.0)
 
     @classmethod
     def of(cls, option: str) -> Range[int] | Range[float]:

@@ -276,7 +276,7 @@ def test_speculation_extension() -> None:
     assert spec == RequestOptions(0.5, None, None, 8, 3, Mode.STOP_AND_WAIT, CorrectionMode.TOPK)
     assert isinstance(spec.mode, Mode) and isinstance(spec.correction, CorrectionMode)
     e = fault(parse_speculation, {"wanspec": [1]})
-    assert e.message == "wanspec must be an object of gamma, depth, mode, correction"
+    assert e.message == "wanspec must be an object of gamma, depth, mode, correction, timeout"
     e = fault(parse_speculation, {"wanspec": {"zeta": 1, "alpha": 2}})
     assert (e.param, e.message) == ("wanspec", "unknown wanspec field(s): alpha, zeta")
     assert fault(parse_speculation, {"wanspec": {"gamma": 65}}).param == "gamma"

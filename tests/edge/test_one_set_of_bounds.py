@@ -19,6 +19,9 @@ pytestmark = pytest.mark.fast
 
 #: Every option with a bound: each is a setting, a REPL key and a request key.
 OPTIONS = ("gamma", "depth", "temperature", "top_p", "top_k", "max_tokens", "seed")
+#: The request's deadline: a setting (``request_timeout``) and a request key
+#: (``wanspec.timeout``); the REPL waits as long as its user does.
+DEADLINE = "timeout"
 
 
 def probes(r: Range[Any]) -> list[float]:
@@ -52,6 +55,8 @@ def api_ok(key: str, value: float) -> bool:
     body: dict[str, Any] = {key: value}
     if key in ("gamma", "depth"):
         body = {"wanspec": body}
+    elif key == "wanspec_timeout":
+        body = {"wanspec": {"timeout": value}}
     try:
         parse_request(body, EdgeSettings(), prompt_tokens=1, context=None)
     except ApiError:
@@ -61,7 +66,16 @@ def api_ok(key: str, value: float) -> bool:
 
 def test_every_bounded_option_is_listed() -> None:
     declared = {name.lower() for name, v in vars(Bounds).items() if isinstance(v, Range)}
-    assert declared == set(OPTIONS)
+    assert declared == {*OPTIONS, DEADLINE}
+
+
+def test_config_and_api_agree_on_the_request_deadline() -> None:
+    for value in probes(Bounds.TIMEOUT):
+        want = value in Bounds.TIMEOUT
+        assert (
+            config_ok("request_timeout", value),
+            api_ok("wanspec_timeout", value),
+        ) == (want, want), value
 
 
 @pytest.mark.parametrize("key", OPTIONS)

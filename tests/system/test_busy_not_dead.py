@@ -324,25 +324,93 @@ async def test_progress_frames_arrive_while_a_slow_forward_runs(
     assert isinstance(await quiet.recv(timeout=30), Verdict)
 
 
-async def test_admission_refuses_new_sessions_while_open_ones_are_served(
+async def test_a_session_that_cannot_start_waits_in_line_told_its_place(
     serve: Callable[..., Any], target: LoadedModel
 ) -> None:
-    v = await serve(max_queue_delay=5.0)
+    """Busy waits in line (issue 48): behind a session being served, with the model queue
+    past max_queue_delay, a new session is not refused but queued, told its place and the
+    expected wait in Progress frames, and started when the served one ends."""
+    v = await serve(max_queue_delay=5.0, progress_interval=0.1)
+    m = v.state.metrics
     pc = await v.open(hello(target))
     v.state.engine.queue_delay_s = lambda: 42.0  # type: ignore[method-assign]
+    waiting = asyncio.ensure_future(v.open(hello(target, progress=True)))
+    await v.until(lambda: len(v.state.line) == 1 and m.progress_frames.get() >= 2)
+    assert m.sessions_queued.get() == 1 and m.admission_waiting.get() == 1
+    assert m.sessions_refused.get(reason="overloaded") == 0 and not waiting.done()
+    await pc.send(prompt_propose(0, [3, 4]))  # the open session goes on
+    assert isinstance(await pc.recv(timeout=30), Verdict)
+    await pc.ws.close()  # its end is the waiting one's turn
+    queued = await asyncio.wait_for(waiting, 30)
+    assert queued.queued and all(p.ahead == 0 and p.eta_ms > 0 for p in queued.queued)
+    assert not v.state.line and m.admission_wait.count() == 1
+    await queued.send(prompt_propose(0, [3, 4]))  # a lone session is served, however deep
+    assert isinstance(await queued.recv(timeout=30), Verdict)
+
+
+async def test_a_lone_session_on_a_slow_verifier_is_admitted(
+    serve: Callable[..., Any], target: LoadedModel
+) -> None:
+    """A slow step is not overload: with nobody else served, a queue past max_queue_delay
+    admits the session at once (it was refused 503 ``overloaded`` at 7246e6d)."""
+    v = await serve(max_queue_delay=5.0)
+    v.state.engine.queue_delay_s = lambda: 42.0  # type: ignore[method-assign]
+    pc = await v.open(hello(target, progress=True))
+    assert pc.welcome is not None and not pc.queued and not v.state.line
+    assert v.state.metrics.sessions_queued.get() == 0
+
+
+async def test_a_full_line_refuses_at_once_with_retry_after(
+    serve: Callable[..., Any], target: LoadedModel
+) -> None:
+    """503 ``overloaded`` with Retry-After is for a full admission line (its declared bound),
+    before the upgrade; the sessions in line and the served one are not harmed."""
+    v = await serve(max_sessions=1, admission_queue=1, progress_interval=0.1)
+    pc = await v.open(hello(target))
+    waiting = asyncio.ensure_future(v.open(hello(target, progress=True)))
+    await v.until(lambda: len(v.state.line) == 1)
     with pytest.raises(aiohttp.WSServerHandshakeError) as e:
         await v.open(hello(target))
     assert e.value.status == 503 and e.value.headers is not None
     assert e.value.headers[REFUSAL_HEADER] == "overloaded"
-    assert e.value.headers["Retry-After"] == "42"
+    assert 1 <= int(e.value.headers["Retry-After"]) <= 60
     assert v.state.metrics.sessions_refused.get(reason="overloaded") == 1
-    await pc.send(prompt_propose(0, [3, 4]))  # the open session goes on
-    assert isinstance(await pc.recv(timeout=30), Verdict)
     # The edge names the refusal and takes its Retry-After.
     link = LinkSettings(url=v.url, token=TOKEN, heartbeat_s=0)
-    with pytest.raises(VerifierBusy, match="overloaded") as busy:
+    with pytest.raises(VerifierBusy, match="admission line is full") as busy:
         await WebSocketTransport.connect(link)
-    assert busy.value.reason == "overloaded" and busy.value.retry_after == 42.0
+    assert busy.value.reason == "overloaded" and busy.value.retry_after is not None
+    await pc.send(prompt_propose(0, [3, 4]))  # the served session goes on
+    assert isinstance(await pc.recv(timeout=30), Verdict)
+    await pc.ws.close()
+    assert (await asyncio.wait_for(waiting, 30)).welcome is not None
+
+
+async def test_the_line_is_fair_between_tokens_and_ordered_within_one(
+    serve: Callable[..., Any], target: LoadedModel
+) -> None:
+    """Three sessions of one token then one of another wait behind a served session: the
+    other token's starts second, not last; the first token's start in arrival order (issue
+    48)."""
+    v = await serve(max_sessions=1, progress_interval=0.1)
+    first = await v.open(hello(target))
+    started: list[str] = []
+    sessions: dict[str, ProbeClient] = {}
+
+    async def arrive(name: str, token: str) -> None:
+        sessions[name] = await v.open(hello(target, progress=True), token=token)
+        started.append(name)
+
+    tasks = []
+    for name, token in (("a1", TOKEN), ("a2", TOKEN), ("a3", TOKEN), ("b1", OTHER)):
+        tasks.append(asyncio.ensure_future(arrive(name, token)))
+        n = len(tasks)
+        await v.until(lambda n=n: len(v.state.line) == n)  # type: ignore[misc]
+    await first.ws.close()
+    for i in range(4):  # each started session ends in turn: the next one's turn
+        await v.until(lambda i=i: len(started) == i + 1)
+        await sessions[started[i]].ws.close()
+    assert started == ["a1", "b1", "a2", "a3"]
 
 
 async def _lose(pc: ProbeClient) -> None:
@@ -528,7 +596,7 @@ async def test_every_refusal_names_its_reason_in_a_header(
     serve: Callable[..., Any], target: LoadedModel
 ) -> None:
     """An edge cannot read the body of a refused upgrade: the reason is a header."""
-    v = await serve(max_sessions=1)
+    v = await serve(max_sessions=1, admission_queue=0)  # no line: a full one at once
     held = await v.open(hello(target))
     headers = {
         **auth_headers(TOKEN),
@@ -539,7 +607,7 @@ async def test_every_refusal_names_its_reason_in_a_header(
         "Sec-WebSocket-Protocol": SUBPROTOCOL,
     }
     async with v.http.get(v.url.replace("ws://", "http://"), headers=headers) as r:
-        assert r.status == 503 and r.headers[REFUSAL_HEADER] == "busy"
+        assert r.status == 503 and r.headers[REFUSAL_HEADER] == "overloaded"
     async with v.http.get(v.url.replace("ws://", "http://")) as r:
         assert r.status == 401 and r.headers[REFUSAL_HEADER] == "unauthorized"
     await held.ws.close()
