@@ -981,8 +981,9 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     # nor overloaded; each stream it opens is admitted on its own (a resume always).
     kept = _kept(state, key)
     refusal = None
-    if not kept and _must_wait(state, key, make_room=False) is not None:
-        refusal = _line_refusal(state, key)
+    cause = None if kept else _must_wait(state, key, make_room=False)
+    if cause is not None:
+        refusal = _line_refusal(state, key, cause)
     if refusal is not None:
         # No session could start here now, nor wait in line (a full line: overloaded, before
         # the connection limit, which a full line reaches too): say so before the upgrade,
@@ -1135,11 +1136,14 @@ def _must_wait(state: VerifierState, key: str, *, make_room: bool = True) -> Err
     return None
 
 
-def _line_refusal(state: VerifierState, key: str) -> Error | None:
-    """The refusal of a session of token ``key`` that must wait when the admission line has
-    no room for it (503 ``overloaded``, Retry-After: about when the last place in line
-    starts), or None."""
+def _line_refusal(state: VerifierState, key: str, cause: Error) -> Error | None:
+    """The refusal of a session of token ``key`` that must wait (``cause``: why) when the
+    admission line has no room for it, or None: with no line (``admission_queue`` 0) the
+    cause itself (``busy``, ``kv_full``, ``overloaded``), else 503 ``overloaded`` for the full
+    line, Retry-After about when its last place starts."""
     line = state.line
+    if line.capacity == 0:
+        return cause
     if len(line) < line.capacity and line.of(key) < min(line.per_tenant, line.capacity):
         return None
     return _full_line(state, f"the admission line is full ({len(line)} sessions wait)")
@@ -1517,11 +1521,14 @@ async def _on_mux_event(conn: _Conn, tenant: str, ev: MuxEvent) -> None:
         refusal = _refusal(state, tenant, resuming=resuming)
         ticket: Ticket | None = None
         waits = refusal is None and not resuming
-        if waits and (state.line or _must_wait(state, tenant) is not None):
+        cause = _must_wait(state, tenant) if waits and not state.line else None
+        if waits and (state.line or cause is not None):
             try:
                 ticket = state.line.join(tenant, time.monotonic())
             except LineFull as e:
-                refusal = _full_line(state, str(e))
+                # No line at all: refused for its cause; a full one: overloaded.
+                refusal = cause if cause is not None and not state.line.capacity else None
+                refusal = refusal or _full_line(state, str(e))
         if refusal is not None:
             await _refuse_stream(conn, ev.stream, refusal)
             return

@@ -221,7 +221,9 @@ async def test_give_up_names_the_last_cause_even_when_it_has_no_message(
 async def test_a_full_verifier_is_reported_as_full(
     aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
 ) -> None:
-    url = await serve(aiohttp_server, target, max_sessions=1)
+    # No admission line: connections are bounded by max_sessions alone, and the holder's
+    # connection takes the only one.
+    url = await serve(aiohttp_server, target, max_sessions=1, admission_queue=0)
     holder = await WebSocketTransport.connect(LinkSettings(url=url, token=TOKEN, heartbeat_s=0))
     # A full verifier is busy, not down: its refusals (503 with Retry-After) count against
     # busy_deadline_s, and the give-up names the reason it gave.

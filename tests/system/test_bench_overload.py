@@ -6,12 +6,20 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
 import pytest
 
-from bench.overload import Tap, build_parser, main, parse_metrics, tenants_config_from_args
+from bench.overload import (
+    Tap,
+    build_parser,
+    main,
+    parse_metrics,
+    saturation,
+    tenants_config_from_args,
+)
 from bench.overload_tenants import (
     ARMS,
     Arm,
@@ -55,8 +63,19 @@ def test_overload_quick_writes_every_key(tmp_path: Path) -> None:
         assert r["completed"] > 0 and r["failed"] == 0, r
         assert r["goodput_tokens_per_s"] > 0 and r["p99_round_ms"] > 0
         assert r["recovery_s"] is not None and r["recovery_s"] >= 0
+    # Three users on two session slots: sessions wait in the verifier's admission line, and
+    # none fails for it; the wait and the line's length are reported beside each other.
+    assert result["offered_x"] == [0.5, 1.5]
+    queued = loads[1]
+    assert queued["queued_sessions"] >= 1 and queued["line_max"] >= 1, queued
+    assert queued["admission_wait_ms_p99"] > 0, queued
+    assert loads[0]["admission_wait_ms_p99"] == 0.0 and loads[0]["line_max"] <= 1
+    sat = result["saturation"]
+    assert sat["past_saturation_offered_x"] == [1.5] and sat["failed_while_line_had_room"] == 0
+    assert sat["peak_goodput_tokens_per_s"] == max(result["goodput_tokens_per_s"])
     setup = result["setup"]
     assert setup["quick"] and setup["verify_ms"] == 20 and "sources" in setup
+    assert setup["max_sessions"] == 2 and setup["admission_queue"] == 256
     rc = result["reconnect"]
     for variant in ("with_resume", "without_resume"):
         v = rc[variant]
@@ -107,6 +126,28 @@ async def test_tap_times_rounds_and_can_hide_the_resume_token() -> None:
         assert isinstance(decode(await t.recv(), ctx), Verdict)
         assert len(tap.rounds) == 1 and len(tap.verdicts) == 1 and tap.resume_offered == 1
         assert len(inner.sent) == 2 and tap.undecoded == 0
+
+
+def test_saturation_reads_goodput_past_max_sessions_against_the_peak() -> None:
+    def load(n: int, goodput: float, failed: int, line_max: int) -> dict[str, Any]:
+        return {
+            "offered_sessions": n,
+            "offered_x": n / 4,
+            "goodput_tokens_per_s": goodput,
+            "failed": failed,
+            "line_max": line_max,
+        }
+
+    loads = [load(1, 5.0, 0, 0), load(4, 13.0, 0, 1), load(8, 12.0, 0, 5), load(16, 11.0, 2, 8)]
+    sat = saturation(loads, max_sessions=4, admission_queue=8)
+    assert sat["peak_goodput_tokens_per_s"] == 13.0
+    assert sat["past_saturation_offered_x"] == [1.0, 2.0, 4.0]
+    assert sat["min_goodput_vs_peak_past_saturation"] == round(11 / 13, 3)
+    assert sat["within_10pct_of_peak"] is False  # 11 / 13 < 0.9
+    # The last load filled the line (8 of 8): its failures are the bound's, not counted.
+    assert sat["failed_while_line_had_room"] == 0 and sat["loads_whose_line_had_room"] == 3
+    assert saturation(loads[:3], 4, 8)["within_10pct_of_peak"] is True
+    assert saturation([], 4, 8)["min_goodput_vs_peak_past_saturation"] is None
 
 
 def test_parse_metrics_keeps_labels() -> None:

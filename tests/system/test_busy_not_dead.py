@@ -596,7 +596,7 @@ async def test_every_refusal_names_its_reason_in_a_header(
     serve: Callable[..., Any], target: LoadedModel
 ) -> None:
     """An edge cannot read the body of a refused upgrade: the reason is a header."""
-    v = await serve(max_sessions=1, admission_queue=0)  # no line: a full one at once
+    v = await serve(max_sessions=1, admission_queue=0)  # no line: refused for its cause
     held = await v.open(hello(target))
     headers = {
         **auth_headers(TOKEN),
@@ -607,7 +607,7 @@ async def test_every_refusal_names_its_reason_in_a_header(
         "Sec-WebSocket-Protocol": SUBPROTOCOL,
     }
     async with v.http.get(v.url.replace("ws://", "http://"), headers=headers) as r:
-        assert r.status == 503 and r.headers[REFUSAL_HEADER] == "overloaded"
+        assert r.status == 503 and r.headers[REFUSAL_HEADER] == "busy"
     async with v.http.get(v.url.replace("ws://", "http://")) as r:
         assert r.status == 401 and r.headers[REFUSAL_HEADER] == "unauthorized"
     await held.ws.close()

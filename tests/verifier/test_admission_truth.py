@@ -379,8 +379,9 @@ async def test_a_dead_engine_is_seen_by_health_sessions_new_connections_and_the_
 
 async def test_a_resuming_edge_is_not_refused_as_overloaded_or_busy() -> None:
     """Issue 38, item 3: a resuming edge holds its slot and pages already. While admission
-    refuses new sessions (no admission line, so a session that must wait is refused:
-    overloaded; every connection of max_sessions is taken), the edge of a kept session
+    refuses new sessions (no admission line, so a session that must wait is refused for its
+    cause: overloaded, the queue delay reads 42 s; busy, every connection of max_sessions is
+    taken), the edge of a kept session
     reconnects and resumes it; a new session is still refused, and so is another token
     presenting the resume token."""
     async with (
@@ -402,8 +403,8 @@ async def test_a_resuming_edge_is_not_refused_as_overloaded_or_busy() -> None:
         assert back.welcome is not None and back.welcome.resumed is not None
         assert back.welcome.resumed.length == len(PROMPT)
         assert state.metrics.sessions_resumed.get() == 1 and not state.parked
-        e = await refusal(http, url)  # a new session: refused, the verifier and its line full
-        assert e.status == 503 and e.headers[REFUSAL_HEADER] == "overloaded"
+        e = await refusal(http, url)  # a new session: refused, the verifier is full
+        assert e.status == 503 and e.headers[REFUSAL_HEADER] == "busy"
         await warm.ws.close()
         await live.ws.close()
         await until(lambda: state.connections == 1)

@@ -386,7 +386,10 @@ async def test_max_sessions_and_health_while_loading(
         gate.wait(10)
         return target
 
-    svc = await start(aiohttp_client, target, slow_loader, wait=False, max_sessions=1)
+    # admission_queue 0: no line, so a session past max_sessions is refused before the upgrade.
+    svc = await start(
+        aiohttp_client, target, slow_loader, wait=False, max_sessions=1, admission_queue=0
+    )
     resp = await svc.client.get("/health")
     assert resp.status == 503 and (await resp.json())["status"] == "loading"
     with pytest.raises(aiohttp.WSServerHandshakeError) as e:
@@ -411,8 +414,8 @@ async def test_kv_cache_full_answers_503_and_is_in_metrics(
 ) -> None:
     """The KV pool (2 pages of 8 tokens) is the bound: a session's context is capped at the
     pool (context_full), a session that finds no free page gets a model error (its cache
-    untouched), and while no page is free new sessions get 503 before the upgrade; /metrics
-    and /health show the pool."""
+    untouched), and while no page is free new sessions get 503 before the upgrade (no
+    admission line here: admission_queue 0); /metrics and /health show the pool."""
     # One session may hold the whole pool here (the shares are tested on their own).
     svc = await start(
         aiohttp_client,
@@ -421,6 +424,7 @@ async def test_kv_cache_full_answers_503_and_is_in_metrics(
         kv_page_size=8,
         kv_session_share=1.0,
         kv_token_share=1.0,
+        admission_queue=0,
     )
     pc, other = await svc.open(hello_for(target)), await svc.open(hello_for(target))
     await pc.send(propose(0, 0, 0, [8, 9], list(range(4, 24))))  # 22 tokens > 16
@@ -447,6 +451,41 @@ async def test_kv_cache_full_answers_503_and_is_in_metrics(
     await pc.send(Rollback(epoch=3, pos=0))  # a rollback frees the pages: sessions come in
     await until(lambda: svc.engine.pages_free == 2, 5.0, "the rollback's pages freed")
     await svc.open(hello_for(target))
+
+
+async def test_a_session_waits_in_line_while_the_kv_pool_is_full(
+    aiohttp_client: AiohttpClient, target: TorchTarget
+) -> None:
+    """Busy is not dead: while no page is free a new session is upgraded and waits in the
+    admission line, told its place by Progress frames, and starts (a Welcome) once a rollback
+    frees the pages; nothing is refused."""
+    svc = await start(
+        aiohttp_client,
+        target,
+        kv_cache_tokens=16,
+        kv_page_size=8,
+        kv_session_share=1.0,
+        kv_token_share=1.0,
+        progress_interval=0.05,
+    )
+    pc = await svc.open(hello_for(target))
+    await pc.send(propose(0, 0, 0, [8], list(range(4, 14))))  # 11 tokens: both pages
+    assert isinstance(await pc.recv(), Verdict)
+    assert svc.engine.pages_free == 0
+    waiting = ProbeClient(await svc.connect())
+    hello = asyncio.ensure_future(waiting.hello(hello_for(target, progress=True), timeout=5.0))
+    try:
+        await until(lambda: len(svc.state.line) == 1, 5.0, "the session in line")
+        await until(lambda: bool(waiting.queued), 5.0, "a Progress frame with its place")
+        assert not hello.done()
+        # A rollback to the start (an epoch past the verdict's) frees the pages: it starts.
+        await pc.send(Rollback(epoch=3, pos=0))
+        welcome = await asyncio.wait_for(hello, 10.0)
+    finally:
+        hello.cancel()
+    assert welcome.session_id and len(svc.state.line) == 0
+    assert svc.metrics.sessions_queued.get() == 1
+    assert svc.metrics.sessions_refused.get(reason="kv_full") == 0
 
 
 async def test_a_flood_while_its_work_runs_closes_only_that_session(
