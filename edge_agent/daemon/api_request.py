@@ -118,7 +118,9 @@ REQUEST_KEYS: tuple[RequestKey, ...] = (
     RequestKey("logprobs", _H, BOTH, "chat: a boolean; completions: 0 to 20 alternatives"),
     RequestKey("top_logprobs", _H, CHAT, "0 to 20, with `logprobs: true`"),
     RequestKey("ignore_eos", _H, BOTH, "an extension (as vLLM's): generate past the end token"),
-    RequestKey("wanspec", _H, BOTH, "an extension: `gamma`, `depth`, `mode`, `correction`"),
+    RequestKey(
+        "wanspec", _H, BOTH, "an extension: `gamma`, `depth`, `mode`, `correction`, `timeout`"
+    ),
     RequestKey("n", _O, BOTH, "one choice per request", (1,)),
     RequestKey("best_of", _O, COMPLETIONS, "one candidate per request", (1,)),
     RequestKey("presence_penalty", _O, BOTH, "penalties are not implemented", (0,)),
