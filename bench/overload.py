@@ -18,6 +18,11 @@ CPU (``--verify-ms 0``: its forwards take what they take, ~0.1 s for a round, ~0
 130-token prefill on one core). Prompts: everyday chat questions (:data:`CHAT_PROMPTS`, 106–268
 tokens with the default model's chat template), greedy, ``--tokens`` new tokens each.
 
+The verifier serves ``--max-sessions`` (4) sessions at once; the others wait in its admission
+line (bounded by ``admission_queue``, told their place by Progress frames) until a slot frees.
+The offered load is read against it: ``offered_x`` = N / max_sessions, so the default sweep
+offers 0.25× to 4× what the verifier serves at once.
+
 For each offered load N (``--sessions``): N users, each starting a new generation as soon as its
 previous one ends (a failed one after a second), for ``--window`` seconds; then arrivals stop
 and the generations under way finish. Per N (``loads``):
@@ -26,6 +31,11 @@ and the generations under way finish. Per N (``loads``):
 * ``goodput_tokens_per_s``: tokens of completed generations / (window start → last one done);
 * ``p99_round_ms`` (and ``p50_round_ms``): Propose sent → its Verdict received, at the edges (a
   tap on each edge's transport decodes the frames), over every round of the level, WAN included;
+* ``admission_wait_ms_p50`` / ``_p99``: the time each completed generation's session waited in
+  the verifier's admission line (the edge's ``admission_wait_s``: Progress frames before the
+  Welcome), beside ``line_max`` / ``line_mean``, the line's length (the verifier's
+  ``wanspec_admission_waiting``, read every 0.25 s) and ``queued_sessions`` (sessions that
+  waited at all);
 * ``recovery_s``: from the end of the window, when the first probe session started whose median
   round was within ``--recovery-factor`` (1.5) × the unloaded one. A probe is a
   :class:`testkit.probe.Driver` session through the emulator: the probe prompt's prefill, then
@@ -46,9 +56,11 @@ the same measurement).
 
 Writes ``--out`` (``docs/results/overload.json``): ``setup`` (every emulated timing and where it
 comes from), ``unloaded``, ``loads`` (one object per N: ``offered_sessions``, ``completed``,
-``failed``, ``goodput_tokens_per_s``, ``p99_round_ms``, ``recovery_s``, ...) and ``reconnect``;
-and a plot beside it (``.png``): goodput (y from zero) and failures against offered load, and
-p99 round time and recovery time.
+``failed``, ``goodput_tokens_per_s``, ``p99_round_ms``, ``recovery_s``, ...), ``saturation``
+(every load's goodput against the sweep's peak, the least of them past the peak's load, and
+the failures of the loads whose admission line had room) and ``reconnect``; and a plot beside
+it (``.png``): goodput (y from zero) and failures against offered load; p99 round time and
+recovery time; p99 admission wait beside the line's length.
 """
 
 from __future__ import annotations
@@ -77,6 +89,7 @@ from bench.provenance import provenance
 from bench.run import TimedDrafter, parse_mode
 from bench.stream_ws import StreamWS
 from bench.wanem import LinkConfig, WanEmulator
+from cloud_verifier.daemon.settings import VerifierSettings
 from edge_agent.daemon.agent import EdgeAgent
 from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.service import retry_policy
@@ -180,7 +193,11 @@ SOURCES = {
 class OverloadConfig:
     out: Path = Path("docs/results/overload.json")
     model: str = "default"  # the target: a model spec, or "tiny" (testkit.harness.tiny_pair)
-    sessions: tuple[int, ...] = (1, 2, 4, 8, 16)
+    sessions: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
+    #: The verifier's session slots: what it serves at once, the rest wait in its admission
+    #: line. The offered load is read against it (``offered_x`` = sessions / max_sessions).
+    max_sessions: int = 4
+    admission_queue: int | None = None  # the verifier's setting (None: its default)
     window_s: float = 30.0
     tokens: int = 24
     mode: str = "pipe:4x2:nocogen"  # bench.run.parse_mode
@@ -206,6 +223,7 @@ class OverloadConfig:
 QUICK: dict[str, Any] = {
     "model": "tiny",
     "sessions": (1, 3),
+    "max_sessions": 2,
     "window_s": 3.0,
     "tokens": 12,
     "draft_ms": 2.0,
@@ -430,6 +448,7 @@ class GenRecord:
     ended: float
     reconnects: int = 0
     busy_refusals: int = 0
+    admission_wait_s: float = 0.0
     on_path: bool = True
     error: str | None = None
 
@@ -537,21 +556,31 @@ async def run_level(b: Bench, n: int) -> dict[str, Any]:
                         time.monotonic(),
                         reconnects=st.reconnects,
                         busy_refusals=int(getattr(st, "busy_refusals", 0)),
+                        admission_wait_s=st.admission_wait_s,
                         on_path=oracle.on_path(prompt, gen.generated),
                     )
                 )
         finally:
             agent.close()
 
+    line: list[float] = []  # the verifier's admission line, sampled while users are on
+
+    async def watch_line() -> None:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                line.append((await b.metrics()).get(LINE_GAUGE, 0.0))
+            await asyncio.sleep(LINE_SAMPLE_S)
+
     users = [asyncio.ensure_future(user(i)) for i in range(n)]
+    watcher = asyncio.ensure_future(watch_line())
     try:
         await asyncio.sleep(max(0.0, window_end - time.monotonic()))
         recovered, samples = await recovery(b, window_end)
         await asyncio.gather(*users)
     finally:
-        for u in users:
-            u.cancel()
-        await asyncio.gather(*users, return_exceptions=True)
+        for task in (*users, watcher):
+            task.cancel()
+        await asyncio.gather(*users, watcher, return_exceptions=True)
     m1 = await b.metrics()
     done = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
@@ -559,8 +588,10 @@ async def run_level(b: Bench, n: int) -> dict[str, Any]:
     wall = last - t0
     gen_s = [r.ended - r.started for r in done]
     refused = delta(m1, m0, 'wanspec_sessions_refused_total{reason="overloaded"}')
+    waits = [r.admission_wait_s for r in done]
     row = {
         "offered_sessions": n,
+        "offered_x": round(n / cfg.max_sessions, 2),
         "completed": len(done),
         "failed": len(failed),
         "goodput_tokens_per_s": round(sum(r.tokens for r in done) / wall, 2) if wall > 0 else 0.0,
@@ -573,6 +604,11 @@ async def run_level(b: Bench, n: int) -> dict[str, Any]:
         "generation_s_max": _r(max(gen_s) if gen_s else None, 2),
         "reconnects": sum(r.reconnects for r in done),
         "busy_refusals": sum(r.busy_refusals for r in done),
+        "queued_sessions": int(delta(m1, m0, "wanspec_sessions_queued_total")),
+        "admission_wait_ms_p50": _r(_pct(waits, 50)),
+        "admission_wait_ms_p99": _r(_pct(waits, 99)),
+        "line_max": int(max(line, default=0.0)),
+        "line_mean": _r(statistics.fmean(line) if line else 0.0, 2),
         "refused_overloaded": int(refused),
         "resumed_sessions": int(delta(m1, m0, "wanspec_sessions_resumed_total")),
         "fixed_tokens": int(delta(m1, m0, "wanspec_fixed_tokens_total")),
@@ -583,7 +619,8 @@ async def run_level(b: Bench, n: int) -> dict[str, Any]:
     b.log(
         f"N={n:3d}  completed {row['completed']:4d}  failed {row['failed']:3d}  "
         f"goodput {row['goodput_tokens_per_s']:7.2f} tok/s  p99 round {row['p99_round_ms']} ms  "
-        f"recovery {row['recovery_s']} s  refused {row['refused_overloaded']}"
+        f"recovery {row['recovery_s']} s  refused {row['refused_overloaded']}  "
+        f"p99 admission wait {row['admission_wait_ms_p99']} ms  line max {row['line_max']}"
     )
     if not await wait_idle(b.http, b.verifier.port, 60.0):
         b.log(f"warning: sessions still open at the verifier 60 s after level N={n}")
@@ -700,16 +737,19 @@ async def run(
     from edge_agent.daemon.text import eos_ids
 
     t_start = time.monotonic()
+    admission_queue = (
+        VerifierSettings.admission_queue if cfg.admission_queue is None else cfg.admission_queue
+    )
     spec, target, prompts = await asyncio.to_thread(_workload, cfg, workdir)
     eos = [] if cfg.model == "tiny" else eos_ids(target)
     token = "overload-" + os.urandom(12).hex()
     tokens_file = write_tokens(workdir / "tokens", [token])
     kv = max(16384, 2 * max(cfg.sessions) * (max(map(len, prompts)) + cfg.reconnect_tokens + 64))
-    env = (
-        {}
-        if cfg.max_queue_delay is None
-        else {"WANSPEC_MAX_QUEUE_DELAY": f"{cfg.max_queue_delay:g}"}
-    )
+    env = {}
+    if cfg.max_queue_delay is not None:
+        env["WANSPEC_MAX_QUEUE_DELAY"] = f"{cfg.max_queue_delay:g}"
+    if cfg.admission_queue is not None:
+        env["WANSPEC_ADMISSION_QUEUE"] = str(cfg.admission_queue)
     verifier = PaddedVerifierProcess(
         spec,
         free_port(),
@@ -717,7 +757,7 @@ async def run(
         pad_ms=cfg.verify_ms,
         env=env,
         args=["--device", "cpu", "--kv-cache-tokens", str(kv), "--max-sessions-per-token", "0",
-              "--max-sessions", str(max(64, 2 * max(cfg.sessions))), "--log-level", "warning"],
+              "--max-sessions", str(cfg.max_sessions), "--log-level", "warning"],
         log_path=workdir / "verifier.log",
         threads=cfg.threads,
     )  # fmt: skip
@@ -763,6 +803,8 @@ async def run(
         "verifier": f"python -m bench.verifier --model {spec} --device cpu "
         f"--emulate-verify-ms {cfg.verify_ms:g} (OMP threads {cfg.threads})",
         "max_queue_delay_s": cfg.max_queue_delay,
+        "max_sessions": cfg.max_sessions,
+        "admission_queue": admission_queue,
         "verify_ms": cfg.verify_ms,
         "draft": f"oracle:alpha={cfg.alpha:g}",
         "draft_ms": cfg.draft_ms,
@@ -791,6 +833,7 @@ async def run(
     summary = {key: [r[key] for r in loads] for key in SUMMARY_KEYS}
     return {
         **summary,
+        "saturation": saturation(loads, cfg.max_sessions, admission_queue),
         "setup": setup,
         "unloaded": {"probe_round_ms": round(b.unloaded_round_s * 1000, 2)},
         "loads": loads,
@@ -806,7 +849,41 @@ SUMMARY_KEYS = (
     "goodput_tokens_per_s",
     "p99_round_ms",
     "recovery_s",
+    "offered_x",
+    "admission_wait_ms_p99",
+    "line_max",
 )
+#: The verifier's gauge of sessions waiting in its admission line, and how often it is read.
+LINE_GAUGE = "wanspec_admission_waiting"
+LINE_SAMPLE_S = 0.25
+
+
+def saturation(
+    loads: Sequence[Mapping[str, Any]], max_sessions: int, admission_queue: int
+) -> dict[str, Any]:
+    """Overload degrades throughput, never turns into errors. Saturation is the offered load
+    whose goodput is the sweep's peak; every load past it is read against that peak
+    (``min_goodput_vs_peak_past_saturation``, within 10 % or not), and the failures of the
+    loads whose admission line never filled (its largest sampled length below
+    ``admission_queue``) are counted. ``goodput_vs_peak`` has every load's ratio, those
+    below saturation too (offered ≥ ``max_sessions`` keeps the slots full only if users
+    never pause)."""
+    goodput = [float(r["goodput_tokens_per_s"]) for r in loads]
+    peak = max(goodput, default=0.0)
+    pairs = list(zip(loads, goodput, strict=True))
+    at = next((r["offered_sessions"] for r, g in pairs if g == peak), None)
+    past = [g / peak for r, g in pairs if at is not None and r["offered_sessions"] >= at]
+    room = [r for r in loads if r["line_max"] < admission_queue]
+    return {
+        "peak_goodput_tokens_per_s": peak,
+        "saturated_at_sessions": at,
+        "saturated_at_x": None if at is None else round(at / max_sessions, 2),
+        "goodput_vs_peak": [round(g / peak, 3) if peak > 0 else 0.0 for g in goodput],
+        "min_goodput_vs_peak_past_saturation": round(min(past), 3) if past else None,
+        "within_10pct_of_peak": bool(past) and min(past) >= 0.9,
+        "failed_while_line_had_room": sum(int(r["failed"]) for r in room),
+        "loads_whose_line_had_room": len(room),
+    }
 
 
 # ------------------------------------------------------------------------------ output
@@ -820,7 +897,7 @@ def plot(path: Path, result: dict[str, Any]) -> None:
 
     loads = result["loads"]
     n = [r["offered_sessions"] for r in loads]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     a.plot(n, [r["goodput_tokens_per_s"] for r in loads], marker="o", label="goodput")
     a.set_ylim(bottom=0)
     a.set_xlabel("offered concurrent sessions")
@@ -851,7 +928,22 @@ def plot(path: Path, result: dict[str, Any]) -> None:
     h1, l1 = b.get_legend_handles_labels()
     h2, l2 = b2.get_legend_handles_labels()
     b.legend(h1 + h2, l1 + l2, loc="upper left")
-    for ax in (a, b):
+    c.plot(n, [(r["admission_wait_ms_p99"] or 0.0) / 1000 for r in loads], marker="o",
+           label="p99 admission wait")  # fmt: skip
+    c.set_ylim(bottom=0)
+    c.set_xlabel("offered concurrent sessions")
+    c.set_ylabel("wait in the admission line (s)")
+    c2 = c.twinx()
+    c2.bar(n, [r["line_max"] for r in loads], width=[x * 0.25 for x in n], color="tab:purple",
+           alpha=0.4, label="longest line (sessions)")  # fmt: skip
+    c2.set_ylim(bottom=0)
+    c2.set_ylabel("sessions in line (max)", color="tab:purple")
+    slots = result["setup"]["max_sessions"]
+    c.axvline(slots, color="grey", ls=":", label=f"max_sessions = {slots}")
+    h1, l1 = c.get_legend_handles_labels()
+    h2, l2 = c2.get_legend_handles_labels()
+    c.legend(h1 + h2, l1 + l2, loc="upper left")
+    for ax in (a, b, c):
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
     s = result["setup"]
@@ -887,7 +979,7 @@ def build_parser() -> argparse.ArgumentParser:
     # None: the preset's value (--quick, or OverloadConfig's default)
     add = p.add_argument
     add("--model", help="target model spec, or tiny (default: default)")
-    add("--sessions", type=_sessions, help="offered loads (default: 1,2,4,8,16)")
+    add("--sessions", type=_sessions, help="offered loads (default: 1,2,4,8,12,16)")
     add("--window", type=float, dest="window_s", help="seconds of arrivals per load (30)")
     add("--tokens", type=int, help="new tokens per generation (24)")
     add("--mode", help="bench.run mode spec (default: pipe:4x2:nocogen)")
@@ -898,6 +990,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--bandwidth-mbit", type=float, help="emulated WAN bandwidth (10)")
     add("--threads", type=int, help="the verifier's torch threads (1)")
     add("--max-queue-delay", type=float, help="the verifier's admission setting (its default)")
+    add("--max-sessions", type=int, help="the verifier's session slots; offered_x is read "
+        "against it (4)")  # fmt: skip
+    add("--admission-queue", type=int, help="the verifier's admission line bound (its default)")
     add("--gen-timeout", type=float, dest="gen_timeout_s", help="a generation fails past this")
     add("--recovery-factor", type=float, help="recovered: probe round within this × unloaded")
     add("--recovery-timeout", type=float, dest="recovery_timeout_s", help="probe this long")
@@ -933,7 +1028,12 @@ def config_from_args(args: argparse.Namespace) -> OverloadConfig:
         for f in dataclasses.fields(OverloadConfig)
         if getattr(args, f.name, None) is not None and f.name not in ("quick",)
     }
-    return dataclasses.replace(cfg, **given)
+    out = dataclasses.replace(cfg, **given)
+    if not 1 <= out.max_sessions <= 256:
+        raise SystemExit(f"--max-sessions must be in 1..256, got {out.max_sessions}")
+    if out.admission_queue is not None and out.admission_queue < 0:
+        raise SystemExit(f"--admission-queue must be >= 0, got {out.admission_queue}")
+    return out
 
 
 #: The command line's settings that only the tenants benchmark has.

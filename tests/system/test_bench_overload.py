@@ -71,7 +71,7 @@ def test_overload_quick_writes_every_key(tmp_path: Path) -> None:
     assert queued["admission_wait_ms_p99"] > 0, queued
     assert loads[0]["admission_wait_ms_p99"] == 0.0 and loads[0]["line_max"] <= 1
     sat = result["saturation"]
-    assert sat["past_saturation_offered_x"] == [1.5] and sat["failed_while_line_had_room"] == 0
+    assert sat["failed_while_line_had_room"] == 0 and len(sat["goodput_vs_peak"]) == 2
     assert sat["peak_goodput_tokens_per_s"] == max(result["goodput_tokens_per_s"])
     setup = result["setup"]
     assert setup["quick"] and setup["verify_ms"] == 20 and "sources" in setup
@@ -128,7 +128,7 @@ async def test_tap_times_rounds_and_can_hide_the_resume_token() -> None:
         assert len(inner.sent) == 2 and tap.undecoded == 0
 
 
-def test_saturation_reads_goodput_past_max_sessions_against_the_peak() -> None:
+def test_saturation_reads_goodput_past_its_peak_against_the_peak() -> None:
     def load(n: int, goodput: float, failed: int, line_max: int) -> dict[str, Any]:
         return {
             "offered_sessions": n,
@@ -141,13 +141,17 @@ def test_saturation_reads_goodput_past_max_sessions_against_the_peak() -> None:
     loads = [load(1, 5.0, 0, 0), load(4, 13.0, 0, 1), load(8, 12.0, 0, 5), load(16, 11.0, 2, 8)]
     sat = saturation(loads, max_sessions=4, admission_queue=8)
     assert sat["peak_goodput_tokens_per_s"] == 13.0
-    assert sat["past_saturation_offered_x"] == [1.0, 2.0, 4.0]
+    assert sat["saturated_at_sessions"] == 4 and sat["saturated_at_x"] == 1.0
+    assert sat["goodput_vs_peak"] == [round(5 / 13, 3), 1.0, round(12 / 13, 3), round(11 / 13, 3)]
     assert sat["min_goodput_vs_peak_past_saturation"] == round(11 / 13, 3)
     assert sat["within_10pct_of_peak"] is False  # 11 / 13 < 0.9
     # The last load filled the line (8 of 8): its failures are the bound's, not counted.
     assert sat["failed_while_line_had_room"] == 0 and sat["loads_whose_line_had_room"] == 3
     assert saturation(loads[:3], 4, 8)["within_10pct_of_peak"] is True
-    assert saturation([], 4, 8)["min_goodput_vs_peak_past_saturation"] is None
+    empty = saturation([], 4, 8)
+    assert (
+        empty["min_goodput_vs_peak_past_saturation"] is None and not empty["within_10pct_of_peak"]
+    )
 
 
 def test_parse_metrics_keeps_labels() -> None:
