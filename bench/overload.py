@@ -889,6 +889,13 @@ def saturation(
 # ------------------------------------------------------------------------------ output
 
 
+def _legend(ax: Any, twin: Any, loc: str) -> None:
+    """One legend on ``ax`` for its lines and those of its twin axis."""
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = twin.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc=loc)
+
+
 def plot(path: Path, result: dict[str, Any]) -> None:
     import matplotlib
 
@@ -911,9 +918,7 @@ def plot(path: Path, result: dict[str, Any]) -> None:
         a.annotate(f"{r['failed']} failed / {r['completed']}", (r["offered_sessions"], 0),
                    xytext=(0, 4), textcoords="offset points", ha="center", fontsize=7,
                    rotation=90, color="tab:red")  # fmt: skip
-    h1, l1 = a.get_legend_handles_labels()
-    h2, l2 = a2.get_legend_handles_labels()
-    a.legend(h1 + h2, l1 + l2, loc="center right")
+    _legend(a, a2, "center right")
     b.plot(n, [r["p99_round_ms"] for r in loads], marker="o", label="p99 round (edge)")
     b.axhline(result["unloaded"]["probe_round_ms"], color="grey", ls=":", label="unloaded probe")
     b.set_yscale("log")
@@ -925,9 +930,7 @@ def plot(path: Path, result: dict[str, Any]) -> None:
             color="tab:green", label="recovery after the window")  # fmt: skip
     b2.set_ylim(bottom=0)
     b2.set_ylabel("recovery (s)", color="tab:green")
-    h1, l1 = b.get_legend_handles_labels()
-    h2, l2 = b2.get_legend_handles_labels()
-    b.legend(h1 + h2, l1 + l2, loc="upper left")
+    _legend(b, b2, "upper left")
     c.plot(n, [(r["admission_wait_ms_p99"] or 0.0) / 1000 for r in loads], marker="o",
            label="p99 admission wait")  # fmt: skip
     c.set_ylim(bottom=0)
@@ -940,9 +943,7 @@ def plot(path: Path, result: dict[str, Any]) -> None:
     c2.set_ylabel("sessions in line (max)", color="tab:purple")
     slots = result["setup"]["max_sessions"]
     c.axvline(slots, color="grey", ls=":", label=f"max_sessions = {slots}")
-    h1, l1 = c.get_legend_handles_labels()
-    h2, l2 = c2.get_legend_handles_labels()
-    c.legend(h1 + h2, l1 + l2, loc="upper left")
+    _legend(c, c2, "upper left")
     for ax in (a, b, c):
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)

@@ -55,7 +55,7 @@ from cloud_verifier.engine.work import (
     Verify,
     Work,
 )
-from cloud_verifier.session.admission import AdmissionLine, LineFull, Ticket
+from cloud_verifier.session.admission import AdmissionLine, Ticket
 from cloud_verifier.session.cloud_draft import parse_cloud_drafts
 from cloud_verifier.session.core import (
     CLOSE_OK,
@@ -1136,23 +1136,21 @@ def _must_wait(state: VerifierState, key: str, *, make_room: bool = True) -> Err
     return None
 
 
-def _line_refusal(state: VerifierState, key: str, cause: Error) -> Error | None:
-    """The refusal of a session of token ``key`` that must wait (``cause``: why) when the
-    admission line has no room for it, or None: with no line (``admission_queue`` 0) the
-    cause itself (``busy``, ``kv_full``, ``overloaded``), else 503 ``overloaded`` for the full
-    line, Retry-After about when its last place starts."""
+def _line_refusal(state: VerifierState, key: str, cause: Error | None) -> Error | None:
+    """The refusal of a session of token ``key`` that must wait (``cause``: why; None: it
+    waits behind the sessions in line) when the admission line has no room for it, or None:
+    with no line (``admission_queue`` 0) the cause itself (``busy``, ``kv_full``,
+    ``overloaded``), else 503 ``overloaded`` naming the bound, Retry-After about when the
+    line's last place starts."""
     line = state.line
     if line.capacity == 0:
         return cause
-    if len(line) < line.capacity and line.of(key) < min(line.per_tenant, line.capacity):
+    full = line.full_for(key)
+    if full is None:
         return None
-    return _full_line(state, f"the admission line is full ({len(line)} sessions wait)")
-
-
-def _full_line(state: VerifierState, why: str) -> Error:
-    eta = state.line.eta_s(len(state.line), max(1, state.streams))
+    eta = line.eta_s(len(line), max(1, state.streams))
     after = float(max(1, min(60, math.ceil(eta))))
-    return Error(ErrorCode.OVERLOADED, f"overloaded: {why}", True, after)
+    return Error(ErrorCode.OVERLOADED, f"overloaded: {full}", True, after)
 
 
 def _admit(state: VerifierState, st: _Stream, tenant: str) -> None:
@@ -1520,15 +1518,12 @@ async def _on_mux_event(conn: _Conn, tenant: str, ev: MuxEvent) -> None:
         resuming = _resumes(state, ev.payload, tenant)
         refusal = _refusal(state, tenant, resuming=resuming)
         ticket: Ticket | None = None
-        waits = refusal is None and not resuming
-        cause = _must_wait(state, tenant) if waits and not state.line else None
-        if waits and (state.line or cause is not None):
-            try:
-                ticket = state.line.join(tenant, time.monotonic())
-            except LineFull as e:
-                # No line at all: refused for its cause; a full one: overloaded.
-                refusal = cause if cause is not None and not state.line.capacity else None
-                refusal = refusal or _full_line(state, str(e))
+        if refusal is None and not resuming:
+            cause = None if state.line else _must_wait(state, tenant)
+            if state.line or cause is not None:
+                refusal = _line_refusal(state, tenant, cause)
+                if refusal is None:
+                    ticket = state.line.join(tenant, time.monotonic())
         if refusal is not None:
             await _refuse_stream(conn, ev.stream, refusal)
             return

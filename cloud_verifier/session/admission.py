@@ -82,18 +82,26 @@ class AdmissionLine:
         """How many of ``tenant``'s sessions wait."""
         return sum(1 for t in self.waiting if t.tenant == tenant)
 
-    def join(self, tenant: str, now: float) -> Ticket:
-        """A place at the end of the line (raises :class:`LineFull` past a bound)."""
+    def full_for(self, tenant: str) -> str | None:
+        """The bound a new session of ``tenant`` would pass (in words), or None: there is
+        room for it."""
         if len(self.waiting) >= self.capacity:
-            raise LineFull(
+            return (
                 f"the admission line is full ({len(self.waiting)} sessions wait; "
                 f"admission_queue {self.capacity})"
             )
         if self.of(tenant) >= min(self.per_tenant, self.capacity):
-            raise LineFull(
+            return (
                 f"{self.of(tenant)} sessions of this token wait already "
                 f"(admission_queue_per_token {self.per_tenant})"
             )
+        return None
+
+    def join(self, tenant: str, now: float) -> Ticket:
+        """A place at the end of the line (raises :class:`LineFull` past a bound)."""
+        full = self.full_for(tenant)
+        if full is not None:
+            raise LineFull(full)
         self._seq += 1
         tag = max(self._last.get(tenant, 0), self.clock) + 1
         self._last[tenant] = tag

@@ -14,7 +14,6 @@ reconnects each worker by the same policy. Committed text is never lost or dupli
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -26,7 +25,7 @@ from edge_agent.link.connection import TokenRefused, VerifierBusy
 from edge_agent.link.driver import Consumer, VerdictTimeout, handshake, run_single
 from edge_agent.link.federation import WorkerSpec, run_federated
 from edge_agent.model.drafter import DraftModel, DraftRow
-from edge_agent.model.tasks import ModelWorker
+from edge_agent.model.tasks import ModelWorker, run_within
 from edge_agent.session.core import (
     ContextExceeded,
     DesyncError,
@@ -283,12 +282,12 @@ class EdgeAgent:
         if policy.link_down != LinkDownPolicy.WAIT or not outage.waiting:
             return await self.connect()
         left = max(MIN_ATTEMPT_S, outage.remaining(_now()))
-        try:
-            return await _within(self.connect(), left)
-        except asyncio.TimeoutError:
+        done = await run_within(self.connect(), left)
+        if done is None:
             raise LinkClosed(
                 f"no connection to a verifier within the {left:.1f} s left of the wait"
-            ) from None
+            )
+        return done.result()
 
     async def _failed(
         self,
@@ -405,20 +404,3 @@ def _unopened(core: SingleCore | None, began: float) -> float | None:
     """``began`` (when the session attempt began) if the session never opened (no Welcome
     came): its time was spent waiting for a verifier; None for one that opened."""
     return began if core is None or core.welcome is None else None
-
-
-async def _within(connecting: Awaitable[Transport], timeout: float) -> Transport:
-    """``connecting``'s transport, or asyncio.TimeoutError after ``timeout`` s (the attempt is
-    cancelled). Built on ``asyncio.wait``: ``asyncio.wait_for`` can swallow a cancellation on
-    Python <= 3.11."""
-    task = asyncio.ensure_future(connecting)
-    try:
-        await asyncio.wait({task}, timeout=timeout)
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-    if task.cancelled():
-        raise asyncio.TimeoutError
-    return task.result()  # (one that ended as it was cancelled is used, not leaked)

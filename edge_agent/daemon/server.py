@@ -193,21 +193,13 @@ def _gen_error(e: BaseException, partial: dict[str, Any] | None = None) -> ApiEr
         return ApiError(
             429, str(e), type_="rate_limit_error", code="queue_full", retry_after=e.retry_after
         )
-    if isinstance(e, RequestTimeout):
+    if isinstance(e, VerifierUnavailable):  # the deadline's (504) or the verifiers' (503)
+        timed_out = isinstance(e, RequestTimeout)
         return ApiError(
-            504,
+            504 if timed_out else 503,
             str(e),
             type_="server_error",
-            code="request_timeout",
-            retry_after=e.retry_after,
-            partial=partial,
-        )
-    if isinstance(e, VerifierUnavailable):
-        return ApiError(
-            503,
-            str(e),
-            type_="server_error",
-            code="verifier_unavailable",
+            code="request_timeout" if timed_out else "verifier_unavailable",
             retry_after=e.retry_after,
             partial=partial,
         )

@@ -22,7 +22,7 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,7 @@ from edge_agent.link.federation import WorkerSpec
 from edge_agent.link.warm import LinkLost, ModelMismatch, WarmLink
 from edge_agent.model.batching import BatchingWorker
 from edge_agent.model.drafter import Drafter
-from edge_agent.model.tasks import ModelWorker
+from edge_agent.model.tasks import ModelWorker, run_within
 from edge_agent.session.core import ContextExceeded, VerifierError
 from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.generation import Generation, TokenLogprob
@@ -620,7 +620,10 @@ class EdgeService:
             gen, seeded(req.pipeline, req.seed), seed=req.seed, retry=retry, on_event=on_event
         )
         try:
-            if not await _by(run, deadline):
+            done = await run_within(run, deadline - time.monotonic())
+            if done is not None:
+                done.result()  # (what the run raised is handled below)
+            else:
                 budget = self._timeout(req)
                 st = gen.stats
                 why = (
@@ -806,21 +809,3 @@ class EdgeService:
         out["prompt_tokens"] = len(req.prompt_ids)
         out["rtt_ms"] = round(1000 * min(rtts), 2) if rtts else None
         return out
-
-
-async def _by(run: Coroutine[Any, Any, None], deadline: float) -> bool:
-    """Run ``run`` until it ends (True; what it raised is raised) or the monotonic
-    ``deadline`` passes (False: it is cancelled and awaited). Built on ``asyncio.wait``:
-    ``asyncio.wait_for`` can swallow a cancellation on Python <= 3.11."""
-    task = asyncio.ensure_future(run)
-    try:
-        await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return False
-    task.result()
-    return True

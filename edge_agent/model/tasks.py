@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -26,6 +26,22 @@ async def run_until_first_done(*coros: Coroutine[Any, Any, None]) -> None:
                 raise t.exception()  # type: ignore[misc]
     finally:
         await cancel_all(tasks)
+
+
+async def run_within(aw: Awaitable[T], timeout: float) -> asyncio.Future[T] | None:
+    """Run ``aw`` as a task owned here for at most ``timeout`` seconds: the finished task (its
+    result or its error in it), or None when the time ran out (it is cancelled and awaited;
+    one that ended as it was cancelled is returned, not leaked). Built on ``asyncio.wait``:
+    ``asyncio.wait_for`` can swallow a cancellation on Python <= 3.11."""
+    task = asyncio.ensure_future(aw)
+    try:
+        await asyncio.wait({task}, timeout=max(0.0, timeout))
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    return None if task.cancelled() else task
 
 
 async def cancel_all(tasks: list[asyncio.Task[None]] | list[asyncio.Future[None]]) -> None:

@@ -409,6 +409,16 @@ async def test_max_sessions_and_health_while_loading(
     assert 'wanspec_sessions_refused_total{reason="loading"} 1' in text
 
 
+#: A KV pool of 2 pages of 8 tokens that one session may hold whole (the shares are tested
+#: on their own).
+TWO_PAGES: dict[str, Any] = {
+    "kv_cache_tokens": 16,
+    "kv_page_size": 8,
+    "kv_session_share": 1.0,
+    "kv_token_share": 1.0,
+}
+
+
 async def test_kv_cache_full_answers_503_and_is_in_metrics(
     aiohttp_client: AiohttpClient, target: TorchTarget
 ) -> None:
@@ -416,16 +426,7 @@ async def test_kv_cache_full_answers_503_and_is_in_metrics(
     pool (context_full), a session that finds no free page gets a model error (its cache
     untouched), and while no page is free new sessions get 503 before the upgrade (no
     admission line here: admission_queue 0); /metrics and /health show the pool."""
-    # One session may hold the whole pool here (the shares are tested on their own).
-    svc = await start(
-        aiohttp_client,
-        target,
-        kv_cache_tokens=16,
-        kv_page_size=8,
-        kv_session_share=1.0,
-        kv_token_share=1.0,
-        admission_queue=0,
-    )
+    svc = await start(aiohttp_client, target, **TWO_PAGES, admission_queue=0)
     pc, other = await svc.open(hello_for(target)), await svc.open(hello_for(target))
     await pc.send(propose(0, 0, 0, [8, 9], list(range(4, 24))))  # 22 tokens > 16
     assert (await pc.recv_as(Error)).code == "context_full"
@@ -459,15 +460,7 @@ async def test_a_session_waits_in_line_while_the_kv_pool_is_full(
     """Busy is not dead: while no page is free a new session is upgraded and waits in the
     admission line, told its place by Progress frames, and starts (a Welcome) once a rollback
     frees the pages; nothing is refused."""
-    svc = await start(
-        aiohttp_client,
-        target,
-        kv_cache_tokens=16,
-        kv_page_size=8,
-        kv_session_share=1.0,
-        kv_token_share=1.0,
-        progress_interval=0.05,
-    )
+    svc = await start(aiohttp_client, target, **TWO_PAGES, progress_interval=0.05)
     pc = await svc.open(hello_for(target))
     await pc.send(propose(0, 0, 0, [8], list(range(4, 14))))  # 11 tokens: both pages
     assert isinstance(await pc.recv(), Verdict)
