@@ -1666,6 +1666,9 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
                 m.cloud_drafts_withheld.inc(reason=result.withheld.value)
         elif isinstance(result, Skipped):
             m.cogen_skipped.inc()
+    if isinstance(work, Verify) and isinstance(result, Verified) and result.cut is not None:
+        m.draft_cut_rounds.inc()
+        m.draft_cut_tokens.inc(len(work.draft) - result.cut)
     if isinstance(work, Verify) and work.branches and isinstance(result, Verified):
         m.tree_branches.inc(len(work.branches))
         if result.branch is not None:

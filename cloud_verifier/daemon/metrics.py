@@ -249,6 +249,17 @@ class VerifierMetrics:
             "did not pay for the draft forwards).",
             labels=("reason",),
         )
+        self.draft_cut_rounds = Counter(
+            r,
+            "wanspec_draft_cut_rounds_total",
+            "Rounds whose draft tail the step's ration did not verify (its survival was below "
+            "the step's price under load).",
+        )
+        self.draft_cut_tokens = Counter(
+            r,
+            "wanspec_draft_cut_tokens_total",
+            "Draft tokens the ration left unverified.",
+        )
         self.cogen_skipped = Counter(
             r,
             "wanspec_cogen_skipped_total",

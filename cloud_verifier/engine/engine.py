@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, TypeVar
 
 import torch
@@ -56,9 +56,11 @@ from cloud_verifier.engine.work import (
     FailureKind,
     Result,
     Skipped,
+    Verified,
     Verify,
     Work,
     WorkProgress,
+    cut_draft,
 )
 from cloud_verifier.session.tenancy import PrefixCache
 from shared.errors import WanspecError
@@ -213,10 +215,21 @@ def _queued(item: _Request | _Call) -> Queued:
         tree = work.tree_tokens if isinstance(work, Verify) else 0
         slot, decide = item.slot, len(work.draft) + tree + 1
         held = len(slot.pages.pages)
-        return Queued(kind, len(work.fixed), decide, slot.tenant, slot.length, held)
+        # Rationing: a Verify without tree branches whose core sent each token's survival.
+        cuttable = isinstance(work, Verify) and not tree and len(work.survival) == len(work.draft)
+        survival = work.survival if isinstance(work, Verify) and cuttable else ()
+        mean = work.mean_token if isinstance(work, Verify) else 0.0
+        if isinstance(work, CoGenerate) and work.cloud:
+            # the verifier's own (deterministic) draft: each token survives with its α
+            mean = work.model_alpha if work.model_alpha is not None else COGEN_ALPHA
+            n = max(len(work.draft), work.model_tokens)
+            survival = tuple(mean ** (i + 1) for i in range(n))
+        return Queued(kind, len(work.fixed), decide, slot.tenant, slot.length, held, survival, mean)
     return Queued(Kind.CHEAP)
 
 
+#: The survival rate rationing assumes for a cloud draft token whose session has measured none.
+COGEN_ALPHA: Final = 0.7
 #: kv_tokens = 0 ("auto"): on the CPU (where untouched pages cost nothing) this many tokens; on
 #: CUDA, what ``AUTO_KV_FRACTION`` of the free memory after loading holds.
 AUTO_KV_TOKENS_CPU = 16384
@@ -278,6 +291,7 @@ class Engine:
         self.limits = limits or EngineLimits()
         self.runner: Runner | None = None
         self.cogen_skipped = 0  # Generates that found no room in a step (engine thread)
+        self.cut_rounds = 0  # Verifies whose draft the ration cut (engine thread)
         self.warm = False
         #: Steps completed (engine thread; read under the lock).
         self.steps = 0
@@ -766,15 +780,30 @@ class Engine:
     def _step(self, batch: list[_Request], rows: list[Row]) -> None:
         t0 = time.perf_counter()
         runner = self.require_runner()
+        self.cut_rounds += sum(1 for row in rows if row.cut is not None)
+        works = [
+            cut_draft(req.work, row.cut)
+            if row.cut is not None and isinstance(req.work, Verify)
+            else req.work
+            for req, row in zip(batch, rows, strict=True)
+        ]
         try:
             answers = runner.step(
-                [(req.slot, req.work) for req in batch],
+                [(req.slot, w) for req, w in zip(batch, works, strict=True)],
                 [(row.chunk, row.forward) for row in rows],
             )
         finally:  # a step that raised was busy time too
             with self._cv:
                 self.busy_s += time.perf_counter() - t0
         again: list[_Request] = []
+        answers = [
+            (
+                (replace(res, cut=row.cut, budget=row.budget), t)
+                if isinstance(res, Verified)
+                else (res, t)
+            )
+            for (res, t), row in zip(answers, rows, strict=True)
+        ]
         for req, (result, timing) in zip(batch, answers, strict=True):
             if isinstance(result, Prefilled):  # a chunk of a long prefill: the rest goes next
                 req.work = advance(req.work, result.cache_len)

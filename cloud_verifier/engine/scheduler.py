@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from cloud_verifier.engine.rationing import Round, ahead, ration
 from cloud_verifier.engine.step_times import StallRule, StepTimes
 
 #: Fixed tokens of a decode round: work with at most this many (the tokens committed since the
@@ -74,6 +75,11 @@ class Queued:
     #: Its slot in the KV cache: tokens cached, pages held (the KV manager's figures).
     cached: int = 0
     held: int = 0
+    #: A Verify whose draft may be cut (:mod:`cloud_verifier.engine.rationing`): the survival
+    #: s_i of each draft slot (one per draft token; empty: never cut).
+    survival: tuple[float, ...] = ()
+    #: â of an average draft token of its session (for the budget it is told).
+    mean_token: float = 0.0
 
     def pages(self, tokens: int, page_size: int) -> int:
         """New pages a row of ``tokens`` after the cache needs."""
@@ -87,6 +93,14 @@ class Queued:
     def row(self) -> int:
         """Tokens of the row that caches what is left and decides."""
         return self.fixed + self.decide
+
+    @property
+    def base(self) -> int:
+        """Tokens of the row no ration cuts: fixed tokens, the scoring row, the first draft
+        slot (the whole row where the draft may not be cut)."""
+        if not self.survival:
+            return self.row
+        return self.fixed + 1 + min(1, len(self.survival))
 
     @property
     def prefill(self) -> bool:
@@ -125,6 +139,10 @@ class Row:
     tokens: int
     forward: int = 0
     pages: int = 0  # new KV pages it takes
+    #: A Verify's draft tokens verified when the ration cut it (None: the whole draft).
+    cut: int | None = None
+    #: The draft tokens ahead its session is told it may send (rationing.MAX_AHEAD: no bound).
+    budget: int | None = None
 
     @property
     def decides(self) -> bool:
@@ -149,6 +167,8 @@ class StepPlan:
     #: What each tenant held to a share beside other tenants' rounds has saved towards its next
     #: prefill chunk (:func:`tenant_allowance`): the next plan's ``credit``.
     credit: Mapping[str, float] = field(default_factory=dict)
+    #: The step's price of a speculative token (rationing.Ration.price; 0: not priced).
+    price: float = 0.0
 
     @property
     def taken(self) -> frozenset[int]:
@@ -190,9 +210,9 @@ def plan_step(
         return len(rounds) < limits.max_sessions and used + n <= limits.max_tokens
 
     for i, q in enumerate(queue):
-        if q.kind == Kind.FORWARD and not q.prefill and (not rounds or fits(q.row)):
-            rounds.append((i, q.row))
-            used += q.row
+        if q.kind == Kind.FORWARD and not q.prefill and (not rounds or fits(q.base)):
+            rounds.append((i, q.base))
+            used += q.base
     edge_rounds = len(rounds)
     size = pages.size if pages is not None else 1
     left = pages.free - sum(queue[i].pages(n, size) for i, n in rounds) if pages else 0
@@ -240,6 +260,9 @@ def plan_step(
             n = min(g, q.fixed - 1)
             chunks.append((i, n, n))
         used += chunks[-1][2]
+    rounds, used, priced, price = _rationed(
+        queue, rounds, chunks, limits, used, overhead_tokens, active_sessions
+    )
     skipped: list[int] = []
     for i, q in enumerate(queue):
         if q.kind != Kind.COGEN:
@@ -247,6 +270,10 @@ def plan_step(
         if (not rounds and not chunks) or fits(q.row):
             rounds.append((i, q.row))
             used += q.row
+            if q.survival:
+                # its cloud draft is not cut now; the next one is held to the budget
+                drafted = sum(1 for s in q.survival if s > price) if price > 0 else len(q.survival)
+                priced[i] = (None, ahead(price, q.survival, drafted, q.mean_token))
         else:
             skipped.append(i)
     far = bool(rounds) and any(
@@ -259,7 +286,10 @@ def plan_step(
     def new_pages(i: int, n: int) -> int:
         return queue[i].pages(n, size) if pages is not None else 0
 
-    rows = [Row(i, queue[i].fixed, n, 0, new_pages(i, n)) for i, n in rounds]
+    rows = [
+        Row(i, queue[i].fixed, n, 0, new_pages(i, n), *priced.get(i, (None, None)))
+        for i, n in rounds
+    ]
     rows += [Row(i, c, n, forwards - 1, new_pages(i, n)) for i, c, n in chunks]
     padded = sum(
         len(group) * max(r.tokens for r in group)
@@ -274,7 +304,52 @@ def plan_step(
         padded,
         model_drafts_allowed(edge_rounds + len(chunks)),
         saved,
+        price,
     )
+
+
+def _rationed(
+    queue: Sequence[Queued],
+    rounds: list[tuple[int, int]],
+    chunks: Sequence[tuple[int, int, int]],
+    limits: BatchLimits,
+    used: int,
+    overhead: float,
+    active_sessions: int,
+) -> tuple[list[tuple[int, int]], int, dict[int, tuple[int | None, int]], float]:
+    """The rounds' rows (index, tokens) once the ration (:func:`~cloud_verifier.engine.
+    rationing.ration`) has added their speculative slots, the step's tokens, each cuttable
+    round's (cut, budget) and the price. The slots come after the prefill chunks already
+    planned (a first token never waits behind another session's speculative tokens), within
+    ``max_tokens``; they are priced only where another session shares the verifier (a lone
+    session's draft is its own controller's choice: cutting it buys no one anything)."""
+    cuttable = [(i, n) for i, n in rounds if queue[i].survival]
+    if not cuttable:
+        return rounds, used, {}, 0.0
+    shared = active_sessions >= 2 or len(rounds) + len(chunks) >= 2
+    plain = [i for i, _ in rounds if not queue[i].survival]
+    decided = sum(1 for i, c, _ in chunks if c == queue[i].fixed)
+    r = ration(
+        [Round(i, n, queue[i].survival) for i, n in cuttable],
+        used - sum(n for _, n in cuttable),
+        float(len(plain) + decided),
+        overhead if shared else float("inf"),
+        limits.max_tokens,
+    )
+    out: list[tuple[int, int]] = []
+    info: dict[int, tuple[int | None, int]] = {}
+    for i, n in rounds:
+        q = queue[i]
+        if not q.survival:
+            out.append((i, n))
+            continue
+        k = r.keep[i]
+        extra = k - min(1, len(q.survival))
+        out.append((i, n + extra))
+        used += extra
+        cut = k if k < len(q.survival) else None
+        info[i] = (cut, r.budget(Round(i, n, q.survival), q.mean_token))
+    return out, used, info, r.price
 
 
 def prefill_budget(limits: BatchLimits, rounds_tokens: int, alone: bool) -> int:

@@ -9,7 +9,7 @@ engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final, TypeVar
 
 import numpy as np
@@ -110,6 +110,10 @@ class Verify(ProposeWork):
     matched: int = 0
     #: Token-tree branches verified in the same forward (:class:`Branch`).
     branches: tuple[Branch, ...] = ()
+    #: Rationing (:mod:`cloud_verifier.engine.rationing`): each draft token's survival s_i
+    #: (empty: the draft is never cut) and â of an average token of the session.
+    survival: tuple[float, ...] = ()
+    mean_token: float = 0.0
 
     @property
     def tree_tokens(self) -> int:
@@ -123,6 +127,29 @@ class Verify(ProposeWork):
     @property
     def start(self) -> int:
         return self.propose.pos
+
+
+def cut_draft(work: Verify, keep: int) -> Verify:
+    """``work`` verifying only the first ``keep`` (>= 1) tokens of its draft, with a bonus token
+    after them (rationing): the segments past the cut dropped, the one it falls in shortened.
+    Which tokens are verified depends on draft-side information only, so the bonus token at the
+    cut is drawn from p exactly as after a shorter Propose."""
+    segments: list[Propose] = []
+    left = keep
+    for s in work.segments:
+        if left <= 0 and segments:
+            break
+        n = min(left, len(s.draft))
+        segments.append(s if n == len(s.draft) else replace(s, draft=s.draft[:n], q=s.q[:n]))
+        left -= n
+    return replace(
+        work,
+        propose=segments[0],
+        more=tuple(segments[1:]),
+        want_bonus=True,
+        branches=(),
+        survival=work.survival[:keep],
+    )
 
 
 @dataclass(frozen=True)
@@ -235,6 +262,11 @@ class Verified:
     #: A Verify's tree branch opened by the recovered token (the cache then holds the
     #: recovered token and the branch's accepted tokens too).
     branch: BranchTaken | None = None
+    #: Rationing: the Verify's draft tokens the step verified, when it cut the draft (the
+    #: decision's bonus then follows them); None: the whole draft.
+    cut: int | None = None
+    #: Rationing: the draft tokens ahead the session may send (Verdict.budget); None: not set.
+    budget: int | None = None
 
 
 @dataclass(frozen=True)

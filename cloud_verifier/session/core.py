@@ -92,6 +92,7 @@ from cloud_verifier.engine.work import (
     WorkProgress,
     cache_after,
 )
+from cloud_verifier.session.acceptance import Acceptance
 from cloud_verifier.session.cloud_draft import (
     CloudDraft,
     DraftAcceptance,
@@ -104,6 +105,7 @@ from shared.errors import ErrorCode
 from shared.maths.rejection import CorrectionMode
 from shared.wire.codec import decode
 from shared.wire.messages import (
+    MAX_BUDGET,
     SEQ_MODULUS,
     Candidates,
     Error,
@@ -352,6 +354,10 @@ class VerifierCore:
         self._hedges: deque[Hedge] = deque(maxlen=limits.max_hedges)
         self._cloud_off = False  # a cloud draft's work failed: this session co-generates without
         self._model_alpha = DraftAcceptance()  # its model drafts' acceptance (cloud_draft_length)
+        #: The edge's drafts' measured acceptance (rationing's survival estimates).
+        self._acceptance = Acceptance()
+        #: The draft budget the edge was last told (Verdict.budget; it starts unbounded).
+        self.budget = MAX_BUDGET
         #: The rest of the last rejected draft: (its position, its tokens) (cloud_draft tail).
         self._tail: tuple[int, list[int]] | None = None
         self._bucket = float(limits.frame_burst)  # frame-rate tokens left
@@ -729,13 +735,20 @@ class VerifierCore:
                 want_bonus=p.want_bonus,
             )
         more = self._coalesce(p)
+        branches = self._branches(p, more)
+        # Rationing: each draft token's survival, from the draft's probabilities of the tokens
+        # before it and this session's measured acceptance (never a tree's row: not cut).
+        q = [float(x) for s in (p, *more) for x in s.q.tolist()]
+        survival = () if branches else self._acceptance.survival(q)
         return self._start(
             Verify(
                 p,
                 (more[-1] if more else p).want_bonus or self.hello.bonus,
                 more,
                 matched=nd,
-                branches=self._branches(p, more),
+                branches=branches,
+                survival=survival,
+                mean_token=self._acceptance.token(self._acceptance.q_mean),
             )
         )
 
@@ -802,7 +815,9 @@ class VerifierCore:
         draft, q = self._hedge_draft(known, room)
         if len(draft) or self._cloud_off or room <= 0:
             return self._start(CoGenerate(self.cache_len, fixed, draft, q))
-        n = min(room, self.limits.cloud_draft_tokens)
+        # Rationing: the verifier's own drafts obey the budget its scheduler set (under load a
+        # short draft, the GPU's time going to the edges' drafts first).
+        n = min(room, self.limits.cloud_draft_tokens, self.budget)
         ids = self._own_draft(n)
         if ids:
             draft, q = np.array(ids, np.int64), np.ones(len(ids), np.float32)
@@ -957,7 +972,11 @@ class VerifierCore:
         decision's correction or bonus; the segments behind a rejection get nothing (they
         are of an old epoch now, as if they had been queued and dropped)."""
         p, d = work.propose, result.decision
-        g, n = len(work.draft), d.accepted
+        # Rationing cut the draft to its first ``g`` tokens: a full acceptance of those is
+        # followed by the bonus token, and the rest of the draft is void (a new epoch).
+        g, n = (len(work.draft) if result.cut is None else result.cut), d.accepted
+        cut = g < len(work.draft)
+        self._acceptance.observe(work.q[:g].tolist(), n)
         self.text[p.pos :] = [*p.fixed.tolist(), *work.draft[:n].tolist()]
         # (before the verdicts: the edge has them when it commits the tokens)
         out: list[Event] = _logprobs_at(result.logprobs, len(self.text) - n)
@@ -992,6 +1011,14 @@ class VerifierCore:
         elif d.bonus is not None:
             # A bonus token is committed by the edge and comes back as a fixed token.
             self.text.append(d.bonus)
+            if cut:
+                self._new_epoch()
+                self._tail = (self.next_pos + 1, work.draft[n + 1 :].tolist())
+        elif cut:
+            raise TypeError("a cut draft decided without its bonus token")
+        told = result.budget if result.budget is not None and result.budget != self.budget else None
+        if told is not None:
+            self.budget = told
         left = n + work.matched
         segments = work.segments
         for i, s in enumerate(segments):
@@ -1011,6 +1038,7 @@ class VerifierCore:
                 token=d.token,
                 bonus=d.bonus,
                 cached=cached,
+                budget=told,
             )
             out.append(Send(verdict))
             out += [Note(NoteKind.STALE)] * (len(segments) - 1 - i)
@@ -1029,6 +1057,8 @@ class VerifierCore:
         """Co-generated tokens: the hedge's *accepted* prefix (if any), then the *recovered* or
         *bonus* token, each drawn after the known text (law p, whatever the edge drafts for
         these positions later). One Generated frame each."""
+        if result.budget is not None:
+            self.budget = result.budget
         d = result.decision
         draft = work.draft if result.drafted is None else result.drafted
         token = d.token if d.accepted < len(draft) else d.bonus

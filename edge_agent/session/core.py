@@ -78,6 +78,7 @@ from shared.maths.rejection import CorrectionMode, Decision, recover, try_candid
 from shared.maths.sampling import Probs
 from shared.wire.codec import decode
 from shared.wire.messages import (
+    MAX_BUDGET,
     SEQ_MODULUS,
     Candidates,
     Error,
@@ -440,6 +441,9 @@ class Pipeline:
         self.inflight: deque[Batch] = deque()
         #: True while a recovered token is not yet known: drafting would use a text without it.
         self.recovering = False
+        #: Rationing: the draft tokens ahead of the committed text the verifier last said it
+        #: verifies (Verdict.budget; MAX_BUDGET: no bound): the tail never grows past it.
+        self.budget = MAX_BUDGET
         self._last_verdict_at: float | None = None
         #: Seconds from sending a batch to its verdict, recent rounds (RTT + queueing + T_v).
         self.latencies: deque[float] = deque(maxlen=16)
@@ -503,11 +507,12 @@ class Pipeline:
         return out
 
     def _room(self) -> int:
-        """Tokens the drafter may still add after the tail (0 after an end-of-sequence id)."""
+        """Tokens the drafter may still add after the tail (0 after an end-of-sequence id),
+        within the verifier's draft budget."""
         tail = self.tail
         if any(t in self.gen.eos_ids for t in tail):
             return 0
-        return self.gen.room - len(tail)
+        return min(self.gen.room, self.budget) - len(tail)
 
     def may_draft(self) -> bool:
         if self.gen.done or self.recovering:
@@ -798,8 +803,12 @@ class Pipeline:
         self.inflight.append(b)
         return b
 
-    def commit_round(self, b: Batch, accepted: int, now: float) -> None:
-        """The head batch ``b`` was decided at ``now``: count it, commit its accepted prefix."""
+    def commit_round(
+        self, b: Batch, accepted: int, now: float, verified: int | None = None
+    ) -> None:
+        """The head batch ``b`` was decided at ``now``: count it, commit its accepted prefix.
+        ``verified``: the draft tokens the verifier decided (fewer than the batch's when the
+        verifier's ration cut it: the rest were never judged)."""
         assert self.inflight and self.inflight[0] is b
         self.inflight.popleft()
         latency = max(0.0, now - b.sent_at)
@@ -811,10 +820,11 @@ class Pipeline:
             # b was in flight when the previous verdict came: the gap is the verifier's time
             self.controller.on_service(now - last)
         self._last_verdict_at = now
-        gamma = len(b.draft)
+        gamma = len(b.draft) if verified is None else verified
         # γ and D in effect for this round (before the controller moves them for the next).
         self._news.append(Round(gamma, accepted, self.gamma, self.depth))
-        self.controller.on_verdict(gamma, accepted, latency)
+        if gamma:
+            self.controller.on_verdict(gamma, accepted, latency)
         self.commit_at(b.start, b.draft[:accepted], TokenSource.EDGE_DRAFT)
 
     def commit_at(self, start: int, tokens: Sequence[int], source: TokenSource) -> None:
@@ -1306,6 +1316,8 @@ class SingleCore(DraftingCore):
             raise DesyncError(f"Verdict accepts {v.accepted} of {gamma} draft tokens")
         if v.cached:
             pipe.count(Counter.PROMPT_CACHED_TOKENS, v.cached)
+        if v.budget is not None:
+            pipe.budget = v.budget
         if not b.draft and v.bonus is not None and len(pipe.inflight) > 1:
             # The prompt's credit (sent before the first batch was drafted) answered with its
             # forward's token while the batches drafted meanwhile are in flight: the token was
@@ -1327,6 +1339,8 @@ class SingleCore(DraftingCore):
             pipe.count(Counter.REJECTIONS)
             return []
         decision = Decision(v.accepted, v.sparse, v.candidates, v.token, v.bonus)
+        if v.accepted < gamma and v.bonus is not None and not decision.rejected:
+            return self._cut(b, v.accepted, v.bonus, now)
         # Checked before anything is committed: a rejection carries exactly one correction, of
         # the kind this session negotiated; a full acceptance carries none. (Committing only an
         # accepted prefix would leave every batch behind it drafted from void tokens.)
@@ -1364,6 +1378,23 @@ class SingleCore(DraftingCore):
             end = b.start + gamma
             self.link.verifier_len = end
             pipe.commit_bonus(v.bonus, end)
+        return []
+
+    def _cut(self, b: Batch, accepted: int, bonus: int, now: float) -> list[EdgeEvent]:
+        """The verifier's ration verified only the first ``accepted`` draft tokens of ``b``
+        (all accepted) and drew ``bonus`` from p after them: commit both; the rest of the
+        draft and every batch behind it are void (a new epoch, on both sides)."""
+        pipe = self.pipe
+        pipe.commit_round(b, accepted, now, verified=accepted)
+        pipe.count(Counter.CUT_ROUNDS)
+        pipe.count(Counter.CUT_TOKENS, len(b.draft) - accepted)
+        if self.gen.done:
+            return []
+        if len(self.gen.committed) != b.start + accepted:
+            raise DesyncError("a cut behind a co-generated token")
+        pipe.discard_inflight()
+        self.link.verifier_len = b.start + accepted
+        pipe.commit_bonus(bonus, b.start + accepted)
         return []
 
     def _ask_resample(self, q: Probs) -> list[EdgeEvent]:

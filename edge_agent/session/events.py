@@ -96,6 +96,9 @@ class Counter(TextEnum):
     PROMPT_CACHED_TOKENS = "prompt_cached_tokens"
     DOWNLINK_BYTES = "downlink_bytes"
     DOWNLINK_REJECTION_BYTES = "downlink_rejection_bytes"
+    #: Rationing: rounds the verifier cut short, and the draft tokens it never judged.
+    CUT_ROUNDS = "cut_rounds"
+    CUT_TOKENS = "cut_tokens"
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,9 @@ class Stats:
     uplink_bytes: int = 0
     downlink_bytes: int = 0
     downlink_rejection_bytes: int = 0
+    #: Rationing (Verdict.budget): rounds the verifier cut short and their unjudged drafts.
+    cut_rounds: int = 0
+    cut_tokens: int = 0
     reconnects: int = 0
     #: Progress frames received (the verifier's word that work waits or runs; busy, not dead).
     progress_frames: int = 0

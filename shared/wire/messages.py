@@ -188,6 +188,11 @@ class Propose:
     want_bonus: bool = False
 
 
+#: Verdict.budget's largest value, which means "no bound": the verifier verifies whatever the
+#: edge's own controller drafts.
+MAX_BUDGET: Final = 255
+
+
 @dataclass(frozen=True)
 class Verdict:
     """Verifier → edge, the answer to one Propose (``epoch``/``seq`` are the batch's).
@@ -197,6 +202,12 @@ class Verdict:
     (the recovered token itself: greedy target, or greedy-draft mode). ``bonus`` is set on full
     acceptance when asked for. ``cached``: of the Propose's fixed tokens, how many the verifier
     took from its prefix cache instead of computing them (set only when some were).
+
+    Rationing: ``accepted`` < γ with a ``bonus`` and no correction is a *cut*: under load the
+    verifier verified only the first ``accepted`` draft tokens (all accepted) and drew the bonus
+    token from p after them; the rest of the draft is void and a new epoch begins, as after a
+    rejection. ``budget``: from now on, the draft tokens ahead of its committed text the edge
+    should have in flight at most (:data:`MAX_BUDGET`: no bound); sent when it changes.
     """
 
     epoch: int
@@ -207,6 +218,7 @@ class Verdict:
     token: int | None = None
     bonus: int | None = None
     cached: int | None = None
+    budget: int | None = None
 
 
 @dataclass(frozen=True)

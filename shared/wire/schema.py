@@ -53,6 +53,7 @@ K_B: Final = 5
 K_C: Final = 6
 K_D: Final = 7
 K_E: Final = 8
+K_F: Final = 9
 
 _U32_MAX: Final = 2**32 - 1
 _FLAG_BONUS: Final = 1
@@ -267,6 +268,12 @@ FRAMES: Final = (
             Field(K_C, "token", _TOKEN, presence=Presence.OPTIONAL),
             Field(K_D, "bonus", _TOKEN, presence=Presence.OPTIONAL),
             Field(K_E, "cached", _U32, presence=Presence.OPTIONAL),
+            Field(
+                K_F,
+                "budget",
+                Int(1, messages.MAX_BUDGET),
+                presence=Presence.OPTIONAL,
+            ),
         ],
         _make_verdict,
     ),

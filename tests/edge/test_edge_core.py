@@ -30,6 +30,7 @@ from shared.maths.rejection import CorrectionMode
 from shared.maths.sampling import Probs, SamplingParams
 from shared.wire.codec import decode, encode
 from shared.wire.messages import (
+    MAX_BUDGET,
     Candidates,
     Error,
     Fingerprint,
@@ -599,3 +600,36 @@ def test_a_branch_whose_head_was_co_generated_sends_the_rest() -> None:
     e.gen.commit([6], TokenSource.COGENERATED)  # disagrees with 8
     plan = DraftPlan(epoch=0, context=[0, 1, 5, 6], max_tokens=3, deterministic=True)
     assert pipe.take_branch(plan) == (None, []) and not pipe.branches
+
+
+def test_the_verifiers_draft_budget_bounds_the_pipeline() -> None:
+    """Verdict.budget: the edge keeps at most that many draft tokens ahead of its committed
+    text (batches shorten, then wait), until a larger budget comes."""
+    e = edge(PipelineConfig(gamma=4, depth=3, sampling=GREEDY), max_new=40)
+    e.fill()  # three batches of 4: the pipeline unbounded
+    assert [len(b.draft) for b in e.core.pipe.inflight] == [4, 4, 4]
+    e.answer(4, budget=3)
+    assert len(e.core.pipe.tail) == 8 and not e.core.may_draft()
+    e.answer(4)
+    e.answer(4)
+    e.fill()  # nothing ahead: one batch of 3, then the budget is spent
+    assert [len(b.draft) for b in e.core.pipe.inflight] == [3]
+    e.answer(3, budget=MAX_BUDGET)
+    e.fill()
+    assert [len(b.draft) for b in e.core.pipe.inflight] == [4, 4, 4]
+
+
+def test_a_cut_round_commits_the_verified_tokens_and_the_bonus_and_voids_the_rest() -> None:
+    """accepted < γ with a bonus and no correction: the verifier's ration verified only the
+    first ``accepted`` tokens; the bonus follows them, the rest and the batches behind go."""
+    e = edge(PipelineConfig(gamma=3, depth=2, sampling=GREEDY), max_new=20)
+    e.fill()  # A [1, 2, 3], B [4, 5, 6]
+    e.answer(1, bonus=9, budget=2)
+    assert e.gen.committed == [0, 1, 9]
+    assert e.core.pipe.epoch == 1 and not e.core.pipe.inflight
+    st = e.gen.stats
+    assert (st.cut_rounds, st.cut_tokens, st.rejections, st.discarded_batches) == (1, 2, 0, 1)
+    assert st.bonus_tokens == 1 and st.draft_tokens == 1  # only what was judged
+    e.fill()  # within the budget: one batch of 2 after the bonus, sent as a fixed token
+    assert e.proposes()[-1] == (1, 2, 2, [9], [10, 11])
+    assert not e.core.may_draft()

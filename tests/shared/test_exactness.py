@@ -13,6 +13,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from cloud_verifier.engine.rationing import Round, ration
+from cloud_verifier.session.acceptance import Acceptance
 from shared.maths import compression as C
 from shared.maths.rejection import (
     CorrectionMode,
@@ -167,3 +169,90 @@ def test_multi_position_rounds_match_target_joint(mode: str, gamma: int) -> None
     joint = (P[0][:, None, None] * P[:, :, None] * P[None, :, :]).reshape(-1)
     pv = chi_square_pvalue(cells, joint)
     assert pv > ALPHA, f"{mode}, γ={gamma}: p-value {pv:.2e}"
+
+
+# ------------------------------------------------------------------ rationing cuts drafts
+
+
+def _rationed(
+    P: np.ndarray,
+    Q: np.ndarray,
+    gamma: int,
+    rng: np.random.Generator,
+    n: int,
+    cut: Callable[[Acceptance, list[float]], int],
+) -> list[int]:
+    """Rounds over a bigram 'model' at T = 1 whose drafts the verifier may cut: ``cut`` says
+    how many draft tokens are verified (the rest void); a bonus token from p follows a fully
+    accepted (cut) draft. Each round's acceptance feeds the session's estimates."""
+    acc, out, prev = Acceptance(), [], 0
+    while len(out) < n:
+        xs, qx, qrows, t = [], [], [], prev
+        for _ in range(gamma):
+            x = sample(Q[t], rng)
+            xs.append(x)
+            qx.append(float(Q[t][x]))
+            qrows.append(Q[t])
+            t = x
+        k = cut(acc, qx)
+        rows = np.stack([P[prev]] + [P[x] for x in xs[:k]])
+        d = verify_batch(
+            rows, xs[:k], qx[:k], greedy=False, correction=CorrectionMode.CANDIDATES, rng=rng,
+            want_bonus=True,
+        )  # fmt: skip
+        acc.observe(qx[:k], d.accepted)
+        out += xs[: d.accepted]
+        if d.rejected:
+            tok = recover(d, qrows[d.accepted], rng)
+            while tok is None:
+                more = draw_candidates(rows[d.accepted], xs[d.accepted], 8, rng)
+                tok = recover(Decision(0, candidates=more), qrows[d.accepted], rng)
+            out.append(tok)
+        else:
+            assert d.bonus is not None
+            out.append(d.bonus)
+        prev = out[-1]
+    return out
+
+
+def _loaded_ration(acc: Acceptance, q: list[float]) -> int:
+    """The product's ration of this round among a crowd of other sessions' rounds at a
+    step cost where the price cuts tails: the survival it ranks by reads q_0..q_{i-1} only."""
+    me = Round(0, 3, acc.survival(q))
+    crowd = [Round(k, 3, tuple(0.6 * 0.6**i for i in range(len(q)))) for k in range(1, 8)]
+    return ration([me, *crowd], 0, 0.0, overhead=40.0, room=4096).keep[0]
+
+
+def _peeking_cut(acc: Acceptance, q: list[float]) -> int:
+    """Negative control: a cut that reads the token it decides about (verify x_i only while
+    q(x_i) is high): which tokens are verified then depends on their own values."""
+    return next((i for i, qi in enumerate(q) if i >= 1 and qi < 0.4), len(q))
+
+
+@pytest.mark.parametrize(("cut", "exact"), [(_loaded_ration, True), (_peeking_cut, False)])
+def test_rationed_rounds_keep_the_joint_law_and_a_peeking_cut_does_not(
+    cut: Callable[[Acceptance, list[float]], int], exact: bool
+) -> None:
+    """The joint law of the first two tokens is P(t1|0)·P(t2|t1) when the ration cuts drafts
+    by survival (every round cut somewhere: both paths, cut and whole, are exercised); a
+    cut that looks at each token's own q is biased and fails the same test."""
+    v = 5
+    P, Q = bigram(v, 2, SamplingParams(1.0))
+    rng = np.random.default_rng(7)
+    kept: list[int] = []
+
+    def recorded(acc: Acceptance, q: list[float]) -> int:
+        kept.append(cut(acc, q))
+        return kept[-1]
+
+    seqs = [_rationed(P, Q, 4, rng, 2, recorded)[:2] for _ in range(N)]
+    # drafts were cut, at more than one place (never before their first slot)
+    assert min(kept) >= 1 and max(kept) > min(kept)
+    assert sum(k < 4 for k in kept) > len(kept) / 2
+    s = np.array(seqs)
+    joint = (P[0][:, None] * P).reshape(-1)
+    pv = chi_square_pvalue(s[:, 0] * v + s[:, 1], joint)
+    if exact:
+        assert pv > ALPHA, f"rationed: p-value {pv:.2e}"
+    else:
+        assert pv < 1e-6, f"the peeking cut went unnoticed: p-value {pv:.2e}"

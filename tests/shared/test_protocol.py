@@ -174,6 +174,7 @@ ALL_MESSAGES = [
     Verdict(EPOCH, SEQ, 0, candidates=SparseDist(np.array([3, 3, 9]), np.full(3, 0.2, np.float32))),
     Verdict(EPOCH, SEQ, 2, token=49151),
     Verdict(EPOCH, SEQ, 3, bonus=5, cached=4096),
+    Verdict(EPOCH, SEQ, 2, bonus=5, budget=3),  # a cut, with the budget it follows from
     FederatedReply(
         EPOCH,
         SEQ,

@@ -4,6 +4,7 @@ one case per row of its state table. No sockets, no model, no event loop."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import Any
 
@@ -755,3 +756,32 @@ def test_an_empty_propose_is_a_credit_or_fixed_tokens_alone() -> None:
     core = opened(ReplyMode.FEDERATED)
     ev = core.receive(propose(core, 0, 0, 0, [], fixed=[1, 2]))
     assert errors(ev) == [ErrorCode.BAD_FRAME]
+
+
+@pytest.mark.parametrize(
+    ("cut", "verdicts", "next_pos"),
+    [
+        (1, [(1, 1, 4)], 4),  # cut inside the first batch: its bonus, the second void
+        (2, [(1, 2, None), (2, 0, 4)], 5),  # cut at the second's first token
+        (3, [(1, 2, None), (2, 1, 4)], 6),  # cut inside the second
+    ],
+)
+def test_a_cut_draft_answers_with_its_bonus_and_starts_a_new_epoch(
+    cut: int, verdicts: list[tuple[int, int, int | None]], next_pos: int
+) -> None:
+    """The ration verified the first ``cut`` tokens of a coalesced draft, all accepted: the
+    Verdict of the batch the cut falls in carries the bonus token drawn after them, the
+    draft behind is void (a new epoch), and the budget the edge is told rides with it once."""
+    core = _busy_with_two_queued()
+    work = run_of(core.work_done(Verified(Decision(2)))).work
+    assert isinstance(work, Verify) and len(work.survival) == 4  # sent for the ration
+    assert all(a >= b for a, b in itertools.pairwise(work.survival))
+    out = core.work_done(Verified(Decision(cut, bonus=4), cut=cut, budget=cut))
+    got = [(v.seq, v.accepted, v.bonus) for v in _verdicts(out)]
+    assert got == verdicts
+    assert _verdicts(out)[-1].budget == cut and core.budget == cut
+    assert (core.next_pos, core.cache_len, core.epoch) == (next_pos, next_pos, 1)
+    assert core.text[-1] == 4  # the bonus, which the edge sends back as a fixed token
+    assert isinstance(run_of(core.receive(propose(core, 1, 3, next_pos, [11], [4]))).work, Verify)
+    out = core.work_done(Verified(Decision(1), budget=cut))
+    assert _verdicts(out)[-1].budget is None  # unchanged: not sent again
