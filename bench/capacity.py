@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,14 @@ from bench import stats
 from bench.costs import (
     CLOUD_DRAFT_PER_VERIFY,
     DRAFT_BATCH_COST,
+    H200_HBM_TBPS,
+    H200_PEAK_BF16_TFLOPS,
+    ROOFLINE_FLOOR_MS,
+    ROOFLINE_OVERHEAD_MS,
+    ROOFLINE_PER_TOKEN_MS,
+    ROOFLINE_RULE,
     SOURCE,
+    TARGET_PARAMS,
     TREE_TOKEN_COST,
     VERIFY_EAGER_B1_MS,
     VERIFY_EAGER_B8_MS,
@@ -98,6 +105,9 @@ class Plan:
     resolution: int = RESOLUTION
     seed: int = SEED
     cloud_candidates: tuple[tuple[CloudDraftKind, int], ...] = CLOUD_CANDIDATES
+    #: The verifier's forwards cost by the roofline model (bench.costs.ROOFLINE_RULE), not the
+    #: linear one fitted to the two H200 points.
+    roofline: bool = False
 
 
 SMOKE = Plan(
@@ -188,6 +198,7 @@ def run_mode(job: ModeJob) -> dict[str, Any]:
         token_cost=TREE_TOKEN_COST,
         cloud_draft_per_verify=cell.cloud_draft_cost,
         draft_batch_cost=cell.edge_batch_cost,
+        roofline=job.plan.roofline,
     )
     link = Link(rtt_s=cell.rtt_ms / 1000.0, bandwidth_bps=BANDWIDTH_BPS)
     cache: dict[int, dict[str, float]] = {}
@@ -232,8 +243,27 @@ def best_cloud_from_grid(path: Path, plan: Plan) -> tuple[str, int] | None:
     return None
 
 
-def cost_model() -> dict[str, Any]:
+def cost_model(roofline: bool = False) -> dict[str, Any]:
     costs = Costs()
+    if roofline:
+        return {
+            "forward_s": ROOFLINE_RULE,
+            "verify_s": costs.verify_s,
+            "draft_s": costs.draft_s,
+            "floor_ms": ROOFLINE_FLOOR_MS,
+            "per_token_ms": ROOFLINE_PER_TOKEN_MS,
+            "overhead_ms": ROOFLINE_OVERHEAD_MS,
+            "published": {
+                "gpu": "NVIDIA H200 SXM",
+                "bf16_dense_tflops": H200_PEAK_BF16_TFLOPS,
+                "hbm_tb_per_s": H200_HBM_TBPS,
+                "target_parameters": TARGET_PARAMS,
+            },
+            "source": f"the GPU's published peaks and {SOURCE}",
+            "cloud_draft_per_verify": CLOUD_DRAFT_PER_VERIFY,
+            "edge_batch_cost": DRAFT_BATCH_COST,
+            "bandwidth_bps": BANDWIDTH_BPS,
+        }
     return {
         "forward_s": Costs.FORWARD_RULE,
         "verify_s": costs.verify_s,
@@ -339,7 +369,7 @@ def build(traces_path: Path, *, plan: Plan, grid_path: Path | None, workers: int
             "fastest_alone": {"cloud_draft": kind, "gamma": gamma, "source": source},
             "candidates": others,
         },
-        "cost_model": cost_model(),
+        "cost_model": cost_model(plan.roofline),
         "slos": list(SLOS),
         "rows": [row for _, r in kept for row in r["rows"]],
         "users_at_slo": found,
@@ -360,6 +390,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--resolution", type=int, default=RESOLUTION, help="search to within 1/R (0: exact)"
     )
     p.add_argument("--smoke", action="store_true", help="16-token replies, N 1, 2, 4, up to 16")
+    p.add_argument(
+        "--roofline",
+        action="store_true",
+        help="forwards cost max(memory floor, tokens x compute) + overhead (bench.costs)",
+    )
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error("--workers must be >= 1")
@@ -372,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
     plan = SMOKE if args.smoke else Plan(max_users=args.max_users, resolution=args.resolution)
+    plan = replace(plan, roofline=args.roofline)
     doc = build(args.traces, plan=plan, grid_path=args.grid, workers=args.workers)
     doc["settings"]["smoke"] = args.smoke
     doc["settings"]["elapsed_s"] = round(time.monotonic() - t0, 1)

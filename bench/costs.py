@@ -110,3 +110,26 @@ TREE_TOKEN_COST: float = _COSTS["tree_token_cost"]["value"]
 #: A draft step of the verifier's own draft model, in verifies (≈ 0.11): the emulated regime
 #: keeps this ratio.
 CLOUD_DRAFT_PER_VERIFY: float = _COSTS["cloud_draft_per_verify"]["value"]
+
+
+#: A roofline alternative to the linear cost model (capacity must not rest on one model): a
+#: verify of n tokens costs OVERHEAD + max(FLOOR, n · PER_TOKEN) ms, with the memory-bound floor
+#: and the compute per token from the GPU's published peaks and the target's size, and the
+#: overhead what the measured one-session eager verify spends beyond that floor.
+H200_PEAK_BF16_TFLOPS = 989.5  # NVIDIA H200 SXM datasheet, dense BF16 tensor core
+H200_HBM_TBPS = 4.8  # NVIDIA H200 SXM datasheet, HBM3e bandwidth
+TARGET_PARAMS = 32.8e9  # Qwen3-32B (its model card), the shape gpu_costs.json measured
+ROOFLINE_FLOOR_MS = TARGET_PARAMS * 2 / (H200_HBM_TBPS * 1e12) * 1e3  # the bf16 weights, read once
+ROOFLINE_PER_TOKEN_MS = 2 * TARGET_PARAMS / (H200_PEAK_BF16_TFLOPS * 1e12) * 1e3
+ROOFLINE_OVERHEAD_MS = VERIFY_EAGER_B1_MS - ROOFLINE_FLOOR_MS
+ROOFLINE_RULE = (
+    "a forward of n tokens costs verify_s · (o + max(f, n · c)) / (o + f): f the memory-bound "
+    "floor (the target's bf16 weights over the H200's published HBM bandwidth), c the compute per "
+    "token (2 · parameters over the H200's published dense BF16 peak), o the measured "
+    "one-session eager verify beyond f"
+)
+
+
+def roofline_ms(tokens: int) -> float:
+    """A verify forward of ``tokens`` tokens under the roofline model, in ms."""
+    return ROOFLINE_OVERHEAD_MS + max(ROOFLINE_FLOOR_MS, tokens * ROOFLINE_PER_TOKEN_MS)

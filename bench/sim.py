@@ -87,8 +87,17 @@ from typing import ClassVar, Final
 import numpy as np
 
 from bench.ar_server import encode_request
-from bench.costs import CLOUD_DRAFT_PER_VERIFY, DRAFT_BATCH_COST, ROW_TOKENS, TREE_TOKEN_COST
+from bench.costs import (
+    CLOUD_DRAFT_PER_VERIFY,
+    DRAFT_BATCH_COST,
+    ROOFLINE_OVERHEAD_MS,
+    ROOFLINE_PER_TOKEN_MS,
+    ROW_TOKENS,
+    TREE_TOKEN_COST,
+    roofline_ms,
+)
 from bench.traces import Trace
+from cloud_verifier.engine.rationing import Round, ahead, ration, survival_of
 from cloud_verifier.engine.step_times import DraftCost
 from cloud_verifier.engine.work import (
     NO_IDS,
@@ -101,6 +110,7 @@ from cloud_verifier.engine.work import (
     Verify,
     Withheld,
     Work,
+    cut_draft,
 )
 from cloud_verifier.session.cloud_draft import CloudDraft, draft_length
 from cloud_verifier.session.core import Close, Run, SessionLimits, TargetInfo, VerifierCore
@@ -296,6 +306,7 @@ class Costs:
     token_cost: float = TREE_TOKEN_COST
     cloud_draft_per_verify: float = CLOUD_DRAFT_PER_VERIFY
     draft_batch_cost: float = DRAFT_BATCH_COST  # the edge's batched draft step
+    roofline: bool = False  # forwards cost by the roofline model, not the linear one
 
     #: :meth:`forward_s` in words, for the results files that state the cost model.
     FORWARD_RULE: ClassVar[str] = (
@@ -304,12 +315,25 @@ class Costs:
     )
 
     def forward_s(self, tokens: int) -> float:
-        """A forward of ``tokens`` batch tokens (:attr:`FORWARD_RULE`); 0 for none."""
+        """A forward of ``tokens`` batch tokens (:attr:`FORWARD_RULE`, or with ``roofline``
+        :data:`bench.costs.ROOFLINE_RULE`); 0 for none."""
         if tokens <= 0:
             return 0.0
+        if self.roofline:
+            return self.verify_s * roofline_ms(max(tokens, ROW_TOKENS)) / roofline_ms(ROW_TOKENS)
         if tokens >= ROW_TOKENS:
             return self.verify_s * (1.0 + self.token_cost * (tokens - ROW_TOKENS))
         return self.ar_s + (self.verify_s - self.ar_s) * (tokens - 1) / (ROW_TOKENS - 1)
+
+    @property
+    def overhead_tokens(self) -> float:
+        """a/b of the forward's cost a + b·n past ``ROW_TOKENS`` (what the engine's step-time
+        fit gives the scheduler's price): one forward's overhead in tokens."""
+        if self.roofline:  # past the floor: a = the overhead, b = the compute per token
+            return ROOFLINE_OVERHEAD_MS / ROOFLINE_PER_TOKEN_MS
+        if self.token_cost <= 0:
+            return math.inf
+        return 1.0 / self.token_cost - ROW_TOKENS
 
     @property
     def cloud_draft_s(self) -> float:
@@ -583,11 +607,14 @@ class _Engine:
                 share[i] += t / len(rows)
         if steps:
             self.draft_cost.observe_draft(steps, draft_s)
-        # The forward: every row's tokens.
+        # The forward: every row's tokens, the drafts as the step's ration cut them.
+        keep, budgets = self._ration(vs, asks, ars)
         results: list[Result] = []
         tokens: list[int] = []
         for i, s in enumerate(vs):
-            result, row = self._decide(s, asks.get(i, 0), withheld.get(i))
+            result, row = self._decide(
+                s, asks.get(i, 0), withheld.get(i), keep.get(i), budgets.get(i)
+            )
             results.append(result)
             tokens.append(row)
         ar_rows = [a.row for a in ars]
@@ -607,17 +634,59 @@ class _Engine:
         works = [s.work for s in vs]
         self.clock.at(end, lambda: self._done(end, vs, works, results, ars))
 
-    def _decide(self, s: _VSession, model_n: int, withheld: Withheld | None) -> tuple[Result, int]:
-        """The result of ``s``'s work (greedy, from the trace) and its row's tokens."""
+    def _ration(
+        self, vs: list[_VSession], asks: dict[int, int], ars: list[_ARSession]
+    ) -> tuple[dict[int, int], dict[int, int]]:
+        """The scheduler's ration (:func:`cloud_verifier.engine.rationing.ration`, priced at
+        the cost model's a/b) of this step: the draft tokens each cut Verify keeps, and the
+        budget each session is told. Rows are counted as :meth:`_decide` counts them."""
+        rounds: list[Round] = []
+        other, other_yield = sum(a.row for a in ars), float(len(ars))
+        own: dict[int, tuple[tuple[float, ...], float]] = {}
+        means: dict[int, float] = {}
+        for i, s in enumerate(vs):
+            w = s.work
+            survival, mean = survival_of(w) if w is not None else ((), 0.0)
+            if isinstance(w, Verify) and survival:
+                rounds.append(Round(i, max(1, len(w.fixed)) + 1, survival))
+                means[i] = mean
+                continue
+            if isinstance(w, (Verify, CoGenerate)):
+                other += max(1, len(w.fixed)) + len(w.draft) + asks.get(i, 0)
+                other_yield += 1.0
+            if survival:
+                own[i] = (survival, mean)
+        shared = len(self.sessions) + len(self.ars) >= 2
+        r = ration(
+            rounds, other, other_yield, self.costs.overhead_tokens if shared else math.inf, 1 << 30
+        )
+        keep = {rd.key: r.keep[rd.key] for rd in rounds if r.keep[rd.key] < len(rd.survival)}
+        budgets = {rd.key: r.budget(rd, means[rd.key]) for rd in rounds}
+        for i, (survival, mean) in own.items():
+            drafted = sum(1 for x in survival if x > r.price) if r.price > 0 else len(survival)
+            budgets[i] = ahead(r.price, survival, drafted, mean)
+        return keep, budgets
+
+    def _decide(
+        self,
+        s: _VSession,
+        model_n: int,
+        withheld: Withheld | None,
+        cut: int | None = None,
+        budget: int | None = None,
+    ) -> tuple[Result, int]:
+        """The result of ``s``'s work (greedy, from the trace) and its row's tokens; ``cut``:
+        the draft tokens the ration kept (None: all), ``budget``: what the session is told."""
         w = s.work
         m = s.models
         if isinstance(w, Crop):
             return Cropped(), 0
         if isinstance(w, Verify):
             base = w.propose.pos + len(w.fixed)
-            draft = w.draft.tolist()
-            d = _greedy(m, base, draft, w.want_bonus)
-            return Verified(d), max(1, len(w.fixed)) + len(draft)
+            v = w if cut is None else cut_draft(w, cut)
+            draft = v.draft.tolist()
+            d = _greedy(m, base, draft, v.want_bonus)
+            return Verified(d, cut=cut, budget=budget), max(1, len(w.fixed)) + len(draft)
         if isinstance(w, CoGenerate):
             base = w.pos + len(w.fixed)
             drafted = None
@@ -633,7 +702,7 @@ class _Engine:
                 s.reply.cloud_drafted += len(draft)
                 s.reply.cloud_accepted += d.accepted
             return (
-                Verified(d, drafted=drafted, withheld=withheld),
+                Verified(d, drafted=drafted, withheld=withheld, budget=budget),
                 max(1, len(w.fixed)) + len(draft),
             )
         raise SimError(f"{type(w).__name__}: not simulated (greedy sessions never ask for it)")

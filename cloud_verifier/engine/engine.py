@@ -36,6 +36,7 @@ import torch
 
 from cloud_verifier.engine.draft_model import CloudDrafter
 from cloud_verifier.engine.kv_manager import KVManager, Shares, Slot
+from cloud_verifier.engine.rationing import survival_of
 from cloud_verifier.engine.runner import FORWARDS, Prefilled, Runner, Timing, advance
 from cloud_verifier.engine.scheduler import (
     BatchLimits,
@@ -215,21 +216,11 @@ def _queued(item: _Request | _Call) -> Queued:
         tree = work.tree_tokens if isinstance(work, Verify) else 0
         slot, decide = item.slot, len(work.draft) + tree + 1
         held = len(slot.pages.pages)
-        # Rationing: a Verify without tree branches whose core sent each token's survival.
-        cuttable = isinstance(work, Verify) and not tree and len(work.survival) == len(work.draft)
-        survival = work.survival if isinstance(work, Verify) and cuttable else ()
-        mean = work.mean_token if isinstance(work, Verify) else 0.0
-        if isinstance(work, CoGenerate) and work.cloud:
-            # the verifier's own (deterministic) draft: each token survives with its α
-            mean = work.model_alpha if work.model_alpha is not None else COGEN_ALPHA
-            n = max(len(work.draft), work.model_tokens)
-            survival = tuple(mean ** (i + 1) for i in range(n))
+        survival, mean = survival_of(work)
         return Queued(kind, len(work.fixed), decide, slot.tenant, slot.length, held, survival, mean)
     return Queued(Kind.CHEAP)
 
 
-#: The survival rate rationing assumes for a cloud draft token whose session has measured none.
-COGEN_ALPHA: Final = 0.7
 #: kv_tokens = 0 ("auto"): on the CPU (where untouched pages cost nothing) this many tokens; on
 #: CUDA, what ``AUTO_KV_FRACTION`` of the free memory after loading holds.
 AUTO_KV_TOKENS_CPU = 16384

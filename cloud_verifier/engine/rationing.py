@@ -30,10 +30,30 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from cloud_verifier.engine.work import CoGenerate, Verify, Work
 from shared.wire.messages import MAX_BUDGET
 
 #: The budget that means "draft as you like": the protocol's bound on it.
 MAX_AHEAD: Final = MAX_BUDGET
+#: The survival rate assumed for a cloud draft token whose session has measured none.
+COGEN_ALPHA: Final = 0.7
+
+
+def survival_of(work: Work) -> tuple[tuple[float, ...], float]:
+    """What the ration ranks ``work``'s draft slots by: each slot's survival and â of an
+    average token of its session; ((), 0.0) for work whose draft is never cut. A Verify's come
+    from its session's core (none for a tree row); a co-generation's own (deterministic) draft
+    survives each token at its session's measured α (any rule keeps a point-mass draft's law:
+    nothing about the token is random given the text)."""
+    if isinstance(work, Verify):
+        if not work.branches and len(work.survival) == len(work.draft) > 0:
+            return work.survival, work.mean_token
+        return (), 0.0
+    if isinstance(work, CoGenerate) and work.cloud:
+        a = work.model_alpha if work.model_alpha is not None else COGEN_ALPHA
+        n = max(len(work.draft), work.model_tokens)
+        return tuple(a ** (i + 1) for i in range(n)), a
+    return (), 0.0
 
 
 @dataclass(frozen=True)
