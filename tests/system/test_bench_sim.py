@@ -225,10 +225,17 @@ def test_one_verifier_batches_users(spec: str) -> None:
     many = simulate(mode, [[Request(tr, 64)] for _ in range(16)], Costs(), link, start_spread_s=0.5)
     assert len(many.replies) == 16
     assert all(r.tokens == 64 for r in many.replies)
-    # Batching: 16 users cost the GPU far less than 16 times one, and each user gets less.
+    # Batching: 16 users cost the GPU far less than 16 times one. Where the verifier decodes
+    # or drafts, each user gets less; where the edge drafts, a user is bound by its own
+    # drafter and link, and the shared step (rationed: tails cut by survival) barely grows:
+    # about a lone user's speed (measured 1.03x; 0.95x before rationing).
     assert solo.busy_s < many.busy_s < 0.5 * 16 * solo.busy_s
     rate = sum(r.tokens_per_s for r in many.replies) / 16
-    assert rate < solo.replies[0].tokens_per_s
+    alone = solo.replies[0].tokens_per_s
+    if spec == "auto":
+        assert 0.9 * alone < rate < 1.2 * alone
+    else:
+        assert rate < alone
     assert sum(r.busy_s for r in many.replies) == pytest.approx(many.busy_s)
 
 
