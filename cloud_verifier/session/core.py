@@ -561,6 +561,7 @@ class VerifierCore:
             max_k=lim.max_k,
             max_frame=lim.max_frame,
             draft_probs=msg.correction != CorrectionMode.GREEDY_DRAFT,
+            coarse_q=msg.sampling.greedy,
         )
         self.cogen = msg.cogen_end > 0 and msg.reply_mode == ReplyMode.VERDICT
         if msg.resume is not None:

@@ -260,6 +260,7 @@ def wire_context(hello: Hello, welcome: Welcome) -> WireContext:
         max_fixed=welcome.max_fixed,
         max_frame=welcome.max_frame,
         draft_probs=hello.correction != CorrectionMode.GREEDY_DRAFT,
+        coarse_q=hello.sampling.greedy,
     )
 
 

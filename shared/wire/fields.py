@@ -31,8 +31,11 @@ from shared.wire.messages import LOGPROB_FLOOR, PROTOCOL_VERSION, MsgType
 from shared.wire.packing import (
     ProtocolError,
     WireContext,
+    coarse_bytes,
+    pack_coarse,
     pack_ids,
     pack_probs,
+    unpack_coarse,
     unpack_ids,
     unpack_probs,
     unpack_sparse,
@@ -230,22 +233,37 @@ class Draft(Kind):
     def read(self, v: Any, name: str, ctx: WireContext | None) -> tuple[IdArray, ProbArray]:
         assert ctx is not None
         blob, w = _bin(v, name), ctx.width
-        per = w + 4 if ctx.draft_probs else w
-        if len(blob) % per:
-            raise ProtocolError(name, f"length {len(blob)} is not a multiple of {per}")
-        gamma = len(blob) // per
+        gamma = _gamma_of(len(blob), w, ctx, name)
         if not self.min_gamma <= gamma <= ctx.max_gamma:
             raise ProtocolError(name, f"γ = {gamma} outside [{self.min_gamma}, {ctx.max_gamma}]")
         draft = unpack_ids(blob[: gamma * w], w, ctx.vocab_size, name + ".ids")
         if not ctx.draft_probs:
             return draft, np.ones(gamma, np.float32)
+        if ctx.coarse_q:
+            return draft, unpack_coarse(blob[gamma * w :], gamma, name + ".q")
         return draft, unpack_probs(blob[gamma * w :], name + ".q")
 
     def write(self, v: Any, ctx: WireContext | None) -> bytes:
         assert ctx is not None
         draft, q = v
         blob = pack_ids(draft, ctx.width)
-        return blob + pack_probs(q) if ctx.draft_probs else blob
+        if not ctx.draft_probs:
+            return blob
+        return blob + (pack_coarse(q) if ctx.coarse_q else pack_probs(q))
+
+
+def _gamma_of(size: int, w: int, ctx: WireContext, name: str) -> int:
+    """γ of a (draft, q) blob of ``size`` bytes: γ ids of ``w`` bytes, then γ q values of 4
+    bytes, of four bits (coarse) or none (greedy-draft)."""
+    if ctx.draft_probs and ctx.coarse_q:
+        gamma = 2 * size // (2 * w + 1)
+        if gamma * w + coarse_bytes(gamma) != size:
+            raise ProtocolError(name, f"length {size} fits no γ of {w}-byte ids and 4-bit q")
+        return gamma
+    per = w + (4 if ctx.draft_probs else 0)
+    if size % per:
+        raise ProtocolError(name, f"length {size} is not a multiple of {per}")
+    return size // per
 
 
 class Scored(Kind):

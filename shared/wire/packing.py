@@ -54,6 +54,10 @@ class WireContext:
     max_k: int = 1 << 20
     max_frame: int = 4 << 20
     draft_probs: bool = True  # False in greedy-draft mode: Propose carries no q
+    #: Propose's q in four bits each (q ≈ b/15, two a byte): greedy sampling decides by the
+    #: target's argmax, so q is read only to rank draft slots for rationing, never to accept a
+    #: token.
+    coarse_q: bool = False
 
     @cached_property
     def width(self) -> int:
@@ -87,6 +91,40 @@ def unpack_ids(buf: bytes, width: int, vocab_size: int, name: str) -> IdArray:
 
 def pack_probs(p: npt.ArrayLike) -> bytes:
     return np.asarray(p, dtype="<f4").reshape(-1).tobytes()
+
+
+#: Levels of a coarse probability (four bits: q ≈ b/15, b in 1..15).
+COARSE_LEVELS: Final = 15
+
+
+def coarse_bytes(n: int) -> int:
+    """Bytes of ``n`` coarse probabilities."""
+    return (n + 1) // 2
+
+
+def pack_coarse(p: npt.ArrayLike) -> bytes:
+    """Probabilities in (0, 1] in four bits each, two a byte (low nibble first):
+    round(15·p), at least 1."""
+    a = np.asarray(p, dtype=np.float64).reshape(-1)
+    b = np.clip(np.rint(a * COARSE_LEVELS), 1, COARSE_LEVELS).astype(np.uint8)
+    if b.size % 2:
+        b = np.append(b, np.uint8(0))
+    return (b[0::2] | (b[1::2] << 4)).astype(np.uint8).tobytes()
+
+
+def unpack_coarse(buf: bytes, n: int, name: str) -> ProbArray:
+    """``n`` coarse probabilities from ``buf`` (:func:`pack_coarse`)."""
+    raw = np.frombuffer(buf, np.uint8)
+    if len(raw) != coarse_bytes(n):
+        raise ProtocolError(name, f"{len(raw)} bytes for {n} probabilities")
+    b = np.stack([raw & 0x0F, raw >> 4], axis=1).reshape(-1)
+    if n % 2 and b[-1]:
+        raise ProtocolError(name, "padding nibble is not 0")
+    b = b[:n]
+    if b.size and int(b.min()) == 0:
+        raise ProtocolError(name, "probability 0 outside (0, 1]")
+    out: ProbArray = b.astype(np.float32) / np.float32(COARSE_LEVELS)
+    return out
 
 
 def unpack_probs(buf: bytes, name: str, *, allow_zero: bool = False) -> ProbArray:

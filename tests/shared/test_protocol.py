@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 
 import msgpack
 import numpy as np
@@ -71,6 +72,20 @@ def _propose(gamma: int = 4, fixed: int = 0) -> Propose:
 
 def test_budget_propose_gamma4() -> None:
     assert len(encode(_propose(4), SMOL)) <= 40
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936])
+def test_budget_propose_greedy_grows_by_at_most_4_bytes_a_token(vocab: int) -> None:
+    """Greedy sampling: q travels in four bits (it only ranks draft slots for rationing), so a
+    round stays within PicoSpec's ~50 B as γ grows: <= 60 B at γ <= 12, <= 4 B a token more."""
+    ctx = WireContext(vocab_size=vocab, coarse_q=True)
+    sizes = [len(encode(_propose(g), ctx)) for g in range(1, 13)]
+    assert max(sizes) <= 60
+    assert all(b - a <= 4 for a, b in itertools.pairwise(sizes))
+    p = _propose(6)
+    got = decode(encode(p, ctx), ctx)
+    assert isinstance(got, Propose) and got.draft.tolist() == p.draft.tolist()
+    assert np.allclose(got.q, p.q, atol=1 / 30)  # to four bits
 
 
 def test_budget_verdict_sparse_k10() -> None:
