@@ -118,6 +118,9 @@ def result_json(
         "bonus_tokens": st.bonus_tokens,
         "discarded_batches": st.discarded_batches,
         "discarded_tokens": st.discarded_tokens,
+        # Rationing: rounds the verifier cut short under load, and their unjudged drafts.
+        "cut_rounds": st.cut_rounds,
+        "cut_tokens": st.cut_tokens,
         "resamples": st.resamples,
         # Link-down fallback: tokens the draft produced alone, never checked by a verifier.
         "verified": gen.unverified_tokens == 0,
