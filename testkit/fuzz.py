@@ -1408,7 +1408,9 @@ async def run(
         args=(
             f"--max-frame={cfg.max_frame} --max-k={cfg.max_k} "
             f"--max-bad-frames={cfg.max_bad_frames} --max-resamples={cfg.max_resamples} "
-            "--handshake-timeout=2 --max-sessions-per-token=48 --log-level=warning"
+            "--handshake-timeout=2 --max-sessions-per-token=48 --log-level=warning "
+            # the honest clients' verdict model predicts whole drafts; a cut depends on load
+            "--no-ration"
         ).split(),
         log_path=workdir / "verifier.log",
     )

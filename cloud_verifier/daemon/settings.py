@@ -167,6 +167,12 @@ class VerifierSettings:
         "rounds (by the measured step time a + b·tokens): what one bearer token's long prompts "
         "cost the others; 0 = prefill_chunk alone bounds it",
     )
+    ration: bool = setting(
+        True,
+        help="rationing speculation: under load a step verifies the draft tokens most likely "
+        "to be accepted while each pays for its step time, and tells each edge how many draft "
+        "tokens ahead it will verify (the law stays the target's); off: every draft whole",
+    )
     max_sessions_per_token: int = setting(
         32,
         min=0,

@@ -119,6 +119,8 @@ class EngineLimits:
     #: and the share of such a step's time they may add to its rounds' (0: no such bound).
     prefill_chunk: int = 512
     prefill_share: float = 0.25
+    #: Rationing speculation (:mod:`cloud_verifier.engine.rationing`); off: every draft whole.
+    ration: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.batch_wait_s <= 1.0:
@@ -137,7 +139,11 @@ class EngineLimits:
     @property
     def batch(self) -> BatchLimits:
         return BatchLimits(
-            self.max_batch_sessions, self.max_batch_tokens, self.prefill_chunk, self.prefill_share
+            self.max_batch_sessions,
+            self.max_batch_tokens,
+            self.prefill_chunk,
+            self.prefill_share,
+            self.ration,
         )
 
 

@@ -118,6 +118,8 @@ class BatchLimits:
     prefill_chunk: int
     #: ... and at most this share of the step's time without them (0: no such bound).
     prefill_share: float
+    #: Rationing speculation (:func:`_rationed`); False: every draft whole, as it came.
+    ration: bool = True
 
 
 @dataclass(frozen=True)
@@ -210,9 +212,10 @@ def plan_step(
         return len(rounds) < limits.max_sessions and used + n <= limits.max_tokens
 
     for i, q in enumerate(queue):
-        if q.kind == Kind.FORWARD and not q.prefill and (not rounds or fits(q.base)):
-            rounds.append((i, q.base))
-            used += q.base
+        need = q.base if limits.ration else q.row
+        if q.kind == Kind.FORWARD and not q.prefill and (not rounds or fits(need)):
+            rounds.append((i, need))
+            used += need
     edge_rounds = len(rounds)
     size = pages.size if pages is not None else 1
     left = pages.free - sum(queue[i].pages(n, size) for i, n in rounds) if pages else 0
@@ -270,7 +273,7 @@ def plan_step(
         if (not rounds and not chunks) or fits(q.row):
             rounds.append((i, q.row))
             used += q.row
-            if q.survival:
+            if q.survival and limits.ration:
                 # its cloud draft is not cut now; the next one is held to the budget
                 drafted = sum(1 for s in q.survival if s > price) if price > 0 else len(q.survival)
                 priced[i] = (None, ahead(price, q.survival, drafted, q.mean_token))
@@ -324,7 +327,7 @@ def _rationed(
     ``max_tokens``; they are priced only where another session shares the verifier (a lone
     session's draft is its own controller's choice: cutting it buys no one anything)."""
     cuttable = [(i, n) for i, n in rounds if queue[i].survival]
-    if not cuttable:
+    if not cuttable or not limits.ration:
         return rounds, used, {}, 0.0
     shared = active_sessions >= 2 or len(rounds) + len(chunks) >= 2
     plain = [i for i, _ in rounds if not queue[i].survival]

@@ -189,7 +189,6 @@ ALL_MESSAGES = [
     Verdict(EPOCH, SEQ, 0, candidates=SparseDist(np.array([3, 3, 9]), np.full(3, 0.2, np.float32))),
     Verdict(EPOCH, SEQ, 2, token=49151),
     Verdict(EPOCH, SEQ, 3, bonus=5, cached=4096),
-    Verdict(EPOCH, SEQ, 2, bonus=5, budget=3),  # a cut, with the budget it follows from
     FederatedReply(
         EPOCH,
         SEQ,
@@ -215,6 +214,7 @@ ALL_MESSAGES = [
         top_ids=np.array([5, 6, 3, 9]),
         top_lp=np.array([-0.1, -2.5, -0.7, -1.0], np.float32),
     ),
+    Verdict(EPOCH, SEQ, 2, bonus=5, budget=3),  # a cut, with the budget it follows from
 ]
 
 

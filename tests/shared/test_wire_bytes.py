@@ -63,6 +63,7 @@ PINNED = {
     "24-Progress": "94922a6996eadbbb",
     "25-Logprobs": "9d6e1b7cf1d3181b",
     "26-Logprobs": "7afcfa3ba1bc480b",
+    "27-Verdict": "e8287a19d8938c3a",  # a cut with its budget (rationing)
     "c0-Ready": "82337d70dd46fdb9",
     "c1-WindowUpdate": "8358ccf30fa64af3",
     "c2-End": "b486f0aafaeba9ba",

@@ -111,7 +111,8 @@ async def test_tap_times_rounds_and_can_hide_the_resume_token() -> None:
     fp = Fingerprint("m", 64, "t")
     hello = Hello(fingerprint=fp, sampling=SamplingParams(0.0))
     welcome = Welcome(fp, "s1", 8, 4096, 4096, 1 << 20, resume="secret", resumed=Resumed(3, 7))
-    ctx = WireContext(vocab_size=64, max_gamma=8, max_fixed=4096, max_frame=1 << 20)
+    # a greedy session: q in four bits
+    ctx = WireContext(vocab_size=64, max_gamma=8, max_fixed=4096, max_frame=1 << 20, coarse_q=True)
     propose = Propose(0, 5, 3, np.array([7, 8]), np.array([0.5, 0.5], np.float32))
     verdict = Verdict(0, 5, 2, None, None, None)
     for strip in (False, True):

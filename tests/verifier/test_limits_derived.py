@@ -50,6 +50,7 @@ CHANGED = {
     "kv_page_size": 8,
     "kv_cache_tokens": 4096,
     "batch_wait_ms": 1.0,
+    "ration": False,
     "kv_session_share": 0.25,
     "kv_token_share": 0.5,
     "stall_timeout": 7.0,
@@ -111,4 +112,5 @@ def test_the_step_plans_limits_are_the_engines() -> None:
         max_tokens=settings.max_batch_tokens,
         prefill_chunk=settings.prefill_chunk,
         prefill_share=settings.prefill_share,
+        ration=settings.ration,
     )

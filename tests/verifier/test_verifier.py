@@ -259,7 +259,10 @@ async def _play(driver: Driver, rounds: int) -> list[Message]:
 async def test_interleaved_sessions_equal_each_alone(
     aiohttp_client: AiohttpClient, target: TorchTarget
 ) -> None:
-    svc = await start(aiohttp_client, target)
+    """Batched forwards answer as lone ones. (With rationing on, two sessions would share a
+    priced step that may cut their drafts by load, which a lone session never sees: the law
+    stays p, the samples differ; tests/system/test_rationing_e2e.py checks that path.)"""
+    svc = await start(aiohttp_client, target, ration=False)
     setups = [
         (hello_for(target, sampling=SamplingParams(0.9), seed=11, k=6), 21, [4, 5, 6]),
         (
@@ -519,7 +522,7 @@ async def test_bad_frames_stay_in_their_session(
         await svc.open(hello_for(target)), 64, 3, np.random.default_rng(0), q_lo=0.5, q_hi=1
     )
     healthy.fixed = [4, 5, 6, 7]
-    ctx = WireContext(vocab_size=64)
+    ctx = WireContext(vocab_size=64, coarse_q=True)  # a greedy session's: q in four bits
 
     async def healthy_round() -> None:
         assert isinstance(await healthy.round(), Verdict)  # raises on an Error
