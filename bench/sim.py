@@ -97,7 +97,7 @@ from bench.costs import (
     roofline_ms,
 )
 from bench.traces import Trace
-from cloud_verifier.engine.rationing import Round, ahead, ration, survival_of
+from cloud_verifier.engine.rationing import Round, own_budget, ration, survival_of
 from cloud_verifier.engine.step_times import DraftCost
 from cloud_verifier.engine.work import (
     NO_IDS,
@@ -663,8 +663,7 @@ class _Engine:
         keep = {rd.key: r.keep[rd.key] for rd in rounds if r.keep[rd.key] < len(rd.survival)}
         budgets = {rd.key: r.budget(rd, means[rd.key]) for rd in rounds}
         for i, (survival, mean) in own.items():
-            drafted = sum(1 for x in survival if x > r.price) if r.price > 0 else len(survival)
-            budgets[i] = ahead(r.price, survival, drafted, mean)
+            budgets[i] = own_budget(r.price, survival, mean)
         return keep, budgets
 
     def _decide(

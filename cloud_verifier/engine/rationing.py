@@ -80,6 +80,13 @@ class Ration:
         return ahead(self.price, r.survival, self.keep.get(r.key, len(r.survival)), mean_token)
 
 
+def own_budget(price: float, survival: Sequence[float], mean_token: float) -> int:
+    """The budget of a verifier's own draft (co-generation), not cut in this step: the slots
+    above ``price`` are what it would have kept (:func:`ahead`)."""
+    kept = sum(1 for s in survival if s > price) if price > 0 else len(survival)
+    return ahead(price, survival, kept, mean_token)
+
+
 def ahead(price: float, survival: Sequence[float], kept: int, mean_token: float) -> int:
     """A session's draft budget at ``price`` (module docstring): its round of ``survival``
     kept ``kept`` slots; a longer draft's next slots would survive ``mean_token`` as often

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from cloud_verifier.engine.rationing import Round, ahead, ration
+from cloud_verifier.engine.rationing import Round, own_budget, ration
 from cloud_verifier.engine.step_times import StallRule, StepTimes
 
 #: Fixed tokens of a decode round: work with at most this many (the tokens committed since the
@@ -275,8 +275,7 @@ def plan_step(
             used += q.row
             if q.survival and limits.ration:
                 # its cloud draft is not cut now; the next one is held to the budget
-                drafted = sum(1 for s in q.survival if s > price) if price > 0 else len(q.survival)
-                priced[i] = (None, ahead(price, q.survival, drafted, q.mean_token))
+                priced[i] = (None, own_budget(price, q.survival, q.mean_token))
         else:
             skipped.append(i)
     far = bool(rounds) and any(

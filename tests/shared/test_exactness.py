@@ -120,6 +120,21 @@ def test_lossy_topk_within_tv_bound(k: int, params: SamplingParams) -> None:
 # ------------------------------------------------------------------ multi-position rounds
 
 
+def _last_token(
+    d: Decision, rows: np.ndarray, xs: list[int], qrows: list[np.ndarray], rng: np.random.Generator
+) -> int:
+    """A round's token after its accepted prefix: the edge's recovered one on a rejection
+    (asking for more candidates while all fail), else the verifier's bonus."""
+    if not d.rejected:
+        assert d.bonus is not None
+        return d.bonus
+    tok = recover(d, qrows[d.accepted], rng)
+    while tok is None:
+        more = draw_candidates(rows[d.accepted], xs[d.accepted], 8, rng)
+        tok = recover(Decision(0, candidates=more), qrows[d.accepted], rng)
+    return tok
+
+
 def _generate(
     P: np.ndarray, Q: np.ndarray, gamma: int, mode: str, rng: np.random.Generator, n: int
 ) -> list[int]:
@@ -143,16 +158,7 @@ def _generate(
             t = x
         rows = np.stack([P[prev]] + [P[x] for x in xs])
         d = verify_batch(rows, xs, qx, greedy=False, correction=mode, rng=rng, want_bonus=True)
-        out += xs[: d.accepted]
-        if d.rejected:
-            tok = recover(d, qrows[d.accepted], rng)
-            while tok is None:
-                more = draw_candidates(rows[d.accepted], xs[d.accepted], 8, rng)
-                tok = recover(Decision(0, candidates=more), qrows[d.accepted], rng)
-            out.append(tok)
-        else:
-            assert d.bonus is not None
-            out.append(d.bonus)
+        out += [*xs[: d.accepted], _last_token(d, rows, xs, qrows, rng)]
         prev = out[-1]
     return out
 
@@ -201,16 +207,7 @@ def _rationed(
             want_bonus=True,
         )  # fmt: skip
         acc.observe(qx[:k], d.accepted)
-        out += xs[: d.accepted]
-        if d.rejected:
-            tok = recover(d, qrows[d.accepted], rng)
-            while tok is None:
-                more = draw_candidates(rows[d.accepted], xs[d.accepted], 8, rng)
-                tok = recover(Decision(0, candidates=more), qrows[d.accepted], rng)
-            out.append(tok)
-        else:
-            assert d.bonus is not None
-            out.append(d.bonus)
+        out += [*xs[: d.accepted], _last_token(d, rows, xs, qrows, rng)]
         prev = out[-1]
     return out
 
