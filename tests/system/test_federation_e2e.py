@@ -250,7 +250,12 @@ async def test_a_slow_member_is_left_out_and_readmitted_once_it_keeps_up(
     forwards only is left out, then readmitted by a probe. Both members run the same target,
     so the text is the target's whichever of them each round had."""
     slowed = Slowed(TorchTarget(targets[0]), 2.0, slow_forwards=0)  # warms up at full speed
-    fast_url = await serve(aiohttp_server, targets[0])
+    # While the slow member catches up the fast one takes at least 15 ms a forward, so that the
+    # generation outlasts the left-out period, two slow replies and the probe's spacing (~3.5 s)
+    # on any machine: on one fast core 300 tokens took under 3 s and ended before the probe.
+    floor = Slowed(TorchTarget(targets[0]), 0.0, slow_forwards=None)
+    fast_server = await serve_verifier(aiohttp_server, lambda: floor, auth=[TOKEN])
+    fast_url = session_url(fast_server)
     server = await serve_verifier(aiohttp_server, lambda: slowed, auth=[TOKEN])
     fast, slow = spec(fast_url, "fast", 1.0, V), spec(session_url(server), "slow", 1.0, V)
     cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0))
@@ -269,11 +274,14 @@ async def test_a_slow_member_is_left_out_and_readmitted_once_it_keeps_up(
     try:
         await rate([fast], 8)  # the draft's first forwards
         alone, _ = await rate([fast], 200)
-        # Slow for two forwards (1 s each): left out after the 0.5 s wait; its two queued
-        # Proposes answered at ~1 and ~2 s space its probe by its last round (~2 s); the probe
-        # comes back at once: readmitted, and in step for the rest of the generation.
-        slowed.delay, slowed.slow_forwards = 1.0, 2
+        # Slow for two forwards (0.8 s each): left out after the 0.5 s wait; its two queued
+        # Proposes answered at ~0.8 and ~1.6 s space its probe by its last round (~1.6 s); the
+        # probe comes back at once: readmitted, and in step for the rest of the generation.
+        slowed.delay, slowed.slow_forwards = 0.8, 2
+        floor.delay, t0 = 0.015, time.perf_counter()
         _, fed = await rate([fast, slow], 300)
+        assert time.perf_counter() - t0 > 4.0, "the generation ended before a probe was due"
+        floor.delay = 0.0
         assert fed.worker_drops == 0 and fed.left_out == 1 and fed.probes >= 1
         assert fed.worker_rejoins == 1
         # Slow for good: left out once, never dropped, never readmitted.
