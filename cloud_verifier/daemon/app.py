@@ -54,6 +54,8 @@ from cloud_verifier.engine.work import (
     Verified,
     Verify,
     Work,
+    batch_ends,
+    deferred,
 )
 from cloud_verifier.session.admission import AdmissionLine, Ticket
 from cloud_verifier.session.cloud_draft import parse_cloud_drafts
@@ -1667,8 +1669,12 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
         elif isinstance(result, Skipped):
             m.cogen_skipped.inc()
     if isinstance(work, Verify) and isinstance(result, Verified) and result.cut is not None:
-        m.draft_cut_rounds.inc()
-        m.draft_cut_tokens.inc(len(work.draft) - result.cut)
+        ends = batch_ends(work)
+        if deferred(work, result.cut):
+            m.draft_deferred_batches.inc(len(ends) - ends.index(result.cut) - 1)
+        else:
+            m.draft_cut_rounds.inc()
+            m.draft_cut_tokens.inc(len(work.draft) - result.cut)
     if isinstance(work, Verify) and work.branches and isinstance(result, Verified):
         m.tree_branches.inc(len(work.branches))
         if result.branch is not None:

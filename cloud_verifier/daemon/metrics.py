@@ -252,8 +252,15 @@ class VerifierMetrics:
         self.draft_cut_rounds = Counter(
             r,
             "wanspec_draft_cut_rounds_total",
-            "Rounds whose draft tail the step's ration did not verify (its survival was below "
-            "the step's price under load).",
+            "Rounds whose first batch the step's ration cut short (a batch longer than the "
+            "budget its session was told, its tail's survival below the step's price under "
+            "load): the tail is void, a bonus token follows the kept tokens.",
+        )
+        self.draft_deferred_batches = Counter(
+            r,
+            "wanspec_draft_deferred_batches_total",
+            "Batches the step's ration left queued for a later step (coalesced behind a "
+            "verified one past the step's price or room under load).",
         )
         self.draft_cut_tokens = Counter(
             r,

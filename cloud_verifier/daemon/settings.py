@@ -171,7 +171,15 @@ class VerifierSettings:
         True,
         help="rationing speculation: under load a step verifies the draft tokens most likely "
         "to be accepted while each pays for its step time, and tells each edge how many draft "
-        "tokens ahead it will verify (the law stays the target's); off: every draft whole",
+        "tokens a round it will verify (the law stays the target's); off: every draft whole",
+    )
+    ration_share: float = setting(
+        0.25,
+        min=0.05,
+        max=10.0,
+        help="with ration: the most the draft tokens past each round's promised budget may add "
+        "to a step, as a share of one forward's measured overhead (by the step time a + "
+        "b·tokens): a loaded step stays short, so a new prompt's first token waits little",
     )
     max_sessions_per_token: int = setting(
         32,

@@ -61,7 +61,9 @@ from cloud_verifier.engine.work import (
     Verify,
     Work,
     WorkProgress,
-    cut_draft,
+    batch_ends,
+    deferred,
+    rationed,
 )
 from cloud_verifier.session.tenancy import PrefixCache
 from shared.errors import WanspecError
@@ -120,7 +122,10 @@ class EngineLimits:
     prefill_chunk: int = 512
     prefill_share: float = 0.25
     #: Rationing speculation (:mod:`cloud_verifier.engine.rationing`); off: every draft whole.
+    #: ``ration_share``: what the draft tokens past the promised budgets may add to a step, in
+    #: forward overheads (rationing.ration's ``share``).
     ration: bool = True
+    ration_share: float = 0.25
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.batch_wait_s <= 1.0:
@@ -130,6 +135,8 @@ class EngineLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_tokens < 0:
             raise ValueError(f"kv_tokens must be >= 0 (0: auto), got {self.kv_tokens}")
+        if not 0.0 < self.ration_share <= 10.0:
+            raise ValueError(f"ration_share must be in (0, 10], got {self.ration_share}")
         if not 0.0 <= self.prefill_share <= 10.0:
             raise ValueError(f"prefill_share must be in [0, 10], got {self.prefill_share}")
         for name in ("session_share", "tenant_share"):
@@ -144,6 +151,7 @@ class EngineLimits:
             self.prefill_chunk,
             self.prefill_share,
             self.ration,
+            self.ration_share,
         )
 
 
@@ -223,7 +231,11 @@ def _queued(item: _Request | _Call) -> Queued:
         slot, decide = item.slot, len(work.draft) + tree + 1
         held = len(slot.pages.pages)
         survival, mean = survival_of(work)
-        return Queued(kind, len(work.fixed), decide, slot.tenant, slot.length, held, survival, mean)
+        ends, promised = (batch_ends(work), work.promised) if isinstance(work, Verify) else ((), 1)
+        return Queued(
+            kind, len(work.fixed), decide, slot.tenant, slot.length, held, survival, mean, ends,
+            promised,
+        )  # fmt: skip
     return Queued(Kind.CHEAP)
 
 
@@ -288,7 +300,10 @@ class Engine:
         self.limits = limits or EngineLimits()
         self.runner: Runner | None = None
         self.cogen_skipped = 0  # Generates that found no room in a step (engine thread)
-        self.cut_rounds = 0  # Verifies whose draft the ration cut (engine thread)
+        #: Verifies whose first batch the ration cut / whose later batches it deferred (engine
+        #: thread).
+        self.cut_rounds = 0
+        self.deferred_rounds = 0
         self.warm = False
         #: Steps completed (engine thread; read under the lock).
         self.steps = 0
@@ -777,9 +792,14 @@ class Engine:
     def _step(self, batch: list[_Request], rows: list[Row]) -> None:
         t0 = time.perf_counter()
         runner = self.require_runner()
-        self.cut_rounds += sum(1 for row in rows if row.cut is not None)
+        for req, row in zip(batch, rows, strict=True):
+            if row.cut is not None and isinstance(req.work, Verify):
+                if deferred(req.work, row.cut):
+                    self.deferred_rounds += 1
+                else:
+                    self.cut_rounds += 1
         works = [
-            cut_draft(req.work, row.cut)
+            rationed(req.work, row.cut)
             if row.cut is not None and isinstance(req.work, Verify)
             else req.work
             for req, row in zip(batch, rows, strict=True)

@@ -1,4 +1,4 @@
-"""Rationing speculation: which draft tokens a loaded step verifies, and how many tokens ahead
+"""Rationing speculation: which draft tokens a loaded step verifies, and how many tokens a round
 each session is told to draft. Pure: no torch, no clock (the scheduler calls it with the
 engine's measured step cost).
 
@@ -12,16 +12,30 @@ round's tail, never its middle.
 StepTimes`) and commits E tokens in expectation: per round 1 (its recovered or bonus token)
 plus the survival of every slot it verifies. Adding a slot of survival s raises E/(a + b·n)
 iff s > E/(a/b + n) =: the *price* (tokens committed per token of step cost). :func:`ration`
-takes the rounds' mandatory part (their fixed tokens, the scoring row and their first draft
-slot) and the step's other work (prefill chunks, co-generations) as given, then adds slots in
-order of survival while each pays its price and the step has room: a step much cheaper than
-its overhead (an idle verifier on a GPU) verifies whole drafts; a loaded one cuts the tails
-that would probably be rejected.
+takes the rounds' mandatory part (their fixed tokens, the scoring row and the slots the
+session was promised: its first batch up to its budget) and the step's other work (prefill
+chunks, co-generations) as given, then adds slots in order of survival while each pays its
+price and the step has room: a step much cheaper than its overhead (an idle verifier on a GPU)
+verifies whole drafts; a loaded one leaves out the tails that would probably be rejected.
 
-**Budget.** What a session is told (Verdict.budget): the draft tokens ahead of its committed
-text the verifier expects to verify at the current price: the slots its round kept, plus the
-further slots a longer draft would have had above the price (its last kept survival times â
-of an average token, repeated), at most :data:`MAX_AHEAD` (no bound to speak of).
+**Room.** Beside the step's token bound, the slots past the mandatory part may add at most
+``share`` of the step's overhead a (the verifier's ``ration_share`` setting): a step is never
+stretched by speculation past (1 + share)·a + b·(its mandatory tokens), so what waits for the
+next step (a new prompt's first token above all) waits for a short one.
+
+**Batches.** A round may hold several of its session's batches (Proposes coalesced into one
+row). A ration that ends past the first batch stops at a batch's end: the batches behind it are
+*deferred*, not dropped: they stay queued, in order, for the next step (still valid if the
+verified ones are accepted whole, stale otherwise, as if never coalesced), so a deep pipeline
+keeps a round queued for every step. Only a first batch longer than the promise is *cut*
+inside: verified to the ration's end with a bonus token after it, the rest void.
+
+**Budget.** What a session is told (Verdict.budget): the draft tokens a round of it the
+verifier expects to verify whole at the step's *clearing price* (the survival of the best slot
+left out, the price where nothing was): its round's slots above it, plus the further slots a
+longer draft would have had above it (its last survival times â of an average token,
+repeated), at most :data:`MAX_AHEAD` (no bound to speak of). The edge drafts batches of at most
+that many tokens and keeps its pipeline as deep as its round trip needs.
 """
 
 from __future__ import annotations
@@ -58,18 +72,40 @@ def survival_of(work: Work) -> tuple[tuple[float, ...], float]:
 
 @dataclass(frozen=True)
 class Round:
-    """A round as :func:`ration` sees it: ``key`` names it, ``base`` its mandatory tokens
-    (fixed tokens, the scoring row, the first draft slot), ``survival`` its slots' s_i."""
+    """A round as :func:`ration` sees it: ``key`` names it, ``fixed`` its fixed tokens and
+    scoring row, ``survival`` its slots' s_i, ``ends`` the draft length at each of its batches'
+    ends (() : one batch), ``sure`` the slots no ration leaves out (its promise)."""
 
     key: int
-    base: int
+    fixed: int
     survival: tuple[float, ...]
+    ends: tuple[int, ...] = ()
+    sure: int = 1
+
+    @property
+    def mandatory(self) -> int:
+        """Slots always verified: the promise, within the first batch."""
+        first = self.ends[0] if self.ends else len(self.survival)
+        return min(len(self.survival), first, max(1, self.sure))
+
+    @property
+    def base(self) -> int:
+        """Tokens of the row no ration touches."""
+        return self.fixed + self.mandatory
+
+    def snap(self, kept: int) -> int:
+        """``kept`` slots as verified: inside the first batch as they are (a cut), past it back
+        to the end of the last whole batch (the rest deferred)."""
+        ends = self.ends or (len(self.survival),)
+        if kept <= ends[0]:
+            return kept
+        return max(e for e in ends if e <= kept)
 
 
 @dataclass(frozen=True)
 class Ration:
-    """What :func:`ration` decided: draft tokens kept per round key, and the step's price
-    (0: nothing was priced, every draft whole)."""
+    """What :func:`ration` decided: draft tokens verified per round key, and the step's
+    clearing price (0: nothing was priced or left out, every draft whole)."""
 
     keep: Mapping[int, int]
     price: float
@@ -77,24 +113,24 @@ class Ration:
     def budget(self, r: Round, mean_token: float) -> int:
         """Round ``r``'s session's draft budget (module docstring). ``mean_token``: â of an
         average draft token of that session (its α: q = q̄)."""
-        return ahead(self.price, r.survival, self.keep.get(r.key, len(r.survival)), mean_token)
+        return ahead(self.price, r.survival, mean_token)
 
 
 def own_budget(price: float, survival: Sequence[float], mean_token: float) -> int:
     """The budget of a verifier's own draft (co-generation), not cut in this step: the slots
     above ``price`` are what it would have kept (:func:`ahead`)."""
-    kept = sum(1 for s in survival if s > price) if price > 0 else len(survival)
-    return ahead(price, survival, kept, mean_token)
+    return ahead(price, survival, mean_token)
 
 
-def ahead(price: float, survival: Sequence[float], kept: int, mean_token: float) -> int:
-    """A session's draft budget at ``price`` (module docstring): its round of ``survival``
-    kept ``kept`` slots; a longer draft's next slots would survive ``mean_token`` as often
-    as the one before each."""
-    if kept < len(survival):
-        return max(1, kept)
+def ahead(price: float, survival: Sequence[float], mean_token: float) -> int:
+    """A round's draft budget at ``price`` (module docstring): its slots of ``survival`` above
+    the price, and the next slots a longer draft would have had above it (each surviving
+    ``mean_token`` as often as the one before)."""
     if price <= 0.0 or not survival:
         return MAX_AHEAD
+    kept = sum(1 for s in survival if s > price)
+    if kept < len(survival):
+        return max(1, kept)
     s, extra = survival[-1], 0
     while kept + extra < MAX_AHEAD:
         s *= mean_token
@@ -105,27 +141,40 @@ def ahead(price: float, survival: Sequence[float], kept: int, mean_token: float)
 
 
 def ration(
-    rounds: Sequence[Round], other_tokens: int, other_yield: float, overhead: float, room: int
+    rounds: Sequence[Round],
+    other_tokens: int,
+    other_yield: float,
+    overhead: float,
+    room: int,
+    share: float = float("inf"),
 ) -> Ration:
     """Draft tokens each round verifies (module docstring). ``other_tokens`` / ``other_yield``:
     the tokens of the step's other rows and the tokens they commit; ``overhead``: a/b, one
-    forward's fixed cost in tokens (inf: not priced, drafts cut only to ``room``); ``room``:
-    the most tokens the step may hold."""
+    forward's fixed cost in tokens (inf: not priced, drafts left out only for ``room``);
+    ``room``: the most tokens the step may hold; ``share``: the most the slots past the
+    mandatory part may add, in forward overheads (inf: no such bound)."""
     if not rounds:
         return Ration({}, 0.0)
-    keep = {r.key: min(1, len(r.survival)) for r in rounds}
+    keep = {r.key: r.mandatory for r in rounds}
     n = other_tokens + sum(r.base for r in rounds)
-    e = other_yield + sum(1.0 + (r.survival[0] if r.survival else 0.0) for r in rounds)
+    e = other_yield + sum(1.0 + sum(r.survival[: r.mandatory]) for r in rounds)
+    priced = overhead != float("inf")
+    if priced and share != float("inf"):
+        room = min(room, n + max(0, int(share * overhead)))
     slots = sorted(
-        ((s, i, r.key) for r in rounds for i, s in enumerate(r.survival) if i >= 1),
+        ((s, i, r.key) for r in rounds for i, s in enumerate(r.survival) if i >= r.mandatory),
         key=lambda t: (-t[0], t[1], t[2]),
     )
-    priced = overhead != float("inf")
+    clearing = 0.0
     for s, i, key in slots:
-        if keep[key] != i:  # only a tail is cut (s is non-increasing along a draft)
+        if keep[key] != i:  # only a tail is added (s is non-increasing along a draft)
             continue
         if n + 1 > room or (priced and s * (overhead + n) <= e):
+            clearing = s
             break
         keep[key] = i + 1
         n, e = n + 1, e + s
-    return Ration(keep, e / max(1e-9, overhead + n) if priced else 0.0)
+    if priced:
+        clearing = max(clearing, e / max(1e-9, overhead + n))
+    by_key = {r.key: r for r in rounds}
+    return Ration({k: by_key[k].snap(v) for k, v in keep.items()}, clearing)

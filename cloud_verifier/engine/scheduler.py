@@ -41,7 +41,7 @@ session at most once.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from cloud_verifier.engine.rationing import Round, own_budget, ration
@@ -80,6 +80,10 @@ class Queued:
     survival: tuple[float, ...] = ()
     #: â of an average draft token of its session (for the budget it is told).
     mean_token: float = 0.0
+    #: The draft length at each of its batches' ends (() : one batch), and the draft tokens a
+    #: round its session was promised (rationing.Round).
+    ends: tuple[int, ...] = ()
+    promised: int = 1
 
     def pages(self, tokens: int, page_size: int) -> int:
         """New pages a row of ``tokens`` after the cache needs."""
@@ -95,12 +99,17 @@ class Queued:
         return self.fixed + self.decide
 
     @property
+    def round(self) -> Round:
+        """This round as the ration sees it (keyed 0: the caller re-keys it)."""
+        return Round(0, self.row - len(self.survival), self.survival, self.ends, self.promised)
+
+    @property
     def base(self) -> int:
-        """Tokens of the row no ration cuts: fixed tokens, the scoring row, the first draft
-        slot (the whole row where the draft may not be cut)."""
+        """Tokens of the row no ration leaves out: fixed tokens, the scoring row, the slots its
+        session was promised (the whole row where the draft may not be cut)."""
         if not self.survival:
             return self.row
-        return self.fixed + 1 + min(1, len(self.survival))
+        return self.round.base
 
     @property
     def prefill(self) -> bool:
@@ -119,7 +128,9 @@ class BatchLimits:
     #: ... and at most this share of the step's time without them (0: no such bound).
     prefill_share: float
     #: Rationing speculation (:func:`_rationed`); False: every draft whole, as it came.
+    #: ``ration_share``: rationing.ration's ``share``.
     ration: bool = True
+    ration_share: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -143,7 +154,7 @@ class Row:
     pages: int = 0  # new KV pages it takes
     #: A Verify's draft tokens verified when the ration cut it (None: the whole draft).
     cut: int | None = None
-    #: The draft tokens ahead its session is told it may send (rationing.MAX_AHEAD: no bound).
+    #: The draft tokens a round its session is told it may send (rationing.MAX_AHEAD: no bound).
     budget: int | None = None
 
     @property
@@ -216,7 +227,8 @@ def plan_step(
         if q.kind == Kind.FORWARD and not q.prefill and (not rounds or fits(need)):
             rounds.append((i, need))
             used += need
-    edge_rounds = len(rounds)
+    # rounds and prefills that verify an edge's draft (a prompt's credit verifies none)
+    edge_rounds = sum(1 for i, _ in rounds if queue[i].decide > 1)
     size = pages.size if pages is not None else 1
     left = pages.free - sum(queue[i].pages(n, size) for i, n in rounds) if pages else 0
     prefills = [i for i, q in enumerate(queue) if q.prefill]
@@ -304,7 +316,7 @@ def plan_step(
         tuple(skipped),
         forwards,
         padded,
-        model_drafts_allowed(edge_rounds + len(chunks)),
+        model_drafts_allowed(edge_rounds + sum(1 for i, _, _ in chunks if queue[i].decide > 1)),
         saved,
         price,
     )
@@ -331,12 +343,14 @@ def _rationed(
     shared = active_sessions >= 2 or len(rounds) + len(chunks) >= 2
     plain = [i for i, _ in rounds if not queue[i].survival]
     decided = sum(1 for i, c, _ in chunks if c == queue[i].fixed)
+    mine = {i: replace(queue[i].round, key=i) for i, _ in cuttable}
     r = ration(
-        [Round(i, n, queue[i].survival) for i, n in cuttable],
+        list(mine.values()),
         used - sum(n for _, n in cuttable),
         float(len(plain) + decided),
         overhead if shared else float("inf"),
         limits.max_tokens,
+        limits.ration_share,
     )
     out: list[tuple[int, int]] = []
     info: dict[int, tuple[int | None, int]] = {}
@@ -346,11 +360,11 @@ def _rationed(
             out.append((i, n))
             continue
         k = r.keep[i]
-        extra = k - min(1, len(q.survival))
+        extra = k - mine[i].mandatory
         out.append((i, n + extra))
         used += extra
         cut = k if k < len(q.survival) else None
-        info[i] = (cut, r.budget(Round(i, n, q.survival), q.mean_token))
+        info[i] = (cut, r.budget(mine[i], q.mean_token))
     return out, used, info, r.price
 
 

@@ -111,9 +111,11 @@ class Verify(ProposeWork):
     #: Token-tree branches verified in the same forward (:class:`Branch`).
     branches: tuple[Branch, ...] = ()
     #: Rationing (:mod:`cloud_verifier.engine.rationing`): each draft token's survival s_i
-    #: (empty: the draft is never cut) and â of an average token of the session.
+    #: (empty: the draft is never cut), â of an average token of the session, and the draft
+    #: tokens a round it was promised (the budget it was last told: never left out).
     survival: tuple[float, ...] = ()
     mean_token: float = 0.0
+    promised: int = 1
 
     @property
     def tree_tokens(self) -> int:
@@ -129,11 +131,34 @@ class Verify(ProposeWork):
         return self.propose.pos
 
 
-def cut_draft(work: Verify, keep: int) -> Verify:
-    """``work`` verifying only the first ``keep`` (>= 1) tokens of its draft, with a bonus token
-    after them (rationing): the segments past the cut dropped, the one it falls in shortened.
-    Which tokens are verified depends on draft-side information only, so the bonus token at the
-    cut is drawn from p exactly as after a shorter Propose."""
+def batch_ends(work: Verify) -> tuple[int, ...]:
+    """The draft length at the end of each of ``work``'s batches (segments), in order."""
+    ends, n = [], 0
+    for s in work.segments:
+        n += len(s.draft)
+        ends.append(n)
+    return tuple(ends)
+
+
+def deferred(work: Verify, keep: int) -> bool:
+    """Whether verifying the first ``keep`` draft tokens of ``work`` defers whole batches
+    (``keep`` ends a batch past the first) rather than cutting one (it falls inside the first)."""
+    ends = batch_ends(work)
+    return keep in ends[:-1]
+
+
+def rationed(work: Verify, keep: int) -> Verify:
+    """``work`` verifying only the first ``keep`` (>= 1) tokens of its draft (rationing).
+
+    * ``keep`` ends a batch (:func:`deferred`): the batches behind it are left for a later
+      step; the rest is decided as those batches alone would be (no bonus: each asked for
+      none, being followed).
+    * ``keep`` falls inside the first batch: a *cut*, with a bonus token after the kept
+      tokens; the rest of the draft is void.
+
+    Which tokens are verified depends on draft-side information and the load only, so the
+    decision on them (and a bonus at a cut) is drawn from p exactly as after a shorter
+    Propose."""
     segments: list[Propose] = []
     left = keep
     for s in work.segments:
@@ -142,11 +167,12 @@ def cut_draft(work: Verify, keep: int) -> Verify:
         n = min(left, len(s.draft))
         segments.append(s if n == len(s.draft) else replace(s, draft=s.draft[:n], q=s.q[:n]))
         left -= n
+    whole = deferred(work, keep)
     return replace(
         work,
         propose=segments[0],
         more=tuple(segments[1:]),
-        want_bonus=True,
+        want_bonus=segments[-1].want_bonus if whole else True,
         branches=(),
         survival=work.survival[:keep],
     )
@@ -262,10 +288,12 @@ class Verified:
     #: A Verify's tree branch opened by the recovered token (the cache then holds the
     #: recovered token and the branch's accepted tokens too).
     branch: BranchTaken | None = None
-    #: Rationing: the Verify's draft tokens the step verified, when it cut the draft (the
-    #: decision's bonus then follows them); None: the whole draft.
+    #: Rationing: the Verify's draft tokens the step verified when it left some out
+    #: (:func:`rationed`: the batches behind them deferred, or a cut with the bonus after
+    #: them); None: the whole draft.
     cut: int | None = None
-    #: Rationing: the draft tokens ahead the session may send (Verdict.budget); None: not set.
+    #: Rationing: the draft tokens a round of the session may hold (Verdict.budget); None: not
+    #: set.
     budget: int | None = None
 
 

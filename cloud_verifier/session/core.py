@@ -90,7 +90,9 @@ from cloud_verifier.engine.work import (
     Verify,
     Work,
     WorkProgress,
+    batch_ends,
     cache_after,
+    deferred,
 )
 from cloud_verifier.session.acceptance import Acceptance
 from cloud_verifier.session.cloud_draft import (
@@ -358,6 +360,8 @@ class VerifierCore:
         self._acceptance = Acceptance()
         #: The draft budget the edge was last told (Verdict.budget; it starts unbounded).
         self.budget = MAX_BUDGET
+        #: Batches the ration deferred to a later step (queued again).
+        self.deferred = 0
         #: The rest of the last rejected draft: (its position, its tokens) (cloud_draft tail).
         self._tail: tuple[int, list[int]] | None = None
         self._bucket = float(limits.frame_burst)  # frame-rate tokens left
@@ -750,6 +754,7 @@ class VerifierCore:
                 branches=branches,
                 survival=survival,
                 mean_token=self._acceptance.token(self._acceptance.q_mean),
+                promised=self.budget,
             )
         )
 
@@ -973,10 +978,19 @@ class VerifierCore:
         decision's correction or bonus; the segments behind a rejection get nothing (they
         are of an old epoch now, as if they had been queued and dropped)."""
         p, d = work.propose, result.decision
-        # Rationing cut the draft to its first ``g`` tokens: a full acceptance of those is
+        # Rationing verified the first ``g`` draft tokens only (engine.work.rationed): at a
+        # batch's end the batches behind are deferred (queued again, as they came, if these
+        # are accepted whole); inside the first batch a cut: a full acceptance of those is
         # followed by the bonus token, and the rest of the draft is void (a new epoch).
         g, n = (len(work.draft) if result.cut is None else result.cut), d.accepted
-        cut = g < len(work.draft)
+        later = deferred(work, g)
+        cut = g < len(work.draft) and not later
+        segments = work.segments
+        if later:
+            ends = batch_ends(work)
+            segments, behind = segments[: ends.index(g) + 1], segments[ends.index(g) + 1 :]
+        else:
+            behind = ()
         self._acceptance.observe(work.q[:g].tolist(), n)
         self.text[p.pos :] = [*p.fixed.tolist(), *work.draft[:n].tolist()]
         # (before the verdicts: the edge has them when it commits the tokens)
@@ -1021,7 +1035,6 @@ class VerifierCore:
         if told is not None:
             self.budget = told
         left = n + work.matched
-        segments = work.segments
         for i, s in enumerate(segments):
             gs = len(s.draft) + (work.matched if i == 0 else 0)
             # (only the first segment carries fixed tokens: the prefix cache's share of them)
@@ -1044,6 +1057,13 @@ class VerifierCore:
             out.append(Send(verdict))
             out += [Note(NoteKind.STALE)] * (len(segments) - 1 - i)
             break
+        if behind and n == g:
+            # Deferred behind an accepted whole: queued again, first, as they came.
+            self._queue.extendleft(reversed(behind))
+            self.expected_seq = behind[0].seq
+            self.deferred += len(behind)
+        else:
+            out += [Note(NoteKind.STALE)] * len(behind)
         if opened:
             # The branch the recovered token opened, decided in the same forward: its tokens
             # are the verifier's, sent like co-generated ones (after the Verdict, which

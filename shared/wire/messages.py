@@ -206,8 +206,8 @@ class Verdict:
     Rationing: ``accepted`` < γ with a ``bonus`` and no correction is a *cut*: under load the
     verifier verified only the first ``accepted`` draft tokens (all accepted) and drew the bonus
     token from p after them; the rest of the draft is void and a new epoch begins, as after a
-    rejection. ``budget``: from now on, the draft tokens ahead of its committed text the edge
-    should have in flight at most (:data:`MAX_BUDGET`: no bound); sent when it changes.
+    rejection. ``budget``: from now on, the most draft tokens a batch of the edge's should hold
+    (:data:`MAX_BUDGET`: no bound); sent when it changes.
     """
 
     epoch: int

@@ -215,8 +215,8 @@ def _rationed(
 def _loaded_ration(acc: Acceptance, q: list[float]) -> int:
     """The product's ration of this round among a crowd of other sessions' rounds at a
     step cost where the price cuts tails: the survival it ranks by reads q_0..q_{i-1} only."""
-    me = Round(0, 3, acc.survival(q))
-    crowd = [Round(k, 3, tuple(0.6 * 0.6**i for i in range(len(q)))) for k in range(1, 8)]
+    me = Round(0, 2, acc.survival(q))
+    crowd = [Round(k, 2, tuple(0.6 * 0.6**i for i in range(len(q)))) for k in range(1, 8)]
     return ration([me, *crowd], 0, 0.0, overhead=40.0, room=4096).keep[0]
 
 

@@ -1,6 +1,7 @@
 """Rationing under load, end to end: real edges and a real verifier on tiny models, every
 forward costing time per token (so that a loaded step's price cuts draft tails, as on a busy
-GPU). The ration cuts drafts and tells each edge its budget, and the text stays the target's:
+GPU). The ration leaves speculative slots out (batches deferred to the next step, first batches
+longer than their promise cut) and tells each edge its budget, and the text stays the target's:
 greedy equality, and at T = 1 the tokens' law (sequential chi-square against the target's p_t).
 """
 
@@ -60,10 +61,11 @@ async def _generate_all(
             a.close()
 
 
-async def test_greedy_text_under_load_with_drafts_cut(
+async def test_greedy_text_under_load_with_drafts_rationed(
     aiohttp_server: Any, target: LoadedModel, tiny_model_dir: Path
 ) -> None:
-    """A draft close to the target (long accepted runs, so a cut is often what ends a round)."""
+    """A draft close to the target (long accepted runs, so the ration is often what ends a
+    round)."""
     draft = near_draft(tiny_model_dir)
     url, state = await serve_app(
         aiohttp_server, lambda: PerToken(TorchTarget(target)), batch_wait_ms=5.0, cogen_ahead=0
@@ -72,11 +74,10 @@ async def test_greedy_text_under_load_with_drafts_cut(
     gens = await _generate_all(url, draft, cfg, 40, range(len(PROMPTS)))
     for p, gen in zip(PROMPTS, gens, strict=True):
         assert gen.generated == target_greedy(target, p, 40), p
-    assert state.engine.cut_rounds > 0
-    assert sum(g.stats.cut_rounds for g in gens) > 0  # the edges took cut Verdicts
+    assert state.engine.deferred_rounds > 0
 
 
-async def test_sampled_text_under_load_with_drafts_cut_is_the_targets(
+async def test_sampled_text_under_load_with_drafts_rationed_is_the_targets(
     aiohttp_server: Any, target: LoadedModel, draft: LoadedModel
 ) -> None:
     url, state = await serve_app(
@@ -85,7 +86,9 @@ async def test_sampled_text_under_load_with_drafts_cut_is_the_targets(
     params = SamplingParams(1.0)
     cfg = PipelineConfig(gamma=6, depth=3, sampling=params, correction=CorrectionMode.CANDIDATES)
     gens = await _generate_all(url, draft, cfg, 150, range(300, 300 + len(PROMPTS)))
-    assert state.engine.cut_rounds > 0 and sum(g.stats.cut_rounds for g in gens) > 0
+    # batches were deferred (cuts, which only a first batch longer than its promise gets, are
+    # rare once the edges draft within their budgets: their law is tests/shared/test_exactness)
+    assert state.engine.deferred_rounds > 0
     toks = np.array([t for g in gens for t in g.generated])
     rows = np.concatenate(
         [target_rows(target, p, g.generated, params) for p, g in zip(PROMPTS, gens, strict=True)]

@@ -51,6 +51,7 @@ CHANGED = {
     "kv_cache_tokens": 4096,
     "batch_wait_ms": 1.0,
     "ration": False,
+    "ration_share": 1.5,
     "kv_session_share": 0.25,
     "kv_token_share": 0.5,
     "stall_timeout": 7.0,
@@ -113,4 +114,5 @@ def test_the_step_plans_limits_are_the_engines() -> None:
         prefill_chunk=settings.prefill_chunk,
         prefill_share=settings.prefill_share,
         ration=settings.ration,
+        ration_share=settings.ration_share,
     )

@@ -7,11 +7,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from cloud_verifier.engine.rationing import MAX_AHEAD, Round, ration
 from cloud_verifier.engine.scheduler import BatchLimits, Kind, Queued, plan_step
+from cloud_verifier.engine.work import Verify, batch_ends, deferred, rationed
 from cloud_verifier.session.acceptance import Acceptance
+from shared.wire.messages import Propose
 
 pytestmark = pytest.mark.fast
 
@@ -50,47 +53,108 @@ def test_acceptance_is_measured() -> None:
 
 def test_an_idle_verifier_verifies_whole_drafts() -> None:
     # A GPU-like step: a forward's overhead is worth hundreds of tokens.
-    rounds = [Round(k, 3, chain(0.7, 8)) for k in range(2)]
+    rounds = [Round(k, 2, chain(0.7, 8)) for k in range(2)]
     r = ration(rounds, 0, 0.0, overhead=400.0, room=4096)
     assert dict(r.keep) == {0: 8, 1: 8}
     # unmeasured: not priced at all
     assert dict(ration(rounds, 0, 0.0, float("inf"), 4096).keep) == {0: 8, 1: 8}
 
 
-def test_a_loaded_step_cuts_the_least_likely_tails_first() -> None:
-    confident = Round(0, 3, chain(0.9, 8, 0.9))
-    unsure = Round(1, 3, chain(0.6, 8, 0.4))
-    crowd = [Round(k, 3, chain(0.7, 8)) for k in range(2, 40)]
+def test_a_loaded_step_leaves_out_the_least_likely_tails_first() -> None:
+    confident = Round(0, 2, chain(0.9, 8, 0.9))
+    unsure = Round(1, 2, chain(0.6, 8, 0.4))
+    crowd = [Round(k, 2, chain(0.7, 8)) for k in range(2, 40)]
     r = ration([confident, unsure, *crowd], 0, 0.0, overhead=20.0, room=4096)
     assert r.price > 0
     assert 1 <= r.keep[1] < r.keep[0] <= 8
-    # every slot kept is worth its price, every slot cut is not
+    # every slot kept is worth its price, every slot left out is not
     for rd in (confident, unsure, *crowd):
         k = r.keep[rd.key]
         assert all(s >= r.price * 0.999 for s in rd.survival[1:k])
         assert all(s <= r.price * 1.001 for s in rd.survival[k:])
-    # the first draft slot is never cut
+    # the first draft slot is never left out
     assert min(r.keep.values()) >= 1
 
 
 def test_the_room_bounds_the_slots_in_survival_order() -> None:
-    a, b = Round(0, 3, chain(0.9, 6, 0.9)), Round(1, 3, chain(0.5, 6, 0.5))
+    a, b = Round(0, 2, chain(0.9, 6, 0.9)), Round(1, 2, chain(0.5, 6, 0.5))
     r = ration([a, b], 0, 0.0, overhead=float("inf"), room=6 + 4)
     assert r.keep[0] + r.keep[1] == 2 + 4
     assert r.keep[0] == 5 and r.keep[1] == 1
+    # the clearing price: the best slot left out
+    assert r.price == pytest.approx(a.survival[5])
+
+
+@pytest.mark.parametrize("share", [0.1, 0.5, 2.0])
+def test_speculation_adds_at_most_its_share_of_a_forwards_overhead(share: float) -> None:
+    """Slots past the mandatory part add at most share · a/b tokens to a step, however cheap
+    each token is against the overhead: a loaded step stays short."""
+    rounds = [Round(k, 2, chain(0.95, 12, 0.95)) for k in range(30)]
+    r = ration(rounds, 100, 0.0, overhead=200.0, room=4096, share=share)
+    extra = sum(r.keep[k] - 1 for k in r.keep)
+    assert extra <= share * 200.0
+    # the room is used (up to a slot a round), or every slot fits
+    assert extra >= min(share * 200.0 - len(rounds), 30 * 11)
+    left_out = [rd.survival[r.keep[rd.key]] for rd in rounds if r.keep[rd.key] < 12]
+    assert r.price >= max(left_out, default=0.0)
+
+
+def test_the_slots_promised_are_never_left_out() -> None:
+    """A round's first batch up to the budget its session was told is mandatory: a step
+    keeps its promise however loaded (a price that moved since does not cut it)."""
+    promised = Round(0, 2, chain(0.5, 6, 0.5), ends=(4, 6), sure=3)
+    crowd = [Round(k, 2, chain(0.7, 6)) for k in range(1, 40)]
+    r = ration([promised, *crowd], 0, 0.0, overhead=5.0, room=4096, share=0.1)
+    assert r.keep[0] == 3 and promised.mandatory == 3 and promised.base == 5
+    # never past the first batch, however large the promise
+    assert Round(0, 2, chain(0.9, 6), ends=(2, 6), sure=5).mandatory == 2
+
+
+def test_a_ration_past_the_first_batch_stops_at_a_batch_end() -> None:
+    """Coalesced batches (ends 3, 6, 9): a ration ending inside the second or third batch
+    verifies whole batches only, the rest deferred (snapped back); inside the first, a cut."""
+    rd = Round(0, 2, chain(0.9, 9, 0.9), ends=(3, 6, 9))
+    assert [rd.snap(k) for k in range(1, 10)] == [1, 2, 3, 3, 3, 6, 6, 6, 9]
+    other = Round(1, 2, chain(0.2, 9, 0.2), ends=(9,))
+    r = ration([rd, other], 0, 0.0, overhead=float("inf"), room=2 + 3 + 2 + 1 + 4)
+    assert r.keep[0] == 6  # 3 + 4 slots fit: snapped to the second batch's end
 
 
 def test_the_budget_follows_the_price() -> None:
-    rd = Round(0, 3, chain(0.7, 4))
+    rd = Round(0, 2, chain(0.7, 4))
     idle = ration([rd], 0, 0.0, overhead=float("inf"), room=4096)
     assert idle.budget(rd, 0.7) == MAX_AHEAD
-    cut = ration([rd, *(Round(k, 3, chain(0.7, 4)) for k in range(1, 60))], 0, 0.0, 5.0, 4096)
+    crowd = [rd, *(Round(k, 2, chain(0.7, 4)) for k in range(1, 60))]
+    cut = ration(crowd, 0, 0.0, 5.0, 4096)
     k = cut.keep[0]
     assert k < 4 and cut.budget(rd, 0.7) == k
     # a whole draft at a modest price: told how far a longer one would still pay
-    mid = ration([rd, Round(1, 3, chain(0.7, 4))], 0, 0.0, overhead=30.0, room=4096)
+    mid = ration([rd, Round(1, 2, chain(0.7, 4))], 0, 0.0, overhead=30.0, room=4096)
     assert mid.keep[0] == 4
     assert 4 < mid.budget(rd, 0.7) < MAX_AHEAD
+    # the room binds: told the slots above the best one left out
+    tight = ration(crowd, 0, 0.0, overhead=1000.0, room=4096, share=0.05)
+    assert tight.budget(rd, 0.7) == sum(1 for s in rd.survival if s > tight.price) >= 1
+
+
+def test_a_rationed_verify_defers_whole_batches_and_cuts_only_inside_the_first() -> None:
+    """engine.work.rationed: at a batch's end past the first, the kept batches are decided as
+    they came (no bonus: a batch follows them); inside the first, a cut with a bonus."""
+    ps = [
+        Propose(0, s, pos, np.arange(pos, pos + 3), np.full(3, 0.8, np.float32), want_bonus=False)
+        for s, pos in enumerate((4, 7, 10))
+    ]
+    ps[0] = replace(ps[0], fixed=np.array([1, 2, 3, 4]), pos=0)
+    ps[-1] = replace(ps[-1], want_bonus=True)
+    w = Verify(ps[0], True, tuple(ps[1:]), survival=chain(0.9, 9, 0.9))
+    assert batch_ends(w) == (3, 6, 9)
+    later = rationed(w, 6)
+    assert deferred(w, 6) and [p.seq for p in later.segments] == [0, 1]
+    assert not later.want_bonus and len(later.survival) == 6
+    cut = rationed(w, 2)
+    assert not deferred(w, 2) and [p.seq for p in cut.segments] == [0] and cut.want_bonus
+    assert cut.draft.tolist() == ps[0].draft[:2].tolist()
+    assert not deferred(w, 9)
 
 
 def test_prefill_is_planned_before_speculative_tokens_past_the_budget() -> None:

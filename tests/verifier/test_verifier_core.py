@@ -762,16 +762,16 @@ def test_an_empty_propose_is_a_credit_or_fixed_tokens_alone() -> None:
     ("cut", "verdicts", "next_pos"),
     [
         (1, [(1, 1, 4)], 4),  # cut inside the first batch: its bonus, the second void
-        (2, [(1, 2, None), (2, 0, 4)], 5),  # cut at the second's first token
-        (3, [(1, 2, None), (2, 1, 4)], 6),  # cut inside the second
+        (3, [(1, 2, None), (2, 1, 4)], 6),  # inside the second (the ration snaps past the first)
     ],
 )
 def test_a_cut_draft_answers_with_its_bonus_and_starts_a_new_epoch(
     cut: int, verdicts: list[tuple[int, int, int | None]], next_pos: int
 ) -> None:
-    """The ration verified the first ``cut`` tokens of a coalesced draft, all accepted: the
-    Verdict of the batch the cut falls in carries the bonus token drawn after them, the
-    draft behind is void (a new epoch), and the budget the edge is told rides with it once."""
+    """The ration verified the first ``cut`` tokens of a coalesced draft, all accepted, the cut
+    inside a batch: the Verdict of the batch the cut falls in carries the bonus token drawn
+    after them, the draft behind is void (a new epoch), and the budget the edge is told rides
+    with it once."""
     core = _busy_with_two_queued()
     work = run_of(core.work_done(Verified(Decision(2)))).work
     assert isinstance(work, Verify) and len(work.survival) == 4  # sent for the ration
@@ -785,3 +785,32 @@ def test_a_cut_draft_answers_with_its_bonus_and_starts_a_new_epoch(
     assert isinstance(run_of(core.receive(propose(core, 1, 3, next_pos, [11], [4]))).work, Verify)
     out = core.work_done(Verified(Decision(1), budget=cut))
     assert _verdicts(out)[-1].budget is None  # unchanged: not sent again
+
+
+def test_batches_behind_the_ration_are_deferred_not_dropped() -> None:
+    """The ration verified the first batch of a coalesced draft whole (it stops at a batch's
+    end): accepted, that batch gets its Verdict (no bonus: a batch follows), the epoch stays,
+    and the second batch is queued again, first, as it came: the next step verifies it."""
+    core = _busy_with_two_queued()
+    work = run_of(core.work_done(Verified(Decision(2)))).work
+    assert isinstance(work, Verify) and work.promised == core.budget
+    out = core.work_done(Verified(Decision(2), cut=2, budget=2))
+    assert [(v.seq, v.accepted, v.bonus, v.budget) for v in _verdicts(out)] == [(1, 2, None, 2)]
+    assert core.epoch == 0 and core.deferred == 1 and core.expected_seq == 3
+    again = run_of(out).work  # the deferred batch, coalesced with nothing new
+    assert isinstance(again, Verify) and [p.seq for p in again.segments] == [2]
+    assert again.draft.tolist() == [9, 10] and again.promised == 2
+    out = core.work_done(Verified(Decision(2)))
+    assert [(v.seq, v.accepted) for v in _verdicts(out)] == [(2, 2)]
+    assert (core.next_pos, core.epoch) == (7, 0)
+
+
+def test_a_rejection_before_deferred_batches_leaves_them_stale() -> None:
+    """Rejected inside the verified batch: the deferred one is of an old epoch now (a Note
+    each, no work), as if it had been queued and dropped."""
+    core = _busy_with_two_queued()
+    run_of(core.work_done(Verified(Decision(2))))
+    out = core.work_done(Verified(Decision(1, token=4), cut=2))
+    assert [(v.seq, v.accepted, v.token) for v in _verdicts(out)] == [(1, 1, 4)]
+    assert [e.kind for e in out if isinstance(e, Note)] == [NoteKind.STALE]
+    assert core.epoch == 1 and core.deferred == 0 and not [e for e in out if isinstance(e, Run)]
