@@ -442,8 +442,8 @@ class Pipeline:
         self.inflight: deque[Batch] = deque()
         #: True while a recovered token is not yet known: drafting would use a text without it.
         self.recovering = False
-        #: Rationing: the draft tokens ahead of the committed text the verifier last said it
-        #: verifies (Verdict.budget; MAX_BUDGET: no bound): the tail never grows past it.
+        #: Rationing: the draft tokens of a round the verifier last said it verifies whole
+        #: (Verdict.budget; MAX_BUDGET: no bound): no batch is drafted longer.
         self.budget = MAX_BUDGET
         self._last_verdict_at: float | None = None
         #: Seconds from sending a batch to its verdict, recent rounds (RTT + queueing + T_v).
@@ -508,12 +508,11 @@ class Pipeline:
         return out
 
     def _room(self) -> int:
-        """Tokens the drafter may still add after the tail (0 after an end-of-sequence id),
-        within the verifier's draft budget."""
+        """Tokens the drafter may still add after the tail (0 after an end-of-sequence id)."""
         tail = self.tail
         if any(t in self.gen.eos_ids for t in tail):
             return 0
-        return min(self.gen.room, self.budget) - len(tail)
+        return self.gen.room - len(tail)
 
     def may_draft(self) -> bool:
         if self.gen.done or self.recovering:
@@ -538,7 +537,7 @@ class Pipeline:
         return DraftPlan(
             epoch=self.epoch,
             context=self.gen.committed + self.tail,
-            max_tokens=min(self.gamma, self._room()),
+            max_tokens=min(self.gamma, self.budget, self._room()),
             deterministic=self.deterministic_draft,
             version=self.version,
         )
@@ -650,7 +649,7 @@ class Pipeline:
             return None
         text = self.gen.committed + self.tail
         return PredraftPlan(
-            pos, token, text[:pos], min(self.gamma, room), deterministic=self.deterministic_draft
+            pos, token, text[:pos], min(self.gamma, self.budget, room), deterministic=self.deterministic_draft
         )
 
     def predraft_current(self, pp: PredraftPlan, draft: Sequence[int] = ()) -> bool:

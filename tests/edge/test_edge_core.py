@@ -602,21 +602,23 @@ def test_a_branch_whose_head_was_co_generated_sends_the_rest() -> None:
     assert pipe.take_branch(plan) == (None, []) and not pipe.branches
 
 
-def test_the_verifiers_draft_budget_bounds_the_pipeline() -> None:
-    """Verdict.budget: the edge keeps at most that many draft tokens ahead of its committed
-    text (batches shorten, then wait), until a larger budget comes."""
-    e = edge(PipelineConfig(gamma=4, depth=3, sampling=GREEDY), max_new=40)
-    e.fill()  # three batches of 4: the pipeline unbounded
+def test_the_verifiers_draft_budget_bounds_each_batch_not_the_pipeline() -> None:
+    """Verdict.budget: the edge drafts no batch longer than that (rounds shorten), and keeps
+    its pipeline as deep as before (a short round queued for every step), until a larger
+    budget comes."""
+    e = edge(PipelineConfig(gamma=4, depth=3, sampling=GREEDY), max_new=60)
+    e.fill()  # three batches of 4: the budget unbounded
     assert [len(b.draft) for b in e.core.pipe.inflight] == [4, 4, 4]
-    e.answer(4, budget=3)
-    assert len(e.core.pipe.tail) == 8 and not e.core.may_draft()
+    e.answer(4, budget=2)
+    e.fill()  # the batch drafted now is of 2
+    assert [len(b.draft) for b in e.core.pipe.inflight] == [4, 4, 2]
     e.answer(4)
     e.answer(4)
-    e.fill()  # nothing ahead: one batch of 3, then the budget is spent
-    assert [len(b.draft) for b in e.core.pipe.inflight] == [3]
-    e.answer(3, budget=MAX_BUDGET)
+    e.fill()  # three batches of 2 in flight: as deep as before
+    assert [len(b.draft) for b in e.core.pipe.inflight] == [2, 2, 2]
+    e.answer(2, budget=MAX_BUDGET)
     e.fill()
-    assert [len(b.draft) for b in e.core.pipe.inflight] == [4, 4, 4]
+    assert [len(b.draft) for b in e.core.pipe.inflight] == [2, 2, 4]
 
 
 def test_a_cut_round_commits_the_verified_tokens_and_the_bonus_and_voids_the_rest() -> None:
@@ -630,6 +632,5 @@ def test_a_cut_round_commits_the_verified_tokens_and_the_bonus_and_voids_the_res
     st = e.gen.stats
     assert (st.cut_rounds, st.cut_tokens, st.rejections, st.discarded_batches) == (1, 2, 0, 1)
     assert st.bonus_tokens == 1 and st.draft_tokens == 1  # only what was judged
-    e.fill()  # within the budget: one batch of 2 after the bonus, sent as a fixed token
-    assert e.proposes()[-1] == (1, 2, 2, [9], [10, 11])
-    assert not e.core.may_draft()
+    e.fill()  # batches of 2 (the budget) after the bonus, sent as a fixed token
+    assert e.proposes()[-2:] == [(1, 2, 2, [9], [10, 11]), (1, 3, 5, [], [12, 13])]
