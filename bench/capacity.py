@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +63,9 @@ from bench.grid import (
 )
 from bench.prompts import Split
 from bench.provenance import provenance
-from bench.sim import CloudDraftKind, Costs, Link, Request, SimResult, simulate
+from bench.sim import SIM_BATCH, CloudDraftKind, Costs, Link, Request, SimResult, simulate
 from bench.traces import Trace, load_traces
+from cloud_verifier.engine.scheduler import BatchLimits
 
 RTT_MS = 100.0
 REPLY_TOKENS = 256
@@ -88,6 +89,8 @@ HEADLINE_SLO = "reading"
 MAX_USERS = 2048
 #: The users-at-a-service-level search resolves N to within 1/RESOLUTION (0: exactly).
 RESOLUTION = 0
+#: :attr:`Plan.prefill_chunk` (vLLM's chunked-prefill step budget on large GPUs is of this order).
+PREFILL_CHUNK = 2048
 SEED = 0
 #: Deadline for one mode's rows and searches in a worker.
 MODE_TIMEOUT_S = 3600.0
@@ -108,6 +111,10 @@ class Plan:
     #: The verifier's forwards cost by the roofline model (bench.costs.ROOFLINE_RULE), not the
     #: linear one fitted to the two H200 points.
     roofline: bool = False
+    #: The verifier's ``prefill_chunk`` here: an H200 prefills a prompt of up to this many
+    #: tokens in one step beside the rounds (the product's default, 512, suits a CPU, where a
+    #: forward's overhead is small against its tokens); every mode runs with it.
+    prefill_chunk: int = PREFILL_CHUNK
 
 
 SMOKE = Plan(
@@ -156,6 +163,12 @@ def users(traces: Sequence[Trace], n: int, plan: Plan) -> list[list[Request]]:
         [Request(traces[(u + i) % len(traces)], plan.tokens) for i in range(plan.requests_per_user)]
         for u in range(n)
     ]
+
+
+def batch_limits(plan: Plan) -> BatchLimits:
+    """The verifier's scheduler limits in this study (the simulation's, with the plan's
+    prefill chunk)."""
+    return replace(SIM_BATCH, prefill_chunk=plan.prefill_chunk)
 
 
 def figures(result: SimResult) -> dict[str, float]:
@@ -212,6 +225,7 @@ def run_mode(job: ModeJob) -> dict[str, Any]:
                 link,
                 start_spread_s=job.spread_s,
                 seed=job.plan.seed,
+                batch=batch_limits(job.plan),
             )
             cache[n] = figures(result)
         return cache[n]
@@ -362,6 +376,11 @@ def build(traces_path: Path, *, plan: Plan, grid_path: Path | None, workers: int
             "target": traces.target,
             "draft": traces.draft,
             "workers": workers,
+            "verifier": {
+                **{k: v for k, v in asdict(batch_limits(plan)).items() if k != "max_sessions"},
+                "max_sessions": "unbounded (every user's row fits a step)",
+                "ration": "on" if batch_limits(plan).ration else "off",
+            },
         },
         "best_cloud_sd": {
             "mode_spec": best_job.cell.spec,

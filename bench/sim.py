@@ -24,16 +24,20 @@ runs the product's own rules, not a model of them:
   together, stopping when ``may_draft``), else wait for a frame. A cloud-only session sends
   credits as :func:`~edge_agent.link.driver.credit_loop` does; an edge that drafts with
   co-generation sends its prompt in a credit at once, as :func:`~edge_agent.link.driver.run_single`.
-* **The verifier's engine is mirrored** (:class:`_Engine`, after
-  :mod:`cloud_verifier.engine.scheduler` and ``runner``): whenever the GPU is idle and work is
-  queued, one step takes every session's queued work (Verify, CoGenerate, Crop) and the
-  ``ar`` rows, in one forward costing :meth:`Costs.forward_s` of the rows' tokens (a row is
-  its fixed tokens, or the last cached token again when it has none, plus its draft tokens:
-  ``runner._plan``). CoGenerates that ask for a model draft get one only in a step with no
-  Verify (``scheduler.model_drafts_allowed``), of the length ``draft_length`` picks from the
-  session's α and the draft/target cost ratio (``DraftCost``, fed the virtual times); the
-  draft steps run before the forward, all sessions batched, a step of B rows costing
-  ``cloud_draft_s · (1 + token_cost · (B − 1))``.
+* **The verifier's engine plans with the product's scheduler** (:class:`_Engine`): whenever
+  the GPU is idle and work is queued, :func:`~cloud_verifier.engine.scheduler.plan_step` plans
+  one step from every session's queued work (Verify, CoGenerate, Crop) and the ``ar`` rows:
+  decode rounds, prefill chunks (``prefill_chunk`` tokens a step, a prompt's last chunk
+  deciding), co-generations in the room left (else Skipped), the ration of speculative slots
+  (deferred batches, cuts, the budget each session is told); the step costs
+  :meth:`Costs.forward_s` of its rows' tokens (a row is its fixed tokens, or the last cached
+  token again when it has none, plus the draft tokens it verifies: ``runner._plan``).
+  CoGenerates that ask for a model draft get one only where the plan allows model drafts
+  (``scheduler.model_drafts_allowed``), of the length ``draft_length`` picks from the session's
+  α and the draft/target cost ratio (``DraftCost``, fed the virtual times); the draft steps run
+  before the forward, all sessions batched, a step of B rows costing
+  ``cloud_draft_s · (1 + token_cost · (B − 1))``. The batch limits are the product's defaults
+  (:data:`SIM_BATCH`) but for the sessions a step may hold, which is unbounded here.
 * **The models are the trace.** Greedy decoding: the target's token at path position j is
   ``path[j]`` (the verifier's text is always the committed text). The draft's token at j after
   an on-path context is ``draft_top[j][0]`` (right iff ``draft_ok(j)``), with probability
@@ -58,13 +62,14 @@ Simplifications (each a difference from a real run to expect):
   ``draft_s · (1 + draft_batch_cost · (P − 1))``, before its first draft step.
 * A link is a FIFO per direction: a frame of n bytes (the encoded frame, no WebSocket / TCP
   headers) takes ``n · 8 / bandwidth`` to serialise, then ``rtt / 2`` to arrive.
-* The engine: no chunked prefill (a prompt is one row of its whole length), no padding (a
-  forward costs by its total tokens, not rows × longest row), no ``batch_wait_ms`` (2 ms), no
-  ``max_batch_sessions`` / ``max_batch_tokens`` limit (so no CoGenerate is ever Skipped), no
-  KV limits. Its CPU work between steps is free.
+* The engine: no padding (a forward costs by its total tokens, not rows × longest row, and
+  one forward takes every row: no second forward for far prefills), no ``batch_wait_ms``
+  (2 ms), no session bound on a step (:data:`SIM_BATCH`), no KV limits. Its CPU work between
+  steps is free.
 * ``ar``: the bench's autoregressive server (:mod:`bench.ar_server`) as rows of the same
   engine (continuous batching with every other session): the request (its real msgpack bytes)
-  goes up, a prefill row of P tokens gives token 1, then a 1-token row per token; each token
+  goes up, the prompt's P tokens are prefilled (in chunks, as a prompt) and give token 1, then
+  a 1-token row per token; each token
   goes down as its own 4-byte frame.
 * The reply ends at ``min(max_tokens, len(path))`` tokens, or at the path's EOS: a trace holds
   no target token past its path.
@@ -80,7 +85,7 @@ import math
 import random
 import re
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import ClassVar, Final
 
@@ -97,20 +102,25 @@ from bench.costs import (
     roofline_ms,
 )
 from bench.traces import Trace
-from cloud_verifier.engine.rationing import Round, own_budget, ration, survival_of
+from cloud_verifier.engine.engine import EngineLimits
+from cloud_verifier.engine.rationing import survival_of
+from cloud_verifier.engine.runner import advance, work_start
+from cloud_verifier.engine.scheduler import BatchLimits, Queued, plan_step
+from cloud_verifier.engine.scheduler import Kind as SchedKind
 from cloud_verifier.engine.step_times import DraftCost
 from cloud_verifier.engine.work import (
     NO_IDS,
     CoGenerate,
     Crop,
     Cropped,
-    Federate,
     Result,
+    Skipped,
     Verified,
     Verify,
     Withheld,
     Work,
-    cut_draft,
+    batch_ends,
+    rationed,
 )
 from cloud_verifier.session.cloud_draft import CloudDraft, draft_length
 from cloud_verifier.session.core import Close, Run, SessionLimits, TargetInfo, VerifierCore
@@ -545,17 +555,43 @@ class _ARSession:
     on_token: Callable[[int], None]
     done: int = 0  # tokens produced
     queued: bool = False  # a row waits for the next step
+    prefilled: int = 0  # prompt tokens cached by chunks so far
 
     @property
-    def row(self) -> int:
-        return len(self.models.trace.prompt) if self.done == 0 else 1
+    def queued_row(self) -> Queued:
+        """Its next row as the scheduler sees it: the prompt's tokens not yet cached, then the
+        row that decides (one token)."""
+        left = len(self.models.trace.prompt) - self.prefilled if self.done == 0 else 1
+        return Queued(SchedKind.FORWARD, left - 1, 1)
+
+
+#: The engine's batch limits here: the product's defaults (chunked prefill, its share beside
+#: the rounds, rationing, the step's token bound) but no bound on the sessions of a step, which
+#: would cap it below the users simulated (an operator serving more users than
+#: ``max_batch_sessions`` raises it, and ``slots``).
+SIM_BATCH: Final = replace(EngineLimits().batch, max_sessions=1 << 20)
+
+
+def _queued(work: Work | None) -> Queued:
+    """A session's work as the scheduler sees it (``engine._queued``, with an empty cache: no
+    KV limits here)."""
+    if isinstance(work, (Verify, CoGenerate)):
+        kind = SchedKind.COGEN if isinstance(work, CoGenerate) else SchedKind.FORWARD
+        tree = work.tree_tokens if isinstance(work, Verify) else 0
+        survival, mean = survival_of(work)
+        ends, promised = (batch_ends(work), work.promised) if isinstance(work, Verify) else ((), 1)
+        decide = len(work.draft) + tree + 1
+        return Queued(kind, len(work.fixed), decide, "", 0, 0, survival, mean, ends, promised)
+    if isinstance(work, Crop):
+        return Queued(SchedKind.CHEAP)
+    raise SimError(f"{type(work).__name__}: not simulated (greedy sessions never ask for it)")
 
 
 class _Engine:
     """The verifier GPU (module doc): one step at a time, with all queued work."""
 
-    def __init__(self, clock: _Clock, costs: Costs) -> None:
-        self.clock, self.costs = clock, costs
+    def __init__(self, clock: _Clock, costs: Costs, batch: BatchLimits) -> None:
+        self.clock, self.costs, self.batch = clock, costs, batch
         self.sessions: list[_VSession] = []
         self.ars: list[_ARSession] = []
         self.running = False
@@ -579,14 +615,25 @@ class _Engine:
         if not vs and not ars:
             return
         costs = self.costs
-        edge_forwards = sum(isinstance(s.work, (Verify, Federate)) for s in vs)
-        # Model drafts (runner._model_drafts): only in a step with no edge-drafted work.
+        # The product's scheduler plans the step (calls aside): which rows, prefill chunks,
+        # the ration of speculative slots and the budget each session is told.
+        queue = [_queued(s.work) for s in vs] + [a.queued_row for a in ars]
+        plan = plan_step(
+            queue,
+            self.batch,
+            active_sessions=len(self.sessions) + len(self.ars),
+            overhead_tokens=costs.overhead_tokens,
+        )
+        rows = {r.index: r for r in plan.rows}
+        # Model drafts (runner._model_drafts): only where the plan allows them.
         asks: dict[int, int] = {}
         withheld: dict[int, Withheld] = {}
         for i, s in enumerate(vs):
             w = s.work
-            if isinstance(w, CoGenerate) and w.model_tokens > 0 and not len(w.draft):
-                if edge_forwards:
+            if i not in rows or not isinstance(w, CoGenerate):
+                continue
+            if w.model_tokens > 0 and not len(w.draft) and rows[i].chunk == len(w.fixed):
+                if not plan.model_drafts:
                     withheld[i] = Withheld.LOAD
                     continue
                 n = w.model_tokens
@@ -600,71 +647,61 @@ class _Engine:
         draft_s = 0.0
         steps = max(asks.values(), default=0)
         for k in range(steps):
-            rows = [i for i, n in asks.items() if n > k]
-            t = costs.cloud_draft_step_s(len(rows))
+            drafting = [i for i, n in asks.items() if n > k]
+            t = costs.cloud_draft_step_s(len(drafting))
             draft_s += t
-            for i in rows:
-                share[i] += t / len(rows)
+            for i in drafting:
+                share[i] += t / len(drafting)
         if steps:
             self.draft_cost.observe_draft(steps, draft_s)
-        # The forward: every row's tokens, the drafts as the step's ration cut them.
-        keep, budgets = self._ration(vs, asks, ars)
-        results: list[Result] = []
-        tokens: list[int] = []
+        # The forward: every planned row (a prefill chunk caches its tokens and decides
+        # nothing; the others are decided, as the ration cut them).
+        results: dict[int, Result] = {}
+        tokens = [0] * len(vs)
         for i, s in enumerate(vs):
-            result, row = self._decide(
-                s, asks.get(i, 0), withheld.get(i), keep.get(i), budgets.get(i)
-            )
-            results.append(result)
-            tokens.append(row)
-        ar_rows = [a.row for a in ars]
+            w = s.work
+            r = rows.get(i)
+            if i in plan.skipped:
+                results[i] = Skipped()
+            elif i in plan.cheap:
+                results[i] = Cropped()
+            elif r is None or not isinstance(w, (Verify, CoGenerate)):
+                continue
+            elif r.chunk < len(w.fixed):
+                s.work = advance(w, work_start(w) + r.chunk)
+                tokens[i] = r.tokens
+            else:
+                results[i] = self._decide(s, asks.get(i, 0), withheld.get(i), r.cut, r.budget)
+                # the forward's row (runner._plan): its fixed tokens, or the last cached token
+                # again when it has none, then the draft tokens it verifies
+                kept = len(w.draft) if r.cut is None else r.cut
+                tree = w.tree_tokens if isinstance(w, Verify) and r.cut is None else 0
+                tokens[i] = max(1, len(w.fixed)) + kept + tree + asks.get(i, 0)
+        ar_rows = [0] * len(ars)
+        for j, a in enumerate(ars):
+            r = rows.get(len(vs) + j)
+            if r is not None:
+                ar_rows[j] = r.tokens
+                a.prefilled += r.chunk
         total = sum(tokens) + sum(ar_rows)
         fwd = costs.forward_s(total)
         if total:
             self.draft_cost.observe_target(fwd)
         for i, s in enumerate(vs):
             s.reply.busy_s += share[i] + (fwd * tokens[i] / total if total else 0.0)
-        for a, row in zip(ars, ar_rows, strict=True):
-            a.reply.busy_s += fwd * row / total
-            a.queued = False
+        decided: list[_ARSession] = []
+        for j, (a, row) in enumerate(zip(ars, ar_rows, strict=True)):
+            a.reply.busy_s += fwd * row / total if total else 0.0
+            r = rows.get(len(vs) + j)
+            if r is not None and r.chunk == queue[len(vs) + j].fixed:
+                a.queued = False
+                decided.append(a)
         spent = draft_s + fwd
         self.busy_s += spent
         self.running = True
         end = self.clock.now + spent
-        works = [s.work for s in vs]
-        self.clock.at(end, lambda: self._done(end, vs, works, results, ars))
-
-    def _ration(
-        self, vs: list[_VSession], asks: dict[int, int], ars: list[_ARSession]
-    ) -> tuple[dict[int, int], dict[int, int]]:
-        """The scheduler's ration (:func:`cloud_verifier.engine.rationing.ration`, priced at
-        the cost model's a/b) of this step: the draft tokens each cut Verify keeps, and the
-        budget each session is told. Rows are counted as :meth:`_decide` counts them."""
-        rounds: list[Round] = []
-        other, other_yield = sum(a.row for a in ars), float(len(ars))
-        own: dict[int, tuple[tuple[float, ...], float]] = {}
-        means: dict[int, float] = {}
-        for i, s in enumerate(vs):
-            w = s.work
-            survival, mean = survival_of(w) if w is not None else ((), 0.0)
-            if isinstance(w, Verify) and survival:
-                rounds.append(Round(i, max(1, len(w.fixed)) + 1, survival))
-                means[i] = mean
-                continue
-            if isinstance(w, (Verify, CoGenerate)):
-                other += max(1, len(w.fixed)) + len(w.draft) + asks.get(i, 0)
-                other_yield += 1.0
-            if survival:
-                own[i] = (survival, mean)
-        shared = len(self.sessions) + len(self.ars) >= 2
-        r = ration(
-            rounds, other, other_yield, self.costs.overhead_tokens if shared else math.inf, 1 << 30
-        )
-        keep = {rd.key: r.keep[rd.key] for rd in rounds if r.keep[rd.key] < len(rd.survival)}
-        budgets = {rd.key: r.budget(rd, means[rd.key]) for rd in rounds}
-        for i, (survival, mean) in own.items():
-            budgets[i] = own_budget(r.price, survival, mean)
-        return keep, budgets
+        done = {i: (vs[i], vs[i].work, res) for i, res in results.items()}
+        self.clock.at(end, lambda: self._done(end, done, decided))
 
     def _decide(
         self,
@@ -673,19 +710,19 @@ class _Engine:
         withheld: Withheld | None,
         cut: int | None = None,
         budget: int | None = None,
-    ) -> tuple[Result, int]:
-        """The result of ``s``'s work (greedy, from the trace) and its row's tokens; ``cut``:
-        the draft tokens the ration kept (None: all), ``budget``: what the session is told."""
+    ) -> Result:
+        """The result of ``s``'s work (greedy, from the trace); ``cut``: the draft tokens the
+        ration kept (None: all), ``budget``: what the session is told."""
         w = s.work
         m = s.models
         if isinstance(w, Crop):
-            return Cropped(), 0
+            return Cropped()
         if isinstance(w, Verify):
             base = w.propose.pos + len(w.fixed)
-            v = w if cut is None else cut_draft(w, cut)
+            v = w if cut is None else rationed(w, cut)
             draft = v.draft.tolist()
             d = _greedy(m, base, draft, v.want_bonus)
-            return Verified(d, cut=cut, budget=budget), max(1, len(w.fixed)) + len(draft)
+            return Verified(d, cut=cut, budget=budget)
         if isinstance(w, CoGenerate):
             base = w.pos + len(w.fixed)
             drafted = None
@@ -700,27 +737,22 @@ class _Engine:
             if w.cloud or model_n:
                 s.reply.cloud_drafted += len(draft)
                 s.reply.cloud_accepted += d.accepted
-            return (
-                Verified(d, drafted=drafted, withheld=withheld, budget=budget),
-                max(1, len(w.fixed)) + len(draft),
-            )
+            return Verified(d, drafted=drafted, withheld=withheld, budget=budget)
         raise SimError(f"{type(w).__name__}: not simulated (greedy sessions never ask for it)")
 
     def _done(
         self,
         end: float,
-        vs: list[_VSession],
-        works: list[Work | None],
-        results: list[Result],
-        ars: list[_ARSession],
+        done: dict[int, tuple[_VSession, Work | None, Result]],
+        decided: list[_ARSession],
     ) -> None:
         self.running = False
-        for s, w, r in zip(vs, works, results, strict=True):
+        for s, w, r in done.values():
             if s.closed or s.work is not w:
                 continue
             s.work = None
             s.handle(s.core.work_done(r, end))
-        for a in ars:
+        for a in decided:
             a.done += 1
             a.on_token(a.models.path[a.done - 1])
             if a.done < a.n:
@@ -940,13 +972,14 @@ class _Sim:
     costs: Costs
     link: Link
     seed: int
+    batch: BatchLimits = SIM_BATCH
     clock: _Clock = field(default_factory=_Clock)
     engine: _Engine = field(init=False)
     links: list[tuple[_Pipe, _Pipe]] = field(default_factory=list)
     replies: list[Reply] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.engine = _Engine(self.clock, self.costs)
+        self.engine = _Engine(self.clock, self.costs, self.batch)
 
     def start(self, user: int, reqs: Sequence[Request], k: int) -> None:
         """User ``user`` sends its ``k``-th request now; the next follows its reply."""
@@ -1011,13 +1044,15 @@ def simulate(
     *,
     start_spread_s: float = 0.0,
     seed: int = 0,
+    batch: BatchLimits = SIM_BATCH,
 ) -> SimResult:
     """Simulate ``users`` (each a closed loop over its requests: the next leaves when the
     previous reply is complete; user u starts at a seeded uniform offset in
-    ``[0, start_spread_s)``), each with its own edge and link, sharing one verifier GPU."""
+    ``[0, start_spread_s)``), each with its own edge and link, sharing one verifier GPU whose
+    scheduler runs with ``batch``."""
     if link.rtt_s < 0 or link.bandwidth_bps <= 0:
         raise ValueError(f"bad link {link}: rtt must be >= 0 and bandwidth > 0")
-    sim = _Sim(mode, costs, link, seed)
+    sim = _Sim(mode, costs, link, seed, batch)
     rng = random.Random(seed)
     for u, reqs in enumerate(users):
         sim.links.append((_Pipe(sim.clock, link), _Pipe(sim.clock, link)))
