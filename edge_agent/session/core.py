@@ -649,7 +649,11 @@ class Pipeline:
             return None
         text = self.gen.committed + self.tail
         return PredraftPlan(
-            pos, token, text[:pos], min(self.gamma, self.budget, room), deterministic=self.deterministic_draft
+            pos,
+            token,
+            text[:pos],
+            min(self.gamma, self.budget, room),
+            deterministic=self.deterministic_draft,
         )
 
     def predraft_current(self, pp: PredraftPlan, draft: Sequence[int] = ()) -> bool:
