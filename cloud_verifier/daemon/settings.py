@@ -221,12 +221,12 @@ class VerifierSettings:
         "0 = off",
     )
     cloud_draft: str = setting(
-        "off",
+        "ngram",
         help="cloud-side speculation in co-generation (and so for edges with no draft model): "
         "each co-generation forward verifies up to cloud_draft_tokens draft tokens of the "
         "verifier's own, exactly. Sources, comma-separated, tried in this order: tail (the rest "
-        "of a rejected draft), ngram (prompt lookup over the session's own text), then "
-        "cloud_draft_model; off alone: none of the first two",
+        "of a rejected draft), ngram (prompt lookup over the session's own text: no model, no "
+        "draft forward), then cloud_draft_model; off alone: none of the first two",
     )
     cloud_draft_model: str = setting(
         "",

@@ -198,7 +198,7 @@ class SessionLimits:
     #: at most ``cloud_draft_tokens`` tokens, verified in the co-generation forward. Sources
     #: without a model (:mod:`cloud_verifier.session.cloud_draft`), tried in the order tail, ngram;
     #: then, with ``cloud_model``, the model side's draft model.
-    cloud_draft: frozenset[CloudDraft] = frozenset()
+    cloud_draft: frozenset[CloudDraft] = frozenset({CloudDraft.NGRAM})
     cloud_model: bool = False
     cloud_draft_tokens: int = 8
     cloud_draft_length: DraftLength = DraftLength.AUTO

@@ -36,7 +36,7 @@ CHANGED = {
     "idle_timeout": 5.0,
     "max_coalesced": 4,
     "cogen_ahead": 5,
-    "cloud_draft": "ngram",
+    "cloud_draft": "tail,ngram",
     "cloud_draft_model": "self:skip=1",
     "cloud_draft_tokens": 3,
     "cloud_draft_length": DraftLength.FIXED,
@@ -76,7 +76,8 @@ def test_every_session_limit_is_filled_from_a_setting() -> None:
         if getattr(limits, f.name) == getattr(default, f.name)
     }
     assert same == PROTOCOL_BOUNDS
-    assert limits.cloud_draft == frozenset({CloudDraft.NGRAM}) and limits.cloud_model
+    assert limits.cloud_draft == frozenset({CloudDraft.TAIL, CloudDraft.NGRAM})
+    assert limits.cloud_model
 
 
 def test_every_engine_limit_is_filled_from_a_setting() -> None:

@@ -668,7 +668,11 @@ def test_a_matching_hedge_comes_before_the_cloud_draft_and_off_means_off() -> No
     core.receive(hedge(core, 6, 3, [8]))
     work = run_of(core.work_done(Verified(Decision(1)))).work
     assert isinstance(work, CoGenerate) and not work.cloud and work.draft.tolist() == [8]
-    core = _cogen_core()  # cloud_draft off (the default)
+    core = _cogen_core()  # the default: prompt lookup, no model
+    core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2, 3, 4, 1, 2]))
+    work = run_of(core.work_done(Verified(Decision(1)))).work
+    assert isinstance(work, CoGenerate) and work.cloud and work.draft.tolist() == [4, 1, 2, 3]
+    core = _cogen_core(cloud_draft=frozenset())  # cloud_draft off
     core.receive(propose(core, 0, 0, 0, [3], fixed=[1, 2, 3, 4, 1, 2]))
     work = run_of(core.work_done(Verified(Decision(1)))).work
     assert isinstance(work, CoGenerate) and len(work.draft) == 0
