@@ -113,6 +113,9 @@ class Drafter:
     #: 55 / 59 / 92 / 134 ms a step), so that a step under way delays the next batch little.
     BRANCH_BATCH_GPU: Final = 8
     BRANCH_BATCH_CPU: Final = 2
+    #: "About one step": a batched step of branches costs at most this many single steps
+    #: (:func:`branch_batch_for`; the two figures above are it at their devices' costs).
+    BRANCH_STEP: Final = 1.25
 
     def __init__(self, loaded: SupportsCausalLM) -> None:
         # 64 logits rows cover any rollback of a pipeline (γ·D tokens) at 39 MB for a
@@ -127,6 +130,16 @@ class Drafter:
         """Branches :meth:`draft_many` should be given at once, on this draft's device."""
         gpu = self.lm.device.type == "cuda"
         return self.BRANCH_BATCH_GPU if gpu else self.BRANCH_BATCH_CPU
+
+    @classmethod
+    def branch_batch_for(cls, batch_cost: float) -> int:
+        """Branches one batched step takes where each branch past the first adds
+        ``batch_cost`` of a step: the most whose step costs at most :data:`BRANCH_STEP` steps
+        (1 + c·(B − 1) ≤ BRANCH_STEP), at least 1, at most :data:`BRANCH_BATCH_GPU` (a GPU's
+        0.0104: 8; this project's CPUs' 0.20: 2)."""
+        if batch_cost <= 0:
+            return cls.BRANCH_BATCH_GPU
+        return max(1, min(cls.BRANCH_BATCH_GPU, 1 + int((cls.BRANCH_STEP - 1.0) / batch_cost)))
 
     def cached_prefix(self, seq: Sequence[int]) -> int:
         """How many of ``seq``'s first tokens the draft's cache holds already (a chat's next
