@@ -297,18 +297,39 @@ def cost_model(roofline: bool = False) -> dict[str, Any]:
     }
 
 
+#: Edge modes that need no draft model on the verifier (hybrid does).
+NO_CLOUD_MODEL = ("auto", "auto predraft")
+
+
 def headline(found: dict[str, dict[str, int]], cloud_name: str) -> dict[str, Any]:
     """Users at :data:`HEADLINE_SLO` per mode and the best edge mode's ratios to the best
-    cloud-sd and to ar (None when the baseline serves nobody)."""
-    at = {mode: v[HEADLINE_SLO] for mode, v in found.items()}
-    edge = [m for m in at if m not in (AR, cloud_name)]
-    best = max(edge, key=lambda m: (at[m], -edge.index(m)))
+    cloud-sd and to ar (None when the baseline serves nobody); ``levels``: the same at every
+    service level, for the best edge mode and for the best one with no draft model on the
+    verifier (:data:`NO_CLOUD_MODEL`)."""
+
+    def at_level(level: str) -> dict[str, Any]:
+        at = {mode: v[level] for mode, v in found.items()}
+        edge = [m for m in at if m not in (AR, cloud_name)]
+        out: dict[str, Any] = {"users": at}
+        for key, modes in (("best_edge", edge), ("best_edge_no_cloud_model", NO_CLOUD_MODEL)):
+            kept = [m for m in edge if m in modes]
+            if not kept:
+                continue
+            best = max(kept, key=lambda m: (at[m], -kept.index(m)))
+            out[f"{key}_mode"] = best
+            out[f"{key}_over_best_cloud_sd"] = at[best] / at[cloud_name] if at[cloud_name] else None
+            out[f"{key}_over_ar"] = at[best] / at[AR] if at[AR] else None
+        return out
+
+    levels = {slo["name"]: at_level(slo["name"]) for slo in SLOS}
+    head = levels[HEADLINE_SLO]
     return {
         "slo": HEADLINE_SLO,
-        "users": at,
-        "best_edge_mode": best,
-        "best_edge_over_best_cloud_sd": at[best] / at[cloud_name] if at[cloud_name] else None,
-        "best_edge_over_ar": at[best] / at[AR] if at[AR] else None,
+        "users": head["users"],
+        "best_edge_mode": head["best_edge_mode"],
+        "best_edge_over_best_cloud_sd": head["best_edge_over_best_cloud_sd"],
+        "best_edge_over_ar": head["best_edge_over_ar"],
+        "levels": levels,
     }
 
 

@@ -79,6 +79,8 @@ HEADLINE_TOKENS = 256
 #: This CPU's batched draft step measurement (relative to the repository root).
 DRAFT_BATCH_FILE = Path("docs/results/draft_batch.json")
 CAPACITY_FILE = Path("docs/results/capacity.json")
+#: The same study under the roofline cost model (``python -m bench.capacity --roofline``).
+ROOFLINE_FILE = Path("docs/results/capacity_roofline.json")
 #: Deadline for one cell (one mode over one prompt set) in a worker.
 CELL_TIMEOUT_S = 1800.0
 AR = "ar"
@@ -638,71 +640,37 @@ def target(
     }
 
 
+#: The default edge mode (the edge daemon's settings: γ and D auto, pre-drafting on).
+DEFAULT_EDGE = "auto:predraft"
+
+
 def targets(
     grid: Grid,
     summary: Sequence[dict[str, Any]],
     choices: dict[Point, Choice],
     capacity: dict[str, Any] | None,
+    roofline: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """The issue's targets at the measured cloud draft cost and the GPU-class batch cost."""
+    """The issue's targets: per user at low load (one user, the measured cloud draft cost, the
+    GPU-class batch cost) from the grid; users per verifier (under the linear and the roofline
+    cost model), TTFT under load and verifier time per token from the capacity studies."""
     n, c, b = grid.s.headline_tokens, CLOUD_DRAFT_PER_VERIFY, DRAFT_BATCH_COST
     out: list[dict[str, Any]] = []
     at = {"reply_tokens": n, "cloud_draft_cost": c, "edge_batch_cost": b}
-    head = (HEADLINE_RTT_MS, n, c)
-    if head in choices:
-        best = find(summary, rtt_ms=HEADLINE_RTT_MS, mode="best edge", **at)
+    for rtt in grid.s.rtts_ms:
+        if rtt > 200.0 or (rtt, n, c) not in choices:
+            continue
+        default = find(summary, rtt_ms=rtt, mode_spec=DEFAULT_EDGE, role="edge", **at)
         out.append(
             target(
-                "best edge decode rate / ar at RTT 100",
-                best["decode_speedup_vs_ar"],
-                best["decode_speedup_vs_ar_ci"],
-                3.0,
-                mode_spec=best["mode_spec"],
+                f"default edge ({DEFAULT_EDGE}) whole {n}-token reply / best cloud-sd at "
+                f"RTT {rtt:g}",
+                default["speedup_vs_cloud_sd"],
+                default["speedup_vs_cloud_sd_ci"],
+                0.97,
+                mode_spec=DEFAULT_EDGE,
             )
         )
-        if (200.0, n, c) in choices and (0.0, n, c) in choices:
-            edge = replace(choices[head].edge, rtt_ms=200.0)
-            far, near = grid.runner.get(edge), grid.runner.get(replace(edge, rtt_ms=0.0))
-            r = paired_ratio(far, near, decode_tokens_per_s, resamples=grid.s.resamples)
-            out.append(
-                target(
-                    "best edge decode rate RTT 200 / RTT 0",
-                    r.value,
-                    r.ci,
-                    0.9,
-                    mode_spec=edge.spec,
-                )
-            )
-        for spec in PREDRAFT_MODES:
-            try:
-                row = find(summary, rtt_ms=HEADLINE_RTT_MS, mode_spec=spec, role="edge", **at)
-            except LookupError:
-                continue
-            cell = grid.edge_cell(
-                Split.MEASURED,
-                spec,
-                HEADLINE_RTT_MS,
-                n,
-                c,
-                cloud=(choices[head].cloud_draft, choices[head].gamma),
-            )
-            rs = grid.runner.get(cell)
-            hits, rej = [float(x.predraft_hits) for x in rs], [float(x.rejections) for x in rs]
-            ci = stats.ratio_ci(hits, rej, n=grid.s.resamples) if sum(rej) > 0 else None
-            out.append(
-                target(
-                    f"{row['mode']} pre-draft hit rate at RTT 100",
-                    row["predraft_hit_rate"],
-                    ci,
-                    0.8,
-                    mode_spec=spec,
-                    miss_alternative=row["predraft_miss_alternative"],
-                    miss_none=row["predraft_miss_none"],
-                )
-            )
-    for rtt in grid.s.rtts_ms:
-        if rtt > 200.0:
-            continue
         best = find(summary, rtt_ms=rtt, mode="best edge", **at)
         out.append(
             target(
@@ -713,20 +681,79 @@ def targets(
                 mode_spec=best["mode_spec"],
             )
         )
-    head_cap = (capacity or {}).get("headline") or {}
-    for key, threshold, what in (
-        ("best_edge_over_best_cloud_sd", 3.0, "best cloud-sd"),
-        ("best_edge_over_ar", 4.0, "ar"),
-    ):
+    return out + targets_from_capacity(capacity, roofline)
+
+
+def targets_from_capacity(
+    capacity: dict[str, Any] | None, roofline: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """The targets the capacity studies answer (:func:`read_capacity`'s documents; None: not
+    run): users per verifier at each service level under each cost model, then
+    :func:`_load_targets` from the linear one."""
+    out: list[dict[str, Any]] = []
+    for doc, model in ((capacity, "linear"), (roofline, "roofline")):
+        levels = ((doc or {}).get("headline") or {}).get("levels") or {}
+        source = str(doc["source_file"]) if doc else f"no {model} capacity file"
+        for level, head in levels.items():
+            for what, key, threshold in (
+                ("best cloud-sd", "best_edge_no_cloud_model_over_best_cloud_sd", 1.3),
+                ("ar", "best_edge_no_cloud_model_over_ar", 2.5),
+            ):
+                out.append(
+                    target(
+                        f"users per verifier at {level!r} ({model} costs), best edge without a "
+                        f"cloud draft model / {what}",
+                        head.get(key),
+                        None,
+                        threshold,
+                        mode=head.get("best_edge_no_cloud_model_mode"),
+                        source=source,
+                    )
+                )
+    if capacity:
+        out += _load_targets(capacity)
+    return out
+
+
+def _load_targets(capacity: dict[str, Any]) -> list[dict[str, Any]]:
+    """TTFT under load (every edge mode's p99 against best cloud-sd's, at every N where best
+    cloud-sd meets the reading level) and the default's verifier time per token at the largest
+    N, from a capacity study's rows."""
+    rows = capacity["rows"]
+    reading = next(slo for slo in capacity["slos"] if slo["name"] == "reading")
+    cloud = {r["edges"]: r for r in rows if r["mode"] == "best cloud-sd"}
+    out: list[dict[str, Any]] = []
+    for n, cr in sorted(cloud.items()):
+        if not (
+            cr["per_user_tokens_per_s_p10"] >= reading["min_tokens_per_s_p10"]
+            and cr["ttft_p99_s"] <= reading["max_ttft_p99_s"]
+        ):
+            continue
+        edge = [r for r in rows if r["edges"] == n and r["mode"] not in ("ar", "best cloud-sd")]
+        worst = max(edge, key=lambda r: float(r["ttft_p99_s"]))
         out.append(
             target(
-                f"users per verifier, best edge / {what}",
-                head_cap.get(key),
+                f"p99 TTFT at N = {n}: best cloud-sd's / the slowest edge mode's",
+                cr["ttft_p99_s"] / worst["ttft_p99_s"],
                 None,
-                threshold,
-                source=str(CAPACITY_FILE) if capacity else "capacity.json not found",
+                1.0,
+                mode=worst["mode"],
+                source=str(capacity["source_file"]),
             )
         )
+    last = max(cloud)
+    mine = next(r for r in rows if r["edges"] == last and r["mode"] == "auto predraft")
+    out.append(
+        target(
+            f"verifier busy time per committed token at N = {last}: best cloud-sd's / the "
+            "default edge mode's (≤ 0.8× is ≥ 1.25)",
+            cloud[last]["verifier_busy_s_per_100_tokens"] / mine["verifier_busy_s_per_100_tokens"],
+            None,
+            1.25,
+            mode="auto predraft",
+            source=str(capacity["source_file"]),
+        )
+    )
     return out
 
 
@@ -854,6 +881,15 @@ def table(summary: Sequence[dict[str, Any]], tokens: int) -> str:
     return "\n".join(lines)
 
 
+def read_capacity(path: Path | None) -> dict[str, Any] | None:
+    """A capacity study's results (None: no such file), with ``source_file`` its path."""
+    if path is None or not path.exists():
+        return None
+    doc: dict[str, Any] = json.loads(path.read_text())
+    doc["source_file"] = str(path)
+    return doc
+
+
 def build(
     traces_path: Path,
     *,
@@ -861,14 +897,13 @@ def build(
     workers: int,
     validation_path: Path | None = None,
     capacity_path: Path | None = None,
+    roofline_path: Path | None = None,
 ) -> dict[str, Any]:
     traces = load_traces(traces_path)
     if not traces.measured() or not traces.tuning():
         raise SystemExit(f"{traces_path}: needs both measured and tuning traces")
     cpu_cost = cpu_draft_batch_cost()
-    capacity = None
-    if capacity_path is not None and capacity_path.exists():
-        capacity = json.loads(capacity_path.read_text())
+    capacity, roofline = read_capacity(capacity_path), read_capacity(roofline_path)
     with Runner(traces_path, traces, workers) as runner:
         grid = Grid(runner, settings, cpu_cost)
         choices = grid.choose()
@@ -885,11 +920,12 @@ def build(
                 "workers": workers,
                 "traces": str(traces_path),
                 "capacity": str(capacity_path) if capacity else None,
+                "capacity_roofline": str(roofline_path) if roofline else None,
             },
             "tuning": grid.tuning,
             "summary": summary,
             "categories": categories(grid, choices, traces.draft),
-            "targets": targets(grid, summary, choices, capacity),
+            "targets": targets(grid, summary, choices, capacity, roofline),
         }
         if validation_path is not None:
             doc["validation"] = validation(
@@ -910,6 +946,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=REPO / CAPACITY_FILE,
         help="capacity.json whose headline the users-per-verifier targets read",
     )
+    p.add_argument(
+        "--capacity-roofline",
+        type=Path,
+        default=REPO / ROOFLINE_FILE,
+        help="the capacity study under the roofline cost model (the same targets)",
+    )
     p.add_argument("--workers", type=int, default=2, help="simulation processes (>= 1)")
     p.add_argument("--smoke", action="store_true", help="3 RTTs, 8/16-token replies, γ 2 and 4")
     args = p.parse_args(argv)
@@ -928,6 +970,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers=args.workers,
         validation_path=args.validation,
         capacity_path=args.capacity,
+        roofline_path=args.capacity_roofline,
     )
     doc["settings"]["smoke"] = args.smoke
     doc["settings"]["elapsed_s"] = round(time.monotonic() - t0, 1)

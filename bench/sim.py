@@ -20,10 +20,11 @@ runs the product's own rules, not a model of them:
 * **The drivers are mirrored.** :meth:`_Edge._draft_loop` is
   :func:`edge_agent.link.driver.draft_loop` (with ``_predraft``) as a generator over virtual
   time: draft a batch while ``may_draft`` (checking ``current`` after each step), else prepare
-  branches (up to ``Drafter.BRANCH_BATCH_GPU`` at once, the bench's ``TimedDrafter``, stepped
-  together, stopping when ``may_draft``), else wait for a frame. A cloud-only session sends
-  credits as :func:`~edge_agent.link.driver.credit_loop` does; an edge that drafts with
-  co-generation sends its prompt in a credit at once, as :func:`~edge_agent.link.driver.run_single`.
+  branches (as many at once as the product's drafter steps together at the edge's batch cost,
+  ``Drafter.branch_batch_for``: 8 at a GPU's, 2 at this CPU's; stopping when
+  ``may_draft``), else wait for a frame. A cloud-only session sends credits as
+  :func:`~edge_agent.link.driver.credit_loop` does; an edge that drafts with co-generation sends
+  its prompt in a credit at once, as :func:`~edge_agent.link.driver.run_single`.
 * **The verifier's engine plans with the product's scheduler** (:class:`_Engine`): whenever
   the GPU is idle and work is queued, :func:`~cloud_verifier.engine.scheduler.plan_step` plans
   one step from every session's queued work (Verify, CoGenerate, Crop) and the ``ar`` rows:
@@ -140,9 +141,6 @@ from shared.wire.messages import Fingerprint, Welcome
 
 #: Branches prepared at most in the ``:predraft`` modes (``bench.run.PREDRAFT_BRANCHES``).
 PREDRAFT_BRANCHES: Final = 8
-#: Branches stepped together in one batched draft step (the bench's ``TimedDrafter``: a
-#: GPU-class device's).
-BRANCH_BATCH: Final = Drafter.BRANCH_BATCH_GPU
 #: Bytes of one ``ar`` token frame (``bench.ar_server``: one little-endian u32).
 AR_TOKEN_BYTES: Final = 4
 #: The vocabulary the wire is told (3-byte ids, as a real ~150k vocabulary has), unless a
@@ -287,7 +285,8 @@ class SimMode:
 
     def session_limits(self) -> SessionLimits:
         """The verifier's limits for this mode's sessions (the settings' defaults; cloud drafts
-        for cloud-sd and hybrid, as the bench's cloud-sd verifier is started)."""
+        for cloud-sd as the bench's cloud-sd verifier is started, and for hybrid the defaults'
+        sources with the cloud draft's)."""
         if self.kind not in (Kind.CLOUD_SD, Kind.HYBRID):
             return SessionLimits()
         kind = self.cloud_draft
@@ -296,6 +295,8 @@ class SimMode:
             CloudDraftKind.MODEL: frozenset(),
             CloudDraftKind.NGRAM: frozenset({CloudDraft.NGRAM}),
         }[kind]
+        if self.kind == Kind.HYBRID:
+            sources |= SessionLimits().cloud_draft
         return SessionLimits(
             cloud_draft=sources,
             cloud_model=kind != CloudDraftKind.NGRAM,
@@ -928,9 +929,10 @@ class _Edge:
             self._carry_out(core.propose(plan, draft, q_rows, self.sim.clock.now, rivals))
 
     def _predraft(self) -> Generator[_Yield, None, bool]:
-        """``_predraft`` (branches stepped together, ``BRANCH_BATCH`` at once)."""
+        """``_predraft`` (branches stepped together, as many at once as the product's drafter
+        takes at this batch cost: ``Drafter.branch_batch_for``)."""
         core, gen = self.core, self.gen
-        budget = min(core.branch_room(), BRANCH_BATCH)
+        budget = min(core.branch_room(), Drafter.branch_batch_for(self.sim.costs.draft_batch_cost))
         growing = core.plan_branches(budget)
         while (active := [g for g in growing if core.branch_open(g)]) and not core.may_draft():
             yield self.sim.costs.draft_step_s(len(active))

@@ -181,7 +181,9 @@ SUMMARY_KEYS = {
 def test_grid_smoke_writes_every_key(tmp_path: Path) -> None:
     traces = write_traces(tmp_path / "traces.json.gz")
     out = tmp_path / "grid"
-    assert grid.main(["--traces", str(traces), "--out", str(out), "--smoke", "--workers", "1"]) == 0
+    none = str(tmp_path / "none.json")  # no capacity study: the grid's own targets only
+    argv = ["--traces", str(traces), "--out", str(out), "--smoke", "--workers", "1"]
+    assert grid.main([*argv, "--capacity", none, "--capacity-roofline", none]) == 0
     doc = json.loads((out / "results.json").read_text())
     assert set(doc) == {
         "regime",
@@ -227,7 +229,9 @@ def test_grid_smoke_writes_every_key(tmp_path: Path) -> None:
             assert best["tokens_per_s"] == hybrid["tokens_per_s"]
         assert {"alpha_per_token", "mean_accepted_per_round", "speedup_vs_cloud_sd_ci"} <= set(c)
     names = [t["name"] for t in doc["targets"]]
-    assert len(names) == len(set(names)) == 2 + 2 + 3 + 2
+    # per RTT up to 200 ms: the default edge and the best edge against best cloud-sd (no
+    # capacity file: no users-per-verifier targets)
+    assert len(names) == len(set(names)) == 2 * sum(1 for r in s.rtts_ms if r <= 200)
     for t in doc["targets"]:
         assert {"name", "measured", "ci", "threshold", "met"} <= set(t)
         if t["ci"] is not None:
@@ -369,8 +373,22 @@ def test_capacity_smoke_writes_every_key(tmp_path: Path) -> None:
         "best_edge_mode",
         "best_edge_over_best_cloud_sd",
         "best_edge_over_ar",
+        "levels",
     }
     assert h["best_edge_mode"] in modes[2:]
+    assert set(h["levels"]) == {"reading", "fast"}
+    for level in h["levels"].values():
+        assert level["best_edge_no_cloud_model_mode"] in ("auto", "auto predraft")
+        assert level["best_edge_mode"] in modes[2:]
+        assert {"best_edge_no_cloud_model_over_best_cloud_sd", "best_edge_over_ar"} <= set(level)
+    # the grid's targets read it: users per verifier at each level (against best cloud-sd
+    # and ar), TTFT where best cloud-sd meets the reading level, verifier time per token
+    doc["source_file"] = str(out)
+    cap = grid.targets_from_capacity(doc, None)
+    names = [t["name"] for t in cap]
+    assert sum("users per verifier" in x for x in names) == 2 * 2
+    assert sum("p99 TTFT" in x for x in names) >= 1 and "verifier busy" in names[-1]
+    assert all(t["threshold"] in (1.3, 2.5, 1.0, 1.25) for t in cap)
     assert {"forward_s", "points", "extrapolation", "k"} <= set(doc["cost_model"])
     best = doc["best_cloud_sd"]
     assert best["fastest_alone"]["source"].startswith("tuned here")
