@@ -235,7 +235,10 @@ class Runner:
         ]
         if not todo or self.drafter is None:
             return {}
-        if not model_drafts_allowed(sum(isinstance(w, (Verify, Federate)) for _, w in requests)):
+        # rows that verify an edge's draft, as the scheduler counts them (a prompt's credit,
+        # a Verify with no draft, is none)
+        edge = sum(isinstance(w, (Verify, Federate)) and len(w.draft) > 0 for _, w in requests)
+        if not model_drafts_allowed(edge):
             self.drafts_deferred += len(todo)
             return {i: replace(work, withheld=Withheld.LOAD) for i, _, work in todo}
         out: dict[int, CoGenerate | Failed] = {}

@@ -534,7 +534,8 @@ def model_drafts_allowed(edge_forwards: int) -> bool:
     """May the step's co-generations draft with the verifier's draft model? Capacity first:
     model drafting runs one draft forward per draft token before the step's target forward, so
     it delays every row of the step. It runs only in a step with no edge-drafted work (Verify
-    or Federate rows, ``edge_forwards``): a verifier busy with edge-drafted sessions gives them
+    or Federate rows with draft tokens, ``edge_forwards``; a prompt's prefill is none): a
+    verifier busy with edge-drafted sessions gives them
     the room (their drafts cost it nothing to make), and its own drafting fills idle capacity.
     Drafts without a model (tail, ngram) cost no forward and always run."""
     return edge_forwards == 0
