@@ -111,7 +111,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import aiohttp
 import numpy as np
@@ -367,49 +367,29 @@ def free_port() -> int:
         return port
 
 
-@contextlib.contextmanager
-def cloud_processes(
-    cfg: BenchConfig, token_file: Path, regime: Regime, sides: set[CloudSide]
-) -> Iterator[tuple[dict[CloudSide, int], int]]:
-    """The verifiers (one per ``sides``, :class:`CloudSide`) and the autoregressive service,
-    each in its own single-threaded process, padded for ``regime`` at its time scale
-    ``regime.scale``. Yields the verifiers' ports and the autoregressive service's."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    s = regime.scale
-    ports = {side: free_port() for side in sorted(sides | {CloudSide.PLAIN})}
-    aport = free_port()
-
-    def verifier(side: CloudSide, port: int) -> list[str]:
-        cmd = [
-            sys.executable, "-m", "bench.verifier", "--model", cfg.target,
-            "--port", str(port), "--token-file", str(token_file), "--heartbeat", "0",
-            "--log-level", "warning", "--emulate-verify-ms", str(regime.verify_ms * s),
-            # a co-generation step is one autoregressive step: padded like the AR baseline's
-            "--emulate-decode-ms", str(regime.ar_ms * s),
-            "--cloud-draft-tokens", str(cfg.cloud_draft_tokens),
-            # a few sessions at a time: a small pool (the CPU default, 65536 tokens, is GBs)
-            "--kv-cache-tokens", "16384",
-        ]  # fmt: skip
-        if side == CloudSide.NGRAM:
-            cmd += ["--cloud-draft", "ngram"]
-        elif side == CloudSide.SPEC:
-            cmd += [
-                "--cloud-draft", "tail,ngram", "--cloud-draft-model", cfg.cloud_model,
-                "--emulate-cloud-draft-ms", str(regime.cloud_draft_ms * s),
-            ]  # fmt: skip
-        return cmd
-
-    ar = [
-        sys.executable, "-m", "bench.ar_server", "--model", cfg.target, "--port", str(aport),
-        "--token-file", str(token_file), "--pad-ms", str(regime.ar_ms * s),
+def verifier_command(
+    target: str, port: int, token_file: Path, args: Sequence[str] = ()
+) -> list[str]:
+    """``python -m bench.verifier`` (the padded verifier) on ``target`` at ``port``, quiet, no
+    heartbeat, with ``args`` (pads, limits) after."""
+    return [
+        sys.executable, "-m", "bench.verifier", "--model", target, "--port", str(port),
+        "--token-file", str(token_file), "--heartbeat", "0", "--log-level", "warning", *args,
     ]  # fmt: skip
-    cmds = [ar] + [verifier(side, port) for side, port in ports.items()]
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.DEVNULL) for c in cmds]
+
+
+@contextlib.contextmanager
+def serving(
+    cmds: Sequence[Sequence[str]], stderr: IO[bytes] | None = None
+) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``cmds`` each in its own single-threaded process (offline: no hub), stdout discarded
+    and stderr to ``stderr`` (None: this process's); terminated at the end (killed after 30 s)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    procs = [
+        subprocess.Popen(list(c), env=env, stdout=subprocess.DEVNULL, stderr=stderr) for c in cmds
+    ]
     try:
-        wait_tcp(procs[0], aport, 900)
-        for proc, port in zip(procs[1:], ports.values(), strict=True):
-            wait_healthy(proc, f"http://127.0.0.1:{port}/health", 900, f"verifier {port}")
-        yield ports, aport
+        yield procs
     finally:
         for p in procs:
             p.terminate()
@@ -418,6 +398,47 @@ def cloud_processes(
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+@contextlib.contextmanager
+def cloud_processes(
+    cfg: BenchConfig, token_file: Path, regime: Regime, sides: set[CloudSide]
+) -> Iterator[tuple[dict[CloudSide, int], int]]:
+    """The verifiers (one per ``sides``, :class:`CloudSide`) and the autoregressive service,
+    each in its own single-threaded process, padded for ``regime`` at its time scale
+    ``regime.scale``. Yields the verifiers' ports and the autoregressive service's."""
+    s = regime.scale
+    ports = {side: free_port() for side in sorted(sides | {CloudSide.PLAIN})}
+    aport = free_port()
+
+    def verifier(side: CloudSide, port: int) -> list[str]:
+        args = [
+            "--emulate-verify-ms", str(regime.verify_ms * s),
+            # a co-generation step is one autoregressive step: padded like the AR baseline's
+            "--emulate-decode-ms", str(regime.ar_ms * s),
+            "--cloud-draft-tokens", str(cfg.cloud_draft_tokens),
+            # a few sessions at a time: a small pool (the CPU default, 65536 tokens, is GBs)
+            "--kv-cache-tokens", "16384",
+        ]  # fmt: skip
+        if side == CloudSide.NGRAM:
+            args += ["--cloud-draft", "ngram"]
+        elif side == CloudSide.SPEC:
+            args += [
+                "--cloud-draft", "tail,ngram", "--cloud-draft-model", cfg.cloud_model,
+                "--emulate-cloud-draft-ms", str(regime.cloud_draft_ms * s),
+            ]  # fmt: skip
+        return verifier_command(cfg.target, port, token_file, args)
+
+    ar = [
+        sys.executable, "-m", "bench.ar_server", "--model", cfg.target, "--port", str(aport),
+        "--token-file", str(token_file), "--pad-ms", str(regime.ar_ms * s),
+    ]  # fmt: skip
+    cmds = [ar] + [verifier(side, port) for side, port in ports.items()]
+    with serving(cmds) as procs:
+        wait_tcp(procs[0], aport, 900)
+        for proc, port in zip(procs[1:], ports.values(), strict=True):
+            wait_healthy(proc, f"http://127.0.0.1:{port}/health", 900, f"verifier {port}")
+        yield ports, aport
 
 
 def wait_tcp(proc: subprocess.Popen[bytes], port: int, timeout: float) -> None:
@@ -471,8 +492,9 @@ def verifier_counts(port: int) -> VerifierCounts:
 class TimedDrafter:
     """Wraps any draft (a model's :class:`Drafter`, an :class:`~bench.oracle.OracleDrafter`):
     pads each draft step to ``pad_s`` (a batched step of B rows to ``pad_s`` · (1 + ``batch_cost``
-    · (B − 1))) and records the step times. A :class:`~edge_agent.model.drafter.DraftModel`
-    itself."""
+    · (B − 1))) and records the step times, its ``steps`` and the ``overruns`` among them (steps
+    whose compute took longer than their pad: the emulation is void there). A
+    :class:`~edge_agent.model.drafter.DraftModel` itself."""
 
     def __init__(
         self,
@@ -488,6 +510,9 @@ class TimedDrafter:
         self.batch_cost = batch_cost
         self.times: list[float] = []
         self.compute: list[float] = []
+        self.steps = 0
+        self.overruns = 0  # steps whose compute took longer than their pad
+        self.overrun_s = 0.0  # their compute beyond their pads, summed
 
     @property
     def vocab_size(self) -> int:
@@ -528,8 +553,12 @@ class TimedDrafter:
     def _pad(self, t0: float, pad_s: float) -> None:
         spent = time.perf_counter() - t0
         self.compute.append(spent)
+        self.steps += 1
         if spent < pad_s:
             time.sleep(pad_s - spent)
+        else:
+            self.overruns += 1
+            self.overrun_s += spent - pad_s
         self.times.append(time.perf_counter() - t0)
 
 

@@ -7,6 +7,7 @@ then cancels in the ratio; only how the modes differ from prompt to prompt widen
     ratio_ci(num, den)  -> [low, high] of mean(num) / mean(den)
     mean_ci(x)          -> [low, high] of mean(x)
     percentile(x, q)    -> the q-th percentile of x
+    paired_ratio_ci(num, den, stat) -> stat(num) / stat(den) and its [low, high]
 
 ``bootstrap_median``, ``bootstrap_ratio`` and ``bootstrap_diff`` are the medians-based helpers
 ``bench.ttft`` uses (unpaired: its samples are repeated requests, not prompts).
@@ -92,6 +93,41 @@ def ratio_ci(
     with np.errstate(divide="ignore", invalid="ignore"):
         boots = np.where(bottom > 0, top / np.where(bottom > 0, bottom, 1.0), np.nan)
     return _interval(boots, level)
+
+
+def paired_ratio_ci(
+    num: npt.ArrayLike,
+    den: npt.ArrayLike,
+    stat: Callable[[Array], float],
+    *,
+    n: int = RESAMPLES,
+    seed: int = 0,
+    level: float = LEVEL,
+) -> tuple[float, list[float]]:
+    """``stat(num) / stat(den)`` and its percentile-bootstrap interval ``[low, high]``.
+
+    Row ``i`` of ``num`` and row ``i`` of ``den`` are one pair (a user's reply, simulated and
+    measured); a row is a number or a vector of fields (a statistic such as goodput needs
+    several). Each resample draws row indices with replacement, takes the same rows from both
+    sides and recomputes ``stat`` on each. With ``stat`` the mean this is :func:`ratio_ci`
+    (the same resamples for the same seed). ValueError on mismatched, empty or non-finite input
+    or a ``stat(den)`` that is not positive."""
+    _check(n, level)
+    a, b = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+    if a.ndim == 0 or a.shape[0] == 0 or a.shape[0] != b.shape[0]:
+        raise ValueError(f"paired ratio: need as many rows on both sides, got {a.shape}, {b.shape}")
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        raise ValueError("paired ratio: every value must be finite")
+    bottom = stat(b)
+    if not bottom > 0:
+        raise ValueError(f"paired ratio: stat(den) must be positive, got {bottom}")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, a.shape[0], (n, a.shape[0]))
+    boots = np.empty(n)
+    for k, rows in enumerate(idx):
+        d = stat(b[rows])
+        boots[k] = stat(a[rows]) / d if d > 0 else math.nan
+    return float(stat(a) / bottom), _interval(boots, level)
 
 
 def mean_ci(

@@ -9,19 +9,30 @@ settings, sources (command line, ``WANSPEC_*``, ``--config``), auth, TLS and shu
 
 With ``--cloud-draft-model``, the verifier's own draft model is padded too, every draft forward
 to ``--emulate-cloud-draft-ms`` (one draft token per forward after the first).
+
+With ``--emulate-token-cost K`` the pads follow the simulation's cost rule instead of a constant
+(:meth:`bench.sim.Costs.forward_s`, what :mod:`bench.capacity_validation` compares against): a
+target forward of n tokens (its rows' ids summed) takes verify · (1 + K · (n − 5)) for n ≥ 5,
+interpolating to the decode pad at n = 1; a draft forward of B rows takes cloud draft ·
+(1 + K · (B − 1)) (:meth:`bench.sim.Costs.cloud_draft_step_s`). ``--emulate-report FILE``
+writes, at exit, each padded model's forwards and the ones whose compute overran the pad.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from bench.costs import TREE_TOKEN_COST
+from bench.sim import Costs
 from cloud_verifier.daemon.cli import add_serve_arguments, run_serve
 from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.draft_model import load_draft_target
@@ -59,34 +70,74 @@ def tree_tokens(row: Row) -> int:
     return len(row.parents) - chain
 
 
+#: A pad rule: the seconds a forward of these rows takes at least.
+PadRule = Callable[[Seq[Row]], float]
+
+
+def token_rule(verify_ms: float, decode_ms: float, token_cost: float) -> PadRule:
+    """The simulation's rule for a target forward (:meth:`bench.sim.Costs.forward_s`) of the
+    rows' tokens summed: ``verify_ms`` at 5 tokens, ``decode_ms`` at 1 (0: ``verify_ms``),
+    ``token_cost`` of ``verify_ms`` for each token past 5."""
+    costs = Costs(
+        verify_s=verify_ms / 1000.0, ar_s=(decode_ms or verify_ms) / 1000.0, token_cost=token_cost
+    )
+    return lambda rows: costs.forward_s(sum(len(r.ids) for r in rows))
+
+
+def row_rule(step_ms: float, token_cost: float) -> PadRule:
+    """The simulation's rule for a batched step of the cloud's draft model
+    (:meth:`bench.sim.Costs.cloud_draft_step_s`): ``step_ms`` for one row, ``token_cost`` of
+    it for each row more."""
+    costs = Costs(verify_s=step_ms / 1000.0, cloud_draft_per_verify=1.0, token_cost=token_cost)
+    return lambda rows: costs.cloud_draft_step_s(len(rows))
+
+
 class PaddedTarget(WrappedTarget):
     """Device-regime emulation: every (batched) forward takes at least ``pad_ms`` (sleeping
     the rest on the engine's thread), whatever the number of sessions in it: on a GPU a
     batch of a few sessions costs about what one does (see docs/benchmarks/verifier.md).
-    Token-tree tokens are not free: each adds :data:`bench.costs.TREE_TOKEN_COST` of the pad."""
+    Token-tree tokens are not free: each adds :data:`bench.costs.TREE_TOKEN_COST` of the pad.
+    ``rule`` (:func:`token_rule`, :func:`row_rule`) replaces that constant pad."""
 
-    def __init__(self, inner: Target, pad_ms: float, decode_pad_ms: float = 0.0) -> None:
-        super().__init__(inner, f"{inner.description}, forwards padded to {pad_ms:g} ms")
+    def __init__(
+        self,
+        inner: Target,
+        pad_ms: float,
+        decode_pad_ms: float = 0.0,
+        rule: PadRule | None = None,
+    ) -> None:
+        how = "by the simulation's cost rule" if rule is not None else f"to {pad_ms:g} ms"
+        super().__init__(inner, f"{inner.description}, forwards padded {how}")
         self.pad_s = pad_ms / 1000.0
         #: A forward whose every row is a one-token decode step (co-generation) is one step of
         #: autoregressive decoding: padded to this instead (0: pad_ms).
         self.decode_pad_s = decode_pad_ms / 1000.0 or self.pad_s
+        self.rule = rule
         self.forwards = 0
         self.overruns = 0  # forwards whose compute took longer than the pad
+        self.overrun_s = 0.0  # their compute beyond their pads, summed
+        self.worst_overrun_s = 0.0
+
+    def pad_for(self, rows: Seq[Row]) -> float:
+        """The seconds a forward of ``rows`` takes at least."""
+        if self.rule is not None:
+            return self.rule(rows)
+        decode = all(len(r.ids) == 1 for r in rows)
+        pad = self.decode_pad_s if decode else self.pad_s
+        return pad * (1 + TREE_TOKEN_COST * sum(tree_tokens(r) for r in rows))
 
     def forward(self, rows: Seq[Row]) -> torch.Tensor:
         t0 = time.perf_counter()
         out = self.inner.forward(rows)
-        decode = all(len(r.ids) == 1 for r in rows)
-        pad = self.decode_pad_s if decode else self.pad_s
-        pad *= 1 + TREE_TOKEN_COST * sum(tree_tokens(r) for r in rows)
-        rest = pad - (time.perf_counter() - t0)
+        rest = self.pad_for(rows) - (time.perf_counter() - t0)
         self.forwards += 1
         if rest > 0:
             time.sleep(rest)
         else:
             # The emulation is void where compute outruns the pad: say so, now and then.
             self.overruns += 1
+            self.overrun_s -= rest
+            self.worst_overrun_s = max(self.worst_overrun_s, -rest)
             if self.overruns in (1, 10) or self.overruns % 100 == 0:
                 print(
                     f"bench.verifier: {self.overruns} of {self.forwards} forwards of "
@@ -96,14 +147,27 @@ class PaddedTarget(WrappedTarget):
                 )
         return out
 
+    def report(self) -> dict[str, Any]:
+        """Its forwards, those that overran their pad, by how long in all and at worst
+        (seconds)."""
+        return {
+            "forwards": self.forwards,
+            "overruns": self.overruns,
+            "overrun_s": self.overrun_s,
+            "worst_overrun_s": self.worst_overrun_s,
+        }
+
 
 def padded_loader(
-    pad_ms: float, decode_pad_ms: float = 0.0
+    pad_ms: float,
+    decode_pad_ms: float = 0.0,
+    rule: PadRule | None = None,
+    made: list[PaddedTarget] | None = None,
 ) -> Callable[[VerifierSettings], Callable[[], Target]]:
     """A loader factory for :func:`cloud_verifier.daemon.cli.run_serve`: load ``settings.model``
-    and,
-    if ``pad_ms > 0``, pad its forwards to ``pad_ms`` (one-token decode steps to
-    ``decode_pad_ms`` when given)."""
+    and, if ``pad_ms > 0``, pad its forwards to ``pad_ms`` (one-token decode steps to
+    ``decode_pad_ms`` when given; by ``rule`` when given); the padded target is appended to
+    ``made``."""
 
     def make_loader(settings: VerifierSettings) -> Callable[[], Target]:
         def loader() -> Target:
@@ -113,7 +177,12 @@ def padded_loader(
                 dtype=settings.dtype,
                 compile_forward=settings.compile,
             )
-            return PaddedTarget(target, pad_ms, decode_pad_ms) if pad_ms > 0 else target
+            if pad_ms <= 0:
+                return target
+            padded = PaddedTarget(target, pad_ms, decode_pad_ms, rule)
+            if made is not None:
+                made.append(padded)
+            return padded
 
         return loader
 
@@ -122,10 +191,12 @@ def padded_loader(
 
 def padded_draft_loader(
     pad_ms: float,
+    rule: PadRule | None = None,
+    made: list[PaddedTarget] | None = None,
 ) -> Callable[[VerifierSettings], Callable[[Target], Target] | None]:
     """A draft loader factory for :func:`cloud_verifier.daemon.cli.run_serve`: load
     ``settings.cloud_draft_model`` beside the (unwrapped) target, every forward padded to
-    ``pad_ms``."""
+    ``pad_ms`` (by ``rule`` when given); the padded draft is appended to ``made``."""
 
     def make_loader(settings: VerifierSettings) -> Callable[[Target], Target] | None:
         spec = settings.cloud_draft_model
@@ -135,7 +206,12 @@ def padded_draft_loader(
         def loader(target: Target) -> Target:
             base = target.inner if isinstance(target, WrappedTarget) else target
             draft = load_draft_target(spec, base)
-            return PaddedTarget(draft, pad_ms) if pad_ms > 0 else draft
+            if pad_ms <= 0:
+                return draft
+            padded = PaddedTarget(draft, pad_ms, rule=rule)
+            if made is not None:
+                made.append(padded)
+            return padded
 
         return loader
 
@@ -177,16 +253,51 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="pad every forward of the cloud draft model (--cloud-draft-model) to this many ms",
     )
+    parser.add_argument(
+        "--emulate-token-cost",
+        type=float,
+        default=None,
+        help="pad by the simulation's cost rule (bench.sim.Costs) with this cost per token "
+        "(bench.costs.TREE_TOKEN_COST): a target forward of n tokens to verify x "
+        "(1 + K (n - 5)) (n >= 5; to the decode pad at n = 1), a cloud draft forward of B rows "
+        "to its pad x (1 + K (B - 1)) (default: off, constant pads)",
+    )
+    parser.add_argument(
+        "--emulate-report",
+        type=Path,
+        default=None,
+        help="at exit, write each padded model's forwards and overruns to this JSON file",
+    )
     return parser
 
 
 def main(argv: Seq[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_serve(
-        args,
-        make_loader=padded_loader(args.emulate_verify_ms, args.emulate_decode_ms),
-        make_draft_loader=padded_draft_loader(args.emulate_cloud_draft_ms),
-    )
+    k = args.emulate_token_cost
+    if k is not None and k < 0:
+        print(f"bench.verifier: --emulate-token-cost must be >= 0, got {k}", file=sys.stderr)
+        return 2
+    target_rule = draft_rule = None
+    if k is not None:
+        target_rule = token_rule(args.emulate_verify_ms, args.emulate_decode_ms, k)
+        draft_rule = row_rule(args.emulate_cloud_draft_ms, k)
+    targets: list[PaddedTarget] = []
+    drafts: list[PaddedTarget] = []
+    try:
+        return run_serve(
+            args,
+            make_loader=padded_loader(
+                args.emulate_verify_ms, args.emulate_decode_ms, target_rule, targets
+            ),
+            make_draft_loader=padded_draft_loader(args.emulate_cloud_draft_ms, draft_rule, drafts),
+        )
+    finally:
+        if args.emulate_report is not None:
+            report = {
+                "target": [t.report() for t in targets],
+                "cloud_draft": [d.report() for d in drafts],
+            }
+            args.emulate_report.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
