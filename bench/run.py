@@ -534,8 +534,9 @@ class TimedDrafter:
 
     @property
     def branch_batch(self) -> int:
-        """A GPU-class device's (the regime emulates a Jetson, not this CPU)."""
-        return Drafter.BRANCH_BATCH_GPU
+        """As the product's drafter takes them at the emulated batch cost (a GPU-class
+        device's by default: the regime emulates a Jetson, not this CPU)."""
+        return Drafter.branch_batch_for(self.batch_cost)
 
     def draft_many(self, rows: Sequence[DraftRow]) -> list[DraftStep]:
         """Branches (or concurrent generations' steps, :mod:`edge_agent.model.batching`)
