@@ -39,8 +39,11 @@ from bench.report import num
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BENCH_PAGE = ROOT / "docs" / "benchmarks" / "index.md"
-#: Where the capacity study lies, relative to the grid's results.json (docs/results/bench/).
+#: Where the capacity study lies, relative to the grid's results.json (docs/results/bench/);
+#: beside it, the same study under the roofline cost model and its real-time check under load.
 CAPACITY = Path("..") / "capacity.json"
+ROOFLINE = "capacity_roofline.json"
+LOAD_CHECK = "capacity_validation.json"
 
 #: The README's reply length.
 README_TOKENS = 256
@@ -92,9 +95,18 @@ def _rtt(v: Any) -> str:
 class Results:
     """The grid's ``results.json`` and the capacity study, read once."""
 
-    def __init__(self, data: dict[str, Any], capacity: dict[str, Any] | None, path: str) -> None:
+    def __init__(
+        self,
+        data: dict[str, Any],
+        capacity: dict[str, Any] | None,
+        path: str,
+        roofline: dict[str, Any] | None = None,
+        load_check: dict[str, Any] | None = None,
+    ) -> None:
         self.data = data
         self.capacity = capacity
+        self.roofline = roofline
+        self.load_check = load_check
         self.path = path
         self.rows: list[dict[str, Any]] = list(data["summary"])
 
@@ -103,10 +115,20 @@ class Results:
         """``path``: the grid's results.json; ``capacity``: the capacity study (default
         :data:`CAPACITY` beside it; absent: no capacity sections)."""
         cap_path = capacity if capacity is not None else (path.parent / CAPACITY).resolve()
-        cap = orjson.loads(cap_path.read_bytes()) if cap_path.exists() else None
+
+        def read(p: Path) -> dict[str, Any] | None:
+            out: dict[str, Any] | None = orjson.loads(p.read_bytes()) if p.exists() else None
+            return out
+
         folder = path.resolve().parent
         shown = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
-        return cls(orjson.loads(path.read_bytes()), cap, str(shown))
+        return cls(
+            orjson.loads(path.read_bytes()),
+            read(cap_path),
+            str(shown),
+            read(cap_path.parent / ROOFLINE),
+            read(cap_path.parent / LOAD_CHECK),
+        )
 
     # ------------------------------------------------------------------ rows
 
@@ -355,11 +377,58 @@ class Results:
             )
         slos = [s["name"] for s in cap.get("slos", [])]
         if slos:
-            out += ["", "Users one verifier serves at each service level:", ""]
-            out.append("| mode | " + " | ".join(self.slo_name(s) for s in slos) + " |")
-            out.append("|---" * (len(slos) + 1) + "|")
+            roof = (self.roofline or {}).get("users_at_slo", {})
+            out += ["", "Users one verifier serves at each service level (linear cost model"]
+            out[-1] += "; roofline beside it, `capacity_roofline.json`):" if roof else "):"
+            out += [""]
+            heads = [self.slo_name(s) for s in slos]
+            heads += [f"{s}, roofline" for s in slos] if roof else []
+            out.append("| mode | " + " | ".join(heads) + " |")
+            out.append("|---" * (len(heads) + 1) + "|")
             for mode, found in cap.get("users_at_slo", {}).items():
-                out.append(f"| {mode} | " + " | ".join(num(found.get(s)) for s in slos) + " |")
+                cells = [num(found.get(s)) for s in slos]
+                cells += [num(roof.get(mode, {}).get(s)) for s in slos] if roof else []
+                out.append(f"| {mode} | " + " | ".join(cells) + " |")
+        return out
+
+    def load_check_table(self) -> list[str]:
+        """The capacity study's real-time check under load (``capacity_validation.json``)."""
+        doc = self.load_check
+        if not doc:
+            return ["No real-time check under load (`docs/results/capacity_validation.json`) yet."]
+        keys = (
+            ("per_user_tokens_per_s_p50", "tok/s p50"),
+            ("per_user_tokens_per_s_p10", "tok/s p10"),
+            ("ttft_p99_s", "TTFT p99 s"),
+            ("goodput_tokens_per_s", "goodput tok/s"),
+        )
+        out = [
+            "| mode | N | S | "
+            + " | ".join(f"{t} measured → simulated (sim/measured)" for _, t in keys)
+            + " | overruns |",
+            "|---|---|---|" + "---|" * len(keys) + "---|",
+        ]
+        for r in doc.get("rows", []):
+            cells = []
+            for k, _ in keys:
+                ratio = (r.get("ratio") or {}).get(k) or {}
+                mark = "" if (r.get("within_15pct") or {}).get(k) else " ✗"
+                cells.append(
+                    f"{num((r.get('measured') or {}).get(k))} → "
+                    f"{num((r.get('simulated') or {}).get(k))} "
+                    f"({times(ratio.get('value'), ratio.get('ci'))}){mark}"
+                )
+            o = r.get("overruns") or {}
+            over = (
+                f"draft {o.get('edge_draft_overruns', 0)}/{o.get('edge_draft_steps', 0)}, "
+                f"verifier {o.get('verifier_target_overruns', 0)}"
+                f"/{o.get('verifier_target_forwards', 0)}"
+            )
+            out.append(
+                f"| {r['mode']} | {r['edges']} | {num(r.get('time_scale'), 0)} | "
+                + " | ".join(cells)
+                + f" | {over} |"
+            )
         return out
 
     def slo_terms(self, name: str) -> str:
@@ -383,7 +452,12 @@ class Results:
             return "Users per verifier: no capacity study yet."
         users = {m: v.get(README_SLO) for m, v in cap.get("users_at_slo", {}).items()}
         listed = ", ".join(f"{m} {num(n)}" for m, n in users.items())
-        return f"Users per verifier at {self.slo_terms(README_SLO)}: {listed}."
+        line = f"Users per verifier at {self.slo_terms(README_SLO)}: {listed}"
+        roof = (self.roofline or {}).get("users_at_slo", {})
+        if roof:
+            shown = ", ".join(f"{m} {num(v.get(README_SLO))}" for m, v in roof.items())
+            line += f" (roofline costs: {shown})"
+        return line + "."
 
     def validation_table(self) -> list[str]:
         rows = self.data.get("validation") or []
@@ -490,6 +564,7 @@ class Results:
         if targets:
             parts += ["### Targets", "", *targets, ""]
         parts += ["### Edges per verifier", "", *self.capacity_tables(), ""]
+        parts += ["### The capacity study's check under load", "", *self.load_check_table(), ""]
         parts += ["### Validation against the real-time run", "", *self.validation_table()]
         return "\n".join(parts)
 

@@ -231,3 +231,43 @@ def test_a_category_shows_the_best_edge_mode_once_when_it_is_also_listed() -> No
         "| chat",
         "| translation",
     ]
+
+
+def test_the_roofline_study_and_the_check_under_load_are_published_beside() -> None:
+    """The users table carries the roofline study's counts beside the linear one's, the README
+    line names them, and the real-time check under load gets its table, a figure outside 15 %
+    marked."""
+    roof = capacity()
+    roof["users_at_slo"] = {m: {"reading": 2 * v["reading"], "fast": 0} for m, v in
+                            roof["users_at_slo"].items()}  # fmt: skip
+    ratio = {"value": 1.05, "ci": [0.98, 1.12]}
+    fig = {"per_user_tokens_per_s_p50": 10.0, "per_user_tokens_per_s_p10": 8.0,
+           "ttft_p99_s": 0.5, "goodput_tokens_per_s": 40.0}  # fmt: skip
+    check = {
+        "rows": [
+            {
+                "mode": "auto predraft",
+                "edges": 4,
+                "time_scale": 16.0,
+                "measured": fig,
+                "simulated": fig,
+                "ratio": dict.fromkeys(fig, ratio),
+                "within_15pct": {**dict.fromkeys(fig, True), "ttft_p99_s": False},
+                "overruns": {
+                    "edge_draft_steps": 300,
+                    "edge_draft_overruns": 12,
+                    "verifier_target_forwards": 20,
+                    "verifier_target_overruns": 0,
+                },
+            }
+        ]
+    }
+    res = Results(fixture(), capacity(), "x", roof, check)
+    table = "\n".join(res.capacity_tables())
+    assert "reading, roofline" in table
+    first = next(m for m in roof["users_at_slo"])
+    assert "roofline costs: " + first in res.users_line()
+    rows = res.load_check_table()
+    assert rows[2].startswith("| auto predraft | 4 | 16 |")
+    assert rows[2].count("✗") == 1 and "draft 12/300, verifier 0/20" in rows[2]
+    assert "### The capacity study's check under load" in res.page_section()
