@@ -174,12 +174,13 @@ class VerifierSettings:
         "tokens a round it will verify (the law stays the target's); off: every draft whole",
     )
     ration_share: float = setting(
-        0.25,
+        0.5,
         min=0.05,
         max=10.0,
-        help="with ration: the most the draft tokens past each round's promised budget may add "
-        "to a step, as a share of one forward's measured overhead (by the step time a + "
-        "b·tokens): a loaded step stays short, so a new prompt's first token waits little",
+        help="with ration: the most the draft tokens past each round's promised budget, and the "
+        "step's prefill before them, may add to a step, as a share of one forward's measured "
+        "overhead (by the step time a + b·tokens): a loaded step stays short, so a new "
+        "prompt's first token waits little",
     )
     max_sessions_per_token: int = setting(
         32,

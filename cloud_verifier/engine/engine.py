@@ -125,7 +125,7 @@ class EngineLimits:
     #: ``ration_share``: what the draft tokens past the promised budgets may add to a step, in
     #: forward overheads (rationing.ration's ``share``).
     ration: bool = True
-    ration_share: float = 0.25
+    ration_share: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.batch_wait_s <= 1.0:

@@ -19,8 +19,9 @@ price and the step has room: a step much cheaper than its overhead (an idle veri
 verifies whole drafts; a loaded one leaves out the tails that would probably be rejected.
 
 **Room.** Beside the step's token bound, the slots past the mandatory part may add at most
-``share`` of the step's overhead a (the verifier's ``ration_share`` setting): a step is never
-stretched by speculation past (1 + share)·a + b·(its mandatory tokens), so what waits for the
+``share`` of the step's overhead a (the verifier's ``ration_share`` setting), less what the
+step's prefill chunks add (a first token's prefill comes first): a step is never stretched by
+speculation past (1 + share)·a + b·(its mandatory and prefill tokens), so what waits for the
 next step (a new prompt's first token above all) waits for a short one.
 
 **Batches.** A round may hold several of its session's batches (Proposes coalesced into one
@@ -147,12 +148,14 @@ def ration(
     overhead: float,
     room: int,
     share: float = float("inf"),
+    prefill: int = 0,
 ) -> Ration:
     """Draft tokens each round verifies (module docstring). ``other_tokens`` / ``other_yield``:
     the tokens of the step's other rows and the tokens they commit; ``overhead``: a/b, one
     forward's fixed cost in tokens (inf: not priced, drafts left out only for ``room``);
     ``room``: the most tokens the step may hold; ``share``: the most the slots past the
-    mandatory part may add, in forward overheads (inf: no such bound)."""
+    mandatory part may add, in forward overheads (inf: no such bound), less ``prefill``, the
+    step's prefill tokens."""
     if not rounds:
         return Ration({}, 0.0)
     keep = {r.key: r.mandatory for r in rounds}
@@ -160,7 +163,8 @@ def ration(
     e = other_yield + sum(1.0 + sum(r.survival[: r.mandatory]) for r in rounds)
     priced = overhead != float("inf")
     if priced and share != float("inf"):
-        room = min(room, n + max(0, int(share * overhead)))
+        # the step's prefill chunks take the speculative slots' share first
+        room = min(room, n + max(0, int(share * overhead) - prefill))
     slots = sorted(
         ((s, i, r.key) for r in rounds for i, s in enumerate(r.survival) if i >= r.mandatory),
         key=lambda t: (-t[0], t[1], t[2]),

@@ -130,7 +130,7 @@ class BatchLimits:
     #: Rationing speculation (:func:`_rationed`); False: every draft whole, as it came.
     #: ``ration_share``: rationing.ration's ``share``.
     ration: bool = True
-    ration_share: float = 0.25
+    ration_share: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -351,6 +351,7 @@ def _rationed(
         overhead if shared else float("inf"),
         limits.max_tokens,
         limits.ration_share,
+        sum(n for _, _, n in chunks),
     )
     out: list[tuple[int, int]] = []
     info: dict[int, tuple[int | None, int]] = {}

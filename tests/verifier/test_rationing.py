@@ -203,3 +203,22 @@ def test_the_verifiers_own_drafts_are_held_to_the_budget_under_load() -> None:
     assert row.budget is not None and row.budget < 8 and row.cut is None
     (alone,) = plan_step([hybrid], LIMITS, active_sessions=1, overhead_tokens=16.0).rows
     assert alone.budget == MAX_AHEAD
+
+
+def test_a_steps_prefill_takes_the_speculative_share_first() -> None:
+    """The prefill chunks a step holds come out of its speculative share: beside a prompt's
+    prefill as long as the share, no slot past the promises is added; beside a shorter one,
+    what is left of it."""
+    rounds = [Round(k, 2, chain(0.95, 12, 0.95)) for k in range(30)]
+    free = ration(rounds, 0, 0.0, overhead=200.0, room=4096, share=0.5)
+    half = ration(rounds, 60, 0.0, overhead=200.0, room=4096, share=0.5, prefill=60)
+    full = ration(rounds, 100, 0.0, overhead=200.0, room=4096, share=0.5, prefill=100)
+    extra = [sum(r.keep[k] - 1 for k in r.keep) for r in (free, half, full)]
+    assert extra == [100, 40, 0]
+    # the scheduler passes its chunks' tokens
+    limits = BatchLimits(max_sessions=64, max_tokens=4096, prefill_chunk=512, prefill_share=0.0)
+    queue = [verify(chain(0.9, 8, 0.9)) for _ in range(10)]
+    alone = plan_step(queue, limits, active_sessions=11, overhead_tokens=100.0)
+    beside = plan_step([*queue, Queued(Kind.FORWARD, 200, 1, "b")], limits, 11, 100.0)
+    assert sum(r.tokens for r in alone.rows) > 10 * 3
+    assert sum(r.tokens for r in beside.rows if r.index < 10) == 10 * 3
