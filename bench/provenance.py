@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+#: Where the studies write their results (relative to the repository).
+RESULTS = "docs/results"
 
 
 def git(*args: str) -> str:
@@ -31,11 +33,12 @@ def git(*args: str) -> str:
 
 def commit() -> str:
     """``git rev-parse HEAD`` of this tree, ``-dirty`` appended when tracked files differ from
-    it; ``"unknown"`` outside a git checkout."""
+    it (but for the results under :data:`RESULTS`, which the studies write: a study run after
+    another is still of a clean tree); ``"unknown"`` outside a git checkout."""
     head = git("rev-parse", "HEAD")
     if not head:
         return "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=no")
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":!{RESULTS}")
     return f"{head}-dirty" if dirty else head
 
 
