@@ -106,7 +106,7 @@ from bench.traces import Trace
 from cloud_verifier.engine.engine import EngineLimits
 from cloud_verifier.engine.rationing import survival_of
 from cloud_verifier.engine.runner import advance, work_start
-from cloud_verifier.engine.scheduler import BatchLimits, Queued, plan_step
+from cloud_verifier.engine.scheduler import DECODE_FIXED, BatchLimits, Queued, plan_step
 from cloud_verifier.engine.scheduler import Kind as SchedKind
 from cloud_verifier.engine.step_times import DraftCost
 from cloud_verifier.engine.work import (
@@ -128,7 +128,15 @@ from cloud_verifier.session.core import Close, Run, SessionLimits, TargetInfo, V
 from cloud_verifier.session.core import Send as VSend
 from edge_agent.model.drafter import RIVALS, Drafter
 from edge_agent.session.core import NO_RIVAL, Rival, SingleCore, hello_for
-from edge_agent.session.events import Committed, Count, EdgeEvent, Fail, Finished, RejectionGap
+from edge_agent.session.events import (
+    Committed,
+    Count,
+    Counter,
+    EdgeEvent,
+    Fail,
+    Finished,
+    RejectionGap,
+)
 from edge_agent.session.events import Round as RoundEvent
 from edge_agent.session.events import Send as ESend
 from edge_agent.session.generation import Generation
@@ -137,7 +145,7 @@ from shared.enums import TextEnum
 from shared.maths.rejection import Decision
 from shared.maths.sampling import Probs, SamplingParams
 from shared.wire.codec import encode
-from shared.wire.messages import Fingerprint, Welcome
+from shared.wire.messages import Fingerprint, Propose, Welcome
 
 #: Branches prepared at most in the ``:predraft`` modes (``bench.run.PREDRAFT_BRANCHES``).
 PREDRAFT_BRANCHES: Final = 8
@@ -416,6 +424,25 @@ class Reply:
         return (self.tokens - 1) / span if self.tokens >= 2 and span > 0 else math.nan
 
 
+@dataclass(frozen=True)
+class SimEvent:
+    """What :func:`simulate`'s ``observe`` is told, in virtual time: ``what`` happened to
+    ``user`` from ``t`` to ``end`` (= ``t`` for an instant). ``what``: ``draft`` (a draft step
+    on the edge), ``branch`` (a batched step of pre-drafted branches), ``propose`` (a batch sent:
+    ``n`` draft tokens; a credit has none), ``verify`` (the user's row in a verifier step:
+    ``kind`` the work's, ``n`` its tokens), ``round`` (a verdict decided a batch: ``n``
+    drafted, ``k`` accepted), ``commit`` (``n`` tokens committed at the edge), ``hit`` (a
+    rejection answered by a pre-drafted branch)."""
+
+    t: float
+    end: float
+    user: int
+    what: str
+    kind: str = ""
+    n: int = 0
+    k: int = 0
+
+
 @dataclass
 class SimResult:
     replies: list[Reply]
@@ -591,8 +618,14 @@ def _queued(work: Work | None) -> Queued:
 class _Engine:
     """The verifier GPU (module doc): one step at a time, with all queued work."""
 
-    def __init__(self, clock: _Clock, costs: Costs, batch: BatchLimits) -> None:
-        self.clock, self.costs, self.batch = clock, costs, batch
+    def __init__(
+        self,
+        clock: _Clock,
+        costs: Costs,
+        batch: BatchLimits,
+        observe: Callable[[SimEvent], None] | None = None,
+    ) -> None:
+        self.clock, self.costs, self.batch, self.observe = clock, costs, batch, observe
         self.sessions: list[_VSession] = []
         self.ars: list[_ARSession] = []
         self.running = False
@@ -701,6 +734,15 @@ class _Engine:
         self.busy_s += spent
         self.running = True
         end = self.clock.now + spent
+        if self.observe is not None:
+            for i, s in enumerate(vs):
+                if tokens[i] or i in results:
+                    w = s.work
+                    long = isinstance(w, (Verify, CoGenerate)) and len(w.fixed) > DECODE_FIXED
+                    kind = "prefill" if i not in results or long else type(w).__name__.lower()
+                    self.observe(
+                        SimEvent(self.clock.now, end, s.reply.user, "verify", kind, tokens[i])
+                    )
         done = {i: (vs[i], vs[i].work, res) for i, res in results.items()}
         self.clock.at(end, lambda: self._done(end, done, decided))
 
@@ -829,17 +871,30 @@ class _Edge:
                 data = encode(ev.msg, self.core.ctx)
                 stats.sent(ev.msg, len(data))
                 self.up.send(len(data), partial(self._up, data))
+                if isinstance(ev.msg, Propose):
+                    self._note("propose", n=len(ev.msg.draft))
             elif isinstance(ev, Committed):
                 if ev.ids and math.isnan(self.reply.first_s):
                     self.reply.first_s = self.sim.clock.now
+                self._note("commit", n=len(ev.ids))
             elif isinstance(ev, Finished):
                 pass
             elif isinstance(ev, (Count, RoundEvent, RejectionGap)):
                 stats.apply(ev)
+                if isinstance(ev, RoundEvent):
+                    self._note("round", n=ev.drafted, k=ev.accepted)
+                elif isinstance(ev, Count) and ev.counter == Counter.PREDRAFT_HITS:
+                    self._note("hit")
             elif isinstance(ev, Fail):
                 raise SimError(f"the edge's session failed: {ev.error}") from ev.error
             else:
                 raise SimError(f"unexpected edge event {ev}")
+
+    def _note(self, what: str, seconds: float = 0.0, n: int = 0, k: int = 0) -> None:
+        """Tell the simulation's observer (if any) what this edge did now."""
+        if self.sim.observe is not None:
+            t = self.sim.clock.now
+            self.sim.observe(SimEvent(t, t + seconds, self.reply.user, what, n=n, k=k))
 
     def _up(self, data: bytes, now: float) -> None:
         self.vs.receive(data, now)
@@ -917,6 +972,7 @@ class _Edge:
             while core.wants_more(plan, draft, prob):
                 seconds = self.sim.costs.draft_s + self.prefill_s
                 self.prefill_s = 0.0  # the draft model's prefill, with its first step
+                self._note("draft", seconds)
                 yield seconds
                 tok, p, rival = self._step(plan.context + draft, want_rival)
                 core.on_draft_step(seconds)
@@ -935,6 +991,7 @@ class _Edge:
         budget = min(core.branch_room(), Drafter.branch_batch_for(self.sim.costs.draft_batch_cost))
         growing = core.plan_branches(budget)
         while (active := [g for g in growing if core.branch_open(g)]) and not core.may_draft():
+            self._note("branch", self.sim.costs.draft_step_s(len(active)), n=len(active))
             yield self.sim.costs.draft_step_s(len(active))
             for g in active:
                 tok, p, rival = self._step([*g.pp.context, g.pp.token, *g.draft], True)
@@ -975,13 +1032,14 @@ class _Sim:
     link: Link
     seed: int
     batch: BatchLimits = SIM_BATCH
+    observe: Callable[[SimEvent], None] | None = None
     clock: _Clock = field(default_factory=_Clock)
     engine: _Engine = field(init=False)
     links: list[tuple[_Pipe, _Pipe]] = field(default_factory=list)
     replies: list[Reply] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.engine = _Engine(self.clock, self.costs, self.batch)
+        self.engine = _Engine(self.clock, self.costs, self.batch, self.observe)
 
     def start(self, user: int, reqs: Sequence[Request], k: int) -> None:
         """User ``user`` sends its ``k``-th request now; the next follows its reply."""
@@ -1047,14 +1105,15 @@ def simulate(
     start_spread_s: float = 0.0,
     seed: int = 0,
     batch: BatchLimits = SIM_BATCH,
+    observe: Callable[[SimEvent], None] | None = None,
 ) -> SimResult:
     """Simulate ``users`` (each a closed loop over its requests: the next leaves when the
     previous reply is complete; user u starts at a seeded uniform offset in
     ``[0, start_spread_s)``), each with its own edge and link, sharing one verifier GPU whose
-    scheduler runs with ``batch``."""
+    scheduler runs with ``batch``; ``observe`` is told every :class:`SimEvent`."""
     if link.rtt_s < 0 or link.bandwidth_bps <= 0:
         raise ValueError(f"bad link {link}: rtt must be >= 0 and bandwidth > 0")
-    sim = _Sim(mode, costs, link, seed, batch)
+    sim = _Sim(mode, costs, link, seed, batch, observe)
     rng = random.Random(seed)
     for u, reqs in enumerate(users):
         sim.links.append((_Pipe(sim.clock, link), _Pipe(sim.clock, link)))
