@@ -20,12 +20,19 @@ and at this CPU's batch cost, the verifier's busy time, pre-drafting, the catego
 targets, the capacity, users at each service level and the simulation's validation.
 
 A claim is worded by its interval (:func:`claim`): "≥" only where the low end is ≥ 1.
+
+Figures in prose. A number in the README's or the docs' prose that a study measured is
+followed by a marker naming its source, ``81<!-- fig capacity.json users_at_slo.auto.reading
+-->`` (the file under docs/results/, the field: :func:`resolve`); ``--check`` (and
+:func:`check_figures`, which the tests run) fails when the number is not the field's value
+rounded as written, so a regenerated result leaves no stale sentence behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -569,6 +576,101 @@ class Results:
         return "\n".join(parts)
 
 
+# ------------------------------------------------------------------------------ figures in prose
+
+#: A figure in prose and its source: the number, then ``<!-- fig FILE PATH [×100] -->``
+#: (FILE relative to docs/results/; PATH as :func:`resolve` reads it; ``×100`` for a percent).
+FIGURE = re.compile(
+    r"(?P<num>-?[0-9][0-9,]*(?:\.[0-9]+)?)(?P<unit>[×%]?)"
+    r"<!--\s*fig\s+(?P<file>\S+)\s+(?P<path>.+?)(?:\s+(?P<scale>×100))?\s*-->"
+)
+#: The pages whose prose figures are checked.
+PROSE = ("README.md", "docs")
+RESULTS_DIR = Path("docs") / "results"
+_SELECT = re.compile(r"^(?P<key>[^\[]*)\[(?P<cond>[^\]]+)\]$")
+
+
+def _segments(path: str) -> list[str]:
+    """``a."b c".d[k=v,j=w]`` → ``['a', 'b c', 'd[k=v,j=w]']`` (dots inside quotes or brackets
+    do not split)."""
+    out, cur, quoted, depth = [], "", False, 0
+    for ch in path:
+        if ch == '"':
+            quoted = not quoted
+        elif ch == "[" and not quoted:
+            depth += 1
+            cur += ch
+        elif ch == "]" and not quoted:
+            depth -= 1
+            cur += ch
+        elif ch == "." and not quoted and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [*out, cur]
+
+
+def resolve(doc: Any, path: str) -> Any:
+    """The value at ``path`` in a results document: keys joined by dots (quoted where they
+    hold spaces or dots), a list's element by its index (``rows.3``) or by its first element
+    whose fields equal the given ones (``rows[mode=auto predraft,edges=64]``). KeyError where
+    nothing is there."""
+    value = doc
+    for seg in _segments(path):
+        m = _SELECT.match(seg)
+        key, cond = (m["key"], m["cond"]) if m else (seg, None)
+        if key:
+            if isinstance(value, list):
+                value = value[int(key)]
+            elif isinstance(value, dict) and key in value:
+                value = value[key]
+            else:
+                raise KeyError(f"{key!r} not in {path!r}")
+        if cond is not None:
+            want = dict(c.split("=", 1) for c in cond.split(","))
+            found = [
+                x
+                for x in value
+                if all(str(x.get(k)).removesuffix(".0") == v for k, v in want.items())
+            ]
+            if not found:
+                raise KeyError(f"no element with {cond} in {path!r}")
+            value = found[0]
+    return value
+
+
+def check_figures(root: Path | None = None) -> list[str]:
+    """Every prose figure of :data:`PROSE` under ``root`` (default :data:`ROOT`) against its
+    source: one line per figure whose number is not its source's value rounded as written, or
+    whose source is missing."""
+    root = ROOT if root is None else root
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    cache: dict[Path, Any] = {}
+    bad: list[str] = []
+    for page in pages:
+        if not page.exists():
+            continue
+        for lineno, line in enumerate(page.read_text().splitlines(), 1):
+            for m in FIGURE.finditer(line):
+                where = f"{page.relative_to(root)}:{lineno}: {m['num']}{m['unit']}"
+                src = root / RESULTS_DIR / m["file"]
+                try:
+                    if src not in cache:
+                        cache[src] = orjson.loads(src.read_bytes())
+                    value = float(resolve(cache[src], m["path"].strip()))
+                except (OSError, KeyError, ValueError, TypeError, IndexError) as e:
+                    bad.append(f"{where}: {m['file']} {m['path']}: {e}")
+                    continue
+                shown = m["num"].replace(",", "")
+                if m["scale"]:
+                    value *= 100.0
+                places = len(shown.partition(".")[2])
+                if round(value, places) != float(shown) and f"{value:.{places}f}" != shown:
+                    bad.append(f"{where}: {m['file']} {m['path']} is {value:.{places + 2}f}")
+    return bad
+
+
 def replace_between(text: str, marker: str, body: str) -> str:
     """``text`` with what lies between ``<!-- marker:begin -->`` and ``<!-- marker:end -->``
     replaced by ``body`` (one blank line either side where the page had them)."""
@@ -608,7 +710,10 @@ def main(argv: list[str] | None = None) -> int:
                 path.write_text(new)
     for path in stale:
         print(f"{'out of date' if args.check else 'rewrote'}: {path.relative_to(ROOT)}")
-    return 1 if args.check and stale else 0
+    wrong = check_figures()
+    for line in wrong:
+        print(f"stale figure: {line}")
+    return 1 if (args.check and stale) or wrong else 0
 
 
 if __name__ == "__main__":

@@ -271,3 +271,37 @@ def test_the_roofline_study_and_the_check_under_load_are_published_beside() -> N
     assert rows[2].startswith("| auto predraft | 4 | 16 |")
     assert rows[2].count("✗") == 1 and "draft 12/300, verifier 0/20" in rows[2]
     assert "### The capacity study's check under load" in res.page_section()
+
+
+def test_a_prose_figure_is_checked_against_its_source(tmp_path: Path) -> None:
+    """``<!-- fig FILE PATH -->`` after a number: the number must be the field's value as
+    written (rounded to its decimals; ×100 for a percent); a missing field is stale too."""
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    doc = {
+        "rows": [{"mode": "auto", "edges": 64, "x": 1.2345}, {"mode": "ar", "edges": 64, "x": 2}],
+        "users_at_slo": {"auto predraft": {"reading": 104}},
+        "share": 0.123,
+    }
+    (results / "c.json").write_bytes(orjson.dumps(doc))
+    assert publish.resolve(doc, 'users_at_slo."auto predraft".reading') == 104
+    assert publish.resolve(doc, "rows[mode=ar,edges=64].x") == 2
+    assert publish.resolve(doc, "rows.0.x") == 1.2345
+    with pytest.raises(KeyError):
+        publish.resolve(doc, "rows[mode=hybrid].x")
+    (tmp_path / "README.md").write_text(
+        'serves 104<!-- fig c.json users_at_slo."auto predraft".reading --> users, '
+        "1.23×<!-- fig c.json rows[mode=auto].x --> and 12.3 %<!-- fig c.json share ×100 -->\n"
+    )
+    (tmp_path / "docs" / "page.md").write_text(
+        "now 1.24<!-- fig c.json rows[mode=auto].x -->, 7<!-- fig c.json nothing.here -->\n"
+    )
+    bad = publish.check_figures(tmp_path)
+    assert len(bad) == 2, bad
+    assert bad[0].startswith("docs/page.md:1: 1.24") and "1.2345" in bad[0]
+    assert "nothing" in bad[1]
+
+
+def test_every_marked_figure_in_the_committed_pages_is_its_sources() -> None:
+    """(The tables: tests/system/test_docs.py reads them off the committed results.)"""
+    assert publish.check_figures() == []

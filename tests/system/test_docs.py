@@ -5,7 +5,9 @@ markers a regeneration script replaces, and no command needs an activated venv."
 
 from __future__ import annotations
 
+import argparse
 import re
+import shlex
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,3 +114,74 @@ def test_commands_do_not_need_an_activated_venv() -> None:
             if command:
                 found.append(f"{page.relative_to(REPO)}:{number}: {line.strip()}")
     assert not found, found
+
+
+def _links(page: Path) -> set[Path]:
+    """The local pages ``page`` links to, resolved."""
+    out = set()
+    for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if re.match(r"[a-z]+://", link) or link.startswith("#"):
+            continue
+        out.add((page.parent / link.split("#")[0]).resolve())
+    return out
+
+
+def test_every_page_in_the_nav_is_linked_from_another_page() -> None:
+    """A page only the sidebar reaches is one a reader of the README never finds."""
+    linked: set[Path] = set()
+    for page in [README, *_pages()]:
+        linked |= {p for p in _links(page) if p != page.resolve()}
+    orphans = [p for p in _nav() if p != "index.md" and (DOCS / p).resolve() not in linked]
+    assert not orphans, f"linked from no other page: {orphans}"
+
+
+#: The product's command lines: a CLI (by any path to it) and its words up to a comment.
+_CLI = re.compile(r"(?:^|[\s;&|(])(?:\S*/)?(edge-agent|cloud-verifier)((?:\s+[^#\n]*)?)")
+
+
+def _code_lines(text: str) -> list[str]:
+    """The shell lines of ``text``'s fenced code blocks, continuations joined."""
+    lines: list[str] = []
+    for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.M | re.S):
+        lines += block.replace("\\\n", " ").splitlines()
+    return lines
+
+
+def _options(prog: str) -> dict[str, set[str]]:
+    """Each subcommand of ``prog`` and the options its parser accepts."""
+    from cloud_verifier.daemon import cli as vcli
+    from edge_agent.daemon import cli as ecli
+
+    parser = (ecli if prog == "edge-agent" else vcli).build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: set(p._option_string_actions) for name, p in subs.choices.items()}
+
+
+def test_every_product_command_in_the_docs_parses() -> None:
+    """Every ``edge-agent`` / ``cloud-verifier`` command in a code block of the README or the
+    docs names a subcommand that exists and only flags its parser accepts."""
+    options = {prog: _options(prog) for prog in ("edge-agent", "cloud-verifier")}
+    bad, seen = [], 0
+    for page in [README, *_pages()]:
+        for line in _code_lines(page.read_text()):
+            for m in _CLI.finditer(line):
+                try:
+                    words = shlex.split(m[2])
+                except ValueError:  # a quote the block closes on a later line (a JSON body)
+                    words = m[2].split()
+                words = [w for w in words if w not in (">", ">>", "2>&1")]
+                # (a first word that is a flag or no word: the unit's name in journalctl -u,
+                # a diagram's label)
+                if not words or not re.fullmatch(r"[a-z][a-z-]*", words[0]):
+                    continue
+                prog, sub = m[1], words[0]
+                seen += 1
+                if sub not in options[prog]:
+                    bad.append(f"{page.relative_to(REPO)}: {prog} {sub}: no such subcommand")
+                    continue
+                for w in words[1:]:
+                    flag = w.split("=", 1)[0]
+                    if flag.startswith("--") and flag not in options[prog][sub]:
+                        bad.append(f"{page.relative_to(REPO)}: {prog} {sub} {flag}")
+    assert seen > 10, "the docs' commands were not found"
+    assert not bad, bad
