@@ -76,8 +76,7 @@ _RTTS: contextvars.ContextVar[list[float]] = contextvars.ContextVar("wanspec_rtt
 
 
 class QueueFull(WanspecError, RuntimeError):
-    """Too many requests are waiting, or one waited its bound for a place (HTTP 429, with
-    ``retry_after`` seconds when known)."""
+    """Too many requests are waiting (HTTP 429, with ``retry_after`` seconds)."""
 
     def __init__(self, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
@@ -97,6 +96,8 @@ class Partial:
 
 #: The Retry-After of a 503 whose wait gave no better figure (a federation's give-up).
 DEFAULT_RETRY_AFTER_S = 5
+#: The Retry-After of a 429 (the daemon's line full): a place frees as a generation ends.
+QUEUE_RETRY_AFTER_S = 1
 
 
 class VerifierUnavailable(WanspecError, RuntimeError):
@@ -149,7 +150,10 @@ class FairQueue:
     def check(self) -> None:
         """Raise :class:`QueueFull` if a request arriving now would be refused."""
         if (self.busy or self._waiters) and self.waiting >= self.max_waiting:
-            raise QueueFull(f"{self.waiting} requests are already waiting; try again later")
+            raise QueueFull(
+                f"{self.waiting} requests are already waiting; try again later",
+                retry_after=QUEUE_RETRY_AFTER_S,
+            )
 
     def _release(self) -> None:
         while self._waiters:
@@ -161,8 +165,9 @@ class FairQueue:
 
     @contextlib.asynccontextmanager
     async def slot(self, wait_s: float | None = None) -> AsyncIterator[None]:
-        """Hold a place; wait for one at most ``wait_s`` seconds (None: no bound: the
-        request's deadline), then :class:`QueueFull`."""
+        """Hold a place; wait for one at most ``wait_s`` seconds (None: no bound), then
+        :class:`RequestTimeout` (``wait_s`` is what is left of the request's deadline);
+        :class:`QueueFull` at once when the line is full."""
         if self.busy or self._waiters:
             self.check()
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -177,7 +182,7 @@ class FairQueue:
                     with contextlib.suppress(ValueError):
                         self._waiters.remove(fut)
                 if isinstance(e, asyncio.TimeoutError):
-                    raise QueueFull(
+                    raise RequestTimeout(
                         f"waited {wait_s:g} s for one of the {self.max_active} generations "
                         "(the request's deadline: request_timeout or wanspec.timeout); try "
                         "again later",

@@ -52,9 +52,10 @@ def retry_after_s(value: str | None) -> float | None:
     return min(float(value.strip()), MAX_RETRY_AFTER_S)
 
 
-class UntrustedCertificateError(TokenRefused):
+class UntrustedCertificateError(LinkRefused):
     """The verifier's TLS certificate failed verification (not retried: pass its CA, e.g. with
-    ``ssl=ssl.create_default_context(cafile=...)``)."""
+    ``ssl=ssl.create_default_context(cafile=...)``, or reach it by a name its certificate
+    holds). A refusal of the link, not of the token: nothing about the token is known yet."""
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,8 @@ async def _upgrade(
         await session.close()
         raise UntrustedCertificateError(
             f"verifier at {settings.url}: TLS certificate not trusted ({e.certificate_error}); "
-            "give the edge the verifier's CA certificate"
+            "give the edge the CA that signed it (ca_file), or connect by a host name the "
+            "certificate holds"
         ) from e
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
         await session.close()

@@ -25,7 +25,13 @@ import openai
 import pytest
 import torch
 
-from edge_agent.daemon.service import EdgeService, FairQueue, QueueFull, StopScanner
+from edge_agent.daemon.service import (
+    EdgeService,
+    FairQueue,
+    QueueFull,
+    RequestTimeout,
+    StopScanner,
+)
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.sampling import SamplingParams
 from shared.runtime.models import LoadedModel, load_model
@@ -124,9 +130,9 @@ async def test_fair_queue_is_fifo_and_a_cancelled_waiter_frees_its_place() -> No
 
 
 async def test_a_wait_for_a_place_ends_at_its_bound_and_loses_nothing() -> None:
-    """Every wait has a deadline: a request waiting for a generation past ``wait_s`` gets
-    QueueFull with a Retry-After, its place goes to nobody, and the next one still gets the
-    slot when it frees."""
+    """Every wait has a deadline: a request waiting for a generation past ``wait_s`` (what is
+    left of its own deadline) gets RequestTimeout (504) with a Retry-After, its place goes to
+    nobody, and the next one still gets the slot when it frees."""
     q = FairQueue(max_waiting=4)
     gate = asyncio.Event()
 
@@ -136,7 +142,7 @@ async def test_a_wait_for_a_place_ends_at_its_bound_and_loses_nothing() -> None:
 
     holder = asyncio.create_task(hold())
     await until(lambda: q.busy, 5.0, "the slot held")
-    with pytest.raises(QueueFull, match=r"waited 0\.05 s") as err:
+    with pytest.raises(RequestTimeout, match=r"waited 0\.05 s") as err:
         async with q.slot(0.05):
             pass
     assert err.value.retry_after == 1 and q.waiting == 0
@@ -161,8 +167,9 @@ async def test_fair_queue_serves_max_active_at_once_then_in_arrival_order() -> N
     await until(lambda: order == ["a", "b"] and q.busy, 5.0, "a and b hold both slots")
     tasks += [asyncio.create_task(job(n)) for n in "cd"]
     await until(lambda: q.waiting == 2, 5.0, "c and d wait")
-    with pytest.raises(QueueFull):
+    with pytest.raises(QueueFull) as full:
         q.check()
+    assert full.value.retry_after == 1  # 429 with Retry-After
     gates["b"].set()
     await until(lambda: order == ["a", "b", "c"], 5.0, "c takes b's slot")
     for g in gates.values():
