@@ -133,7 +133,8 @@ def cuda_missing_reason() -> str | None:
     if torch.version.cuda is None:
         return (
             f"torch {torch.__version__} is built without CUDA (on a Jetson install NVIDIA's "
-            "JetPack wheel first, then `make install TORCH_SPEC=torch`)"
+            "JetPack torch system-wide, then `make install SYSTEM_TORCH=1`; elsewhere "
+            "`make install CUDA=cu128`)"
         )
     return (
         f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU "
