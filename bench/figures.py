@@ -50,6 +50,14 @@ def _plt() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path, title: str) -> None:
+    """Title the figure with what its figures are and where they come from; write it."""
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def tokens_vs_rtt(results: dict[str, Any], path: Path, tokens: int = 256) -> None:
     """tok/s against RTT per mode, and the edge modes over best cloud-sd with intervals."""
     plt = _plt()
@@ -85,14 +93,13 @@ def tokens_vs_rtt(results: dict[str, Any], path: Path, tokens: int = 256) -> Non
         ax.set_xlabel("RTT (ms)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(
+    _save(
+        plt,
+        fig,
+        path,
         "Emulated: PicoSpec's Llama 1B/70B step costs, an H200's batching; real models' "
         "acceptance (docs/results/bench/results.json)",
-        fontsize=9,
     )
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def users_vs_n(capacity: dict[str, Any], roofline: dict[str, Any] | None, path: Path) -> None:
@@ -139,14 +146,13 @@ def users_vs_n(capacity: dict[str, Any], roofline: dict[str, Any] | None, path: 
     axes[2].set_title("users one verifier serves at a service level", fontsize=9)
     axes[2].legend(fontsize=7)
     axes[2].grid(alpha=0.3, axis="y")
-    fig.suptitle(
+    _save(
+        plt,
+        fig,
+        path,
         "Simulated, RTT 100 ms, 256-token replies (docs/results/capacity.json, "
         "capacity_roofline.json)",
-        fontsize=9,
     )
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def timeline_events(traces_path: Path, prompt: str = "gsm8k") -> list[SimEvent]:
