@@ -554,6 +554,7 @@ class _VSession:
     engine: _Engine
     work: Work | None = None
     closed: bool = False
+    since: int = 0  # when its work was queued (the engine's count): the queue is FIFO
 
     def handle(self, events: Sequence[object]) -> None:
         for ev in events:
@@ -564,6 +565,7 @@ class _VSession:
                 if self.work is not None:
                     raise SimError("a verifier core asked for work while its work runs")
                 self.work = ev.work
+                self.since = self.engine.queued()
                 self.engine.wake()
             elif isinstance(ev, Close):
                 raise SimError(f"the verifier closed a session: {ev.error.message}")
@@ -584,6 +586,7 @@ class _ARSession:
     done: int = 0  # tokens produced
     queued: bool = False  # a row waits for the next step
     prefilled: int = 0  # prompt tokens cached by chunks so far
+    since: int = 0  # when its row was queued (the engine's count)
 
     @property
     def queued_row(self) -> Queued:
@@ -632,6 +635,14 @@ class _Engine:
         self._woken = False
         self.busy_s = 0.0
         self.draft_cost = DraftCost()
+        self._count = 0
+
+    def queued(self) -> int:
+        """A number for work queued now, larger than every earlier one's: the engine's queue is
+        first come, first served (a step takes what fits in that order; the rest keeps its
+        place)."""
+        self._count += 1
+        return self._count
 
     def wake(self) -> None:
         """Work was queued: start a step now if idle (after the events of this instant)."""
@@ -644,8 +655,8 @@ class _Engine:
         if self.running:
             return
         self.sessions = [s for s in self.sessions if not s.closed]
-        vs = [s for s in self.sessions if s.work is not None]
-        ars = [a for a in self.ars if a.queued]
+        vs = sorted((s for s in self.sessions if s.work is not None), key=lambda s: s.since)
+        ars = sorted((a for a in self.ars if a.queued), key=lambda a: a.since)
         if not vs and not ars:
             return
         costs = self.costs
@@ -799,7 +810,7 @@ class _Engine:
             a.done += 1
             a.on_token(a.models.path[a.done - 1])
             if a.done < a.n:
-                a.queued = True
+                a.queued, a.since = True, self.queued()
         self.ars = [a for a in self.ars if a.done < a.n]
         self.wake()
 
@@ -1089,7 +1100,7 @@ class _Sim:
         session = _ARSession(models, reply, n, on_token)
 
         def queued(_: float) -> None:
-            session.queued = True
+            session.queued, session.since = True, self.engine.queued()
             self.engine.ars.append(session)
             self.engine.wake()
 
