@@ -680,14 +680,26 @@ def _revoke(state: VerifierState, keys: frozenset[str]) -> None:
 async def drain(state: VerifierState, timeout_s: float, poll_s: float = 0.1) -> None:
     """Drain before shutting down (``drain_timeout``): /health answers 503 and new sessions are
     refused from now on, while open sessions go on, until none is left or ``timeout_s`` passes.
-    A balancer health-checking /health stops routing here within its check interval."""
+    A balancer health-checking /health stops routing here within its check interval.
+
+    An edge keeps one connection for all its sessions, and a balancer routes connections, not
+    sessions: a connection that carries no session (at once, or once its last one ends) is
+    closed (going away, "draining"), so that its edge reconnects through the balancer to
+    another replica instead of meeting refusals here until the drain ends."""
     if timeout_s <= 0:
         return
     state.set_status(ServiceStatus.STOPPING, "draining: no new sessions")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     log.info("draining: %d session(s) open, up to %.3g s", state.streams, timeout_s)
-    while state.streams and (left := deadline - loop.time()) > 0:
+    while True:
+        for conn in [c for c in state.conns if not c.streams]:
+            state.conns.discard(conn)
+            task = loop.create_task(conn.close(WSCloseCode.GOING_AWAY, "draining"))
+            state.closers.add(task)
+            task.add_done_callback(state.closers.discard)
+        if not state.streams or (left := deadline - loop.time()) <= 0:
+            break
         await asyncio.sleep(min(poll_s, left))
     log.info("drained: %d session(s) left to close", state.streams)
 
@@ -1083,7 +1095,10 @@ def _refusal(state: VerifierState, key: str, *, resuming: bool = False) -> Error
         return Error(_status_code(state.status), f"the verifier failed: {state.reason}", True)
     if state.status != ServiceStatus.READY:
         code = _status_code(state.status)
-        return Error(code, f"the verifier is {state.status}: {state.reason}", True, 5.0)
+        # Stopping: draining, its edges' connections closing; behind a balancer another
+        # replica takes the session at once, so come back soon. Loading: a while.
+        after = 1.0 if state.status == ServiceStatus.STOPPING else 5.0
+        return Error(code, f"the verifier is {state.status}: {state.reason}", True, after)
     if resuming:
         return None
     cap = s.max_sessions_per_token

@@ -98,6 +98,11 @@ class Fleet:
     target: LoadedModel
     draft: LoadedModel
     ca: ssl.SSLContext  # trusts the balancer's certificate
+    log: Path  # the balancer's
+
+    def ups(self, i: int) -> int:
+        """How often the balancer has marked replica ``i`` up."""
+        return _read(self.log).count(f"verifiers/v{i + 1} is UP")
 
     @property
     def url(self) -> str:
@@ -146,7 +151,14 @@ async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
         except AssertionError as e:
             raise AssertionError(_read(tmp_path / "haproxy.log")) from e
         ca = ssl.create_default_context(cafile=str(cert))
-        yield Fleet(replicas, listen, load_model(str(target_dir)), load_model(str(draft_dir)), ca)
+        yield Fleet(
+            replicas,
+            listen,
+            load_model(str(target_dir)),
+            load_model(str(draft_dir)),
+            ca,
+            tmp_path / "haproxy.log",
+        )
     finally:
         lb.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -238,6 +250,90 @@ async def test_a_draining_replica_gets_no_new_sessions(fleet: Fleet) -> None:
     assert rc == 0, (Path(str(a.log_path)).read_text())[-2000:]
 
 
+async def test_a_warm_link_keeps_serving_across_a_drain_and_a_death(fleet: Fleet) -> None:
+    """An edge daemon's warm link through the balancer: one kept connection carries every
+    request's session, so the balancer places the edge, not its sessions. Several requests go
+    over it; the replica holding it drains (SIGTERM): its connection is closed once it carries
+    no session, the link reconnects through the balancer to the other replica and the next
+    request is served there at once (not when the drain ends, which another edge's session
+    holds open for up to 20 s); the drained replica comes back; the one now holding the link
+    dies mid-generation (SIGKILL): the session resumes on the other through the balancer. Every
+    text is the target's."""
+    from edge_agent.daemon.agent import EdgeAgent
+    from edge_agent.link.connection import LinkSettings
+    from edge_agent.link.warm import WarmLink
+    from edge_agent.model.drafter import Drafter
+
+    warm = WarmLink(
+        LinkSettings(url=fleet.url, token=TOKEN, heartbeat_s=0, ssl=fleet.ca),
+        backoff_initial_s=0.05,
+        backoff_max_s=0.5,
+    )
+    warm.start()
+    retry = RetryPolicy(backoff_initial_s=0.05, backoff_max_s=0.5, deadline_s=30.0)
+    agent = EdgeAgent(Drafter(fleet.draft), fleet.draft.fingerprint, warm.stream, retry=retry)
+    expected = target_greedy(fleet.target, PROMPT, 40)
+    cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0), cogen=False)
+
+    def holder() -> VerifierProcess:
+        """The replica that served the link's sessions: the one with sessions opened."""
+        return max(fleet.replicas, key=lambda r: sessions_total(r.port) if r.alive() else -1)
+
+    try:
+        for _ in range(3):
+            gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+            assert gen.generated == expected
+        assert warm.connects == 1  # three requests, one connection
+        first = holder()
+        other = next(r for r in fleet.replicas if r is not first)
+        before = sessions_total(other.port)
+        assert first.proc is not None
+        async with aiohttp.ClientSession() as http:
+            # Another edge's session, open on `first` (directly): its drain lasts.
+            ws = StreamWS(
+                await http.ws_connect(
+                    first.url.replace("ws://", "http://"),
+                    headers=auth_headers(TOKEN),
+                    protocols=(SUBPROTOCOL,),
+                )
+            )
+            await ProbeClient(ws).hello(Hello(fleet.target.fingerprint, SamplingParams(0.0)))
+            first.proc.send_signal(signal.SIGTERM)  # drain_timeout 20 s
+            await until(lambda: health(first.port)[0] == 503, 10.0, "draining")
+            t0 = time.monotonic()
+            gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+            took = time.monotonic() - t0
+            assert gen.generated == expected
+            assert sessions_total(other.port) == before + 1 and warm.connects == 2
+            assert took < 10.0, f"{took:.1f} s: the request waited for the drain"
+            assert first.alive()  # still draining: the other edge's session is open
+            await ws.close()
+        assert await first._reap(30.0) == 0  # the drain ended with its last session
+        ups = fleet.ups(fleet.replicas.index(first))
+        first.start()  # back, at the same address
+        await first.wait_ready(120)
+        await until(
+            lambda: fleet.ups(fleet.replicas.index(first)) > ups, 30.0, "the balancer's check"
+        )
+        # The link is on `other` now: it dies mid-generation; the session resumes on `first`.
+        state = {"committed": 0}
+
+        def kill(ev: GenerationEvent) -> None:
+            if isinstance(ev, Committed) and other.alive():
+                state["committed"] += len(ev.ids)
+                if state["committed"] >= 12 and other.proc is not None:
+                    other.proc.send_signal(signal.SIGKILL)
+
+        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40, on_event=kill)
+        assert not other.alive() and gen.generated == expected
+        assert gen.stats.reconnects >= 1 and warm.connects >= 3
+        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)  # and after: on `first`
+        assert gen.generated == expected
+    finally:
+        agent.close()
+        await warm.close()
+
+
 class _Draining:
     """What :func:`cloud_verifier.daemon.app.drain` reads of the service state; ``looks`` counts its
     reads of ``streams``."""
@@ -246,6 +342,8 @@ class _Draining:
         self._streams = streams
         self.looks = 0
         self.status: object = None
+        self.conns: set[object] = set()  # (drain closes those that carry no session)
+        self.closers: set[asyncio.Task[None]] = set()
 
     @property
     def streams(self) -> int:
