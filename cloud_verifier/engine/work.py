@@ -345,7 +345,8 @@ class Failed:
 @dataclass(frozen=True)
 class Skipped:
     """The engine gave a :class:`CoGenerate` no forward (it is saturated with drafts to verify):
-    co-generation pauses until the next frame."""
+    a session whose edge drafts pauses co-generation until the edge's next frame; a cloud-only
+    one (credits) queues it again at once."""
 
 
 Result = Verified | Federated | Cropped | Drawn | Failed | Skipped

@@ -352,6 +352,7 @@ class VerifierCore:
         self.tokens = TokenCounts()  # what the verifier committed on its own
         self._cogen_paused = False
         self._proposed_end = 0  # end of the last Propose received (co-generation bound)
+        self._edge_drafts = False  # the last Propose carried a draft (not a credit)
         #: Side drafts from the edge (Hedge frames), newest last; matched against the text.
         self._hedges: deque[Hedge] = deque(maxlen=limits.max_hedges)
         self._cloud_off = False  # a cloud draft's work failed: this session co-generates without
@@ -691,6 +692,7 @@ class VerifierCore:
         assert self.hello is not None
         self._pending = None
         self._proposed_end = p.pos + f + g
+        self._edge_drafts = g > 0
         if self.hello.reply_mode == ReplyMode.FEDERATED:
             return self._start(Federate(p))
         return self._match(p)
@@ -955,7 +957,10 @@ class VerifierCore:
         if isinstance(work, CoGenerate) and isinstance(result, Verified):
             return self._cogen_done(work, result)
         if isinstance(work, CoGenerate) and isinstance(result, Skipped):
-            self._cogen_paused = True
+            # An edge that drafts sends its next batch soon: co-generation waits for it rather
+            # than queue again ahead of it. A credit (cloud-only) sends nothing until tokens
+            # arrive: its co-generation queues again at once (paused, it would never resume).
+            self._cogen_paused = self._edge_drafts
             return []
         if isinstance(work, Federate) and isinstance(result, Federated):
             p = work.propose

@@ -22,6 +22,7 @@ from cloud_verifier.engine.work import (
     FailureKind,
     Federate,
     Federated,
+    Skipped,
     Verified,
     Verify,
     Withheld,
@@ -451,6 +452,29 @@ def _cogen_core(**limits: Any) -> VerifierCore:
     core = VerifierCore(TargetInfo(FP, V, max_length=64), SessionLimits(**limits), "s1")
     core.receive(encode(Hello(FP, SamplingParams(0.0), cogen_end=60)))
     return core
+
+
+def test_a_skipped_cogeneration_waits_for_a_drafting_edge_but_not_for_a_credit() -> None:
+    """The engine skips a co-generation when its step is full of drafts to verify. An edge that
+    drafts sends its next batch soon: co-generation pauses until a frame comes. A cloud-only
+    edge sends a credit only after tokens arrive: its co-generation queues again at once (a
+    pause would stall it forever under load)."""
+    credit = _cogen_core()
+    credit.receive(propose(credit, 0, 0, 0, [], fixed=[1, 2]), now=1.0)
+    ev = credit.work_done(Verified(Decision(0, bonus=7)), now=1.5)
+    assert isinstance(run_of(ev).work, CoGenerate)
+    ev = credit.work_done(Skipped(), now=2.0)
+    work = run_of(ev).work
+    assert isinstance(work, CoGenerate) and work.pos == credit.cache_len
+
+    drafting = _cogen_core()
+    drafting.receive(propose(drafting, 0, 0, 0, [7], fixed=[1, 2]), now=1.0)
+    ev = drafting.work_done(Verified(Decision(1)), now=1.5)
+    assert isinstance(run_of(ev).work, CoGenerate)
+    assert drafting.work_done(Skipped(), now=2.0) == []
+    # its next batch is verified at once (and co-generation may run again behind it)
+    ev = drafting.receive(propose(drafting, 0, 1, 3, [8, 9]), now=2.5)
+    assert isinstance(run_of(ev).work, Verify)
 
 
 def hedge(core: VerifierCore, pos: int, token: int, draft: list[int]) -> bytes:
