@@ -581,7 +581,7 @@ class Results:
 #: A figure in prose and its source: the number, then ``<!-- fig FILE PATH [×100] -->``
 #: (FILE relative to docs/results/; PATH as :func:`resolve` reads it; ``×100`` for a percent).
 FIGURE = re.compile(
-    r"(?P<num>-?[0-9][0-9,]*(?:\.[0-9]+)?)(?P<unit>[×%]?)"
+    r"(?P<num>-?[0-9][0-9,]*(?:\.[0-9]+)?)(?P<unit> ?[×%]?)"
     r"<!--\s*fig\s+(?P<file>\S+)\s+(?P<path>.+?)(?:\s+(?P<scale>×100))?\s*-->"
 )
 #: The pages whose prose figures are checked.
@@ -640,10 +640,12 @@ def resolve(doc: Any, path: str) -> Any:
     return value
 
 
-def check_figures(root: Path | None = None) -> list[str]:
+def check_figures(root: Path | None = None, *, fix: bool = False) -> list[str]:
     """Every prose figure of :data:`PROSE` under ``root`` (default :data:`ROOT`) against its
     source: one line per figure whose number is not its source's value rounded as written, or
-    whose source is missing."""
+    whose source is missing. ``fix``: rewrite each wrong number as its source's value, to the
+    places written (the words around it are the author's to re-read: the lines are still
+    returned)."""
     root = ROOT if root is None else root
     pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
     cache: dict[Path, Any] = {}
@@ -651,23 +653,32 @@ def check_figures(root: Path | None = None) -> list[str]:
     for page in pages:
         if not page.exists():
             continue
-        for lineno, line in enumerate(page.read_text().splitlines(), 1):
-            for m in FIGURE.finditer(line):
-                where = f"{page.relative_to(root)}:{lineno}: {m['num']}{m['unit']}"
-                src = root / RESULTS_DIR / m["file"]
-                try:
-                    if src not in cache:
-                        cache[src] = orjson.loads(src.read_bytes())
-                    value = float(resolve(cache[src], m["path"].strip()))
-                except (OSError, KeyError, ValueError, TypeError, IndexError) as e:
-                    bad.append(f"{where}: {m['file']} {m['path']}: {e}")
-                    continue
-                shown = m["num"].replace(",", "")
-                if m["scale"]:
-                    value *= 100.0
-                places = len(shown.partition(".")[2])
-                if round(value, places) != float(shown) and f"{value:.{places}f}" != shown:
-                    bad.append(f"{where}: {m['file']} {m['path']} is {value:.{places + 2}f}")
+        text = page.read_text()
+
+        def check(m: re.Match[str], text: str = text, page: Path = page) -> str:
+            lineno = text.count("\n", 0, m.start()) + 1
+            where = f"{page.relative_to(root)}:{lineno}: {m['num']}{m['unit']}"
+            src = root / RESULTS_DIR / m["file"]
+            try:
+                if src not in cache:
+                    cache[src] = orjson.loads(src.read_bytes())
+                value = float(resolve(cache[src], m["path"].strip()))
+            except (OSError, KeyError, ValueError, TypeError, IndexError) as e:
+                bad.append(f"{where}: {m['file']} {m['path']}: {e}")
+                return m[0]
+            shown = m["num"].replace(",", "")
+            if m["scale"]:
+                value *= 100.0
+            places = len(shown.partition(".")[2])
+            if round(value, places) == float(shown) or f"{value:.{places}f}" == shown:
+                return m[0]
+            bad.append(f"{where}: {m['file']} {m['path']} is {value:.{places + 2}f}")
+            num = f"{value:,.{places}f}" if "," in m["num"] else f"{value:.{places}f}"
+            return num + m[0][len(m["num"]) :]
+
+        new = FIGURE.sub(check, text)
+        if fix and new != text:
+            page.write_text(new)
     return bad
 
 
@@ -695,6 +706,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the capacity study (default: ../capacity.json beside results.json)",
     )
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if out of date")
+    p.add_argument(
+        "--fix-figures",
+        action="store_true",
+        help="rewrite each stale prose figure as its source's value (then re-read its sentence)",
+    )
     args = p.parse_args(argv)
     res = Results.load(args.results, args.capacity)
     stale = []
@@ -710,10 +726,10 @@ def main(argv: list[str] | None = None) -> int:
                 path.write_text(new)
     for path in stale:
         print(f"{'out of date' if args.check else 'rewrote'}: {path.relative_to(ROOT)}")
-    wrong = check_figures()
+    wrong = check_figures(fix=args.fix_figures and not args.check)
     for line in wrong:
-        print(f"stale figure: {line}")
-    return 1 if (args.check and stale) or wrong else 0
+        print(f"{'rewrote' if args.fix_figures else 'stale'} figure: {line}")
+    return 1 if (args.check and stale) or (wrong and not args.fix_figures) else 0
 
 
 if __name__ == "__main__":

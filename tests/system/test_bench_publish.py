@@ -296,10 +296,17 @@ def test_a_prose_figure_is_checked_against_its_source(tmp_path: Path) -> None:
     (tmp_path / "docs" / "page.md").write_text(
         "now 1.24<!-- fig c.json rows[mode=auto].x -->, 7<!-- fig c.json nothing.here -->\n"
     )
+    (tmp_path / "docs" / "other.md").write_text("\nshare 12.4 %<!-- fig c.json share ×100 -->\n")
     bad = publish.check_figures(tmp_path)
-    assert len(bad) == 2, bad
-    assert bad[0].startswith("docs/page.md:1: 1.24") and "1.2345" in bad[0]
-    assert "nothing" in bad[1]
+    assert len(bad) == 3, bad
+    assert bad[0].startswith("docs/other.md:2: 12.4 %") and "12.30" in bad[0]
+    assert bad[1].startswith("docs/page.md:1: 1.24") and "1.2345" in bad[1]
+    assert "nothing" in bad[2]
+    # --fix-figures: each wrong number becomes its source's, to the places written
+    assert publish.check_figures(tmp_path, fix=True) == bad
+    assert (tmp_path / "docs" / "page.md").read_text().startswith("now 1.23<!-- fig")
+    assert "share 12.3 %<!--" in (tmp_path / "docs" / "other.md").read_text()
+    assert len(publish.check_figures(tmp_path)) == 1  # the missing source stays reported
 
 
 def test_every_marked_figure_in_the_committed_pages_is_its_sources() -> None:
