@@ -70,11 +70,11 @@ def test_results_tables_sit_between_their_markers() -> None:
 
 
 def test_ttft_figures_are_read_off_the_committed_run() -> None:
-    """The README's time-to-first-token block is what ``bench.ttft --publish`` writes from
+    """The README's time-to-first-token block is what ``bench.studies.ttft --publish`` writes from
     ``docs/results/ttft.json``, and the raw tables (``ttft.md``) are that run's."""
     import json
 
-    from bench import ttft
+    from bench.studies import ttft
 
     doc = json.loads((DOCS / "results" / "ttft.json").read_text())
     assert _between(README.read_text(), "ttft").strip() == ttft.readme_block(doc)
@@ -82,9 +82,9 @@ def test_ttft_figures_are_read_off_the_committed_run() -> None:
 
 
 def test_results_tables_are_read_off_the_committed_results() -> None:
-    """Every figure in the README's and the benchmark page's tables is what ``bench.publish``
+    """Every figure in the README's and the benchmark page's tables is what ``bench.publish.tables``
     writes from ``docs/results/bench/results.json``: none typed by hand, none left stale."""
-    from bench import publish
+    from bench.publish import tables as publish
 
     res = publish.Results.load(DOCS / "results" / "bench" / "results.json")
     assert _between(README.read_text(), "results").strip() == res.readme_section()

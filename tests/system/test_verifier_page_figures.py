@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from bench import costs
+from bench.lib import costs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def test_the_verifier_pages_figures_come_from_the_files_it_cites() -> None:
     page = " ".join((REPO / "docs" / "benchmarks" / "verifier.md").read_text().split())
     bench = _load("docs/results/bench/results.json")
     # the per-token α (accepted / judged) of auto's 256-token rows at the measured cloud draft
-    # cost and the GPU-class batch cost, every RTT (the grid's summary, bench.grid)
+    # cost and the GPU-class batch cost, every RTT (the grid's summary, bench.studies.grid)
     auto = [
         r["alpha_per_token"]
         for r in bench["summary"]
