@@ -396,6 +396,14 @@ class Results:
                 cells = [num(found.get(s)) for s in slos]
                 cells += [num(roof.get(mode, {}).get(s)) for s in slos] if roof else []
                 out.append(f"| {mode} | " + " | ".join(cells) + " |")
+            per_level = (cap.get("best_cloud_sd") or {}).get("per_level") or {}
+            if per_level:
+                chosen = ", ".join(f"{s}: `{spec}`" for s, spec in per_level.items())
+                out += [
+                    "",
+                    "At each level, best cloud-sd is the candidate serving the most users there "
+                    f"({chosen}; the rows above are the {README_SLO} level's).",
+                ]
         return out
 
     def load_check_table(self) -> list[str]:
