@@ -84,6 +84,9 @@ ROOFLINE_FILE = Path("docs/results/capacity_roofline.json")
 #: Deadline for one cell (one mode over one prompt set) in a worker.
 CELL_TIMEOUT_S = 1800.0
 AR = "ar"
+#: The product's default verifier behind an edge that does not draft (edge ``draft = "none"``):
+#: prompt lookup only, at the default ``cloud_draft_tokens``; measured, not tuned.
+CLOUD_DECODING = "cloud-sd:ngram:8"
 
 
 def cpu_draft_batch_cost(path: Path = REPO / DRAFT_BATCH_FILE) -> float:
@@ -512,6 +515,7 @@ class Grid:
         m = Split.MEASURED
         cloud = (ch.cloud_draft, ch.gamma)
         rows = [("ar", self.cell(m, AR, *p)), ("best cloud-sd", ch.cloud)]
+        rows.append(("cloud decoding", self.cell(m, CLOUD_DECODING, *p)))
         rows += [("edge", self.edge_cell(m, s, *p, cloud=cloud)) for s in self.s.edge_modes]
         rows += [
             ("edge", replace(self.edge_cell(m, s, *p, cloud=cloud), edge_batch_cost=self.cpu_cost))

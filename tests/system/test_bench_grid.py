@@ -196,8 +196,11 @@ def test_grid_smoke_writes_every_key(tmp_path: Path) -> None:
     }
     s = grid.SMOKE
     points = len(s.rtts_ms) * len(s.reply_tokens) * len(s.cloud_draft_costs)
-    # ar, best cloud-sd, the edge modes, the pre-draft modes at the CPU cost, best edge.
-    assert len(doc["summary"]) == points * (2 + len(s.edge_modes) + 2 + 1)
+    # ar, best cloud-sd, cloud decoding, the edge modes, the pre-draft modes at the CPU cost,
+    # best edge.
+    assert len(doc["summary"]) == points * (3 + len(s.edge_modes) + 2 + 1)
+    decoding = [r for r in doc["summary"] if r["role"] == "cloud decoding"]
+    assert {r["mode_spec"] for r in decoding} == {grid.CLOUD_DECODING}
     for row in doc["summary"]:
         assert set(row) == SUMMARY_KEYS
         assert row["prompts"] == 2 * len(DATASETS)
