@@ -713,7 +713,7 @@ def report(doc: dict[str, Any]) -> str:
 
 
 def readme_block(doc: dict[str, Any]) -> str:
-    """The README's figures (between ``<!-- ttft:begin -->`` and ``<!-- ttft:end -->``), read
+    """The benchmark page's figures (between ``<!-- ttft:begin -->`` and ``<!-- ttft:end -->``), read
     off ``doc``: TTFT per RTT (warm, cold, the AR baseline), the longest reply, the round trips
     (slopes), and concurrency's aggregate against one at a time."""
     lat, con = doc["latency"], doc.get("concurrency")
@@ -773,7 +773,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--report-only", action="store_true", help="rewrite ttft.md and ttft.png from ttft.json"
     )
     p.add_argument(
-        "--publish", action="store_true", help="also rewrite the README's block from ttft.json"
+        "--publish", action="store_true", help="also rewrite the benchmark page's block from ttft.json"
     )
     args = p.parse_args(argv)
     args.rtts = [float(x) for x in args.rtts.split(",")]
@@ -828,10 +828,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "ttft.md").write_text(report(doc))
     print(f"wrote {path}, ttft.md, ttft.png")
     if args.publish:
-        from bench.publish import README, replace_between
+        from bench.publish import BENCH_PAGE, replace_between
 
-        README.write_text(replace_between(README.read_text(), "ttft", readme_block(doc)))
-        print(f"rewrote {README}")
+        BENCH_PAGE.write_text(replace_between(BENCH_PAGE.read_text(), "ttft", readme_block(doc)))
+        print(f"rewrote {BENCH_PAGE}")
     return 0
 
 
