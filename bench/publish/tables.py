@@ -55,6 +55,9 @@ LOAD_CHECK = "capacity_validation.json"
 README_TOKENS = 256
 #: The service level the README's users line reads.
 README_SLO = "reading"
+#: The rows listed mode by mode: the edge modes, and cloud decoding (bench.grid's
+#: ``CLOUD_DECODING``: the default verifier behind an edge with ``draft = "none"``).
+LISTED_ROLES = ("edge", "cloud decoding")
 #: Roles of the grid's rows (``role``), and the modes of the two chosen rows.
 BEST_CLOUD_SD = "best cloud-sd"
 BEST_EDGE = "best edge"
@@ -172,10 +175,11 @@ class Results:
         return sorted({float(r["rtt_ms"]) for r in rows})
 
     def edge_modes(self, rows: Sequence[dict[str, Any]]) -> list[str]:
-        """The edge modes' labels, in the rows' order."""
+        """The edge modes' labels (and cloud decoding's, the default verifier behind an edge
+        that does not draft), in the rows' order."""
         out: list[str] = []
         for r in rows:
-            if self.role(r) == "edge" and r["mode"] not in out:
+            if self.role(r) in LISTED_ROLES and r["mode"] not in out:
                 out.append(str(r["mode"]))
         return out
 
@@ -255,7 +259,9 @@ class Results:
         out = ["| RTT ms | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
         for rtt in self.rtts(rows):
             by = {
-                r["mode"]: r for r in rows if float(r["rtt_ms"]) == rtt and self.role(r) == "edge"
+                r["mode"]: r
+                for r in rows
+                if float(r["rtt_ms"]) == rtt and self.role(r) in LISTED_ROLES
             }
             cells = []
             for m in modes:
@@ -395,6 +401,14 @@ class Results:
                 cells = [num(found.get(s)) for s in slos]
                 cells += [num(roof.get(mode, {}).get(s)) for s in slos] if roof else []
                 out.append(f"| {mode} | " + " | ".join(cells) + " |")
+            per_level = (cap.get("best_cloud_sd") or {}).get("per_level") or {}
+            if per_level:
+                chosen = ", ".join(f"{s}: `{spec}`" for s, spec in per_level.items())
+                out += [
+                    "",
+                    "At each level, best cloud-sd is the candidate serving the most users there "
+                    f"({chosen}; the rows above are the {README_SLO} level's).",
+                ]
         return out
 
     def load_check_table(self) -> list[str]:

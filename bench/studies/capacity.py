@@ -1,7 +1,9 @@
 """Edges per verifier: N users sharing one verifier GPU, simulated from acceptance traces.
 
     python -m bench capacity --traces docs/results/bench/traces.json.gz \\
-        --out docs/results/capacity.json --grid docs/results/bench/results.json
+        --out docs/results/capacity.json
+    python -m bench capacity --traces docs/results/bench/traces.json.gz \\
+        --out docs/results/capacity_roofline.json --roofline
     python -m bench capacity --traces T --out /tmp/capacity.json --smoke
 
 RTT 100 ms, 10 Mbit/s, 256-token replies, the measured prompts. N = 1, 4, 16, 64 users each send
@@ -11,8 +13,9 @@ first requests start spread uniformly (seeded) over one ``ar`` reply time. Modes
 measured cloud draft cost; tuned here as the grid does when no grid file is given), ``auto``,
 ``auto:predraft``, ``hybrid`` and ``hybrid:predraft`` (with the best cloud-sd's draft kind and γ).
 Under load the best cloud-sd is searched again among :data:`CLOUD_CANDIDATES`: the one serving
-the most users at the headline level stands as "best cloud-sd" (the grid's choice, fastest for
-one user, is among them).
+the most users at the headline level stands as "best cloud-sd" in the rows, and at each service
+level the users counted are those of the candidate serving the most there (the grid's choice,
+fastest for one user, is among them).
 
 Per mode and N: per-user tokens/s over all replies (median, 10th percentile), TTFT p99, goodput
 (tokens over the span), verifier busy time per 100 tokens and utilisation. Per mode and service
@@ -262,6 +265,17 @@ def headline(found: dict[str, dict[str, int]], cloud_name: str) -> dict[str, Any
     }
 
 
+def best_per_level(candidates: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """At each service level, the cloud-sd candidate that serves the most users there (ties: the
+    first listed, the single-user best): a user picks cloud-sd's γ for the level they need."""
+    out: dict[str, dict[str, Any]] = {}
+    for slo in SLOS:
+        level = str(slo["name"])
+        # max keeps the first of equals: the candidates' order breaks ties
+        out[level] = max(candidates, key=lambda c: int(c["users_at_slo"][level]))
+    return out
+
+
 def build(traces_path: Path, *, plan: Plan, grid_path: Path | None, workers: int) -> dict[str, Any]:
     traces = load_traces(traces_path)
     measured = traces.measured()
@@ -301,11 +315,15 @@ def build(traces_path: Path, *, plan: Plan, grid_path: Path | None, workers: int
     tried = [(j, r) for j, r in pairs if j.name.startswith("cloud-sd ")]
     best_job, best = max(tried, key=lambda jr: int(jr[1]["users_at_slo"][HEADLINE_SLO]))
     others = [{"mode_spec": j.cell.spec, "users_at_slo": r["users_at_slo"]} for j, r in tried]
+    per_level = best_per_level(others)
     for row in best["rows"]:
         row["mode"] = cloud_name
     kept = [(j.name, r) for j, r in pairs if not j.name.startswith("cloud-sd ")]
     kept.insert(1, (cloud_name, best))  # after ar, as the modes are listed
     found = {name: r["users_at_slo"] for name, r in kept}
+    # At each level, best cloud-sd is the candidate that serves the most users there (its
+    # rows above are the headline level's choice).
+    found[cloud_name] = {level: c["users_at_slo"][level] for level, c in per_level.items()}
     return {
         "settings": {
             "rtt_ms": plan.rtt_ms,
@@ -334,6 +352,7 @@ def build(traces_path: Path, *, plan: Plan, grid_path: Path | None, workers: int
         "best_cloud_sd": {
             "mode_spec": best_job.cell.spec,
             "chosen_by": f"the most users at {HEADLINE_SLO!r} of the candidates (measured prompts)",
+            "per_level": {level: c["mode_spec"] for level, c in per_level.items()},
             "fastest_alone": {"cloud_draft": kind, "gamma": gamma, "source": source},
             "candidates": others,
         },

@@ -90,9 +90,9 @@ HEADLINE_TOKENS = 256
 CAPACITY_FILE = Path("docs/results/capacity.json")
 #: The same study under the roofline cost model (``python -m bench capacity --roofline``).
 ROOFLINE_FILE = Path("docs/results/capacity_roofline.json")
-
-
-# ------------------------------------------------------------------------------- cells
+#: The product's default verifier behind an edge that does not draft (edge ``draft = "none"``):
+#: prompt lookup only, at the default ``cloud_draft_tokens``; measured, not tuned.
+CLOUD_DECODING = "cloud-sd:ngram:8"
 
 
 # ------------------------------------------------------------------------------ figures
@@ -290,6 +290,7 @@ class Grid(Tuner):
         m = Split.MEASURED
         cloud = (ch.cloud_draft, ch.gamma)
         rows = [("ar", self.cell(m, AR, *p)), ("best cloud-sd", ch.cloud)]
+        rows.append(("cloud decoding", self.cell(m, CLOUD_DECODING, *p)))
         rows += [("edge", self.edge_cell(m, s, *p, cloud=cloud)) for s in self.s.edge_modes]
         rows += [
             ("edge", replace(self.edge_cell(m, s, *p, cloud=cloud), edge_batch_cost=self.cpu_cost))

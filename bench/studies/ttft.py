@@ -53,7 +53,7 @@ import numpy.typing as npt
 from bench.lib.cli import study_parser
 from bench.lib.costs import DRAFT_BATCH_COST, SOURCE, VERIFY_EAGER_B1_MS, VERIFY_EAGER_B8_MS
 from bench.lib.edge import TimedDrafter, load_draft_model
-from bench.lib.pages import README, replace_between
+from bench.lib.pages import BENCH_PAGE, replace_between
 from bench.lib.provenance import machine_info, provenance
 from bench.lib.stats import bootstrap_diff, bootstrap_median, bootstrap_ratio
 from bench.net.ar_server import ArClient
@@ -716,9 +716,10 @@ def report(doc: dict[str, Any]) -> str:
 
 
 def readme_block(doc: dict[str, Any]) -> str:
-    """The README's figures (between ``<!-- ttft:begin -->`` and ``<!-- ttft:end -->``), read
-    off ``doc``: TTFT per RTT (warm, cold, the AR baseline), the longest reply, the round trips
-    (slopes), and concurrency's aggregate against one at a time."""
+    """The benchmark page's figures (between ``<!-- ttft:begin -->`` and
+    ``<!-- ttft:end -->``), read off ``doc``: TTFT per RTT (warm, cold, the AR baseline), the
+    longest reply, the round trips (slopes), and concurrency's aggregate against one at a
+    time."""
     lat, con = doc["latency"], doc.get("concurrency")
     n0 = min(c["tokens"] for c in lat["cells"])
     n1 = max(c["tokens"] for c in lat["cells"])
@@ -776,7 +777,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--report-only", action="store_true", help="rewrite ttft.md and ttft.png from ttft.json"
     )
     p.add_argument(
-        "--publish", action="store_true", help="also rewrite the README's block from ttft.json"
+        "--publish",
+        action="store_true",
+        help="also rewrite the benchmark page's block from ttft.json",
     )
     args = p.parse_args(argv)
     args.rtts = [float(x) for x in args.rtts.split(",")]
@@ -831,8 +834,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "ttft.md").write_text(report(doc))
     print(f"wrote {path}, ttft.md, ttft.png")
     if args.publish:
-        README.write_text(replace_between(README.read_text(), "ttft", readme_block(doc)))
-        print(f"rewrote {README}")
+        BENCH_PAGE.write_text(replace_between(BENCH_PAGE.read_text(), "ttft", readme_block(doc)))
+        print(f"rewrote {BENCH_PAGE}")
     return 0
 
 

@@ -197,8 +197,11 @@ def test_grid_smoke_writes_every_key(tmp_path: Path) -> None:
     }
     s = grid.SMOKE
     points = len(s.rtts_ms) * len(s.reply_tokens) * len(s.cloud_draft_costs)
-    # ar, best cloud-sd, the edge modes, the pre-draft modes at the CPU cost, best edge.
-    assert len(doc["summary"]) == points * (2 + len(s.edge_modes) + 2 + 1)
+    # ar, best cloud-sd, cloud decoding, the edge modes, the pre-draft modes at the CPU cost,
+    # best edge.
+    assert len(doc["summary"]) == points * (3 + len(s.edge_modes) + 2 + 1)
+    decoding = [r for r in doc["summary"] if r["role"] == "cloud decoding"]
+    assert {r["mode_spec"] for r in decoding} == {grid.CLOUD_DECODING}
     for row in doc["summary"]:
         assert set(row) == SUMMARY_KEYS
         assert row["prompts"] == 2 * len(DATASETS)
@@ -397,6 +400,23 @@ def test_capacity_smoke_writes_every_key(tmp_path: Path) -> None:
     tried = {c["mode_spec"]: c["users_at_slo"]["reading"] for c in best["candidates"]}
     assert len(tried) >= 2 and best["mode_spec"] in tried
     assert tried[best["mode_spec"]] == max(tried.values()) == h["users"]["best cloud-sd"]
+    # at each level, the users of the candidate serving the most there
+    for level, spec in best["per_level"].items():
+        there = {c["mode_spec"]: c["users_at_slo"][level] for c in best["candidates"]}
+        assert there[spec] == max(there.values()) == doc["users_at_slo"]["best cloud-sd"][level]
+
+
+def test_best_cloud_sd_is_chosen_at_each_level() -> None:
+    """A user who needs the fast level picks cloud-sd's γ for it: the table's fast column is not
+    the reading level's candidate."""
+    cands = [
+        {"mode_spec": "cloud-sd:model:2", "users_at_slo": {"reading": 127, "fast": 23}},
+        {"mode_spec": "cloud-sd:model:4", "users_at_slo": {"reading": 61, "fast": 26}},
+        {"mode_spec": "cloud-sd:mixed:2", "users_at_slo": {"reading": 127, "fast": 3}},
+    ]
+    best = capacity.best_per_level(cands)
+    assert best["reading"]["mode_spec"] == "cloud-sd:model:2"  # ties: the first listed
+    assert best["fast"]["mode_spec"] == "cloud-sd:model:4"
 
 
 def test_capacity_takes_the_grids_choice(tmp_path: Path) -> None:

@@ -37,11 +37,26 @@ def _between(text: str, name: str) -> str:
 
 
 def test_readme_is_short_and_has_the_two_commands() -> None:
-    raw = README.read_bytes()
-    assert len(raw) <= README_MAX_BYTES, f"README.md is {len(raw)} bytes: move detail to docs/"
-    text = raw.decode()
+    """Short as read: a figure's source marker (``<!-- fig … -->``, checked by
+    tests/system/test_bench_publish.py) is not text anyone reads, so it is not counted."""
+    from bench.publish.tables import FIGURE
+
+    text = README.read_text()
+    read = FIGURE.sub(lambda m: m["num"] + m["unit"], text).encode()
+    assert len(read) <= README_MAX_BYTES, f"README.md is {len(read)} bytes: move detail to docs/"
     for command in ("make demo", "make test"):
         assert re.search(rf"^{command}\s+#", text, flags=re.M), command
+
+
+def test_the_readme_links_every_page_of_the_site() -> None:
+    """The README's documentation list is the site's map: every page of the nav (the raw
+    results pages aside) is linked from it."""
+    links = {
+        link.removeprefix("docs/").partition("#")[0]
+        for link in re.findall(r"\]\(([^)\s]+)\)", README.read_text())
+    }
+    missing = [p for p in _nav() if p not in links and not p.startswith("results/")]
+    assert not missing, f"pages in the nav that the README does not link: {missing}"
 
 
 def test_readme_links_resolve() -> None:
@@ -70,14 +85,15 @@ def test_results_tables_sit_between_their_markers() -> None:
 
 
 def test_ttft_figures_are_read_off_the_committed_run() -> None:
-    """The README's time-to-first-token block is what ``bench.studies.ttft --publish`` writes from
-    ``docs/results/ttft.json``, and the raw tables (``ttft.md``) are that run's."""
+    """The benchmark page's time-to-first-token block is what ``python -m bench ttft --publish``
+    writes from ``docs/results/ttft.json``, and the raw tables (``ttft.md``) are that run's."""
     import json
 
     from bench.studies import ttft
 
     doc = json.loads((DOCS / "results" / "ttft.json").read_text())
-    assert _between(README.read_text(), "ttft").strip() == ttft.readme_block(doc)
+    page = (DOCS / "benchmarks" / "index.md").read_text()
+    assert _between(page, "ttft").strip() == ttft.readme_block(doc)
     assert (DOCS / "results" / "ttft.md").read_text() == ttft.report(doc)
 
 
