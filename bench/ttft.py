@@ -713,9 +713,10 @@ def report(doc: dict[str, Any]) -> str:
 
 
 def readme_block(doc: dict[str, Any]) -> str:
-    """The benchmark page's figures (between ``<!-- ttft:begin -->`` and ``<!-- ttft:end -->``), read
-    off ``doc``: TTFT per RTT (warm, cold, the AR baseline), the longest reply, the round trips
-    (slopes), and concurrency's aggregate against one at a time."""
+    """The benchmark page's figures (between ``<!-- ttft:begin -->`` and
+    ``<!-- ttft:end -->``), read off ``doc``: TTFT per RTT (warm, cold, the AR baseline), the
+    longest reply, the round trips (slopes), and concurrency's aggregate against one at a
+    time."""
     lat, con = doc["latency"], doc.get("concurrency")
     n0 = min(c["tokens"] for c in lat["cells"])
     n1 = max(c["tokens"] for c in lat["cells"])
@@ -773,7 +774,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--report-only", action="store_true", help="rewrite ttft.md and ttft.png from ttft.json"
     )
     p.add_argument(
-        "--publish", action="store_true", help="also rewrite the benchmark page's block from ttft.json"
+        "--publish",
+        action="store_true",
+        help="also rewrite the benchmark page's block from ttft.json",
     )
     args = p.parse_args(argv)
     args.rtts = [float(x) for x in args.rtts.split(",")]
