@@ -17,7 +17,8 @@ from aiohttp import WSCloseCode
 
 from bench.load import LoadConfig, run
 from bench.stream_ws import StreamWS
-from cloud_verifier.daemon.app import STATE, _buffered, _close_sessions
+from cloud_verifier.daemon.lifecycle import _close_sessions
+from cloud_verifier.daemon.state import STATE, _buffered
 from cloud_verifier.engine.targets import NullTarget
 from shared.maths.sampling import SamplingParams
 from shared.wire.codec import encode

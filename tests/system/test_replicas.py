@@ -359,7 +359,7 @@ class _Draining:
 
 
 async def test_drain_ends_with_the_last_session_or_at_its_deadline() -> None:
-    from cloud_verifier.daemon.app import drain
+    from cloud_verifier.daemon.lifecycle import drain
     from shared.service.status import ServiceStatus
 
     state = _Draining(2)

@@ -17,9 +17,11 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from aiohttp.test_utils import TestClient
 
 from bench.stream_ws import StreamWS
-from cloud_verifier.daemon.app import STATE, VerifierState, build_app, engine_limits
+from cloud_verifier.daemon.app import build_app
 from cloud_verifier.daemon.auth import Authenticator
+from cloud_verifier.daemon.limits import engine_limits
 from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.daemon.state import STATE, VerifierState
 from cloud_verifier.engine.engine import Engine
 from cloud_verifier.engine.targets import Target, TorchTarget
 from cloud_verifier.engine.work import FailureKind
