@@ -335,7 +335,7 @@ async def test_a_warm_link_keeps_serving_across_a_drain_and_a_death(fleet: Fleet
 
 
 class _Draining:
-    """What :func:`cloud_verifier.daemon.app.drain` reads of the service state; ``looks`` counts its
+    """What :func:`cloud_verifier.daemon.lifecycle.drain` reads of the service state; ``looks`` counts its
     reads of ``streams``."""
 
     def __init__(self, streams: int) -> None:
