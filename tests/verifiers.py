@@ -30,9 +30,10 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from cloud_verifier.daemon.app import STATE, VerifierState, build_app, make_runner
+from cloud_verifier.daemon.app import build_app, make_runner
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.daemon.state import STATE, VerifierState
 from cloud_verifier.engine.targets import NullTarget, Target
 from edge_agent.session.transport import LinkClosed, Transport
 from shared.service.http_guard import Listener

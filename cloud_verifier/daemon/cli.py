@@ -86,7 +86,10 @@ async def serve(
     ``loader`` (run on the model worker) defaults to loading ``settings.model``,
     ``draft_loader`` to loading ``settings.cloud_draft_model`` (if any) beside it.
     """
-    from cloud_verifier.daemon.app import STATE, build_app, drain, make_runner, reload_tokens
+    from cloud_verifier.daemon.admission import reload_tokens
+    from cloud_verifier.daemon.app import build_app, make_runner
+    from cloud_verifier.daemon.lifecycle import drain
+    from cloud_verifier.daemon.state import STATE
     from shared.service.http_guard import Listener
     from shared.service.sdnotify import Notifier
     from shared.service.status import ServiceStatus, StopSignals

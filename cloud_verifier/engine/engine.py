@@ -98,7 +98,7 @@ class EngineLimits:
     ``batch_wait_s``: how long a step may wait for the other open sessions' work
     (:func:`~cloud_verifier.engine.scheduler.should_gather`).
 
-    Filled from the settings (``cloud_verifier.daemon.app.engine_limits``); the defaults are
+    Filled from the settings (``cloud_verifier.daemon.limits.engine_limits``); the defaults are
     the settings' defaults (tests/verifier/test_limits_derived.py holds them equal)."""
 
     slots: int = 64

@@ -157,7 +157,7 @@ class NoteKind(TextEnum):
 
 @dataclass(frozen=True)
 class SessionLimits:
-    """One session's bounds, filled from the settings (``cloud_verifier.daemon.app.limits_from``)
+    """One session's bounds, filled from the settings (``cloud_verifier.daemon.limits.limits_from``)
     but for the protocol's own (``max_queued``, ``max_stale_per_epoch``, ``max_hedges``); the
     defaults are the settings' defaults (tests/verifier/test_limits_derived.py holds them
     equal)."""

@@ -39,7 +39,7 @@ class LinkRefused(WanspecError, RuntimeError):
     not retried, the message names the cause."""
 
 
-#: The verifier's header naming why it refused a session (cloud_verifier.daemon.app).
+#: The verifier's header naming why it refused a session (cloud_verifier.daemon.routes).
 REFUSAL_HEADER = "X-Wanspec-Refusal"
 #: Retry-After values past this are taken as this (seconds): a far date is not a plan.
 MAX_RETRY_AFTER_S = 300.0

@@ -652,7 +652,7 @@ async def test_cancelling_a_generation_is_clean(
 ) -> None:
     """EdgeAgent.run cancelled mid-generation: no task left behind, the model worker and the
     draft cache still right (the next greedy generation equals a fresh agent's)."""
-    from cloud_verifier.daemon.app import STATE
+    from cloud_verifier.daemon.state import STATE
     from cloud_verifier.engine.targets import TorchTarget
     from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
     from edge_agent.link.connection import LinkSettings, WebSocketTransport

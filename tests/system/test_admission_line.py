@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from cloud_verifier.daemon.app import STATE, VerifierState
+from cloud_verifier.daemon.state import STATE, VerifierState
 from cloud_verifier.engine.targets import TorchTarget
 from edge_agent.daemon.agent import EdgeAgent
 from edge_agent.link.connection import LinkSettings, WebSocketTransport

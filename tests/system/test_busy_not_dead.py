@@ -23,9 +23,11 @@ import numpy as np
 import pytest
 
 from bench.net.stream_ws import StreamWS
-from cloud_verifier.daemon.app import REFUSAL_HEADER, STATE, VerifierState, build_app
+from cloud_verifier.daemon.app import build_app
 from cloud_verifier.daemon.auth import Authenticator
+from cloud_verifier.daemon.routes import REFUSAL_HEADER
 from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.daemon.state import STATE, VerifierState
 from cloud_verifier.engine.step_times import StallRule, StepTimes
 from cloud_verifier.engine.targets import TorchTarget
 from cloud_verifier.engine.work import FailureKind, Verify, WorkProgress

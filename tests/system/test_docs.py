@@ -89,7 +89,7 @@ def test_ttft_figures_are_read_off_the_committed_run() -> None:
     writes from ``docs/results/ttft.json``, and the raw tables (``ttft.md``) are that run's."""
     import json
 
-    from bench.studies import ttft
+    from bench import ttft
 
     doc = json.loads((DOCS / "results" / "ttft.json").read_text())
     page = (DOCS / "benchmarks" / "index.md").read_text()
@@ -98,7 +98,7 @@ def test_ttft_figures_are_read_off_the_committed_run() -> None:
 
 
 def test_results_tables_are_read_off_the_committed_results() -> None:
-    """Every figure in the README's and the benchmark page's tables is what ``bench.publish.tables``
+    """Every figure in the README's and the benchmark page's tables is what ``bench.publish``
     writes from ``docs/results/bench/results.json``: none typed by hand, none left stale."""
     from bench.publish import tables as publish
 

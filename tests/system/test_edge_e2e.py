@@ -24,7 +24,7 @@ import orjson
 import pytest
 import torch
 
-from cloud_verifier.daemon.app import STATE, VerifierState
+from cloud_verifier.daemon.state import STATE, VerifierState
 from cloud_verifier.engine.targets import Target, TorchTarget
 from edge_agent.daemon.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.link.connection import LinkSettings, TokenRefused, WebSocketTransport

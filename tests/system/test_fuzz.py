@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.net.stream_ws import StreamWS
-from cloud_verifier.daemon.app import STATE
+from cloud_verifier.daemon.state import STATE
 from cloud_verifier.engine.targets import TorchTarget
 from cloud_verifier.session.core import SessionLimits
 from edge_agent.session.core import DesyncError, SingleCore, VerifierError, hello_for

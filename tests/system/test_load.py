@@ -1,5 +1,5 @@
 """Load held: many concurrent edge sessions on one verifier process stay correct and bounded
-(the reduced ``python -m bench load``); a client that stops reading is cut off after a bounded
+(the reduced ``python -m bench.load``); a client that stops reading is cut off after a bounded
 wait instead of holding its session and memory; shutdown is bounded even with such a client."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from aiohttp import WSCloseCode
 
 from bench.net.stream_ws import StreamWS
 from bench.studies.load import LoadConfig, run
-from cloud_verifier.daemon.app import STATE, _buffered, _close_sessions
+from cloud_verifier.daemon.lifecycle import _close_sessions
+from cloud_verifier.daemon.state import STATE, _buffered
 from cloud_verifier.engine.targets import NullTarget
 from shared.maths.sampling import SamplingParams
 from shared.wire.codec import encode

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from bench.net.wanem import Crossing, LinkConfig, WanEmulator, round_trips
-from cloud_verifier.daemon.app import STATE, VerifierState
+from cloud_verifier.daemon.state import STATE, VerifierState
 from cloud_verifier.engine.targets import TorchTarget
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.link.connection import Connection, LinkSettings, StreamTransport, WebSocketTransport

@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 
 from bench.net.stream_ws import StreamWS
-from cloud_verifier.daemon.app import STATE
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.cli import main as verifier_main
 from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.daemon.state import STATE
 from cloud_verifier.daemon.tls import server_context
 from cloud_verifier.engine.targets import NullTarget
 from edge_agent.link.connection import LinkSettings, UntrustedCertificateError, WebSocketTransport

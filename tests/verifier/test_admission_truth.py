@@ -32,17 +32,12 @@ import pytest
 from aiohttp import WSCloseCode, WSMsgType
 
 from bench.net.stream_ws import StreamWS
-from cloud_verifier.daemon.app import (
-    REFUSAL_HEADER,
-    STATE,
-    VerifierState,
-    Watchdog,
-    WatchdogVerdict,
-    build_app,
-    make_runner,
-)
+from cloud_verifier.daemon.app import build_app, make_runner
 from cloud_verifier.daemon.auth import Authenticator
+from cloud_verifier.daemon.lifecycle import Watchdog, WatchdogVerdict
+from cloud_verifier.daemon.routes import REFUSAL_HEADER
 from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.daemon.state import STATE, VerifierState
 from cloud_verifier.engine.engine import EngineHealth
 from cloud_verifier.engine.targets import NullTarget, Target
 from shared.errors import ErrorCode

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from cloud_verifier.daemon.app import ENGINE_FILL, SESSION_FILL, engine_limits, limits_from
+from cloud_verifier.daemon.limits import ENGINE_FILL, SESSION_FILL, engine_limits, limits_from
 from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.engine import EngineLimits
 from cloud_verifier.engine.scheduler import BatchLimits

@@ -17,9 +17,11 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from aiohttp.test_utils import TestClient
 
 from bench.net.stream_ws import StreamWS
-from cloud_verifier.daemon.app import STATE, VerifierState, build_app, engine_limits
+from cloud_verifier.daemon.app import build_app
 from cloud_verifier.daemon.auth import Authenticator
+from cloud_verifier.daemon.limits import engine_limits
 from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.daemon.state import STATE, VerifierState
 from cloud_verifier.engine.engine import Engine
 from cloud_verifier.engine.targets import Target, TorchTarget
 from cloud_verifier.engine.work import FailureKind
@@ -490,7 +492,7 @@ async def test_a_flood_while_its_work_runs_closes_only_that_session(
     """Frames that arrive while a session's forward runs are read ahead (at most READ_AHEAD) and
     handled after it, in order: its verdict first, then each garbage frame is a bad frame until
     max_bad_frames closes the session. The engine, its slot and another session are unharmed."""
-    from bench.net.verifier import PaddedTarget
+    from bench.verifier import PaddedTarget
 
     svc = await start(aiohttp_client, target, lambda: PaddedTarget(target, 300.0), max_bad_frames=8)
     other = Driver(await svc.open(hello_for(target)), 64, 3, np.random.default_rng(0))
