@@ -89,7 +89,7 @@ def test_ttft_figures_are_read_off_the_committed_run() -> None:
     writes from ``docs/results/ttft.json``, and the raw tables (``ttft.md``) are that run's."""
     import json
 
-    from bench import ttft
+    from bench.studies import ttft
 
     doc = json.loads((DOCS / "results" / "ttft.json").read_text())
     page = (DOCS / "benchmarks" / "index.md").read_text()
