@@ -335,8 +335,8 @@ async def test_a_warm_link_keeps_serving_across_a_drain_and_a_death(fleet: Fleet
 
 
 class _Draining:
-    """What :func:`cloud_verifier.daemon.lifecycle.drain` reads of the service state; ``looks`` counts its
-    reads of ``streams``."""
+    """What :func:`cloud_verifier.daemon.lifecycle.drain` reads of the service state; ``looks``
+    counts its reads of ``streams``."""
 
     def __init__(self, streams: int) -> None:
         self._streams = streams
