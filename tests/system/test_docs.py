@@ -39,10 +39,10 @@ def _between(text: str, name: str) -> str:
 def test_readme_is_short_and_has_the_two_commands() -> None:
     """Short as read: a figure's source marker (``<!-- fig … -->``, checked by
     tests/system/test_bench_publish.py) is not text anyone reads, so it is not counted."""
-    from bench.publish import FIGURE
+    from bench.publish import as_read
 
     text = README.read_text()
-    read = FIGURE.sub(lambda m: m["num"] + m["unit"], text).encode()
+    read = as_read(text).encode()
     assert len(read) <= README_MAX_BYTES, f"README.md is {len(read)} bytes: move detail to docs/"
     for command in ("make demo", "make test"):
         assert re.search(rf"^{command}\s+#", text, flags=re.M), command
