@@ -653,6 +653,11 @@ def resolve(doc: Any, path: str) -> Any:
     return value
 
 
+def as_read(text: str) -> str:
+    """``text`` as a reader sees it: each figure without its source marker."""
+    return FIGURE.sub(lambda m: m["num"] + m["unit"], text)
+
+
 def check_figures(root: Path | None = None, *, fix: bool = False) -> list[str]:
     """Every prose figure of :data:`PROSE` under ``root`` (default :data:`ROOT`) against its
     source: one line per figure whose number is not its source's value rounded as written, or

@@ -373,6 +373,17 @@ def opt_choice(body: Body, key: str, enum: type[E], param: str, message: str) ->
         raise bad_request(param, message) from None
 
 
+def opt_bool(body: Body, key: str, default: bool) -> bool:
+    """``body[key]``, a JSON boolean, or ``default`` if absent (null reads as absent, as for
+    every key); anything else is a 400 on ``key``."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(key, f"{key} must be a boolean")
+    return v
+
+
 def opt_object(body: Body, key: str, message: str) -> Mapping[str, Any]:
     """``body[key]`` as a JSON object; absent or falsy (null, 0, "", []) reads as ``{}``."""
     v = body.get(key) or {}
@@ -391,9 +402,7 @@ class Streaming:
 
 
 def parse_streaming(body: Body) -> Streaming:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise bad_request("stream", "stream must be a boolean")
+    stream = opt_bool(body, "stream", False)
     opts = opt_object(body, "stream_options", "stream_options must be an object")
     unknown = sorted(set(opts) - set(STREAM_OPTIONS))
     if unknown:
@@ -403,7 +412,7 @@ def parse_streaming(body: Body) -> Streaming:
             f"{', '.join(STREAM_OPTIONS)})",
             "unknown_parameter",
         )
-    return Streaming(bool(stream), bool(opts.get("include_usage", False)))
+    return Streaming(stream, bool(opts.get("include_usage", False)))
 
 
 def parse_max_tokens(body: Body) -> int | None:
@@ -444,12 +453,7 @@ def parse_seed(body: Body) -> int | None:
 
 
 def parse_ignore_eos(body: Body) -> bool:
-    v = body.get("ignore_eos")
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise bad_request("ignore_eos", "ignore_eos must be a boolean")
-    return v
+    return opt_bool(body, "ignore_eos", False)
 
 
 def parse_logprobs(body: Body, *, chat: bool, federated: bool) -> int | None:
@@ -459,9 +463,7 @@ def parse_logprobs(body: Body, *, chat: bool, federated: bool) -> int | None:
     Completions (the legacy API): ``logprobs`` an integer 0..20, the alternatives per token.
     A federated daemon has no single target to report: 400."""
     if chat:
-        on = body.get("logprobs")
-        if on is not None and not isinstance(on, bool):
-            raise bad_request("logprobs", "logprobs must be a boolean")
+        on = opt_bool(body, "logprobs", False)
         top = opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         if top is not None and not on:
             raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")

@@ -29,7 +29,7 @@ from typing import Any, Final, Generic, Protocol, TypeVar
 from aiohttp import hdrs, web
 
 from edge_agent.daemon.api_errors import ApiError, from_http
-from edge_agent.daemon.api_request import build_pipeline, completion_budget
+from edge_agent.daemon.api_request import Body, build_pipeline, completion_budget
 from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.http_stream import Writer, next_event, read_body
 from edge_agent.daemon.ollama_request import (
@@ -252,11 +252,50 @@ def gen_request(state: ServerView, prompt_ids: list[int], opts: OllamaOptions) -
     )
 
 
-async def _generate(
-    request: web.Request, reply: Reply, req: GenRequest, stream: bool
-) -> web.StreamResponse:
+P = TypeVar("P")
+
+
+@dataclass(frozen=True)
+class _Asked(Generic[P]):
+    """A generation request of either route, read and checked (:func:`_read_asked`): the
+    route's ``reply`` shape, ``stream``, the options and the route's own ``prompt``."""
+
+    hooks: ServerHooks[Any]
+    reply: Reply
+    stream: bool
+    opts: OllamaOptions
+    prompt: P
+
+    def loaded(self) -> web.Response:
+        """The answer to an empty prompt (:meth:`Reply.loaded`)."""
+        return web.json_response(self.reply.loaded(), dumps=dumps)
+
+
+async def _read_asked(
+    request: web.Request, keys: tuple[str, ...], chat: bool, parse: Callable[[Body], P]
+) -> _Asked[P]:
+    """The checks both routes run, in one order, so that the first fault found is the one
+    answered: the body, the model, the keys (``keys``), ``stream``, the options, the route's
+    prompt (``parse``); only then the daemon's readiness, so a malformed request is a 400 even
+    while the model loads."""
+    started = time.monotonic_ns()
     hooks = request.app[HOOKS]
+    body = await read_body(request)
+    model = check_model(hooks.state, body)
+    check_keys(body, keys)
+    stream = parse_stream(body)
+    opts = parse_ollama_options(body)
+    prompt = parse(body)
+    hooks.require_ready(hooks.state)
+    return _Asked(hooks, Reply(model, chat, started), stream, opts, prompt)
+
+
+async def _generate(
+    request: web.Request, asked: _Asked[Any], prompt_ids: list[int]
+) -> web.StreamResponse:
+    hooks, reply, stream = asked.hooks, asked.reply, asked.stream
     state = hooks.state
+    req = gen_request(state, prompt_ids, asked.opts)
     if stream:
         try:
             state.service.queue.check()  # a full queue is a 429, before any header
@@ -303,38 +342,19 @@ async def _generate(
 
 
 async def chat_handler(request: web.Request) -> web.StreamResponse:
-    started = time.monotonic_ns()
-    hooks = request.app[HOOKS]
-    state = hooks.state
-    body = await read_body(request)
-    model = check_model(state, body)
-    check_keys(body, CHAT_KEYS)
-    stream = parse_stream(body)
-    opts = parse_ollama_options(body)
-    messages = parse_chat_messages(body)
-    hooks.require_ready(state)
-    reply = Reply(model, True, started)
-    if not messages:
-        return web.json_response(reply.loaded(), dumps=dumps)
-    prompt_ids = hooks.chat_prompt(state, {"messages": messages})
-    return await _generate(request, reply, gen_request(state, prompt_ids, opts), stream)
+    asked = await _read_asked(request, CHAT_KEYS, True, parse_chat_messages)
+    if not asked.prompt:
+        return asked.loaded()
+    prompt_ids = asked.hooks.chat_prompt(asked.hooks.state, {"messages": asked.prompt})
+    return await _generate(request, asked, prompt_ids)
 
 
 async def generate_handler(request: web.Request) -> web.StreamResponse:
-    started = time.monotonic_ns()
-    hooks = request.app[HOOKS]
-    state = hooks.state
-    body = await read_body(request)
-    model = check_model(state, body)
-    check_keys(body, GENERATE_KEYS)
-    stream = parse_stream(body)
-    opts = parse_ollama_options(body)
-    prompt = parse_generate_prompt(body)
-    hooks.require_ready(state)
-    reply = Reply(model, False, started)
+    asked = await _read_asked(request, GENERATE_KEYS, False, parse_generate_prompt)
+    prompt, hooks = asked.prompt, asked.hooks
     if not prompt.text:
-        return web.json_response(reply.loaded(), dumps=dumps)
-    loaded, _ = state.service.require()
+        return asked.loaded()
+    loaded, _ = hooks.state.service.require()
     if prompt.raw or not getattr(loaded.tokenizer, "chat_template", None):
         # Raw, or a model with no template (Ollama's is then the prompt itself).
         try:
@@ -342,8 +362,8 @@ async def generate_handler(request: web.Request) -> web.StreamResponse:
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from None
     else:
-        prompt_ids = hooks.chat_prompt(state, {"messages": prompt.messages})
-    return await _generate(request, reply, gen_request(state, prompt_ids, opts), stream)
+        prompt_ids = hooks.chat_prompt(hooks.state, {"messages": prompt.messages})
+    return await _generate(request, asked, prompt_ids)
 
 
 def details(state: ServerView) -> dict[str, Any]:

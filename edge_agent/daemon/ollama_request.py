@@ -23,6 +23,7 @@ from edge_agent.daemon.api_request import (
     Body,
     is_int,
     is_num,
+    opt_bool,
     opt_int,
     opt_object,
     parse_sampling,
@@ -119,12 +120,7 @@ def check_keys(body: Body, used: tuple[str, ...]) -> None:
 
 def parse_stream(body: Body) -> bool:
     """``stream``: true unless given false (Ollama streams by default)."""
-    v = body.get("stream")
-    if v is None:
-        return True
-    if not isinstance(v, bool):
-        raise bad_request("stream", "stream must be a boolean")
-    return v
+    return opt_bool(body, "stream", True)
 
 
 def parse_options(body: Body) -> Mapping[str, Any]:
@@ -259,9 +255,7 @@ def parse_generate_prompt(body: Body) -> GeneratePrompt:
         prompt = ""
     if not isinstance(prompt, str):
         raise bad_request("prompt", "prompt must be a string")
-    raw = body.get("raw")
-    if raw is not None and not isinstance(raw, bool):
-        raise bad_request("raw", "raw must be a boolean")
+    raw = opt_bool(body, "raw", False)
     system = body.get("system")
     if system is not None and not isinstance(system, str):
         raise bad_request("system", "system must be a string")
@@ -269,7 +263,7 @@ def parse_generate_prompt(body: Body) -> GeneratePrompt:
         raise bad_request("system", "system has no place in a raw prompt (raw: true)")
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
-    return GeneratePrompt(prompt, bool(raw), messages)
+    return GeneratePrompt(prompt, raw, messages)
 
 
 def error_text(e: ApiError) -> str:

@@ -144,6 +144,11 @@ def _make_candidates(v: list[Any]) -> messages.Candidates:
 _U32: Final = Int(0, _U32_MAX)
 _SEQ: Final = Int(0, messages.SEQ_MODULUS - 1)
 _TOKEN: Final = Int(0, lambda ctx: ctx.vocab_size - 1)
+# The session fields of the hot frames, declared once: every frame that carries an epoch, a
+# sequence number or a position carries it under the same key, name and kind.
+_EPOCH_FIELD: Final = Field(K_EPOCH, "epoch", _U32)
+_SEQ_FIELD: Final = Field(K_SEQ, "seq", _SEQ)
+_POS_FIELD: Final = Field(K_POS, "pos", _U32)
 _FP: Final = Map(
     Table(
         messages.Fingerprint,
@@ -247,9 +252,9 @@ FRAMES: Final = (
         messages.MsgType.PROPOSE,
         messages.Propose,
         [
-            Field(K_EPOCH, "epoch", _U32),
-            Field(K_SEQ, "seq", _SEQ),
-            Field(K_POS, "pos", _U32),
+            _EPOCH_FIELD,
+            _SEQ_FIELD,
+            _POS_FIELD,
             Field(K_A, "draft", Draft(min_gamma=0), ("draft", "q")),
             Field(K_B, "fixed", Ids(limit=attrgetter("max_fixed")), presence=Presence.OPTIONAL),
             Field(K_C, "flags", Flag(_FLAG_BONUS), "want_bonus", presence=Presence.OPTIONAL),
@@ -260,8 +265,8 @@ FRAMES: Final = (
         messages.MsgType.VERDICT,
         messages.Verdict,
         [
-            Field(K_EPOCH, "epoch", _U32),
-            Field(K_SEQ, "seq", _SEQ),
+            _EPOCH_FIELD,
+            _SEQ_FIELD,
             Field(K_POS, "accepted", Int(0, attrgetter("max_gamma"))),
             Field(K_A, "sparse", Sparse(distributional=True), presence=Presence.OPTIONAL),
             Field(K_B, "candidates", Sparse(distributional=False), presence=Presence.OPTIONAL),
@@ -281,8 +286,8 @@ FRAMES: Final = (
         messages.MsgType.FEDERATED_REPLY,
         messages.FederatedReply,
         [
-            Field(K_EPOCH, "epoch", _U32),
-            Field(K_SEQ, "seq", _SEQ),
+            _EPOCH_FIELD,
+            _SEQ_FIELD,
             Field(K_A, "ks", TopKSizes(), "dists", get=_ks_of),
             Field(K_B, "ids", Ids(), "dists", get=_ids_of),
             Field(K_C, "probs", Probs(), "dists", get=_probs_of),
@@ -294,19 +299,19 @@ FRAMES: Final = (
     Frame(
         messages.MsgType.ROLLBACK,
         messages.Rollback,
-        [Field(K_EPOCH, "epoch", _U32), Field(K_POS, "pos", _U32)],
+        [_EPOCH_FIELD, _POS_FIELD],
     ),
     Frame(
         messages.MsgType.RESAMPLE,
         messages.Resample,
-        [Field(K_EPOCH, "epoch", _U32), Field(K_POS, "pos", _U32)],
+        [_EPOCH_FIELD, _POS_FIELD],
     ),
     Frame(
         messages.MsgType.CANDIDATES,
         messages.Candidates,
         [
-            Field(K_EPOCH, "epoch", _U32),
-            Field(K_POS, "pos", _U32),
+            _EPOCH_FIELD,
+            _POS_FIELD,
             Field(K_B, "candidates", Sparse(distributional=False)),
         ],
         _make_candidates,
@@ -315,8 +320,8 @@ FRAMES: Final = (
         messages.MsgType.GENERATED,
         messages.Generated,
         [
-            Field(K_EPOCH, "epoch", _U32),
-            Field(K_POS, "pos", _U32),
+            _EPOCH_FIELD,
+            _POS_FIELD,
             Field(K_C, "token", _TOKEN),
             Field(K_D, "cloud", Flag(1), presence=Presence.OPTIONAL),
         ],
@@ -325,7 +330,7 @@ FRAMES: Final = (
         messages.MsgType.HEDGE,
         messages.Hedge,
         [
-            Field(K_POS, "pos", _U32),
+            _POS_FIELD,
             Field(K_C, "token", _TOKEN),
             Field(K_A, "draft", Draft(), ("draft", "q")),
         ],
@@ -335,7 +340,7 @@ FRAMES: Final = (
         messages.MsgType.LOGPROBS,
         messages.Logprobs,
         [
-            Field(K_POS, "pos", _U32),
+            _POS_FIELD,
             # the accepted tokens (<= max_gamma) and a rejection's candidates (m <= 4096) or
             # top-K (k <= max_k)
             Field(K_A, "scored", Scored(_scored_limit), ("ids", "lp")),

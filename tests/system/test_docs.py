@@ -39,10 +39,10 @@ def _between(text: str, name: str) -> str:
 def test_readme_is_short_and_has_the_two_commands() -> None:
     """Short as read: a figure's source marker (``<!-- fig … -->``, checked by
     tests/system/test_bench_publish.py) is not text anyone reads, so it is not counted."""
-    from bench.publish.tables import FIGURE
+    from bench.publish.tables import as_read
 
     text = README.read_text()
-    read = FIGURE.sub(lambda m: m["num"] + m["unit"], text).encode()
+    read = as_read(text).encode()
     assert len(read) <= README_MAX_BYTES, f"README.md is {len(read)} bytes: move detail to docs/"
     for command in ("make demo", "make test"):
         assert re.search(rf"^{command}\s+#", text, flags=re.M), command
@@ -85,8 +85,8 @@ def test_results_tables_sit_between_their_markers() -> None:
 
 
 def test_ttft_figures_are_read_off_the_committed_run() -> None:
-    """The benchmark page's time-to-first-token block is what ``python -m bench ttft --publish``
-    writes from ``docs/results/ttft.json``, and the raw tables (``ttft.md``) are that run's."""
+    """The benchmark page's time-to-first-token block is what ``bench.ttft --publish`` writes
+    from ``docs/results/ttft.json``, and the raw tables (``ttft.md``) are that run's."""
     import json
 
     from bench.studies import ttft
