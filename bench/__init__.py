@@ -1,3 +1,12 @@
-"""Benchmark and test tooling for wanspec (WAN emulation, sweeps, a probe client, the overhead
-tool, a verifier with padded forwards). Not imported by the product packages and not in the wheel:
-run it from the repository root (``python -m bench ...``)."""
+"""The benchmark of wanspec, by role: :mod:`bench.lib`, the simulation library (the event
+simulation, acceptance traces, the emulated costs, statistics, prompt sets, provenance);
+:mod:`bench.studies`, the studies, each one module that writes one results file;
+:mod:`bench.net`, the network tools the studies and the tests run (the WAN emulator, the
+autoregressive baseline's server, the padded verifier, the raw-stream client); and
+:mod:`bench.publish`, what rewrites the published pages from the committed results.
+``python -m bench`` lists the studies (:mod:`bench.registry`), ``python -m bench STUDY [args]``
+runs one. Dependencies point down only: studies and publishing tools import the libraries and
+the network tools, never one another; the network tools import only the libraries; the
+libraries import neither (``testkit`` may import the libraries and the network tools, and the
+studies ``testkit``). Not imported by the product packages and not in the wheel: run it from
+the repository root."""

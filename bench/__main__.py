@@ -1,5 +1,8 @@
-"""``python -m bench``: see :mod:`bench.run`."""
+"""``python -m bench``: the studies and what each writes; ``python -m bench STUDY [args]`` runs
+one (:mod:`bench.registry`)."""
 
-from bench.run import main
+import sys
 
-raise SystemExit(main())
+from bench.registry import run
+
+raise SystemExit(run(sys.argv[1:]))

@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 import aiohttp
 import torch
 
-from bench.wanem import LinkConfig, WanEmulator
+from bench.lib.provenance import provenance
+from bench.net.wanem import LinkConfig, WanEmulator
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
 from edge_agent.model.drafter import Drafter
@@ -103,6 +104,24 @@ def run_in_workdir(
         folder = workdir or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         return asyncio.run(main(folder))
+
+
+def record_run(
+    prefix: str,
+    workdir: Path | None,
+    main: Callable[[Path], Coroutine[Any, Any, dict[str, Any]]],
+    out: Path,
+    plot: Callable[[Path, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """A study's run (:func:`run_in_workdir`) recorded: its result with its provenance
+    (:func:`bench.lib.provenance.provenance`) written to ``out``, and drawn by ``plot`` (if
+    given) next to it (``out`` with ``.png``). Returns the result."""
+    result = run_in_workdir(prefix, workdir, main)
+    result["provenance"] = provenance()
+    write_json(out, result, indent=1)
+    if plot is not None:
+        plot(out.with_suffix(".png"), result)
+    return result
 
 
 def write_json(path: Path, doc: Any, *, indent: int = 2) -> None:
@@ -196,7 +215,7 @@ class VerifierProcess:
         threads: int = 1,
         command: Sequence[str] = ("-m", "cloud_verifier.daemon.cli", "serve"),
     ) -> None:
-        """``command``: what runs the service after the interpreter (``-m bench.verifier``:
+        """``command``: what runs the service after the interpreter (``-m bench.net.verifier``:
         ``serve`` with padded forwards)."""
         self.command = list(command)
         self.model = model
@@ -360,7 +379,7 @@ async def wan_rig(
 ) -> AsyncIterator[WanRig]:
     """:func:`tiny_pair` in ``workdir/models``; its target served by a :class:`VerifierProcess`
     (bearer ``tokens``, options ``args``, its log ``workdir/verifier.log``) on a free port; a
-    :class:`~bench.wanem.WanEmulator` of ``link`` in front once it is ready. Both are stopped on
+    :class:`~bench.net.wanem.WanEmulator` of ``link`` in front once it is ready. Both are stopped on
     leaving (the verifier after the emulator)."""
     pair = tiny_pair(workdir / "models")
     verifier = VerifierProcess(

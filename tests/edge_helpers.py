@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 from aiohttp import web
 
-from bench.verifier import WrappedTarget
+from bench.net.verifier import WrappedTarget
 from cloud_verifier.engine.targets import TorchTarget
 from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.server import build_app as build_edge_app

@@ -146,7 +146,7 @@ def serve_process(
     *args: str, env: Mapping[str, str] | None = None, module: str = "cloud_verifier.daemon.cli"
 ) -> subprocess.Popen[str]:
     """``python -m cloud_verifier.daemon.cli serve --heartbeat 0 ARGS`` (``module`` another entry
-    point with the same options, e.g. ``bench.verifier``, which has no ``serve`` word), run
+    point with the same options, e.g. ``bench.net.verifier``, which has no ``serve`` word), run
     from the repository; stdout and stderr piped, as text."""
     cmd = [sys.executable, "-m", module]
     if module == "cloud_verifier.daemon.cli":

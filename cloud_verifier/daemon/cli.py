@@ -6,7 +6,7 @@ Every ``serve`` setting can also come from ``WANSPEC_<NAME>`` environment variab
 then the environment, then the file, then the defaults.
 
 :func:`run_serve` is ``serve`` from parsed arguments; a caller may replace the model loader
-(``bench.verifier`` pads every forward this way).
+(``bench.net.verifier`` pads every forward this way).
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ class Drafter:
     KEPT_BRANCHES: Final = 16
     #: Branches one batched step takes where it costs about one step: on a GPU-class device
     #: 8 (the team's H200 measurement, 8 × 5 tokens at 1.07 of 1 × 5); on a CPU 2 (this
-    #: project's 2-core CPUs, ``python -m bench.draft_batch``: 1 / 2 / 4 / 8 branches at
+    #: project's 2-core CPUs, ``python -m bench draft_batch``: 1 / 2 / 4 / 8 branches at
     #: 55 / 59 / 92 / 134 ms a step), so that a step under way delays the next batch little.
     BRANCH_BATCH_GPU: Final = 8
     BRANCH_BATCH_CPU: Final = 2

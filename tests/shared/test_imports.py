@@ -50,10 +50,10 @@ class Import:
         return f"{path}:{self.line}"
 
 
-def product_modules() -> dict[str, Path]:
-    """Dotted name → file, for every module of the product packages."""
+def product_modules(packages: tuple[str, ...] = PRODUCT) -> dict[str, Path]:
+    """Dotted name → file, for every module of ``packages`` (the product's by default)."""
     out: dict[str, Path] = {}
-    for pkg in PRODUCT:
+    for pkg in packages:
         for path in sorted((REPO / pkg).rglob("*.py")):
             parts = list(path.relative_to(REPO).with_suffix("").parts)
             if parts[-1] == "__init__":

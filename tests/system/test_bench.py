@@ -18,26 +18,25 @@ import orjson
 import pytest
 import torch
 
-from bench.costs import TREE_TOKEN_COST
-from bench.oracle import OracleDrafter, greedy_continuation, parse_oracle
-from bench.run import (
+from bench.lib.costs import TREE_TOKEN_COST
+from bench.lib.edge import TimedDrafter
+from bench.lib.modes import PREDRAFT_BRANCHES, parse_mode
+from bench.lib.oracle import OracleDrafter, greedy_continuation, parse_oracle
+from bench.net.stream_ws import StreamWS
+from bench.net.verifier import PaddedTarget, tree_tokens
+from bench.net.verifier import main as padded_verifier_main
+from bench.studies.realtime import (
     DRAFT_BATCH_COST,
-    PREDRAFT_BRANCHES,
     BenchConfig,
     Journal,
     Regime,
     Run,
-    TimedDrafter,
     ceiling,
     estimate,
     in_ceiling_model,
     parse_args,
-    parse_mode,
     summarise,
 )
-from bench.stream_ws import StreamWS
-from bench.verifier import PaddedTarget, tree_tokens
-from bench.verifier import main as padded_verifier_main
 from cloud_verifier.daemon.cli import main as verifier_main
 from cloud_verifier.engine.targets import NullTarget
 from edge_agent.model.drafter import DraftRow
@@ -227,9 +226,9 @@ def test_bench_options_reply_lengths_datasets_and_batch_cost() -> None:
 
 
 def test_draft_batch_measures_batched_branch_steps(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """``python -m bench.draft_batch`` on a tiny model: a median step time per batch size and
+    """``python -m bench draft_batch`` on a tiny model: a median step time per batch size and
     the fitted cost of each extra branch, written with the machine."""
-    from bench import draft_batch
+    from bench.studies import draft_batch
 
     out = tmp_path / "draft_batch.json"
     args = ["--target", str(tiny_model_dir), "--draft", str(tiny_model_dir), "--batches", "1,3"]
@@ -275,12 +274,12 @@ def test_padded_target_pads_and_keeps_logits() -> None:
 
 
 async def test_padded_verifier_process_pads_forwards() -> None:
-    """``python -m bench.verifier``: the product's serve path, every forward padded."""
+    """``python -m bench.net.verifier``: the product's serve path, every forward padded."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANSPEC_")}
     proc = serve_process(
         "--model", "null:64", "--insecure-no-auth", "--port", str(port), "--log-level",
-        "warning", "--emulate-verify-ms", "80", env=env, module="bench.verifier",
+        "warning", "--emulate-verify-ms", "80", env=env, module="bench.net.verifier",
     )  # fmt: skip
     try:
         health = await wait_healthy(f"http://127.0.0.1:{port}", proc=proc)
@@ -411,7 +410,7 @@ async def test_ar_service_reports_its_busy_time_with_the_prefill(tiny_model_dir:
     prefill step (the one that yields the first token) included, on one kept-alive connection."""
     from aiohttp.test_utils import TestServer
 
-    from bench.ar_server import ArClient, build_app
+    from bench.net.ar_server import ArClient, build_app
     from cloud_verifier.daemon.auth import Authenticator
     from shared.runtime.models import load_model
 
@@ -463,7 +462,7 @@ def test_journal_resumes_the_runs_it_has_and_only_on_the_same_settings(tmp_path:
 def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     run = subprocess.run(
-        [sys.executable, "-m", "bench", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench", "realtime", "--smoke", "--out", str(tmp_path)],
         capture_output=True, cwd=REPO, env=env, timeout=600, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr.decode()[-3000:]
@@ -557,11 +556,11 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ttft_bench_smoke(tmp_path: Path) -> None:
-    """bench.ttft end to end at a small shape: the daemon on its warm link, cold connections
+    """bench.studies.ttft end to end at a small shape: the daemon on its warm link, cold connections
     and the kept-alive AR baseline through the emulator at two RTTs; 1 and 2 concurrent
     requests in the emulated regime; every figure with its interval, and the plot."""
     run = subprocess.run(
-        [sys.executable, "-m", "bench.ttft", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench", "ttft", "--smoke", "--out", str(tmp_path)],
         capture_output=True, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=900,
         check=False,
     )  # fmt: skip
@@ -586,7 +585,7 @@ def test_ttft_bench_smoke(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_federate_eval_smoke(tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "bench.federate_eval", "--smoke", "--prompts", "1",
+        [sys.executable, "-m", "bench", "federate", "--smoke", "--prompts", "1",
          "--tokens", "16", "--out", str(tmp_path)],
         capture_output=True, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=600,
         check=False,
@@ -611,7 +610,7 @@ def test_federate_eval_smoke(tmp_path: Path) -> None:
 def test_gpu_bench_refuses_without_cuda_and_runs_small_on_the_cpu(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from bench.gpu import main as gpu_main
+    from bench.studies.gpu import main as gpu_main
 
     if not torch.cuda.is_available():
         assert gpu_main(["--out", str(tmp_path / "no.json")]) == 2
@@ -644,8 +643,8 @@ def test_verifier_load_smoke(tmp_path: Path) -> None:
     """Every engine (cloud-sd: cloud-only sessions, tail and ngram drafts), N = 1 and 3,
     against null:256: the keys docs/benchmarks/verifier.md's table is built from."""
     out = tmp_path / "load.json"
-    cmd = [sys.executable, "-m", "bench.verifier_load", "--model", "null:256", "--sessions", "1,3",
-           "--seconds", "0.5", "--min-rounds", "2", "--out", str(out),
+    cmd = [sys.executable, "-m", "bench", "verifier_load", "--model", "null:256",
+           "--sessions", "1,3", "--seconds", "0.5", "--min-rounds", "2", "--out", str(out),
            "--engines", "batched,serial,cloud-sd", "--cloud-model", ""]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -660,11 +659,11 @@ def test_verifier_load_smoke(tmp_path: Path) -> None:
 
 
 def test_prefix_bench_smoke(tmp_path: Path) -> None:
-    """bench.prefix against null:512: the conversation's later turns and the later sessions of
-    the shared system prompt compute only what the cache lacks (prefix_cache = tenant), and
+    """bench.studies.prefix against null:512: the conversation's later turns and the later sessions
+    of the shared system prompt compute only what the cache lacks (prefix_cache = tenant), and
     everything without it; the keys docs/how-it-works/engine.md's line is built from."""
     out = tmp_path / "prefix.json"
-    cmd = [sys.executable, "-m", "bench.prefix", "--model", "null:512", "--turns", "3",
+    cmd = [sys.executable, "-m", "bench", "prefix", "--model", "null:512", "--turns", "3",
            "--sessions", "3", "--system-tokens", "100", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -689,9 +688,9 @@ def test_prefix_bench_smoke(tmp_path: Path) -> None:
 def test_tree_cost_measures_a_verify_with_and_without_tree_tokens(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    """``python -m bench.tree_cost`` on the tiny target: a chain's verify forward and the same
+    """``python -m bench tree_cost`` on the tiny target: a chain's verify forward and the same
     with tree tokens, the fitted cost per tree token beside the emulated one."""
-    from bench.tree_cost import main as tree_cost_main
+    from bench.studies.tree_cost import main as tree_cost_main
 
     out = tmp_path / "tree_cost.json"
     args = ["--target", str(tiny_model_dir), "--trees", "0,4,8", "--steps", "2", "--warmup", "1"]

@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 import pytest
 
-from bench import costs
-from bench.provenance import commit, provenance
+from bench.lib import costs
+from bench.lib.provenance import commit, provenance
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,8 +43,9 @@ def test_the_constants_are_the_committed_measurements_costs() -> None:
     }
     for name, value in constants.items():
         assert doc["costs"][name]["value"] == pytest.approx(value), name
-    # the bench reads them from bench.costs, not from copies
-    from bench import run, verifier
+    # the bench reads them from bench.lib.costs, not from copies
+    from bench.net import verifier
+    from bench.studies import realtime as run
 
     assert run.DRAFT_BATCH_COST is costs.DRAFT_BATCH_COST
     assert run.CLOUD_DRAFT_PER_VERIFY is costs.CLOUD_DRAFT_PER_VERIFY

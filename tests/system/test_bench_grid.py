@@ -1,5 +1,5 @@
-"""bench.stats (paired bootstrap), bench.grid (the users' grid) and bench.capacity (edges per
-verifier) on small synthetic traces."""
+"""bench.lib.stats (paired bootstrap), bench.studies.grid (the users' grid) and
+bench.studies.capacity (edges per verifier) on small synthetic traces."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import capacity, grid, stats
-from bench.prompts import DATASETS, Split
-from bench.traces import Trace, TraceSet, load_traces, save_traces
+from bench.lib import cells, stats, users
+from bench.lib.prompts import DATASETS, Split
+from bench.lib.traces import Trace, TraceSet, load_traces, save_traces
+from bench.studies import capacity, grid
 
 # ------------------------------------------------------------------------------------ stats
 
@@ -77,7 +78,7 @@ def test_bad_input_is_refused(call: Callable[[], object]) -> None:
 
 
 def test_ttft_uses_the_one_copy_of_the_median_helpers() -> None:
-    from bench import ttft
+    from bench.studies import ttft
 
     assert ttft.bootstrap_median is stats.bootstrap_median
     assert ttft.bootstrap_ratio is stats.bootstrap_ratio
@@ -217,7 +218,7 @@ def test_grid_smoke_writes_every_key(tmp_path: Path) -> None:
         if row["mode_spec"] in grid.PREDRAFT_MODES:
             assert row["predraft_hit_rate"] is not None
     costs = {r["edge_batch_cost"] for r in doc["summary"] if r["mode_spec"] == "auto:predraft"}
-    assert costs == {grid.DRAFT_BATCH_COST, grid.cpu_draft_batch_cost()}
+    assert costs == {grid.DRAFT_BATCH_COST, cells.cpu_draft_batch_cost()}
     tuned = [t for t in doc["tuning"] if t["family"] == "cloud-sd"]
     assert len(tuned) == points * 2 * len(s.gammas)
     assert all(t["prompts"] == len(DATASETS) for t in doc["tuning"])
@@ -257,13 +258,13 @@ def test_best_cloud_sd_is_chosen_on_the_tuning_prompts_only(tmp_path: Path) -> N
         rtts_ms=(100.0,), reply_tokens=(24,), cloud_draft_costs=(0.05,), gammas=(2, 8)
     )
     point = (100.0, 24, 0.05)
-    with grid.Runner(path, traces, 1) as runner:
+    with cells.Runner(path, traces, 1) as runner:
         g = grid.Grid(runner, settings, 0.2)
         kind, gamma = g.tune_cloud([point])[point]
 
         def score(split: Split, k: str, gm: int) -> float:
             cell = g.cell(split, f"cloud-sd:{k}:{gm}", *point)
-            return grid.mean(r.tokens_per_s for r in runner.get(cell))
+            return cells.mean(r.tokens_per_s for r in runner.get(cell))
 
         configs = [(k, gm) for k in ("model", "mixed") for gm in settings.gammas]
         on_tuning = max(configs, key=lambda kg: score(Split.TUNING, *kg))
@@ -280,7 +281,7 @@ def test_validation_compares_the_same_prompts(tmp_path: Path) -> None:
     runs = []
     for mode, spec in (("ar", "ar"), ("auto predraft", "auto:predraft"), ("cloud-sd", None)):
         for i in range(2):
-            cell = grid.Cell(
+            cell = cells.Cell(
                 "measured",
                 spec or "cloud-sd:mixed:4",
                 100.0,
@@ -288,7 +289,7 @@ def test_validation_compares_the_same_prompts(tmp_path: Path) -> None:
                 grid.CLOUD_DRAFT_PER_VERIFY,
                 grid.DRAFT_BATCH_COST,
             )
-            (sim,) = grid.run_cell(cell, [traces.by_name(f"chat/{i}")])
+            (sim,) = cells.run_cell(cell, [traces.by_name(f"chat/{i}")])
             # The "real" run is exactly twice as fast as the simulation.
             runs.append(
                 {
@@ -306,7 +307,7 @@ def test_validation_compares_the_same_prompts(tmp_path: Path) -> None:
     runs.append({**runs[0], "mode": "something else"})  # not simulated: left out
     runs.append({**runs[0], "draft": "oracle:alpha=0.9"})  # not the traces' draft: left out
     runs.append({**runs[0], "regime": "raw"})  # not the emulated regime: left out
-    with grid.Runner(path, traces, 1) as runner:
+    with cells.Runner(path, traces, 1) as runner:
         rows = grid.validation(runner, traces, {"runs": runs}, 200)
     assert [(r["mode"], r["runs"]) for r in rows] == [
         ("ar", 2),
@@ -429,9 +430,9 @@ def test_capacity_takes_the_grids_choice(tmp_path: Path) -> None:
         "gamma": 6,
     }
     results.write_text(json.dumps({"summary": [{**row, "rtt_ms": 50.0, "gamma": 2}, row]}))
-    assert capacity.best_cloud_from_grid(results, capacity.Plan()) == ("model", 6)
+    assert capacity.best_cloud_from_grid(results, users.Plan()) == ("model", 6)
     assert capacity.best_cloud_from_grid(results, capacity.SMOKE) is None
-    assert capacity.best_cloud_from_grid(tmp_path / "absent.json", capacity.Plan()) is None
+    assert capacity.best_cloud_from_grid(tmp_path / "absent.json", users.Plan()) is None
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3, 37, 64, 1000, 2047, 2048, 5000])

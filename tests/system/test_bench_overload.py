@@ -1,5 +1,6 @@
-"""``python -m bench.overload --quick``: the keys the results are read by, end to end (~25 s), and
-the edge tap that the benchmark's round times and its reconnect-without-resumption rest on."""
+"""``python -m bench overload --quick``: the keys the results are read by, end to end (~25 s), and
+the edge tap that the benchmark's round times and its reconnect-without-resumption rest on; the
+tenants study (``python -m bench tenants``) beside it."""
 
 from __future__ import annotations
 
@@ -12,15 +13,10 @@ import numpy as np
 import orjson
 import pytest
 
-from bench.overload import (
-    Tap,
-    build_parser,
-    main,
-    parse_metrics,
-    saturation,
-    tenants_config_from_args,
-)
-from bench.overload_tenants import (
+from bench.lib.verifier_state import parse_metrics
+from bench.studies import overload, tenants
+from bench.studies.overload import Tap, saturation
+from bench.studies.tenants import (
     ARMS,
     Arm,
     Refusal,
@@ -47,12 +43,18 @@ LOAD_KEYS = {
 }
 
 
-def test_overload_quick_writes_every_key(tmp_path: Path) -> None:
-    out = tmp_path / "overload.json"
-    cmd = [sys.executable, "-m", "bench.overload", "--quick", "--out", str(out)]
+def _study(out: Path, *args: str) -> dict[str, Any]:
+    """``python -m bench ARGS --out OUT`` (under 180 s), its results."""
+    cmd = [sys.executable, "-m", "bench", *args, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = orjson.loads(out.read_bytes())
+    result: dict[str, Any] = orjson.loads(out.read_bytes())
+    return result
+
+
+def test_overload_quick_writes_every_key(tmp_path: Path) -> None:
+    out = tmp_path / "overload.json"
+    result = _study(out, "overload", "--quick")
     assert {"setup", "unloaded", "loads", "reconnect"} <= set(result)
     loads = result["loads"]
     assert [r["offered_sessions"] for r in loads] == [1, 3] == result["offered_sessions"]
@@ -166,17 +168,14 @@ def test_parse_metrics_keeps_labels() -> None:
 
 
 def test_one_tenants_long_prompts_leave_the_others_rounds_flowing(tmp_path: Path) -> None:
-    """``--tenants --smoke`` (issue 38): two sessions of one token looping the longest prompts
+    """``tenants --smoke`` (issue 38): two sessions of one token looping the longest prompts
     the tiny verifier takes, beside four honest users. Behaviour: the honest rounds keep
     flowing (their verdicts a second at least half of what they are without the attacker, their
     p99 round at most 3 times: before the fair scheduler, 0.17 and 4.5; with it, 0.87 and 1.3),
     with no failure and no refusal; and the output has every key, the ratios their intervals,
     the attacker's prompt cut to the tiny model's context."""
     out = tmp_path / "tenants.json"
-    cmd = [sys.executable, "-m", "bench.overload", "--tenants", "--smoke", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = orjson.loads(out.read_bytes())
+    result = _study(out, "tenants", "--smoke")
     assert {"targets", "ratios", "arms", "setup"} <= set(result)
     tg = result["targets"]
     for key in ("goodput_ratio", "p99_round_ratio"):
@@ -243,15 +242,15 @@ def test_tenants_ratios_intervals_and_targets() -> None:
     assert not tg["all_met"]
 
 
-def test_tenants_refuses_the_sweeps_settings() -> None:
-    """A setting of the offered-load sweep alone is refused with --tenants, not ignored; the
-    tenants' own go over the preset."""
-    p = build_parser()
-    with pytest.raises(SystemExit, match="window_s"):
-        tenants_config_from_args(p.parse_args(["--tenants", "--window", "3"]))
-    cfg = tenants_config_from_args(p.parse_args(["--tenants", "--smoke", "--honest", "3"]))
+def test_tenants_refuses_the_sweeps_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    """A setting of the offered-load sweep alone is refused by the tenants study, and one of
+    the tenants study's alone by the sweep, not ignored; the tenants' own go over the preset."""
+    with pytest.raises(SystemExit):
+        tenants.build_parser().parse_args(["--window", "3"])
+    assert "--window" in capsys.readouterr().err
+    cfg = tenants.config_from_args(tenants.build_parser().parse_args(["--smoke", "--honest", "3"]))
     assert cfg.smoke and cfg.model == "tiny" and cfg.honest == 3 and cfg.attackers == 2
-    with pytest.raises(SystemExit, match="tenants"):
-        main(["--smoke"])
-    with pytest.raises(SystemExit, match="honest"):
-        main(["--honest", "3"])
+    for argv in (["--smoke"], ["--honest", "3"]):
+        with pytest.raises(SystemExit):
+            overload.main(argv)
+        assert argv[0] in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""``bench.publish`` on a fixture of the grid's and the capacity study's format: every row is
+"""``bench.publish.tables`` on a fixture of the grid's and the capacity study's format: every row is
 rendered, the intervals are printed, a "≥" only where an interval's low end is ≥ 1, the README
 block fits the README's budget, and ``--check`` tells a stale page."""
 
@@ -10,9 +10,10 @@ from typing import Any
 import orjson
 import pytest
 
-from bench import publish
-from bench.costs import CLOUD_DRAFT_PER_VERIFY, DRAFT_BATCH_COST
-from bench.publish import Results, claim, replace_between
+from bench.lib.costs import CLOUD_DRAFT_PER_VERIFY, DRAFT_BATCH_COST
+from bench.lib.pages import replace_between
+from bench.publish import tables as publish
+from bench.publish.tables import Results, claim
 
 REPO = Path(__file__).resolve().parents[2]
 RTTS = (0.0, 50.0, 100.0, 200.0, 300.0)
@@ -25,7 +26,7 @@ EDGE = (
 
 def _row(role: str, mode: str, spec: str, rtt: float, n: int, c: float, b: float,
          k: float) -> dict[str, Any]:  # fmt: skip
-    """A summary row as bench.grid writes it; ``k`` sets its figures apart."""
+    """A summary row as bench.studies.grid writes it; ``k`` sets its figures apart."""
     tps = 6.0 + k + rtt / 1000
     row: dict[str, Any] = {
         "regime": "picospec", "draft": "self:skip=12", "rtt_ms": rtt, "mode": mode,

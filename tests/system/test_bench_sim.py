@@ -1,4 +1,4 @@
-"""bench.sim: the discrete-event simulation of wanspec and its baselines, on synthetic traces
+"""bench.lib.sim: the discrete-event simulation of wanspec and its baselines, on synthetic traces
 whose outcome is known (timing formulas, acceptance, pre-drafting, batching)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from dataclasses import asdict
 
 import pytest
 
-from bench.costs import ROW_TOKENS
-from bench.prompts import Split
-from bench.sim import (
+from bench.lib.costs import ROW_TOKENS
+from bench.lib.prompts import Split
+from bench.lib.sim import (
     PREDRAFT_BRANCHES,
     CloudDraftKind,
     Costs,
@@ -23,7 +23,7 @@ from bench.sim import (
     SimMode,
     simulate,
 )
-from bench.traces import Trace
+from bench.lib.traces import Trace
 
 pytestmark = pytest.mark.fast
 
@@ -298,6 +298,6 @@ def test_a_bad_mode_is_refused_naming_it_and_the_forms(junk: str) -> None:
 
 
 def test_predraft_branches_match_the_bench() -> None:
-    from bench.run import PREDRAFT_BRANCHES as BENCH
+    from bench.lib.modes import PREDRAFT_BRANCHES as BENCH
 
     assert BENCH == PREDRAFT_BRANCHES

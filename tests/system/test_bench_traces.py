@@ -1,4 +1,5 @@
-"""The benchmark's prompt sets and acceptance traces (bench/prompts.py, bench/traces.py)."""
+"""The benchmark's prompt sets and acceptance traces (bench/lib/prompts.py,
+bench/lib/traces.py, bench/studies/traces.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.prompts import DATA, DATASETS, SPEC_BENCH_CATEGORIES, Prompt, Split, encode, load_prompts
-from bench.traces import (
-    SMOKE_LENGTH,
-    SMOKE_PROMPTS,
-    Trace,
-    TraceSet,
-    load_traces,
-    record,
-    save_traces,
+from bench.lib.prompts import (
+    DATA,
+    DATASETS,
+    SPEC_BENCH_CATEGORIES,
+    Prompt,
+    Split,
+    encode,
+    load_prompts,
 )
-from bench.traces import main as traces_main
+from bench.lib.traces import Trace, TraceSet, load_traces, save_traces
+from bench.studies.traces import SMOKE_LENGTH, SMOKE_PROMPTS, record
+from bench.studies.traces import main as traces_main
 from edge_agent.daemon.text import eos_ids
 from edge_agent.model.lm import CausalLM
 from shared.runtime.models import LoadedModel, load_model

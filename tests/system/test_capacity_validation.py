@@ -1,4 +1,4 @@
-"""bench.capacity_validation: the paired bootstrap, the figures, the verifier's pads by the
+"""bench.studies.capacity_validation: the paired bootstrap, the figures, the verifier's pads by the
 simulation's cost rule, and the smoke end to end (a real verifier process, real edges)."""
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ import numpy as np
 import orjson
 import pytest
 
-from bench import stats
-from bench.capacity import Plan, batch_limits, figures, users
-from bench.capacity_validation import (
+from bench.lib import stats
+from bench.lib.sim import Costs, Link, SimMode, simulate
+from bench.lib.traces import load_traces
+from bench.lib.users import Plan, batch_limits, figures, users
+from bench.net.verifier import PaddedTarget, row_rule, token_rule
+from bench.studies.capacity_validation import (
     FIGURES,
     REPLY_COUNTS,
     Cell,
@@ -27,9 +30,6 @@ from bench.capacity_validation import (
     time_scale,
     verifier_args,
 )
-from bench.sim import Costs, Link, SimMode, simulate
-from bench.traces import load_traces
-from bench.verifier import PaddedTarget, row_rule, token_rule
 from cloud_verifier.engine.targets import NullTarget
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages
@@ -65,7 +65,7 @@ def test_paired_ratio_ci_resamples_pairs_together() -> None:
 
 
 def test_figures_are_the_capacity_studys() -> None:
-    """One repeat's figures equal :func:`bench.capacity.figures` of the same simulation."""
+    """One repeat's figures equal :func:`bench.lib.users.figures` of the same simulation."""
     traces = load_traces(TRACES).measured()
     prompts = assigned(traces, 3, 0)
     mode = SimMode.parse("auto:predraft")
@@ -148,7 +148,7 @@ def test_capacity_validation_smoke(tmp_path: Path) -> None:
     every figure measured, simulated and compared, with the run's overruns and provenance."""
     out = tmp_path / "cv.json"
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "bench.capacity_validation", "--smoke", "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench", "capacity_validation", "--smoke", "--out", str(out)]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     run = subprocess.run(cmd, capture_output=True, cwd=REPO, env=env, timeout=600, check=False)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
@@ -156,10 +156,10 @@ def test_capacity_validation_smoke(tmp_path: Path) -> None:
     doc = orjson.loads(out.read_bytes())
     assert doc["complete"] and doc["settings"]["smoke"]
     assert {"commit", "date"} <= set(doc["provenance"])
-    assert "bench.capacity_validation" in doc["command"]
+    assert "bench capacity_validation" in doc["command"]
     (cell,) = doc["rows"]
     assert (cell["mode_spec"], cell["edges"], cell["time_scale"]) == ("auto:predraft", 2, 2.0)
-    assert "bench.verifier" in cell["verifier_command"]
+    assert "bench.net.verifier" in cell["verifier_command"]
     assert "--emulate-token-cost" in cell["verifier_command"]
     for name in FIGURES:
         assert cell["measured"][name] > 0 and cell["simulated"][name] > 0, name

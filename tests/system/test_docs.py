@@ -39,7 +39,7 @@ def _between(text: str, name: str) -> str:
 def test_readme_is_short_and_has_the_two_commands() -> None:
     """Short as read: a figure's source marker (``<!-- fig … -->``, checked by
     tests/system/test_bench_publish.py) is not text anyone reads, so it is not counted."""
-    from bench.publish import as_read
+    from bench.publish.tables import as_read
 
     text = README.read_text()
     read = as_read(text).encode()
@@ -89,7 +89,7 @@ def test_ttft_figures_are_read_off_the_committed_run() -> None:
     from ``docs/results/ttft.json``, and the raw tables (``ttft.md``) are that run's."""
     import json
 
-    from bench import ttft
+    from bench.studies import ttft
 
     doc = json.loads((DOCS / "results" / "ttft.json").read_text())
     page = (DOCS / "benchmarks" / "index.md").read_text()
@@ -100,7 +100,7 @@ def test_ttft_figures_are_read_off_the_committed_run() -> None:
 def test_results_tables_are_read_off_the_committed_results() -> None:
     """Every figure in the README's and the benchmark page's tables is what ``bench.publish``
     writes from ``docs/results/bench/results.json``: none typed by hand, none left stale."""
-    from bench import publish
+    from bench.publish import tables as publish
 
     res = publish.Results.load(DOCS / "results" / "bench" / "results.json")
     assert _between(README.read_text(), "results").strip() == res.readme_section()

@@ -516,7 +516,7 @@ async def test_link_down_draft_only_policy_flags_and_resyncs(
         backoff_initial_s=0.05, backoff_max_s=0.1, link_down="draft_only", deadline_s=0.5
     )
     # A draft step of 20 ms, like a real one: each pause between attempts drafts a few tokens.
-    from bench.run import TimedDrafter
+    from bench.lib.edge import TimedDrafter
 
     agent.drafter = TimedDrafter(draft, 0.02)
     n = 40

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.verifier import WrappedTarget
+from bench.net.verifier import WrappedTarget
 from cloud_verifier.engine.targets import TorchTarget
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
 from edge_agent.link.federation import WorkerSpec, generate_federated

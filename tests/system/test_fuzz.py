@@ -16,7 +16,7 @@ from aiohttp import WSMsgType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.stream_ws import StreamWS
+from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.state import STATE
 from cloud_verifier.engine.targets import TorchTarget
 from cloud_verifier.session.core import SessionLimits

@@ -15,8 +15,8 @@ import aiohttp
 import numpy as np
 from aiohttp import WSCloseCode
 
-from bench.load import LoadConfig, run
-from bench.stream_ws import StreamWS
+from bench.net.stream_ws import StreamWS
+from bench.studies.load import LoadConfig, run
 from cloud_verifier.daemon.lifecycle import _close_sessions
 from cloud_verifier.daemon.state import STATE, _buffered
 from cloud_verifier.engine.targets import NullTarget

@@ -3,23 +3,23 @@ one that makes no progress at all still fails the request in bounded time.
 
 * **Overload.** One real verifier (``cloud-verifier serve``, the default model, one torch thread)
   beside a CPU-burning process on this 2-core machine, and N = 4 concurrent ``edge-agent
-  generate`` runs (greedy, :data:`bench.overload.CHAT_PROMPTS` of 130–268 tokens, 20 new tokens
-  each). Capacity, measured on this machine with the burner (2 cores, December 2026): one such
-  generation alone keeps the verifier busy 78 % of its time (2.8 s of forwards in 3.6 s; with
+  generate`` runs (greedy, :data:`bench.studies.overload.CHAT_PROMPTS` of 130–268 tokens, 20 new
+  tokens each). Capacity, measured on this machine with the burner (2 cores, December 2026): one
+  such generation alone keeps the verifier busy 78 % of its time (2.8 s of forwards in 3.6 s; with
   co-generation the verifier decodes most of the text itself), and two at once keep it busy all
   the time (each takes 8 s instead of 2.7 s, and the aggregate rate falls from 7.5 to 4.9 tokens/s:
   the edges share the two cores too). The capacity is thus about 2 concurrent generations, and
   N = 4 is twice it, the scale of the original report (four edges: every one failed with "the
   verifier is stalled"; before the fix two of four failed so here). Every generation must end
   with the target's exact greedy text, none may fail. Then, the overload over, a probe session
-  (:func:`bench.overload.probe_round_s`: a prefill, then stop-and-wait rounds of random drafts)
-  must see a median round within 1.5 × the one it saw before the overload, within
+  (:func:`bench.studies.overload.probe_round_s`: a prefill, then stop-and-wait rounds of random
+  drafts) must see a median round within 1.5 × the one it saw before the overload, within
   :data:`RECOVERY_S` seconds: no metastable state. ``max_queue_delay`` is set low
   (:data:`MAX_QUEUE_DELAY_S`) so that an edge arriving behind a deep queue is refused (503
   overloaded): it must wait and come back, not fail. (In the runs so far the four sessions
   opened before the queue formed and none was refused; the test prints the count.)
 * **Slow.** A verifier whose every forward takes 15 s (the benchmark's
-  :class:`~bench.verifier.PaddedTarget`, switched on once the verifier is ready: its start-up
+  :class:`~bench.net.verifier.PaddedTarget`, switched on once the verifier is ready: its start-up
   warm-up and step-time anchors would otherwise take 45 s, and its step-time estimates then
   still say a round is fast, as on a machine that became busy after start), with the default
   edge settings (``verdict_timeout`` 10 s): ``edge-agent generate`` gives the exact text of its
@@ -59,10 +59,11 @@ import numpy as np
 import pytest
 import torch
 
-from bench.oracle import greedy_continuation
-from bench.overload import CHAT_PROMPTS, parse_metrics, probe_round_s
-from bench.stream_ws import StreamWS
-from bench.verifier import PaddedTarget, WrappedTarget
+from bench.lib.oracle import greedy_continuation
+from bench.lib.verifier_state import parse_metrics
+from bench.net.stream_ws import StreamWS
+from bench.net.verifier import PaddedTarget, WrappedTarget
+from bench.studies.overload import CHAT_PROMPTS, probe_round_s
 from cloud_verifier.daemon.app import build_app
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.settings import VerifierSettings
@@ -241,7 +242,7 @@ async def test_overload_every_edge_completes_exactly_and_latency_recovers(
 
 
 class ArmedPad(WrappedTarget):
-    """:class:`~bench.verifier.PaddedTarget` once :attr:`armed` is set (after start-up)."""
+    """:class:`~bench.net.verifier.PaddedTarget` once :attr:`armed` is set (after start-up)."""
 
     def __init__(self, inner: Target, pad_ms: float) -> None:
         super().__init__(inner)

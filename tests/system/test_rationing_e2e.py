@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.verifier import WrappedTarget
+from bench.net.verifier import WrappedTarget
 from cloud_verifier.engine.targets import TorchTarget
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig

@@ -1,6 +1,6 @@
 """No lost or duplicated text: generations survive cut connections (both directions, mid-frame),
 verifier processes killed (SIGKILL) or stopped (SIGTERM) and restarted on the same port, and
-stalls longer than the heartbeat. The reduced chaos run of ``python -m bench.reliability``."""
+stalls longer than the heartbeat. The reduced chaos run of ``python -m bench reliability``."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bench.reliability import FAULTS, ChaosConfig, run
-from bench.wanem import LinkConfig, WanEmulator
+from bench.net.wanem import LinkConfig, WanEmulator
+from bench.studies.reliability import FAULTS, ChaosConfig, run
 from cloud_verifier.daemon.app import build_app
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.settings import VerifierSettings

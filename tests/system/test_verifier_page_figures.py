@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench import publish
+from bench.publish import tables as publish
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "benchmarks" / "verifier.md"

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bench.stream_ws import StreamWS
+from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.cli import main as verifier_main
 from cloud_verifier.daemon.settings import VerifierSettings

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 from aiohttp import WSCloseCode, WSMsgType
 
-from bench.stream_ws import StreamWS
+from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.app import build_app, make_runner
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.lifecycle import Watchdog, WatchdogVerdict

@@ -16,7 +16,7 @@ import torch
 from aiohttp import WSCloseCode, WSMsgType, web
 from aiohttp.test_utils import TestClient
 
-from bench.stream_ws import StreamWS
+from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.app import build_app
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.limits import engine_limits

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from aiohttp import WSCloseCode, WSMsgType
 
-from bench.stream_ws import StreamWS
+from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.cli import main as verifier_main
 from shared.errors import ErrorCode

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import WSCloseCode, WSMsgType
 
-from bench.stream_ws import StreamWS
+from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.cli import main
 from shared.maths.sampling import SamplingParams
 from shared.service.sdnotify import Notifier

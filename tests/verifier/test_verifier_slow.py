@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.stream_ws import StreamWS
+from bench.net.stream_ws import StreamWS
 from cloud_verifier.engine.targets import TorchTarget
 from shared.maths.sampling import SamplingParams
 from shared.wire.messages import SUBPROTOCOL, Hello, Propose, Verdict
