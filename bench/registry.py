@@ -48,10 +48,10 @@ STUDIES: tuple[Study, ...] = (
     Study("traces", "bench.studies.traces", "acceptance traces of the real target and draft: "
           "the simulation's input", "~17 min", "docs/results/bench/traces.json.gz", BENCH),
     Study("grid", "bench.studies.grid", "the users' grid: whole replies per mode, RTT and "
-          "length, simulated, with paired 95 % intervals", "~2 min",
+          "length, simulated, with paired 95 % intervals", "~8 min",
           "docs/results/bench/results.json", BENCH),
     Study("capacity", "bench.studies.capacity", "edges per verifier: N users sharing one "
-          "verifier GPU, simulated, users served at each service level", "~11 min",
+          "verifier GPU, simulated, users served at each service level", "~21 min (roofline longer)",
           "docs/results/capacity.json", BENCH),
     Study("capacity_validation", "bench.studies.capacity_validation", "N users in real time "
           "on one padded verifier against the simulation of the same users", "~35 min (est.)",
