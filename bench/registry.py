@@ -51,7 +51,7 @@ STUDIES: tuple[Study, ...] = (
           "length, simulated, with paired 95 % intervals", "~8 min",
           "docs/results/bench/results.json", BENCH),
     Study("capacity", "bench.studies.capacity", "edges per verifier: N users sharing one "
-          "verifier GPU, simulated, users served at each service level", "~21 min (roofline longer)",
+          "verifier GPU, simulated, users served at each service level", "~21 min",
           "docs/results/capacity.json", BENCH),
     Study("capacity_validation", "bench.studies.capacity_validation", "N users in real time "
           "on one padded verifier against the simulation of the same users", "~35 min (est.)",
