@@ -28,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -79,6 +80,25 @@ def _p50(times: list[float]) -> float:
     return round(float(np.percentile(np.array(times) * 1e3, 50)), 3)
 
 
+#: Steps run before the timed ones (compilation, caches), not counted.
+WARMUP = 3
+
+
+def _timed(prepare: Callable[[], Callable[[], object]], reps: int, device: str) -> float:
+    """p50 ms of ``reps`` steps after :data:`WARMUP`: ``prepare()`` draws a step's inputs (not
+    timed) and returns the step; the device is synchronised on either side of it."""
+    times: list[float] = []
+    for i in range(reps + WARMUP):
+        step = prepare()
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    return _p50(times)
+
+
 def verify_times(
     lm: BatchedLM, batch: int, context: int, gamma: int, reps: int, device: str
 ) -> float:
@@ -93,27 +113,22 @@ def verify_times(
         s.length = context
     params = [SamplingParams(1.0)] * batch
     gens = [torch.Generator(device=device).manual_seed(i) for i in range(batch)]
-    times: list[float] = []
-    for i in range(reps + 3):
+
+    def prepare() -> Callable[[], object]:
         ids = rng.integers(0, v, (batch, gamma + 1))
         rows = [Row(s, context, tuple(ids[j].tolist()), gamma + 1) for j, s in enumerate(slots)]
-        _sync(device)
-        t0 = time.perf_counter()
-        logits = lm.forward(rows)
-        ds.verify_logits(
-            logits,
+        return lambda: ds.verify_logits(
+            lm.forward(rows),
             params,
             ids[:, 1:].reshape(-1),
             np.full(batch * gamma, 0.5),
             ds.cu_from_gammas([gamma] * batch),
             ds.Corrections(["topk"] * batch, [False] * batch, gens),
         )
-        _sync(device)
-        if i >= 3:  # warm-up steps (compilation) not counted
-            times.append(time.perf_counter() - t0)
-    for s in slots:
-        lm.pool.release(s)
-    return _p50(times)
+
+    p50 = _timed(prepare, reps, device)
+    _release(lm, slots)
+    return p50
 
 
 def _prefill(lm: BatchedLM, sessions: int, context: int, room: int) -> list[SlotPages]:
@@ -140,37 +155,31 @@ def tree_times(lm: BatchedLM, n: int, context: int, gamma: int, reps: int, devic
     tokens in branches forking inside it (``n = 0``: the chain alone)."""
     rng = np.random.default_rng(3)
     (slot,) = _prefill(lm, 1, context, gamma + 1 + n)
-    times: list[float] = []
-    for i in range(reps + 3):
+
+    def prepare() -> Callable[[], object]:
         chain = rng.integers(0, lm.vocab_size, gamma + 1).tolist()
         extra = rng.integers(0, lm.vocab_size, n).tolist()
         row = tree_row(slot, context, chain, extra)
-        _sync(device)
-        t0 = time.perf_counter()
-        lm.forward([row])
-        _sync(device)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
+        return lambda: lm.forward([row])
+
+    p50 = _timed(prepare, reps, device)
     _release(lm, [slot])
-    return _p50(times)
+    return p50
 
 
 def draft_batch_times(lm: BatchedLM, branches: int, context: int, reps: int, device: str) -> float:
     """p50 ms of one decode step of ``branches`` draft sessions together (one token each)."""
     rng = np.random.default_rng(4)
     slots = _prefill(lm, branches, context, 1)
-    times: list[float] = []
-    for i in range(reps + 3):
+
+    def prepare() -> Callable[[], object]:
         ids = rng.integers(0, lm.vocab_size, branches).tolist()
         rows = [Row(s, context, (ids[j],), 1) for j, s in enumerate(slots)]
-        _sync(device)
-        t0 = time.perf_counter()
-        lm.forward(rows)
-        _sync(device)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
+        return lambda: lm.forward(rows)
+
+    p50 = _timed(prepare, reps, device)
     _release(lm, slots)
-    return _p50(times)
+    return p50
 
 
 def draft_times(loaded: Any, context: int, reps: int, device: str, compiled: bool) -> float:
@@ -178,17 +187,13 @@ def draft_times(loaded: Any, context: int, reps: int, device: str, compiled: boo
     rng = np.random.default_rng(1)
     lm = CausalLM(loaded, capacity=context + 64, compile_forward=compiled)
     lm.extend(rng.integers(0, loaded.vocab_size, context).tolist(), last_rows=1)
-    times: list[float] = []
-    for i in range(reps + 3):
+
+    def prepare() -> Callable[[], object]:
+        lm.crop(context)  # the step before rolled back: every step extends the same context
         tok = int(rng.integers(0, loaded.vocab_size))
-        _sync(device)
-        t0 = time.perf_counter()
-        lm.extend([tok])
-        _sync(device)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-        lm.crop(context)
-    return _p50(times)
+        return lambda: lm.extend([tok])
+
+    return _timed(prepare, reps, device)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
