@@ -77,7 +77,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
+import math
 import random
 import re
 import secrets
@@ -287,8 +289,12 @@ def verifier_args(mode: SimMode, n: int, s: float, kv_tokens: int) -> list[str]:
     # a step waits this long for other sessions' work, in emulated time (the simulation has no
     # such wait: its engine starts a step with what has arrived)
     args += ["--batch-wait-ms", f"{defaults.batch_wait_ms * s:g}"]
+    bounds = {f.name: f.metadata.get("max", math.inf) for f in dataclasses.fields(defaults)}
     for name in SCALED_SETTINGS:
-        args += [f"--{name.replace('_', '-')}", f"{getattr(defaults, name) * s:g}"]
+        # within the setting's declared bound (progress_interval: 60 s, reached at S = 64; a
+        # Progress frame only says a session's work is waiting, which nothing here reads)
+        value = min(getattr(defaults, name) * s, bounds[name])
+        args += [f"--{name.replace('_', '-')}", f"{value:g}"]
     limits = mode.session_limits()
     if mode.kind in (Kind.CLOUD_SD, Kind.HYBRID):
         args += [

@@ -110,6 +110,20 @@ def test_verifier_settings_follow_the_simulation() -> None:
     assert opts["--threads"] == "1" and opts["--kv-cache-tokens"] == "32768"
     plain = verifier_args(SimMode.parse("auto:predraft"), 4, 16.0, 8192)
     assert "--cloud-draft-model" not in plain and "--emulate-cloud-draft-ms" not in plain
+    # N = 16 at 4 a user: S = 64, past which a scaled duration may pass its setting's bound;
+    # every one stays within it (the verifier refuses to start otherwise)
+    import dataclasses
+
+    from bench.studies.capacity_validation import SCALED_SETTINGS
+    from cloud_verifier.daemon.settings import VerifierSettings
+
+    wide = verifier_args(SimMode.parse("auto:predraft"), 16, time_scale(16), 8192)
+    opts = {a: wide[i + 1] for i, a in enumerate(wide[:-1]) if a.startswith("--")}
+    assert float(opts["--progress-interval"]) == 60
+    for f in dataclasses.fields(VerifierSettings):
+        if f.name in SCALED_SETTINGS:
+            value = float(opts[f"--{f.name.replace('_', '-')}"])
+            assert f.metadata.get("min", 0) <= value <= f.metadata.get("max", float("inf")), f.name
 
 
 def test_padded_target_follows_the_simulations_cost_rule() -> None:
