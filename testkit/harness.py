@@ -124,6 +124,25 @@ def record_run(
     return result
 
 
+def record_study(
+    prefix: str,
+    args: argparse.Namespace,
+    cfg: C,
+    run: Callable[[C, Path, Callable[[str], None]], Coroutine[Any, Any, dict[str, Any]]],
+    out: Path,
+    plot: Callable[[Path, dict[str, Any]], None],
+) -> dict[str, Any]:
+    """A study's ``main``: ``run(cfg, folder, log)`` recorded (:func:`record_run`) in
+    ``args.workdir``, logging to stdout, drawn by ``plot`` unless ``args.no_plot``."""
+    return record_run(
+        prefix,
+        args.workdir,
+        lambda wd: run(cfg, wd, lambda s: print(s, flush=True)),
+        out,
+        None if args.no_plot else plot,
+    )
+
+
 def write_json(path: Path, doc: Any, *, indent: int = 2) -> None:
     """``doc`` as JSON at ``path`` (its folder made if missing); a dataclass as its fields."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -110,7 +110,7 @@ from testkit.harness import (
     REPO,
     VerifierProcess,
     free_port,
-    record_run,
+    record_study,
     tiny_pair,
     write_tokens,
 )
@@ -978,13 +978,7 @@ def config_from_args(args: argparse.Namespace) -> OverloadConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
-    result = record_run(
-        "wanspec-overload-",
-        args.workdir,
-        lambda wd: run(cfg, wd, log=lambda s: print(s, flush=True)),
-        cfg.out,
-        None if args.no_plot else plot,
-    )
+    result = record_study("wanspec-overload-", args, cfg, run, cfg.out, plot)
     failed = sum(r["failed"] for r in result["loads"])
     print(f"wrote {cfg.out}; failed generations: {failed}")
     return 0

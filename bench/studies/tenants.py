@@ -92,7 +92,7 @@ from testkit.harness import (
     REPO,
     VerifierProcess,
     free_port,
-    record_run,
+    record_study,
     write_tokens,
 )
 from testkit.probe import auth_headers
@@ -1072,13 +1072,7 @@ def config_from_args(args: argparse.Namespace) -> TenantsConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
-    result = record_run(
-        "wanspec-tenants-",
-        args.workdir,
-        lambda wd: run(cfg, wd, log=lambda s: print(s, flush=True)),
-        cfg.out,
-        None if args.no_plot else plot,
-    )
+    result = record_study("wanspec-tenants-", args, cfg, run, cfg.out, plot)
     print(report(result))
     print(f"wrote {cfg.out}", flush=True)
     return 0
