@@ -85,8 +85,8 @@ def test_results_tables_sit_between_their_markers() -> None:
 
 
 def test_ttft_figures_are_read_off_the_committed_run() -> None:
-    """The benchmark page's time-to-first-token block is what ``bench.ttft --publish`` writes
-    from ``docs/results/ttft.json``, and the raw tables (``ttft.md``) are that run's."""
+    """The benchmark page's time-to-first-token block is what ``python -m bench ttft --publish``
+    writes from ``docs/results/ttft.json``, and the raw tables (``ttft.md``) are that run's."""
     import json
 
     from bench.studies import ttft

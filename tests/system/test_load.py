@@ -1,5 +1,5 @@
 """Load held: many concurrent edge sessions on one verifier process stay correct and bounded
-(the reduced ``python -m bench.load``); a client that stops reading is cut off after a bounded
+(the reduced ``python -m bench load``); a client that stops reading is cut off after a bounded
 wait instead of holding its session and memory; shutdown is bounded even with such a client."""
 
 from __future__ import annotations

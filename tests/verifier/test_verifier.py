@@ -492,7 +492,7 @@ async def test_a_flood_while_its_work_runs_closes_only_that_session(
     """Frames that arrive while a session's forward runs are read ahead (at most READ_AHEAD) and
     handled after it, in order: its verdict first, then each garbage frame is a bad frame until
     max_bad_frames closes the session. The engine, its slot and another session are unharmed."""
-    from bench.verifier import PaddedTarget
+    from bench.net.verifier import PaddedTarget
 
     svc = await start(aiohttp_client, target, lambda: PaddedTarget(target, 300.0), max_bad_frames=8)
     other = Driver(await svc.open(hello_for(target)), 64, 3, np.random.default_rng(0))
