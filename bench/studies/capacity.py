@@ -310,12 +310,12 @@ def build(traces_path: Path, *, plan: Plan, grid_path: Path | None, workers: int
     else:
         results = [run_mode(j) for j in jobs]
     # The cloud-sd candidate serving the most users at the headline level (ties: the first,
-    # the single-user best) stands as "best cloud-sd"; the others are listed beside.
+    # the single-user best) stands as "best cloud-sd" in the rows; the others are listed beside.
     pairs = list(zip(jobs, results, strict=True))
     tried = [(j, r) for j, r in pairs if j.name.startswith("cloud-sd ")]
-    best_job, best = max(tried, key=lambda jr: int(jr[1]["users_at_slo"][HEADLINE_SLO]))
     others = [{"mode_spec": j.cell.spec, "users_at_slo": r["users_at_slo"]} for j, r in tried]
     per_level = best_per_level(others)
+    best_job, best = tried[others.index(per_level[HEADLINE_SLO])]
     for row in best["rows"]:
         row["mode"] = cloud_name
     kept = [(j.name, r) for j, r in pairs if not j.name.startswith("cloud-sd ")]
