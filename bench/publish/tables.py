@@ -407,7 +407,8 @@ class Results:
                 out += [
                     "",
                     "At each level, best cloud-sd is the candidate serving the most users there "
-                    f"({chosen}; the rows above are the {README_SLO} level's).",
+                    f"({chosen}; the rows above are the "
+                    f"{(cap.get('headline') or {}).get('slo', README_SLO)} level's).",
                 ]
         return out
 
