@@ -65,31 +65,24 @@ def derive(measured: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     b1, b8 = measured.get("verify_eager_b1_ms"), measured.get(f"verify_eager_b{BATCH}_ms")
     extra = None if not (b1 and b8) else float(b8) / float(b1) - 1
-    draft = _sized(measured, "draft_batch_eager_b")
-    if 1 in draft and len(draft) > 1:
-        out["draft_batch_cost"] = {
-            "value": slope(draft, 1),
-            "basis": "slope of draft_batch_eager_b<B>_ms / draft_batch_eager_b1_ms = 1 + a (B - 1)",
-        }
-    elif extra is not None:
-        out["draft_batch_cost"] = {
-            "value": extra / (BATCH - 1),
-            "basis": f"(verify_eager_b{BATCH}_ms / verify_eager_b1_ms - 1) / {BATCH - 1}: the "
-            "extra cost of each session beyond the first in one batched forward",
-        }
-    tree = _sized(measured, "tree_eager_n")
-    if 0 in tree and len(tree) > 1:
-        out["tree_token_cost"] = {
-            "value": slope(tree, 0),
-            "basis": "slope of tree_eager_n<N>_ms / tree_eager_n0_ms = 1 + a N",
-        }
-    elif extra is not None:
-        more = ROW_TOKENS * (BATCH - 1)
-        out["tree_token_cost"] = {
-            "value": extra / more,
-            "basis": f"(verify_eager_b{BATCH}_ms / verify_eager_b1_ms - 1) / {more}: "
-            f"{more} more tokens in one forward",
-        }
+    # Each cost: measured directly (a slope over sizes, the base size among them), else
+    # estimated from the batched verify's extra cost spread over what the batch added.
+    direct = (
+        ("draft_batch_cost", "draft_batch_eager_b", 1, "B", BATCH - 1, "the extra cost of "
+         "each session beyond the first in one batched forward"),
+        ("tree_token_cost", "tree_eager_n", 0, "N", ROW_TOKENS * (BATCH - 1), "{n} more tokens in "
+         "one forward"),
+    )  # fmt: skip
+    for key, prefix, base, var, spread, what in direct:
+        sized = _sized(measured, prefix)
+        if base in sized and len(sized) > 1:
+            step = f"({var} - {base})" if base else var
+            basis = f"slope of {prefix}<{var}>_ms / {prefix}{base}_ms = 1 + a {step}"
+            out[key] = {"value": slope(sized, base), "basis": basis}
+        elif extra is not None:
+            ratio = f"(verify_eager_b{BATCH}_ms / verify_eager_b1_ms - 1) / {spread}"
+            basis = f"{ratio}: {what.format(n=spread)}"
+            out[key] = {"value": extra / spread, "basis": basis}
     for mode in ("compiled", "eager"):
         d, v = measured.get(f"draft_step_{mode}_ms"), measured.get(f"verify_{mode}_b1_ms")
         if d and v:

@@ -34,13 +34,7 @@ from edge_agent.daemon.agent import RetryPolicy
 from edge_agent.model.tasks import ModelWorker
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.sampling import SamplingParams
-from testkit.harness import (
-    WanRig,
-    config_parser,
-    greedy_cases,
-    run_command,
-    wan_rig,
-)
+from testkit.harness import WanRig, config_parser, greedy_cases, run_command, wan_rig
 
 log = logging.getLogger("bench.load")
 

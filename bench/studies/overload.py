@@ -97,8 +97,8 @@ from edge_agent.daemon.agent import EdgeAgent
 from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.service import retry_policy
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
-from edge_agent.session.core import wire_context
 from edge_agent.session.events import Committed, GenerationEvent
+from edge_agent.session.opening import wire_context
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import Transport
 from shared.maths.sampling import SamplingParams
@@ -859,6 +859,16 @@ def _legend(ax: Any, twin: Any, loc: str) -> None:
     ax.legend(h1 + h2, l1 + l2, loc=loc)
 
 
+def _twin(ax: Any, ylabel: str, twin_ylabel: str, color: str) -> Any:
+    """Label panel ``ax`` (offered sessions across) and give it a twin axis, labelled in the
+    ``color`` of what it plots."""
+    ax.set_xlabel("offered concurrent sessions")
+    ax.set_ylabel(ylabel)
+    twin = ax.twinx()
+    twin.set_ylabel(twin_ylabel, color=color)
+    return twin
+
+
 def plot(path: Path, result: dict[str, Any]) -> None:
     import matplotlib
 
@@ -870,13 +880,10 @@ def plot(path: Path, result: dict[str, Any]) -> None:
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     a.plot(n, [r["goodput_tokens_per_s"] for r in loads], marker="o", label="goodput")
     a.set_ylim(bottom=0)
-    a.set_xlabel("offered concurrent sessions")
-    a.set_ylabel("goodput (tokens/s of completed generations)")
-    a2 = a.twinx()
+    a2 = _twin(a, "goodput (tokens/s of completed generations)", "failed generations", "tab:red")
     a2.bar(n, [r["failed"] for r in loads], width=[x * 0.25 for x in n], color="tab:red",
            alpha=0.5, label="failed generations")  # fmt: skip
     a2.set_ylim(bottom=0, top=max(1, *(r["failed"] + r["completed"] for r in loads)))
-    a2.set_ylabel("failed generations", color="tab:red")
     for r in loads:
         a.annotate(f"{r['failed']} failed / {r['completed']}", (r["offered_sessions"], 0),
                    xytext=(0, 4), textcoords="offset points", ha="center", fontsize=7,
@@ -885,25 +892,19 @@ def plot(path: Path, result: dict[str, Any]) -> None:
     b.plot(n, [r["p99_round_ms"] for r in loads], marker="o", label="p99 round (edge)")
     b.axhline(result["unloaded"]["probe_round_ms"], color="grey", ls=":", label="unloaded probe")
     b.set_yscale("log")
-    b.set_xlabel("offered concurrent sessions")
-    b.set_ylabel("round time (ms)")
-    b2 = b.twinx()
+    b2 = _twin(b, "round time (ms)", "recovery (s)", "tab:green")
     rec = [r["recovery_s"] for r in loads]
     b2.plot(n, [x if x is not None else float("nan") for x in rec], marker="s",
             color="tab:green", label="recovery after the window")  # fmt: skip
     b2.set_ylim(bottom=0)
-    b2.set_ylabel("recovery (s)", color="tab:green")
     _legend(b, b2, "upper left")
     c.plot(n, [(r["admission_wait_ms_p99"] or 0.0) / 1000 for r in loads], marker="o",
            label="p99 admission wait")  # fmt: skip
     c.set_ylim(bottom=0)
-    c.set_xlabel("offered concurrent sessions")
-    c.set_ylabel("wait in the admission line (s)")
-    c2 = c.twinx()
+    c2 = _twin(c, "wait in the admission line (s)", "sessions in line (max)", "tab:purple")
     c2.bar(n, [r["line_max"] for r in loads], width=[x * 0.25 for x in n], color="tab:purple",
            alpha=0.4, label="longest line (sessions)")  # fmt: skip
     c2.set_ylim(bottom=0)
-    c2.set_ylabel("sessions in line (max)", color="tab:purple")
     slots = result["setup"]["max_sessions"]
     c.axvline(slots, color="grey", ls=":", label=f"max_sessions = {slots}")
     _legend(c, c2, "upper left")
