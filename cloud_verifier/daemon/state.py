@@ -93,7 +93,7 @@ class VerifierState:
     #: Tasks closing the sessions of revoked tokens.
     closers: set[asyncio.Task[None]] = field(default_factory=set)
     #: Refused session requests are logged at most 5 times a minute.
-    refusal_log: LogLimiter = field(default_factory=lambda: LogLimiter(burst=5, interval=60.0))
+    refusal_log: LogLimiter = field(default_factory=LogLimiter)
     #: Set whenever ``status`` changes (serve() waits on it).
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     #: Lost sessions kept for resumption, by resume token, oldest first. Invariant (between
@@ -125,7 +125,7 @@ class LiveSession:
 
     core: VerifierCore
     slot: Slot
-    logs: LogLimiter = field(default_factory=lambda: LogLimiter(burst=5, interval=60.0))
+    logs: LogLimiter = field(default_factory=LogLimiter)
 
 
 # ---------------------------------------------------------------------------- connection objects

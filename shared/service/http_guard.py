@@ -42,7 +42,7 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -80,33 +80,28 @@ class _Conn:
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
+@dataclass(eq=False, kw_only=True)
 class ConnectionGuard:
     """Counts and times pending connections (module docstring). One per app."""
 
-    def __init__(
-        self,
-        *,
-        header_timeout: float,
-        max_pending: int,
-        max_pending_per_address: int,
-        metrics: HttpMetrics | None = None,
-        logger: logging.Logger = log,
-    ) -> None:
-        self.header_timeout = header_timeout
-        self.max_pending = max_pending
-        self.max_pending_per_address = max_pending_per_address
-        self.metrics = metrics
-        self.log = logger
-        self.pending = 0
-        self.per_address: dict[str, int] = {}
-        self.timeouts = 0
-        self.evicted = 0
-        self.refused: dict[str, int] = {}
-        #: A pending connection at least this old is evicted for a new one when all are taken.
-        self.min_age = min(1.0, header_timeout / 2)
-        self._conns: dict[asyncio.BaseTransport, _Conn] = {}
-        self._order: dict[_Conn, None] = {}  # pending connections, oldest first
-        self._refusal_log = LogLimiter(burst=5, interval=60.0)
+    header_timeout: float
+    max_pending: int
+    max_pending_per_address: int
+    metrics: HttpMetrics | None = None
+    logger: logging.Logger = log
+    pending: int = field(default=0, init=False)
+    per_address: dict[str, int] = field(default_factory=dict, init=False)
+    timeouts: int = field(default=0, init=False)
+    evicted: int = field(default=0, init=False)
+    refused: dict[str, int] = field(default_factory=dict, init=False)
+    _conns: dict[asyncio.BaseTransport, _Conn] = field(default_factory=dict, init=False)
+    _order: dict[_Conn, None] = field(default_factory=dict, init=False)  # pending, oldest first
+    _refusal_log: LogLimiter = field(default_factory=LogLimiter, init=False)
+
+    @property
+    def min_age(self) -> float:
+        """A pending connection at least this old is evicted for a new one when all are taken."""
+        return min(1.0, self.header_timeout / 2)
 
     def wrap(self, make: Callable[[], asyncio.BaseProtocol]) -> Callable[[], asyncio.Protocol]:
         """A protocol factory that guards the protocols ``make`` builds."""
@@ -136,7 +131,7 @@ class ConnectionGuard:
             if self.metrics is not None:
                 self.metrics.http_refused.inc(reason=reason)
             self._refusal_log.log(
-                self.log,
+                self.logger,
                 logging.WARNING,
                 "refused a connection from %s: %s reached",
                 address,
@@ -231,7 +226,7 @@ class ConnectionGuard:
         if self.metrics is not None:
             self.metrics.http_evicted.inc()
         self._refusal_log.log(
-            self.log,
+            self.logger,
             logging.WARNING,
             "max_pending_connections reached: closed the oldest pending connection (from %s)",
             conn.address,
@@ -289,27 +284,22 @@ class _GuardedProtocol(asyncio.Protocol):
             self._inner.resume_writing()
 
 
+@dataclass(eq=False)
 class Listener:
     """The listening sockets of one runner, bound by :meth:`bind` (which raises ``OSError``,
     e.g. EADDRINUSE) before the runner is set up, serving through ``guard`` from :meth:`start`."""
 
-    def __init__(
-        self,
-        guard: ConnectionGuard,
-        host: str,
-        port: int,
-        *,
-        ssl_context: ssl.SSLContext | None = None,
-        backlog: int = 128,
-    ) -> None:
-        self.guard = guard
-        self.host = host
-        self.port = port
-        self.ssl_context = ssl_context
-        self.backlog = backlog
-        self._server: asyncio.base_events.Server | None = None
-        self._make: Callable[[], asyncio.BaseProtocol] | None = None
-        self._factory = guard.wrap(self._handler)
+    guard: ConnectionGuard
+    host: str
+    port: int
+    _: KW_ONLY
+    ssl_context: ssl.SSLContext | None = None
+    backlog: int = 128
+    _server: asyncio.base_events.Server | None = field(default=None, init=False)
+    _make: Callable[[], asyncio.BaseProtocol] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._factory = self.guard.wrap(self._handler)
 
     def _handler(self) -> asyncio.BaseProtocol:
         assert self._make is not None, "Listener.start() not called"
@@ -367,7 +357,7 @@ class MalformedRequests(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self._limit = LogLimiter(burst=5, interval=60.0)
+        self._limit = LogLimiter()
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None

@@ -12,30 +12,26 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 
 
+@dataclass(eq=False)
 class LogLimiter:
     """At most ``burst`` lines per ``interval`` seconds (a fixed window); the rest are counted."""
 
-    def __init__(
-        self,
-        burst: int = 5,
-        interval: float = 60.0,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.burst = burst
-        self.interval = interval
-        self._clock = clock
-        self._window = -math.inf
-        self._used = 0
-        #: Lines dropped since the last one that got through (or the last flush).
-        self.suppressed = 0
-        #: Lines dropped in all.
-        self.suppressed_total = 0
+    burst: int = 5
+    interval: float = 60.0
+    _: KW_ONLY
+    clock: Callable[[], float] = time.monotonic
+    #: Lines dropped since the last one that got through (or the last flush).
+    suppressed: int = field(default=0, init=False)
+    #: Lines dropped in all.
+    suppressed_total: int = field(default=0, init=False)
+    _window: float = field(default=-math.inf, init=False)
+    _used: int = field(default=0, init=False)
 
     def allow(self) -> bool:
-        now = self._clock()
+        now = self.clock()
         if now - self._window >= self.interval:
             self._window, self._used = now, 0
         if self._used < self.burst:
