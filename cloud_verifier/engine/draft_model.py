@@ -100,7 +100,7 @@ def load_draft_target(spec: str, target: Target, *, compile_forward: bool = Fals
             raise ValueError(f"cloud_draft_model {spec!r}: a self-draft needs a model target")
         loaded = load_model(parsed, base=target.loaded)
     else:
-        dtype = target.lm.dtype if isinstance(target, TorchTarget) else torch.float32
+        dtype = target.dtype if isinstance(target, TorchTarget) else torch.float32
         loaded = load_model(parsed, device=str(target.device), dtype=dtype)
     draft = TorchTarget(loaded, compile_forward=compile_forward)
     why = draft.fingerprint.compatible_with(target.fingerprint)

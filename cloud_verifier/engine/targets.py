@@ -106,31 +106,18 @@ def parse_null_spec(spec: str) -> int | None:
 # ------------------------------------------------------------------------------ real target
 
 
-class TorchTarget:
-    """A loaded transformers model (see ``shared.runtime.models.load_model``) run by a
-    :class:`~shared.runtime.batched_lm.BatchedLM` over the engine's paged KV pool."""
+class TorchTarget(BatchedLM):
+    """A loaded transformers model (see ``shared.runtime.models.load_model``) run as a
+    :class:`~shared.runtime.batched_lm.BatchedLM` over the engine's paged KV pool, with the
+    identity a target carries (fingerprint, description)."""
 
     def __init__(self, loaded: Any, *, compile_forward: bool = False) -> None:
+        super().__init__(loaded.model, int(loaded.vocab_size), compile_forward=compile_forward)
         self.loaded = loaded
-        self.lm = BatchedLM(loaded.model, int(loaded.vocab_size), compile_forward=compile_forward)
-        self.model = loaded.model
-        self.vocab_size = self.lm.vocab_size
         self.fingerprint: Fingerprint = loaded.fingerprint
-        self.device: torch.device = self.lm.device
-        self.max_length: int | None = self.lm.max_length
-        self.compiled = compile_forward
         # On the CPU its dtype and threads too (the edge's draft is named so).
         where = placement(loaded.model) if self.device.type == "cpu" else str(loaded.device)
         self.description = f"{loaded.name} on {where}" + (", compiled" if compile_forward else "")
-
-    def allocate(self, num_pages: int, page_size: int) -> PagedKV:
-        return self.lm.allocate(num_pages, page_size)
-
-    def kv_bytes_per_token(self) -> int:
-        return self.lm.kv_bytes_per_token()
-
-    def forward(self, rows: Seq[Row]) -> torch.Tensor:
-        return self.lm.forward(rows)
 
 
 def compiles(switch: Switch, device: str) -> bool:
