@@ -34,7 +34,7 @@ def measure(
     """Seconds of each of ``steps`` verify forwards with ``n`` tree tokens."""
     rng = np.random.default_rng(seed)
     vocab = target.vocab_size
-    lm = target.lm
+    lm = target
     pool = lm.pool
     assert pool is not None
     slot = SlotPages()

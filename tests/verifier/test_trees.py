@@ -48,7 +48,7 @@ def test_a_tree_row_gives_each_token_the_logits_of_its_own_path(target: TorchTar
     """A cached prefix, then one tree row (a chain of 3 and two branches) beside a plain chain
     row of another slot: every kept row equals an uncached forward of the prefix and that
     token's path (ancestors only, at their depths)."""
-    lm = target.lm
+    lm = target
     pool = lm.allocate(num_pages=16, page_size=4)
     prefix, other = [5, 6, 7, 8, 9], [11, 12, 13]
     a, b = SlotPages(), SlotPages()
