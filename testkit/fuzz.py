@@ -69,8 +69,8 @@ from cloud_verifier.session.core import (
 )
 from edge_agent.daemon.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.link.connection import TokenRefused
-from edge_agent.session.core import VerifierError, wire_context
 from edge_agent.session.generation import Generation
+from edge_agent.session.opening import VerifierError, wire_context
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import LinkClosed
 from shared.maths.compression import SparseDist

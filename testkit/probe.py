@@ -3,8 +3,8 @@
 :class:`ProbeClient` wraps an aiohttp client WebSocket; :class:`Driver` plays rounds against a
 session through the edge's own session core (:class:`edge_agent.session.core.SingleCore`; in
 federated
-mode the same :class:`~edge_agent.session.core.Pipeline` and
-:class:`~edge_agent.session.core.VerifierLink`,
+mode the same :class:`~edge_agent.session.pipeline.Pipeline` and
+:class:`~edge_agent.session.verifier_link.VerifierLink`,
 accepting every draft since a probe has no aggregate to decide with). It keeps no draft model:
 drafts are random ids with q drawn log-uniform.
 """
@@ -19,10 +19,13 @@ import numpy as np
 from aiohttp import WSMsgType
 
 from bench.net.stream_ws import StreamWS
-from edge_agent.session.core import Pipeline, SingleCore, VerifierLink, wire_context
+from edge_agent.session.core import SingleCore
 from edge_agent.session.events import Fail, Send
 from edge_agent.session.generation import Generation
+from edge_agent.session.opening import wire_context
+from edge_agent.session.pipeline import Pipeline
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
+from edge_agent.session.verifier_link import VerifierLink
 from shared.wire.codec import decode, encode, message_equal
 from shared.wire.messages import (
     Error,
@@ -182,7 +185,7 @@ class CloudOnlyDriver:
     """A cloud-only session (no draft model: :meth:`edge_agent.session.core.SingleCore.credit`): the
     prompt goes up in a credit, the verifier writes the text by co-generation with its own
     drafts, and a credit follows every few tokens. ``hello`` must ask for co-generation
-    (:func:`edge_agent.session.core.hello_for` with ``end``)."""
+    (:func:`edge_agent.session.opening.hello_for` with ``end``)."""
 
     def __init__(self, client: ProbeClient, prompt: list[int], max_new: int) -> None:
         hello, welcome = client.sent_hello, client.welcome

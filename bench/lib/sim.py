@@ -8,7 +8,7 @@ No sleeps, threads or sockets: a reply of 256 tokens takes milliseconds of CPU. 
 runs the product's own rules, not a model of them:
 
 * **Both session cores are the product's.** Each edge request is a
-  :class:`~edge_agent.session.core.SingleCore` (its :class:`~edge_agent.session.core.Pipeline`:
+  :class:`~edge_agent.session.core.SingleCore` (its :class:`~edge_agent.session.pipeline.Pipeline`:
   may_draft, plan, take_branch, predraft_plan, commit_round, discard_inflight, the γ/D
   :class:`~edge_agent.session.controller.Controller` fed by ``commit_round`` and by the driver's
   ``on_draft_step``, as in the product) and each verifier session a
@@ -127,7 +127,8 @@ from cloud_verifier.session.cloud_draft import CloudDraft, draft_length
 from cloud_verifier.session.core import Close, Run, SessionLimits, TargetInfo, VerifierCore
 from cloud_verifier.session.core import Send as VSend
 from edge_agent.model.drafter import RIVALS, Drafter
-from edge_agent.session.core import NO_RIVAL, Rival, SingleCore, hello_for
+from edge_agent.session.branches import NO_RIVAL, Rival
+from edge_agent.session.core import SingleCore
 from edge_agent.session.events import (
     Committed,
     Count,
@@ -140,6 +141,7 @@ from edge_agent.session.events import (
 from edge_agent.session.events import Round as RoundEvent
 from edge_agent.session.events import Send as ESend
 from edge_agent.session.generation import Generation
+from edge_agent.session.opening import hello_for
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from shared.enums import TextEnum
 from shared.maths.rejection import Decision
@@ -974,11 +976,7 @@ class _Edge:
                         continue
                 yield lambda: gen.done or core.may_draft()
                 continue
-            plan = core.plan()
-            assert plan is not None
-            start, counts = core.batch_start(plan)
-            for count in counts:
-                gen.stats.apply(count)
+            plan, start = core.start_batch()
             draft, q_rows, rivals, prob = start.draft, start.q_rows, start.rivals, start.prob
             while core.wants_more(plan, draft, prob):
                 seconds = self.sim.costs.draft_s + self.prefill_s

@@ -44,7 +44,7 @@ from bench.lib.provenance import provenance
 from bench.lib.verifier_state import fingerprint, scrape
 from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import generate_token
-from edge_agent.session.core import hello_for
+from edge_agent.session.opening import hello_for
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.sampling import SamplingParams
 from shared.wire.messages import SUBPROTOCOL, Fingerprint

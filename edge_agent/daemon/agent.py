@@ -26,18 +26,18 @@ from edge_agent.link.driver import Consumer, VerdictTimeout, handshake, run_sing
 from edge_agent.link.federation import WorkerSpec, run_federated
 from edge_agent.model.drafter import DraftModel, DraftRow
 from edge_agent.model.tasks import ModelWorker, run_within
-from edge_agent.session.core import (
+from edge_agent.session.core import SingleCore
+from edge_agent.session.events import GenerationEvent
+from edge_agent.session.federation_core import ROUND_DEADLINE_S
+from edge_agent.session.generation import Generation, TokenSource
+from edge_agent.session.opening import (
     ContextExceeded,
     DesyncError,
     HandshakeError,
-    SingleCore,
     VerifierError,
     fit_context,
     hello_for,
 )
-from edge_agent.session.events import GenerationEvent
-from edge_agent.session.federation_core import ROUND_DEADLINE_S
-from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy, WaitCause
 from edge_agent.session.transport import LinkClosed, Transport, announced_welcome

@@ -59,8 +59,8 @@ from edge_agent.daemon.service import (
 )
 from edge_agent.daemon.text import encode_prompt
 from edge_agent.model.tasks import cancel_all
-from edge_agent.session.core import VerifierError
 from edge_agent.session.generation import TokenLogprob
+from edge_agent.session.opening import VerifierError
 from shared.enums import TextEnum
 from shared.service.http_guard import ConnectionGuard, Listener, http_logger
 from shared.service.metrics import CONTENT_TYPE

@@ -50,9 +50,9 @@ from edge_agent.link.warm import LinkLost, ModelMismatch, WarmLink
 from edge_agent.model.batching import BatchingWorker
 from edge_agent.model.drafter import Drafter
 from edge_agent.model.tasks import ModelWorker, run_within
-from edge_agent.session.core import ContextExceeded, VerifierError
 from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.generation import Generation, TokenLogprob
+from edge_agent.session.opening import ContextExceeded, VerifierError
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.retry import LinkDownPolicy
 from edge_agent.session.transport import LinkClosed, Transport

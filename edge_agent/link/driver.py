@@ -5,8 +5,8 @@ this module only
 moves bytes and runs the draft model:
 
 * :func:`draft_loop`: whenever the core says drafting may go on, draft up to γ tokens from its
-  :class:`~edge_agent.session.core.DraftPlan` on the model worker, checking after each step that no
-  rejection voided the plan, then hand the batch to the core and write its frames;
+  :class:`~edge_agent.session.pipeline.DraftPlan` on the model worker, checking after each step
+  that no rejection voided the plan, then hand the batch to the core and write its frames;
 * :class:`LinkIO`: one verifier link's bounded send queue and its writer task, so frames leave in
   exactly the order the core produced them (a Rollback before any Propose of the new epoch);
 * :func:`credit_loop`: with no draft model (cloud-only speculative decoding), the credits
@@ -24,17 +24,9 @@ from collections.abc import Callable
 
 from edge_agent.model.drafter import BranchDrafting, DraftModel, DraftRow
 from edge_agent.model.tasks import ModelWorker, run_until_first_done
-from edge_agent.session.core import (
-    NO_RIVAL,
-    DraftingCore,
-    DraftPlan,
-    HedgePlan,
-    PredraftPlan,
-    Rival,
-    SingleCore,
-    check_welcome,
-    queue_progress,
-)
+from edge_agent.session.branches import NO_RIVAL, HedgePlan, PredraftPlan, Rival
+from edge_agent.session.core import SingleCore
+from edge_agent.session.drafting import DraftingCore
 from edge_agent.session.events import (
     Committed,
     Count,
@@ -47,6 +39,8 @@ from edge_agent.session.events import (
     Send,
 )
 from edge_agent.session.generation import Stats
+from edge_agent.session.opening import check_welcome, queue_progress
+from edge_agent.session.pipeline import DraftPlan
 from edge_agent.session.transport import LinkClosed, Transport
 from shared.maths.sampling import Probs
 from shared.wire.codec import encode
@@ -140,7 +134,7 @@ class LinkIO:
 async def handshake(
     transport: Transport, hello: Hello, timeout_s: float, stats: Stats | None = None
 ) -> Welcome:
-    """Send Hello, await Welcome (see :func:`edge_agent.session.core.check_welcome`).
+    """Send Hello, await Welcome (see :func:`edge_agent.session.opening.check_welcome`).
 
     Busy is not dead: while the session waits in the verifier's admission line, its Progress
     frames say so (counted in ``stats``, with the time waited), and each restarts the
@@ -188,8 +182,8 @@ async def _predraft(
     worker: ModelWorker,
     send: Callable[[PredraftPlan, list[int]], None] | None = None,
 ) -> bool:
-    """Prepare outcomes (:meth:`~edge_agent.session.core.Pipeline.predraft_plan`): as many as the
-    budget leaves room for, stepped together in one batched forward a step where the draft
+    """Prepare outcomes (:meth:`~edge_agent.session.pipeline.Pipeline.predraft_plan`): as many as
+    the budget leaves room for, stepped together in one batched forward a step where the draft
     can (:class:`~edge_agent.model.drafter.BranchDrafting`), else one; stop as soon as the pipeline
     has room again (a verdict came: the next batch comes first, and may be one of these, as
     far as it got); keep what was drafted. With ``send`` (token trees), each branch also goes
@@ -253,11 +247,7 @@ async def draft_loop(
             await signal.wait_for(lambda: gen.done or core.may_draft())
             gen.stats.drafter_wait_s += time.perf_counter() - t0
             continue
-        plan = core.plan()
-        assert plan is not None
-        start, counts = core.batch_start(plan)
-        for count in counts:
-            gen.stats.apply(count)
+        plan, start = core.start_batch()
         draft, q_rows, rivals, prob = start.draft, start.q_rows, start.rivals, start.prob
         while core.wants_more(plan, draft, prob):
             t0 = time.perf_counter()
@@ -293,7 +283,7 @@ async def verdict_watchdog(
     now: Callable[[], float] = time.monotonic,
 ) -> None:
     """Raise :class:`VerdictTimeout` when the head batch passes its verdict deadline
-    (:meth:`~edge_agent.session.core.Pipeline.verdict_deadline`) with no Verdict."""
+    (:meth:`~edge_agent.session.pipeline.Pipeline.verdict_deadline`) with no Verdict."""
     gen = core.gen
     while not gen.done:
         deadline = core.verdict_deadline(floor_s)

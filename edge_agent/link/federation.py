@@ -30,7 +30,7 @@ from edge_agent.link.connection import LinkRefused, TokenRefused
 from edge_agent.link.driver import Consumer, LinkIO, Signal, draft_loop, handshake
 from edge_agent.model.drafter import DraftModel
 from edge_agent.model.tasks import ModelWorker, cancel_all, run_until_first_done
-from edge_agent.session.core import DesyncError, DraftPlan, HandshakeError, Rival, VerifierError
+from edge_agent.session.branches import Rival
 from edge_agent.session.events import (
     Committed,
     Count,
@@ -51,6 +51,8 @@ from edge_agent.session.federation_core import (
     WorkerParams,
 )
 from edge_agent.session.generation import Generation
+from edge_agent.session.opening import DesyncError, HandshakeError, VerifierError
+from edge_agent.session.pipeline import DraftPlan
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.retry import RetryPolicy
 from edge_agent.session.transport import LinkClosed, Transport, VerifierBusy

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from edge_agent.model.lm import CausalLM, SupportsCausalLM
-from edge_agent.session.core import Rival
+from edge_agent.session.branches import Rival
 from shared.maths.sampling import Probs, SamplingParams, sample, transform
 from shared.runtime.kv_pool import SlotPages, common_prefix
 

@@ -1,10 +1,10 @@
 """Federated verification (SpecFed) at the edge as a synchronous state machine: no I/O, no clock.
 
-It composes the :class:`~edge_agent.session.core.Pipeline` with one
-:class:`~edge_agent.session.core.VerifierLink` per member (worker). Each batch goes to the members
-that
-are *in step*; each answers with a :class:`~shared.wire.messages.FederatedReply` and, while its
-work waits or runs, :class:`~shared.wire.messages.Progress` frames. The edge decides
+It composes the :class:`~edge_agent.session.pipeline.Pipeline` with one
+:class:`~edge_agent.session.verifier_link.VerifierLink` per member (worker). Each batch goes to
+the members that are *in step*; each answers with a
+:class:`~shared.wire.messages.FederatedReply` and, while its work waits or runs,
+:class:`~shared.wire.messages.Progress` frames. The edge decides
 (:func:`edge_agent.session.aggregation.decide`) against the weighted aggregate of the replies it
 has.
 Every feed returns :mod:`edge_agent.session.events` to carry out; ``now`` is always passed in.
@@ -86,16 +86,7 @@ from typing import Final
 import numpy as np
 
 from edge_agent.session import aggregation
-from edge_agent.session.core import (
-    PREFILL_ALLOWANCE_S,
-    Batch,
-    DesyncError,
-    DraftingCore,
-    DraftPlan,
-    Pipeline,
-    VerifierError,
-    VerifierLink,
-)
+from edge_agent.session.drafting import DraftingCore
 from edge_agent.session.events import (
     Counter,
     Drop,
@@ -107,7 +98,10 @@ from edge_agent.session.events import (
     Send,
 )
 from edge_agent.session.generation import Generation
+from edge_agent.session.opening import DesyncError, VerifierError
+from edge_agent.session.pipeline import PREFILL_ALLOWANCE_S, Batch, DraftPlan, Pipeline
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
+from edge_agent.session.verifier_link import VerifierLink
 from shared.enums import TextEnum
 from shared.maths.rejection import CorrectionMode
 from shared.maths.sampling import Probs, SamplingParams
@@ -325,7 +319,7 @@ class FederatedCore(DraftingCore):
     def link_up(self, index: int, welcome: Welcome, now: float) -> list[EdgeEvent]:
         """Worker ``index`` completed its handshake: in step at the start (or when nobody is),
         else probed with the next batch. The generation is bounded by every member's context
-        (:func:`~edge_agent.session.core.fit_context`: it ends with "length" at the smallest,
+        (:func:`~edge_agent.session.opening.fit_context`: it ends with "length" at the smallest,
         the Finished returned; a prompt past it raises ContextExceeded, answered 400)."""
         self.pipe.fit_context(welcome.max_context)
         w = self.workers[index]

@@ -12,18 +12,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from edge_agent.session.core import (
-    Branch,
-    DesyncError,
-    DraftPlan,
-    EdgeState,
-    Rival,
-    SingleCore,
-    VerifierError,
-    hello_for,
-)
+from edge_agent.session.branches import Branch, Rival
+from edge_agent.session.core import EdgeState, SingleCore
 from edge_agent.session.events import Committed, Count, Counter, Fail, Finished, GenerationEvent
 from edge_agent.session.generation import Generation, TokenSource
+from edge_agent.session.opening import DesyncError, VerifierError, hello_for
+from edge_agent.session.pipeline import DraftPlan
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from shared.maths.compression import SparseDist
 from shared.maths.rejection import CorrectionMode
@@ -488,7 +482,7 @@ def test_each_rejection_no_branch_answers_is_counted_with_why() -> None:
     _batch_with_rivals(e, [1, 2, 3], [(9, 0.9), (10, 0.4), (11, 0.6)])
     pp = e.core.pipe.predraft_plan()
     assert pp is not None and (pp.pos, pp.token) == (2, 10)
-    e.core.pipe._predrafted.at(e.core.pipe.version).discard((2, 10))  # as if never planned
+    e.core.pipe.book._predrafted.at(e.core.pipe.version).discard((2, 10))  # as if never planned
     rows = [counting_draft([t - 1], True)[1] for t in [7]]
     e.core.pipe.branches.append(Branch([0, 1, 2, 11], [7], rows, [], 0.9))
     e._log(sent(e.core, e.core.receive(encode(Verdict(0, 0, 1, token=10), e.core.ctx), now=5.0)))

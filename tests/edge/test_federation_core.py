@@ -16,7 +16,6 @@ from cloud_verifier.engine.work import Work
 from cloud_verifier.session.core import Close, Run, SessionLimits, TargetInfo, VerifierCore
 from cloud_verifier.session.core import Event as VerifierEvent
 from cloud_verifier.session.core import Send as VSend
-from edge_agent.session.core import ContextExceeded, DraftPlan
 from edge_agent.session.events import (
     Committed,
     Count,
@@ -37,6 +36,8 @@ from edge_agent.session.federation_core import (
     WorkerState,
 )
 from edge_agent.session.generation import Generation
+from edge_agent.session.opening import ContextExceeded
+from edge_agent.session.pipeline import DraftPlan
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.compression import SparseDist
 from shared.maths.sampling import Probs, SamplingParams

@@ -26,8 +26,8 @@ from edge_agent.daemon.service import retry_policy
 from edge_agent.link.connection import LinkRefused, LinkSettings, WebSocketTransport
 from edge_agent.link.driver import VerdictTimeout
 from edge_agent.model.drafter import Drafter
-from edge_agent.session.core import DraftPlan, Pipeline
 from edge_agent.session.generation import Generation
+from edge_agent.session.pipeline import DraftPlan, Pipeline
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.retry import GiveUp, Outage
 from edge_agent.session.transport import LinkClosed, Transport

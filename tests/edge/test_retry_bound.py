@@ -20,8 +20,8 @@ from edge_agent.daemon.api_errors import ApiError
 from edge_agent.daemon.api_request import ContextLimit, completion_budget
 from edge_agent.daemon.config import DEFAULT_VERIFIER_WAIT, EdgeSettings, load_edge_settings
 from edge_agent.daemon.service import retry_policy
-from edge_agent.session.core import ContextExceeded, fit_context
 from edge_agent.session.generation import Generation, TokenSource
+from edge_agent.session.opening import ContextExceeded, fit_context
 from edge_agent.session.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy, WaitCause
 from shared.service.config import ConfigError
 

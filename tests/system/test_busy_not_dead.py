@@ -44,9 +44,10 @@ from cloud_verifier.session.core import (
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.link.connection import LinkSettings, VerifierBusy, WebSocketTransport, retry_after_s
 from edge_agent.model.drafter import Drafter
-from edge_agent.session.core import PREFILL_ALLOWANCE_S, DesyncError, Pipeline, resumed_length
 from edge_agent.session.events import Count
 from edge_agent.session.generation import Generation, TokenSource
+from edge_agent.session.opening import DesyncError, resumed_length
+from edge_agent.session.pipeline import PREFILL_ALLOWANCE_S, Pipeline
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.retry import GiveUp, Outage
 from edge_agent.session.transport import LinkClosed, Transport

@@ -25,8 +25,10 @@ from cloud_verifier.session.core import (
     TargetInfo,
     VerifierCore,
 )
-from edge_agent.session.core import PredraftPlan, Rival, SingleCore, hello_for
+from edge_agent.session.branches import PredraftPlan, Rival
+from edge_agent.session.core import SingleCore
 from edge_agent.session.generation import Generation, TokenSource
+from edge_agent.session.opening import hello_for
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.rejection import CorrectionMode
 from shared.maths.sampling import SamplingParams, sample

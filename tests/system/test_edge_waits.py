@@ -38,7 +38,7 @@ from edge_agent.daemon.server import STATE, ServerState, build_app, make_listene
 from edge_agent.daemon.service import EdgeService
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
 from edge_agent.model.drafter import Drafter
-from edge_agent.session.core import ContextExceeded
+from edge_agent.session.opening import ContextExceeded
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import Transport
 from shared.maths.sampling import SamplingParams

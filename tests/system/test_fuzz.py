@@ -20,8 +20,9 @@ from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.state import STATE
 from cloud_verifier.engine.targets import TorchTarget
 from cloud_verifier.session.core import SessionLimits
-from edge_agent.session.core import DesyncError, SingleCore, VerifierError, hello_for
+from edge_agent.session.core import SingleCore
 from edge_agent.session.generation import Generation
+from edge_agent.session.opening import DesyncError, VerifierError, hello_for
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.compression import SparseDist
 from shared.maths.rejection import CorrectionMode

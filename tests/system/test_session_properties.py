@@ -31,11 +31,12 @@ from cloud_verifier.session.core import (
     TargetInfo,
     VerifierCore,
 )
-from edge_agent.session.core import DesyncError, SingleCore, VerifierError, hello_for
+from edge_agent.session.core import SingleCore
 from edge_agent.session.events import Drop
 from edge_agent.session.events import Send as EdgeSend
 from edge_agent.session.federation_core import FederatedCore, WorkerParams
 from edge_agent.session.generation import Generation
+from edge_agent.session.opening import DesyncError, VerifierError, hello_for
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
 from shared.maths.sampling import SamplingParams
 from shared.wire.codec import decode, encode

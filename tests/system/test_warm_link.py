@@ -30,8 +30,8 @@ from edge_agent.link.warm import WarmLink
 from edge_agent.model.batching import BatchingWorker
 from edge_agent.model.drafter import Drafter
 from edge_agent.model.tasks import ModelWorker
-from edge_agent.session.core import wire_context
 from edge_agent.session.events import Committed, GenerationEvent
+from edge_agent.session.opening import wire_context
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import LinkClosed, Transport
 from shared.errors import ErrorCode
