@@ -44,12 +44,8 @@ from edge_agent.session.events import (
     Round,
     Send,
 )
-from edge_agent.session.federation_core import (
-    ROUND_DEADLINE_S,
-    FederatedCore,
-    FederationStats,
-    WorkerParams,
-)
+from edge_agent.session.federation_core import ROUND_DEADLINE_S, FederatedCore
+from edge_agent.session.federation_members import FederationStats, WorkerParams
 from edge_agent.session.generation import Generation
 from edge_agent.session.opening import DesyncError, HandshakeError, VerifierError
 from edge_agent.session.pipeline import DraftPlan

@@ -135,7 +135,7 @@ Tally = Count | Round | RejectionGap
 
 class FedCounter(TextEnum):
     """A counter of the federation's
-    :class:`~edge_agent.session.federation_core.FederationStats` (each value is the field's
+    :class:`~edge_agent.session.federation_members.FederationStats` (each value is the field's
     name)."""
 
     ROUNDS_WITH_MISSING_WORKERS = "rounds_with_missing_workers"
@@ -167,7 +167,7 @@ class Measured:
 
 FedTally = FedCount | Measured
 """What the federated core reports for the federation's statistics (:meth:`FederationStats.apply
-<edge_agent.session.federation_core.FederationStats.apply>`)."""
+<edge_agent.session.federation_members.FederationStats.apply>`)."""
 
 EdgeEvent = (
     Send | Drop | Fail | Committed | Finished | Count | Round | RejectionGap | FedCount | Measured

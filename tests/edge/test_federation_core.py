@@ -27,10 +27,9 @@ from edge_agent.session.events import (
     Round,
     Send,
 )
-from edge_agent.session.federation_core import (
+from edge_agent.session.federation_core import WAIT_FACTOR, FederatedCore
+from edge_agent.session.federation_members import (
     LIVENESS_FACTOR,
-    WAIT_FACTOR,
-    FederatedCore,
     FederationStats,
     WorkerParams,
     WorkerState,

@@ -18,7 +18,7 @@ from edge_agent.link.federation import WorkerSpec, generate_federated
 from edge_agent.model.drafter import Drafter
 from edge_agent.model.lm import CausalLM
 from edge_agent.model.tasks import ModelWorker
-from edge_agent.session.federation_core import FederationStats
+from edge_agent.session.federation_members import FederationStats
 from edge_agent.session.pipeline_config import PipelineConfig, RequestOptions
 from edge_agent.session.transport import Transport
 from shared.maths import compression as C

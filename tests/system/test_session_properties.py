@@ -34,7 +34,8 @@ from cloud_verifier.session.core import (
 from edge_agent.session.core import SingleCore
 from edge_agent.session.events import Drop
 from edge_agent.session.events import Send as EdgeSend
-from edge_agent.session.federation_core import FederatedCore, WorkerParams
+from edge_agent.session.federation_core import FederatedCore
+from edge_agent.session.federation_members import WorkerParams
 from edge_agent.session.generation import Generation
 from edge_agent.session.opening import DesyncError, VerifierError, hello_for
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
