@@ -36,7 +36,6 @@ import torch
 
 from cloud_verifier.engine.draft_model import CloudDrafter
 from cloud_verifier.engine.kv_manager import KVManager, Shares, Slot
-from cloud_verifier.engine.rationing import survival_of
 from cloud_verifier.engine.runner import FORWARDS, Prefilled, Runner, Timing, advance
 from cloud_verifier.engine.scheduler import (
     BatchLimits,
@@ -45,6 +44,7 @@ from cloud_verifier.engine.scheduler import (
     Queued,
     Row,
     RunningStep,
+    forward_entry,
     plan_step,
     queue_eta,
     should_gather,
@@ -52,7 +52,6 @@ from cloud_verifier.engine.scheduler import (
 from cloud_verifier.engine.step_times import StallRule, StepTimes
 from cloud_verifier.engine.targets import Target
 from cloud_verifier.engine.work import (
-    CoGenerate,
     Failed,
     FailureKind,
     Result,
@@ -61,7 +60,6 @@ from cloud_verifier.engine.work import (
     Verify,
     Work,
     WorkProgress,
-    batch_ends,
     deferred,
     rationed,
 )
@@ -226,16 +224,8 @@ def _queued(item: _Request | _Call) -> Queued:
         return Queued(Kind.CALL)
     work = item.work
     if isinstance(work, FORWARDS):
-        kind = Kind.COGEN if isinstance(work, CoGenerate) else Kind.FORWARD
-        tree = work.tree_tokens if isinstance(work, Verify) else 0
-        slot, decide = item.slot, len(work.draft) + tree + 1
-        held = len(slot.pages.pages)
-        survival, mean = survival_of(work)
-        ends, promised = (batch_ends(work), work.promised) if isinstance(work, Verify) else ((), 1)
-        return Queued(
-            kind, len(work.fixed), decide, slot.tenant, slot.length, held, survival, mean, ends,
-            promised,
-        )  # fmt: skip
+        slot = item.slot
+        return forward_entry(work, slot.tenant, slot.length, len(slot.pages.pages))
     return Queued(Kind.CHEAP)
 
 

@@ -44,8 +44,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from cloud_verifier.engine.rationing import Round, own_budget, ration
+from cloud_verifier.engine.rationing import Round, own_budget, ration, survival_of
 from cloud_verifier.engine.step_times import StallRule, StepTimes
+from cloud_verifier.engine.work import CoGenerate, Federate, Verify, batch_ends
 
 #: Fixed tokens of a decode round: work with at most this many (the tokens committed since the
 #: session's last verdict: up to depth × (γ + 1), well under this for the protocol's bounds) is
@@ -114,6 +115,23 @@ class Queued:
     @property
     def prefill(self) -> bool:
         return self.kind == Kind.FORWARD and self.fixed > DECODE_FIXED
+
+
+def forward_entry(
+    work: Verify | Federate | CoGenerate, tenant: str = "", cached: int = 0, held: int = 0
+) -> Queued:
+    """A forward's work as the scheduler sees it: its fixed tokens, the row that decides (draft,
+    tree tokens, and the row scoring the first draft token), what the ration ranks its draft
+    slots by and what its session was promised; ``tenant``, ``cached`` and ``held`` are its
+    slot's (the simulation's engine has no KV limits: none)."""
+    kind = Kind.COGEN if isinstance(work, CoGenerate) else Kind.FORWARD
+    tree = work.tree_tokens if isinstance(work, Verify) else 0
+    survival, mean = survival_of(work)
+    ends, promised = (batch_ends(work), work.promised) if isinstance(work, Verify) else ((), 1)
+    decide = len(work.draft) + tree + 1
+    return Queued(
+        kind, len(work.fixed), decide, tenant, cached, held, survival, mean, ends, promised
+    )
 
 
 @dataclass(frozen=True)
