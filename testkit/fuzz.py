@@ -59,14 +59,9 @@ from aiohttp import WSMessage, WSMsgType, web
 
 from bench.net.stream_ws import StreamWS
 from cloud_verifier.engine import work
-from cloud_verifier.session.core import (
-    Close,
-    Run,
-    Send,
-    SessionLimits,
-    TargetInfo,
-    VerifierCore,
-)
+from cloud_verifier.session.core import VerifierCore
+from cloud_verifier.session.events import Close, Run, Send
+from cloud_verifier.session.limits import SessionLimits, TargetInfo
 from edge_agent.daemon.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.link.connection import TokenRefused
 from edge_agent.session.generation import Generation

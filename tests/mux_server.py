@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import WSMsgType, web
 
-from cloud_verifier.session.core import SessionLimits
+from cloud_verifier.session.limits import SessionLimits
 from shared.wire.messages import Fingerprint
 from shared.wire.mux import End, Ready, decode_control, encode_control, frame, split
 

@@ -124,8 +124,10 @@ from cloud_verifier.engine.work import (
     rationed,
 )
 from cloud_verifier.session.cloud_draft import CloudDraft, draft_length
-from cloud_verifier.session.core import Close, Run, SessionLimits, TargetInfo, VerifierCore
-from cloud_verifier.session.core import Send as VSend
+from cloud_verifier.session.core import VerifierCore
+from cloud_verifier.session.events import Close, Run
+from cloud_verifier.session.events import Send as VSend
+from cloud_verifier.session.limits import SessionLimits, TargetInfo
 from edge_agent.model.drafter import RIVALS, Drafter
 from edge_agent.session.branches import NO_RIVAL, Rival
 from edge_agent.session.core import SingleCore

@@ -23,7 +23,7 @@ from cloud_verifier.daemon.parking import _resumes
 from cloud_verifier.daemon.session_loop import _ENDED, _run_session
 from cloud_verifier.daemon.state import LOG_NAME, SlowReader, VerifierState, _Conn, _Stream, _tell
 from cloud_verifier.session.admission import Ticket
-from cloud_verifier.session.core import context_limit
+from cloud_verifier.session.limits import context_limit
 from shared.errors import ErrorCode
 from shared.wire.messages import Error
 from shared.wire.mux import (

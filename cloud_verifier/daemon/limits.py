@@ -1,5 +1,5 @@
 """The limits the settings fill: a session's bounds
-(:class:`~cloud_verifier.session.core.SessionLimits`) and the engine's
+(:class:`~cloud_verifier.session.limits.SessionLimits`) and the engine's
 (:class:`~cloud_verifier.engine.engine.EngineLimits`), each field the setting of its name unless
 its table (:data:`SESSION_FILL`, :data:`ENGINE_FILL`) says otherwise. Invariants: every field is
 filled from the settings or declared to keep its own default (None in its table), so a field with
@@ -17,7 +17,7 @@ from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.engine import EngineLimits
 from cloud_verifier.engine.step_times import StallRule
 from cloud_verifier.session.cloud_draft import parse_cloud_drafts
-from cloud_verifier.session.core import SessionLimits
+from cloud_verifier.session.limits import SessionLimits
 from cloud_verifier.session.tenancy import PrefixCache
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from cloud_verifier.daemon.state import LOG_NAME, STATE, Parked, VerifierState
 from cloud_verifier.engine.kv_manager import KVManager, Slot
-from cloud_verifier.session.core import Adopt
+from cloud_verifier.session.events import Adopt
 from shared.service.status import ServiceStatus
 from shared.wire.codec import decode
 from shared.wire.messages import Hello

@@ -50,7 +50,9 @@ from cloud_verifier.engine.work import (
     batch_ends,
     deferred,
 )
-from cloud_verifier.session.core import (
+from cloud_verifier.session.cogeneration import TokenCounts
+from cloud_verifier.session.core import VerifierCore
+from cloud_verifier.session.events import (
     CLOSE_OK,
     Adopt,
     Close,
@@ -59,10 +61,8 @@ from cloud_verifier.session.core import (
     NoteKind,
     Run,
     Send,
-    TargetInfo,
-    TokenCounts,
-    VerifierCore,
 )
+from cloud_verifier.session.limits import TargetInfo
 from shared.errors import ErrorCode
 from shared.service.ratelog import LogLimiter
 from shared.wire.messages import Error, FederatedReply, Hello, Progress, Verdict

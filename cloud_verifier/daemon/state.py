@@ -28,7 +28,8 @@ from cloud_verifier.engine.engine import Engine
 from cloud_verifier.engine.kv_manager import KVManager, Slot
 from cloud_verifier.engine.targets import Target
 from cloud_verifier.session.admission import AdmissionLine, Ticket
-from cloud_verifier.session.core import SessionLimits, VerifierCore
+from cloud_verifier.session.core import VerifierCore
+from cloud_verifier.session.limits import SessionLimits
 from shared.errors import WanspecError
 from shared.service.http_guard import ConnectionGuard
 from shared.service.ratelog import LogLimiter

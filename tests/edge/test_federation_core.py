@@ -13,9 +13,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cloud_verifier.engine.work import Work
-from cloud_verifier.session.core import Close, Run, SessionLimits, TargetInfo, VerifierCore
-from cloud_verifier.session.core import Event as VerifierEvent
-from cloud_verifier.session.core import Send as VSend
+from cloud_verifier.session.core import VerifierCore
+from cloud_verifier.session.events import Close, Run
+from cloud_verifier.session.events import Event as VerifierEvent
+from cloud_verifier.session.events import Send as VSend
+from cloud_verifier.session.limits import SessionLimits, TargetInfo
 from edge_agent.session.events import (
     Committed,
     Count,

@@ -19,7 +19,9 @@ import pytest
 from aiohttp import web
 
 from cloud_verifier.engine.targets import TorchTarget
-from cloud_verifier.session.core import Send, SessionLimits, TargetInfo, VerifierCore
+from cloud_verifier.session.core import VerifierCore
+from cloud_verifier.session.events import Send
+from cloud_verifier.session.limits import SessionLimits, TargetInfo
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.service import retry_policy

@@ -31,16 +31,9 @@ from cloud_verifier.daemon.state import STATE, VerifierState
 from cloud_verifier.engine.step_times import StallRule, StepTimes
 from cloud_verifier.engine.targets import TorchTarget
 from cloud_verifier.engine.work import FailureKind, Verify, WorkProgress
-from cloud_verifier.session.core import (
-    Adopt,
-    Close,
-    CoreState,
-    Run,
-    Send,
-    SessionLimits,
-    TargetInfo,
-    VerifierCore,
-)
+from cloud_verifier.session.core import VerifierCore
+from cloud_verifier.session.events import Adopt, Close, CoreState, Run, Send
+from cloud_verifier.session.limits import SessionLimits, TargetInfo
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.link.connection import LinkSettings, VerifierBusy, WebSocketTransport, retry_after_s
 from edge_agent.model.drafter import Drafter

@@ -18,13 +18,9 @@ import pytest
 
 from cloud_verifier.engine.work import Work
 from cloud_verifier.session.cloud_draft import CloudDraft
-from cloud_verifier.session.core import (
-    Run,
-    Send,
-    SessionLimits,
-    TargetInfo,
-    VerifierCore,
-)
+from cloud_verifier.session.core import VerifierCore
+from cloud_verifier.session.events import Run, Send
+from cloud_verifier.session.limits import SessionLimits, TargetInfo
 from edge_agent.session.branches import PredraftPlan, Rival
 from edge_agent.session.core import SingleCore
 from edge_agent.session.generation import Generation, TokenSource

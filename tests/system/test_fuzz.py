@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.state import STATE
 from cloud_verifier.engine.targets import TorchTarget
-from cloud_verifier.session.core import SessionLimits
+from cloud_verifier.session.limits import SessionLimits
 from edge_agent.session.core import SingleCore
 from edge_agent.session.generation import Generation
 from edge_agent.session.opening import DesyncError, VerifierError, hello_for

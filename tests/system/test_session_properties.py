@@ -23,14 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cloud_verifier.engine.work import Work
-from cloud_verifier.session.core import (
-    Close,
-    Run,
-    Send,
-    SessionLimits,
-    TargetInfo,
-    VerifierCore,
-)
+from cloud_verifier.session.core import VerifierCore
+from cloud_verifier.session.events import Close, Run, Send
+from cloud_verifier.session.limits import SessionLimits, TargetInfo
 from edge_agent.session.core import SingleCore
 from edge_agent.session.events import Drop
 from edge_agent.session.events import Send as EdgeSend

@@ -16,7 +16,7 @@ from cloud_verifier.engine.engine import EngineLimits
 from cloud_verifier.engine.scheduler import BatchLimits
 from cloud_verifier.engine.step_times import StallRule
 from cloud_verifier.session.cloud_draft import CloudDraft, DraftLength
-from cloud_verifier.session.core import SessionLimits
+from cloud_verifier.session.limits import SessionLimits
 from cloud_verifier.session.tenancy import PrefixCache
 
 pytestmark = pytest.mark.fast

@@ -28,7 +28,9 @@ from cloud_verifier.engine.work import (
     Withheld,
 )
 from cloud_verifier.session.cloud_draft import CloudDraft, DraftLength
-from cloud_verifier.session.core import (
+from cloud_verifier.session.cogeneration import TokenCounts
+from cloud_verifier.session.core import VerifierCore
+from cloud_verifier.session.events import (
     CLOSE_INTERNAL_ERROR,
     CLOSE_OK,
     Close,
@@ -38,11 +40,8 @@ from cloud_verifier.session.core import (
     NoteKind,
     Run,
     Send,
-    SessionLimits,
-    TargetInfo,
-    TokenCounts,
-    VerifierCore,
 )
+from cloud_verifier.session.limits import SessionLimits, TargetInfo
 from shared.errors import ErrorCode
 from shared.maths.compression import SparseDist
 from shared.maths.rejection import CorrectionMode, Decision
@@ -617,12 +616,12 @@ def test_hedges_kept_are_bounded_and_a_rollback_drops_them() -> None:
     core = _cogen_core(max_hedges=2)
     for pos in (3, 4, 5):
         core.receive(hedge(core, pos, 5, [6]))
-    assert [h.pos for h in core._hedges] == [4, 5]
+    assert [h.pos for h in core.cogen.hedges] == [4, 5]
     core.receive(propose(core, 0, 0, 0, [7], fixed=[1, 2]))
     core.work_done(Verified(Decision(1)))  # then co-generation runs: the Rollback waits
     core.receive(encode(Rollback(1, 2), ctx(core)))
     ev = core.work_done(Verified(Decision(0, bonus=9)))
-    assert isinstance(run_of(ev).work, Crop) and not core._hedges
+    assert isinstance(run_of(ev).work, Crop) and not core.cogen.hedges
 
 
 def test_a_hedge_in_a_sampled_topk_session_is_verified_too() -> None:
@@ -780,7 +779,7 @@ def test_an_empty_propose_is_a_credit_or_fixed_tokens_alone() -> None:
     assert not core.receive(propose(core, 0, 1, 3, []))  # a credit: queued behind the work
     ev = core.work_done(Verified(Decision(0, bonus=6)))  # text [1, 2, 5, 6]; then the credit
     verdict = [e.msg for e in ev if isinstance(e, Send) and isinstance(e.msg, Verdict)]
-    assert verdict[0].accepted == 0 and verdict[0].bonus is None and core._proposed_end == 3
+    assert verdict[0].accepted == 0 and verdict[0].bonus is None and core.cogen.proposed_end == 3
     core = opened(ReplyMode.FEDERATED)
     ev = core.receive(propose(core, 0, 0, 0, [], fixed=[1, 2]))
     assert errors(ev) == [ErrorCode.BAD_FRAME]
