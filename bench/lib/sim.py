@@ -102,11 +102,17 @@ from bench.lib.costs import (
     TREE_TOKEN_COST,
     roofline_ms,
 )
+from bench.lib.modes import PREDRAFT_BRANCHES, ModeSpec
 from bench.lib.traces import Trace
 from cloud_verifier.engine.engine import EngineLimits
-from cloud_verifier.engine.rationing import survival_of
 from cloud_verifier.engine.runner import advance, work_start
-from cloud_verifier.engine.scheduler import DECODE_FIXED, BatchLimits, Queued, plan_step
+from cloud_verifier.engine.scheduler import (
+    DECODE_FIXED,
+    BatchLimits,
+    Queued,
+    forward_entry,
+    plan_step,
+)
 from cloud_verifier.engine.scheduler import Kind as SchedKind
 from cloud_verifier.engine.step_times import DraftCost
 from cloud_verifier.engine.work import (
@@ -120,7 +126,6 @@ from cloud_verifier.engine.work import (
     Verify,
     Withheld,
     Work,
-    batch_ends,
     rationed,
 )
 from cloud_verifier.session.cloud_draft import CloudDraft, draft_length
@@ -151,8 +156,6 @@ from shared.maths.sampling import Probs, SamplingParams
 from shared.wire.codec import encode
 from shared.wire.messages import Fingerprint, Propose, Welcome
 
-#: Branches prepared at most in the ``:predraft`` modes (``bench.lib.modes.PREDRAFT_BRANCHES``).
-PREDRAFT_BRANCHES: Final = 8
 #: Bytes of one ``ar`` token frame (``bench.net.ar_server``: one little-endian u32).
 AR_TOKEN_BYTES: Final = 4
 #: The vocabulary the wire is told (3-byte ids, as a real ~150k vocabulary has), unless a
@@ -274,26 +277,18 @@ class SimMode:
         raise ValueError(f"bad simulation mode {spec!r}: expected one of {_FORMS}")
 
     def pipeline_config(self) -> PipelineConfig:
-        """The edge's PipelineConfig, as ``bench.lib.modes.ModeSpec.pipeline_config`` builds it."""
-        greedy = SamplingParams(0.0)
-        k = self.kind
-        if k == Kind.CLOUD_SD:
-            return PipelineConfig(sampling=greedy, cogen=True)
-        if k == Kind.STOP_AND_WAIT:
-            return PipelineConfig(
-                gamma=self.gamma, depth=1, mode=Mode.STOP_AND_WAIT, sampling=greedy, cogen=False
-            )
-        auto = k in (Kind.AUTO, Kind.HYBRID)
-        return PipelineConfig(
-            gamma=self.gamma,
-            depth=self.depth,
-            mode=Mode.PIPELINED,
-            sampling=greedy,
-            cogen=self.cogen,
-            auto_gamma=auto,
-            auto_depth=auto,
-            predraft=self.predraft,
-        )
+        """The edge's PipelineConfig: cloud-sd's credit sessions take the defaults; the other
+        modes' are built as the real-time studies build theirs (:class:`bench.lib.modes.ModeSpec`,
+        one rule for both)."""
+        if self.kind == Kind.CLOUD_SD:
+            return PipelineConfig(sampling=SamplingParams(0.0), cogen=True)
+        if self.kind == Kind.STOP_AND_WAIT:
+            spec = ModeSpec(self.spec, Mode.STOP_AND_WAIT, self.gamma, 1, cogen=False)
+        else:
+            auto = self.kind in (Kind.AUTO, Kind.HYBRID)
+            spec = ModeSpec(self.spec, Mode.PIPELINED, self.gamma, self.depth, cogen=self.cogen,
+                            auto=auto, predraft=self.predraft)  # fmt: skip
+        return spec.pipeline_config()
 
     def session_limits(self) -> SessionLimits:
         """The verifier's limits for this mode's sessions (the settings' defaults; cloud drafts
@@ -608,15 +603,10 @@ SIM_BATCH: Final = replace(EngineLimits().batch, max_sessions=1 << 20)
 
 
 def _queued(work: Work | None) -> Queued:
-    """A session's work as the scheduler sees it (``engine._queued``, with an empty cache: no
+    """A session's work as the scheduler sees it (the engine's entry, with an empty cache: no
     KV limits here)."""
     if isinstance(work, (Verify, CoGenerate)):
-        kind = SchedKind.COGEN if isinstance(work, CoGenerate) else SchedKind.FORWARD
-        tree = work.tree_tokens if isinstance(work, Verify) else 0
-        survival, mean = survival_of(work)
-        ends, promised = (batch_ends(work), work.promised) if isinstance(work, Verify) else ((), 1)
-        decide = len(work.draft) + tree + 1
-        return Queued(kind, len(work.fixed), decide, "", 0, 0, survival, mean, ends, promised)
+        return forward_entry(work)
     if isinstance(work, Crop):
         return Queued(SchedKind.CHEAP)
     raise SimError(f"{type(work).__name__}: not simulated (greedy sessions never ask for it)")

@@ -297,7 +297,11 @@ def test_a_bad_mode_is_refused_naming_it_and_the_forms(junk: str) -> None:
     assert repr(junk) in str(e.value)
 
 
-def test_predraft_branches_match_the_bench() -> None:
-    from bench.lib.modes import PREDRAFT_BRANCHES as BENCH
+@pytest.mark.parametrize(
+    "spec", ["saw:4", "pipe:4x4", "pipe:8x2:nocogen", "auto", "auto:predraft", "hybrid",
+             "hybrid:predraft"],
+)  # fmt: skip
+def test_a_simulated_edge_is_configured_as_the_real_time_studies_configure_it(spec: str) -> None:
+    from bench.lib.modes import parse_mode
 
-    assert BENCH == PREDRAFT_BRANCHES
+    assert SimMode.parse(spec).pipeline_config() == parse_mode(spec).pipeline_config()
