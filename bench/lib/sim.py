@@ -48,7 +48,7 @@ runs the product's own rules, not a model of them:
   a ``tail`` cloud draft (the rest of a rejected batch, drafted after its wrong token) is never
   accepted here, where a real draft often goes on as the target does: hybrid's tail source is
   worth nothing in the simulation.
-* **Pre-drafting's counters are the product's** (``Pipeline.classify_miss``):
+* **Pre-drafting's counters are the product's** (``BranchBook.classify_miss``):
   ``predraft_miss_alternative`` is its not-an-alternative count (the correction is not among the
   draft's ``RIVALS`` alternatives at that position), ``predraft_miss_none`` its cap + time
   counts. A branch still growing when its rejection comes is counted a miss for time and then

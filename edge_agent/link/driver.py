@@ -182,7 +182,7 @@ async def _predraft(
     worker: ModelWorker,
     send: Callable[[PredraftPlan, list[int]], None] | None = None,
 ) -> bool:
-    """Prepare outcomes (:meth:`~edge_agent.session.pipeline.Pipeline.predraft_plan`): as many as
+    """Prepare outcomes (:meth:`~edge_agent.session.branches.BranchBook.predraft_plan`): as many as
     the budget leaves room for, stepped together in one batched forward a step where the draft
     can (:class:`~edge_agent.model.drafter.BranchDrafting`), else one; stop as soon as the pipeline
     has room again (a verdict came: the next batch comes first, and may be one of these, as
@@ -229,9 +229,9 @@ async def draft_loop(
 ) -> None:
     """Draft batches while the generation runs; ``submit`` hands each to the core and writes
     its frames. Waiting for room (backpressure, stop-and-wait) is counted as drafter idle time;
-    it is first spent preparing outcomes (``Pipeline.predraft_plan``: a batch that a rejection
-    opens is then sent at once, ``Pipeline.take_branch``), then, with ``hedge``, drafting hedges
-    (``Pipeline.hedge_plan``); ``branch`` sends prepared branches to the verifier as they grow
+    it is first spent preparing outcomes (``BranchBook.predraft_plan``: a batch that a rejection
+    opens is then sent at once, ``BranchBook.take_branch``), then, with ``hedge``, drafting hedges
+    (``BranchBook.hedge_plan``); ``branch`` sends prepared branches to the verifier as they grow
     (token trees)."""
     gen, cfg = core.gen, core.cfg
     want_rival = (hedge is not None and cfg.hedge > 0) or cfg.predraft > 0

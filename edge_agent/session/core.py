@@ -247,7 +247,7 @@ class SingleCore(DraftingCore):
         """Send the Hedge frame of ``hp`` with its drafted continuation; nothing if it is void."""
         if self._failed is not None:
             return [self._failed]
-        if not draft or not self.pipe.hedge_current(hp):
+        if not draft or not self.pipe.book.hedge_current(hp):
             return []
         return self._send_hedge(hp.pos, hp.token, draft)
 
@@ -261,7 +261,7 @@ class SingleCore(DraftingCore):
         cfg, pipe = self.cfg, self.pipe
         if not (cfg.tree and cfg.cogen and pipe.deterministic_draft and draft):
             return []
-        if not pipe.predraft_current(pp, draft):
+        if not pipe.book.predraft_current(pp, draft):
             return []
         return self._send_hedge(pp.pos, pp.token, draft)
 
@@ -374,7 +374,7 @@ class SingleCore(DraftingCore):
         if b.draft[c - b.start] == token:
             return []
         b.doomed_at = c - b.start
-        pipe.classify_miss(b, b.doomed_at, token)
+        pipe.book.classify_miss(b, b.doomed_at, token)
         pipe.on_rejection(now)
         # The verifier enters the next epoch when it rejects ``b``, before it reads anything
         # sent from now on; it knows the text up to the new token.
@@ -446,7 +446,7 @@ class SingleCore(DraftingCore):
             q = b.q_rows[v.accepted]
             token = recover(decision, q, pipe.rng, reconstruction=self.cfg.reconstruction)
             if token is not None:
-                pipe.classify_miss(b, v.accepted, token)
+                pipe.book.classify_miss(b, v.accepted, token)
             pipe.on_rejection(now)
             # The verifier cropped its cache to the accepted prefix and entered the next epoch.
             pipe.discard_inflight()

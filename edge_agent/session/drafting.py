@@ -53,40 +53,38 @@ class DraftingCore:
     def on_draft_step(self, seconds: float) -> None:
         self.pipe.on_draft_step(seconds)
 
-    def take_branch(self, plan: DraftPlan) -> tuple[Branch | None, list[Count]]:
-        return self.pipe.take_branch(plan)
-
     def start_batch(self) -> tuple[DraftPlan, Branch]:
         """The next batch's plan and what it starts from: the prepared branch that continues it
-        (:meth:`Pipeline.take_branch`; what taking it counts goes into the generation's stats),
-        else nothing drafted yet. Only while :meth:`may_draft` is true (there is a plan)."""
+        (:meth:`~edge_agent.session.branches.BranchBook.take_branch`; what taking it counts goes
+        into the generation's stats), else nothing drafted yet. Only while :meth:`may_draft` is
+        true (there is a plan)."""
         plan = self.plan()
         assert plan is not None
-        ready, counts = self.pipe.take_branch(plan)
+        ready, counts = self.pipe.book.take_branch(plan)
         for count in counts:
             self.gen.stats.apply(count)
         return plan, ready or Branch(list(plan.context), [], [], [])
 
     def hedge_plan(self) -> HedgePlan | None:
-        return self.pipe.hedge_plan()
+        return self.pipe.book.hedge_plan()
 
     def hedge_current(self, hp: HedgePlan) -> bool:
-        return self.pipe.hedge_current(hp)
+        return self.pipe.book.hedge_current(hp)
 
     def branch_room(self) -> int:
         """Outcomes that may still be prepared (PipelineConfig.predraft) besides those kept."""
-        return self.cfg.predraft - len(self.pipe.branches)
+        return self.cfg.predraft - len(self.pipe.book.branches)
 
     def predraft_plan(self) -> PredraftPlan | None:
-        return self.pipe.predraft_plan()
+        return self.pipe.book.predraft_plan()
 
     def predraft_current(self, pp: PredraftPlan, draft: Sequence[int] = ()) -> bool:
-        return self.pipe.predraft_current(pp, draft)
+        return self.pipe.book.predraft_current(pp, draft)
 
     def plan_branches(self, budget: int) -> list[Growing]:
         """Up to ``budget`` outcomes to prepare now, likeliest first (:meth:`predraft_plan`)."""
         out: list[Growing] = []
-        while len(out) < budget and (pp := self.pipe.predraft_plan()) is not None:
+        while len(out) < budget and (pp := self.pipe.book.predraft_plan()) is not None:
             out.append(Growing(pp))
         return out
 
@@ -96,7 +94,7 @@ class DraftingCore:
         return (
             len(g.draft) < g.pp.max_tokens
             and not (g.draft and g.draft[-1] in self.gen.eos_ids)
-            and self.pipe.predraft_current(g.pp, g.draft)
+            and self.pipe.book.predraft_current(g.pp, g.draft)
         )
 
     def add_branch(self, g: Growing) -> list[Count]:

@@ -87,7 +87,7 @@ class Counter(TextEnum):
     PREDRAFT_TOKENS = "predraft_tokens"
     PREDRAFT_HITS = "predraft_hits"
     PREDRAFT_USED_TOKENS = "predraft_used_tokens"
-    #: Rejections no prepared branch answered, by why (Pipeline.classify_miss).
+    #: Rejections no prepared branch answered, by why (BranchBook.classify_miss).
     PREDRAFT_MISS_NOT_ALTERNATIVE = "predraft_miss_not_alternative"
     PREDRAFT_MISS_CAP = "predraft_miss_cap"
     PREDRAFT_MISS_TIME = "predraft_miss_time"

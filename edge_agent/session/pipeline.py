@@ -24,7 +24,7 @@ from typing import Final
 
 import numpy as np
 
-from edge_agent.session.branches import Branch, BranchBook, Growing, HedgePlan, PredraftPlan, Rival
+from edge_agent.session.branches import BranchBook, Rival
 from edge_agent.session.controller import Controller, ControllerLimits
 from edge_agent.session.events import Count, Counter, GenerationEvent, RejectionGap, Round, Tally
 from edge_agent.session.generation import Generation, TokenSource
@@ -228,46 +228,6 @@ class Pipeline:
         if draft and self.controller.should_cut(len(draft), prob):
             return False
         return not draft or draft[-1] not in self.gen.eos_ids
-
-    # ------------------------------------------------------------ branches and hedges
-
-    @property
-    def branches(self) -> list[Branch]:
-        """The prepared outcomes kept (:attr:`BranchBook.branches`)."""
-        return self.book.branches
-
-    def hedge_plan(self) -> HedgePlan | None:
-        """:meth:`BranchBook.hedge_plan`."""
-        return self.book.hedge_plan()
-
-    def hedge_current(self, hp: HedgePlan) -> bool:
-        return self.book.hedge_current(hp)
-
-    def predraft_plan(self) -> PredraftPlan | None:
-        """:meth:`BranchBook.predraft_plan`."""
-        return self.book.predraft_plan()
-
-    def predraft_current(self, pp: PredraftPlan, draft: Sequence[int] = ()) -> bool:
-        return self.book.predraft_current(pp, draft)
-
-    def add_branch(
-        self,
-        pp: PredraftPlan,
-        draft: list[int],
-        q_rows: list[Probs],
-        rivals: Sequence[Rival],
-        prob: float,
-    ) -> list[Count]:
-        """Keep the branch drafted for ``pp`` (:meth:`BranchBook.add_branch`)."""
-        return self.book.add_branch(Growing(pp, draft, q_rows, list(rivals), prob))
-
-    def take_branch(self, plan: DraftPlan) -> tuple[Branch | None, list[Count]]:
-        """:meth:`BranchBook.take_branch`."""
-        return self.book.take_branch(plan)
-
-    def classify_miss(self, b: Batch, at: int, token: int) -> None:
-        """:meth:`BranchBook.classify_miss`."""
-        self.book.classify_miss(b, at, token)
 
     # ------------------------------------------------------------ rounds
 

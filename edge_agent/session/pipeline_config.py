@@ -141,7 +141,7 @@ class PipelineConfig:
     #: branches, each up to γ draft tokens after the draft's second choice at one of its least
     #: confident positions in flight (the likeliest correction should the draft token there be
     #: rejected); a rejection whose correction opens a prepared branch sends it as the next
-    #: batch at once (:meth:`~edge_agent.session.pipeline.Pipeline.take_branch`); 0 = off.
+    #: batch at once (:meth:`~edge_agent.session.branches.BranchBook.take_branch`); 0 = off.
     predraft: int = 0
     #: Token trees: each prepared branch also goes to the verifier as it grows (a Hedge at its
     #: position), so that the batch it forks from is verified with it in one forward (tree

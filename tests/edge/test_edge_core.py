@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from edge_agent.session.branches import Branch, Rival
+from edge_agent.session.branches import Branch, Growing, Rival
 from edge_agent.session.core import EdgeState, SingleCore
 from edge_agent.session.events import Committed, Count, Counter, Fail, Finished, GenerationEvent
 from edge_agent.session.generation import Generation, TokenSource
@@ -402,10 +402,10 @@ def _batch_with_rivals(e: Edge, draft: list[int], rivals: list[tuple[int, float]
 
 def _branch(e: Edge, tokens: list[int]) -> tuple[int, int]:
     """Plan the next outcome and keep ``tokens`` as its branch; returns its (pos, token)."""
-    pp = e.core.pipe.predraft_plan()
+    pp = e.core.pipe.book.predraft_plan()
     assert pp is not None
     rows = [counting_draft([t - 1], True)[1] for t in tokens]
-    for count in e.core.pipe.add_branch(pp, tokens, rows, [], 0.9):
+    for count in e.core.pipe.book.add_branch(Growing(pp, tokens, rows, [], 0.9)):
         e.gen.stats.apply(count)
     return pp.pos, pp.token
 
@@ -420,21 +420,21 @@ def test_predrafted_outcomes_are_planned_likeliest_first_and_sent_on_a_hit() -> 
     e = edge(cfg, max_new=12)
     _batch_with_rivals(e, [1, 2, 3], [(9, 0.9), (10, 0.4), (11, 0.6)])
     assert not e.core.may_draft()
-    pp = e.core.pipe.predraft_plan()
+    pp = e.core.pipe.book.predraft_plan()
     assert pp is not None and (pp.pos, pp.token, pp.context, pp.max_tokens) == (2, 10, [0, 1], 3)
     rows = [counting_draft([t - 1], True)[1] for t in [5, 6, 7]]
     rivals = [Rival(8, 0.5), Rival(9, 0.7), Rival(9, 0.8)]
-    counts = e.core.pipe.add_branch(pp, [5, 6, 7], rows, rivals, 0.9)
+    counts = e.core.pipe.book.add_branch(Growing(pp, [5, 6, 7], rows, rivals, 0.9))
     assert counts == [Count(Counter.PREDRAFT_BRANCHES), Count(Counter.PREDRAFT_TOKENS, 3)]
     for count in counts:
         e.gen.stats.apply(count)
     assert _branch(e, [12, 13]) == (3, 11)  # next likeliest first rejection: 0.9 · 0.4 · 0.4
-    assert e.core.pipe.predraft_plan() is None  # two branches kept: the budget
+    assert e.core.pipe.book.predraft_plan() is None  # two branches kept: the budget
     e.core.receive(encode(Verdict(0, 0, 1, token=10), e.core.ctx), now=5.0)  # 2 rejected: 10
     assert e.gen.committed == [0, 1, 10]
     plan = e.core.pipe.plan()
     assert plan is not None
-    ready, counts = e.core.pipe.take_branch(plan)
+    ready, counts = e.core.pipe.book.take_branch(plan)
     assert ready is not None and ready.draft == [5, 6, 7] and len(ready.q_rows) == 3
     assert counts == [Count(Counter.PREDRAFT_HITS), Count(Counter.PREDRAFT_USED_TOKENS, 3)]
     for count in counts:
@@ -447,13 +447,13 @@ def test_predrafted_outcomes_are_planned_likeliest_first_and_sent_on_a_hit() -> 
     assert (st.predraft_branches, st.predraft_tokens, st.predraft_hits) == (2, 5, 1)
     assert st.predraft_used_tokens == 3 and st.rejection_gaps == 1
     assert st.rejection_gap_s == pytest.approx(0.25)
-    assert not e.core.pipe.branches  # the other one's context left the text: dropped
+    assert not e.core.pipe.book.branches  # the other one's context left the text: dropped
     # A correction that opens no branch: none taken, the plan drafts as usual.
     assert _branch(e, [8]) == (3, 8)  # the likeliest first rejection in [5, 6, 7]: its rival
     e.answer(0, token=14)
     plan = e.core.pipe.plan()
-    assert plan is not None and e.core.pipe.take_branch(plan) == (None, [])
-    assert not e.core.pipe.branches
+    assert plan is not None and e.core.pipe.book.take_branch(plan) == (None, [])
+    assert not e.core.pipe.book.branches
 
 
 def test_each_rejection_no_branch_answers_is_counted_with_why() -> None:
@@ -480,11 +480,11 @@ def test_each_rejection_no_branch_answers_is_counted_with_why() -> None:
     cfg = PipelineConfig(gamma=3, depth=1, sampling=GREEDY, cogen=False, predraft=1)
     e = edge(cfg, max_new=12)
     _batch_with_rivals(e, [1, 2, 3], [(9, 0.9), (10, 0.4), (11, 0.6)])
-    pp = e.core.pipe.predraft_plan()
+    pp = e.core.pipe.book.predraft_plan()
     assert pp is not None and (pp.pos, pp.token) == (2, 10)
     e.core.pipe.book._predrafted.at(e.core.pipe.version).discard((2, 10))  # as if never planned
     rows = [counting_draft([t - 1], True)[1] for t in [7]]
-    e.core.pipe.branches.append(Branch([0, 1, 2, 11], [7], rows, [], 0.9))
+    e.core.pipe.book.branches.append(Branch([0, 1, 2, 11], [7], rows, [], 0.9))
     e._log(sent(e.core, e.core.receive(encode(Verdict(0, 0, 1, token=10), e.core.ctx), now=5.0)))
     st = e.gen.stats
     assert (st.predraft_miss_not_alternative, st.predraft_miss_cap, st.predraft_miss_time) == (
@@ -502,16 +502,16 @@ def test_a_branch_still_growing_at_its_rejection_is_a_hit_if_taken_else_a_miss_f
         cfg = PipelineConfig(gamma=3, depth=1, sampling=GREEDY, cogen=False, predraft=2)
         e = edge(cfg, max_new=12)
         _batch_with_rivals(e, [1, 2, 3], [(9, 0.9), (10, 0.4), (11, 0.6)])
-        pp = e.core.pipe.predraft_plan()
+        pp = e.core.pipe.book.predraft_plan()
         assert pp is not None and (pp.pos, pp.token) == (2, 10)
         e._log(sent(e.core, e.core.receive(encode(Verdict(0, 0, 1, token=10), e.core.ctx))))
         if in_time:
             rows = [counting_draft([t - 1], True)[1] for t in [5, 6]]
-            for count in e.core.pipe.add_branch(pp, [5, 6], rows, [], 0.9):
+            for count in e.core.pipe.book.add_branch(Growing(pp, [5, 6], rows, [], 0.9)):
                 e.gen.stats.apply(count)
         plan = e.core.pipe.plan()
         assert plan is not None
-        ready, counts = e.core.pipe.take_branch(plan)
+        ready, counts = e.core.pipe.book.take_branch(plan)
         for count in counts:
             e.gen.stats.apply(count)
         draft = ready.draft if ready is not None else [7]
@@ -530,7 +530,7 @@ def test_a_prepared_branch_goes_to_the_verifier_as_a_hedge_only_where_trees_appl
     cfg = PipelineConfig(gamma=3, depth=1, sampling=GREEDY, predraft=2, tree=True)
     e = edge(cfg, max_new=12)
     _batch_with_rivals(e, [1, 2, 3], [(9, 0.9), (10, 0.4), (11, 0.6)])
-    pp = e.core.pipe.predraft_plan()
+    pp = e.core.pipe.book.predraft_plan()
     assert pp is not None and (pp.pos, pp.token) == (2, 10)
     (frame,) = sent(e.core, e.core.tree_branch(pp, [5, 6]))
     h = decode(frame, e.core.ctx)
@@ -545,7 +545,7 @@ def test_a_prepared_branch_goes_to_the_verifier_as_a_hedge_only_where_trees_appl
     ):
         e = edge(off, max_new=12)
         _batch_with_rivals(e, [1, 2, 3], [(9, 0.9), (10, 0.4), (11, 0.6)])
-        pp = e.core.pipe.predraft_plan()
+        pp = e.core.pipe.book.predraft_plan()
         assert pp is not None and e.core.tree_branch(pp, [5]) == []
     with pytest.raises(ValueError, match="needs predraft"):
         PipelineConfig(tree=True)
@@ -569,12 +569,12 @@ def test_predrafting_ranks_every_alternative_by_its_chance_to_be_the_first_corre
     # 0.9·0.3, 0.9·0.2, 0.9·0.4·0.3, 0.9·0.1, 0.06, 0.04
     order = [_branch(e, [20 + k]) for k in range(6)]
     assert order == [(2, 10), (2, 11), (3, 13), (2, 12), (1, 9), (1, 8)]
-    assert e.core.pipe.predraft_plan() is None  # every alternative has its branch
+    assert e.core.pipe.book.predraft_plan() is None  # every alternative has its branch
     e.core.receive(encode(Verdict(0, 0, 1, token=11), e.core.ctx), now=5.0)
     assert e.gen.committed == [0, 1, 11]
     plan = e.core.pipe.plan()
     assert plan is not None
-    ready, _ = e.core.pipe.take_branch(plan)
+    ready, _ = e.core.pipe.book.take_branch(plan)
     assert ready is not None and ready.draft == [21]
 
 
@@ -585,15 +585,15 @@ def test_a_branch_whose_head_was_co_generated_sends_the_rest() -> None:
     e = edge(cfg, max_new=12)
     rows = [counting_draft([t - 1], True)[1] for t in [5, 6, 7]]
     pipe = e.core.pipe
-    pipe.branches.append(Branch([0, 1], [5, 6, 7], rows, [], 0.9))
+    pipe.book.branches.append(Branch([0, 1], [5, 6, 7], rows, [], 0.9))
     plan = DraftPlan(epoch=0, context=[0, 1, 5], max_tokens=3, deterministic=True)
     e.gen.commit([1, 5], TokenSource.COGENERATED)
-    ready, _ = pipe.take_branch(plan)
+    ready, _ = pipe.book.take_branch(plan)
     assert ready is not None and ready.draft == [6, 7] and ready.context == [0, 1, 5]
-    pipe.branches.append(Branch([0, 1, 5], [8, 9], rows[:2], [], 0.9))
+    pipe.book.branches.append(Branch([0, 1, 5], [8, 9], rows[:2], [], 0.9))
     e.gen.commit([6], TokenSource.COGENERATED)  # disagrees with 8
     plan = DraftPlan(epoch=0, context=[0, 1, 5, 6], max_tokens=3, deterministic=True)
-    assert pipe.take_branch(plan) == (None, []) and not pipe.branches
+    assert pipe.book.take_branch(plan) == (None, []) and not pipe.book.branches
 
 
 def test_the_verifiers_draft_budget_bounds_each_batch_not_the_pipeline() -> None:

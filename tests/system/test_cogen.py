@@ -21,7 +21,7 @@ from cloud_verifier.session.cloud_draft import CloudDraft
 from cloud_verifier.session.core import VerifierCore
 from cloud_verifier.session.events import Run, Send
 from cloud_verifier.session.limits import SessionLimits, TargetInfo
-from edge_agent.session.branches import PredraftPlan, Rival
+from edge_agent.session.branches import Growing, PredraftPlan, Rival
 from edge_agent.session.core import SingleCore
 from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.opening import hello_for
@@ -64,7 +64,7 @@ def _greedy_q(x: int) -> tuple[int, np.ndarray, Rival]:
 def _hedges(edge: SingleCore) -> list[bytes]:
     """Every hedge the pipeline plans now, with its greedy continuation."""
     out: list[bytes] = []
-    while (hp := edge.pipe.hedge_plan()) is not None:
+    while (hp := edge.pipe.book.hedge_plan()) is not None:
         cont = [hp.token]
         while len(cont) <= hp.max_tokens:
             cont.append(_greedy_q(cont[-1])[0])
@@ -90,7 +90,7 @@ def _predraft_all(edge: SingleCore, rng: np.random.Generator, stale: bool) -> li
     """Prepare every outcome the pipeline plans now, each branch cut at a random length (a
     verdict came while it was drafted); returns the frames that send them (token trees)."""
     out: list[bytes] = []
-    while (pp := edge.pipe.predraft_plan()) is not None:
+    while (pp := edge.pipe.book.predraft_plan()) is not None:
         n = int(rng.integers(1, pp.max_tokens + 1))
         ctx = [*pp.context, pp.token]
         draft, q_rows, rivals = [], [], []
@@ -103,7 +103,7 @@ def _predraft_all(edge: SingleCore, rng: np.random.Generator, stale: bool) -> li
             rivals.append(rival)
         if draft:
             out += sent(edge, edge.tree_branch(pp, draft))
-        edge.pipe.add_branch(pp, draft, q_rows, rivals, 0.5)
+        edge.pipe.book.add_branch(Growing(pp, draft, q_rows, rivals, 0.5))
     return out
 
 
@@ -192,7 +192,7 @@ def generate_once(
             plan = edge.pipe.plan()
             assert plan is not None
             draft, q_rows, rivals = [], [], []
-            ready, _ = edge.pipe.take_branch(plan)
+            ready, _ = edge.pipe.book.take_branch(plan)
             if ready is not None:
                 draft, q_rows, rivals = ready.draft, ready.q_rows, ready.rivals
                 if branch_hits is not None:
