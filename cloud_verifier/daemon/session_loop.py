@@ -134,7 +134,7 @@ def _count_work(state: VerifierState, work: Work, outcome: Outcome) -> None:
         else:
             m.draft_cut_rounds.inc()
             m.draft_cut_tokens.inc(len(work.draft) - result.cut)
-    if isinstance(work, Verify) and work.branches and isinstance(result, Verified):
+    if isinstance(work, Verify) and work.branches and isinstance(result, Verified) and result.tree:
         m.tree_branches.inc(len(work.branches))
         if result.branch is not None:
             m.tree_branches_opened.inc()

@@ -182,6 +182,16 @@ class VerifierSettings:
         "overhead (by the step time a + b·tokens): a loaded step stays short, so a new "
         "prompt's first token waits little",
     )
+    service_rate: float = setting(
+        5.0,
+        min=0.0,
+        max=10_000.0,
+        help="the service level every session is owed, tokens/s (reading speed by default): "
+        "each step's room goes first to the sessions furthest below it (by the rate each has "
+        "attained since its first round), then to the rest by how likely their draft tokens "
+        "are to be accepted; a session whose batches were deferred 4 steps in a row is served "
+        "whole in the next. 0 = no level: every session ranks alike",
+    )
     max_sessions_per_token: int = setting(
         32,
         min=0,

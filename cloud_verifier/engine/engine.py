@@ -44,6 +44,7 @@ from cloud_verifier.engine.scheduler import (
     Queued,
     Row,
     RunningStep,
+    as_planned,
     forward_entry,
     plan_step,
     queue_eta,
@@ -61,7 +62,6 @@ from cloud_verifier.engine.work import (
     Work,
     WorkProgress,
     deferred,
-    rationed,
 )
 from cloud_verifier.session.tenancy import PrefixCache
 from shared.errors import WanspecError
@@ -788,12 +788,7 @@ class Engine:
                     self.deferred_rounds += 1
                 else:
                     self.cut_rounds += 1
-        works = [
-            rationed(req.work, row.cut)
-            if row.cut is not None and isinstance(req.work, Verify)
-            else req.work
-            for req, row in zip(batch, rows, strict=True)
-        ]
+        works = [as_planned(req.work, row) for req, row in zip(batch, rows, strict=True)]
         try:
             answers = runner.step(
                 [(req.slot, w) for req, w in zip(batch, works, strict=True)],
@@ -805,7 +800,7 @@ class Engine:
         again: list[_Request] = []
         answers = [
             (
-                (replace(res, cut=row.cut, budget=row.budget), t)
+                (replace(res, cut=row.cut, budget=row.budget, tree=row.tree), t)
                 if isinstance(res, Verified)
                 else (res, t)
             )

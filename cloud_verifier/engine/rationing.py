@@ -36,7 +36,18 @@ verifier expects to verify whole at the step's *clearing price* (the survival of
 left out, the price where nothing was): its round's slots above it, plus the further slots a
 longer draft would have had above it (its last survival times â of an average token,
 repeated), at most :data:`MAX_AHEAD` (no bound to speak of). The edge drafts batches of at most
-that many tokens and keeps its pipeline as deep as its round trip needs.
+that many tokens and keeps its pipeline as deep as its round trip needs. The price a session
+is told is the one its rounds would clear beside the step's rounds alone: a prefill chunk takes
+the speculative share of its own step (above), but one new prompt does not shorten every
+session's next batches.
+
+**Weights.** Every round carries its session's weight w (:mod:`cloud_verifier.session.pace`:
+above 1 for a session behind the rate it is owed, below 1 for one ahead of it). A slot of
+survival s is worth w·s: slots are ranked by it, and priced against the step's weighted yield
+E_w = Σ w·(1 + the survival of its verified slots): a slot is added while w·s > E_w / (a/b + n).
+With every weight 1 this is the rule above; a session furthest below its rate has its slots
+verified first and its budget told at price / w. Weights read the session's timing only, so
+the law stays p.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from cloud_verifier.engine.work import CoGenerate, Verify, Work
+from cloud_verifier.session.pace import DEFER_BOUND, MAX_WEIGHT
 from shared.wire.messages import MAX_BUDGET
 
 #: The budget that means "draft as you like": the protocol's bound on it.
@@ -57,11 +69,12 @@ COGEN_ALPHA: Final = 0.7
 def survival_of(work: Work) -> tuple[tuple[float, ...], float]:
     """What the ration ranks ``work``'s draft slots by: each slot's survival and â of an
     average token of its session; ((), 0.0) for work whose draft is never cut. A Verify's come
-    from its session's core (none for a tree row); a co-generation's own (deterministic) draft
+    from its session's core (a tree row's chain too: its branches are priced apart); a
+    co-generation's own (deterministic) draft
     survives each token at its session's measured α (any rule keeps a point-mass draft's law:
     nothing about the token is random given the text)."""
     if isinstance(work, Verify):
-        if not work.branches and len(work.survival) == len(work.draft) > 0:
+        if len(work.survival) == len(work.draft) > 0:
             return work.survival, work.mean_token
         return (), 0.0
     if isinstance(work, CoGenerate) and work.cloud:
@@ -75,17 +88,34 @@ def survival_of(work: Work) -> tuple[tuple[float, ...], float]:
 class Round:
     """A round as :func:`ration` sees it: ``key`` names it, ``fixed`` its fixed tokens and
     scoring row, ``survival`` its slots' s_i, ``ends`` the draft length at each of its batches'
-    ends (() : one batch), ``sure`` the slots no ration leaves out (its promise)."""
+    ends (() : one batch), ``sure`` the slots no ration leaves out (its promise), ``weight`` its
+    session's (:mod:`cloud_verifier.session.pace`), ``waited`` the steps in a row its batches
+    were deferred (at :data:`~cloud_verifier.session.pace.DEFER_BOUND` it is served whole)."""
 
     key: int
     fixed: int
     survival: tuple[float, ...]
     ends: tuple[int, ...] = ()
     sure: int = 1
+    weight: float = 1.0
+    waited: int = 0
+
+    @property
+    def starved(self) -> bool:
+        """Deferred for the bound: served whole now, first."""
+        return self.waited >= DEFER_BOUND
+
+    @property
+    def priority(self) -> float:
+        """What its slots are weighed by: its weight, the most once starved."""
+        return MAX_WEIGHT if self.starved else self.weight
 
     @property
     def mandatory(self) -> int:
-        """Slots always verified: the promise, within the first batch."""
+        """Slots always verified: the promise, within the first batch (a starved round's
+        whole draft)."""
+        if self.starved:
+            return len(self.survival)
         first = self.ends[0] if self.ends else len(self.survival)
         return min(len(self.survival), first, max(1, self.sure))
 
@@ -114,13 +144,15 @@ class Ration:
     def budget(self, r: Round, mean_token: float) -> int:
         """Round ``r``'s session's draft budget (module docstring). ``mean_token``: â of an
         average draft token of that session (its α: q = q̄)."""
-        return ahead(self.price, r.survival, mean_token)
+        return ahead(self.price / r.priority, r.survival, mean_token)
 
 
-def own_budget(price: float, survival: Sequence[float], mean_token: float) -> int:
+def own_budget(
+    price: float, survival: Sequence[float], mean_token: float, weight: float = 1.0
+) -> int:
     """The budget of a verifier's own draft (co-generation), not cut in this step: the slots
-    above ``price`` are what it would have kept (:func:`ahead`)."""
-    return ahead(price, survival, mean_token)
+    whose weighted survival is above ``price`` are what it would have kept (:func:`ahead`)."""
+    return ahead(price / weight, survival, mean_token)
 
 
 def ahead(price: float, survival: Sequence[float], mean_token: float) -> int:
@@ -155,18 +187,25 @@ def ration(
     forward's fixed cost in tokens (inf: not priced, drafts left out only for ``room``);
     ``room``: the most tokens the step may hold; ``share``: the most the slots past the
     mandatory part may add, in forward overheads (inf: no such bound), less ``prefill``, the
-    step's prefill tokens."""
+    step's prefill tokens. Slots are ranked and priced by their weighted survival (module
+    docstring: Weights)."""
     if not rounds:
         return Ration({}, 0.0)
     keep = {r.key: r.mandatory for r in rounds}
     n = other_tokens + sum(r.base for r in rounds)
-    e = other_yield + sum(1.0 + sum(r.survival[: r.mandatory]) for r in rounds)
+    # the step's weighted yield (module docstring: Weights; other rows weigh 1)
+    e = other_yield + sum(r.priority * (1.0 + sum(r.survival[: r.mandatory])) for r in rounds)
     priced = overhead != float("inf")
     if priced and share != float("inf"):
         # the step's prefill chunks take the speculative slots' share first
         room = min(room, n + max(0, int(share * overhead) - prefill))
     slots = sorted(
-        ((s, i, r.key) for r in rounds for i, s in enumerate(r.survival) if i >= r.mandatory),
+        (
+            (r.priority * s, i, r.key)
+            for r in rounds
+            for i, s in enumerate(r.survival)
+            if i >= r.mandatory
+        ),
         key=lambda t: (-t[0], t[1], t[2]),
     )
     clearing = 0.0

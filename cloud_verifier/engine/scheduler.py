@@ -10,13 +10,16 @@ that names every row of the next step:
 * **calls first.** Every queued call runs before the next step, whatever else is queued: a
   watchdog's ping, a session's release or a resume's adoption waits for the running step at
   most, never for a prefill;
-* **decode rounds next.** Every queued round whose fixed tokens are few (at most
-  :data:`DECODE_FIXED`: the tokens committed since its last verdict) is in the step, whole, in
-  arrival order, up to ``max_sessions`` rows and ``max_tokens`` tokens (the oldest always
-  fits). Cheap work (Crop, Draw) is always in the step. Co-generation gives way: a CoGenerate
-  joins only in the room the rounds leave and is answered Skipped when there is none; the
-  verifier's draft model runs only in steps with no edge-drafted work
-  (:func:`model_drafts_allowed`);
+* **decode work next, the sessions furthest behind first.** Every queued round whose fixed
+  tokens are few (at most :data:`DECODE_FIXED`: the tokens committed since its last verdict)
+  and every co-generation is in the step, up to ``max_sessions`` rows and ``max_tokens``
+  tokens, taken in order of their sessions' weight (:mod:`cloud_verifier.session.pace`: the
+  sessions furthest below the rate they are owed first; a round whose batches were deferred
+  :data:`~cloud_verifier.session.pace.DEFER_BOUND` steps in a row counts as the furthest), then
+  of arrival: one rule for every kind of session's work, so a co-generation for a session
+  waiting on its edge is owed room like any round, and one left out is answered Skipped.
+  Cheap work (Crop, Draw) is always in the step. The verifier's draft model runs only in
+  steps with no edge-drafted work (:func:`model_drafts_allowed`);
 * **prefills share what is left.** Work with more fixed tokens (a prompt, a re-prefill) is a
   *prefill*: computed in chunks, one a step, each chunk's row caching its tokens with no
   decision; the last one carries the draft and decides. A step's prefill budget
@@ -34,6 +37,12 @@ that names every row of the next step:
   length would cost more than a forward, by the step-time model ``a + b·tokens`` (one
   forward's overhead ``a`` in tokens: ``a / b``).
 
+* **speculative slots by weighted survival** (:func:`_rationed`, :mod:`~cloud_verifier.engine.
+  rationing`): a round's draft past its promise is verified where its survival times its
+  session's weight pays the step's price; a token tree rides in its round's row where the
+  step prices nothing or it pays like a slot (:func:`_trees`), else its branches wait for the
+  co-generation after a rejection, as hedges.
+
 A session has at most one request queued (its core waits for the result), so a step sees each
 session at most once.
 """
@@ -46,7 +55,8 @@ from enum import Enum
 
 from cloud_verifier.engine.rationing import Round, own_budget, ration, survival_of
 from cloud_verifier.engine.step_times import StallRule, StepTimes
-from cloud_verifier.engine.work import CoGenerate, Federate, Verify, batch_ends
+from cloud_verifier.engine.work import CoGenerate, Federate, Verify, Work, batch_ends, rationed
+from cloud_verifier.session.pace import DEFER_BOUND, MAX_WEIGHT
 
 #: Fixed tokens of a decode round: work with at most this many (the tokens committed since the
 #: session's last verdict: up to depth × (γ + 1), well under this for the protocol's bounds) is
@@ -85,6 +95,14 @@ class Queued:
     #: round its session was promised (rationing.Round).
     ends: tuple[int, ...] = ()
     promised: int = 1
+    #: Its session's weight (:mod:`cloud_verifier.session.pace`) and the steps in a row the
+    #: ration deferred its batches.
+    weight: float = 1.0
+    waited: int = 0
+    #: A Verify's token-tree branches: their tokens (beyond ``decide``, in the row only where
+    #: the plan keeps the tree) and the tokens they are expected to add (what they are priced by).
+    tree: int = 0
+    tree_value: float = 0.0
 
     def pages(self, tokens: int, page_size: int) -> int:
         """New pages a row of ``tokens`` after the cache needs."""
@@ -100,9 +118,23 @@ class Queued:
         return self.fixed + self.decide
 
     @property
+    def priority(self) -> float:
+        """How the scheduler ranks it (:mod:`cloud_verifier.session.pace`): its session's
+        weight, the most once its batches were deferred for the bound."""
+        return MAX_WEIGHT if self.waited >= DEFER_BOUND else self.weight
+
+    @property
     def round(self) -> Round:
         """This round as the ration sees it (keyed 0: the caller re-keys it)."""
-        return Round(0, self.row - len(self.survival), self.survival, self.ends, self.promised)
+        return Round(
+            0,
+            self.row - len(self.survival),
+            self.survival,
+            self.ends,
+            self.promised,
+            self.weight,
+            self.waited,
+        )
 
     @property
     def base(self) -> int:
@@ -125,12 +157,29 @@ def forward_entry(
     slots by and what its session was promised; ``tenant``, ``cached`` and ``held`` are its
     slot's (the simulation's engine has no KV limits: none)."""
     kind = Kind.COGEN if isinstance(work, CoGenerate) else Kind.FORWARD
-    tree = work.tree_tokens if isinstance(work, Verify) else 0
     survival, mean = survival_of(work)
     ends, promised = (batch_ends(work), work.promised) if isinstance(work, Verify) else ((), 1)
-    decide = len(work.draft) + tree + 1
+    tree, value, waited = (
+        (work.tree_tokens, work.tree_value, work.waited)
+        if isinstance(work, Verify)
+        else (0, 0.0, 0)
+    )
+    weight = work.weight if isinstance(work, (Verify, CoGenerate)) else 1.0
     return Queued(
-        kind, len(work.fixed), decide, tenant, cached, held, survival, mean, ends, promised
+        kind,
+        len(work.fixed),
+        len(work.draft) + 1,
+        tenant,
+        cached,
+        held,
+        survival,
+        mean,
+        ends,
+        promised,
+        weight,
+        waited,
+        tree,
+        value,
     )
 
 
@@ -174,6 +223,9 @@ class Row:
     cut: int | None = None
     #: The draft tokens a round its session is told it may send (rationing.MAX_AHEAD: no bound).
     budget: int | None = None
+    #: A Verify's token tree rides in the row (its tokens are in ``tokens``); False: the
+    #: branches are left out (they wait for co-generation as hedges).
+    tree: bool = False
 
     @property
     def decides(self) -> bool:
@@ -234,32 +286,47 @@ def plan_step(
     fails at once with the pool full instead of waiting without bound)."""
     calls = [i for i, q in enumerate(queue) if q.kind == Kind.CALL]
     cheap = [i for i, q in enumerate(queue) if q.kind == Kind.CHEAP]
-    rounds: list[tuple[int, int]] = []  # (index, tokens)
+    rounds: list[tuple[int, int]] = []  # (index, tokens): Verify / Federate decode rounds
+    cogens: list[tuple[int, int]] = []  # co-generations
+    skipped: list[int] = []
     used = 0
 
     def fits(n: int) -> bool:
-        return len(rounds) < limits.max_sessions and used + n <= limits.max_tokens
+        rows = len(rounds) + len(cogens)
+        return rows < limits.max_sessions and used + n <= limits.max_tokens
 
-    for i, q in enumerate(queue):
-        need = q.base if limits.ration else q.row
-        if q.kind == Kind.FORWARD and not q.prefill and (not rounds or fits(need)):
-            rounds.append((i, need))
-            used += need
+    # Decode work, rounds and co-generations alike, the sessions furthest behind their rate
+    # first (pace), then in arrival order: the first always fits, and where a step cannot take
+    # every session's, those ahead wait (a co-generation left out is answered Skipped).
+    for i in by_priority(queue):
+        q = queue[i]
+        if q.kind == Kind.FORWARD and not q.prefill:
+            need = q.base if limits.ration else q.row
+            if (not rounds and not cogens) or fits(need):
+                rounds.append((i, need))
+                used += need
+        elif q.kind == Kind.COGEN:
+            if (not rounds and not cogens) or fits(q.row):
+                cogens.append((i, q.row))
+                used += q.row
+            else:
+                skipped.append(i)
     # rounds and prefills that verify an edge's draft (a prompt's credit verifies none)
     edge_rounds = sum(1 for i, _ in rounds if queue[i].decide > 1)
     size = pages.size if pages is not None else 1
-    left = pages.free - sum(queue[i].pages(n, size) for i, n in rounds) if pages else 0
+    decode = [*rounds, *cogens]
+    left = pages.free - sum(queue[i].pages(n, size) for i, n in decode) if pages else 0
     prefills = [i for i, q in enumerate(queue) if q.prefill]
     by_tenant: dict[str, int] = {}
-    for i, n in rounds:
+    for i, n in decode:
         by_tenant[queue[i].tenant] = by_tenant.get(queue[i].tenant, 0) + n
     shape = (
         (
-            len(rounds),
-            max(n for _, n in rounds),
-            max(queue[i].cached + n for i, n in rounds),
+            len(decode),
+            max(n for _, n in decode),
+            max(queue[i].cached + n for i, n in decode),
         )
-        if rounds
+        if decode
         else typical_shape
     )
     cost = (
@@ -280,7 +347,7 @@ def plan_step(
     chunks: list[tuple[int, int, int]] = []  # (index, chunk, tokens)
     for i in prefills:
         q, g = queue[i], grants.get(i, 0)
-        if g <= 0 or len(rounds) + len(chunks) >= limits.max_sessions:
+        if g <= 0 or len(decode) + len(chunks) >= limits.max_sessions:
             continue
         if pages is not None:
             room = q.fitting(max(0, left), size) if left > 0 else 0
@@ -294,20 +361,15 @@ def plan_step(
             chunks.append((i, n, n))
         used += chunks[-1][2]
     rounds, used, priced, price = _rationed(
-        queue, rounds, chunks, limits, used, overhead_tokens, active_sessions
+        queue, rounds, cogens, chunks, limits, used, overhead_tokens, active_sessions
     )
-    skipped: list[int] = []
-    for i, q in enumerate(queue):
-        if q.kind != Kind.COGEN:
-            continue
-        if (not rounds and not chunks) or fits(q.row):
-            rounds.append((i, q.row))
-            used += q.row
-            if q.survival and limits.ration:
-                # its cloud draft is not cut now; the next one is held to the budget
-                priced[i] = (None, own_budget(price, q.survival, q.mean_token))
-        else:
-            skipped.append(i)
+    rounds, used, trees = _trees(queue, rounds, limits, used, price)
+    for i, _ in cogens:
+        q = queue[i]
+        if q.survival and limits.ration:
+            # its cloud draft is not cut now; the next one is held to the budget
+            priced[i] = (None, own_budget(price, q.survival, q.mean_token, q.priority))
+    rounds += cogens
     far = bool(rounds) and any(
         not joins_rounds(queue[i].cached + n, shape[2]) for i, _, n in chunks
     )
@@ -319,7 +381,15 @@ def plan_step(
         return queue[i].pages(n, size) if pages is not None else 0
 
     rows = [
-        Row(i, queue[i].fixed, n, 0, new_pages(i, n), *priced.get(i, (None, None)))
+        Row(
+            i,
+            queue[i].fixed,
+            n,
+            pages=new_pages(i, n),
+            cut=priced.get(i, (None, None))[0],
+            budget=priced.get(i, (None, None))[1],
+            tree=i in trees,
+        )
         for i, n in rounds
     ]
     rows += [Row(i, c, n, forwards - 1, new_pages(i, n)) for i, c, n in chunks]
@@ -343,6 +413,7 @@ def plan_step(
 def _rationed(
     queue: Sequence[Queued],
     rounds: list[tuple[int, int]],
+    cogens: Sequence[tuple[int, int]],
     chunks: Sequence[tuple[int, int, int]],
     limits: BatchLimits,
     used: int,
@@ -358,10 +429,12 @@ def _rationed(
     cuttable = [(i, n) for i, n in rounds if queue[i].survival]
     if not cuttable or not limits.ration:
         return rounds, used, {}, 0.0
-    shared = active_sessions >= 2 or len(rounds) + len(chunks) >= 2
-    plain = [i for i, _ in rounds if not queue[i].survival]
+    shared = active_sessions >= 2 or len(rounds) + len(cogens) + len(chunks) >= 2
+    # rows whose draft is never cut here (co-generations among them): one token each, at least
+    plain = [i for i, _ in rounds if not queue[i].survival] + [i for i, _ in cogens]
     decided = sum(1 for i, c, _ in chunks if c == queue[i].fixed)
     mine = {i: replace(queue[i].round, key=i) for i, _ in cuttable}
+    prefill = sum(n for _, _, n in chunks)
     r = ration(
         list(mine.values()),
         used - sum(n for _, n in cuttable),
@@ -369,8 +442,20 @@ def _rationed(
         overhead if shared else float("inf"),
         limits.max_tokens,
         limits.ration_share,
-        sum(n for _, _, n in chunks),
+        prefill,
     )
+    # The price a session is told: its rounds' beside the step's rounds alone (a prompt's
+    # prefill chunk takes this step's speculative share, not every session's next batches).
+    told = r
+    if prefill:
+        told = ration(
+            list(mine.values()),
+            used - sum(n for _, n in cuttable) - prefill,
+            float(len(plain)),
+            overhead if shared else float("inf"),
+            limits.max_tokens,
+            limits.ration_share,
+        )
     out: list[tuple[int, int]] = []
     info: dict[int, tuple[int | None, int]] = {}
     for i, n in rounds:
@@ -383,8 +468,56 @@ def _rationed(
         out.append((i, n + extra))
         used += extra
         cut = k if k < len(q.survival) else None
-        info[i] = (cut, r.budget(mine[i], q.mean_token))
+        info[i] = (cut, told.budget(mine[i], q.mean_token))
     return out, used, info, r.price
+
+
+def as_planned(work: Work, row: Row) -> Work:
+    """``work`` as its ``row`` of the plan runs it: a Verify's draft cut or its batches
+    deferred where the ration left some out (:func:`~cloud_verifier.engine.work.rationed`,
+    which drops the tree too), its tree's branches left out where the plan keeps none."""
+    if not isinstance(work, Verify):
+        return work
+    if row.cut is not None:
+        return rationed(work, row.cut)
+    if work.branches and not row.tree:
+        return replace(work, branches=(), tree_value=0.0)
+    return work
+
+
+def by_priority(queue: Sequence[Queued]) -> list[int]:
+    """Queue indices, the sessions furthest behind their rate first (:attr:`Queued.priority`),
+    then in arrival order: who gets a step's room first (:mod:`cloud_verifier.session.pace`)."""
+    return sorted(range(len(queue)), key=lambda i: (-queue[i].priority, i))
+
+
+def _trees(
+    queue: Sequence[Queued],
+    rounds: list[tuple[int, int]],
+    limits: BatchLimits,
+    used: int,
+    price: float,
+) -> tuple[list[tuple[int, int]], int, set[int]]:
+    """The rounds with the token trees the step keeps, the step's tokens, and which rows carry
+    one. A round verified whole (not cut, not deferred) keeps its tree where the step prices
+    nothing (``price`` 0: an idle verifier, a lone session) or where the tree pays for its
+    tokens like a slot would: its session's weight times the tokens it is expected to add is
+    at least ``price`` per tree token; within ``max_tokens``. A tree left out costs nothing:
+    its branches wait on the verifier as hedges, for the co-generation step after a
+    rejection."""
+    out: list[tuple[int, int]] = []
+    kept: set[int] = set()
+    for i, n in rounds:
+        q = queue[i]
+        whole = q.fixed + q.decide
+        pays = price <= 0.0 or q.priority * q.tree_value >= price * q.tree
+        if q.tree and n == whole and pays and used + q.tree <= limits.max_tokens:
+            out.append((i, n + q.tree))
+            used += q.tree
+            kept.add(i)
+        else:
+            out.append((i, n))
+    return out, used, kept
 
 
 def prefill_budget(limits: BatchLimits, rounds_tokens: int, alone: bool) -> int:

@@ -116,6 +116,20 @@ class Verify(ProposeWork):
     survival: tuple[float, ...] = ()
     mean_token: float = 0.0
     promised: int = 1
+    #: The scheduler's weight of its session (:mod:`cloud_verifier.session.pace`), and how many
+    #: steps in a row the ration deferred its batches (served whole at ``pace.DEFER_BOUND``).
+    weight: float = 1.0
+    waited: int = 0
+    #: The tokens the tree's branches are expected to add to the round (the probability each
+    #: opens, times the tokens it would then commit), from the session's measured acceptance:
+    #: what the scheduler prices the tree's tokens by (:func:`~cloud_verifier.engine.
+    #: scheduler.plan_step`).
+    tree_value: float = 0.0
+    #: The edge asked no bonus (it has batches in flight behind this one) but the verifier
+    #: decides the position after a draft accepted whole anyway, as a co-generated token: its
+    #: logits row is in the forward already (:func:`~cloud_verifier.session.results.
+    #: verified_outcome`).
+    free_bonus: bool = False
 
     @property
     def tree_tokens(self) -> int:
@@ -156,6 +170,9 @@ def rationed(work: Verify, keep: int) -> Verify:
     * ``keep`` falls inside the first batch: a *cut*, with a bonus token after the kept
       tokens; the rest of the draft is void.
 
+    Either way the tree's branches are left out (they fork inside the draft the step verifies
+    whole only).
+
     Which tokens are verified depends on draft-side information and the load only, so the
     decision on them (and a bonus at a cut) is drawn from p exactly as after a shorter
     Propose."""
@@ -175,6 +192,10 @@ def rationed(work: Verify, keep: int) -> Verify:
         want_bonus=segments[-1].want_bonus if whole else True,
         branches=(),
         survival=work.survival[:keep],
+        tree_value=0.0,
+        # deferred batches follow (no bonus), or a cut's bonus voids what follows (in the
+        # Verdict): never a co-generated one
+        free_bonus=False,
     )
 
 
@@ -214,6 +235,8 @@ class CoGenerate:
     model_alpha: float | None = None
     #: Set by the model side: why it made no model draft (None: it made one, or none was asked).
     withheld: Withheld | None = None
+    #: The scheduler's weight of its session (:mod:`cloud_verifier.session.pace`).
+    weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -295,6 +318,9 @@ class Verified:
     #: Rationing: the draft tokens a round of the session may hold (Verdict.budget); None: not
     #: set.
     budget: int | None = None
+    #: A Verify's tree rode in the step's forward (False: the plan left it out; None: not
+    #: reported).
+    tree: bool | None = None
 
 
 @dataclass(frozen=True)

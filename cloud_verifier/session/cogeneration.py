@@ -92,6 +92,10 @@ class CoGeneration:
             return "hedges need co-generation (Hello.cogen_end > 0)"
         if h.pos == 0 or h.pos + 1 + len(h.draft) > max_context:
             return f"hedge at {h.pos} with {len(h.draft)} tokens outside [1, {max_context})"
+        # One per position and token: a branch sent again as it grew replaces its older version
+        # (which the newest ``max_hedges`` would otherwise spend their room on).
+        for old in [o for o in self.hedges if (o.pos, o.token) == (h.pos, h.token)]:
+            self.hedges.remove(old)
         self.hedges.append(h)
         return None
 

@@ -71,7 +71,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cloud_verifier.engine.work import (
     CoGenerate,
@@ -89,7 +89,6 @@ from cloud_verifier.engine.work import (
     Work,
     WorkProgress,
 )
-from cloud_verifier.session.acceptance import Acceptance
 from cloud_verifier.session.cogeneration import CoGeneration, TokenCounts
 from cloud_verifier.session.events import (
     CLOSE_INTERNAL_ERROR,
@@ -107,9 +106,11 @@ from cloud_verifier.session.events import (
 from cloud_verifier.session.limits import SessionLimits, TargetInfo, context_limit
 from cloud_verifier.session.liveness import Liveness
 from cloud_verifier.session.opening import read_frame, read_hello, wire_context
+from cloud_verifier.session.pace import PaceMeter
 from cloud_verifier.session.proposals import Known, coalesce, match, misplaced
 from cloud_verifier.session.results import reported, verified_outcome
 from shared.errors import ErrorCode
+from shared.maths.acceptance import Acceptance
 from shared.wire.messages import (
     MAX_BUDGET,
     SEQ_MODULUS,
@@ -185,8 +186,13 @@ class VerifierCore:
         self._acceptance = Acceptance()
         #: The draft budget the edge was last told (Verdict.budget; it starts unbounded).
         self.budget = MAX_BUDGET
-        #: Batches the ration deferred to a later step (queued again).
+        #: Batches the ration deferred to a later step (queued again), and in how many steps
+        #: in a row (the scheduler serves the round whole at pace.DEFER_BOUND).
         self.deferred = 0
+        self._waited = 0
+        #: The rate this session has attained against the one it is owed (the scheduler's
+        #: weight of its work).
+        self.pace = PaceMeter(limits.service_rate)
         self._now = 0.0  # the ``now`` of the input being handled
         self.resumed = 0  # tokens of a lost session's cache this session started from
 
@@ -409,6 +415,7 @@ class VerifierCore:
             return self._bad(code, why)
         self._pending = None
         self.cogen.proposed(p)
+        self.pace.start(self._now, p.pos + len(p.fixed))
         if federated:
             return self._start(Federate(p))
         return self._match(p)
@@ -435,20 +442,47 @@ class VerifierCore:
             self.expected_seq = (more[-1].seq + 1) % SEQ_MODULUS
         branches = self.cogen.branches(p, more, self.hello, self.max_context)
         # Rationing: each draft token's survival, from the draft's probabilities of the tokens
-        # before it and this session's measured acceptance (never a tree's row: not cut).
+        # before it and this session's measured acceptance; a tree's branches are priced by
+        # what they are expected to add.
         q = [float(x) for s in (p, *more) for x in s.q.tolist()]
-        survival = () if branches else self._acceptance.survival(q)
+        asked = (more[-1] if more else p).want_bonus or self.hello.bonus
+        free = not asked and self._free_bonus(more[-1] if more else p)
+        acc = self._acceptance
         return self._start(
             Verify(
                 p,
-                (more[-1] if more else p).want_bonus or self.hello.bonus,
+                asked or free,
                 more,
                 matched=nd,
                 branches=branches,
-                survival=survival,
-                mean_token=self._acceptance.token(self._acceptance.q_mean),
+                survival=acc.survival(q),
+                mean_token=acc.token(acc.q_mean),
                 promised=self.budget,
+                weight=self.pace.weight(self._now, len(self.text)),
+                waited=self._waited,
+                tree_value=acc.tree_value(q, [(b.at, len(b.draft)) for b in branches]),
+                free_bonus=free,
             )
+        )
+
+    def _free_bonus(self, last: Propose) -> bool:
+        """Should a Verify whose edge asked no bonus (it has batches in flight behind) decide
+        the position after its draft (``last`` its last segment) anyway, as a co-generated
+        token, should the draft be accepted whole? Where co-generation may write that position
+        (within ``cogen_end``, the context and ``max_cogen_ahead``) and no log-probabilities
+        are asked (a Generated frame carries none). Its logits row is in the forward already;
+        the edge takes the token as a co-generated one: a batch in flight that agrees stands,
+        one that differs is rejected there at no model cost (exact as co-generation is: which
+        rule decides that position is fixed before its randomness is drawn)."""
+        assert self.hello is not None
+        end = last.pos + len(last.fixed) + len(last.draft)
+        limit = min(self.hello.cogen_end, self.max_context)
+        return (
+            len(last.draft) > 0  # a round of drafts (a credit asks for its bonus itself)
+            and self.cogen.on
+            and self.hello.logprobs is None
+            and self.limits.max_cogen_ahead > 0
+            and end < limit
         )
 
     def _new_epoch(self) -> None:
@@ -464,7 +498,9 @@ class VerifierCore:
         assert self.hello is not None
         end = min(self.hello.cogen_end, self.max_context)
         work = self.cogen.next_work(self.text, self.cache_len, self.budget, end)
-        return [] if work is None else self._start(work)
+        if work is None:
+            return []
+        return self._start(replace(work, weight=self.pace.weight(self._now, len(self.text))))
 
     def _hedge(self, h: Hedge) -> list[Event]:
         """Keep a side draft (no reply, no model work)."""
@@ -533,6 +569,13 @@ class VerifierCore:
         (:func:`~cloud_verifier.session.results.verified_outcome`)."""
         o = verified_outcome(work, result, self.budget)
         self._acceptance.observe(work.q[: o.verified].tolist(), result.decision.accepted)
+        d = result.decision
+        if work.branches and d.token is not None and d.accepted < o.verified:
+            # a rejection where branches forked: did its correction open one (tree or hedge)?
+            forked = [b for b in work.branches if b.at == d.accepted]
+            if forked:
+                self._acceptance.observe_branches(any(b.token == d.token for b in forked))
+        self._waited = self._waited + 1 if o.requeue else 0
         self.text[work.propose.pos :] = o.text
         self.edge_ahead = o.edge_ahead
         self.cache_len, self.next_pos = o.cache_len, o.next_pos
@@ -556,6 +599,11 @@ class VerifierCore:
             self.text += o.opened
             self.tokens += TokenCounts(tree=len(o.opened) - 1)
             out += [Send(Generated(self.epoch, pos + i, t)) for i, t in enumerate(o.opened)]
+        if o.cogenerated is not None:
+            # The free bonus (Verify.free_bonus): a co-generated token at the accepted end.
+            self.text.append(o.cogenerated)
+            self.tokens += TokenCounts(cogen=1)
+            out.append(Send(Generated(self.epoch, len(self.text) - 1, o.cogenerated)))
         return out
 
     def _cogen_done(self, work: CoGenerate, result: Verified) -> list[Event]:

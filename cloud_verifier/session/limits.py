@@ -45,8 +45,9 @@ class SessionLimits:
     #: beyond the end of the last Propose it received (a silent edge holds at most this much
     #: model work); 0 = never co-generate.
     max_cogen_ahead: int = 64
-    #: Hedges (side drafts for likely rejection points) kept per session, the newest.
-    max_hedges: int = 8
+    #: Hedges (side drafts for likely rejection points) kept per session, the newest (one per
+    #: position and token: a newer version of a branch replaces the older).
+    max_hedges: int = 16
     #: Token trees: a Verify also verifies, in the same forward (a tree row), the hedges that
     #: fork inside its draft, up to this many tree tokens in all (each branch's token and its
     #: draft); 0 = off (hedges then wait for co-generation after the rejection). Only where the
@@ -69,6 +70,9 @@ class SessionLimits:
     #: Progress frames (Hello.progress): at most one per this many seconds, the first once the
     #: session's model work has waited this long.
     progress_interval_s: float = 1.0
+    #: The service level every session is owed, tokens/s (:mod:`cloud_verifier.session.pace`):
+    #: the scheduler serves first the sessions furthest below it; 0 = every session weighs 1.
+    service_rate: float = 5.0
 
 
 @dataclass(frozen=True)

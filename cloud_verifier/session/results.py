@@ -62,6 +62,9 @@ class VerifiedOutcome:
     pending: bool = False  # a rejection whose p row the model side kept (a Resample draws on it)
     budget: int | None = None  # the draft budget the edge is told now (None: unchanged)
     requeue: tuple[Propose, ...] = ()  # deferred batches, to be queued again first, as they came
+    #: The free bonus (Verify.free_bonus): the token after a draft accepted whole, committed by
+    #: the verifier as a co-generated one (a Generated frame after the Verdicts), not in them.
+    cogenerated: int | None = None
 
 
 def verified_outcome(work: Verify, result: Verified, budget: int) -> VerifiedOutcome:
@@ -111,6 +114,10 @@ def verified_outcome(work: Verify, result: Verified, budget: int) -> VerifiedOut
             o.text.append(d.token)  # the verifier's own recovered token
         else:
             o.edge_ahead = True  # the edge draws it
+    elif d.bonus is not None and work.free_bonus and not cut and not later:
+        # The edge asked none (batches of it are in flight behind): the verifier commits it
+        # itself, as a co-generated token, which they are matched against.
+        o.cogenerated = d.bonus
     elif d.bonus is not None:
         # A bonus token is committed by the edge and comes back as a fixed token.
         o.text.append(d.bonus)
@@ -136,7 +143,7 @@ def verified_outcome(work: Verify, result: Verified, budget: int) -> VerifiedOut
             sparse=d.sparse,
             candidates=d.candidates,
             token=d.token,
-            bonus=d.bonus,
+            bonus=None if o.cogenerated is not None else d.bonus,
             cached=cached,
             budget=told,
         )

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from cloud_verifier.engine.rationing import Round, ration
-from cloud_verifier.session.acceptance import Acceptance
 from shared.maths import compression as C
+from shared.maths.acceptance import Acceptance
 from shared.maths.rejection import (
     CorrectionMode,
     Decision,

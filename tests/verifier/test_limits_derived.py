@@ -58,6 +58,7 @@ CHANGED = {
     "prefix_cache": PrefixCache.GLOBAL,
     "prefill_chunk": 64,
     "prefill_share": 0.5,
+    "service_rate": 10.0,
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 from cloud_verifier.engine.rationing import MAX_AHEAD, Round, ration
 from cloud_verifier.engine.scheduler import BatchLimits, Kind, Queued, plan_step
 from cloud_verifier.engine.work import Verify, batch_ends, deferred, rationed
-from cloud_verifier.session.acceptance import Acceptance
+from shared.maths.acceptance import Acceptance
 from shared.wire.messages import Propose
 
 pytestmark = pytest.mark.fast

@@ -55,7 +55,8 @@ def rows(plan: StepPlan) -> list[tuple[int, int, int]]:
         ([fwd(0)] * 4, [(0, 0, 5), (1, 0, 5), (2, 0, 5)]),
         # tokens within max_tokens (the oldest always fits)
         ([fwd(60), fwd(50), fwd(10)], [(0, 60, 65), (2, 10, 15)]),
-        # co-generation joins in the room left, after the rounds; skipped when there is none
+        # co-generation is decode work like a round: in the step by its session's weight,
+        # then in arrival order (pace), rows listed rounds first
         ([cogen(), fwd(0), fwd(0)], [(1, 0, 5), (2, 0, 5), (0, 0, 1)]),
         # alone, a co-generation always runs
         ([cogen(0, 200)], [(0, 0, 200)]),
@@ -66,8 +67,17 @@ def test_rounds(queue: list[Queued], expect: list[tuple[int, int, int]]) -> None
 
 
 def test_cogen_without_room_is_skipped() -> None:
+    # sessions alike: arrival order, the co-generation queued last finds no room
+    plan = plan_step([fwd(0), fwd(0), fwd(0), cogen()], LIM)
+    assert plan.skipped == (3,) and [r.index for r in plan.rows] == [0, 1, 2]
+    # queued first, it takes its room and the last round waits for the next step
     plan = plan_step([cogen(), fwd(0), fwd(0), fwd(0)], LIM)
-    assert plan.skipped == (0,) and [r.index for r in plan.rows] == [1, 2, 3]
+    assert plan.skipped == () and sorted(r.index for r in plan.rows) == [0, 1, 2]
+    assert 3 not in plan.taken
+    # a co-generation for a session behind its rate goes before rounds of sessions ahead
+    late = replace(cogen(), weight=2.0)
+    plan = plan_step([fwd(0), fwd(0), fwd(0), late], LIM)
+    assert plan.skipped == () and sorted(r.index for r in plan.rows) == [0, 1, 3]
 
 
 def test_calls_run_before_the_step_whatever_is_queued() -> None:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from cloud_verifier.engine.targets import NullTarget, TorchTarget
-from cloud_verifier.engine.work import Branch, Verified, Verify
+from cloud_verifier.engine.work import Branch, CoGenerate, Verified, Verify
+from cloud_verifier.session.pace import DEFER_BOUND, MAX_WEIGHT, MIN_WEIGHT
 from shared.maths.rejection import CorrectionMode
 from shared.maths.sampling import SamplingParams, transform
 from shared.runtime.batched_lm import Row
@@ -150,7 +151,14 @@ async def test_trees_keep_the_joint_law_of_two_tokens() -> None:
     target's joint law (chi-square over V² cells); branches open and are accepted and rejected."""
     v, n, chunk = 8, 6000, 200
     null = NullTarget(v)
-    engine = await _engine(null, slots=chunk, max_batch_sessions=chunk, kv_tokens=chunk * 32)
+    # every row's tree fits the step (a tree the step has no room for is left out)
+    engine = await _engine(
+        null,
+        slots=chunk,
+        max_batch_sessions=chunk,
+        max_batch_tokens=chunk * 32,
+        kv_tokens=chunk * 32,
+    )
     params = SamplingParams(temperature=1.0)
     rows = null._rows.numpy()
     fixed = 5
@@ -198,4 +206,92 @@ async def test_trees_keep_the_joint_law_of_two_tokens() -> None:
     pv = chi_square_pvalue(np.array(out), joint)
     assert pv > ALPHA, f"chi-square p-value {pv:.2e}"
     assert opened > n // 10 and 0 < accepted_in_branch < opened
+    engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)],
+    ids=["T=1", "T=0.7,top-p=0.9"],
+)
+async def test_steps_ordered_by_pace_with_trees_keep_the_joint_law_of_two_tokens(
+    params: SamplingParams,
+) -> None:
+    """The scheduler's new order through the engine: sessions of random weights (some starved
+    for the deferral bound) queued together beyond what a step takes, their rounds cuttable,
+    each with a branch at every alternative of both draft positions, on steps with room for
+    the trees of some rows only (the rest verify their chain alone, their branches left for a
+    co-generation). Whichever of chain, tree branch, cut, or a co-generation after a rejection
+    gives the first two committed tokens, they have the target's joint law (chi-square over V²
+    cells), at T = 1 and at T = 0.7 with top-p 0.9; trees both ride and are left out."""
+    v, n, chunk = 8, 6000, 200
+    null = NullTarget(v)
+    engine = await _engine(
+        null,
+        slots=chunk,
+        max_batch_sessions=chunk // 2,  # two steps: who goes first is the scheduler's order
+        max_batch_tokens=chunk // 2 * 4 + 40 * 21,  # trees for about 40 rows a step
+        kv_tokens=chunk * 32,
+    )
+    rows = null._rows.numpy()
+    fixed = 5
+    p1 = transform(rows[(fixed * 31) % len(rows)], params)
+
+    def p2(a: int) -> np.ndarray:
+        return transform(rows[(a * 31 + 1) % len(rows)], params)
+
+    joint = np.concatenate([p1[a] * p2(a) for a in range(v)])
+    x1 = int(np.argmax(p1))
+    x2 = int(np.argmax(p2(x1)))
+    branches = tuple(
+        Branch(0, y, np.array([int(np.argmax(p2(y)))], np.int64)) for y in range(v) if y != x1
+    ) + tuple(Branch(1, y, np.zeros(0, np.int64)) for y in range(v) if y != x2)
+    rng = np.random.default_rng(7)
+    out: list[int] = []
+    opened = unbranched = 0
+    for c0 in range(0, n, chunk):
+        slots = _open_many(engine, null, params, c0, chunk, correction=CorrectionMode.GREEDY_DRAFT)
+        works = [
+            Verify(
+                _propose([fixed], [x1, x2], 0),
+                want_bonus=False,
+                branches=branches,
+                survival=(0.7, 0.5),
+                mean_token=0.7,
+                weight=float(rng.uniform(MIN_WEIGHT, MAX_WEIGHT)),
+                waited=DEFER_BOUND if rng.random() < 0.1 else 0,
+                # half pay for their trees whatever the step's price, half for none
+                tree_value=100.0 if rng.random() < 0.5 else 0.0,
+            )
+            for _ in slots
+        ]
+        jobs = [lambda s=s, w=w: engine.run(s, w) for s, w in zip(slots, works, strict=True)]
+        for slot, o in zip(slots, await _together(engine, jobs), strict=True):
+            assert isinstance(o.result, Verified)
+            d, br = o.result.decision, o.result.branch
+            if d.accepted == 2:
+                pair = [x1, x2]
+            elif d.accepted == 1:
+                pair = [x1, int(d.token if d.token is not None else d.bonus)]  # type: ignore[arg-type]
+            elif br is not None:
+                opened += 1
+                b, bd = branches[br.index], br.decision
+                first = (
+                    b.draft[0] if bd.accepted else (bd.token if bd.token is not None else bd.bonus)
+                )
+                pair = [int(d.token), int(first)]  # type: ignore[arg-type]
+            else:
+                # rejected at the first token with no tree in the row: the next token is a
+                # co-generation's (as the hedge's way would decide it, here with no draft)
+                unbranched += 1
+                token = int(d.token)  # type: ignore[arg-type]
+                c = await engine.run(slot, CoGenerate(o.result.cache_len or 1, np.array([token])))
+                assert isinstance(c.result, Verified) and c.result.decision.bonus is not None
+                pair = [token, int(c.result.decision.bonus)]
+            out.append(pair[0] * v + pair[1])
+        for slot in slots:
+            engine.release(slot)
+    pv = chi_square_pvalue(np.array(out), joint)
+    assert pv > ALPHA, f"chi-square p-value {pv:.2e}"
+    assert opened > n // 20 and unbranched > n // 20, (opened, unbranched)
     engine.shutdown()

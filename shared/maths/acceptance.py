@@ -1,5 +1,8 @@
-"""One session's measured acceptance of its draft tokens and the survival estimates that
-rationing ranks draft slots by (:mod:`cloud_verifier.engine.rationing`). Pure.
+"""One session's measured acceptance of its draft tokens, and what both ends read from it:
+on the verifier, the survival estimates that rationing ranks draft slots by
+(:mod:`cloud_verifier.engine.rationing`) and what a token tree's branches are expected to add
+(what the scheduler prices a tree by); on the edge, how likely each outcome of a batch in
+flight is (:mod:`edge_agent.session.branch_plan`: where a branch is drafted). Pure.
 
 Slot i of a round's draft (0-based, token x_i) is worth s_i, the estimated probability that it
 is reached and accepted: s_i = α · Π_{j<i} â(q_j), with α the session's measured acceptance
@@ -23,17 +26,22 @@ _A_MAX: Final = 0.98
 _DECAY: Final = 0.98
 _PRIOR_ALPHA: Final = 0.7
 _PRIOR_COUNT: Final = 4.0
+#: The prior share of a session's rejections at a branched position that open a branch.
+_PRIOR_OPEN: Final = 0.5
 
 
 class Acceptance:
     """One session's measured acceptance of its draft tokens (decayed counts with a prior),
-    owned by its :class:`~cloud_verifier.session.core.VerifierCore`: α and q̄ of the module
-    docstring."""
+    owned by its :class:`~cloud_verifier.session.core.VerifierCore` (and, on the edge, by its
+    :class:`~edge_agent.session.branches.BranchBook`): α and q̄ of the module docstring."""
 
     def __init__(self) -> None:
         self._reached = _PRIOR_COUNT
         self._accepted = _PRIOR_ALPHA * _PRIOR_COUNT
         self._q_sum = _PRIOR_ALPHA * _PRIOR_COUNT  # q of reached tokens (prior: q̄ = α, â(q) = q)
+        # rejections where a branch forked (tree or hedge), and those a branch opened
+        self._branched = _PRIOR_COUNT
+        self._opened = _PRIOR_OPEN * _PRIOR_COUNT
 
     def observe(self, q: Sequence[float], accepted: int) -> None:
         """A round's decision: draft tokens with probabilities ``q`` were verified, the first
@@ -66,3 +74,34 @@ class Acceptance:
             out.append(reach * self.alpha)
             reach *= self.token(float(qi))
         return tuple(out)
+
+    def observe_branches(self, opened: bool) -> None:
+        """A rejection at a position where a branch of the edge's forked: whether the
+        recovered token opened one (a tree branch taken, or a hedge that matched)."""
+        self._branched = _DECAY * self._branched + 1.0
+        self._opened = _DECAY * self._opened + float(opened)
+
+    @property
+    def open_rate(self) -> float:
+        """The share of rejections at a branched position whose correction opens a branch."""
+        return self._opened / self._branched
+
+    def tree_value(self, q: Sequence[float], branches: Sequence[tuple[int, int]]) -> float:
+        """The tokens a tree's branches are expected to add to a round whose draft tokens have
+        probabilities ``q``: each branch, forking at draft index ``at`` with ``n`` draft
+        tokens after its own, opens when the chain reaches ``at`` and rejects there and the
+        correction is its token (the session's :attr:`open_rate` of such rejections), and then
+        commits its token and the accepted prefix of its draft (each accepted at â of an
+        average token). Reads the draft's probabilities only, never the target's."""
+        reach, reached = 1.0, []
+        for qi in q:
+            reached.append(reach)
+            reach *= self.token(float(qi))
+        a = self.token(self.q_mean)
+        value = 0.0
+        for at, n in branches:
+            if not 0 <= at < len(q):
+                continue
+            rejected = reached[at] * (1.0 - self.token(float(q[at])))
+            value += rejected * self.open_rate * (1.0 + sum(a ** (j + 1) for j in range(n)))
+        return value
