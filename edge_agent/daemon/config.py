@@ -246,14 +246,32 @@ class EdgeSettings:
         8,
         min=0,
         max=64,
-        help="outcome pre-drafting: branches prepared while the pipeline is full, each γ tokens "
-        "after the draft's second choice where a rejection is likeliest in flight; a rejection "
-        "whose correction opens one sends it at once; 0 = off",
+        help="outcome pre-drafting: branches prepared at once, each γ tokens after a likely "
+        "correction (the draft's runner-ups where a rejection is likely, by its confidence and "
+        "this session's measured acceptance), grown in the same batched draft step as each "
+        "batch and while the pipeline is full; a rejection whose correction opens one sends it "
+        "at once; 0 = off",
+    )
+    branch_floor: float = setting(
+        0.02,
+        min=0.0,
+        max=0.99,
+        help="outcome pre-drafting: no branch for a correction less likely than this to be "
+        "the next one (where the draft is sure, nothing is drafted)",
     )
     tree: bool = setting(
-        False,
-        help="token trees: the prepared branches also go to the verifier as they grow, to be "
-        "verified in the forward of the batch they fork from (tree mask); needs predraft",
+        True,
+        help="token trees: the prepared branches also go to the verifier as they grow, ridden "
+        "in the forward of the batch they fork from where its step has room, else verified in "
+        "the co-generation step after a rejection there: no round trip either way (greedy "
+        "decoding or the greedy_draft correction); needs predraft",
+    )
+    branch_uplink: int = setting(
+        256,
+        min=0,
+        max=1 << 20,
+        help="token trees: the bytes of branch frames sent per batch sent, on average (unspent "
+        "bytes carry over up to four batches' worth); 0 = no bound",
     )
     mode: Mode = setting(
         Mode.PIPELINED,
@@ -474,7 +492,9 @@ class EdgeSettings:
             cogen=self.cogen,
             hedge=self.hedge,
             predraft=self.predraft,
+            branch_floor=self.branch_floor,
             tree=self.tree,
+            branch_uplink=self.branch_uplink,
             mode=pick(r.mode, self.mode),
             correction=pick(r.correction, self.correction),
             reconstruction=self.reconstruction,

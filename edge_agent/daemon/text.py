@@ -136,6 +136,11 @@ def result_json(
         "uplink_bytes": st.uplink_bytes,
         "downlink_bytes": st.downlink_bytes,
         "uplink_bytes_per_round": ratio(st.uplink_bytes, st.proposes_sent, 2),
+        # Token trees: the branch frames sent (their bytes are part of uplink_bytes), and those
+        # held back for the branch uplink budget (branch_uplink).
+        "branch_frames": st.hedges_sent,
+        "branch_bytes": st.hedge_bytes,
+        "branch_frames_held": st.branch_frames_held,
         # (federated rounds carry distributions in every reply, not corrections on rejection)
         "downlink_bytes_per_rejection": (
             ratio(st.downlink_rejection_bytes, st.rejections, 2) if gen.federation is None else None

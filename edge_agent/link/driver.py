@@ -22,9 +22,9 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from edge_agent.model.drafter import BranchDrafting, DraftModel, DraftRow
+from edge_agent.model.drafter import BranchDrafting, DraftModel, DraftRow, DraftStep
 from edge_agent.model.tasks import ModelWorker, run_until_first_done
-from edge_agent.session.branches import NO_RIVAL, HedgePlan, PredraftPlan, Rival
+from edge_agent.session.branches import NO_RIVAL, Growing, HedgePlan, PendingBatch, Rival
 from edge_agent.session.core import SingleCore
 from edge_agent.session.drafting import DraftingCore
 from edge_agent.session.events import (
@@ -170,52 +170,54 @@ async def _draft_hedge(
     return out
 
 
-#: A branch goes to the verifier (PipelineConfig.tree) when it reaches each of these lengths,
-#: and when its drafting stops: early enough to ride in the forward of the batch it forks from,
-#: and again as it grows (the verifier takes a branch's newest version).
-TREE_SENDS = frozenset({1, 2, 4, 8, 16, 32, 64})
+def _branch_row(core: DraftingCore, g: Growing) -> DraftRow:
+    """The draft step that grows branch ``g`` (its rival too: branches of a branch)."""
+    det = g.pp.deterministic
+    return DraftRow([*g.pp.context, g.pp.token, *g.draft], core.cfg.sampling, core.rng, det, True)
+
+
+def _grow(
+    core: DraftingCore,
+    growing: list[Growing],
+    steps: list[DraftStep],
+    grown: Callable[[list[EdgeEvent]], None] | None,
+) -> None:
+    """Add each branch's step (``steps`` in ``growing``'s order) and hand what that sends
+    (token trees: :meth:`~edge_agent.session.core.SingleCore.grew`) to ``grown``."""
+    for g, step in zip(growing, steps, strict=True):
+        if not core.branch_open(g):
+            continue  # a verdict came while the step ran: this branch is void or done
+        g.add(step.token, step.q, step.rival or NO_RIVAL, step.prob)
+        events = core.grew(g)
+        if grown is not None:
+            grown(events)
 
 
 async def _predraft(
     core: DraftingCore,
     drafter: DraftModel,
     worker: ModelWorker,
-    send: Callable[[PredraftPlan, list[int]], None] | None = None,
+    grown: Callable[[list[EdgeEvent]], None] | None = None,
 ) -> bool:
-    """Prepare outcomes (:meth:`~edge_agent.session.branches.BranchBook.predraft_plan`): as many as
-    the budget leaves room for, stepped together in one batched forward a step where the draft
-    can (:class:`~edge_agent.model.drafter.BranchDrafting`), else one; stop as soon as the pipeline
+    """Grow prepared outcomes while the pipeline is full (:meth:`~edge_agent.session.drafting.
+    DraftingCore.branch_rows`): as many at once as one batched step takes where the draft can
+    (:class:`~edge_agent.model.drafter.BranchDrafting`), else one; stop as soon as the pipeline
     has room again (a verdict came: the next batch comes first, and may be one of these, as
-    far as it got); keep what was drafted. With ``send`` (token trees), each branch also goes
-    to the verifier as it grows (:data:`TREE_SENDS`) and once it stops. Returns whether any
-    outcome was planned."""
+    far as it got). Returns whether any branch grew."""
     many = drafter if isinstance(drafter, BranchDrafting) else None
-    room = core.branch_room()
-    budget = min(room, many.branch_batch) if many is not None else 1
-    growing = core.plan_branches(budget)
-    while (active := [g for g in growing if core.branch_open(g)]) and not core.may_draft():
-        det = active[0].pp.deterministic
-        rows = [
-            DraftRow(
-                [*g.pp.context, g.pp.token, *g.draft], core.cfg.sampling, core.rng, det, rival=True
-            )
-            for g in active
-        ]
+    room = many.branch_batch if many is not None else 1
+    any_grew = False
+    while not core.may_draft() and (active := core.branch_rows(room)):
+        rows = [_branch_row(core, g) for g in active]
         if many is not None:
             steps = await worker.run(many.draft_many, rows)
         else:
             steps = [await worker.run(drafter.draft, rows[0])]
             active = active[:1]
-        for g, step in zip(active, steps, strict=True):
-            g.add(step.token, step.q, step.rival or NO_RIVAL, step.prob)
-            if send is not None and len(g.draft) in TREE_SENDS:
-                send(g.pp, list(g.draft))
-    for g in growing:
-        if send is not None and g.draft and len(g.draft) not in TREE_SENDS:
-            send(g.pp, list(g.draft))
-        for count in core.add_branch(g):
-            core.gen.stats.apply(count)
-    return bool(growing)
+        _grow(core, active, steps, grown)
+        any_grew = True
+    core.settle_branches()
+    return any_grew
 
 
 async def draft_loop(
@@ -225,19 +227,25 @@ async def draft_loop(
     signal: Signal,
     submit: Callable[[DraftPlan, list[int], list[Probs], list[Rival]], None],
     hedge: Callable[[HedgePlan, list[int]], None] | None = None,
-    branch: Callable[[PredraftPlan, list[int]], None] | None = None,
+    grown: Callable[[list[EdgeEvent]], None] | None = None,
 ) -> None:
     """Draft batches while the generation runs; ``submit`` hands each to the core and writes
-    its frames. Waiting for room (backpressure, stop-and-wait) is counted as drafter idle time;
-    it is first spent preparing outcomes (``BranchBook.predraft_plan``: a batch that a rejection
-    opens is then sent at once, ``BranchBook.take_branch``), then, with ``hedge``, drafting hedges
-    (``BranchBook.hedge_plan``); ``branch`` sends prepared branches to the verifier as they grow
-    (token trees)."""
+    its frames. Outcome pre-drafting (``cfg.predraft``): each draft step also grows the
+    prepared branches (:meth:`~edge_agent.session.drafting.DraftingCore.branch_rows`: where a
+    rejection is likely, the batch being drafted's positions included) in the same batched
+    forward, beside the batch (:class:`~edge_agent.model.drafter.BranchDrafting`: up to
+    ``branch_batch`` rows, the batch's one of them), and while the pipeline is full they grow
+    alone; a batch that a rejection opens is then sent at once
+    (``BranchBook.take_branch``). With ``hedge``, the pipeline's idle time then drafts hedges
+    (``BranchBook.hedge_plan``). ``grown`` carries out what a grown branch sends (token
+    trees). Waiting for room (backpressure, stop-and-wait) is counted as drafter idle time."""
     gen, cfg = core.gen, core.cfg
     want_rival = (hedge is not None and cfg.hedge > 0) or cfg.predraft > 0
+    many = drafter if isinstance(drafter, BranchDrafting) and cfg.predraft else None
+    beside = many.branch_batch - 1 if many is not None else 0
     while not gen.done:
         if not core.may_draft():
-            if cfg.predraft and await _predraft(core, drafter, worker, branch):
+            if cfg.predraft and await _predraft(core, drafter, worker, grown):
                 continue
             hp = core.hedge_plan() if hedge is not None else None
             if hedge is not None and hp is not None:
@@ -254,7 +262,16 @@ async def draft_loop(
             row = DraftRow(
                 plan.context + draft, cfg.sampling, core.rng, plan.deterministic, want_rival
             )
-            step = await worker.run(drafter.draft, row)
+            pending = PendingBatch(len(plan.context), list(draft), list(rivals))
+            branches = core.branch_rows(beside, pending) if beside else []
+            if many is not None and branches:
+                steps = await worker.run(
+                    many.draft_many, [row, *(_branch_row(core, g) for g in branches)]
+                )
+                step = steps[0]
+                _grow(core, branches, steps[1:], grown)
+            else:
+                step = await worker.run(drafter.draft, row)
             core.on_draft_step(time.perf_counter() - t0)
             if not core.current(plan, [*draft, step.token]):
                 break  # a rejection (or a differing co-generated token) voided this batch
@@ -337,11 +354,11 @@ async def run_single(
     def hedge(hp: HedgePlan, draft: list[int]) -> None:
         carry_out(core.hedge(hp, draft))
 
-    def branch(pp: PredraftPlan, draft: list[int]) -> None:
-        # A branch is optional: it never takes the room kept for batches and control frames
-        # (a link that drains slowly gets fewer branches, never a full queue).
-        if io.room() > core.cfg.send_queue_bound - core.cfg.tree_frames:
-            carry_out(core.tree_branch(pp, draft))
+    def grown(events: list[EdgeEvent]) -> None:
+        # A branch frame is optional: it never takes the room kept for batches and control
+        # frames (a link that drains slowly gets fewer branches, never a full queue).
+        room = io.room() > core.cfg.send_queue_bound - core.cfg.tree_frames
+        carry_out([e for e in events if room or not isinstance(e, Send)])
 
     carry_out(core.opened())
     if core.gen.done:
@@ -362,7 +379,7 @@ async def run_single(
         (
             credit_loop(core, signal, carry_out)
             if drafter is None
-            else draft_loop(core, drafter, worker, signal, submit, hedge, branch)
+            else draft_loop(core, drafter, worker, signal, submit, hedge, grown)
         ),
         reader(),
         io.writer(),

@@ -5,14 +5,13 @@ steps (:meth:`~edge_agent.model.drafter.Drafter.draft`) come here instead of str
 worker. While a batch runs on the worker, the steps that arrive wait; the next batch takes all
 of them (up to ``max_rows``), in arrival order, as one
 :meth:`~edge_agent.model.drafter.Drafter.draft_many` forward. Each generation has at most one step
-outstanding (its drafter awaits each step), so every generation gets one row of every batch it
-waits for: fair by construction, and a lone generation's steps go at once, unbatched.
+outstanding (its drafter awaits each step), so every generation gets its rows into every batch
+it waits for: fair by construction, and a lone generation's steps go at once, unbatched.
 
-Every other call on the worker (pre-drafted branches, prefix lookups) waits here too, in
-arrival order, and runs only when no draft step waits: a generation's next batch never queues
-behind another's speculative work (pre-drafting fills the drafter's idle time, and with several
-generations there is less of it). A batch that fails is retried row by row, so one generation's
-error (a full context, say) is its own.
+A generation's step with the branches growing beside it (``draft_many`` of its row and theirs)
+comes here as that many steps, queued in order. Every other call on the worker (prefix
+lookups) waits here too, in arrival order, and runs only when no draft step waits. A batch that
+fails is retried row by row, so one generation's error (a full context, say) is its own.
 """
 
 from __future__ import annotations
@@ -51,10 +50,18 @@ class BatchingWorker(ModelWorker):
         self.rows = 0
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        # (``drafter.draft(row)`` itself, bound to this drafter: a generation's draft step)
-        if getattr(fn, "__self__", None) is self.drafter and getattr(fn, "__name__", "") == "draft":
+        # (``drafter.draft(row)`` itself, bound to this drafter: a generation's draft step; and
+        # ``drafter.draft_many(rows)``: a generation's step with the branches growing beside
+        # it, its rows queued as as many steps, in order)
+        mine = getattr(fn, "__self__", None) is self.drafter
+        name = getattr(fn, "__name__", "")
+        if mine and name == "draft":
             step: Any = await self._step(*args, **kwargs)
             return step  # type: ignore[no-any-return]
+        if mine and name == "draft_many":
+            rows: list[DraftRow] = list(*args, **kwargs)
+            steps: Any = list(await asyncio.gather(*(self._step(r) for r in rows)))
+            return steps  # type: ignore[no-any-return]
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._calls.append((functools.partial(fn, *args, **kwargs), fut))
         self._wake()

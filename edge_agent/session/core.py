@@ -57,7 +57,7 @@ from typing import Final
 
 import numpy as np
 
-from edge_agent.session.branches import HedgePlan, PredraftPlan, Rival
+from edge_agent.session.branches import Growing, HedgePlan, PredraftPlan, Rival
 from edge_agent.session.drafting import DraftingCore
 from edge_agent.session.events import Counter, EdgeEvent, Fail, Send
 from edge_agent.session.generation import Generation, TokenSource
@@ -78,6 +78,7 @@ from edge_agent.session.verifier_link import VerifierLink
 from shared.enums import TextEnum
 from shared.maths.rejection import CorrectionMode, Decision, recover, try_candidates
 from shared.maths.sampling import Probs
+from shared.wire.codec import encode
 from shared.wire.messages import (
     Candidates,
     Generated,
@@ -90,6 +91,11 @@ from shared.wire.messages import (
     Welcome,
 )
 from shared.wire.packing import ProtocolError, WireContext
+
+#: A prepared branch goes to the verifier (PipelineConfig.tree) when it reaches each of these
+#: lengths, and when it stops growing: early enough to ride in the forward of the batch it forks
+#: from, and again as it grows (the verifier keeps a branch's newest version).
+TREE_SENDS: Final = frozenset({1, 2, 4, 8, 16, 32, 64})
 
 #: Cloud-only sessions: tokens received between credits (the verifier may co-generate its
 #: ``max_cogen_ahead`` past the last credit, 64 by default, so it never waits on one).
@@ -161,6 +167,9 @@ class SingleCore(DraftingCore):
         #: When its first Progress before the Welcome came (it waits in the admission line).
         self._queued_at: float | None = None
         self._credited: int | None = None  # the committed length at the last credit
+        #: Token trees: the bytes of branch frames the session may still send
+        #: (PipelineConfig.branch_uplink a batch sent, up to four batches' worth).
+        self._branch_credit = float(cfg.branch_uplink)
 
     def opened(self) -> list[EdgeEvent]:
         """What the session's opening reports (the tokens a resumed session's verifier kept):
@@ -217,6 +226,8 @@ class SingleCore(DraftingCore):
                 return []
         b = self.pipe.push(plan, draft, q_rows, now, rivals)
         msg = self.link.propose(self.gen.committed, b, self.LINK, self.ctx.draft_probs)
+        up = self.cfg.branch_uplink
+        self._branch_credit = min(4.0 * up, self._branch_credit + up)
         return [*self.pipe.news(), Send(msg)]
 
     def wants_credit(self) -> bool:
@@ -251,11 +262,22 @@ class SingleCore(DraftingCore):
             return []
         return self._send_hedge(hp.pos, hp.token, draft)
 
+    def grew(self, g: Growing) -> list[EdgeEvent]:
+        """A branch grew by a token: with token trees, it goes to the verifier when it reaches
+        a length of :data:`TREE_SENDS` and when it stops growing (:meth:`tree_branch`); then
+        what every core does (:meth:`DraftingCore.grew`)."""
+        sent: list[EdgeEvent] = []
+        if self.cfg.tree and g.draft and (len(g.draft) in TREE_SENDS or not self.branch_open(g)):
+            sent = self.tree_branch(g.pp, list(g.draft))
+        return [*sent, *super().grew(g)]
+
     def tree_branch(self, pp: PredraftPlan, draft: list[int]) -> list[EdgeEvent]:
         """Send a prepared branch (``pp``'s token and ``draft``, drafted so far) as a Hedge
         (PipelineConfig.tree): the verifier verifies it in the forward of the batch it forks
-        from, or in co-generation after the rejection. Nothing if trees are off, the verifier
-        would not recover tokens itself, or the branch is void."""
+        from where its step has room, or in co-generation after the rejection. Nothing if
+        trees are off, the verifier would not recover tokens itself, the branch is void, or
+        the frame would pass the branch uplink budget (``branch_uplink`` bytes a batch sent,
+        counted ``branch_frames_held``)."""
         if self._failed is not None:
             return [self._failed]
         cfg, pipe = self.cfg, self.pipe
@@ -263,12 +285,22 @@ class SingleCore(DraftingCore):
             return []
         if not pipe.book.predraft_current(pp, draft):
             return []
+        if cfg.branch_uplink:
+            size = len(encode(self._hedge_frame(pp.pos, pp.token, draft), self.ctx))
+            if size > self._branch_credit:
+                pipe.count(Counter.BRANCH_FRAMES_HELD)
+                return [*pipe.news()]
+            self._branch_credit -= size
         return self._send_hedge(pp.pos, pp.token, draft)
+
+    @staticmethod
+    def _hedge_frame(pos: int, token: int, draft: list[int]) -> Hedge:
+        return Hedge(pos, token, np.array(draft, np.int64), np.ones(len(draft), np.float32))
 
     def _send_hedge(self, pos: int, token: int, draft: list[int]) -> list[EdgeEvent]:
         """The Hedge frame for ``token`` at ``pos`` and ``draft`` after it (a point mass: q 1),
         kept to count the verifier's hits."""
-        msg = Hedge(pos, token, np.array(draft, np.int64), np.ones(len(draft), np.float32))
+        msg = self._hedge_frame(pos, token, draft)
         self.pipe.book.sent_hedge(pos, [token, *draft])
         return [Send(msg)]
 

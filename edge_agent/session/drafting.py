@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edge_agent.session.branches import Branch, Growing, HedgePlan, PredraftPlan
-from edge_agent.session.events import Count
+from edge_agent.session.branches import Branch, Growing, HedgePlan, PendingBatch, PredraftPlan
+from edge_agent.session.events import Count, EdgeEvent
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline import DraftPlan, Pipeline
 from edge_agent.session.pipeline_config import PipelineConfig
@@ -72,21 +72,33 @@ class DraftingCore:
         return self.pipe.book.hedge_current(hp)
 
     def branch_room(self) -> int:
-        """Outcomes that may still be prepared (PipelineConfig.predraft) besides those kept."""
-        return self.cfg.predraft - len(self.pipe.book.branches)
+        """Outcomes that may still be prepared (PipelineConfig.predraft) besides those prepared
+        (kept or growing)."""
+        book = self.pipe.book
+        return self.cfg.predraft - len(book.branches) - len(book.growing)
 
-    def predraft_plan(self) -> PredraftPlan | None:
-        return self.pipe.book.predraft_plan()
+    def plan_branches(self, budget: int, pending: PendingBatch | None = None) -> list[Growing]:
+        """Up to ``budget`` outcomes to prepare now, likeliest first
+        (:meth:`~edge_agent.session.branches.BranchBook.predraft_plans`; ``pending``: the batch
+        being drafted, whose positions may fork too); they grow in the book."""
+        book = self.pipe.book
+        book.predraft_plans(budget, pending)
+        return [g for g in book.growing if not g.draft][:budget]
+
+    def branch_rows(self, room: int, pending: PendingBatch | None = None) -> list[Growing]:
+        """The branches to step now, at most ``room`` (beside a batch being drafted,
+        ``pending``, or alone while the pipeline is full): new outcomes planned where the
+        budget allows, then every branch still growing, the oldest (likeliest when planned)
+        first."""
+        if room <= 0 or not self.cfg.predraft:
+            return []
+        open_ = [g for g in self.pipe.book.growing if self.branch_open(g)]
+        if len(open_) < room:
+            self.plan_branches(room - len(open_), pending)
+        return [g for g in self.pipe.book.growing if self.branch_open(g)][:room]
 
     def predraft_current(self, pp: PredraftPlan, draft: Sequence[int] = ()) -> bool:
         return self.pipe.book.predraft_current(pp, draft)
-
-    def plan_branches(self, budget: int) -> list[Growing]:
-        """Up to ``budget`` outcomes to prepare now, likeliest first (:meth:`predraft_plan`)."""
-        out: list[Growing] = []
-        while len(out) < budget and (pp := self.pipe.book.predraft_plan()) is not None:
-            out.append(Growing(pp))
-        return out
 
     def branch_open(self, g: Growing) -> bool:
         """May ``g`` grow by another token: short of its length, not ended by an
@@ -96,6 +108,23 @@ class DraftingCore:
             and not (g.draft and g.draft[-1] in self.gen.eos_ids)
             and self.pipe.book.predraft_current(g.pp, g.draft)
         )
+
+    def grew(self, g: Growing) -> list[EdgeEvent]:
+        """``g`` grew by a token (its driver added it): what that sends (token trees:
+        :meth:`~edge_agent.session.core.SingleCore.tree_branch`), and, once it has stopped
+        growing, its keeping (its counts go into the generation's stats)."""
+        if self.branch_open(g):
+            return []
+        if g in self.pipe.book.growing:
+            for count in self.pipe.book.add_branch(g):
+                self.gen.stats.apply(count)
+        return []
+
+    def settle_branches(self) -> None:
+        """Keep every branch that has stopped growing (its counts into the stats)."""
+        for g in [g for g in self.pipe.book.growing if g.draft and not self.branch_open(g)]:
+            for count in self.pipe.book.add_branch(g):
+                self.gen.stats.apply(count)
 
     def add_branch(self, g: Growing) -> list[Count]:
         """Keep what was drafted for ``g.pp``

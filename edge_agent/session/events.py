@@ -91,6 +91,8 @@ class Counter(TextEnum):
     PREDRAFT_MISS_NOT_ALTERNATIVE = "predraft_miss_not_alternative"
     PREDRAFT_MISS_CAP = "predraft_miss_cap"
     PREDRAFT_MISS_TIME = "predraft_miss_time"
+    #: Token trees: branch frames not sent, the branch uplink budget spent.
+    BRANCH_FRAMES_HELD = "branch_frames_held"
     RESUMED_TOKENS = "resumed_tokens"
     PROGRESS_FRAMES = "progress_frames"
     PROMPT_CACHED_TOKENS = "prompt_cached_tokens"

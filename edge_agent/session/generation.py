@@ -103,10 +103,13 @@ class Stats:
     predraft_used_tokens: int = 0
     #: Rejections no branch answered, by why: the correction was not among the draft's known
     #: alternatives at that position; it was, but the branch budget was full; it was, with room
-    #: left, but its branch was not planned or not finished before the verdict (time).
+    #: left, but its branch was not planned (less likely than the floor, or no room to step it)
+    #: or not finished before the verdict (time).
     predraft_miss_not_alternative: int = 0
     predraft_miss_cap: int = 0
     predraft_miss_time: int = 0
+    #: Token trees: branch frames held back, the branch uplink budget (branch_uplink) spent.
+    branch_frames_held: int = 0
     #: The gap a rejection leaves: from its Verdict (or the co-generated token that dooms a
     #: batch) to the next batch sent, summed, and the rejections so measured.
     rejection_gap_s: float = 0.0

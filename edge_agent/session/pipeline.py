@@ -322,6 +322,7 @@ class Pipeline:
         self._news.append(Round(gamma, accepted, self.gamma, self.depth))
         if gamma:
             self.controller.on_verdict(gamma, accepted, latency)
+            self.book.observe(b.rivals, gamma, accepted)
         self.commit_at(b.start, b.draft[:accepted], TokenSource.EDGE_DRAFT)
 
     def commit_at(self, start: int, tokens: Sequence[int], source: TokenSource) -> None:

@@ -149,6 +149,12 @@ class PipelineConfig:
     #: no round trip; with co-generation and a deterministic draft, where the verifier
     #: recovers tokens itself (like hedges). Needs ``predraft``.
     tree: bool = False
+    #: Branch planning (:mod:`edge_agent.session.branch_plan`): no branch is prepared for an
+    #: outcome less likely than this (where the draft is sure, nothing is drafted).
+    branch_floor: float = 0.02
+    #: Token trees: the bytes of branch frames (Hedges) the edge may send per batch it sends,
+    #: on average (unspent bytes carry over up to four batches' worth); 0 = no bound.
+    branch_uplink: int = 256
     #: Adaptive draft length / depth (``--gamma auto`` / ``--depth auto``): ``gamma`` and
     #: ``depth`` are then the starting values and ``max_gamma`` / ``max_depth`` the bounds of
     #: the online controller (:mod:`edge_agent.session.controller`).
@@ -170,6 +176,10 @@ class PipelineConfig:
             raise ValueError(f"predraft must be in 0..64, got {self.predraft}")
         if self.tree and not self.predraft:
             raise ValueError("tree sends prepared branches: it needs predraft > 0")
+        if not 0.0 <= self.branch_floor < 1.0:
+            raise ValueError(f"branch_floor must be in [0, 1), got {self.branch_floor}")
+        if not 0 <= self.branch_uplink <= 1 << 20:
+            raise ValueError(f"branch_uplink must be in 0..{1 << 20}, got {self.branch_uplink}")
         if not 0.0 <= self.hedge_below <= 1.0:
             raise ValueError(f"hedge_below must be in [0, 1], got {self.hedge_below}")
         Bounds.DEPTH.check("max_depth", self.max_depth)

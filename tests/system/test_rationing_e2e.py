@@ -95,3 +95,25 @@ async def test_sampled_text_under_load_with_drafts_rationed_is_the_targets(
     )
     pv = sequential_chi_square(toks, rows)
     assert pv > 1e-4, f"chi-square p-value {pv:.2e} over {len(toks)} tokens"
+
+
+async def test_greedy_text_under_load_with_branches_and_the_pace_order(
+    aiohttp_server: Any, target: LoadedModel, tiny_model_dir: Path
+) -> None:
+    """The scheduler's order by pace (a service level no session meets, so every session is
+    behind it by its own measure and weighs differently) with pre-drafted branches grown beside
+    each batch and sent to the verifier (token trees where a step has room, hedges for the
+    co-generation after a rejection otherwise), co-generation and the free bonus on: the text
+    is the target's greedy text, and branches were used."""
+    draft = near_draft(tiny_model_dir)
+    url, state = await serve_app(
+        aiohttp_server, lambda: PerToken(TorchTarget(target)), batch_wait_ms=5.0,
+        service_rate=500.0,
+    )  # fmt: skip
+    cfg = PipelineConfig(gamma=4, depth=2, sampling=SamplingParams(0.0), predraft=8, tree=True)
+    gens = await _generate_all(url, draft, cfg, 40, range(len(PROMPTS)))
+    for p, gen in zip(PROMPTS, gens, strict=True):
+        assert gen.generated == target_greedy(target, p, 40), p
+    hits = sum(g.stats.predraft_hits + g.stats.hedge_hits for g in gens)
+    assert sum(g.stats.hedges_sent for g in gens) > 0
+    assert hits + state.metrics.tree_branches_opened.get() > 0
