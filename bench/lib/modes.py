@@ -39,7 +39,9 @@ class ModeSpec:
     auto: bool = False
     hedge: int = 0  # tokens per hedge (PipelineConfig.hedge)
     predraft: int = 0  # branches prepared at most (PipelineConfig.predraft)
-    tree: bool = False  # the branches go to the verifier too (PipelineConfig.tree)
+    #: The branches go to the verifier too (PipelineConfig.tree): always with ``predraft``,
+    #: as the edge daemon's default; kept for the ``:tree`` label.
+    tree: bool = False
     #: Which verifier process: the plain one, or one that speculates by itself.
     cloud: CloudSide = CloudSide.PLAIN
     #: False: no draft model on the edge (cloud-only speculative decoding, credits only).
@@ -73,12 +75,18 @@ class ModeSpec:
             auto_depth=self.auto,
             hedge=self.hedge,
             predraft=self.predraft,
-            tree=self.tree,
+            # the edge daemon's default: prepared branches go to the verifier too (token
+            # trees where its step has room, else hedges for the co-generation after a
+            # rejection); ``:tree`` names the same since that became the default
+            tree=self.tree or self.predraft > 0,
         )
 
 
 #: Branches prepared at most in the ``:predraft`` modes.
 PREDRAFT_BRANCHES = 8
+#: The default edge mode (the edge daemon's settings: γ and D auto, pre-drafting on, its
+#: branches sent to the verifier).
+DEFAULT_EDGE = "auto:predraft"
 #: Tokens a hedge carries after its rival token in the ``:hedge`` modes.
 HEDGE_TOKENS = 3
 _SAW = re.compile(r"^saw:(\d+)$")

@@ -19,20 +19,28 @@ runs the product's own rules, not a model of them:
   Reply counts.
 * **The drivers are mirrored.** :meth:`_Edge._draft_loop` is
   :func:`edge_agent.link.driver.draft_loop` (with ``_predraft``) as a generator over virtual
-  time: draft a batch while ``may_draft`` (checking ``current`` after each step), else prepare
-  branches (as many at once as the product's drafter steps together at the edge's batch cost,
-  ``Drafter.branch_batch_for``: 8 at a GPU's, 2 at this CPU's; stopping when
-  ``may_draft``), else wait for a frame. A cloud-only session sends credits as
-  :func:`~edge_agent.link.driver.credit_loop` does; an edge that drafts with co-generation sends
-  its prompt in a credit at once, as :func:`~edge_agent.link.driver.run_single`.
+  time: draft a batch while ``may_draft`` (checking ``current`` after each step), each step
+  also growing the prepared branches (``DraftingCore.branch_rows``, the batch being drafted's
+  positions included) in the same batched forward, as many rows as the product's drafter steps
+  together at the edge's batch cost (``Drafter.branch_batch_for``: 8 at a GPU's, 2 at this
+  CPU's), at that step's batched cost; else grow branches alone (as many at once; stopping
+  when ``may_draft``), else wait for a frame. What a grown branch sends (token trees: a Hedge
+  frame within ``branch_uplink``) goes up the link like any frame. A cloud-only session sends
+  credits as :func:`~edge_agent.link.driver.credit_loop` does; an edge that drafts with
+  co-generation sends its prompt in a credit at once, as
+  :func:`~edge_agent.link.driver.run_single`.
 * **The verifier's engine plans with the product's scheduler** (:class:`_Engine`): whenever
   the GPU is idle and work is queued, :func:`~cloud_verifier.engine.scheduler.plan_step` plans
   one step from every session's queued work (Verify, CoGenerate, Crop) and the ``ar`` rows:
-  decode rounds, prefill chunks (``prefill_chunk`` tokens a step, a prompt's last chunk
-  deciding), co-generations in the room left (else Skipped), the ration of speculative slots
-  (deferred batches, cuts, the budget each session is told); the step costs
-  :meth:`Costs.forward_s` of its rows' tokens (a row is its fixed tokens, or the last cached
-  token again when it has none, plus the draft tokens it verifies: ``runner._plan``).
+  decode work by the sessions' weights (``pace``: each verifier core owes its session
+  ``service_rate`` tokens/s and weighs its work by the rate attained, in virtual time),
+  prefill chunks (``prefill_chunk`` tokens a step, a prompt's last chunk deciding), the
+  ration of speculative slots by weighted survival (deferred batches, cuts, the budget each
+  session is told), the token trees that pay (else left out, their branches kept as hedges
+  for the co-generation after a rejection); each row runs as ``scheduler.as_planned`` makes
+  it; the step costs :meth:`Costs.forward_s` of its rows' tokens (a row is its fixed tokens,
+  or the last cached token again when it has none, plus the draft and tree tokens it
+  verifies: ``runner._plan``).
   CoGenerates that ask for a model draft get one only where the plan allows model drafts
   (``scheduler.model_drafts_allowed``), of the length ``draft_length`` picks from the session's
   α and the draft/target cost ratio (``DraftCost``, fed the virtual times); the draft steps run
@@ -51,8 +59,10 @@ runs the product's own rules, not a model of them:
 * **Pre-drafting's counters are the product's** (``BranchBook.classify_miss``):
   ``predraft_miss_alternative`` is its not-an-alternative count (the correction is not among the
   draft's ``RIVALS`` alternatives at that position), ``predraft_miss_none`` its cap + time
-  counts. A branch still growing when its rejection comes is counted a miss for time and then
-  answers it (``take_branch``): hits + misses may exceed rejections.
+  counts. A branch taken on the verifier (a tree's, or a hedge's in co-generation) answers
+  the rejection there; the edge counts the rejection a hit when it takes the branch too. What
+  a cloud that drafted the same branches itself would spend on them is counted per reply
+  (``branch_steps``, ``branch_cloud_s``: one batched step of its draft model per level).
 
 Simplifications (each a difference from a real run to expect):
 
@@ -110,6 +120,8 @@ from cloud_verifier.engine.scheduler import (
     DECODE_FIXED,
     BatchLimits,
     Queued,
+    Row,
+    as_planned,
     forward_entry,
     plan_step,
 )
@@ -117,6 +129,7 @@ from cloud_verifier.engine.scheduler import Kind as SchedKind
 from cloud_verifier.engine.step_times import DraftCost
 from cloud_verifier.engine.work import (
     NO_IDS,
+    BranchTaken,
     CoGenerate,
     Crop,
     Cropped,
@@ -126,7 +139,6 @@ from cloud_verifier.engine.work import (
     Verify,
     Withheld,
     Work,
-    rationed,
 )
 from cloud_verifier.session.cloud_draft import CloudDraft, draft_length
 from cloud_verifier.session.core import VerifierCore
@@ -134,7 +146,7 @@ from cloud_verifier.session.events import Close, Run
 from cloud_verifier.session.events import Send as VSend
 from cloud_verifier.session.limits import SessionLimits, TargetInfo
 from edge_agent.model.drafter import RIVALS, Drafter
-from edge_agent.session.branches import NO_RIVAL, Rival
+from edge_agent.session.branches import NO_RIVAL, Growing, PendingBatch, Rival
 from edge_agent.session.core import SingleCore
 from edge_agent.session.events import (
     Committed,
@@ -400,7 +412,14 @@ class Reply:
     predraft_miss_none: int = 0
     uplink_bytes: int = 0
     downlink_bytes: int = 0
+    #: Branch frames (token trees) among the uplink bytes.
+    hedge_bytes: int = 0
     proposes: int = 0
+    #: Draft steps that grew prepared branches (levels of the tree the edge drafted), and what
+    #: a cloud that drafted the same branches itself would have spent on them: one batched
+    #: step of its draft model per level, over as many rows (Costs.cloud_draft_step_s).
+    branch_steps: int = 0
+    branch_cloud_s: float = 0.0
     gamma_mean: float | None = None
     depth_mean: float | None = None
     busy_s: float = 0.0
@@ -710,12 +729,13 @@ class _Engine:
                 s.work = advance(w, work_start(w) + r.chunk)
                 tokens[i] = r.tokens
             else:
-                results[i] = self._decide(s, asks.get(i, 0), withheld.get(i), r.cut, r.budget)
+                planned = as_planned(w, r)  # rationed, its tree kept or left out
+                assert isinstance(planned, (Verify, CoGenerate))
+                results[i] = self._decide(s, planned, asks.get(i, 0), withheld.get(i), r)
                 # the forward's row (runner._plan): its fixed tokens, or the last cached token
-                # again when it has none, then the draft tokens it verifies
-                kept = len(w.draft) if r.cut is None else r.cut
-                tree = w.tree_tokens if isinstance(w, Verify) and r.cut is None else 0
-                tokens[i] = max(1, len(w.fixed)) + kept + tree + asks.get(i, 0)
+                # again when it has none, then the draft tokens it verifies and its tree
+                tree = planned.tree_tokens if isinstance(planned, Verify) else 0
+                tokens[i] = max(1, len(w.fixed)) + len(planned.draft) + tree + asks.get(i, 0)
         ar_rows = [0] * len(ars)
         for j, a in enumerate(ars):
             r = rows.get(len(vs) + j)
@@ -754,39 +774,38 @@ class _Engine:
     def _decide(
         self,
         s: _VSession,
+        w: Verify | CoGenerate,
         model_n: int,
         withheld: Withheld | None,
-        cut: int | None = None,
-        budget: int | None = None,
+        row: Row,
     ) -> Result:
-        """The result of ``s``'s work (greedy, from the trace); ``cut``: the draft tokens the
-        ration kept (None: all), ``budget``: what the session is told."""
-        w = s.work
+        """The result of ``s``'s work ``w`` as its ``row`` of the plan runs it (greedy, from
+        the trace: ``as_planned``, its draft cut or deferred, its tree kept or left out); the
+        result carries the row's cut and the budget the session is told."""
         m = s.models
-        if isinstance(w, Crop):
-            return Cropped()
         if isinstance(w, Verify):
             base = w.propose.pos + len(w.fixed)
-            v = w if cut is None else rationed(w, cut)
-            draft = v.draft.tolist()
-            d = _greedy(m, base, draft, v.want_bonus)
-            return Verified(d, cut=cut, budget=budget)
-        if isinstance(w, CoGenerate):
-            base = w.pos + len(w.fixed)
-            drafted = None
-            draft = w.draft.tolist()
-            if model_n:
-                text = [*s.core.text[: w.pos], *w.fixed.tolist()]
-                draft = _model_draft(m, text, model_n)
-                drafted = np.array(draft, np.int64)
-            elif w.model_tokens and not draft:
-                drafted = NO_IDS
-            d = _greedy(m, base, draft, True)
-            if w.cloud or model_n:
-                s.reply.cloud_drafted += len(draft)
-                s.reply.cloud_accepted += d.accepted
-            return Verified(d, drafted=drafted, withheld=withheld, budget=budget)
-        raise SimError(f"{type(w).__name__}: not simulated (greedy sessions never ask for it)")
+            d = _greedy(m, base, w.draft.tolist(), w.want_bonus)
+            taken = None
+            for k, b in enumerate(w.branches):
+                if b.opened_by(d):  # the recovered token opens it: decided in this forward
+                    taken = BranchTaken(k, _greedy(m, base + b.at + 1, b.draft.tolist(), True))
+                    break
+            return Verified(d, cut=row.cut, budget=row.budget, branch=taken)
+        base = w.pos + len(w.fixed)
+        drafted = None
+        draft = w.draft.tolist()
+        if model_n:
+            text = [*s.core.text[: w.pos], *w.fixed.tolist()]
+            draft = _model_draft(m, text, model_n)
+            drafted = np.array(draft, np.int64)
+        elif w.model_tokens and not draft:
+            drafted = NO_IDS
+        d = _greedy(m, base, draft, True)
+        if w.cloud or model_n:
+            s.reply.cloud_drafted += len(draft)
+            s.reply.cloud_accepted += d.accepted
+        return Verified(d, drafted=drafted, withheld=withheld, budget=row.budget)
 
     def _done(
         self,
@@ -854,7 +873,8 @@ class _Edge:
         self.cfg = mode.pipeline_config()
         fp = Fingerprint("sim", _vocab(trace), "sim")
         hello = hello_for(fp, self.cfg, sim.seed, end=len(trace.prompt) + n)
-        vcore = VerifierCore(TargetInfo(fp, fp.vocab_size), mode.session_limits(), f"u{user}")
+        limits = replace(mode.session_limits(), service_rate=sim.service_rate)
+        vcore = VerifierCore(TargetInfo(fp, fp.vocab_size), limits, f"u{user}")
         self.vs = _VSession(vcore, self.models, reply, self._down, sim.engine)
         opened = [e.msg for e in vcore.receive(encode(hello)) if isinstance(e, VSend)]
         if len(opened) != 1 or not isinstance(opened[0], Welcome):
@@ -866,6 +886,9 @@ class _Edge:
         self._proc: Iterator[_Yield] | None = None
         self._waiting: Callable[[], bool] | None = None
         self.prefill_s = sim.costs.draft_step_s(len(trace.prompt))
+        #: Rows one batched draft step takes at this edge's batch cost (the batch's and its
+        #: branches', or branches alone).
+        self.branch_batch = Drafter.branch_batch_for(sim.costs.draft_batch_cost)
 
     # -- frames
 
@@ -956,26 +979,46 @@ class _Edge:
         rival = self.models.rival(context) if want_rival else NO_RIVAL
         return tok, prob, rival
 
+    def _grow(self, growing: Sequence[Growing]) -> None:
+        """``_grow``: one step of each branch, and what it sends (token trees)."""
+        core = self.core
+        if growing:
+            self.reply.branch_steps += 1
+            self.reply.branch_cloud_s += self.sim.costs.cloud_draft_step_s(len(growing))
+        for g in growing:
+            if not core.branch_open(g):
+                continue
+            tok, p, rival = self._step([*g.pp.context, g.pp.token, *g.draft], True)
+            g.add(tok, _Q, rival, p)
+            self._carry_out(core.grew(g))
+
     def _draft_loop(self) -> Generator[_Yield, None, None]:
-        """``draft_loop``, in virtual time."""
+        """``draft_loop``, in virtual time: each draft step also grows the prepared branches
+        beside the batch (as many rows as the product's drafter steps together at the edge's
+        batch cost, ``Drafter.branch_batch_for``, the batch's one of them), at that step's
+        batched cost."""
         core, gen, cfg = self.core, self.gen, self.cfg
         want_rival = cfg.predraft > 0
+        beside = self.branch_batch - 1 if cfg.predraft else 0
         while not gen.done:
             if not core.may_draft():
                 if cfg.predraft:
-                    planned = yield from self._predraft()
-                    if planned:
+                    grew = yield from self._predraft()
+                    if grew:
                         continue
                 yield lambda: gen.done or core.may_draft()
                 continue
             plan, start = core.start_batch()
             draft, q_rows, rivals, prob = start.draft, start.q_rows, start.rivals, start.prob
             while core.wants_more(plan, draft, prob):
-                seconds = self.sim.costs.draft_s + self.prefill_s
+                pending = PendingBatch(len(plan.context), list(draft), list(rivals))
+                branches = core.branch_rows(beside, pending) if beside else []
+                seconds = self.sim.costs.draft_step_s(1 + len(branches)) + self.prefill_s
                 self.prefill_s = 0.0  # the draft model's prefill, with its first step
-                self._note("draft", seconds)
+                self._note("draft", seconds, n=len(branches))
                 yield seconds
                 tok, p, rival = self._step(plan.context + draft, want_rival)
+                self._grow(branches)
                 core.on_draft_step(seconds)
                 if not core.current(plan, [*draft, tok]):
                     break
@@ -986,21 +1029,18 @@ class _Edge:
             self._carry_out(core.propose(plan, draft, q_rows, self.sim.clock.now, rivals))
 
     def _predraft(self) -> Generator[_Yield, None, bool]:
-        """``_predraft`` (branches stepped together, as many at once as the product's drafter
-        takes at this batch cost: ``Drafter.branch_batch_for``)."""
-        core, gen = self.core, self.gen
-        budget = min(core.branch_room(), Drafter.branch_batch_for(self.sim.costs.draft_batch_cost))
-        growing = core.plan_branches(budget)
-        while (active := [g for g in growing if core.branch_open(g)]) and not core.may_draft():
-            self._note("branch", self.sim.costs.draft_step_s(len(active)), n=len(active))
-            yield self.sim.costs.draft_step_s(len(active))
-            for g in active:
-                tok, p, rival = self._step([*g.pp.context, g.pp.token, *g.draft], True)
-                g.add(tok, _Q, rival, p)
-        for g in growing:
-            for count in core.add_branch(g):
-                gen.stats.apply(count)
-        return bool(growing)
+        """``_predraft``: while the pipeline is full, the branches grow alone, as many at once
+        as the product's drafter takes at this batch cost (``Drafter.branch_batch_for``)."""
+        core = self.core
+        grew = False
+        while not core.may_draft() and (active := core.branch_rows(self.branch_batch)):
+            seconds = self.sim.costs.draft_step_s(len(active))
+            self._note("branch", seconds, n=len(active))
+            yield seconds
+            self._grow(active)
+            grew = True
+        core.settle_branches()
+        return grew
 
     def _finish(self, now: float) -> None:
         self._proc = None
@@ -1014,6 +1054,7 @@ class _Edge:
         r.predraft_miss_alternative = st.predraft_miss_not_alternative
         r.predraft_miss_none = st.predraft_miss_cap + st.predraft_miss_time
         r.uplink_bytes, r.downlink_bytes = st.uplink_bytes, st.downlink_bytes
+        r.hedge_bytes = st.hedge_bytes
         r.proposes = st.proposes_sent
         r.gamma_mean = st.gamma_sum / st.rounds if st.rounds else None
         r.depth_mean = st.depth_sum / st.rounds if st.rounds else None
@@ -1034,6 +1075,7 @@ class _Sim:
     seed: int
     batch: BatchLimits = SIM_BATCH
     observe: Callable[[SimEvent], None] | None = None
+    service_rate: float = SessionLimits().service_rate
     clock: _Clock = field(default_factory=_Clock)
     engine: _Engine = field(init=False)
     links: list[tuple[_Pipe, _Pipe]] = field(default_factory=list)
@@ -1107,14 +1149,17 @@ def simulate(
     seed: int = 0,
     batch: BatchLimits = SIM_BATCH,
     observe: Callable[[SimEvent], None] | None = None,
+    service_rate: float | None = None,
 ) -> SimResult:
     """Simulate ``users`` (each a closed loop over its requests: the next leaves when the
     previous reply is complete; user u starts at a seeded uniform offset in
     ``[0, start_spread_s)``), each with its own edge and link, sharing one verifier GPU whose
-    scheduler runs with ``batch``; ``observe`` is told every :class:`SimEvent`."""
+    scheduler runs with ``batch`` and owes every session ``service_rate`` tokens/s (the
+    verifier's setting; None: its default); ``observe`` is told every :class:`SimEvent`."""
     if link.rtt_s < 0 or link.bandwidth_bps <= 0:
         raise ValueError(f"bad link {link}: rtt must be >= 0 and bandwidth > 0")
-    sim = _Sim(mode, costs, link, seed, batch, observe)
+    rate = SessionLimits().service_rate if service_rate is None else service_rate
+    sim = _Sim(mode, costs, link, seed, batch, observe, rate)
     rng = random.Random(seed)
     for u, reqs in enumerate(users):
         sim.links.append((_Pipe(sim.clock, link), _Pipe(sim.clock, link)))

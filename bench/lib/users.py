@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from bench.lib import stats
-from bench.lib.sim import SIM_BATCH, CloudDraftKind, Request, SimResult
+from bench.lib.sim import SIM_BATCH, CloudDraftKind, Reply, Request, SimResult
 from bench.lib.traces import Trace
 from cloud_verifier.engine.scheduler import BatchLimits
 
@@ -76,12 +76,35 @@ def figures(result: SimResult) -> dict[str, float]:
     replies = result.replies
     tokens = sum(r.tokens for r in replies)
     rates = [r.tokens_per_s for r in replies]
+    rejections = sum(r.rejections for r in replies)
+    rounds = sum(r.rounds for r in replies)
     return {
         "per_user_tokens_per_s_p50": stats.percentile(rates, 50),
         "per_user_tokens_per_s_p10": stats.percentile(rates, 10),
+        "p10_over_p50": stats.percentile(rates, 10) / max(1e-9, stats.percentile(rates, 50)),
         "ttft_p99_s": stats.percentile([r.ttft_s for r in replies], 99),
         "goodput_tokens_per_s": tokens / result.span_s,
         "verifier_busy_s_per_100_tokens": 100.0 * result.busy_s / max(1, tokens),
         "verifier_utilisation": result.busy_s / result.span_s,
         "replies": len(replies),
+        # rejections no branch answered (the edge's count) and the uplink a round carries,
+        # branch frames included
+        "no_branch_ready": _no_branch_ready(replies, rejections),
+        "uplink_bytes_per_round": sum(r.uplink_bytes for r in replies) / max(1, rounds),
+        "branch_bytes_per_round": sum(r.hedge_bytes for r in replies) / max(1, rounds),
+        # what the same branches would cost a cloud that drafted them itself (its draft
+        # forwards, a batched step a level), beside what the verifier spends
+        "branch_cloud_s_per_100_tokens": 100.0
+        * sum(r.branch_cloud_s for r in replies)
+        / max(1, tokens),
     }
+
+
+def _no_branch_ready(replies: Sequence[Reply], rejections: int) -> float:
+    """The share of rejections no prepared branch answered (``predraft_miss_none``, the
+    edge's count); every one where the edge prepares none (no hit or miss counted at all)."""
+    none = sum(r.predraft_miss_none for r in replies)
+    counted = none + sum(r.predraft_hits + r.predraft_miss_alternative for r in replies)
+    if rejections and not counted:
+        return 1.0
+    return none / max(1, rejections)

@@ -64,6 +64,7 @@ from bench.lib.costs import (
     VERIFY_EAGER_B1_MS,
     VERIFY_EAGER_B8_MS,
 )
+from bench.lib.modes import DEFAULT_EDGE
 from bench.lib.prompts import DATASETS, Split
 from bench.lib.provenance import REPO, provenance
 from bench.lib.sim import CloudDraftKind, Costs
@@ -419,10 +420,6 @@ def target(
     }
 
 
-#: The default edge mode (the edge daemon's settings: γ and D auto, pre-drafting on).
-DEFAULT_EDGE = "auto:predraft"
-
-
 def targets(
     grid: Grid,
     summary: Sequence[dict[str, Any]],
@@ -430,9 +427,11 @@ def targets(
     capacity: dict[str, Any] | None,
     roofline: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """The issue's targets: per user at low load (one user, the measured cloud draft cost, the
-    GPU-class batch cost) from the grid; users per verifier (under the linear and the roofline
-    cost model), TTFT under load and verifier time per token from the capacity studies."""
+    """The issue's targets (the slowest tenth keeps pace): per user at low load (one user, the
+    measured cloud draft cost, the GPU-class batch cost) from the grid: the default edge
+    against best cloud-sd at every RTT up to 200 ms (its point estimate ≥ 1.0, its interval's
+    low end ≥ 0.95), and the rejections that found a branch ready at RTT 100 (≥ 75 %); then
+    users per verifier and the default's spread under load from the capacity studies."""
     n, c, b = grid.s.headline_tokens, CLOUD_DRAFT_PER_VERIFY, DRAFT_BATCH_COST
     out: list[dict[str, Any]] = []
     at = {"reply_tokens": n, "cloud_draft_cost": c, "edge_batch_cost": b}
@@ -440,26 +439,23 @@ def targets(
         if rtt > 200.0 or (rtt, n, c) not in choices:
             continue
         default = find(summary, rtt_ms=rtt, mode_spec=DEFAULT_EDGE, role="edge", **at)
-        out.append(
-            target(
-                f"default edge ({DEFAULT_EDGE}) whole {n}-token reply / best cloud-sd at "
-                f"RTT {rtt:g}",
-                default["speedup_vs_cloud_sd"],
-                default["speedup_vs_cloud_sd_ci"],
-                0.97,
-                mode_spec=DEFAULT_EDGE,
+        name = f"default edge ({DEFAULT_EDGE}) whole {n}-token reply / best cloud-sd at RTT {rtt:g}"
+        ratio, ci = default["speedup_vs_cloud_sd"], default["speedup_vs_cloud_sd_ci"]
+        out.append(target(name + ", point estimate", ratio, None, 1.0, mode_spec=DEFAULT_EDGE))
+        out.append(target(name + ", interval's low end", ratio, ci, 0.95, mode_spec=DEFAULT_EDGE))
+        if rtt == 100.0:
+            miss = default.get("predraft_miss_none")
+            out.append(
+                target(
+                    f"rejections with a branch ready (1 - no branch) at RTT 100, {n} tokens, "
+                    "default edge",
+                    None if miss is None else 1.0 - miss,
+                    None,
+                    0.75,
+                    mode_spec=DEFAULT_EDGE,
+                    uplink_bytes_per_round=default.get("uplink_bytes_per_round"),
+                )
             )
-        )
-        best = find(summary, rtt_ms=rtt, mode="best edge", **at)
-        out.append(
-            target(
-                f"best edge whole {n}-token reply / best cloud-sd at RTT {rtt:g}",
-                best["speedup_vs_cloud_sd"],
-                best["speedup_vs_cloud_sd_ci"],
-                1.0,
-                mode_spec=best["mode_spec"],
-            )
-        )
     return out + targets_from_capacity(capacity, roofline)
 
 
@@ -467,17 +463,19 @@ def targets_from_capacity(
     capacity: dict[str, Any] | None, roofline: dict[str, Any] | None
 ) -> list[dict[str, Any]]:
     """The targets the capacity studies answer (:func:`read_capacity`'s documents; None: not
-    run): users per verifier at each service level under each cost model, then
-    :func:`_load_targets` from the linear one."""
+    run): users per verifier at each service level under each cost model (the best edge mode
+    without a cloud draft model ≥ 1.15× best cloud-sd; ≥ 2.5× ar at reading under the linear
+    model, reported without a target under the roofline one), then :func:`_spread_targets`
+    from the linear one."""
     out: list[dict[str, Any]] = []
     for doc, model in ((capacity, "linear"), (roofline, "roofline")):
         levels = ((doc or {}).get("headline") or {}).get("levels") or {}
         source = str(doc["source_file"]) if doc else f"no {model} capacity file"
         for level, head in levels.items():
-            for what, key, threshold in (
-                ("best cloud-sd", "best_edge_no_cloud_model_over_best_cloud_sd", 1.3),
-                ("ar", "best_edge_no_cloud_model_over_ar", 2.5),
-            ):
+            pairs = [("best cloud-sd", "best_edge_no_cloud_model_over_best_cloud_sd", 1.15)]
+            if level == "reading" and model == "linear":
+                pairs.append(("ar", "best_edge_no_cloud_model_over_ar", 2.5))
+            for what, key, threshold in pairs:
                 out.append(
                     target(
                         f"users per verifier at {level!r} ({model} costs), best edge without a "
@@ -490,49 +488,29 @@ def targets_from_capacity(
                     )
                 )
     if capacity:
-        out += _load_targets(capacity)
+        out += _spread_targets(capacity)
     return out
 
 
-def _load_targets(capacity: dict[str, Any]) -> list[dict[str, Any]]:
-    """TTFT under load (every edge mode's p99 against best cloud-sd's, at every N where best
-    cloud-sd meets the reading level) and the default's verifier time per token at the largest
-    N, from a capacity study's rows."""
-    rows = capacity["rows"]
-    reading = next(slo for slo in capacity["slos"] if slo["name"] == "reading")
-    cloud = {r["edges"]: r for r in rows if r["mode"] == "best cloud-sd"}
+def _spread_targets(capacity: dict[str, Any]) -> list[dict[str, Any]]:
+    """The default edge mode's slowest tenth against its median (per-user tokens/s p10 / p50
+    ≥ 0.85) at N = 1 and at the largest N of a capacity study's rows."""
+    rows = [r for r in capacity["rows"] if r["mode"] == "auto predraft"]
     out: list[dict[str, Any]] = []
-    for n, cr in sorted(cloud.items()):
-        if not (
-            cr["per_user_tokens_per_s_p10"] >= reading["min_tokens_per_s_p10"]
-            and cr["ttft_p99_s"] <= reading["max_ttft_p99_s"]
-        ):
+    for n in sorted({1, max(r["edges"] for r in rows)}):
+        r = next((x for x in rows if x["edges"] == n), None)
+        if r is None:
             continue
-        edge = [r for r in rows if r["edges"] == n and r["mode"] not in ("ar", "best cloud-sd")]
-        worst = max(edge, key=lambda r: float(r["ttft_p99_s"]))
         out.append(
             target(
-                f"p99 TTFT at N = {n}: best cloud-sd's / the slowest edge mode's",
-                cr["ttft_p99_s"] / worst["ttft_p99_s"],
+                f"default edge per-user tok/s p10 / p50 at N = {n}",
+                r["per_user_tokens_per_s_p10"] / r["per_user_tokens_per_s_p50"],
                 None,
-                1.0,
-                mode=worst["mode"],
+                0.85,
+                mode="auto predraft",
                 source=str(capacity["source_file"]),
             )
         )
-    last = max(cloud)
-    mine = next(r for r in rows if r["edges"] == last and r["mode"] == "auto predraft")
-    out.append(
-        target(
-            f"verifier busy time per committed token at N = {last}: best cloud-sd's / the "
-            "default edge mode's (≤ 0.8× is ≥ 1.25)",
-            cloud[last]["verifier_busy_s_per_100_tokens"] / mine["verifier_busy_s_per_100_tokens"],
-            None,
-            1.25,
-            mode="auto predraft",
-            source=str(capacity["source_file"]),
-        )
-    )
     return out
 
 

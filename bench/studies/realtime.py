@@ -917,8 +917,12 @@ def _spec_figures(
             1000 * sum(e["stats"].get("rejection_gap_s", 0.0) for e in ex) / s,
             sum(e["stats"].get("rejection_gaps", 0) for e in ex),
         ),
-        # Per Propose sent; None where none was (cloud-sd: credits are not rounds).
+        # Per Propose sent; None where none was (cloud-sd: credits are not rounds). The branch
+        # frames (token trees) ride the uplink too: their share of it, per Propose.
         "uplink_bytes_per_round": _ratio(up, sum(e["proposes"] for e in ex)),
+        "branch_bytes_per_round": _ratio(
+            sum(e["stats"].get("hedge_bytes", 0) for e in ex), sum(e["proposes"] for e in ex)
+        ),
         "downlink_bytes_per_rejection": sum(e["downlink_rejection_bytes"] for e in ex) / rej
         if rej
         else None,

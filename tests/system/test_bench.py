@@ -121,7 +121,11 @@ def test_mode_specs_and_labels() -> None:
     assert hybrid.cloud == parse_mode("hybrid").cloud and not parse_mode("hybrid").predraft
     tree = parse_mode("auto:tree")
     assert tree.label == "auto tree" and tree.predraft == PREDRAFT_BRANCHES
-    assert tree.pipeline_config().tree and not hybrid.pipeline_config().tree
+    # branches go to the verifier with pre-drafting, as the edge daemon's default: ``:tree``
+    # names the same configuration
+    assert tree.pipeline_config() == parse_mode("auto:predraft").pipeline_config()
+    assert tree.pipeline_config().tree and hybrid.pipeline_config().tree
+    assert not parse_mode("auto").pipeline_config().tree
     assert parse_mode("hybrid:tree").label == "hybrid tree"
     auto = parse_mode("auto").pipeline_config()
     assert auto.auto_gamma and auto.auto_depth and (auto.gamma, auto.depth) == (4, 4)
@@ -544,10 +548,13 @@ def test_bench_smoke_writes_all_outputs(tmp_path: Path) -> None:
                     assert row["fraction_of_ceiling"] is None
                 # ids + q, not distributions (one is |V| × 4 = 1024 B here); with co-generation
                 # a 6-token generation may send a single Propose, whose fixed tokens are the
-                # prompt. Hedges and tree branches ride the uplink too (hedge_bytes, part of it):
-                # with R >= G rounds over G generations they add at most a generation's share.
-                hedges = (row["hedge_bytes_per_token"] or 0.0) * row["reply_tokens"]
-                assert row["uplink_bytes_per_round"] < 400 + hedges
+                # prompt. Hedges and tree branches ride the uplink too (hedge_bytes, part of
+                # it): the tree branches within their budget, branch_uplink (256 B) a Propose
+                # sent plus a first Propose's worth.
+                branches = row["branch_bytes_per_round"] or 0.0
+                assert row["uplink_bytes_per_round"] - branches < 400
+                if not row["hedge"]:
+                    assert branches <= 2 * 256
         if row["draft"] == oracle:
             assert row["oracle_on_path"] == 1.0  # the verified text is the precomputed greedy one
     md = (tmp_path / "results.md").read_text()

@@ -233,9 +233,11 @@ def test_grid_smoke_writes_every_key(tmp_path: Path) -> None:
             assert best["tokens_per_s"] == hybrid["tokens_per_s"]
         assert {"alpha_per_token", "mean_accepted_per_round", "speedup_vs_cloud_sd_ci"} <= set(c)
     names = [t["name"] for t in doc["targets"]]
-    # per RTT up to 200 ms: the default edge and the best edge against best cloud-sd (no
-    # capacity file: no users-per-verifier targets)
-    assert len(names) == len(set(names)) == 2 * sum(1 for r in s.rtts_ms if r <= 200)
+    # per RTT up to 200 ms: the default edge against best cloud-sd, its point estimate and its
+    # interval's low end; at RTT 100, the rejections that found a branch ready (no capacity
+    # file: no users-per-verifier targets)
+    rtts = [r for r in s.rtts_ms if r <= 200]
+    assert len(names) == len(set(names)) == 2 * len(rtts) + (100.0 in rtts)
     for t in doc["targets"]:
         assert {"name", "measured", "ci", "threshold", "met"} <= set(t)
         if t["ci"] is not None:
@@ -335,6 +337,11 @@ CAPACITY_ROW_KEYS = {
     "verifier_busy_s_per_100_tokens",
     "verifier_utilisation",
     "replies",
+    "p10_over_p50",
+    "no_branch_ready",
+    "uplink_bytes_per_round",
+    "branch_bytes_per_round",
+    "branch_cloud_s_per_100_tokens",
 }
 
 
@@ -385,14 +392,20 @@ def test_capacity_smoke_writes_every_key(tmp_path: Path) -> None:
         assert level["best_edge_no_cloud_model_mode"] in ("auto", "auto predraft")
         assert level["best_edge_mode"] in modes[2:]
         assert {"best_edge_no_cloud_model_over_best_cloud_sd", "best_edge_over_ar"} <= set(level)
-    # the grid's targets read it: users per verifier at each level (against best cloud-sd
-    # and ar), TTFT where best cloud-sd meets the reading level, verifier time per token
+    # the grid's targets read it: users per verifier at each level (against best cloud-sd;
+    # against ar at reading, linear costs), the default's p10 / p50 at N = 1 and the largest N
     doc["source_file"] = str(out)
     cap = grid.targets_from_capacity(doc, None)
     names = [t["name"] for t in cap]
-    assert sum("users per verifier" in x for x in names) == 2 * 2
-    assert sum("p99 TTFT" in x for x in names) >= 1 and "verifier busy" in names[-1]
-    assert all(t["threshold"] in (1.3, 2.5, 1.0, 1.25) for t in cap)
+    assert sum("users per verifier" in x for x in names) == 2 + 1
+    assert sum("p10 / p50" in x for x in names) == 2
+    assert all(t["threshold"] in (1.15, 2.5, 0.85) for t in cap)
+    # each level's users were searched on a verifier told that level's rate
+    assert doc["settings"]["verifier"]["service_rate"] == {"reading": 5.0, "fast": 10.0}
+    for r in doc["rows"]:
+        assert 0 <= r["no_branch_ready"] <= 1 and r["p10_over_p50"] <= 1
+        if r["mode"] in ("auto predraft", "hybrid predraft"):
+            assert r["branch_cloud_s_per_100_tokens"] >= 0
     assert {"forward_s", "points", "extrapolation", "k"} <= set(doc["cost_model"])
     best = doc["best_cloud_sd"]
     assert best["fastest_alone"]["source"].startswith("tuned here")
