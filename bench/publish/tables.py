@@ -388,16 +388,22 @@ class Results:
         if cap is None:
             return ["No capacity study (`docs/results/capacity.json`) yet."]
         out = [
-            "| mode | edges | per-user tok/s p50 | p10 | TTFT p99 s | goodput tok/s "
-            "| verifier busy s / 100 tokens |",
-            "|---|---|---|---|---|---|---|",
+            "| mode | edges | per-user tok/s p50 | p10 | p10 / p50 | TTFT p99 s | goodput tok/s "
+            "| verifier busy s / 100 tokens | rejections with no branch ready "
+            "| uplink B / round (branches) | a cloud drafter's branches s / 100 tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in cap.get("rows", []):
+            branched = r.get("branch_cloud_s_per_100_tokens")
             out.append(
                 f"| {r['mode']} | {r['edges']} | {num(r.get('per_user_tokens_per_s_p50'))} "
-                f"| {num(r.get('per_user_tokens_per_s_p10'))} | {num(r.get('ttft_p99_s'))} "
-                f"| {num(r.get('goodput_tokens_per_s'), 1)} "
-                f"| {num(r.get('verifier_busy_s_per_100_tokens'))} |"
+                f"| {num(r.get('per_user_tokens_per_s_p10'))} | {num(r.get('p10_over_p50'))} "
+                f"| {num(r.get('ttft_p99_s'))} | {num(r.get('goodput_tokens_per_s'), 1)} "
+                f"| {num(r.get('verifier_busy_s_per_100_tokens'))} "
+                f"| {share(r.get('no_branch_ready'))} "
+                f"| {num(r.get('uplink_bytes_per_round'), 0)} "
+                f"({num(r.get('branch_bytes_per_round'), 0)}) "
+                f"| {num(branched) if branched else '–'} |"
             )
         slos = [s["name"] for s in cap.get("slos", [])]
         if slos:
