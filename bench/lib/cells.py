@@ -73,12 +73,16 @@ class PromptResult:
     rejections: int
     proposes: int
     uplink_bytes: int
+    #: of them, the branch frames' (hedges and token trees)
+    branch_bytes: int
     downlink_bytes: int
     predraft_hits: int
     predraft_miss_alternative: int
     predraft_miss_none: int
     cloud_drafted: int
     cloud_accepted: int
+    #: what the same branches would cost a cloud drafting them itself (bench.lib.sim.Reply)
+    branch_cloud_s: float
 
 
 def mode_of(cell: Cell) -> SimMode:
@@ -134,12 +138,14 @@ def run_cell(cell: Cell, traces: Sequence[Trace]) -> list[PromptResult]:
                 rejections=r.rejections,
                 proposes=r.proposes,
                 uplink_bytes=r.uplink_bytes,
+                branch_bytes=r.hedge_bytes,
                 downlink_bytes=r.downlink_bytes,
                 predraft_hits=r.predraft_hits,
                 predraft_miss_alternative=r.predraft_miss_alternative,
                 predraft_miss_none=r.predraft_miss_none,
                 cloud_drafted=r.cloud_drafted,
                 cloud_accepted=r.cloud_accepted,
+                branch_cloud_s=r.branch_cloud_s,
             )
         )
     return out

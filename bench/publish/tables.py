@@ -302,19 +302,30 @@ class Results:
         return out
 
     def predraft_table(self, rows: Sequence[dict[str, Any]]) -> list[str]:
-        """Per RTT and pre-drafting mode: hit rate and why the misses missed."""
+        """Per reply length, RTT and branching mode: the share of rejections whose branch was
+        ready (a hit), why the others missed, the uplink a round (branch frames included, their
+        share beside it), and what the same branches would cost a cloud that drafted them
+        itself beside what the edge's session costs the verifier (the fair comparison where
+        branches carry the edge's gain)."""
         pre = [r for r in rows if self.role(r) == "edge" and r.get("predraft_hit_rate") is not None]
         if not pre:
             return []
         out = [
-            "| RTT ms | mode | hit rate | miss: not an alternative | miss: no branch |",
-            "|---|---|---|---|---|",
+            "| tokens | RTT ms | mode | hit rate | miss: not an alternative "
+            "| miss: no branch ready | uplink B / round (branches) | verifier busy s / 100 tokens "
+            "| a cloud drafter's branches s / 100 tokens |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
-        for r in sorted(pre, key=lambda x: (float(x["rtt_ms"]), x["mode"])):
+        for r in sorted(pre, key=lambda x: (x["reply_tokens"], float(x["rtt_ms"]), x["mode"])):
             out.append(
-                f"| {_rtt(r['rtt_ms'])} | {r['mode']} | {num(r['predraft_hit_rate'])} "
+                f"| {r['reply_tokens']} | {_rtt(r['rtt_ms'])} | {r['mode']} "
+                f"| {num(r['predraft_hit_rate'])} "
                 f"| {share(r.get('predraft_miss_alternative'))} "
-                f"| {share(r.get('predraft_miss_none'))} |"
+                f"| {share(r.get('predraft_miss_none'))} "
+                f"| {num(r.get('uplink_bytes_per_round'), 0)} "
+                f"({num(r.get('branch_bytes_per_round'), 0)}) "
+                f"| {num(r.get('verifier_busy_s_per_100_tokens'))} "
+                f"| {num(r.get('branch_cloud_s_per_100_tokens'))} |"
             )
         return out
 
@@ -593,9 +604,9 @@ class Results:
             *self.busy_table(rows),
             "",
         ]
-        pre = self.predraft_table(rows)
+        pre = self.predraft_table([r for n in self.lengths() for r in self.at(n)])
         if pre:
-            parts += ["### Outcome pre-drafting", "", *pre, ""]
+            parts += ["### Branches ready at a rejection", "", *pre, ""]
         cats = self.categories_table()
         if cats:
             parts += ["### Categories", "", *cats, ""]

@@ -99,7 +99,7 @@ CLOUD_DECODING = "cloud-sd:ngram:8"
 # ------------------------------------------------------------------------------ figures
 
 
-def share(num: int, den: int) -> float | None:
+def share(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
@@ -156,6 +156,14 @@ def acceptance(rs: Sequence[PromptResult]) -> dict[str, Any]:
         "mean_accepted_per_round": share(accepted, rounds),
         "cloud_draft_acceptance": share(cloud_accepted, cloud_drafted),
         "uplink_bytes_per_round": share(sum(r.uplink_bytes for r in rs), proposes),
+        "branch_bytes_per_round": share(sum(r.branch_bytes for r in rs), proposes),
+        # what the same branches would cost a cloud drafting them itself (a batched step of its
+        # draft model a level of the tree), per 100 committed tokens
+        "branch_cloud_s_per_100_tokens": share(
+            100.0 * sum(r.branch_cloud_s for r in rs), sum(r.tokens for r in rs)
+        )
+        if predrafted
+        else None,
         "downlink_bytes_per_rejection": share(sum(r.downlink_bytes for r in rs), rejections),
         "predraft_hit_rate": share(hits, rejections) if predrafted else None,
         "predraft_miss_alternative": share(miss_alt, rejections) if predrafted else None,

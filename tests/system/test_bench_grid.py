@@ -166,6 +166,8 @@ SUMMARY_KEYS = {
     "mean_accepted_per_round",
     "cloud_draft_acceptance",
     "uplink_bytes_per_round",
+    "branch_bytes_per_round",
+    "branch_cloud_s_per_100_tokens",
     "downlink_bytes_per_rejection",
     "predraft_hit_rate",
     "predraft_miss_alternative",
@@ -217,6 +219,11 @@ def test_grid_smoke_writes_every_key(tmp_path: Path) -> None:
             assert row["best_of"] == list(s.edge_modes) and row["mode_spec"] in s.edge_modes
         if row["mode_spec"] in grid.PREDRAFT_MODES:
             assert row["predraft_hit_rate"] is not None
+            # branches ride the uplink and would cost a cloud drafter its draft steps
+            assert 0 < row["branch_bytes_per_round"] < row["uplink_bytes_per_round"]
+            assert row["branch_cloud_s_per_100_tokens"] > 0
+        elif row["uplink_bytes_per_round"] is not None:
+            assert row["branch_cloud_s_per_100_tokens"] is None
     costs = {r["edge_batch_cost"] for r in doc["summary"] if r["mode_spec"] == "auto:predraft"}
     assert costs == {grid.DRAFT_BATCH_COST, cells.cpu_draft_batch_cost()}
     tuned = [t for t in doc["tuning"] if t["family"] == "cloud-sd"]

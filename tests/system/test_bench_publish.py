@@ -160,7 +160,7 @@ def test_page_block_renders_every_section() -> None:
         assert f"### {n}-token replies" in page
     assert "### Cloud draft step c = 0.05" in page and "### Cloud draft step c = 0.20" in page
     assert "### Edge batch cost b = 0.20" in page
-    for title in ("Verifier busy seconds", "Outcome pre-drafting", "Categories", "Targets",
+    for title in ("Verifier busy seconds", "Branches ready at a rejection", "Categories", "Targets",
                   "Edges per verifier", "Validation"):  # fmt: skip
         assert f"### {title}" in page, title
     # every edge mode's row at every RTT, 32 and 256 tokens, each with its intervals
