@@ -94,6 +94,11 @@ def claim(interval: Any) -> str:
     return "≈"
 
 
+def _uplink(r: dict[str, Any]) -> str:
+    """A row's uplink bytes a round, the branch frames' share of them in brackets."""
+    return f"{num(r.get('uplink_bytes_per_round'), 0)} ({num(r.get('branch_bytes_per_round'), 0)})"
+
+
 def share(v: Any) -> str:
     return "–" if v is None else f"{100 * v:.0f} %"
 
@@ -322,8 +327,7 @@ class Results:
                 f"| {num(r['predraft_hit_rate'])} "
                 f"| {share(r.get('predraft_miss_alternative'))} "
                 f"| {share(r.get('predraft_miss_none'))} "
-                f"| {num(r.get('uplink_bytes_per_round'), 0)} "
-                f"({num(r.get('branch_bytes_per_round'), 0)}) "
+                f"| {_uplink(r)} "
                 f"| {num(r.get('verifier_busy_s_per_100_tokens'))} "
                 f"| {num(r.get('branch_cloud_s_per_100_tokens'))} |"
             )
@@ -412,8 +416,7 @@ class Results:
                 f"| {num(r.get('ttft_p99_s'))} | {num(r.get('goodput_tokens_per_s'), 1)} "
                 f"| {num(r.get('verifier_busy_s_per_100_tokens'))} "
                 f"| {share(r.get('no_branch_ready'))} "
-                f"| {num(r.get('uplink_bytes_per_round'), 0)} "
-                f"({num(r.get('branch_bytes_per_round'), 0)}) "
+                f"| {_uplink(r)} "
                 f"| {num(branched) if branched else '–'} |"
             )
         slos = [s["name"] for s in cap.get("slos", [])]
