@@ -140,7 +140,8 @@ from cloud_verifier.engine.work import (
     Withheld,
     Work,
 )
-from cloud_verifier.session.cloud_draft import CloudDraft, draft_length
+from cloud_verifier.engine.draft_length import draft_length
+from cloud_verifier.session.cloud_draft import CloudDraft
 from cloud_verifier.session.core import VerifierCore
 from cloud_verifier.session.events import Close, Run
 from cloud_verifier.session.events import Send as VSend

@@ -2,13 +2,13 @@
 service's status (loading, stopping, failed), its bearer token's cap (``max_sessions_per_token``)
 or a full admission line; one that may start but cannot now (slots, KV pages, a deep model queue)
 waits in the line (:class:`~cloud_verifier.session.admission.AdmissionLine`), told its place by
-Progress frames, and is started in the line's order by :func:`_pump`. The tenants' bearer tokens
+Progress frames, and is started in the line's order by :func:`pump_line`. The tenants' bearer tokens
 live here too: the token file's poll and reload, and the closing of a revoked token's sessions.
 Invariants: ``state.streams`` and ``state.token_streams`` count the admitted sessions not yet
-over (raised by :func:`_admit` alone); a waiting session holds a ticket and its stream in
+over (raised by :func:`admit` alone); a waiting session holds a ticket and its stream in
 ``state.waiting`` until it is admitted or leaves; the line's head is never overtaken; live plus
 kept sessions of a token stay within its cap (its own kept ones are dropped first); the token
-poll task is owned by :func:`_token_ctx`, which also cancels and awaits ``state.closers`` at the
+poll task is owned by :func:`token_ctx`, which also cancels and awaits ``state.closers`` at the
 end.
 """
 
@@ -23,16 +23,16 @@ from collections.abc import AsyncIterator
 
 from aiohttp import WSCloseCode, web
 
-from cloud_verifier.daemon.lifecycle import _check_engine
-from cloud_verifier.daemon.parking import _kept, _make_room, _unpark
+from cloud_verifier.daemon.lifecycle import check_engine
+from cloud_verifier.daemon.parking import drop_oldest_kept, kept_count, unpark
 from cloud_verifier.daemon.state import (
     LOG_NAME,
     STATE,
+    Stream,
     VerifierState,
-    _close,
-    _close_reason,
-    _send_msg,
-    _Stream,
+    close_reason,
+    close_websocket,
+    send_message,
 )
 from cloud_verifier.session.core import VerifierCore
 from shared.errors import ErrorCode
@@ -42,7 +42,7 @@ from shared.wire.messages import Error, Progress
 log = logging.getLogger(LOG_NAME)
 
 
-def _status_code(status: ServiceStatus) -> ErrorCode:
+def not_ready_code(status: ServiceStatus) -> ErrorCode:
     """Why a verifier that is not ready refuses a session (on HTTP and on a stream alike):
     it failed (down: no Retry-After), or it is loading or stopping (busy: come back)."""
     if status == ServiceStatus.FAILED:
@@ -50,21 +50,21 @@ def _status_code(status: ServiceStatus) -> ErrorCode:
     return ErrorCode.STOPPING if status == ServiceStatus.STOPPING else ErrorCode.LOADING
 
 
-def _refusal(state: VerifierState, key: str, *, resuming: bool = False) -> Error | None:
+def session_refusal(state: VerifierState, key: str, *, resuming: bool = False) -> Error | None:
     """Why a new session of token ``key`` is refused now, whatever the load (a fatal Error:
     with Retry-After the service is loading or stopping, busy not down; without one it
     failed), or None: it may start, or wait in the admission line for its turn.
 
-    ``resuming``: its Hello resumes a session kept for this token (:func:`_resumes`); that
+    ``resuming``: its Hello resumes a session kept for this token (:func:`resumes_kept`); that
     session holds its slot and pages already, so it is refused only when the service is not
     ready. The per-token cap counts the token's live and waiting sessions (a quota, not a
     wait: 429-like ``token_limit``)."""
     s = state.settings
-    _check_engine(state)
+    check_engine(state)
     if state.status == ServiceStatus.FAILED:
-        return Error(_status_code(state.status), f"the verifier failed: {state.reason}", True)
+        return Error(not_ready_code(state.status), f"the verifier failed: {state.reason}", True)
     if state.status != ServiceStatus.READY:
-        code = _status_code(state.status)
+        code = not_ready_code(state.status)
         # Stopping: draining, its edges' connections closing; behind a balancer another
         # replica takes the session at once, so come back soon. Loading: a while.
         after = 1.0 if state.status == ServiceStatus.STOPPING else 5.0
@@ -83,8 +83,8 @@ def _refusal(state: VerifierState, key: str, *, resuming: bool = False) -> Error
     return None
 
 
-def _must_wait(state: VerifierState, key: str, *, make_room: bool = True) -> Error | None:
-    """Why a session of token ``key`` that may start (:func:`_refusal`) cannot start now, or
+def must_wait(state: VerifierState, key: str, *, make_room: bool = True) -> Error | None:
+    """Why a session of token ``key`` that may start (:func:`session_refusal`) cannot start now, or
     None: every session slot is taken, the KV pool is full, or the engine's queue is past
     ``max_queue_delay`` while other sessions are served (a lone session is always admitted: a
     slow step is not overload). The Error is the reason it waits in line, and what it is
@@ -98,11 +98,13 @@ def _must_wait(state: VerifierState, key: str, *, make_room: bool = True) -> Err
     live = state.token_streams.get(key, 0)
     if cap and make_room:
         # Its own kept sessions make room, oldest first: live + kept stays within the cap.
-        while live + _kept(state, key) >= cap and _kept(state, key):
-            _unpark(state, next(t for t, p in state.parked.items() if p.tenant == key), "token")
+        while live + kept_count(state, key) >= cap and kept_count(state, key):
+            unpark(state, next(t for t, p in state.parked.items() if p.tenant == key), "token")
     if state.streams >= s.max_sessions:
         return Error(ErrorCode.BUSY, f"session limit {s.max_sessions} reached", True, 1.0)
-    if state.engine.pages_free == 0 and not (_make_room(state) if make_room else state.parked):
+    if state.engine.pages_free == 0 and not (
+        drop_oldest_kept(state) if make_room else state.parked
+    ):
         return Error(
             ErrorCode.KV_FULL,
             "the KV cache is full (every page is held by a session)",
@@ -123,7 +125,7 @@ def _must_wait(state: VerifierState, key: str, *, make_room: bool = True) -> Err
     return None
 
 
-def _line_refusal(state: VerifierState, key: str, cause: Error | None) -> Error | None:
+def line_refusal(state: VerifierState, key: str, cause: Error | None) -> Error | None:
     """The refusal of a session of token ``key`` that must wait (``cause``: why; None: it
     waits behind the sessions in line) when the admission line has no room for it, or None:
     with no line (``admission_queue`` 0) the cause itself (``busy``, ``kv_full``,
@@ -140,26 +142,26 @@ def _line_refusal(state: VerifierState, key: str, cause: Error | None) -> Error 
     return Error(ErrorCode.OVERLOADED, f"overloaded: {full}", True, after)
 
 
-def _admit(state: VerifierState, st: _Stream, tenant: str) -> None:
+def admit(state: VerifierState, st: Stream, tenant: str) -> None:
     """``st``'s session starts: it counts against max_sessions and its token's cap."""
     st.admitted_at = time.monotonic()
     state.streams += 1
     state.token_streams[tenant] = state.token_streams.get(tenant, 0) + 1
 
 
-def _pump(state: VerifierState) -> None:
+def pump_line(state: VerifierState) -> None:
     """Start waiting sessions, in the line's order, while the next one can start (called
     whenever a session ends, one joins, or a waiting one's Progress is due). The head that
     cannot start holds the line: nobody overtakes it."""
     line = state.line
     while line and state.status == ServiceStatus.READY:
         head = line.order(state.token_streams)[0]
-        if _must_wait(state, head.tenant) is not None:
+        if must_wait(state, head.tenant) is not None:
             break
         line.start(head)
         st = state.waiting.pop(head)
         st.ticket = None
-        _admit(state, st, head.tenant)
+        admit(state, st, head.tenant)
         state.metrics.admission_wait.observe(max(0.0, time.monotonic() - head.at))
         st.wake()
     if state.status != ServiceStatus.READY:
@@ -168,7 +170,7 @@ def _pump(state: VerifierState) -> None:
     state.metrics.admission_waiting.set(len(line))
 
 
-async def _wait_turn(peer: _Stream, state: VerifierState, core: VerifierCore) -> bool:
+async def wait_turn(peer: Stream, state: VerifierState, core: VerifierCore) -> bool:
     """Wait in the admission line until this session's turn comes (True), its stream ends, or
     the service stops (False: it was told why). Every ``progress_interval`` s the line is
     looked at again and, if the edge asked for them, a Progress frame tells it its place
@@ -178,16 +180,16 @@ async def _wait_turn(peer: _Stream, state: VerifierState, core: VerifierCore) ->
     hello = core.hello
     assert hello is not None
     while True:
-        _pump(state)
+        pump_line(state)
         if peer.ticket is None and peer.admitted_at is not None:
             core.admitted(time.monotonic())
             return True
         if peer.close_code is not None:
             return False
-        err = _refusal(state, "", resuming=True)  # the service's status
+        err = session_refusal(state, "", resuming=True)  # the service's status
         if err is not None or peer.ticket is None:
             err = err or Error(ErrorCode.INTERNAL, "left the admission line", True)
-            await _send_msg(peer, state, err, core)
+            await send_message(peer, state, err, core)
             await peer.close(WSCloseCode.TRY_AGAIN_LATER, err.code)
             return False
         if hello.progress:
@@ -195,7 +197,7 @@ async def _wait_turn(peer: _Stream, state: VerifierState, core: VerifierCore) ->
             eta = state.line.eta_s(place, state.streams)
             eta_ms = min(2**32 - 1, round(1000 * eta))
             steps = state.engine.steps % 2**32
-            await _send_msg(peer, state, Progress(steps, place, eta_ms, False), core)
+            await send_message(peer, state, Progress(steps, place, eta_ms, False), core)
             state.metrics.progress_frames.inc()
         peer.turn = asyncio.get_running_loop().create_future()
         with contextlib.suppress(asyncio.TimeoutError):
@@ -211,10 +213,10 @@ async def _poll_tokens(state: VerifierState, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
         state.auth.refresh()
-        _token_metrics(state)
+        update_token_metrics(state)
 
 
-async def _token_ctx(app: web.Application) -> AsyncIterator[None]:
+async def token_ctx(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     interval = state.settings.token_reload_interval
 
@@ -244,7 +246,7 @@ def reload_tokens(state: VerifierState, why: str) -> None:
         log.info("%s: no token file to re-read", why)
         return
     changed = state.auth.refresh(force=True)
-    _token_metrics(state)
+    update_token_metrics(state)
     log.info(
         "%s: token file re-read: %d token(s)%s%s",
         why,
@@ -254,7 +256,7 @@ def reload_tokens(state: VerifierState, why: str) -> None:
     )
 
 
-def _token_metrics(state: VerifierState) -> None:
+def update_token_metrics(state: VerifierState) -> None:
     auth, m = state.auth, state.metrics
     m.tokens_configured.set(auth.count if auth.enabled else 0)
     m.token_file_ok.set(0 if auth.error else 1)
@@ -270,11 +272,11 @@ def _revoke(state: VerifierState, keys: frozenset[str]) -> None:
         ", ".join(sorted(keys)),
         len(doomed),
     )
-    reason = _close_reason("token_revoked: this session's bearer token is no longer accepted")
+    reason = close_reason("token_revoked: this session's bearer token is no longer accepted")
     for ws, transport in doomed:
         state.metrics.sessions_revoked.inc()
         task = asyncio.get_running_loop().create_task(
-            _close(ws, transport, state, WSCloseCode.POLICY_VIOLATION, reason)
+            close_websocket(ws, transport, state, WSCloseCode.POLICY_VIOLATION, reason)
         )
         state.closers.add(task)
         task.add_done_callback(state.closers.discard)

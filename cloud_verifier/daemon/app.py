@@ -29,14 +29,14 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from cloud_verifier.daemon.admission import _token_ctx
+from cloud_verifier.daemon.admission import token_ctx
 from cloud_verifier.daemon.auth import Authenticator
-from cloud_verifier.daemon.lifecycle import _close_sessions, _engine_ctx, _watchdog_ctx
+from cloud_verifier.daemon.lifecycle import close_connections, engine_ctx, watchdog_ctx
 from cloud_verifier.daemon.limits import engine_limits, limits_from
 from cloud_verifier.daemon.metrics import VerifierMetrics
-from cloud_verifier.daemon.parking import _parked_ctx
+from cloud_verifier.daemon.parking import parked_ctx
 from cloud_verifier.daemon.routes import (
-    _guard_middleware,
+    guard_middleware,
     health_handler,
     metrics_handler,
     session_handler,
@@ -94,7 +94,7 @@ def build_app(
                 compile_forward=settings.compile,
             )
 
-    app = web.Application(middlewares=[_guard_middleware])
+    app = web.Application(middlewares=[guard_middleware])
     metrics = metrics or VerifierMetrics()
     app[STATE] = VerifierState(
         settings=settings,
@@ -117,11 +117,11 @@ def build_app(
     app.router.add_get("/v1/session", session_handler)
     app.router.add_get("/health", health_handler)
     app.router.add_get("/metrics", metrics_handler)
-    app.cleanup_ctx.append(_engine_ctx)
-    app.cleanup_ctx.append(_watchdog_ctx)
-    app.cleanup_ctx.append(_token_ctx)
-    app.cleanup_ctx.append(_parked_ctx)
-    app.on_shutdown.append(_close_sessions)
+    app.cleanup_ctx.append(engine_ctx)
+    app.cleanup_ctx.append(watchdog_ctx)
+    app.cleanup_ctx.append(token_ctx)
+    app.cleanup_ctx.append(parked_ctx)
+    app.on_shutdown.append(close_connections)
     return app
 
 

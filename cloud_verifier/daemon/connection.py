@@ -3,7 +3,7 @@ as streams (:mod:`shared.wire.mux`). It sends the Ready frame, reads the connect
 answers its pings, holds pings and control frames to the connection's frame budget and hands each
 stream's frames to its session; a stream that opens is admitted, put in the admission line or
 refused (:mod:`cloud_verifier.daemon.admission`). Invariants: each session runs in a task owned
-by its connection (``_Conn.tasks``), awaited (cancelled past ``close_timeout``) when the
+by its connection (``Connection.tasks``), awaited (cancelled past ``close_timeout``) when the
 connection ends; every stream sees its end before the connection is done (kept for resumption
 unless its edge ended it); a stream's task, as it ends, gives back what it held (its place in
 line or its admission) and lets the next waiting session start.
@@ -18,10 +18,23 @@ import time
 
 from aiohttp import WSCloseCode, WSMsgType
 
-from cloud_verifier.daemon.admission import _admit, _line_refusal, _must_wait, _pump, _refusal
-from cloud_verifier.daemon.parking import _resumes
-from cloud_verifier.daemon.session_loop import _ENDED, _run_session
-from cloud_verifier.daemon.state import LOG_NAME, SlowReader, VerifierState, _Conn, _Stream, _tell
+from cloud_verifier.daemon.admission import (
+    admit,
+    line_refusal,
+    must_wait,
+    pump_line,
+    session_refusal,
+)
+from cloud_verifier.daemon.parking import resumes_kept
+from cloud_verifier.daemon.session_loop import ENDED, run_session
+from cloud_verifier.daemon.state import (
+    LOG_NAME,
+    Connection,
+    SlowReader,
+    Stream,
+    VerifierState,
+    send_error,
+)
 from cloud_verifier.session.admission import Ticket
 from cloud_verifier.session.limits import context_limit
 from shared.errors import ErrorCode
@@ -41,7 +54,7 @@ from shared.wire.mux import (
 log = logging.getLogger(LOG_NAME)
 
 
-async def _serve_connection(conn: _Conn, tenant: str) -> None:
+async def serve_connection(conn: Connection, tenant: str) -> None:
     """Read the connection's messages and hand each stream's frames to its session, each a task
     owned here; on the way out (the peer closed, a connection-level fault, shutdown) every
     session sees its stream end (kept for resumption unless its edge ended it) and is awaited."""
@@ -64,7 +77,7 @@ async def _serve_connection(conn: _Conn, tenant: str) -> None:
     try:
         while True:
             msg = await ws.receive()
-            if msg.type in _ENDED:
+            if msg.type in ENDED:
                 return
             if msg.type == WSMsgType.ERROR:
                 # e.g. a frame over max_frame: aiohttp has closed the socket with a code already.
@@ -107,7 +120,7 @@ async def _serve_connection(conn: _Conn, tenant: str) -> None:
         await _await_sessions(conn)
 
 
-async def _rate_limited(conn: _Conn) -> None:
+async def _rate_limited(conn: Connection) -> None:
     """Close a connection whose pings, pongs or control frames passed its frame budget."""
     b, state = conn.budget, conn.state
     state.metrics.connections_rate_limited.inc()
@@ -124,7 +137,7 @@ async def _rate_limited(conn: _Conn) -> None:
     )
 
 
-async def _await_sessions(conn: _Conn) -> None:
+async def _await_sessions(conn: Connection) -> None:
     """Let the sessions see their end and park (bounded: then they are cancelled)."""
     if not conn.tasks:
         return
@@ -136,7 +149,7 @@ async def _await_sessions(conn: _Conn) -> None:
             await t
 
 
-async def _on_mux_event(conn: _Conn, tenant: str, ev: MuxEvent) -> None:
+async def _on_mux_event(conn: Connection, tenant: str, ev: MuxEvent) -> None:
     state = conn.state
     if isinstance(ev, Data):
         conn.streams[ev.stream].deliver(ev.payload)
@@ -148,21 +161,21 @@ async def _on_mux_event(conn: _Conn, tenant: str, ev: MuxEvent) -> None:
         # Busy waits in line: a session that may start but cannot now (slots, pages, a deep
         # queue behind other sessions) joins the admission line, behind any already there;
         # it is refused only by the service's status, its token's cap or a full line.
-        resuming = _resumes(state, ev.payload, tenant)
-        refusal = _refusal(state, tenant, resuming=resuming)
+        resuming = resumes_kept(state, ev.payload, tenant)
+        refusal = session_refusal(state, tenant, resuming=resuming)
         ticket: Ticket | None = None
         if refusal is None and not resuming:
-            cause = None if state.line else _must_wait(state, tenant)
+            cause = None if state.line else must_wait(state, tenant)
             if state.line or cause is not None:
-                refusal = _line_refusal(state, tenant, cause)
+                refusal = line_refusal(state, tenant, cause)
                 if refusal is None:
                     ticket = state.line.join(tenant, time.monotonic())
         if refusal is not None:
             await _refuse_stream(conn, ev.stream, refusal)
             return
-        st = conn.streams[ev.stream] = _Stream(conn, ev.stream)
+        st = conn.streams[ev.stream] = Stream(conn, ev.stream)
         if ticket is None:
-            _admit(state, st, tenant)
+            admit(state, st, tenant)
         else:
             st.ticket = ticket
             state.waiting[ticket] = st
@@ -190,23 +203,23 @@ async def _on_mux_event(conn: _Conn, tenant: str, ev: MuxEvent) -> None:
             f"{ev.queued} bytes sent past this session's window of {conn.mux.window}",
             True,
         )
-        await _tell(conn, ev.stream, err)
+        await send_error(conn, ev.stream, err)
         await conn.end(ev.stream, WSCloseCode.POLICY_VIOLATION, "flow_control")
 
 
-async def _refuse_stream(conn: _Conn, stream: int, err: Error) -> None:
+async def _refuse_stream(conn: Connection, stream: int, err: Error) -> None:
     """A new session refused: its Error (with Retry-After) and the stream's End."""
     state = conn.state
     state.metrics.sessions_refused.inc(reason=err.code)
     state.refusal_log.log(log, logging.INFO, "refused a session: %s (%s)", err.code, err.message)
-    await _tell(conn, stream, err)
+    await send_error(conn, stream, err)
     await conn.end(stream, WSCloseCode.TRY_AGAIN_LATER, err.code)
 
 
-async def _stream_task(st: _Stream, tenant: str) -> None:
+async def _stream_task(st: Stream, tenant: str) -> None:
     conn, state = st.conn, st.conn.state
     try:
-        await _run_session(st, state, tenant)
+        await run_session(st, state, tenant)
     except SlowReader as e:
         await conn.slow_reader(e)
     except ConnectionError:
@@ -224,7 +237,7 @@ async def _stream_task(st: _Stream, tenant: str) -> None:
             state.line.served(time.monotonic() - st.admitted_at)
         conn.streams.pop(st.stream, None)
         conn.mux.end(st.stream)
-        _pump(state)  # a slot (or a place in line) is free: the next session's turn may come
+        pump_line(state)  # a slot (or a place in line) is free: the next session's turn may come
 
 
 def _count_in(state: VerifierState, data: bytes | str) -> None:

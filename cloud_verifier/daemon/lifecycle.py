@@ -1,13 +1,13 @@
 """The service's life: the model's load in the background (the port listens meanwhile; /health
 says loading), the watch on the engine's thread (its death fails every open session and leaves
 the service FAILED), the systemd watchdog, the drain before a shutdown and the shutdown's close
-of every session. Invariants: each background task (the load, the engine monitor, the watchdog)
-is created and cancelled-and-awaited by one cleanup context (:func:`_engine_ctx`,
-:func:`_watchdog_ctx`); the tasks that close connections (a dead engine's, a drain's) are kept in
-``VerifierState.closers`` (which the token context cancels and awaits at the end); the engine's
-death is acted on once (``engine_dead``), and never while the service stops, when its end is
-expected; the watchdog is fed from the engine's own beat, never from a call that would queue
-behind its work.
+of every connection (and so of every session). Invariants: each background task (the load, the
+engine monitor, the watchdog) is created and cancelled-and-awaited by one cleanup context
+(:func:`engine_ctx`, :func:`watchdog_ctx`); the tasks that close connections (a dead engine's,
+a drain's) are kept in ``VerifierState.closers`` (which the token context cancels and awaits at
+the end); the engine's death is acted on once (``engine_dead``), and never while the service
+stops, when its end is expected; the watchdog is fed from the engine's own beat, never from a
+call that would queue behind its work.
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ from enum import Enum
 
 from aiohttp import WSCloseCode, web
 
-from cloud_verifier.daemon.state import LOG_NAME, STATE, VerifierState, _close, _Conn, _tell
+from cloud_verifier.daemon.state import (
+    LOG_NAME,
+    STATE,
+    Connection,
+    VerifierState,
+    close_websocket,
+    send_error,
+)
 from cloud_verifier.engine.engine import EngineHealth
 from shared.errors import ErrorCode
 from shared.runtime.device import DeviceUnavailable
@@ -68,7 +75,7 @@ async def _load_model(state: VerifierState) -> None:
     state.set_status(ServiceStatus.READY, f"serving {target.description}")
 
 
-async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
     """Owns the model worker, the background load (the port listens while it runs) and the
     task that watches the engine for its death."""
     state = app[STATE]
@@ -99,7 +106,7 @@ def _engine_failure(state: VerifierState) -> str | None:
     return h.error or "the model engine stopped"
 
 
-def _check_engine(state: VerifierState) -> bool:
+def check_engine(state: VerifierState) -> bool:
     """Read the engine's health; the first time it is found dead, act on it (see
     :func:`_engine_died`). True while it can serve."""
     why = _engine_failure(state)
@@ -138,10 +145,10 @@ async def _fail_connections(state: VerifierState, err: Error) -> None:
     """Tell every open session ``err`` (fatal; nothing is kept for resumption) and close every
     connection (1011), each within close_timeout."""
 
-    async def fail(conn: _Conn) -> None:
+    async def fail(conn: Connection) -> None:
         for st in list(conn.streams.values()):
             st.ended_here = True  # not lost: nothing is kept for an engine that is gone
-            await _tell(conn, st.stream, err)
+            await send_error(conn, st.stream, err)
             await conn.end(st.stream, WSCloseCode.INTERNAL_ERROR, err.code)
             st.finish(WSCloseCode.INTERNAL_ERROR, err.message)
         await conn.close(WSCloseCode.INTERNAL_ERROR, f"{err.code}: {err.message}")
@@ -152,7 +159,7 @@ async def _fail_connections(state: VerifierState, err: Error) -> None:
 async def _engine_monitor(state: VerifierState) -> None:
     """Read the engine's health every ``ENGINE_CHECK_S`` s (no call: nothing queues behind
     work), so that its death is acted on within that bound even with no request coming in."""
-    while _check_engine(state):
+    while check_engine(state):
         await asyncio.sleep(ENGINE_CHECK_S)
 
 
@@ -240,7 +247,7 @@ def _log_watchdog(verdict: WatchdogVerdict, health: EngineHealth, bound: float) 
         log.info("watchdog: the engine progresses again")
 
 
-async def _watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
+async def watchdog_ctx(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     interval = state.notifier.watchdog_interval
     task = None
@@ -285,15 +292,30 @@ async def drain(state: VerifierState, timeout_s: float, poll_s: float = 0.1) -> 
     log.info("drained: %d session(s) left to close", state.streams)
 
 
-async def _close_sessions(app: web.Application) -> None:
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+async def close_connections(app: web.Application) -> None:
+    """At shutdown: close every upgraded connection (going away), whatever sessions it carries.
+    An edge keeps its connection open between sessions (a warm link), so the line says how many
+    connections are closed and, apart, how many sessions they cut: open (admitted) and waiting
+    in the admission line."""
     state = app[STATE]
     state.set_status(ServiceStatus.STOPPING, "shutting down")
     sockets = list(state.websockets.items())
     if sockets:
-        log.info("closing %d session(s)", len(sockets))
+        cut = [_count(state.streams, "open session")] if state.streams else []
+        if state.waiting:
+            cut.append(f"{len(state.waiting)} waiting in line")
+        log.info(
+            "closing %s (%s)",
+            _count(len(sockets), "connection"),
+            ", ".join(cut) if cut else "no open session",
+        )
     await asyncio.gather(
         *(
-            _close(ws, transport, state, WSCloseCode.GOING_AWAY, b"server shutdown")
+            close_websocket(ws, transport, state, WSCloseCode.GOING_AWAY, b"server shutdown")
             for ws, transport in sockets
         ),
         return_exceptions=True,

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Final, TypeVar
 
 from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.engine import EngineLimits
+from cloud_verifier.engine.prefix_cache import PrefixCache
 from cloud_verifier.engine.step_times import StallRule
 from cloud_verifier.session.cloud_draft import parse_cloud_drafts
 from cloud_verifier.session.limits import SessionLimits
-from cloud_verifier.session.tenancy import PrefixCache
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

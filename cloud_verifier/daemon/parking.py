@@ -2,9 +2,9 @@
 (its KV cache) for ``resume_grace`` seconds so that its edge can resume it, of the same tenant
 only, within a page budget (``resume_pages_share`` of the pool); sessions that need the room drop
 the oldest. Invariants: ``state.parked`` is ordered oldest first and changed only here (a slot
-taken out is released unless a resuming session adopts it, :func:`_adopt`); the kept sessions'
+taken out is released unless a resuming session adopts it, :func:`adopt_parked`); the kept sessions'
 pages, counted now, are within their budget after each park and each reap; the reaper task is
-owned by :func:`_parked_ctx`, which releases every kept session at the end.
+owned by :func:`parked_ctx`, which releases every kept session at the end.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ log = logging.getLogger(LOG_NAME)
 REAP_INTERVAL_S = 1.0
 
 
-def _unpark(state: VerifierState, token: str, reason: str | None) -> Parked | None:
+def unpark(state: VerifierState, token: str, reason: str | None) -> Parked | None:
     """Take a lost session out of the parking; with ``reason`` its slot is released too (the
     KV pages go back to the pool)."""
     parked = state.parked.pop(token, None)
@@ -44,7 +44,7 @@ def _unpark(state: VerifierState, token: str, reason: str | None) -> Parked | No
     return parked
 
 
-def _park(state: VerifierState, token: str, slot: Slot, tenant: str) -> bool:
+def park(state: VerifierState, token: str, slot: Slot, tenant: str) -> bool:
     """Keep a lost session's slot for ``resume_grace`` seconds, within the page budget (the
     oldest are dropped to make room). False when it cannot be kept (the caller releases it):
     its slot holds no page (its prefill never ran: there is nothing to resume), or more than
@@ -74,15 +74,15 @@ def _fit_budget(state: VerifierState) -> None:
     """Drop the oldest kept sessions while the pages they hold now pass their budget."""
     budget = _parked_budget(state)
     while state.parked and sum(p.pages for p in state.parked.values()) > budget:
-        _unpark(state, next(iter(state.parked)), "budget")
+        unpark(state, next(iter(state.parked)), "budget")
 
 
-def _kept(state: VerifierState, key: str) -> int:
+def kept_count(state: VerifierState, key: str) -> int:
     """Sessions kept for resumption of token key ``key``."""
     return sum(1 for p in state.parked.values() if p.tenant == key)
 
 
-def _resumes(state: VerifierState, payload: bytes, tenant: str) -> bool:
+def resumes_kept(state: VerifierState, payload: bytes, tenant: str) -> bool:
     """Whether a stream's first frame is a Hello resuming a session kept for ``tenant``, within
     its grace (decoded here for admission; the session's core decodes and checks it again)."""
     try:
@@ -99,21 +99,21 @@ def _resumes(state: VerifierState, payload: bytes, tenant: str) -> bool:
     )
 
 
-def _make_room(state: VerifierState) -> bool:
+def drop_oldest_kept(state: VerifierState) -> bool:
     """A new session needs a slot or pages: drop the oldest lost session (False: none)."""
     if not state.parked:
         return False
-    _unpark(state, next(iter(state.parked)), "pressure")
+    unpark(state, next(iter(state.parked)), "pressure")
     return True
 
 
 def _reap(state: VerifierState, now: float) -> None:
     for token in [t for t, p in state.parked.items() if p.until <= now]:
-        _unpark(state, token, "expired")
+        unpark(state, token, "expired")
     _fit_budget(state)
 
 
-async def _parked_ctx(app: web.Application) -> AsyncIterator[None]:
+async def parked_ctx(app: web.Application) -> AsyncIterator[None]:
     """Owns the task that drops lost sessions past their grace period; at the end, every
     kept one is released."""
     state = app[STATE]
@@ -131,10 +131,10 @@ async def _parked_ctx(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         for token in list(state.parked):
-            _unpark(state, token, "expired")
+            unpark(state, token, "expired")
 
 
-async def _adopt(
+async def adopt_parked(
     state: VerifierState, ask: Adopt, hello: Hello, tenant: str
 ) -> tuple[Slot, list[int]] | None:
     """The lost session ``ask`` names, if it is kept and of this tenant: its slot, handed to
@@ -147,7 +147,7 @@ async def _adopt(
         # Never across tenants; the session stays kept for its own edge.
         state.metrics.resume_misses.inc(reason="tenant")
         return None
-    _unpark(state, ask.token, None)
+    unpark(state, ask.token, None)
     slot = parked.slot
     try:
         tokens = await state.engine.call(lambda: state.engine.adopt(slot, hello, ask.length))

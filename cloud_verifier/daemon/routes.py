@@ -17,11 +17,16 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import hdrs, web
 
-from cloud_verifier.daemon.admission import _line_refusal, _must_wait, _status_code, _token_metrics
-from cloud_verifier.daemon.connection import _serve_connection
-from cloud_verifier.daemon.lifecycle import _check_engine
-from cloud_verifier.daemon.parking import _kept
-from cloud_verifier.daemon.state import LOG_NAME, STATE, VerifierState, _Conn
+from cloud_verifier.daemon.admission import (
+    line_refusal,
+    must_wait,
+    not_ready_code,
+    update_token_metrics,
+)
+from cloud_verifier.daemon.connection import serve_connection
+from cloud_verifier.daemon.lifecycle import check_engine
+from cloud_verifier.daemon.parking import kept_count
+from cloud_verifier.daemon.state import LOG_NAME, STATE, Connection, VerifierState
 from shared.errors import ErrorCode
 from shared.service.metrics import CONTENT_TYPE
 from shared.service.status import ServiceStatus
@@ -36,7 +41,7 @@ REFUSAL_HEADER = "X-Wanspec-Refusal"
 
 
 @web.middleware
-async def _guard_middleware(
+async def guard_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """Headers complete: the connection is no longer pending (see ``http_guard``). A header
@@ -81,7 +86,7 @@ async def health_handler(request: web.Request) -> web.Response:
     tokens are kept meanwhile)."""
     state = request.app[STATE]
     health = state.engine.health()
-    _check_engine(state)
+    check_engine(state)
     body: dict[str, object] = {"status": state.status, "reason": state.reason}
     body["engine"] = {
         "alive": health.alive,
@@ -120,7 +125,7 @@ async def metrics_handler(request: web.Request) -> web.Response:
     state.metrics.prefix_hit_tokens.follow(mem["prefix_hit_tokens"])  # the engine owns them
     state.metrics.prefix_evictions.follow(mem["prefix_evictions"])
     state.metrics.busy_seconds.follow(state.engine.busy_seconds())  # the engine owns it
-    _token_metrics(state)
+    update_token_metrics(state)
     body = state.metrics.render().encode()
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: CONTENT_TYPE})
 
@@ -196,14 +201,14 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
             ),
             request,
         )
-    _check_engine(state)
+    check_engine(state)
     if state.status != ServiceStatus.READY:
         # Loading or draining: busy, come back (Retry-After). Failed (the model did not load,
         # or the engine died): down, no Retry-After, so an edge counts it as down.
         failed = state.status == ServiceStatus.FAILED
         raise _refuse(
             state,
-            _status_code(state.status),
+            not_ready_code(state.status),
             web.HTTPServiceUnavailable(
                 text=json.dumps({"status": state.status, "reason": state.reason}),
                 content_type="application/json",
@@ -225,11 +230,11 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     # A token with sessions kept for resumption may be reconnecting to resume them: its
     # connection is not refused as busy (beyond max_sessions, by at most the kept sessions)
     # nor overloaded; each stream it opens is admitted on its own (a resume always).
-    kept = _kept(state, key)
+    kept = kept_count(state, key)
     refusal = None
-    cause = None if kept else _must_wait(state, key, make_room=False)
+    cause = None if kept else must_wait(state, key, make_room=False)
     if cause is not None:
-        refusal = _line_refusal(state, key, cause)
+        refusal = line_refusal(state, key, cause)
     if refusal is not None:
         # No session could start here now, nor wait in line (a full line: overloaded, before
         # the connection limit, which a full line reaches too): say so before the upgrade,
@@ -258,7 +263,7 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
         max_msg_size=s.max_frame + MAX_PREFIX,
         timeout=s.close_timeout,
         heartbeat=s.heartbeat or None,
-        autoping=False,  # pings are answered by _serve_connection, within the frame budget
+        autoping=False,  # pings are answered by serve_connection, within the frame budget
         compress=False,  # frames are tens of bytes; deflate would only add latency
     )
     if not _upgrade_requested(request):
@@ -292,14 +297,14 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
         raise _refuse(state, ErrorCode.SUBPROTOCOL, _wrong_subprotocol(request))
     state.connections += 1
     state.per_token[key] = state.per_token.get(key, 0) + 1
-    conn: _Conn | None = None
+    conn: Connection | None = None
     try:
         await ws.prepare(request)
         state.websockets[ws] = request.transport
         state.ws_token[ws] = key
-        conn = _Conn(ws, request.transport, state)
+        conn = Connection(ws, request.transport, state)
         state.conns.add(conn)
-        await _serve_connection(conn, key)
+        await serve_connection(conn, key)
     finally:
         if conn is not None:
             state.conns.discard(conn)

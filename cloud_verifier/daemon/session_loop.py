@@ -22,17 +22,17 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMessage, WSMsgType
 
-from cloud_verifier.daemon.admission import _wait_turn
-from cloud_verifier.daemon.lifecycle import _check_engine
+from cloud_verifier.daemon.admission import wait_turn
+from cloud_verifier.daemon.lifecycle import check_engine
 from cloud_verifier.daemon.metrics import VerifierMetrics
-from cloud_verifier.daemon.parking import _adopt, _make_room, _park
+from cloud_verifier.daemon.parking import adopt_parked, drop_oldest_kept, park
 from cloud_verifier.daemon.state import (
     LOG_NAME,
     LiveSession,
     SlowReader,
+    Stream,
     VerifierState,
-    _send_msg,
-    _Stream,
+    send_message,
 )
 from cloud_verifier.engine.engine import Outcome
 from cloud_verifier.engine.kv_manager import NoFreeSlot, Slot
@@ -75,11 +75,11 @@ FIRST = asyncio.FIRST_COMPLETED
 READ_AHEAD = 16
 
 
-async def _fatal(peer: _Stream, state: VerifierState, close: Close, core: VerifierCore) -> None:
+async def _fatal(peer: Stream, state: VerifierState, close: Close, core: VerifierCore) -> None:
     """Tell the peer why (unless the close is a normal one), then end the session's stream."""
     with contextlib.suppress(ConnectionError):
         if close.code != CLOSE_OK:
-            await _send_msg(peer, state, close.error, core)
+            await send_message(peer, state, close.error, core)
     await peer.close(close.code, f"{close.error.code}: {close.error.message}")
 
 
@@ -172,7 +172,7 @@ async def _run_work(state: VerifierState, live: LiveSession, work: Work) -> list
     try:
         outcome = await state.engine.run(live.slot, work)
     except Exception as e:  # the engine itself failed (shut down, or its thread died)
-        if _check_engine(state) and live.logs.allow():
+        if check_engine(state) and live.logs.allow():
             log.warning("session %s: engine error", live.core.session_id, exc_info=e)
         failed = Failed(f"{type(e).__name__}: {e}", live.slot.length, FailureKind.ENGINE)
         outcome = Outcome(failed, None, 0.0)
@@ -194,7 +194,7 @@ def _count_tokens(m: VerifierMetrics, added: TokenCounts) -> None:
 
 
 async def _act(
-    peer: _Stream, state: VerifierState, live: LiveSession, events: list[Event], t0: float
+    peer: Stream, state: VerifierState, live: LiveSession, events: list[Event], t0: float
 ) -> Work | None:
     """Carry out the core's events in order: notes, sends, a close. Returns the model work the
     core asked for (at most one: it is BUSY until its result), for the caller to start."""
@@ -204,7 +204,7 @@ async def _act(
         if isinstance(ev, Note):
             _note(state, core, ev, live.logs)
         elif isinstance(ev, Send):
-            await _send_msg(peer, state, ev.msg, core)
+            await send_message(peer, state, ev.msg, core)
             if isinstance(ev.msg, (Verdict, FederatedReply)):
                 state.metrics.round_seconds.observe(time.perf_counter() - t0)
             elif isinstance(ev.msg, Progress):
@@ -219,7 +219,7 @@ async def _act(
     return work
 
 
-async def _next_frame(peer: _Stream, core: VerifierCore) -> WSMessage | None:
+async def _next_frame(peer: Stream, core: VerifierCore) -> WSMessage | None:
     """The next message from the peer, or None once the core's idle deadline has passed (the
     connection's pings never count as a session's activity)."""
     while True:
@@ -237,7 +237,7 @@ async def _next_frame(peer: _Stream, core: VerifierCore) -> WSMessage | None:
             return await asyncio.wait_for(peer.receive(), left)
 
 
-_ENDED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
+ENDED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)
 
 
 async def _cancel(task: asyncio.Task[Any] | None) -> None:
@@ -248,7 +248,7 @@ async def _cancel(task: asyncio.Task[Any] | None) -> None:
 
 
 async def _session_loop(
-    peer: _Stream, state: VerifierState, live: LiveSession, events: list[Event]
+    peer: Stream, state: VerifierState, live: LiveSession, events: list[Event]
 ) -> None:
     """Read frames and run the session's model work at the same time.
 
@@ -302,7 +302,7 @@ async def _session_loop(
             if msg is None:  # idle past its deadline: the core closes it (idle_timeout)
                 events, t0 = core.expire(time.monotonic()), time.perf_counter()
                 continue
-            if msg.type in _ENDED:
+            if msg.type in ENDED:
                 return
             t0 = time.perf_counter()
             events = core.receive(msg.data, time.monotonic())
@@ -317,11 +317,11 @@ def _open_slot(state: VerifierState, hello: Hello, tenant: str) -> Slot:
         try:
             return state.engine.open(hello, tenant)
         except NoFreeSlot:
-            if not _make_room(state):
+            if not drop_oldest_kept(state):
                 raise
 
 
-async def _run_session(peer: _Stream, state: VerifierState, tenant: str = "") -> None:
+async def run_session(peer: Stream, state: VerifierState, tenant: str = "") -> None:
     s = state.settings
     token = secrets.token_hex(16) if s.resume_grace > 0 else None
     core = _new_core(state, token)
@@ -342,12 +342,12 @@ async def _run_session(peer: _Stream, state: VerifierState, tenant: str = "") ->
             elif isinstance(ev, Close):
                 await _fatal(peer, state, ev, core)
         return
-    if peer.ticket is not None and not await _wait_turn(peer, state, core):
+    if peer.ticket is not None and not await wait_turn(peer, state, core):
         return  # ended, or refused by the service's status, while it waited in line
     slot: Slot | None = None
     ask = next((ev for ev in events if isinstance(ev, Adopt)), None)
     if ask is not None:
-        adopted = await _adopt(state, ask, core.hello, tenant)
+        adopted = await adopt_parked(state, ask, core.hello, tenant)
         slot = None if adopted is None else adopted[0]
         events = core.adopted(None if adopted is None else adopted[1])
     if slot is None:
@@ -389,7 +389,7 @@ async def _run_session(peer: _Stream, state: VerifierState, tenant: str = "") ->
         del state.sessions[core.session_id]
         lost = not ours and not core.closed and peer.lost
         lost = lost and core.hello.resumable  # an edge that cannot resume gets nothing kept
-        kept = lost and token is not None and _park(state, token, slot, tenant)
+        kept = lost and token is not None and park(state, token, slot, tenant)
         if not kept:
             state.engine.release(live.slot)
         state.metrics.sessions_active.set(len(state.sessions))

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from cloud_verifier.engine.prefix_cache import PrefixCache
 from cloud_verifier.session.cloud_draft import CloudDraftError, DraftLength, parse_cloud_drafts
-from cloud_verifier.session.tenancy import PrefixCache
 from shared.service.config import (
     ConfigError,
     Device,

@@ -1,8 +1,8 @@
 """What every part of the verifier service shares: :class:`VerifierState` (one per application,
 under the :data:`STATE` key), the records it keeps (an open session, :class:`LiveSession`; a lost
-one kept for resumption, :class:`Parked`) and the connection objects it holds: :class:`_Conn`,
+one kept for resumption, :class:`Parked`) and the connection objects it holds: :class:`Connection`,
 an upgraded WebSocket with its streams' rules (:class:`~shared.wire.mux.ServerMux`), and
-:class:`_Stream`, one session's view of its stream. Invariants: the state is reached only
+:class:`Stream`, one session's view of its stream. Invariants: the state is reached only
 through ``app[STATE]`` or an object that holds it (no module keeps any of it); every send to a
 peer is bounded in time (``send_timeout``) and in the bytes it leaves queued
 (``max_send_buffer``): past either the peer is a :class:`SlowReader`; every close is bounded in
@@ -103,12 +103,12 @@ class VerifierState:
     #: most resume_pages_share of the pool, checked at each park and each reap.
     parked: OrderedDict[str, Parked] = field(default_factory=OrderedDict)
     #: Upgraded connections (to fail their sessions when the engine dies).
-    conns: set[_Conn] = field(default_factory=set)
+    conns: set[Connection] = field(default_factory=set)
     #: The engine's thread was found dead (once; ``_engine_died`` acted on it).
     engine_dead: bool = False
     #: Sessions waiting for their turn to start (the admission line), and each one's stream.
     line: AdmissionLine = field(default_factory=lambda: AdmissionLine(0, 1))
-    waiting: dict[Ticket, _Stream] = field(default_factory=dict)
+    waiting: dict[Ticket, Stream] = field(default_factory=dict)
 
     def set_status(self, status: ServiceStatus, reason: str) -> None:
         self.status, self.reason = status, reason
@@ -132,7 +132,7 @@ class LiveSession:
 # ---------------------------------------------------------------------------- connection objects
 
 
-def _close_reason(text: str) -> bytes:
+def close_reason(text: str) -> bytes:
     """A close reason fits in 123 bytes (RFC 6455); cut on a character boundary."""
     raw = text.encode("utf-8")
     return raw if len(raw) <= 123 else raw[:120].decode("utf-8", "ignore").encode() + b"..."
@@ -182,7 +182,7 @@ def _abort(transport: asyncio.BaseTransport | None) -> None:
         transport.abort()
 
 
-async def _close(
+async def close_websocket(
     ws: web.WebSocketResponse,
     transport: asyncio.BaseTransport | None,
     state: VerifierState,
@@ -202,7 +202,7 @@ async def _close(
         _abort(transport)  # unread bytes would otherwise be held until TCP gives up
 
 
-class _Conn:
+class Connection:
     """One upgraded connection: the WebSocket, the TCP transport under it (for its send
     buffer), its streams' rules (:class:`~shared.wire.mux.ServerMux`) and its sessions."""
 
@@ -215,7 +215,7 @@ class _Conn:
         s = state.settings
         self.ws, self.transport, self.state = ws, transport, state
         self.mux = ServerMux(s.max_streams, stream_window(s.stream_window, s.max_frame))
-        self.streams: dict[int, _Stream] = {}
+        self.streams: dict[int, Stream] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         #: Pings, pongs and frames no session counts, against max_frame_rate / frame_burst.
         self.budget = FrameBudget(s.max_frame_rate, s.frame_burst)
@@ -251,7 +251,7 @@ class _Conn:
                 await self.send(encode_control(End(stream, code, reason[:200])))
 
     async def close(self, code: int, reason: str) -> None:
-        await _close(self.ws, self.transport, self.state, code, _close_reason(reason))
+        await close_websocket(self.ws, self.transport, self.state, code, close_reason(reason))
 
     async def slow_reader(self, e: SlowReader) -> None:
         self.state.metrics.slow_readers.inc()
@@ -264,11 +264,11 @@ class _Conn:
 _Inbox = asyncio.Queue[WSMessage]
 
 
-class _Stream:
+class Stream:
     """One session on a connection, as the session loop sees its peer: frames in order (from
     the connection's reader), a send that prefixes its stream id, a close that ends only it."""
 
-    def __init__(self, conn: _Conn, stream: int) -> None:
+    def __init__(self, conn: Connection, stream: int) -> None:
         self.conn, self.stream = conn, stream
         self.inbox: _Inbox = asyncio.Queue()
         #: How the peer ended it (an End's code, or ABNORMAL_CLOSURE when the connection went);
@@ -322,13 +322,15 @@ class _Stream:
         await self.conn.end(self.stream, code, reason)
 
 
-async def _tell(conn: _Conn, stream: int, err: Error) -> None:
+async def send_error(conn: Connection, stream: int, err: Error) -> None:
     conn.state.metrics.errors_sent.inc(code=err.code)
     with contextlib.suppress(ConnectionError):
         await conn.send(frame(stream, encode(err)))
 
 
-async def _send_msg(peer: _Stream, state: VerifierState, msg: Message, core: VerifierCore) -> None:
+async def send_message(
+    peer: Stream, state: VerifierState, msg: Message, core: VerifierCore
+) -> None:
     if isinstance(msg, Error):
         state.metrics.errors_sent.inc(code=msg.code)
     await peer.send(encode(msg) if core.ctx is None else encode(msg, core.ctx))

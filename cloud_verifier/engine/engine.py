@@ -36,6 +36,7 @@ import torch
 
 from cloud_verifier.engine.draft_model import CloudDrafter
 from cloud_verifier.engine.kv_manager import KVManager, Shares, Slot
+from cloud_verifier.engine.prefix_cache import PrefixCache
 from cloud_verifier.engine.runner import FORWARDS, Prefilled, Runner, Timing, advance
 from cloud_verifier.engine.scheduler import (
     BatchLimits,
@@ -63,7 +64,6 @@ from cloud_verifier.engine.work import (
     WorkProgress,
     deferred,
 )
-from cloud_verifier.session.tenancy import PrefixCache
 from shared.errors import WanspecError
 from shared.runtime.kv_pool import PagedKV
 from shared.wire.messages import Hello

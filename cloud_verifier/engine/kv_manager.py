@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cloud_verifier.session.tenancy import PrefixCache
+from cloud_verifier.engine.prefix_cache import PrefixCache
 from shared.errors import WanspecError
 from shared.runtime.kv_pool import OutOfPages, PagedKV, SlotPages, root_key
 from shared.wire.messages import Fingerprint, Hello

@@ -56,8 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from cloud_verifier.engine.work import CoGenerate, Verify, Work
-from cloud_verifier.session.pace import DEFER_BOUND, MAX_WEIGHT
+from cloud_verifier.engine.work import DEFER_BOUND, MAX_WEIGHT, CoGenerate, Verify, Work
 from shared.wire.messages import MAX_BUDGET
 
 #: The budget that means "draft as you like": the protocol's bound on it.
@@ -90,7 +89,7 @@ class Round:
     scoring row, ``survival`` its slots' s_i, ``ends`` the draft length at each of its batches'
     ends (() : one batch), ``sure`` the slots no ration leaves out (its promise), ``weight`` its
     session's (:mod:`cloud_verifier.session.pace`), ``waited`` the steps in a row its batches
-    were deferred (at :data:`~cloud_verifier.session.pace.DEFER_BOUND` it is served whole)."""
+    were deferred (at :data:`~cloud_verifier.engine.work.DEFER_BOUND` it is served whole)."""
 
     key: int
     fixed: int

@@ -34,6 +34,7 @@ import numpy.typing as npt
 import torch
 
 from cloud_verifier.engine import device_sampling as ds
+from cloud_verifier.engine.draft_length import draft_length
 from cloud_verifier.engine.draft_model import CloudDrafter, DraftRequest
 from cloud_verifier.engine.kv_manager import KVManager, Slot, new_generator
 from cloud_verifier.engine.scheduler import model_drafts_allowed
@@ -57,7 +58,6 @@ from cloud_verifier.engine.work import (
     Work,
     cache_after,
 )
-from cloud_verifier.session.cloud_draft import draft_length
 from shared.maths.rejection import CorrectionMode, Decision
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import OutOfPages, SlotPages
@@ -223,7 +223,7 @@ class Runner:
         (:func:`~cloud_verifier.engine.scheduler.model_drafts_allowed`: capacity first), and none,
         or
         a shorter one, where the session's measured acceptance does not pay for the draft
-        forwards at their measured cost (:func:`~cloud_verifier.session.cloud_draft.draft_length`).
+        forwards at their measured cost (:func:`~cloud_verifier.engine.draft_length.draft_length`).
         A co-generation given no draft decodes one token, its ``withheld`` saying why."""
         todo: list[tuple[int, Slot, CoGenerate]] = [
             (i, slot, work)

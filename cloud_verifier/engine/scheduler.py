@@ -15,7 +15,7 @@ that names every row of the next step:
   and every co-generation is in the step, up to ``max_sessions`` rows and ``max_tokens``
   tokens, taken in order of their sessions' weight (:mod:`cloud_verifier.session.pace`: the
   sessions furthest below the rate they are owed first; a round whose batches were deferred
-  :data:`~cloud_verifier.session.pace.DEFER_BOUND` steps in a row counts as the furthest), then
+  :data:`~cloud_verifier.engine.work.DEFER_BOUND` steps in a row counts as the furthest), then
   of arrival: one rule for every kind of session's work, so a co-generation for a session
   waiting on its edge is owed room like any round, and one left out is answered Skipped.
   Cheap work (Crop, Draw) is always in the step. The verifier's draft model runs only in
@@ -55,8 +55,16 @@ from enum import Enum
 
 from cloud_verifier.engine.rationing import Round, own_budget, ration, survival_of
 from cloud_verifier.engine.step_times import StallRule, StepTimes
-from cloud_verifier.engine.work import CoGenerate, Federate, Verify, Work, batch_ends, rationed
-from cloud_verifier.session.pace import DEFER_BOUND, MAX_WEIGHT
+from cloud_verifier.engine.work import (
+    DEFER_BOUND,
+    MAX_WEIGHT,
+    CoGenerate,
+    Federate,
+    Verify,
+    Work,
+    batch_ends,
+    rationed,
+)
 
 #: Fixed tokens of a decode round: work with at most this many (the tokens committed since the
 #: session's last verdict: up to depth × (γ + 1), well under this for the protocol's bounds) is

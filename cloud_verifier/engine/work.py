@@ -1,6 +1,8 @@
 """The verifier's model work as the session core asks for it and the engine answers it: the
 work requests (:data:`Work`), their results (:data:`Result`, :class:`Failed` with its
-:class:`FailureKind`) and the one crop rule (:func:`cache_after`).
+:class:`FailureKind`), the one crop rule (:func:`cache_after`) and the bounds of the pace a
+request carries (a session's weight, :data:`MIN_WEIGHT` to :data:`MAX_WEIGHT`, and
+:data:`DEFER_BOUND`: :mod:`cloud_verifier.session.pace` sets them, the scheduler reads them).
 
 The vocabulary between :mod:`cloud_verifier.session.core` (which asks) and the engine (which
 answers): plain data, no torch and no I/O, so the session rules import it without importing the
@@ -23,6 +25,12 @@ from shared.wire.messages import Logprobs, Propose
 #: The scalar type of a per-token array (ids, probabilities).
 G = TypeVar("G", bound=np.generic)
 
+#: A session's weight (:mod:`cloud_verifier.session.pace`) is clamped to [MIN_WEIGHT, MAX_WEIGHT].
+MIN_WEIGHT: Final = 0.25
+MAX_WEIGHT: Final = 4.0
+#: Steps in a row a session's deferred batches may wait before its round is served whole.
+DEFER_BOUND: Final = 4
+
 
 class Withheld(TextEnum):
     """Why a co-generation that asked for a model draft got none (it decodes one token)."""
@@ -31,7 +39,7 @@ class Withheld(TextEnum):
     #: (:func:`~cloud_verifier.engine.scheduler.model_drafts_allowed`).
     LOAD = "load"
     #: The session's acceptance does not pay for a draft forward
-    #: (:func:`~cloud_verifier.session.cloud_draft.draft_length` = 0).
+    #: (:func:`~cloud_verifier.engine.draft_length.draft_length` = 0).
     COST = "cost"
 
 
@@ -117,7 +125,7 @@ class Verify(ProposeWork):
     mean_token: float = 0.0
     promised: int = 1
     #: The scheduler's weight of its session (:mod:`cloud_verifier.session.pace`), and how many
-    #: steps in a row the ration deferred its batches (served whole at ``pace.DEFER_BOUND``).
+    #: steps in a row the ration deferred its batches (served whole at :data:`DEFER_BOUND`).
     weight: float = 1.0
     waited: int = 0
     #: The tokens the tree's branches are expected to add to the round (the probability each
@@ -230,7 +238,7 @@ class CoGenerate:
     cloud: bool = False  # the draft is the verifier's own (not a hedge's)
     model_tokens: int = 0  # the model side drafts up to this many tokens (cloud_draft_model)
     #: The session's measured acceptance α of its model drafts: the model side drafts the
-    #: length that pays for itself (:func:`~cloud_verifier.session.cloud_draft.draft_length`) up to
+    #: length that pays for itself (:func:`~cloud_verifier.engine.draft_length.draft_length`) up to
     #: ``model_tokens``; None: ``model_tokens`` as asked (``cloud_draft_length = fixed``).
     model_alpha: float | None = None
     #: Set by the model side: why it made no model draft (None: it made one, or none was asked).

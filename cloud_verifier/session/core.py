@@ -187,7 +187,7 @@ class VerifierCore:
         #: The draft budget the edge was last told (Verdict.budget; it starts unbounded).
         self.budget = MAX_BUDGET
         #: Batches the ration deferred to a later step (queued again), and in how many steps
-        #: in a row (the scheduler serves the round whole at pace.DEFER_BOUND).
+        #: in a row (the scheduler serves the round whole at work.DEFER_BOUND).
         self.deferred = 0
         self._waited = 0
         #: The rate this session has attained against the one it is owed (the scheduler's

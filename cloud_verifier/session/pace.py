@@ -12,9 +12,12 @@ furthest below their rate, then to the rest by survival. A session that has comm
 yet (its first token is due) weighs the most. One rule for every kind of session: an edge's
 rounds, co-generation, a cloud draft, a cloud-only session's credits.
 
-**No session starves.** A round whose batches the ration deferred :data:`DEFER_BOUND` steps in
-a row is served whole in the next (its weight the most, its draft promised), so no session's
-work waits more than that many steps behind others.
+**No session starves.** A round whose batches the ration deferred
+:data:`~cloud_verifier.engine.work.DEFER_BOUND` steps in a row is served whole in the next (its
+weight the most, its draft promised), so no session's work waits more than that many steps
+behind others. The bounds (:data:`~cloud_verifier.engine.work.MIN_WEIGHT`,
+:data:`~cloud_verifier.engine.work.MAX_WEIGHT`, ``DEFER_BOUND``) are in the work a session asks
+for, which the scheduler reads.
 
 **Exactness.** The weight moves which work runs in a step and how much of a draft is verified,
 from the session's timing and draft-side information only: never from the target's randomness
@@ -24,13 +27,8 @@ or the drafted tokens' values. Like rationing, it changes timing, never a decisi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
 
-#: A session's weight is clamped to [MIN_WEIGHT, MAX_WEIGHT].
-MIN_WEIGHT: Final = 0.25
-MAX_WEIGHT: Final = 4.0
-#: Steps in a row a session's deferred batches may wait before its round is served whole.
-DEFER_BOUND: Final = 4
+from cloud_verifier.engine.work import MAX_WEIGHT, MIN_WEIGHT
 
 
 def pace_weight(attained: float, owed: float) -> float:

@@ -17,7 +17,7 @@ from aiohttp import WSCloseCode
 
 from bench.net.stream_ws import StreamWS
 from bench.studies.load import LoadConfig, run
-from cloud_verifier.daemon.lifecycle import _close_sessions
+from cloud_verifier.daemon.lifecycle import close_connections
 from cloud_verifier.daemon.state import STATE, _buffered
 from cloud_verifier.engine.targets import NullTarget
 from shared.maths.sampling import SamplingParams
@@ -140,7 +140,7 @@ async def test_shutdown_is_bounded_with_a_client_that_does_not_read(aiohttp_clie
     )
     await ProbeClient(other).hello(Hello(FP, SamplingParams(0.0)))
     t0 = time.monotonic()
-    await asyncio.wait_for(_close_sessions(client.app), 10.0)  # unbounded before: a hang
+    await asyncio.wait_for(close_connections(client.app), 10.0)  # unbounded before: a hang
     assert time.monotonic() - t0 < 0.5 + 1.0 + 1.0
     msg = await other.receive(timeout=5)
     assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == WSCloseCode.GOING_AWAY

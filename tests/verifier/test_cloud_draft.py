@@ -1,6 +1,7 @@
 """The verifier's own drafts (cloud_verifier.session.cloud_draft): prompt lookup over the session's
 text,
-the rejected draft's tail, and the per-session length of a model draft."""
+the rejected draft's tail, and the per-session length of a model draft
+(cloud_verifier.engine.draft_length)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,12 @@ import numpy as np
 import pytest
 
 from cloud_verifier.daemon.settings import VerifierSettings
+from cloud_verifier.engine.draft_length import draft_length, expected_tokens
 from cloud_verifier.engine.step_times import DraftCost
 from cloud_verifier.session.cloud_draft import (
     CloudDraft,
     CloudDraftError,
     DraftAcceptance,
-    draft_length,
-    expected_tokens,
     ngram_draft,
     parse_cloud_drafts,
     tail_draft,

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from cloud_verifier.engine.draft_length import draft_length
 from cloud_verifier.engine.engine import (
     Engine,
     EngineClosed,
@@ -23,6 +24,7 @@ from cloud_verifier.engine.engine import (
     Outcome,
 )
 from cloud_verifier.engine.kv_manager import NoFreeSlot, Slot
+from cloud_verifier.engine.prefix_cache import PrefixCache
 from cloud_verifier.engine.step_times import DraftCost
 from cloud_verifier.engine.targets import NullTarget, Target, TorchTarget
 from cloud_verifier.engine.work import (
@@ -39,8 +41,6 @@ from cloud_verifier.engine.work import (
     Verify,
     Withheld,
 )
-from cloud_verifier.session.cloud_draft import draft_length
-from cloud_verifier.session.tenancy import PrefixCache
 from shared.maths.rejection import CorrectionMode, try_candidates
 from shared.maths.sampling import SamplingParams, transform
 from shared.runtime.batched_lm import BatchedLM, Row

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cloud_verifier.engine.kv_manager import KVManager, NoFreeSlot, Shares
-from cloud_verifier.session.tenancy import PrefixCache
+from cloud_verifier.engine.prefix_cache import PrefixCache
 from shared.maths.sampling import SamplingParams
 from shared.runtime.kv_pool import PagedKV
 from shared.wire.messages import Fingerprint, Hello

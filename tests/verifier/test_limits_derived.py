@@ -13,11 +13,11 @@ import pytest
 from cloud_verifier.daemon.limits import ENGINE_FILL, SESSION_FILL, engine_limits, limits_from
 from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.engine import EngineLimits
+from cloud_verifier.engine.prefix_cache import PrefixCache
 from cloud_verifier.engine.scheduler import BatchLimits
 from cloud_verifier.engine.step_times import StallRule
 from cloud_verifier.session.cloud_draft import CloudDraft, DraftLength
 from cloud_verifier.session.limits import SessionLimits
-from cloud_verifier.session.tenancy import PrefixCache
 
 pytestmark = pytest.mark.fast
 

@@ -9,13 +9,8 @@ import pytest
 
 from cloud_verifier.engine.rationing import Round, ration
 from cloud_verifier.engine.scheduler import BatchLimits, Kind, Queued, by_priority, plan_step
-from cloud_verifier.session.pace import (
-    DEFER_BOUND,
-    MAX_WEIGHT,
-    MIN_WEIGHT,
-    PaceMeter,
-    pace_weight,
-)
+from cloud_verifier.engine.work import DEFER_BOUND, MAX_WEIGHT, MIN_WEIGHT
+from cloud_verifier.session.pace import PaceMeter, pace_weight
 
 pytestmark = pytest.mark.fast
 

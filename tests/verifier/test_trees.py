@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from cloud_verifier.engine.targets import NullTarget, TorchTarget
-from cloud_verifier.engine.work import Branch, CoGenerate, Verified, Verify
-from cloud_verifier.session.pace import DEFER_BOUND, MAX_WEIGHT, MIN_WEIGHT
+from cloud_verifier.engine.work import (
+    DEFER_BOUND,
+    MAX_WEIGHT,
+    MIN_WEIGHT,
+    Branch,
+    CoGenerate,
+    Verified,
+    Verify,
+)
 from shared.maths.rejection import CorrectionMode
 from shared.maths.sampling import SamplingParams, transform
 from shared.runtime.batched_lm import Row

@@ -1,4 +1,5 @@
-"""What the sessions of different bearer tokens (tenants) may share on one verifier.
+"""What the sessions of different bearer tokens (tenants) may share on one verifier: who shares
+the KV pool's prefix cache (:class:`PrefixCache`, the ``prefix_cache`` setting).
 
 Pure: no I/O, no torch (the verifier's settings name these values before any model loads).
 """
