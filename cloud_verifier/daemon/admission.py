@@ -265,12 +265,17 @@ def update_token_metrics(state: VerifierState) -> None:
 
 
 def _revoke(state: VerifierState, keys: frozenset[str]) -> None:
-    """Tokens were removed from the token file: close their sessions (1008, token_revoked)."""
+    """Tokens were removed from the token file: close the connections they authenticated, and
+    with them every session they carry (1008, token_revoked)."""
     doomed = [(ws, t) for ws, t in state.websockets.items() if state.ws_token.get(ws) in keys]
+    n = len(doomed)
     log.info(
-        "token(s) %s removed from the token file: closing %d open session(s)",
+        "%s %s removed from the token file: closing %d %s that used %s",
+        "token" if len(keys) == 1 else "tokens",
         ", ".join(sorted(keys)),
-        len(doomed),
+        n,
+        "connection" if n == 1 else "connections",
+        "it" if len(keys) == 1 else "them",
     )
     reason = close_reason("token_revoked: this session's bearer token is no longer accepted")
     for ws, transport in doomed:
