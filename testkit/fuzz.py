@@ -57,7 +57,7 @@ import msgpack
 import numpy as np
 from aiohttp import WSMessage, WSMsgType, web
 
-from bench.net.stream_ws import StreamWS
+from testkit.net.stream_ws import StreamWS
 from cloud_verifier.engine import work
 from cloud_verifier.session.core import VerifierCore
 from cloud_verifier.session.events import Close, Run, Send

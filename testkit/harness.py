@@ -30,8 +30,8 @@ from typing import Any, TypeVar
 import aiohttp
 import torch
 
-from bench.lib.provenance import provenance
-from bench.net.wanem import LinkConfig, WanEmulator
+from testkit.provenance import provenance
+from testkit.net.wanem import LinkConfig, WanEmulator
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
 from edge_agent.model.drafter import Drafter
@@ -114,7 +114,7 @@ def record_run(
     plot: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """A study's run (:func:`run_in_workdir`) recorded: its result with its provenance
-    (:func:`bench.lib.provenance.provenance`) written to ``out``, and drawn by ``plot`` (if
+    (:func:`testkit.provenance.provenance`) written to ``out``, and drawn by ``plot`` (if
     given) next to it (``out`` with ``.png``). Returns the result."""
     result = run_in_workdir(prefix, workdir, main)
     result["provenance"] = provenance()
@@ -398,7 +398,7 @@ async def wan_rig(
 ) -> AsyncIterator[WanRig]:
     """:func:`tiny_pair` in ``workdir/models``; its target served by a :class:`VerifierProcess`
     (bearer ``tokens``, options ``args``, its log ``workdir/verifier.log``) on a free port; a
-    :class:`~bench.net.wanem.WanEmulator` of ``link`` in front once it is ready. Both are stopped on
+    :class:`~testkit.net.wanem.WanEmulator` of ``link`` in front once it is ready. Both are stopped on
     leaving (the verifier after the emulator)."""
     pair = tiny_pair(workdir / "models")
     verifier = VerifierProcess(

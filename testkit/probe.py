@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 from aiohttp import WSMsgType
 
-from bench.net.stream_ws import StreamWS
+from testkit.net.stream_ws import StreamWS
 from edge_agent.session.core import SingleCore
 from edge_agent.session.events import Fail, Send
 from edge_agent.session.generation import Generation

@@ -5,5 +5,6 @@ costs (:mod:`~bench.lib.costs`, :mod:`~bench.lib.cost_study`), paired-bootstrap 
 (:mod:`~bench.lib.stats`), the prompt sets (:mod:`~bench.lib.prompts`), oracle drafts
 (:mod:`~bench.lib.oracle`), the real-time modes and edge (:mod:`~bench.lib.modes`,
 :mod:`~bench.lib.edge`), what a study reads off a verifier (:mod:`~bench.lib.verifier_state`),
-the AR baseline's wire format (:mod:`~bench.lib.ar_wire`), provenance, reports and pages. No
-module here imports a study, a network tool or ``testkit``."""
+the AR baseline's wire format (:mod:`~bench.lib.ar_wire`), reports and pages. No module here
+imports a study or a network tool of :mod:`bench.net`; of ``testkit``, only
+:mod:`testkit.provenance` (where a results file came from) and :mod:`testkit.net`."""

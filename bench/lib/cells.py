@@ -17,9 +17,9 @@ from typing import Any
 
 from bench.lib.costs import CLOUD_DRAFT_PER_VERIFY, DRAFT_BATCH_COST, TREE_TOKEN_COST
 from bench.lib.prompts import Split
-from bench.lib.provenance import REPO
 from bench.lib.sim import CloudDraftKind, Costs, Kind, Link, Request, SimMode, simulate
 from bench.lib.traces import Trace, TraceSet, load_traces
+from testkit.provenance import REPO
 
 CLOUD_DRAFTS = (CloudDraftKind.MODEL, CloudDraftKind.MIXED)
 #: The issue's 2–8, and past them: at the draft's per-token α ≈ 0.9 Leviathan et al.'s best γ is

@@ -15,9 +15,9 @@ from pathlib import Path
 import orjson
 
 from bench.lib.cli import study_parser
-from bench.lib.provenance import machine_info, provenance
 from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages
+from testkit.provenance import machine_info, provenance
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ markers (``<!-- name:begin -->`` … ``<!-- name:end -->``) replaced, nothing el
 
 from __future__ import annotations
 
-from bench.lib.provenance import REPO
+from testkit.provenance import REPO
 
 README = REPO / "README.md"
 BENCH_PAGE = REPO / "docs" / "benchmarks" / "index.md"

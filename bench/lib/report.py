@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from bench.lib.provenance import provenance
+from testkit.provenance import provenance
 
 
 def num(v: Any, digits: int = 2) -> str:

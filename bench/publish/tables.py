@@ -43,8 +43,8 @@ from bench.lib.cli import study_parser
 from bench.lib.costs import CLOUD_DRAFT_PER_VERIFY, DRAFT_BATCH_COST
 from bench.lib.modes import DEFAULT_EDGE
 from bench.lib.pages import BENCH_PAGE, README, replace_between
-from bench.lib.provenance import REPO as ROOT
 from bench.lib.report import num
+from testkit.provenance import REPO as ROOT
 
 #: Where the capacity study lies, relative to the grid's results.json (docs/results/bench/);
 #: beside it, the same study under the roofline cost model and its real-time check under load.

@@ -63,10 +63,10 @@ from bench.lib.costs import (
     VERIFY_EAGER_B8_MS,
 )
 from bench.lib.prompts import Split
-from bench.lib.provenance import provenance
 from bench.lib.sim import CloudDraftKind, Costs, Link, simulate
 from bench.lib.traces import load_traces
 from bench.lib.users import MAX_USERS, RESOLUTION, Plan, batch_limits, figures, users
+from testkit.provenance import provenance
 
 EDGE_MODES = ("auto", "auto:predraft", "hybrid", "hybrid:predraft")
 #: The service levels users are counted at.

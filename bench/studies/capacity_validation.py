@@ -21,7 +21,7 @@ token bound, share and ration; sessions a step, per token and in all ≥ N; a KV
 every user, no per-session or per-token share, no prefix cache). Each user is an in-process
 :class:`~edge_agent.daemon.agent.EdgeAgent` on a warm link of its own
 (:class:`~edge_agent.link.warm.WarmLink`, opened before the first request, as
-:func:`bench.lib.edge.open_warm`) through a WAN emulator of its own (:mod:`bench.net.wanem`: RTT
+:func:`bench.lib.edge.open_warm`) through a WAN emulator of its own (:mod:`testkit.net.wanem`: RTT
 100 ms, 10 Mbit/s each way, so users share no bandwidth); edge modes draft with
 ``self:skip=12``, one :class:`~edge_agent.model.drafter.Drafter` per user sharing the weights.
 
@@ -54,7 +54,7 @@ sim / measured ratios with 95 % intervals of a bootstrap paired by user
 ``within_15pct`` per figure (|ratio − 1| ≤ 0.15), the time scale, the overruns (and what they
 added, in emulated seconds), the verifier's own-draft counters beside the simulation's, each
 reply's figures and counts on both sides, the commands and
-:func:`bench.lib.provenance.provenance`.
+:func:`testkit.provenance.provenance`.
 
 Where the two differ by construction (TTFT). Users who start together reach the verifier
 microseconds apart (their prompts' bytes). The simulation's engine has no batch wait: it
@@ -100,14 +100,14 @@ from bench.lib.cells import BANDWIDTH_BPS
 from bench.lib.cli import study_parser
 from bench.lib.costs import CLOUD_DRAFT_PER_VERIFY, DRAFT_BATCH_COST, TREE_TOKEN_COST
 from bench.lib.edge import TimedDrafter, load_draft_model, open_warm, run_spec
-from bench.lib.provenance import provenance
+from testkit.provenance import provenance
 from bench.lib.sim import Costs, Kind, Link, SimMode, simulate
 from bench.lib.sim import Reply as SimReply
 from bench.lib.stats import Array
 from bench.lib.traces import Trace, load_traces
 from bench.lib.users import Plan, batch_limits, users
 from bench.net.verifier import serving, verifier_command
-from bench.net.wanem import LinkConfig, WanEmulator
+from testkit.net.wanem import LinkConfig, WanEmulator
 from cloud_verifier.daemon.settings import VerifierSettings
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.daemon.text import eos_ids

@@ -38,7 +38,6 @@ import torch
 
 from bench.lib.cli import study_parser
 from bench.lib.prompts import DATA
-from bench.lib.provenance import provenance
 from edge_agent.model.lm import CausalLM
 from shared.maths import compression as C
 from shared.maths.sampling import SamplingParams, accept, residual, sample, transform
@@ -46,6 +45,7 @@ from shared.runtime.models import LoadedModel, load_model
 from shared.wire.codec import encode
 from shared.wire.messages import FederatedReply
 from shared.wire.packing import WireContext
+from testkit.provenance import provenance
 from testkit.tiny_models import build_tiny_model
 
 FRACTIONS = (0.001, 0.01, 0.1, 1.0)

@@ -39,12 +39,12 @@ import torch
 from bench.lib.cli import study_parser
 from bench.lib.cost_study import tree_row
 from bench.lib.costs import derive
-from bench.lib.provenance import provenance
 from cloud_verifier.engine import device_sampling as ds
 from edge_agent.model.lm import CausalLM
 from shared.maths.sampling import SamplingParams
 from shared.runtime.batched_lm import BatchedLM, Row
 from shared.runtime.kv_pool import SlotPages
+from testkit.provenance import provenance
 
 QWEN3_32B = dict(
     hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,

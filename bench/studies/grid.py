@@ -66,9 +66,9 @@ from bench.lib.costs import (
 )
 from bench.lib.modes import DEFAULT_EDGE
 from bench.lib.prompts import DATASETS, Split
-from bench.lib.provenance import REPO, provenance
 from bench.lib.sim import CloudDraftKind, Costs
 from bench.lib.traces import TraceSet, load_traces
+from testkit.provenance import REPO, provenance
 
 RTTS_MS = (0.0, 50.0, 100.0, 200.0, 300.0)
 REPLY_TOKENS = (32, 256)

@@ -3,7 +3,7 @@
     python -m bench load --sessions 64 --seconds 60 --out bench/out/load.json
 
 One ``cloud-verifier serve`` process (tiny random target, CPU, one model worker) behind
-:mod:`bench.net.wanem` (RTT ``--rtt-ms``, jitter, 10 Mbit/s); ``--sessions`` edge agents here (tiny
+:mod:`testkit.net.wanem` (RTT ``--rtt-ms``, jitter, 10 Mbit/s); ``--sessions`` edge agents here (tiny
 draft, greedy, pipelined; their drafts share one model worker thread), each generating one text
 after another for ``--seconds``. Every generation is a new WebSocket session, so the verifier sees
 ``--sessions`` concurrent sessions and a steady churn of openings and closings; the sessions spread
@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.net.wanem import LinkConfig
+from testkit.net.wanem import LinkConfig
 from edge_agent.daemon.agent import RetryPolicy
 from edge_agent.model.tasks import ModelWorker
 from edge_agent.session.pipeline_config import PipelineConfig

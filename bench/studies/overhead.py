@@ -27,7 +27,6 @@ import torch
 from aiohttp import ClientSession, web
 
 from bench.lib.cli import study_parser
-from bench.net.stream_ws import StreamWS
 from bench.net.verifier import WrappedTarget
 from cloud_verifier.daemon.app import STATE, build_app
 from cloud_verifier.daemon.auth import Authenticator, generate_token
@@ -37,6 +36,7 @@ from shared.maths.rejection import CorrectionMode
 from shared.maths.sampling import SamplingParams
 from shared.runtime.batched_lm import Row
 from shared.wire.messages import SUBPROTOCOL, Hello, ReplyMode, Verdict
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import Driver, ProbeClient, auth_headers
 
 

@@ -8,7 +8,7 @@ One tenant's long prompts beside honest sessions are the tenants study's
 
 Setup. One verifier process (``python -m bench.net.verifier``: the product's ``cloud-verifier
 serve`` with, if ``--verify-ms`` > 0, every forward padded to that time) behind the WAN emulator
-(:mod:`bench.net.wanem`: ``--rtt-ms``, ``--bandwidth-mbit``). The edges run here, each an
+(:mod:`testkit.net.wanem`: ``--rtt-ms``, ``--bandwidth-mbit``). The edges run here, each an
 :class:`~edge_agent.daemon.agent.EdgeAgent` with its own worker thread, the product's retry policy
 and
 an oracle draft (:mod:`bench.lib.oracle`: the target's greedy token with probability ``--alpha``)
@@ -90,8 +90,8 @@ from bench.lib.edge import TimedDrafter
 from bench.lib.modes import parse_mode
 from bench.lib.oracle import GreedyPaths, OracleDrafter
 from bench.lib.verifier_state import delta, scrape, wait_idle
-from bench.net.stream_ws import StreamWS
-from bench.net.wanem import LinkConfig, WanEmulator
+from testkit.net.stream_ws import StreamWS
+from testkit.net.wanem import LinkConfig, WanEmulator
 from cloud_verifier.daemon.settings import VerifierSettings
 from edge_agent.daemon.agent import EdgeAgent
 from edge_agent.daemon.config import EdgeSettings
@@ -181,7 +181,7 @@ SOURCES = {
     "(bench/studies/realtime.py, regime picospec)",
     "verify_ms": "0: the target's real forwards on this CPU (the verifier's own capacity); "
     "> 0: every forward padded to at least that (bench/net/verifier.py PaddedTarget)",
-    "rtt_ms": "an edge on a WAN (bench/net/wanem.py emulator, jitter 0)",
+    "rtt_ms": "an edge on a WAN (testkit/net/wanem.py emulator, jitter 0)",
     "retry": "the product's edge defaults (edge_agent.daemon.service.retry_policy(EdgeSettings()))",
 }
 

@@ -40,16 +40,16 @@ import aiohttp
 import numpy as np
 
 from bench.lib.cli import study_parser
-from bench.lib.provenance import provenance
 from bench.lib.verifier_state import fingerprint, scrape
-from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import generate_token
 from edge_agent.session.opening import hello_for
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.sampling import SamplingParams
 from shared.wire.messages import SUBPROTOCOL, Fingerprint
 from testkit.harness import VerifierProcess, free_port, write_json, write_tokens
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import CloudOnlyDriver, ProbeClient, auth_headers
+from testkit.provenance import provenance
 
 HIT = "wanspec_prefix_cache_hit_tokens_total"
 BUSY = "wanspec_engine_busy_seconds_total"

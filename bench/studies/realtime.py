@@ -8,7 +8,7 @@ on the link a user has. It validates the simulation (:mod:`bench.lib.sim`,
 Processes: the verifier (``python -m bench.net.verifier``: ``cloud-verifier serve`` with padded
 forwards) and the cloud-only autoregressive baseline (``python -m bench.net.ar_server``) each run in
 their own process on the same target model; the edge (drafts, pipeline) runs here, and so do
-the WAN emulators (:mod:`bench.net.wanem`), one in front of each cloud process, so every mode
+the WAN emulators (:mod:`testkit.net.wanem`), one in front of each cloud process, so every mode
 crosses the same emulated link.
 
 Warm links, as a user has them. The edge reaches each verifier through one
@@ -120,10 +120,10 @@ from bench.lib.edge import TimedDrafter, load_draft_model, open_warm, run_spec
 from bench.lib.modes import CloudSide, ModeSpec, parse_modes
 from bench.lib.oracle import GreedyPaths, OracleDrafter, is_oracle, parse_oracle
 from bench.lib.prompts import DATASETS, Prompt, Split, encode, load_prompts
-from bench.lib.provenance import machine_info
+from testkit.provenance import machine_info
 from bench.net.ar_server import ArClient
 from bench.net.verifier import serving, verifier_command
-from bench.net.wanem import LinkConfig, WanEmulator
+from testkit.net.wanem import LinkConfig, WanEmulator
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.daemon.text import eos_ids
 from edge_agent.link.connection import LinkSettings

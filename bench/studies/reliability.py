@@ -3,7 +3,7 @@
     python -m bench reliability --generations 100 --out bench/out/reliability.json
 
 A real ``cloud-verifier serve`` process (tiny random target, CPU) listens on a fixed loopback
-port behind the WAN emulator (:mod:`bench.net.wanem`); a real edge agent (tiny draft, pipelined,
+port behind the WAN emulator (:mod:`testkit.net.wanem`); a real edge agent (tiny draft, pipelined,
 greedy) runs here. Every generation gets one to three faults, each fired when the generation has
 committed a random number of tokens (so they land mid-generation, at any phase of the pipeline):
 
@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.net.wanem import LinkConfig
+from testkit.net.wanem import LinkConfig
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.session.events import GenerationEvent
 from edge_agent.session.generation import Generation
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("wanspec.edge").setLevel(logging.ERROR)  # one line per reconnect
-    logging.getLogger("bench.net.wanem").setLevel(logging.WARNING)  # refused upstream connects
+    logging.getLogger("testkit.net.wanem").setLevel(logging.WARNING)  # refused upstream connects
     _, report = run_command(ChaosConfig, args, "wanspec-chaos-", run, summary)
     return 0 if report.ok() else 1
 

@@ -76,9 +76,7 @@ import numpy as np
 from aiohttp import WSMsgType
 
 from bench.lib.cli import add_verifier_run, study_parser
-from bench.lib.provenance import git
 from bench.lib.verifier_state import scrape, wait_idle
-from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import generate_token
 from edge_agent.session.core import SingleCore
 from edge_agent.session.events import Fail, Send
@@ -95,7 +93,9 @@ from testkit.harness import (
     record_study,
     write_tokens,
 )
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import auth_headers
+from testkit.provenance import git
 
 HONEST, ATTACKER = "honest", "attacker"
 #: The percentiles of the honest round times kept for the figure.

@@ -25,7 +25,7 @@ from pathlib import Path
 from bench.lib.cli import study_parser
 from bench.lib.oracle import greedy_continuation
 from bench.lib.prompts import Prompt, Split, encode, load_prompts
-from bench.lib.provenance import provenance
+from testkit.provenance import provenance
 from bench.lib.traces import Trace, TraceSet, load_traces, save_traces
 from edge_agent.daemon.text import eos_ids
 from shared.runtime.models import LoadedModel

@@ -3,7 +3,7 @@
 Two parts, written to ``--out``/ttft.json with a plot (ttft.png):
 
 **Latency** (this machine's real timings, no padding). The verifier (``cloud-verifier serve``,
-the default target, one thread) behind the WAN emulator (:mod:`bench.net.wanem`, 10 Mbit/s each way,
+the default target, one thread) behind the WAN emulator (:mod:`testkit.net.wanem`, 10 Mbit/s each way,
 no jitter); at each RTT:
 
 * ``warm``: the daemon (``edge-agent serve``, one thread) on its warm link, streaming chat
@@ -54,10 +54,10 @@ from bench.lib.cli import study_parser
 from bench.lib.costs import DRAFT_BATCH_COST, SOURCE, VERIFY_EAGER_B1_MS, VERIFY_EAGER_B8_MS
 from bench.lib.edge import TimedDrafter, load_draft_model
 from bench.lib.pages import BENCH_PAGE, replace_between
-from bench.lib.provenance import machine_info, provenance
+from testkit.provenance import machine_info, provenance
 from bench.lib.stats import bootstrap_diff, bootstrap_median, bootstrap_ratio
 from bench.net.ar_server import ArClient
-from bench.net.wanem import LinkConfig, WanEmulator
+from testkit.net.wanem import LinkConfig, WanEmulator
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.daemon.text import encode_prompt
 from edge_agent.link.connection import LinkSettings, WebSocketTransport

@@ -44,15 +44,15 @@ import aiohttp
 import numpy as np
 
 from bench.lib.cli import study_parser
-from bench.lib.provenance import provenance
 from bench.lib.verifier_state import fingerprint
-from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import generate_token
 from edge_agent.session.generation import TokenSource
 from shared.maths.sampling import SamplingParams
 from shared.wire.messages import SUBPROTOCOL, Fingerprint, Hello
 from testkit.harness import VerifierProcess, free_port, write_json, write_tokens
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import CloudOnlyDriver, Driver, ProbeClient, auth_headers
+from testkit.provenance import provenance
 
 ENGINES = {"batched": 64, "serial": 1, "cloud-sd": 64, "cloud-sd-fixed": 64}
 #: The engines whose sessions are cloud-only (their figure: the text written per second).

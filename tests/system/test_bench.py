@@ -22,7 +22,6 @@ from bench.lib.costs import TREE_TOKEN_COST
 from bench.lib.edge import TimedDrafter
 from bench.lib.modes import PREDRAFT_BRANCHES, parse_mode
 from bench.lib.oracle import OracleDrafter, greedy_continuation, parse_oracle
-from bench.net.stream_ws import StreamWS
 from bench.net.verifier import PaddedTarget, tree_tokens
 from bench.net.verifier import main as padded_verifier_main
 from bench.studies.realtime import (
@@ -46,6 +45,7 @@ from shared.runtime.batched_lm import Row
 from shared.runtime.kv_pool import SlotPages
 from shared.wire.messages import SUBPROTOCOL, Fingerprint, Hello
 from testkit.harness import free_port
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import Driver, ProbeClient
 from tests.verifiers import serve_process, wait_healthy
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from bench.lib import costs
-from bench.lib.provenance import commit, provenance
+from testkit.provenance import commit, provenance
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,7 +1,8 @@
 """``python -m bench``: the list of studies, a study run by its name, an unknown name refused; the
 registry against the benchmark page; and the benchmark's layout: dependencies point down only
-(tests → testkit → bench's libraries and network tools → the product; a study imports no other
-study; the publishing tools import only the libraries), no import cycle anywhere."""
+(tests → bench → testkit → the product; a study imports no other study; the publishing tools
+import only the libraries and testkit's network tools and provenance; testkit never imports
+bench), no import cycle anywhere."""
 
 from __future__ import annotations
 
@@ -112,19 +113,21 @@ def _edges() -> dict[str, dict[str, str]]:
 
 def _may_import(module: str, target: str) -> bool:
     """The benchmark's and the test kit's rules (the product's are tests/shared/test_imports)."""
+    if module.startswith("testkit"):
+        return not target.startswith(("bench", "tests"))  # the product and testkit, never bench
     if not target.startswith(("bench", "testkit", "tests")) or target == "bench":
         return True  # the product, and the bench package (its docstring)
     if module.startswith("tests"):
         return True
     lib, net = target.startswith("bench.lib"), target.startswith("bench.net")
-    if module.startswith("testkit"):
-        return lib or net or target.startswith("testkit")
+    # testkit's tools below the benchmark: the network tools and provenance
+    tools = target in ("testkit.net", "testkit.provenance") or target.startswith("testkit.net.")
     if module.startswith("bench.lib"):
-        return lib
+        return lib or tools
     if module.startswith("bench.net"):
-        return lib or net
+        return lib or net or tools
     if module.startswith("bench.publish"):
-        return lib or target.startswith("bench.publish")
+        return lib or tools or target.startswith("bench.publish")
     if module.startswith("bench.studies."):
         return lib or net or target.startswith("testkit")  # never another study
     if module in ("bench.registry", "bench.__main__"):
@@ -161,4 +164,10 @@ def test_the_layout_checker_sees_a_study_importing_a_study() -> None:
     assert not _may_import("testkit.harness", "bench.studies.realtime")
     assert not _may_import("bench.publish.figures", "bench.studies.grid")
     assert _may_import("bench.studies.grid", "bench.lib.cells")
-    assert _may_import("testkit.probe", "bench.net.stream_ws")
+    assert _may_import("testkit.probe", "testkit.net.stream_ws")
+    assert not _may_import("testkit.harness", "bench.lib.cells")
+    assert not _may_import("testkit.probe", "bench.net.verifier")
+    assert not _may_import("testkit.harness", "bench")
+    assert not _may_import("bench.lib.cells", "testkit.harness")
+    assert _may_import("bench.lib.cells", "testkit.provenance")
+    assert _may_import("bench.studies.overload", "testkit.net.wanem")

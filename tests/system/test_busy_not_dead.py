@@ -22,7 +22,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from bench.net.stream_ws import StreamWS
+from testkit.net.stream_ws import StreamWS
 from cloud_verifier.daemon.app import build_app
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.routes import REFUSAL_HEADER

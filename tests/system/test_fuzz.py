@@ -16,7 +16,6 @@ from aiohttp import WSMsgType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.state import STATE
 from cloud_verifier.engine.targets import TorchTarget
 from cloud_verifier.session.limits import SessionLimits
@@ -45,6 +44,7 @@ from shared.wire.messages import (
 )
 from shared.wire.packing import ProtocolError, WireContext
 from testkit.fuzz import FuzzConfig, Shadow, corpus_frames, mutate_bytes, mutate_map, run
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import Driver, ProbeClient, auth_headers
 from tests.edge_events import sent
 from tests.verifiers import ready, verifier_app

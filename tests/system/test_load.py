@@ -15,7 +15,7 @@ import aiohttp
 import numpy as np
 from aiohttp import WSCloseCode
 
-from bench.net.stream_ws import StreamWS
+from testkit.net.stream_ws import StreamWS
 from bench.studies.load import LoadConfig, run
 from cloud_verifier.daemon.lifecycle import close_connections
 from cloud_verifier.daemon.state import STATE, _buffered

@@ -61,7 +61,7 @@ import torch
 
 from bench.lib.oracle import greedy_continuation
 from bench.lib.verifier_state import parse_metrics
-from bench.net.stream_ws import StreamWS
+from testkit.net.stream_ws import StreamWS
 from bench.net.verifier import PaddedTarget, WrappedTarget
 from bench.studies.overload import CHAT_PROMPTS, probe_round_s
 from cloud_verifier.daemon.app import build_app

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bench.net.wanem import LinkConfig, WanEmulator
+from testkit.net.wanem import LinkConfig, WanEmulator
 from bench.studies.reliability import FAULTS, ChaosConfig, run
 from cloud_verifier.daemon.app import build_app
 from cloud_verifier.daemon.auth import Authenticator

@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bench.net.stream_ws import StreamWS
+from testkit.net.stream_ws import StreamWS
 from edge_agent.daemon.agent import RetryPolicy
 from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.pipeline_config import PipelineConfig

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bench.net.wanem import DEFAULT_BANDWIDTH_BPS, LinkConfig, WanEmulator
+from testkit.net.wanem import DEFAULT_BANDWIDTH_BPS, LinkConfig, WanEmulator
 from tests.waits import until
 
 LOCAL = "127.0.0.1"
@@ -455,7 +455,7 @@ async def test_cli_runs_until_sigterm() -> None:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "bench.net.wanem",
+            "testkit.net.wanem",
             "--listen",
             f"{LOCAL}:0",
             "--upstream",

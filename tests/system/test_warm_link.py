@@ -21,7 +21,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from bench.net.wanem import Crossing, LinkConfig, WanEmulator, round_trips
+from testkit.net.wanem import Crossing, LinkConfig, WanEmulator, round_trips
 from cloud_verifier.daemon.state import STATE, VerifierState
 from cloud_verifier.engine.targets import TorchTarget
 from edge_agent.daemon.agent import EdgeAgent, RetryPolicy

@@ -12,7 +12,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.cli import main as verifier_main
 from cloud_verifier.daemon.settings import VerifierSettings
@@ -26,6 +25,7 @@ from shared.maths.sampling import SamplingParams
 from shared.service.config import ConfigError
 from shared.wire.messages import SUBPROTOCOL, Fingerprint, Hello, Welcome
 from testkit.harness import free_port
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import auth_headers
 from tests.tls import self_signed
 from tests.verifiers import serve_process, serve_verifier, wait_healthy

@@ -31,7 +31,6 @@ import numpy as np
 import pytest
 from aiohttp import WSCloseCode, WSMsgType
 
-from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.app import build_app, make_runner
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.lifecycle import Watchdog, WatchdogVerdict
@@ -57,6 +56,7 @@ from shared.wire.messages import (
     Welcome,
 )
 from shared.wire.mux import frame, split
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import ProbeClient, auth_headers
 from tests.verifiers import ready
 from tests.waits import until

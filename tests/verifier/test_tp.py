@@ -26,7 +26,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from bench.net.stream_ws import StreamWS
+from testkit.net.stream_ws import StreamWS
 from cloud_verifier.engine.tp import Rank, decode_rows, encode_rows, rank_from_env, torchrun_args
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.rejection import CorrectionMode

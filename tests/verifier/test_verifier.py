@@ -16,7 +16,6 @@ import torch
 from aiohttp import WSCloseCode, WSMsgType, web
 from aiohttp.test_utils import TestClient
 
-from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.app import build_app
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.limits import engine_limits
@@ -44,6 +43,7 @@ from shared.wire.messages import (
     Verdict,
 )
 from shared.wire.packing import WireContext
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import Driver, ProbeClient, auth_headers, replies_match
 from testkit.tiny_models import build_tiny_model
 from tests.verifiers import ready

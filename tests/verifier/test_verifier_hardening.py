@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 from aiohttp import WSCloseCode, WSMsgType
 
-from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.cli import main as verifier_main
 from shared.errors import ErrorCode
@@ -35,6 +34,7 @@ from shared.wire.messages import SUBPROTOCOL, Error, Fingerprint, Hello, Propose
 from testkit.fuzz import TOKEN as FUZZ_TOKEN
 from testkit.fuzz import _raw_request, http_fixed_cases
 from testkit.harness import free_port
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import ProbeClient, auth_headers
 from tests.verifiers import guarded_verifier, serve_process, wait_healthy
 from tests.waits import closed_within, until

@@ -15,11 +15,11 @@ import aiohttp
 import pytest
 from aiohttp import WSCloseCode, WSMsgType
 
-from bench.net.stream_ws import StreamWS
 from cloud_verifier.daemon.cli import main
 from shared.maths.sampling import SamplingParams
 from shared.service.sdnotify import Notifier
 from shared.wire.messages import SUBPROTOCOL, Fingerprint, Hello
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import ProbeClient, auth_headers
 
 REPO = Path(__file__).resolve().parents[2]

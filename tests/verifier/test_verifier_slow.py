@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from bench.net.stream_ws import StreamWS
 from cloud_verifier.engine.targets import TorchTarget
 from shared.maths.sampling import SamplingParams
 from shared.wire.messages import SUBPROTOCOL, Hello, Propose, Verdict
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import ProbeClient, auth_headers
 from tests.verifiers import ready, verifier_app
 

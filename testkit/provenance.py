@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 #: Where the studies write their results (relative to the repository).
 RESULTS = "docs/results"
 

@@ -30,7 +30,7 @@ running with :meth:`~WanEmulator.set_link` (bytes already in flight keep their s
 
 CLI::
 
-    python -m bench.net.wanem --listen 127.0.0.1:9000 --upstream 127.0.0.1:8000 \\
+    python -m testkit.net.wanem --listen 127.0.0.1:9000 --upstream 127.0.0.1:8000 \\
         --rtt-ms 100 --jitter-ms 5 --bandwidth-mbit 10
 """
 
@@ -978,7 +978,7 @@ def _mbit(value: float | None) -> float | None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.net.wanem",
+        prog="python -m testkit.net.wanem",
         description="Userspace WAN emulator: a TCP proxy adding delay, jitter and a bandwidth cap.",
     )
     p.add_argument("--listen", type=_host_port, default=("127.0.0.1", 9000), help="HOST:PORT")
