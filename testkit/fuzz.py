@@ -19,7 +19,7 @@ Meanwhile an honest session replays the same seeded rounds again and again; each
 verdicts must equal a reference run made before the fuzzing started, and no round may take more
 than a few seconds. The verifier's RSS is sampled throughout.
 
-**Edge.** A real :class:`~edge_agent.daemon.agent.EdgeAgent` generates (T = 0) through a hostile
+**Edge.** A real :class:`~edge_agent.runtime.agent.EdgeAgent` generates (T = 0) through a hostile
 proxy that sits in front of the same verifier and replaces, corrupts or injects downlink frames
 (Verdict, Candidates, FederatedReply, Welcome, Error, replays, oversized and text frames, closes).
 The agent must end each bad session with an error it handles (and reconnect), never crash or
@@ -57,13 +57,12 @@ import msgpack
 import numpy as np
 from aiohttp import WSMessage, WSMsgType, web
 
-from testkit.net.stream_ws import StreamWS
 from cloud_verifier.engine import work
 from cloud_verifier.session.core import VerifierCore
 from cloud_verifier.session.events import Close, Run, Send
 from cloud_verifier.session.limits import SessionLimits, TargetInfo
-from edge_agent.daemon.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.link.connection import TokenRefused
+from edge_agent.runtime.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.session.generation import Generation
 from edge_agent.session.opening import VerifierError, wire_context
 from edge_agent.session.pipeline_config import PipelineConfig
@@ -108,6 +107,7 @@ from testkit.harness import (
     tiny_pair,
     write_tokens,
 )
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import Driver, ProbeClient, auth_headers, replies_match
 
 log = logging.getLogger("testkit.fuzz")

@@ -30,15 +30,15 @@ from typing import Any, TypeVar
 import aiohttp
 import torch
 
-from testkit.provenance import provenance
-from testkit.net.wanem import LinkConfig, WanEmulator
-from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
 from edge_agent.model.drafter import Drafter
 from edge_agent.model.lm import CausalLM
 from edge_agent.model.tasks import ModelWorker
+from edge_agent.runtime.agent import EdgeAgent, RetryPolicy
 from edge_agent.session.transport import Transport
 from shared.runtime.models import LoadedModel, load_model
+from testkit.net.wanem import LinkConfig, WanEmulator
+from testkit.provenance import provenance
 from testkit.tiny_models import build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -398,8 +398,8 @@ async def wan_rig(
 ) -> AsyncIterator[WanRig]:
     """:func:`tiny_pair` in ``workdir/models``; its target served by a :class:`VerifierProcess`
     (bearer ``tokens``, options ``args``, its log ``workdir/verifier.log``) on a free port; a
-    :class:`~testkit.net.wanem.WanEmulator` of ``link`` in front once it is ready. Both are stopped on
-    leaving (the verifier after the emulator)."""
+    :class:`~testkit.net.wanem.WanEmulator` of ``link`` in front once it is ready. Both are stopped
+    on leaving (the verifier after the emulator)."""
     pair = tiny_pair(workdir / "models")
     verifier = VerifierProcess(
         str(pair.target_dir),

@@ -4,7 +4,7 @@
 session through the edge's own session core (:class:`edge_agent.session.core.SingleCore`; in
 federated
 mode the same :class:`~edge_agent.session.pipeline.Pipeline` and
-:class:`~edge_agent.session.verifier_link.VerifierLink`,
+:class:`~edge_agent.session.wire_state.WireState`,
 accepting every draft since a probe has no aggregate to decide with). It keeps no draft model:
 drafts are random ids with q drawn log-uniform.
 """
@@ -18,14 +18,13 @@ from typing import Any, TypeVar
 import numpy as np
 from aiohttp import WSMsgType
 
-from testkit.net.stream_ws import StreamWS
 from edge_agent.session.core import SingleCore
 from edge_agent.session.events import Fail, Send
 from edge_agent.session.generation import Generation
 from edge_agent.session.opening import wire_context
 from edge_agent.session.pipeline import Pipeline
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
-from edge_agent.session.verifier_link import VerifierLink
+from edge_agent.session.wire_state import WireState
 from shared.wire.codec import decode, encode, message_equal
 from shared.wire.messages import (
     Error,
@@ -37,6 +36,7 @@ from shared.wire.messages import (
     Welcome,
 )
 from shared.wire.packing import WireContext
+from testkit.net.stream_ws import StreamWS
 
 M = TypeVar("M", bound=Message)
 
@@ -112,14 +112,14 @@ class Driver:
     last_round_trip_s: float = 0.0
     _core: SingleCore | None = None
     _pipe: Pipeline | None = None
-    _link: VerifierLink | None = None
+    _link: WireState | None = None
 
     @property
     def pos(self) -> int:
         """Tokens the verifier's cache holds (after the last round)."""
         return 0 if self._link is None else self._link.verifier_len
 
-    def _start(self) -> tuple[Pipeline, VerifierLink]:
+    def _start(self) -> tuple[Pipeline, WireState]:
         hello, welcome = self.client.sent_hello, self.client.welcome
         assert hello is not None and welcome is not None, "call ProbeClient.hello first"
         cfg = PipelineConfig(
@@ -132,10 +132,10 @@ class Driver:
         gen = Generation(self.fixed or [0], 1 << 40)
         if hello.reply_mode == ReplyMode.FEDERATED:
             self._pipe = Pipeline(gen, cfg, self.rng, gamma=cfg.gamma, deterministic_draft=False)
-            self._link = VerifierLink(wire_context(hello, welcome))
+            self._link = WireState(wire_context(hello, welcome))
         else:
             self._core = SingleCore(gen, cfg, self.rng, hello, welcome)
-            self._pipe, self._link = self._core.pipe, self._core.link
+            self._pipe, self._link = self._core.pipe, self._core.wire
         return self._pipe, self._link
 
     async def round(self) -> Message:

@@ -19,10 +19,10 @@ from aiohttp import web
 
 from bench.net.verifier import WrappedTarget
 from cloud_verifier.engine.targets import TorchTarget
-from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.server import build_app as build_edge_app
 from edge_agent.daemon.server import make_runner
-from edge_agent.daemon.service import EdgeService
+from edge_agent.runtime.service import EdgeService
+from edge_agent.runtime.settings import EdgeSettings
 from shared.runtime.batched_lm import Row
 from shared.runtime.models import LoadedModel
 from tests.verifiers import READY_TIMEOUT_S, ready, verifier_app

@@ -1,6 +1,6 @@
 """The edge's side of a real-time study: a draft padded to an emulated device's step time
 (:class:`TimedDrafter`), a draft model loaded beside its target, a warm link opened, and one
-generation through the product's :class:`~edge_agent.daemon.agent.EdgeAgent`, timed token by
+generation through the product's :class:`~edge_agent.runtime.agent.EdgeAgent`, timed token by
 token (:func:`run_spec`).
 """
 
@@ -13,11 +13,11 @@ from dataclasses import asdict
 from typing import Any
 
 from bench.lib.costs import DRAFT_BATCH_COST
-from edge_agent.daemon.agent import EdgeAgent
 from edge_agent.link.warm import WarmLink
 from edge_agent.model.drafter import BranchDrafting, Drafter, DraftModel, DraftRow, DraftStep
 from edge_agent.model.lm import SupportsCausalLM
-from edge_agent.session.events import Committed, GenerationEvent
+from edge_agent.runtime.agent import AgentEvent, EdgeAgent, SessionFailed
+from edge_agent.session.events import Committed
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.sampling import Probs, SamplingParams
 from shared.runtime.models import LoadedModel, load_draft
@@ -121,18 +121,24 @@ def stat_mean(st: object, name: str) -> float | None:
 
 
 async def run_spec(
-    agent: EdgeAgent, cfg: PipelineConfig, prompt: list[int], n: int, eos: list[int]
+    agent: EdgeAgent,
+    cfg: PipelineConfig,
+    prompt: list[int],
+    n: int,
+    eos: list[int],
+    failures: list[str] | None = None,
 ) -> dict[str, Any]:
+    """One generation on ``agent``; ``failures``: where its failed sessions are noted."""
     stamps: list[float] = []
 
-    def on_event(ev: GenerationEvent) -> None:
+    def on_event(ev: AgentEvent) -> None:
         if isinstance(ev, Committed):
             stamps.extend([time.perf_counter()] * len(ev.ids))
+        elif isinstance(ev, SessionFailed) and failures is not None:
+            failures.append(f"{ev.cause}: {ev.detail}")
 
     t0 = time.perf_counter()
-    gen = await agent.generate(
-        prompt, cfg, max_new_tokens=n, eos_ids=eos, seed=0, on_event=on_event
-    )
+    gen = await agent.generate(prompt, cfg, max_tokens=n, eos_ids=eos, seed=0, on_event=on_event)
     wall = (stamps[-1] if stamps else time.perf_counter()) - t0
     st = gen.stats
     # What the batches yielded: accepted drafts, one correction per rejection (recovered, or a

@@ -114,6 +114,7 @@ from bench.lib.costs import (
 )
 from bench.lib.modes import PREDRAFT_BRANCHES, ModeSpec
 from bench.lib.traces import Trace
+from cloud_verifier.engine.draft_length import draft_length
 from cloud_verifier.engine.engine import EngineLimits
 from cloud_verifier.engine.runner import advance, work_start
 from cloud_verifier.engine.scheduler import (
@@ -140,7 +141,6 @@ from cloud_verifier.engine.work import (
     Withheld,
     Work,
 )
-from cloud_verifier.engine.draft_length import draft_length
 from cloud_verifier.session.cloud_draft import CloudDraft
 from cloud_verifier.session.core import VerifierCore
 from cloud_verifier.session.events import Close, Run
@@ -1011,7 +1011,7 @@ class _Edge:
                 continue
             plan, start = core.start_batch()
             draft, q_rows, rivals, prob = start.draft, start.q_rows, start.rivals, start.prob
-            while core.wants_more(plan, draft, prob):
+            while core.pipe.wants_more(plan, draft, prob):
                 pending = PendingBatch(len(plan.context), list(draft), list(rivals))
                 branches = core.branch_rows(beside, pending) if beside else []
                 seconds = self.sim.costs.draft_step_s(1 + len(branches)) + self.prefill_s
@@ -1021,7 +1021,7 @@ class _Edge:
                 tok, p, rival = self._step(plan.context + draft, want_rival)
                 self._grow(branches)
                 core.on_draft_step(seconds)
-                if not core.current(plan, [*draft, tok]):
+                if not core.pipe.current(plan, [*draft, tok]):
                     break
                 draft.append(tok)
                 q_rows.append(_Q)

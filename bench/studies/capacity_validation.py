@@ -19,7 +19,7 @@ for itself as the simulation's verifier does (``--cloud-draft`` of the kind's so
 simulation's limits (:func:`bench.lib.users.batch_limits`: prefill chunk 2048, the product's
 token bound, share and ration; sessions a step, per token and in all ≥ N; a KV pool that holds
 every user, no per-session or per-token share, no prefix cache). Each user is an in-process
-:class:`~edge_agent.daemon.agent.EdgeAgent` on a warm link of its own
+:class:`~edge_agent.runtime.agent.EdgeAgent` on a warm link of its own
 (:class:`~edge_agent.link.warm.WarmLink`, opened before the first request, as
 :func:`bench.lib.edge.open_warm`) through a WAN emulator of its own (:mod:`testkit.net.wanem`: RTT
 100 ms, 10 Mbit/s each way, so users share no bandwidth); edge modes draft with
@@ -100,22 +100,22 @@ from bench.lib.cells import BANDWIDTH_BPS
 from bench.lib.cli import study_parser
 from bench.lib.costs import CLOUD_DRAFT_PER_VERIFY, DRAFT_BATCH_COST, TREE_TOKEN_COST
 from bench.lib.edge import TimedDrafter, load_draft_model, open_warm, run_spec
-from testkit.provenance import provenance
 from bench.lib.sim import Costs, Kind, Link, SimMode, simulate
 from bench.lib.sim import Reply as SimReply
 from bench.lib.stats import Array
 from bench.lib.traces import Trace, load_traces
 from bench.lib.users import Plan, batch_limits, users
 from bench.net.verifier import serving, verifier_command
-from testkit.net.wanem import LinkConfig, WanEmulator
 from cloud_verifier.daemon.settings import VerifierSettings
-from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
-from edge_agent.daemon.text import eos_ids
 from edge_agent.link.connection import LinkSettings
 from edge_agent.link.warm import WarmLink
+from edge_agent.runtime.agent import EdgeAgent, RetryPolicy
+from edge_agent.runtime.text import eos_ids
 from shared.runtime.models import LoadedModel, load_model
 from shared.service.status import wait_healthy
 from testkit.harness import free_port, write_tokens
+from testkit.net.wanem import LinkConfig, WanEmulator
+from testkit.provenance import provenance
 
 TRACES = Path("docs/results/bench/traces.json.gz")
 TARGET = "default"
@@ -375,7 +375,6 @@ async def measure(
                 edges.draft.fingerprint,
                 warm.stream,
                 retry=scaled_retry(s),
-                on_session_failed=lambda e: failures.append(f"{type(e).__name__}: {e}"),
             )
             stack.callback(agent.close)
             agents.append(agent)
@@ -389,7 +388,7 @@ async def measure(
 
         async def user(u: int, prompt: Trace) -> dict[str, Any]:
             await asyncio.sleep(offsets[u] * s)
-            return await run_spec(agents[u], cfg, list(prompt.prompt), tokens, edges.eos)
+            return await run_spec(agents[u], cfg, list(prompt.prompt), tokens, edges.eos, failures)
 
         for r, prompts in enumerate(cell.repeats):
             origin = time.perf_counter()

@@ -3,11 +3,11 @@
     python -m bench load --sessions 64 --seconds 60 --out bench/out/load.json
 
 One ``cloud-verifier serve`` process (tiny random target, CPU, one model worker) behind
-:mod:`testkit.net.wanem` (RTT ``--rtt-ms``, jitter, 10 Mbit/s); ``--sessions`` edge agents here (tiny
-draft, greedy, pipelined; their drafts share one model worker thread), each generating one text
-after another for ``--seconds``. Every generation is a new WebSocket session, so the verifier sees
-``--sessions`` concurrent sessions and a steady churn of openings and closings; the sessions spread
-over ``--tokens`` bearer tokens (per-token accounting under load).
+:mod:`testkit.net.wanem` (RTT ``--rtt-ms``, jitter, 10 Mbit/s); ``--sessions`` edge agents here
+(tiny draft, greedy, pipelined; their drafts share one model worker thread), each generating one
+text after another for ``--seconds``. Every generation is a new WebSocket session, so the verifier
+sees ``--sessions`` concurrent sessions and a steady churn of openings and closings; the sessions
+spread over ``--tokens`` bearer tokens (per-token accounting under load).
 
 Checked: every generation's text equals target-only greedy decoding; no errors, no reconnects;
 the verifier's memory stays bounded (RSS sampled every 0.25 s: the last quarter of the run may not
@@ -29,12 +29,12 @@ from typing import Any
 
 import aiohttp
 
-from testkit.net.wanem import LinkConfig
-from edge_agent.daemon.agent import RetryPolicy
 from edge_agent.model.tasks import ModelWorker
+from edge_agent.runtime.agent import RetryPolicy
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.sampling import SamplingParams
 from testkit.harness import WanRig, config_parser, greedy_cases, run_command, wan_rig
+from testkit.net.wanem import LinkConfig
 
 log = logging.getLogger("bench.load")
 
@@ -123,7 +123,7 @@ async def _measure(
                 t0 = time.monotonic()
                 try:
                     gen = await asyncio.wait_for(
-                        agent.generate(prompt, pcfg, max_new_tokens=cfg.max_new_tokens),
+                        agent.generate(prompt, pcfg, max_tokens=cfg.max_new_tokens),
                         120.0,
                     )
                 except Exception as e:

@@ -9,7 +9,7 @@ One tenant's long prompts beside honest sessions are the tenants study's
 Setup. One verifier process (``python -m bench.net.verifier``: the product's ``cloud-verifier
 serve`` with, if ``--verify-ms`` > 0, every forward padded to that time) behind the WAN emulator
 (:mod:`testkit.net.wanem`: ``--rtt-ms``, ``--bandwidth-mbit``). The edges run here, each an
-:class:`~edge_agent.daemon.agent.EdgeAgent` with its own worker thread, the product's retry policy
+:class:`~edge_agent.runtime.agent.EdgeAgent` with its own worker thread, the product's retry policy
 and
 an oracle draft (:mod:`bench.lib.oracle`: the target's greedy token with probability ``--alpha``)
 whose every step is padded to ``--draft-ms`` (24 ms: PicoSpec's Llama-3.2-1B step on a Jetson,
@@ -90,14 +90,12 @@ from bench.lib.edge import TimedDrafter
 from bench.lib.modes import parse_mode
 from bench.lib.oracle import GreedyPaths, OracleDrafter
 from bench.lib.verifier_state import delta, scrape, wait_idle
-from testkit.net.stream_ws import StreamWS
-from testkit.net.wanem import LinkConfig, WanEmulator
 from cloud_verifier.daemon.settings import VerifierSettings
-from edge_agent.daemon.agent import EdgeAgent
-from edge_agent.daemon.config import EdgeSettings
-from edge_agent.daemon.service import retry_policy
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
-from edge_agent.session.events import Committed, GenerationEvent
+from edge_agent.runtime.agent import AgentEvent, EdgeAgent
+from edge_agent.runtime.service import retry_policy
+from edge_agent.runtime.settings import EdgeSettings
+from edge_agent.session.events import Committed
 from edge_agent.session.opening import wire_context
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import Transport
@@ -114,6 +112,8 @@ from testkit.harness import (
     tiny_pair,
     write_tokens,
 )
+from testkit.net.stream_ws import StreamWS
+from testkit.net.wanem import LinkConfig, WanEmulator
 from testkit.probe import Driver, ProbeClient, auth_headers
 
 #: Everyday chat questions: 106–268 tokens each with the default model's chat template.
@@ -182,7 +182,7 @@ SOURCES = {
     "verify_ms": "0: the target's real forwards on this CPU (the verifier's own capacity); "
     "> 0: every forward padded to at least that (bench/net/verifier.py PaddedTarget)",
     "rtt_ms": "an edge on a WAN (testkit/net/wanem.py emulator, jitter 0)",
-    "retry": "the product's edge defaults (edge_agent.daemon.service.retry_policy(EdgeSettings()))",
+    "retry": "the product's edge defaults (edge_agent.runtime.service: retry_policy)",
 }
 
 
@@ -501,7 +501,7 @@ async def run_level(b: Bench, n: int) -> dict[str, Any]:
                 try:
                     gen = await asyncio.wait_for(
                         agent.generate(
-                            prompt, b.pcfg, max_new_tokens=cfg.tokens, eos_ids=b.eos, seed=k
+                            prompt, b.pcfg, max_tokens=cfg.tokens, eos_ids=b.eos, seed=k
                         ),
                         cfg.gen_timeout_s,
                     )
@@ -600,7 +600,7 @@ async def one_cut(
     state: dict[str, float] = {}
     committed = 0
 
-    def on_event(ev: GenerationEvent) -> None:
+    def on_event(ev: AgentEvent) -> None:
         nonlocal committed
         if not isinstance(ev, Committed):
             return
@@ -616,7 +616,7 @@ async def one_cut(
             agent.generate(
                 prompt,
                 b.pcfg,
-                max_new_tokens=b.cfg.reconnect_tokens,
+                max_tokens=b.cfg.reconnect_tokens,
                 eos_ids=b.eos,
                 seed=seed,
                 on_event=on_event,
@@ -678,7 +678,7 @@ async def reconnect_cost(b: Bench, strip: bool) -> dict[str, Any]:
 
 def _workload(cfg: OverloadConfig, workdir: Path) -> tuple[str, LoadedModel, list[list[int]]]:
     """(the verifier's --model, the target loaded here, the prompts' ids)."""
-    from edge_agent.daemon.text import encode_prompt
+    from edge_agent.runtime.text import encode_prompt
     from shared.runtime.models import load_model
 
     if cfg.model == "tiny":
@@ -697,7 +697,7 @@ def _workload(cfg: OverloadConfig, workdir: Path) -> tuple[str, LoadedModel, lis
 async def run(
     cfg: OverloadConfig, workdir: Path, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
-    from edge_agent.daemon.text import eos_ids
+    from edge_agent.runtime.text import eos_ids
 
     t_start = time.monotonic()
     admission_queue = (

@@ -120,20 +120,20 @@ from bench.lib.edge import TimedDrafter, load_draft_model, open_warm, run_spec
 from bench.lib.modes import CloudSide, ModeSpec, parse_modes
 from bench.lib.oracle import GreedyPaths, OracleDrafter, is_oracle, parse_oracle
 from bench.lib.prompts import DATASETS, Prompt, Split, encode, load_prompts
-from testkit.provenance import machine_info
 from bench.net.ar_server import ArClient
 from bench.net.verifier import serving, verifier_command
-from testkit.net.wanem import LinkConfig, WanEmulator
-from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
-from edge_agent.daemon.text import eos_ids
 from edge_agent.link.connection import LinkSettings
 from edge_agent.link.warm import WarmLink
 from edge_agent.model.drafter import Drafter, DraftModel
+from edge_agent.runtime.agent import EdgeAgent, RetryPolicy
+from edge_agent.runtime.text import eos_ids
 from edge_agent.session.pipeline_config import Mode
 from shared.runtime.models import LoadedModel, load_model
 from shared.service.status import wait_healthy
 from shared.wire.messages import Fingerprint
 from testkit.harness import free_port, write_tokens
+from testkit.net.wanem import LinkConfig, WanEmulator
+from testkit.provenance import machine_info
 from testkit.tiny_models import build_tiny_model
 
 DEFAULT_OUT = Path("docs/results/bench/real")

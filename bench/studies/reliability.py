@@ -38,9 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testkit.net.wanem import LinkConfig
-from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
-from edge_agent.session.events import GenerationEvent
+from edge_agent.runtime.agent import AgentEvent, EdgeAgent, RetryPolicy
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import LinkClosed, Transport
@@ -52,6 +50,7 @@ from testkit.harness import (
     run_command,
     wan_rig,
 )
+from testkit.net.wanem import LinkConfig
 
 log = logging.getLogger("bench.reliability")
 
@@ -229,7 +228,7 @@ async def run(cfg: ChaosConfig, workdir: Path) -> ChaosReport:
             cases = greedy_cases(rig.pair.target, rng, cfg.generations, 12, cfg.max_new_tokens)
             for i, (prompt, expected) in enumerate(cases):
                 clean = await asyncio.wait_for(
-                    agent.generate(prompt, pcfg, max_new_tokens=cfg.max_new_tokens),
+                    agent.generate(prompt, pcfg, max_tokens=cfg.max_new_tokens),
                     cfg.generation_timeout_s,
                 )
                 report.uninterrupted_equal_target += clean.generated == expected
@@ -288,7 +287,7 @@ async def _chaos_generation(
     pending = list(plan)
     fired: list[str] = []
 
-    def on_event(_event: GenerationEvent) -> None:
+    def on_event(_event: AgentEvent) -> None:
         while pending and len(gen.generated) >= pending[0][0]:
             _, kind = pending.pop(0)
             fired.append(kind)

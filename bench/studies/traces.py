@@ -25,10 +25,10 @@ from pathlib import Path
 from bench.lib.cli import study_parser
 from bench.lib.oracle import greedy_continuation
 from bench.lib.prompts import Prompt, Split, encode, load_prompts
-from testkit.provenance import provenance
 from bench.lib.traces import Trace, TraceSet, load_traces, save_traces
-from edge_agent.daemon.text import eos_ids
+from edge_agent.runtime.text import eos_ids
 from shared.runtime.models import LoadedModel
+from testkit.provenance import provenance
 
 DEFAULT_TARGET = "default"
 DEFAULT_DRAFT = "self:skip=12"

@@ -3,8 +3,8 @@
 Two parts, written to ``--out``/ttft.json with a plot (ttft.png):
 
 **Latency** (this machine's real timings, no padding). The verifier (``cloud-verifier serve``,
-the default target, one thread) behind the WAN emulator (:mod:`testkit.net.wanem`, 10 Mbit/s each way,
-no jitter); at each RTT:
+the default target, one thread) behind the WAN emulator (:mod:`testkit.net.wanem`, 10 Mbit/s each
+way, no jitter); at each RTT:
 
 * ``warm``: the daemon (``edge-agent serve``, one thread) on its warm link, streaming chat
   completions over HTTP; time to the first content chunk and to the end of the reply;
@@ -54,24 +54,24 @@ from bench.lib.cli import study_parser
 from bench.lib.costs import DRAFT_BATCH_COST, SOURCE, VERIFY_EAGER_B1_MS, VERIFY_EAGER_B8_MS
 from bench.lib.edge import TimedDrafter, load_draft_model
 from bench.lib.pages import BENCH_PAGE, replace_between
-from testkit.provenance import machine_info, provenance
 from bench.lib.stats import bootstrap_diff, bootstrap_median, bootstrap_ratio
 from bench.net.ar_server import ArClient
-from testkit.net.wanem import LinkConfig, WanEmulator
-from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
-from edge_agent.daemon.text import encode_prompt
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
 from edge_agent.link.warm import WarmLink
 from edge_agent.model.batching import BatchingWorker
 from edge_agent.model.drafter import Drafter
 from edge_agent.model.tasks import ModelWorker
-from edge_agent.session.events import Committed, GenerationEvent
+from edge_agent.runtime.agent import AgentEvent, EdgeAgent, RetryPolicy
+from edge_agent.runtime.text import encode_prompt
+from edge_agent.session.events import Committed
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import Transport
 from shared.maths.sampling import SamplingParams
 from shared.runtime.models import load_model
 from testkit.harness import REPO, VerifierProcess, free_port, write_tokens
+from testkit.net.wanem import LinkConfig, WanEmulator
+from testkit.provenance import machine_info, provenance
 
 TOKEN = "bench-ttft-token-0123456789abcdef"
 DRAFT = "self:skip=12"
@@ -264,7 +264,7 @@ async def agent_request(agent: EdgeAgent, prompt: list[int], n: int, cfg: Pipeli
     t0 = time.perf_counter()
     first: list[float] = []
 
-    def on_event(ev: GenerationEvent) -> None:
+    def on_event(ev: AgentEvent) -> None:
         if isinstance(ev, Committed) and not first:
             first.append(time.perf_counter() - t0)
 
@@ -489,7 +489,7 @@ async def concurrency_part(
             cfg = PipelineConfig(sampling=SamplingParams(0.0))
             n = args.concurrency_tokens
             try:
-                await agent.generate(prompts[0], cfg, max_new_tokens=4)  # warm up
+                await agent.generate(prompts[0], cfg, max_tokens=4)  # warm up
                 k = args.concurrency_requests
                 for c in args.concurrency:
                     for rep in range(args.concurrency_reps):
@@ -567,7 +567,7 @@ async def _timed_generate(
     agent: EdgeAgent, prompt: list[int], n: int, cfg: PipelineConfig
 ) -> tuple[Generation, float]:
     t0 = time.perf_counter()
-    gen = await agent.generate(prompt, cfg, max_new_tokens=n)
+    gen = await agent.generate(prompt, cfg, max_tokens=n)
     return gen, time.perf_counter() - t0
 
 

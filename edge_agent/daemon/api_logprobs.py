@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from edge_agent.session.generation import TokenLogprob
+from edge_agent.session.events import TokenLogprob
 
 Decode = Callable[[int], str]
 

@@ -35,8 +35,9 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeGuard, TypeVar
 
 from edge_agent.daemon.api_errors import ApiError, bad_request
-from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.unicode_text import SURROGATE
+from edge_agent.runtime.context import ContextLimit
+from edge_agent.runtime.settings import EdgeSettings
 from edge_agent.session.pipeline_config import Bounds, Mode, PipelineConfig, RequestOptions
 from shared.enums import TextEnum
 from shared.maths.rejection import CorrectionMode
@@ -545,33 +546,6 @@ def build_pipeline(
         return replace(cfg, logprobs=logprobs)
     except ValueError as e:
         raise bad_request("logprobs", str(e)) from None
-
-
-@dataclass(frozen=True)
-class ContextLimit:
-    """The tokens a generation may hold, prompt and completion: the least of the draft's
-    context and the verifier's (the ``max_context`` its connection's Ready announced); None
-    where unknown (no draft model, no verifier reached yet) or unbounded."""
-
-    draft: int | None
-    verifier: int | None
-
-    @property
-    def tokens(self) -> int | None:
-        known = [n for n in (self.draft, self.verifier) if n is not None]
-        return min(known) if known else None
-
-    def words(self, verb: str = "is") -> str:
-        """The limit in words, naming both numbers where both are known: ``verb`` "is" (the
-        context is N ...) or "of" (the context of N ...)."""
-        if self.draft is not None and self.verifier is not None:
-            return (
-                f"the context {verb} {self.tokens} (the draft's {self.draft}, the verifier's "
-                f"{self.verifier})"
-            )
-        if self.verifier is not None:
-            return f"the verifier's context {verb} {self.verifier}"
-        return f"this model's context {verb} {self.draft}"
 
 
 def completion_budget(

@@ -6,7 +6,7 @@ shows the last answer's speculative statistics; ``/bye`` (or Ctrl-D) leaves. Ctr
 generation, not the REPL.
 
 Backends: a running ``edge-agent serve`` on the configured address (over its OpenAI API), else an
-:class:`~edge_agent.daemon.service.EdgeService` in this process.
+:class:`~edge_agent.runtime.service.EdgeService` in this process.
 """
 
 from __future__ import annotations
@@ -23,16 +23,19 @@ from typing import Any, Protocol, TextIO
 
 import aiohttp
 
-from edge_agent.daemon.config import (
+from edge_agent.daemon.progress import Progress, check_cuda, quiet_hub_progress
+from edge_agent.daemon.unicode_text import text_error
+from edge_agent.runtime.events import Failed, FailureKind, Finished, Piece
+from edge_agent.runtime.loading import loading_line
+from edge_agent.runtime.report import detail_line, plain_line, plural
+from edge_agent.runtime.service import EdgeService, GenRequest
+from edge_agent.runtime.settings import (
     EdgeSettings,
     check_link_files,
     check_model_specs,
     read_secret_file,
 )
-from edge_agent.daemon.progress import Progress, check_cuda, quiet_hub_progress
-from edge_agent.daemon.service import EdgeService, Finished, GenRequest, PromptTooLong, loading_line
-from edge_agent.daemon.text import sources_line
-from edge_agent.daemon.unicode_text import text_error
+from edge_agent.runtime.text import NoChatTemplate, encode_chat
 from edge_agent.session.pipeline_config import Auto, Bounds, Mode, PipelineConfig, RequestOptions
 from shared.errors import WanspecError
 from shared.maths.rejection import CorrectionMode
@@ -237,11 +240,10 @@ class LocalBackend:
 
     async def chat(self, messages: list[dict[str, str]], opts: ChatOptions) -> AsyncIterator[Event]:
         loaded, _ = self.service.require()
-        tok: Any = loaded.tokenizer
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        prompt = [int(t) for t in ids]
+        try:
+            prompt = encode_chat(loaded, messages, hint="the chat needs a chat model's draft")
+        except NoChatTemplate as e:
+            raise ChatError(str(e)) from None
         try:
             pipeline = self.service.settings.pipeline(opts.request())
         except ValueError as e:
@@ -258,13 +260,16 @@ class LocalBackend:
             max_tokens = min(max_tokens, limit - len(prompt))
         req = GenRequest(prompt, pipeline, max_tokens, seed=opts.seed)
         async with contextlib.aclosing(self.service.stream(req)) as events:
-            try:
-                async for ev in events:
-                    yield ev if isinstance(ev, Finished) else ev.text
-            except PromptTooLong as e:  # a verifier reached only now: its context is smaller
-                raise ChatError(f"the conversation does not fit: {e}; /clear") from e
-            except (RuntimeError, OSError) as e:
-                raise ChatError(str(e)) from e
+            async for ev in events:
+                if isinstance(ev, Piece):
+                    yield ev.text
+                elif isinstance(ev, Finished):
+                    yield ev
+                elif isinstance(ev, Failed) and ev.kind == FailureKind.PROMPT_TOO_LONG:
+                    # a verifier reached only now: its context is smaller
+                    raise ChatError(f"the conversation does not fit: {ev.message}; /clear")
+                elif isinstance(ev, Failed):
+                    raise ChatError(ev.message)
 
 
 async def probe_server(base_url: str, api_key: str | None) -> str | None:
@@ -331,45 +336,26 @@ async def open_backend(s: EdgeSettings, progress: Progress) -> tuple[Backend, li
 # ---------------------------------------------------------------------------- the REPL
 
 
-def stats_line(st: dict[str, Any]) -> str:
-    def fmt(v: Any, spec: str, unit: str = "") -> str:
-        return "n/a" if v is None else f"{v:{spec}}{unit}"
-
-    if st.get("cloud_only"):
-        # No edge drafts: no acceptance of the edge's to report.
-        speculation = ["cloud-only: no edge drafts"]
-    else:
-        speculation = [
-            f"acceptance {fmt(st.get('acceptance_rate'), '.0%')}",
-            f"{fmt(st.get('mean_accepted_per_round'), '.2f')} accepted/round",
-        ]
-    parts = [
-        f"{fmt(st.get('tokens_per_s'), '.1f')} tok/s",
-        *speculation,
-        f"{fmt(st.get('bytes_per_token'), '.1f')} B/token",
-        f"RTT {fmt(st.get('rtt_ms'), '.1f', ' ms')}",
-    ]
-    if st.get("ttft_ms") is not None:  # what the first token cost (the daemon says)
-        parts.insert(-1, f"first token {st['ttft_ms']:.0f} ms")
-    if st.get("token_sources"):
-        parts.append(f"tokens from: {sources_line(st['token_sources'])}")
-    if st.get("verified") is False:
-        parts.append("UNVERIFIED (draft only)")
-    return " · ".join(parts)
-
-
 class Repl:
+    """The REPL over ``backend``. Under each answer, one dim line of statistics in plain words
+    (:func:`~edge_agent.runtime.report.plain_line`); ``verbose`` (``edge-agent chat -v``, as
+    ``ollama run --verbose``): the speculation's internals on a second line
+    (:func:`~edge_agent.runtime.report.detail_line`), which ``/stats`` always shows."""
+
     def __init__(
         self,
         backend: Backend,
         opts: ChatOptions,
         out: TextIO,
         read: Callable[[str], str] = input,
+        *,
+        verbose: bool = False,
     ) -> None:
         self.backend = backend
         self.opts = opts
         self.out = out
         self.read = read
+        self.verbose = verbose
         self.history: list[dict[str, str]] = []
         self.last: dict[str, Any] | None = None
         self.totals = {"answers": 0, "tokens": 0, "draft_tokens": 0, "accepted_tokens": 0}
@@ -432,20 +418,26 @@ class Repl:
             return
         for k, v in self.last.items():
             self.say(f"  {k:<30} {v}")
+        self.say(f"  {plain_line(self.last)}")
+        self.say(f"  {detail_line(self.last)}")
         t = self.totals
-        acc = t["accepted_tokens"] / t["draft_tokens"] if t["draft_tokens"] else None
         if self.last.get("cloud_only"):
-            speculation = "cloud-only: no edge drafts"
+            speculation = "the cloud drafted for itself"
+        elif t["draft_tokens"]:
+            speculation = (
+                f"{t['accepted_tokens'] / t['draft_tokens']:.0%} of the edge's drafts kept"
+            )
         else:
-            speculation = "acceptance " + ("n/a" if acc is None else f"{acc:.0%}")
-        if self.last.get("token_sources"):
-            self.say(f"  tokens from: {sources_line(self.last['token_sources'])}")
-        self.say(f"  session: {t['answers']} answers, {t['tokens']} tokens, {speculation}")
+            speculation = "no edge draft checked"
+        answers, tokens = plural(t["answers"], "answer"), plural(t["tokens"], "token")
+        self.say(f"  session: {answers}, {tokens}, {speculation}")
 
     def cut_note(self, tokens: int) -> str:
         """The marker under an answer that stopped at its length limit, not at its end."""
         if tokens < self.opts.max_tokens:
-            return f"[… cut at {tokens} tokens: the context is full; /clear to start over]"
+            return (
+                f"[… cut at {plural(tokens, 'token')}: the context is full; /clear to start over]"
+            )
         return f"[… cut at max_tokens = {tokens}; /set max_tokens N for longer answers]"
 
     def messages(self, text: str) -> list[dict[str, str]]:
@@ -471,7 +463,9 @@ class Repl:
                     t["tokens"] += ev.completion_tokens
                     t["draft_tokens"] += int(ev.stats.get("draft_tokens") or 0)
                     t["accepted_tokens"] += int(ev.stats.get("accepted_tokens") or 0)
-                    self.say(self._dim(stats_line(ev.stats)))
+                    self.say(self._dim(plain_line(ev.stats)))
+                    if self.verbose:
+                        self.say(self._dim(detail_line(ev.stats)))
                     finished = True
                 else:
                     parts.append(ev)
@@ -521,10 +515,15 @@ class Repl:
 
 
 def run_chat(
-    settings: EdgeSettings, out: TextIO | None = None, progress: Progress | None = None
+    settings: EdgeSettings,
+    out: TextIO | None = None,
+    progress: Progress | None = None,
+    *,
+    verbose: bool = False,
 ) -> int:
     """The REPL until /bye or Ctrl-D. ``progress``: a spinner already started (``edge-agent
-    chat`` starts one before it imports this module), else one is made here."""
+    chat`` starts one before it imports this module), else one is made here; ``verbose``:
+    each answer's statistics with their internals (:class:`Repl`)."""
     out = out or sys.stdout
     progress = progress or Progress()
     if sys.stdin.isatty():
@@ -542,7 +541,8 @@ def run_chat(
         for note in notes:
             print(note, file=sys.stderr, flush=True)
         try:
-            return Repl(backend, ChatOptions.from_settings(settings), out).run(loop)
+            opts = ChatOptions.from_settings(settings)
+            return Repl(backend, opts, out, verbose=verbose).run(loop)
         finally:
             loop.run_until_complete(backend.close())
     finally:

@@ -2,12 +2,12 @@
 ``generate`` against a verifier, ``demo`` with a local one, ``check`` whether the draft pairs with
 a target (its tokenizer only: no weights, no GPU, offline) or with each verifier's.
 
-Every command reads one :class:`~edge_agent.daemon.config.EdgeSettings`: flags > ``WANSPEC_EDGE_*``
-environment variables > the TOML file (``--config``, default ``~/.config/wanspec/edge.toml``) >
-defaults, with the same checks everywhere. The order of work is the same too: settings are
-loaded and checked (model specs, token and key files, the API's address) before torch is
-imported, so a mistake is one line (``edge-agent: error: ...``, exit status 2) within a fraction
-of a second; then torch, then the model.
+Every command reads one :class:`~edge_agent.runtime.settings.EdgeSettings`: flags >
+``WANSPEC_EDGE_*`` environment variables > the TOML file (``--config``, default
+``~/.config/wanspec/edge.toml``) > defaults, with the same checks everywhere. The order of work
+is the same too: settings are loaded and checked (model specs, token and key files, the API's
+address) before torch is imported, so a mistake is one line (``edge-agent: error: ...``, exit
+status 2) within a fraction of a second; then torch, then the model.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import orjson
 from shared.service.cli_args import add_setting_flags, parse_args, setting_values
 
 if TYPE_CHECKING:
-    from edge_agent.daemon.config import EdgeSettings
     from edge_agent.daemon.progress import Progress
-    from edge_agent.daemon.service import EdgeService
+    from edge_agent.runtime.service import EdgeService
+    from edge_agent.runtime.settings import EdgeSettings
     from shared.wire.messages import Fingerprint
 
 DEFAULT_TARGET = "default"
@@ -56,7 +56,7 @@ _LINK = {
     "token_file", "ca_file", "insecure_skip_verify", "heartbeat", "verifier_wait",
     "link_down_deadline", "link_down_fail_fast", "verdict_timeout", "fallback",
 }  # fmt: skip
-#: Renamed settings (edge_agent.daemon.config.RENAMED): still accepted, listed in no --help.
+#: Renamed settings (edge_agent.runtime.settings.RENAMED): still accepted, listed in no --help.
 _DEPRECATED = {"link_down_deadline"}
 _UNLISTED: dict[str, set[str]] = {
     "generate": _API,
@@ -75,14 +75,30 @@ _UNLISTED: dict[str, set[str]] = {
 }
 
 
+VERBOSE_HELP = (
+    "after each answer, the speculation's internals too (mode, gamma, depth, acceptance, "
+    "rounds, rejections, bytes, token sources); and debug logs"
+)
+
+
 def _add_settings_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
-    """``--config`` and one flag per EdgeSettings field (None = not given)."""
-    from edge_agent.daemon.config import CONFIG_ENV, ENV_PREFIX, EdgeSettings, default_config_path
+    """``--config``, ``-v``/``--verbose`` (as before the command: ``edge-agent generate -v``
+    is ``edge-agent -v generate``) and one flag per EdgeSettings field (None = not given)."""
+    from edge_agent.runtime.settings import (
+        CONFIG_ENV,
+        ENV_PREFIX,
+        EdgeSettings,
+        default_config_path,
+    )
 
     p.add_argument(
         "--config",
         default=None,
         help=f"TOML settings file (env {CONFIG_ENV}; default {default_config_path()} if present)",
+    )
+    # (SUPPRESS: not given here, the top level's value stands)
+    p.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP
     )
     g = p.add_argument_group("settings (also WANSPEC_EDGE_<NAME> or the TOML file)")
     unlisted = _UNLISTED.get(command, set()) | _DEPRECATED
@@ -90,7 +106,7 @@ def _add_settings_args(p: argparse.ArgumentParser, command: str = "serve") -> No
 
 
 def _cli_values(args: argparse.Namespace) -> dict[str, Any]:
-    from edge_agent.daemon.config import EdgeSettings
+    from edge_agent.runtime.settings import EdgeSettings
 
     return setting_values(args, EdgeSettings)
 
@@ -99,7 +115,7 @@ def load_cli_settings(
     args: argparse.Namespace, env: Mapping[str, str] | None = None
 ) -> EdgeSettings:
     """EdgeSettings from the parsed flags, ``env`` (default ``os.environ``) and the TOML file."""
-    from edge_agent.daemon.config import load_edge_settings
+    from edge_agent.runtime.settings import load_edge_settings
 
     return load_edge_settings(config=args.config, env=env, cli=_cli_values(args))
 
@@ -111,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Every command reads the same settings: flags > WANSPEC_EDGE_* > --config FILE > "
         "defaults.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for PROMPT against a verifier")
     gen.add_argument("prompt")
@@ -193,40 +209,20 @@ def _error(e: BaseException) -> int:
     return 2
 
 
-def _summary(r: dict[str, Any]) -> str:
-    from edge_agent.daemon.text import sources_line
-
-    head = (
-        f"{r['tokens']} tokens in {r['wall_s']:.2f} s ({r['tokens_per_s']} tok/s) · "
-        f"tokens from: {sources_line(r['token_sources'])} · "
-    )
-    if r.get("cloud_only"):
-        # No edge drafts: no acceptance, rounds or rejections of the edge's to report.
-        return (
-            head + f"cloud-only: no edge drafts · up {r['uplink_bytes']} B, "
-            f"down {r['downlink_bytes']} B"
-        )
-    acc = r["acceptance_rate"]
-    per_rej = r["downlink_bytes_per_rejection"]
-    means = "" if r["gamma_mean"] is None else f" (mean {r['gamma_mean']:g}/{r['depth_mean']:g})"
-    return head + (
-        f"{r['mode']} γ={r['gamma']} D={r['depth']}{means} · acceptance "
-        f"{'n/a' if acc is None else f'{acc:.0%}'}, {r['mean_accepted_per_round']} accepted/round"
-        f" over {r['rounds']} rounds · {r['rejections']} rejections, "
-        f"{r['discarded_batches']} discarded batches · up {r['uplink_bytes']} B "
-        f"({r['uplink_bytes_per_round']} B/round), down {r['downlink_bytes']} B "
-        f"({'n/a' if per_rej is None else per_rej} B/rejection)"
-    )
-
-
 def _finish(args: argparse.Namespace, result: dict[str, Any], max_tokens: int) -> None:
+    """After the text: why it stopped short, the statistics in plain words (``[stats]``) and,
+    with ``--verbose``, the speculation's internals (``[details]``); ``--json``: every one."""
+    from edge_agent.runtime.report import detail_line, plain_line, plural
+
     sys.stdout.write("\n")
     if result.get("finish_reason") == "length":
         if result["tokens"] < max_tokens:  # the context (the draft's or the verifier's) ended it
-            _say(f"[cut at {result['tokens']} tokens: the context is full]")
+            _say(f"[cut at {plural(result['tokens'], 'token')}: the context is full]")
         else:
             _say(f"[cut at max_tokens = {result['tokens']}]")
-    print(f"[stats] {_summary(result)}", file=sys.stderr)
+    _say(f"[stats] {plain_line(result)}")
+    if args.verbose:
+        _say(f"[details] {detail_line(result)}")
     if args.json:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
     sys.stdout.flush()
@@ -250,7 +246,8 @@ def _prepare_torch(settings: EdgeSettings) -> None:
 
 
 async def _load(settings: EdgeSettings, progress: Progress) -> EdgeService:
-    from edge_agent.daemon.service import EdgeService, loading_line
+    from edge_agent.runtime.loading import loading_line
+    from edge_agent.runtime.service import EdgeService
 
     service = EdgeService(settings)
     try:
@@ -268,8 +265,9 @@ async def _load(settings: EdgeSettings, progress: Progress) -> EdgeService:
 async def _generate_once(
     service: EdgeService, prompt: str, chat: bool, write: Callable[[str], None]
 ) -> dict[str, Any]:
-    from edge_agent.daemon.service import Finished, GenRequest
-    from edge_agent.daemon.text import encode_prompt
+    from edge_agent.runtime.events import Failed, Finished, Piece
+    from edge_agent.runtime.service import GenRequest
+    from edge_agent.runtime.text import encode_prompt
 
     s = service.settings
     loaded, _ = service.require()
@@ -289,7 +287,9 @@ async def _generate_once(
         async for ev in events:
             if isinstance(ev, Finished):
                 result = {"text": ev.text, **ev.stats}
-            else:
+            elif isinstance(ev, Failed):
+                raise ev.error()
+            elif isinstance(ev, Piece):
                 write(ev.text)
     if result is None:  # pragma: no cover - stream() always ends with Finished
         raise RuntimeError("the generation ended without a result")
@@ -323,8 +323,8 @@ def _free_port() -> int:
 
 
 def _demo(args: argparse.Namespace, settings: EdgeSettings) -> int:
-    from edge_agent.daemon.config import EdgeSettings
     from edge_agent.daemon.progress import Progress
+    from edge_agent.runtime.settings import EdgeSettings
     from shared.service.status import wait_healthy
 
     port = _free_port()
@@ -417,15 +417,15 @@ def _chat(args: argparse.Namespace, settings: EdgeSettings) -> int:
     except BaseException:
         progress.stop(False)
         raise
-    return run_chat(settings, progress=progress)
+    return run_chat(settings, progress=progress, verbose=args.verbose)
 
 
 async def _announced_targets(settings: EdgeSettings) -> list[tuple[str, Fingerprint | str]]:
     """Each verifier's target, from the Ready its connection starts with (no session is
     opened), or why it could not be reached."""
-    from edge_agent.daemon.config import read_secret_file
-    from edge_agent.daemon.text import ssl_context
     from edge_agent.link.connection import Connection, LinkRefused, LinkSettings
+    from edge_agent.link.tls import ssl_context
+    from edge_agent.runtime.settings import read_secret_file
     from edge_agent.session.transport import LinkClosed
 
     token = read_secret_file(settings.token_file, "token_file") if settings.token_file else ""
@@ -450,7 +450,7 @@ async def _announced_targets(settings: EdgeSettings) -> list[tuple[str, Fingerpr
 def _pair_check(args: argparse.Namespace, settings: EdgeSettings) -> int:
     """``check``: one line per target on stdout; 0 when every one pairs with the draft, 1 when
     one does not, 2 when a verifier could not be asked."""
-    from edge_agent.daemon.service import pairing_setting, settings_place, tokenizer_spec
+    from edge_agent.runtime.loading import pairing_setting, settings_place, tokenizer_spec
     from shared.runtime.models import load_tokenizer
     from shared.runtime.pairing import fingerprint_words, mismatch_line
 
@@ -508,7 +508,8 @@ def _daemon_answers(s: EdgeSettings) -> bool:
 
 def _check(args: argparse.Namespace, env: Mapping[str, str]) -> EdgeSettings:
     """Load and check the settings; nothing heavy is imported (ConfigError on a fault)."""
-    from edge_agent.daemon.config import (
+    from edge_agent.daemon.unicode_text import text_error
+    from edge_agent.runtime.settings import (
         check_before_loading,
         check_link_files,
         check_model_specs,
@@ -516,7 +517,6 @@ def _check(args: argparse.Namespace, env: Mapping[str, str]) -> EdgeSettings:
         retired_env_warnings,
         setting_sources,
     )
-    from edge_agent.daemon.unicode_text import text_error
     from shared.runtime.model_spec import ModelSpecError, parse_model_spec
     from shared.service.config import ConfigError
 

@@ -30,7 +30,6 @@ from aiohttp import hdrs, web
 
 from edge_agent.daemon.api_errors import ApiError, from_http
 from edge_agent.daemon.api_request import Body, build_pipeline, completion_budget
-from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.http_stream import Writer, next_event, read_body
 from edge_agent.daemon.ollama_request import (
     CHAT_KEYS,
@@ -46,8 +45,10 @@ from edge_agent.daemon.ollama_request import (
     parse_ollama_options,
     parse_stream,
 )
-from edge_agent.daemon.service import EdgeService, Finished, GenRequest, Piece, QueueFull
-from edge_agent.daemon.text import encode_prompt
+from edge_agent.runtime.events import Failed, FailureKind, Finished, Piece, RuntimeEvent, last_event
+from edge_agent.runtime.service import EdgeService, GenRequest
+from edge_agent.runtime.settings import EdgeSettings
+from edge_agent.runtime.text import encode_prompt
 
 log = logging.getLogger("wanspec.edge.ollama")
 
@@ -57,6 +58,9 @@ NDJSON: Final = "application/x-ndjson"
 NS_PER_S: Final = 1_000_000_000
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: The completion tokens of an answer whose generation finished, set on the response for the
+#: daemon's access log (``server.api_middleware``), by these routes and the OpenAI ones.
+COMPLETION_TOKENS: Final = web.ResponseKey("wanspec_completion_tokens", int)
 
 
 class ServerView(Protocol):
@@ -82,10 +86,9 @@ class ServerHooks(Generic[S]):
 
     state: S
     chat_prompt: Callable[[S, dict[str, Any]], list[int]]
-    gen_error: Callable[[BaseException], ApiError]
+    failure_error: Callable[[Failed], ApiError]
     key_matches: Callable[[str, str], bool]
     require_ready: Callable[[S], None]
-    gen_errors: tuple[type[BaseException], ...]
 
 
 HOOKS = web.AppKey("wanspec_ollama_hooks", ServerHooks)
@@ -141,7 +144,8 @@ def ollama_route(handler: Handler) -> Handler:
             return error_response(from_http(e))
         except Exception as e:
             log.exception("internal error in %s", request.path)
-            return error_response(hooks.gen_error(e))
+            why = f"internal error ({type(e).__name__}: {e})"
+            return error_response(hooks.failure_error(Failed(FailureKind.INTERNAL, why)))
 
     return wrapped
 
@@ -215,22 +219,22 @@ def _line(obj: Any) -> bytes:
 async def _stream(
     hooks: ServerHooks[Any],
     out: Writer,
-    events: AsyncIterator[Piece | Finished],
+    events: AsyncIterator[RuntimeEvent],
     reply: Reply,
 ) -> None:
     idle = _line(reply.chunk(""))
     keepalive = hooks.state.settings.stream_keepalive
     while True:
-        try:
-            ev = await next_event(out, events, keepalive, idle)
-        except hooks.gen_errors as e:
-            await out.write(_line({"error": error_text(hooks.gen_error(e))}))
+        ev = await next_event(out, events, keepalive, idle)
+        if isinstance(ev, Failed):
+            await out.write(_line({"error": error_text(hooks.failure_error(ev))}))
             break
         if isinstance(ev, Finished):
+            out.resp[COMPLETION_TOKENS] = ev.completion_tokens
             await out.write(_line(reply.final(ev, "")))
             break
-        await out.write(_line(reply.chunk(ev.text)))
-    await out.resp.write_eof()
+        if isinstance(ev, Piece):
+            await out.write(_line(reply.chunk(ev.text)))
 
 
 def gen_request(state: ServerView, prompt_ids: list[int], opts: OllamaOptions) -> GenRequest:
@@ -296,20 +300,14 @@ async def _generate(
     hooks, reply, stream = asked.hooks, asked.reply, asked.stream
     state = hooks.state
     req = gen_request(state, prompt_ids, asked.opts)
-    if stream:
-        try:
-            state.service.queue.check()  # a full queue is a 429, before any header
-        except QueueFull as e:
-            raise hooks.gen_error(e) from None
+    if stream and (refused := state.service.admission()) is not None:
+        raise hooks.failure_error(refused)  # a full queue is a 429, before any header
     async with contextlib.aclosing(state.service.stream(req)) as events:
         if not stream:
-            try:
-                ev = await events.__anext__()
-                while not isinstance(ev, Finished):
-                    ev = await events.__anext__()
-            except hooks.gen_errors as e:
-                err = hooks.gen_error(e)
-                partial = getattr(e, "partial", None)
+            ev = await last_event(events)
+            if isinstance(ev, Failed):
+                err = hooks.failure_error(ev)
+                partial = ev.partial
                 if partial is not None:  # the text it had generated, and its statistics
                     err.partial = {
                         **reply.loaded(),
@@ -319,8 +317,10 @@ async def _generate(
                         "eval_count": partial.completion_tokens,
                         "wanspec": partial.stats,
                     }
-                raise err from None
-            return web.json_response(reply.final(ev, ev.text), dumps=dumps)
+                raise err
+            done = web.json_response(reply.final(ev, ev.text), dumps=dumps)
+            done[COMPLETION_TOKENS] = ev.completion_tokens
+            return done
         resp = web.StreamResponse(
             headers={
                 hdrs.CONTENT_TYPE: NDJSON,
@@ -335,6 +335,13 @@ async def _generate(
         except (ConnectionError, asyncio.TimeoutError) as e:
             # the client is gone or reads nothing; leaving cancels the generation
             log.info("client of an Ollama %s dropped: %s", request.path, type(e).__name__)
+            return resp
+        try:
+            await resp.write_eof()
+        except (ConnectionError, asyncio.TimeoutError) as e:
+            # a client that closes once it has the last line (done or error) dropped nothing
+            why = type(e).__name__
+            log.debug("client of an Ollama %s closed at the end: %s", request.path, why)
         return resp
 
 

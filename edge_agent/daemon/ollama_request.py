@@ -31,7 +31,7 @@ from edge_agent.daemon.api_request import (
     parse_stops,
     parse_timeout,
 )
-from edge_agent.session.pipeline_config import Bounds, RequestOptions
+from edge_agent.session.pipeline_config import Bounds, Range, RequestOptions
 
 #: The ``options`` used, each mapped onto the OpenAI route's field of the same meaning.
 USED_OPTIONS: Final = ("temperature", "top_p", "top_k", "seed", "num_predict", "stop", "num_ctx")
@@ -161,19 +161,29 @@ class OllamaOptions:
     timeout_s: float | None = None
 
 
+def _opt_int_or_none(options: Body, key: str, bound: Range[int], none: str) -> int | None:
+    """``options[key]``: an integer in ``bound``, or -1 (Ollama's "none": ``none`` says what it
+    means) and absent, both None; the error names both ways."""
+    v = options.get(key)
+    if v is None or (v == -1 and is_int(v)):
+        return None
+    if not is_int(v) or v not in bound:
+        raise bad_request(
+            f"options.{key}",
+            f"options.{key} must be -1 ({none}) or an integer {bound.words()}, got {json.dumps(v)}",
+        )
+    return int(v)
+
+
 def parse_num_predict(options: Body) -> int | None:
     """``num_predict``: the completion's length; -1 (Ollama's default, "no limit") and absent
     are the daemon's default."""
-    if options.get("num_predict") == -1 and is_int(options.get("num_predict")):
-        return None
-    return opt_int(options, "num_predict", Bounds.MAX_TOKENS.lo, Bounds.MAX_TOKENS.hi)
+    return _opt_int_or_none(options, "num_predict", Bounds.MAX_TOKENS, "no limit")
 
 
 def parse_ollama_seed(options: Body) -> int | None:
     """``seed``: -1 (llama.cpp's "random") and absent are no seed."""
-    if options.get("seed") == -1 and is_int(options.get("seed")):
-        return None
-    return opt_int(options, "seed", Bounds.SEED.lo, Bounds.SEED.hi)
+    return _opt_int_or_none(options, "seed", Bounds.SEED, "random")
 
 
 def parse_ollama_options(body: Body) -> OllamaOptions:

@@ -16,9 +16,9 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, TextIO
+from typing import TextIO
 
-from shared.runtime.device import cuda_hint, placement
+from shared.runtime.device import cuda_hint
 from shared.service.sdnotify import Notifier
 
 log = logging.getLogger("wanspec.edge")
@@ -162,9 +162,3 @@ def check_cuda(device: str) -> str | None:
     if why is None:
         return None
     return f"CUDA was expected ({hint}) but {why}: the draft runs on the CPU, slowly"
-
-
-def device_line(loaded: Any) -> str:
-    """One line naming the draft and where it runs: ``cpu (float32, 4 threads)`` or
-    ``cuda:0 (Orin, float16)``. ``loaded``: a :class:`shared.runtime.models.LoadedModel`."""
-    return f"draft {loaded.name} on {placement(loaded.model)}"

@@ -13,6 +13,9 @@ request headers must arrive within ``header_timeout``, and connections whose req
 a handler are capped (``max_pending_connections``, ``max_pending_per_address``; more get 503 at
 once). ``serve`` binds the port through the guard's :class:`~shared.service.http_guard.Listener`.
 
+Each request answered is one line of the access log (:data:`ACCESS_LOG`, by the middleware that
+counts the requests): method, path, status, a generation's completion tokens, seconds.
+
 Tasks and their owners: the model load, the verifier probe and the systemd watchdog run in tasks
 created and cancelled-and-awaited by a cleanup context. Request handlers are cancelled when
 their client disconnects (``handler_cancellation``), which cancels their generation.
@@ -41,26 +44,25 @@ from edge_agent.daemon.api_request import (
     parse_prompt,
     parse_request,
 )
-from edge_agent.daemon.config import EdgeSettings, listen_error, read_secret_file
 from edge_agent.daemon.http_stream import Writer, next_event, read_body
-from edge_agent.daemon.monitor import Availability
-from edge_agent.daemon.ollama_api import ServerHooks, add_ollama_routes
+from edge_agent.daemon.ollama_api import COMPLETION_TOKENS, ServerHooks, add_ollama_routes
 from edge_agent.daemon.progress import Progress, quiet_hub_progress
-from edge_agent.daemon.service import (
-    EdgeService,
+from edge_agent.model.tasks import cancel_all
+from edge_agent.runtime.events import (
+    Failed,
+    FailureKind,
     Finished,
-    GenRequest,
     Partial,
     Piece,
-    PromptTooLong,
-    QueueFull,
-    RequestTimeout,
-    VerifierUnavailable,
+    RuntimeEvent,
+    last_event,
 )
-from edge_agent.daemon.text import encode_prompt
-from edge_agent.model.tasks import cancel_all
-from edge_agent.session.generation import TokenLogprob
-from edge_agent.session.opening import VerifierError
+from edge_agent.runtime.monitor import Availability
+from edge_agent.runtime.report import plural
+from edge_agent.runtime.service import EdgeService, GenRequest
+from edge_agent.runtime.settings import EdgeSettings, listen_error, read_secret_file
+from edge_agent.runtime.text import NoChatTemplate, encode_chat, encode_prompt
+from edge_agent.session.events import TokenLogprob
 from shared.enums import TextEnum
 from shared.service.http_guard import ConnectionGuard, Listener, http_logger
 from shared.service.metrics import CONTENT_TYPE
@@ -68,6 +70,12 @@ from shared.service.sdnotify import Notifier
 from shared.service.status import ServiceStatus, StopSignals
 
 log = logging.getLogger("wanspec.edge.server")
+#: One line per request answered (``POST /v1/chat/completions 200 42 tokens 1.93 s``), the
+#: access log: its own logger, so an operator can route or silence it alone.
+ACCESS_LOG = logging.getLogger("wanspec.edge.access")
+#: Routes polled by monitors (systemd, load balancers, Prometheus): their lines are DEBUG, so
+#: the probes do not bury the requests in the access log.
+PROBE_PATHS: Final = frozenset({"/health", "/metrics"})
 #: The logger of aiohttp's request handlers (:func:`make_runner`): a malformed request is a
 #: rate-limited INFO line, not an ERROR with a traceback.
 HTTP_LOG = http_logger("wanspec.edge.http")
@@ -107,16 +115,12 @@ def chat_prompt(state: ServerState, body: dict[str, Any]) -> list[int]:
     """The token ids of ``messages`` under the draft's chat template."""
     messages = parse_messages(body)
     loaded, _ = state.service.require()
-    tok: Any = loaded.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise ApiError(400, f"{loaded.name} has no chat template; use /v1/completions")
     try:
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return encode_chat(loaded, messages, hint="use /v1/completions")
+    except NoChatTemplate as e:
+        raise ApiError(400, str(e)) from None
     except Exception as e:  # template errors (e.g. roles out of order) are the request's fault
         raise bad_request("messages", f"the chat template refused these messages: {e}") from None
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 
 
 def completion_prompt(state: ServerState, body: dict[str, Any]) -> list[int]:
@@ -186,31 +190,28 @@ def _usage(f: Finished | Partial) -> dict[str, Any]:
     }
 
 
-def _gen_error(e: BaseException, partial: dict[str, Any] | None = None) -> ApiError:
+def failure_error(f: Failed, partial: dict[str, Any] | None = None) -> ApiError:
     """A generation's failure as the API answers it; ``partial``: the members that carry what
     it had generated (non-streaming answers: the text so far, in the endpoint's shape)."""
-    if isinstance(e, QueueFull):
+    if f.kind == FailureKind.QUEUE_FULL:
         return ApiError(
-            429, str(e), type_="rate_limit_error", code="queue_full", retry_after=e.retry_after
+            429, f.message, type_="rate_limit_error", code="queue_full", retry_after=f.retry_after
         )
-    if isinstance(e, VerifierUnavailable):  # the deadline's (504) or the verifiers' (503)
-        timed_out = isinstance(e, RequestTimeout)
+    if f.kind in (FailureKind.NO_VERIFIER, FailureKind.DEADLINE):
+        timed_out = f.kind == FailureKind.DEADLINE
         return ApiError(
             504 if timed_out else 503,
-            str(e),
+            f.message,
             type_="server_error",
             code="request_timeout" if timed_out else "verifier_unavailable",
-            retry_after=e.retry_after,
+            retry_after=f.retry_after,
             partial=partial,
         )
-    if isinstance(e, PromptTooLong):
-        return bad_request("messages", str(e), "context_length_exceeded")
-    if isinstance(e, VerifierError):
-        return ApiError(502, str(e), type_="server_error", code=f"verifier_{e.code}")
-    return ApiError(500, f"internal error ({type(e).__name__}: {e})", type_="server_error")
-
-
-_GEN_ERRORS = (QueueFull, VerifierUnavailable, PromptTooLong, VerifierError)
+    if f.kind == FailureKind.PROMPT_TOO_LONG:
+        return bad_request("messages", f.message, "context_length_exceeded")
+    if f.kind == FailureKind.VERIFIER_ERROR:
+        return ApiError(502, f.message, type_="server_error", code=f"verifier_{f.code}")
+    return ApiError(500, f.message, type_="server_error")
 
 
 @dataclass
@@ -290,23 +291,19 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
     head = {"id": rid, "object": obj, "created": created, "model": model}
-    if api.stream:
-        try:
-            state.service.queue.check()  # a full queue is a 429, before any header
-        except QueueFull as e:
-            raise _gen_error(e) from None
+    if api.stream and (refused := state.service.admission()) is not None:
+        raise failure_error(refused)  # a full queue is a 429, before any header
     async with contextlib.aclosing(state.service.stream(gen_request(api, prompt_ids))) as events:
         if not api.stream:
-            try:
-                ev = await events.__anext__()
-                while not isinstance(ev, Finished):
-                    ev = await events.__anext__()
-            except _GEN_ERRORS as e:
-                partial = getattr(e, "partial", None)
+            ev = await last_event(events)
+            if isinstance(ev, Failed):
+                partial = ev.partial
                 extra = None if partial is None else {**head, **shape.partial(partial)}
-                raise _gen_error(e, extra) from None
+                raise failure_error(ev, extra)
             out = {**head, **shape.final(ev), "usage": _usage(ev), "wanspec": ev.stats}
-            return web.json_response(out, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+            done = web.json_response(out, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+            done[COMPLETION_TOKENS] = ev.completion_tokens
+            return done
         head["object"] = obj + ".chunk" if chat else obj
         resp = web.StreamResponse(
             headers={
@@ -319,13 +316,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         # place or a verifier); from here an error is an event of the stream.
         await resp.prepare(request)
         out_ = Writer(resp, state.settings.write_timeout)
-        try:
-            await _stream_events(
-                out_, events, head, shape, api.include_usage, state.settings.stream_keepalive
-            )
-        except (ConnectionError, asyncio.TimeoutError) as e:
-            # the client is gone or reads nothing; leaving cancels the generation
-            log.info("client of %s dropped: %s", rid, type(e).__name__)
+        await _stream_events(
+            out_, events, head, shape, api.include_usage, state.settings.stream_keepalive, rid
+        )
         return resp
 
 
@@ -335,7 +328,31 @@ KEEPALIVE: Final = b": keep-alive\n\n"
 
 async def _stream_events(
     out: Writer,
-    events: AsyncIterator[Piece | Finished],
+    events: AsyncIterator[RuntimeEvent],
+    head: dict[str, Any],
+    shape: _Shape,
+    include_usage: bool,
+    keepalive: float,
+    rid: str,
+) -> None:
+    """Stream ``events`` as SSE chunks, ending with ``data: [DONE]``. A client that goes away
+    (or reads nothing) before [DONE] is a drop (INFO; leaving cancels the generation); one
+    that closes once it has [DONE], as the REPL and many clients do, dropped nothing: the
+    failed end of the chunked body is only a DEBUG line."""
+    try:
+        await _write_events(out, events, head, shape, include_usage, keepalive)
+    except (ConnectionError, asyncio.TimeoutError) as e:
+        log.info("client of %s dropped: %s", rid, type(e).__name__)
+        return
+    try:
+        await out.resp.write_eof()
+    except (ConnectionError, asyncio.TimeoutError) as e:
+        log.debug("client of %s closed after [DONE]: %s", rid, type(e).__name__)
+
+
+async def _write_events(
+    out: Writer,
+    events: AsyncIterator[RuntimeEvent],
     head: dict[str, Any],
     shape: _Shape,
     include_usage: bool,
@@ -344,12 +361,14 @@ async def _stream_events(
     if shape.chat:
         await out.write(_sse({**head, **_role()}))
     while True:
-        try:
-            ev = await next_event(out, events, keepalive, KEEPALIVE)
-        except _GEN_ERRORS as e:
-            await out.write(_sse(_gen_error(e).body()))
+        ev = await next_event(out, events, keepalive, KEEPALIVE)
+        if isinstance(ev, Failed):
+            await out.write(_sse(failure_error(ev).body()))
             break
+        if not isinstance(ev, (Piece, Finished)):
+            continue  # (round trips and waits: the stats and /health say them)
         if isinstance(ev, Finished):
+            out.resp[COMPLETION_TOKENS] = ev.completion_tokens
             last = {**head, **shape.last_chunk(ev), "wanspec": ev.stats}
             await out.write(_sse(last))
             if include_usage:
@@ -357,7 +376,6 @@ async def _stream_events(
             break
         await out.write(_sse({**head, **shape.chunk(ev)}))
     await out.write(b"data: [DONE]\n\n")
-    await out.resp.write_eof()
 
 
 def _role() -> dict[str, Any]:
@@ -425,7 +443,7 @@ def health(state: ServerState, now: float | None = None) -> tuple[int, dict[str,
     """The status code and body of /health at ``now`` (monotonic; default: the clock's)."""
     svc = state.service
     s = state.settings
-    link = svc.link.describe()
+    link = svc.monitor.describe()
     at = time.monotonic() if now is None else now
     # A slot that took no step (no token, no text taken by its client) for a keep-alive
     # interval is stalled: waiting for a verifier, or for a client that stopped reading (whose
@@ -449,18 +467,18 @@ def health(state: ServerState, now: float | None = None) -> tuple[int, dict[str,
     if state.status != ServiceStatus.READY:
         return 503, body
     # Ready means able to serve: not when every request would be refused for its token.
-    missing = svc.link.missing_token(svc.has_token)
+    missing = svc.monitor.missing_token(svc.has_token)
     if missing is not None:
         body["status"] = EdgeHealth.UNAVAILABLE
         body["reason"] = missing
         return 503, body
-    available = svc.link.availability
+    available = svc.monitor.availability
     if available != Availability.UP:
         if s.fallback == "none":
             if available == Availability.BUSY:
                 body["status"] = EdgeHealth.BUSY
                 body["reason"] = (
-                    f"the verifier is busy ({svc.link.state}): new requests wait for it, "
+                    f"the verifier is busy ({svc.monitor.state}): new requests wait for it, "
                     f"up to verifier_wait = {s.verifier_wait:g} s"
                 )
             else:
@@ -521,6 +539,16 @@ async def guard_middleware(request: web.Request, handler: Handler) -> web.Stream
         guard.request_finished(request.transport)
 
 
+def access_line(
+    request: web.Request, code: str, resp: web.StreamResponse | None, seconds: float
+) -> str:
+    """The access log's line of one request: ``POST /v1/chat/completions 200 42 tokens 1.93 s``
+    (the completion tokens where a generation finished; the path without its query)."""
+    tokens = None if resp is None else resp.get(COMPLETION_TOKENS)
+    counted = "" if tokens is None else " " + plural(tokens, "token")
+    return f"{request.method} {request.path} {code}{counted} {seconds:.2f} s"
+
+
 @web.middleware
 async def api_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
@@ -528,6 +556,8 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
     endpoint = route.canonical if route is not None else "unmatched"
     is_api = request.path.startswith("/v1/")
     code = "500"
+    resp: web.StreamResponse | None = None
+    started = time.monotonic()
     try:
         try:
             if is_api and state.api_key is not None:
@@ -552,11 +582,16 @@ async def api_middleware(request: web.Request, handler: Handler) -> web.StreamRe
             raise
         except Exception as e:
             log.exception("internal error in %s", endpoint)
-            resp = _gen_error(e).response()
+            why = f"internal error ({type(e).__name__}: {e})"
+            resp = failure_error(Failed(FailureKind.INTERNAL, why)).response()
         code = str(resp.status)
         return resp
     finally:
         state.service.metrics.requests.inc(endpoint=endpoint, code=code)
+        level = logging.DEBUG if request.path in PROBE_PATHS else logging.INFO
+        if ACCESS_LOG.isEnabledFor(level):
+            line = access_line(request, code, resp, time.monotonic() - started)
+            ACCESS_LOG.log(level, "%s", line)
 
 
 # ---------------------------------------------------------------------------- app and serve
@@ -580,7 +615,7 @@ async def _load(state: ServerState) -> None:
 
 def _link_status(state: ServerState) -> None:
     if state.status == ServiceStatus.READY:
-        link = state.service.link.state
+        link = state.service.monitor.state
         state.notifier.notify(f"STATUS=serving; verifier {link}")
 
 
@@ -601,10 +636,10 @@ async def _watchdog(state: ServerState, interval: float) -> None:
 
 async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
-    state.service.link.changed = lambda: _link_status(state)
+    state.service.monitor.changed = lambda: _link_status(state)
     tasks = [
         asyncio.create_task(_load(state), name="wanspec-edge-load"),
-        asyncio.create_task(state.service.link.run(), name="wanspec-edge-probe"),
+        asyncio.create_task(state.service.monitor.run(), name="wanspec-edge-probe"),
     ]
     interval = state.notifier.watchdog_interval
     if interval is not None:
@@ -648,7 +683,7 @@ def build_app(
     app.router.add_get("/v1/models/{model}", model_handler)
     add_ollama_routes(
         app,
-        ServerHooks(app[STATE], chat_prompt, _gen_error, _key_matches, _require_ready, _GEN_ERRORS),
+        ServerHooks(app[STATE], chat_prompt, failure_error, _key_matches, _require_ready),
     )
     app.router.add_get("/health", health_handler)
     app.router.add_get("/metrics", metrics_handler)
@@ -661,6 +696,8 @@ def make_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
     errors through :data:`HTTP_LOG`. Serve it through :func:`make_listener` (as ``serve``
     does): that is where the connection guard applies."""
     kwargs.setdefault("logger", HTTP_LOG)
+    # The access log is the middleware's (ACCESS_LOG, with the tokens): not aiohttp's as well.
+    kwargs.setdefault("access_log", None)
     # The guard closes connections idle between requests after header_timeout; this is only
     # aiohttp's own backstop.
     kwargs.setdefault("keepalive_timeout", max(75.0, app[STATE].settings.header_timeout))
@@ -707,7 +744,7 @@ async def serve(settings: EdgeSettings) -> int:
                 break
             if state.status == ServiceStatus.READY and not announced:
                 # The API listens and the draft is loaded: only now is the service up.
-                link = state.service.link.state
+                link = state.service.monitor.state
                 notifier.notify(f"READY=1\nSTATUS=serving; verifier {link}")
                 log.info("ready: %s (verifier %s)", state.reason, link)
                 announced = True

@@ -7,7 +7,7 @@ moves bytes and runs the draft model:
 * :func:`draft_loop`: whenever the core says drafting may go on, draft up to γ tokens from its
   :class:`~edge_agent.session.pipeline.DraftPlan` on the model worker, checking after each step
   that no rejection voided the plan, then hand the batch to the core and write its frames;
-* :class:`LinkIO`: one verifier link's bounded send queue and its writer task, so frames leave in
+* :class:`Outbox`: one verifier link's bounded send queue and its writer task, so frames leave in
   exactly the order the core produced them (a Rollback before any Propose of the new epoch);
 * :func:`credit_loop`: with no draft model (cloud-only speculative decoding), the credits
   that let the verifier's co-generation run on (:meth:`~edge_agent.session.core.SingleCore.credit`);
@@ -86,7 +86,7 @@ class Signal:
                 waiter.cancel()
 
 
-class LinkIO:
+class Outbox:
     """One verifier link: its transport and a bounded queue of frames to send, in order.
     Frames are encoded with the link's session context ``ctx`` and counted in ``stats`` as
     they are queued."""
@@ -161,7 +161,7 @@ async def _draft_hedge(
     """Draft ``hp``'s continuation (greedy), stopping early as soon as the pipeline has room
     again (the next batch comes first) or the plan is void."""
     out: list[int] = []
-    while len(out) < hp.max_tokens and core.hedge_current(hp) and not core.may_draft():
+    while len(out) < hp.max_tokens and core.pipe.book.hedge_current(hp) and not core.may_draft():
         row = DraftRow([*hp.context, hp.token, *out], core.cfg.sampling, core.rng, True)
         step = await worker.run(drafter.draft, row)
         out.append(step.token)
@@ -247,7 +247,7 @@ async def draft_loop(
         if not core.may_draft():
             if cfg.predraft and await _predraft(core, drafter, worker, grown):
                 continue
-            hp = core.hedge_plan() if hedge is not None else None
+            hp = core.pipe.book.hedge_plan() if hedge is not None else None
             if hedge is not None and hp is not None:
                 hedge(hp, await _draft_hedge(core, drafter, worker, hp))
                 continue
@@ -257,7 +257,7 @@ async def draft_loop(
             continue
         plan, start = core.start_batch()
         draft, q_rows, rivals, prob = start.draft, start.q_rows, start.rivals, start.prob
-        while core.wants_more(plan, draft, prob):
+        while core.pipe.wants_more(plan, draft, prob):
             t0 = time.perf_counter()
             row = DraftRow(
                 plan.context + draft, cfg.sampling, core.rng, plan.deterministic, want_rival
@@ -273,7 +273,7 @@ async def draft_loop(
             else:
                 step = await worker.run(drafter.draft, row)
             core.on_draft_step(time.perf_counter() - t0)
-            if not core.current(plan, [*draft, step.token]):
+            if not core.pipe.current(plan, [*draft, step.token]):
                 break  # a rejection (or a differing co-generated token) voided this batch
             draft.append(step.token)
             q_rows.append(step.q)
@@ -303,18 +303,20 @@ async def verdict_watchdog(
     (:meth:`~edge_agent.session.pipeline.Pipeline.verdict_deadline`) with no Verdict."""
     gen = core.gen
     while not gen.done:
-        deadline = core.verdict_deadline(floor_s)
+        deadline = core.pipe.verdict_deadline(floor_s)
         if deadline is None:
-            await signal.wait_for(lambda: gen.done or core.verdict_deadline(floor_s) is not None)
+            await signal.wait_for(
+                lambda: gen.done or core.pipe.verdict_deadline(floor_s) is not None
+            )
             continue
 
         def moved(d: float = deadline) -> bool:
-            return gen.done or core.verdict_deadline(floor_s) != d
+            return gen.done or core.pipe.verdict_deadline(floor_s) != d
 
         try:
             await signal.wait_for(moved, max(0.0, deadline - now()))
         except asyncio.TimeoutError:
-            raise VerdictTimeout(core.overdue(now(), deadline)) from None
+            raise VerdictTimeout(core.pipe.overdue(now(), deadline)) from None
 
 
 async def run_single(
@@ -332,7 +334,7 @@ async def run_single(
     LinkClosed (VerdictTimeout for a stalled verifier) / VerifierError / DesyncError /
     ProtocolError when the session fails."""
     signal = Signal()
-    io = LinkIO(transport, core.ctx, core.gen.stats, max_queued=core.cfg.send_queue_bound)
+    io = Outbox(transport, core.ctx, core.gen.stats, max_queued=core.cfg.send_queue_bound)
 
     def carry_out(events: list[EdgeEvent]) -> None:
         for event in events:

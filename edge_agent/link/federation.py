@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edge_agent.link.connection import LinkRefused, TokenRefused
-from edge_agent.link.driver import Consumer, LinkIO, Signal, draft_loop, handshake
+from edge_agent.link.driver import Consumer, Outbox, Signal, draft_loop, handshake
 from edge_agent.model.drafter import DraftModel
 from edge_agent.model.tasks import ModelWorker, cancel_all, run_until_first_done
 from edge_agent.session.branches import Rival
@@ -99,7 +99,7 @@ class _Federation:
         self.worker = worker
         self.retry = retry
         self.signal = Signal()
-        self.io: dict[int, LinkIO] = {}
+        self.io: dict[int, Outbox] = {}
         self._jitter = random.Random(seed)
         #: The last reason each worker was unavailable (named when the generation gives up).
         self.causes: dict[int, str] = {}
@@ -169,7 +169,7 @@ class _Federation:
                 await transport.close()
                 raise
             news = core.link_up(index, welcome, time.monotonic())
-            io = LinkIO(
+            io = Outbox(
                 transport, core.ctx(index), core.gen.stats, max_queued=core.cfg.send_queue_bound
             )
             self.io[index] = io
@@ -210,7 +210,7 @@ class _Federation:
         log.info("worker %s unavailable (%s); retry in %.1fs", spec.name, err, delay)
         await asyncio.sleep(delay)
 
-    async def _read(self, index: int, io: LinkIO) -> None:
+    async def _read(self, index: int, io: Outbox) -> None:
         while True:
             data = await io.transport.recv()
             self._emit(self.core.receive(index, data, time.monotonic()))
@@ -339,7 +339,7 @@ async def generate_federated(
     prompt: list[int],
     cfg: PipelineConfig,
     *,
-    max_new_tokens: int,
+    max_tokens: int,
     eos_ids: list[int] | tuple[int, ...] = (),
     seed: int | None = None,
     on_event: Consumer | None = None,
@@ -350,7 +350,7 @@ async def generate_federated(
     """One federated generation; raises LinkClosed when no worker is reachable for too long.
     ``deadline_s`` and ``liveness_s``: see :func:`run_federated` (``liveness_s`` is the
     retry policy's ``verdict_timeout_s``)."""
-    gen = Generation(prompt, max_new_tokens, eos_ids)
+    gen = Generation(prompt, max_tokens, eos_ids)
     fed = await run_federated(
         gen,
         cfg,

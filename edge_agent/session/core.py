@@ -8,7 +8,7 @@ Two pieces, composed by the single-verifier :class:`SingleCore` here and by the 
   the text to draft from, when drafting may go on, and the one commit path of a round (accepted
   tokens, then a recovered or a bonus token); its prepared outcomes and hedges are a
   :class:`~edge_agent.session.branches.BranchBook`'s.
-* :class:`~edge_agent.session.verifier_link.VerifierLink` holds one verifier session's wire
+* :class:`~edge_agent.session.wire_state.WireState` holds one verifier session's wire
   state: its epoch, the next batch number and where the verifier's cache ends.
 
 The session's opening (its Hello, the Welcome, the errors it ends with) is
@@ -23,7 +23,7 @@ its co-generation may run up to its ``max_cogen_ahead`` past it; at most one is 
 next once :data:`CREDIT_EVERY` tokens more have come.
 
 Invariant (the pipeline's): only a rejection or a differing co-generated token voids drafting
-in progress; a driver checks :meth:`~edge_agent.session.drafting.DraftingCore.current` after
+in progress; a driver checks :meth:`~edge_agent.session.pipeline.Pipeline.current` after
 every draft step.
 
 :class:`SingleCore` state table (frames from the verifier):
@@ -74,7 +74,7 @@ from edge_agent.session.opening import (
 from edge_agent.session.pipeline import Batch, DraftPlan, Pipeline
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import VerifierBusy
-from edge_agent.session.verifier_link import VerifierLink
+from edge_agent.session.wire_state import WireState
 from shared.enums import TextEnum
 from shared.maths.rejection import CorrectionMode, Decision, recover, try_candidates
 from shared.maths.sampling import Probs
@@ -154,10 +154,10 @@ class SingleCore(DraftingCore):
             deterministic_draft=cfg.deterministic_draft,
             max_gamma=welcome.max_gamma,
         )
-        self.link = VerifierLink(wire_context(hello, welcome), self.pipe)
-        self.link.verifier_len = resumed_length(gen, welcome)
-        if self.link.verifier_len:  # reported by :meth:`opened`
-            self.pipe.count(Counter.RESUMED_TOKENS, self.link.verifier_len)
+        self.wire = WireState(wire_context(hello, welcome), self.pipe)
+        self.wire.verifier_len = resumed_length(gen, welcome)
+        if self.wire.verifier_len:  # reported by :meth:`opened`
+            self.pipe.count(Counter.RESUMED_TOKENS, self.wire.verifier_len)
         # The kind negotiated in the Hello; a greedy target always sends the token itself.
         self._correction_field = (
             "token" if hello.sampling.greedy else _CORRECTION_FIELD[hello.correction]
@@ -179,7 +179,7 @@ class SingleCore(DraftingCore):
     @property
     def ctx(self) -> WireContext:
         """The session's WireContext: the driver encodes the core's Sends with it."""
-        return self.link.ctx
+        return self.wire.ctx
 
     @property
     def resume_token(self) -> str | None:
@@ -202,7 +202,7 @@ class SingleCore(DraftingCore):
     def prompt_unsent(self) -> bool:
         """Committed tokens the verifier lacks (a new session's prompt): a drafting edge with
         co-generation sends them at once in a credit (:meth:`credit`), asking for their token."""
-        return self.link.verifier_len < len(self.gen.committed)
+        return self.wire.verifier_len < len(self.gen.committed)
 
     def propose(
         self,
@@ -225,7 +225,7 @@ class SingleCore(DraftingCore):
             if not draft:
                 return []
         b = self.pipe.push(plan, draft, q_rows, now, rivals)
-        msg = self.link.propose(self.gen.committed, b, self.LINK, self.ctx.draft_probs)
+        msg = self.wire.propose(self.gen.committed, b, self.LINK, self.ctx.draft_probs)
         up = self.cfg.branch_uplink
         self._branch_credit = min(4.0 * up, self._branch_credit + up)
         return [*self.pipe.news(), Send(msg)]
@@ -251,8 +251,8 @@ class SingleCore(DraftingCore):
         committed = self.gen.committed
         self._credited = len(committed)
         b = self.pipe.push_credit(now)
-        fixed = self.link.verifier_len < len(committed)
-        return [Send(self.link.propose(committed, b, self.LINK, False, want_bonus=fixed and bonus))]
+        fixed = self.wire.verifier_len < len(committed)
+        return [Send(self.wire.propose(committed, b, self.LINK, False, want_bonus=fixed and bonus))]
 
     def hedge(self, hp: HedgePlan, draft: list[int]) -> list[EdgeEvent]:
         """Send the Hedge frame of ``hp`` with its drafted continuation; nothing if it is void."""
@@ -344,7 +344,7 @@ class SingleCore(DraftingCore):
             self.gen.stats.admission_wait_s += max(0.0, now - self._queued_at)
         if welcome.resumed is not None:
             raise DesyncError("a new session's Welcome says it resumed one")
-        ctx = self.link.ctx
+        ctx = self.wire.ctx
         if welcome.max_gamma < ctx.max_gamma or welcome.max_fixed < ctx.max_fixed:
             raise DesyncError("the session's Welcome grants less than its connection's Ready")
         self.pipe.fit_context(welcome.max_context)  # (the Ready's was applied already)
@@ -353,7 +353,7 @@ class SingleCore(DraftingCore):
 
     def _receive(self, data: bytes, now: float) -> list[EdgeEvent]:
         self.pipe.count(Counter.DOWNLINK_BYTES, len(data))
-        msg = self.link.decode(data)
+        msg = self.wire.decode(data)
         if isinstance(msg, Progress):
             self.pipe.on_progress(msg, now)
             return []
@@ -380,7 +380,7 @@ class SingleCore(DraftingCore):
             return []
         c = len(gen.committed)
         # The verifier enters an epoch for each doomed batch only when it reaches it.
-        epoch = self.link.epoch - sum(1 for b in pipe.inflight if b.doomed_at >= 0)
+        epoch = self.wire.epoch - sum(1 for b in pipe.inflight if b.doomed_at >= 0)
         if (g.epoch, g.pos) != (epoch, c):
             raise DesyncError(f"Generated for epoch {g.epoch}, pos {g.pos}; expected {epoch}, {c}")
         pipe.count(Counter.COGEN_TOKENS)
@@ -401,7 +401,7 @@ class SingleCore(DraftingCore):
         if b is None:
             # Past every draft in flight: the batch being drafted (if any) goes on while it
             # agrees with the new token (Pipeline.current); the verifier knows the text to here.
-            self.link.verifier_len = max(self.link.verifier_len, c + 1)
+            self.wire.verifier_len = max(self.wire.verifier_len, c + 1)
             return []
         if b.draft[c - b.start] == token:
             return []
@@ -411,7 +411,7 @@ class SingleCore(DraftingCore):
         # The verifier enters the next epoch when it rejects ``b``, before it reads anything
         # sent from now on; it knows the text up to the new token.
         pipe.discard_inflight(keep=b)
-        self.link.verifier_len = c + 1
+        self.wire.verifier_len = c + 1
         return []
 
     def _verdict(self, v: Verdict, size: int, now: float) -> list[EdgeEvent]:
@@ -482,13 +482,13 @@ class SingleCore(DraftingCore):
             pipe.on_rejection(now)
             # The verifier cropped its cache to the accepted prefix and entered the next epoch.
             pipe.discard_inflight()
-            self.link.verifier_len = len(self.gen.committed)
+            self.wire.verifier_len = len(self.gen.committed)
             if token is None:
                 return self._ask_resample(q)
             pipe.commit_recovered(token)
         elif v.bonus is not None:
             end = b.start + gamma
-            self.link.verifier_len = end
+            self.wire.verifier_len = end
             pipe.commit_bonus(v.bonus, end)
         return []
 
@@ -505,24 +505,24 @@ class SingleCore(DraftingCore):
         if len(self.gen.committed) != b.start + accepted:
             raise DesyncError("a cut behind a co-generated token")
         pipe.discard_inflight()
-        self.link.verifier_len = b.start + accepted
+        self.wire.verifier_len = b.start + accepted
         pipe.commit_bonus(bonus, b.start + accepted)
         return []
 
     def _ask_resample(self, q: Probs) -> list[EdgeEvent]:
         """Every candidate failed: ask for more (drafting waits for the recovered token)."""
-        pos = self.link.verifier_len
+        pos = self.wire.verifier_len
         self._resample = (pos, q)
         self.pipe.recovering = True
         self.pipe.count(Counter.RESAMPLES)
-        return [Send(Resample(self.link.epoch, pos))]
+        return [Send(Resample(self.wire.epoch, pos))]
 
     def _candidates(self, c: Candidates) -> list[EdgeEvent]:
         assert self._resample is not None
         pos, q = self._resample
-        if (c.epoch, c.pos) != (self.link.epoch, pos):
+        if (c.epoch, c.pos) != (self.wire.epoch, pos):
             raise DesyncError(
-                f"Candidates for epoch {c.epoch}, pos {c.pos}; expected {self.link.epoch}, {pos}"
+                f"Candidates for epoch {c.epoch}, pos {c.pos}; expected {self.wire.epoch}, {pos}"
             )
         token = try_candidates(c.candidates, q, self.pipe.rng)
         if token is None:

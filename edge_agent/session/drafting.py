@@ -1,30 +1,29 @@
-"""What a core's driver may ask of its drafting (:class:`DraftingCore`): the
-:class:`~edge_agent.session.pipeline.Pipeline`'s drafting rules, its prepared outcomes and
-hedges, behind the single-verifier core and the federated one, which both derive from it. No
-I/O, no clock, no model.
+"""The drafting every edge core shares (:class:`DraftingCore`, the base of the single-verifier
+core and the federated one): starting a batch from a prepared branch, planning, growing and
+keeping the branches. No I/O, no clock, no model.
 
-Invariant: a driver talks to a core only through these methods and the core's events; it never
-holds the pipeline.
+Invariant: a driver changes a core's state only through the core's methods (these, and each
+core's own) and carries out the events they return; it reads the drafting facts (the plan, the
+verdict deadline, hedge and branch plans) from their owners, the core's
+:class:`~edge_agent.session.pipeline.Pipeline` (``core.pipe``) and its
+:class:`~edge_agent.session.branches.BranchBook` (``core.pipe.book``), with no layer between.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
-from edge_agent.session.branches import Branch, Growing, HedgePlan, PendingBatch, PredraftPlan
-from edge_agent.session.events import Count, EdgeEvent
+from edge_agent.session.branches import Branch, Growing, PendingBatch
+from edge_agent.session.events import EdgeEvent
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline import DraftPlan, Pipeline
 from edge_agent.session.pipeline_config import PipelineConfig
 
 
 class DraftingCore:
-    """What a core's driver may ask of its drafting
-    (:class:`~edge_agent.session.core.SingleCore`, the federated core): the :class:`Pipeline`'s
-    rules, behind the core, so that a driver talks to a core only through its methods and events
-    (it never holds the pipeline)."""
+    """The drafting both cores share (:class:`~edge_agent.session.core.SingleCore`, the
+    federated core): what changes the pipeline's branches goes through here (module
+    docstring)."""
 
     cfg: PipelineConfig
     pipe: Pipeline
@@ -39,16 +38,9 @@ class DraftingCore:
         return self.pipe.rng
 
     def may_draft(self) -> bool:
+        """Whether a batch may be drafted now (each core adds its own state to the
+        pipeline's rule)."""
         return self.pipe.may_draft()
-
-    def plan(self) -> DraftPlan | None:
-        return self.pipe.plan()
-
-    def current(self, plan: DraftPlan, draft: Sequence[int] = ()) -> bool:
-        return self.pipe.current(plan, draft)
-
-    def wants_more(self, plan: DraftPlan, draft: Sequence[int], prob: float = 1.0) -> bool:
-        return self.pipe.wants_more(plan, draft, prob)
 
     def on_draft_step(self, seconds: float) -> None:
         self.pipe.on_draft_step(seconds)
@@ -58,18 +50,12 @@ class DraftingCore:
         (:meth:`~edge_agent.session.branches.BranchBook.take_branch`; what taking it counts goes
         into the generation's stats), else nothing drafted yet. Only while :meth:`may_draft` is
         true (there is a plan)."""
-        plan = self.plan()
+        plan = self.pipe.plan()
         assert plan is not None
         ready, counts = self.pipe.book.take_branch(plan)
         for count in counts:
             self.gen.stats.apply(count)
         return plan, ready or Branch(list(plan.context), [], [], [])
-
-    def hedge_plan(self) -> HedgePlan | None:
-        return self.pipe.book.hedge_plan()
-
-    def hedge_current(self, hp: HedgePlan) -> bool:
-        return self.pipe.book.hedge_current(hp)
 
     def branch_room(self) -> int:
         """Outcomes that may still be prepared (PipelineConfig.predraft) besides those prepared
@@ -97,9 +83,6 @@ class DraftingCore:
             self.plan_branches(room - len(open_), pending)
         return [g for g in self.pipe.book.growing if self.branch_open(g)][:room]
 
-    def predraft_current(self, pp: PredraftPlan, draft: Sequence[int] = ()) -> bool:
-        return self.pipe.book.predraft_current(pp, draft)
-
     def branch_open(self, g: Growing) -> bool:
         """May ``g`` grow by another token: short of its length, not ended by an
         end-of-sequence id, and its context still open (:meth:`predraft_current`)."""
@@ -125,14 +108,3 @@ class DraftingCore:
         for g in [g for g in self.pipe.book.growing if g.draft and not self.branch_open(g)]:
             for count in self.pipe.book.add_branch(g):
                 self.gen.stats.apply(count)
-
-    def add_branch(self, g: Growing) -> list[Count]:
-        """Keep what was drafted for ``g.pp``
-        (:meth:`~edge_agent.session.branches.BranchBook.add_branch`)."""
-        return self.pipe.book.add_branch(g)
-
-    def verdict_deadline(self, floor_s: float) -> float | None:
-        return self.pipe.verdict_deadline(floor_s)
-
-    def overdue(self, now: float, deadline: float) -> str:
-        return self.pipe.overdue(now, deadline)

@@ -51,11 +51,27 @@ class Fail:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one generated token (log softmax of its logits, before
+    any sampling transform) and its likeliest alternatives. ``logprob`` is None for a token no
+    verifier scored: the draft's own while no verifier answered (link-down fallback), or one
+    whose Logprobs frame was lost with a connection."""
+
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Committed:
     """Generated ids newly committed, in order (the driver hands them to its consumer: the
-    service decodes them into text). Every committed id is in exactly one such event."""
+    runtime decodes them into text). Every committed id is in exactly one such event.
+    ``logprobs``: one entry per id when the generation is scored (its Hello asked for
+    log-probabilities: a verifier sends a position's Logprobs frame before the Verdict that
+    commits it), else empty."""
 
     ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

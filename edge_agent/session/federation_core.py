@@ -1,7 +1,7 @@
 """Federated verification (SpecFed) at the edge as a synchronous state machine: no I/O, no clock.
 
 It composes the :class:`~edge_agent.session.pipeline.Pipeline` with one
-:class:`~edge_agent.session.verifier_link.VerifierLink` per member (worker). Each batch goes to
+:class:`~edge_agent.session.wire_state.WireState` per member (worker). Each batch goes to
 the members that are *in step*; each answers with a
 :class:`~shared.wire.messages.FederatedReply` and, while its work waits or runs,
 :class:`~shared.wire.messages.Progress` frames. The edge decides
@@ -105,7 +105,7 @@ from edge_agent.session.generation import Generation
 from edge_agent.session.opening import DesyncError, VerifierError
 from edge_agent.session.pipeline import Batch, DraftPlan, Pipeline
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
-from edge_agent.session.verifier_link import VerifierLink
+from edge_agent.session.wire_state import WireState
 from shared.maths.rejection import CorrectionMode
 from shared.maths.sampling import Probs, SamplingParams
 from shared.wire.messages import (
@@ -209,7 +209,7 @@ class FederatedCore(DraftingCore):
             max_frame=welcome.max_frame,
             draft_probs=False,
         )
-        w.link = VerifierLink(ctx)
+        w.wire = WireState(ctx)
         w.outstanding.clear()
         w.rounds.clear()
         w.replied_at = w.progress_at = None
@@ -225,7 +225,7 @@ class FederatedCore(DraftingCore):
     def ctx(self, index: int) -> WireContext:
         """Worker ``index``'s WireContext while its link is up: the driver encodes the core's
         Sends to it with this one."""
-        link = self.workers[index].link
+        link = self.workers[index].wire
         if link is None:
             raise ValueError(f"worker {index}'s link is down")
         return link.ctx
@@ -238,7 +238,7 @@ class FederatedCore(DraftingCore):
             return []
         log.warning("worker %s dropped: %s", w.params.name, why)
         self._fed_count(FedCounter.WORKER_DROPS)
-        w.state, w.link = WorkerState.DOWN, None
+        w.state, w.wire = WorkerState.DOWN, None
         w.outstanding.clear()
         for b in self.pipe.inflight:  # its next session owes these nothing
             b.seqs.pop(index, None)
@@ -299,9 +299,9 @@ class FederatedCore(DraftingCore):
             probe = w.state == WorkerState.BEHIND and not w.outstanding and now >= w.probe_at
             if not (w.state == WorkerState.LIVE or probe):
                 continue
-            assert w.link is not None and w.link.verifier_len <= len(text)
-            fixed = len(text) - w.link.verifier_len
-            msg = w.link.propose(text, b, w.index, with_q=False)
+            assert w.wire is not None and w.wire.verifier_len <= len(text)
+            fixed = len(text) - w.wire.verifier_len
+            msg = w.wire.propose(text, b, w.index, with_q=False)
             w.outstanding[b.seqs[w.index]] = Sent(now, fixed)
             if probe:
                 out.append(FedCount(FedCounter.PROBES))
@@ -317,11 +317,11 @@ class FederatedCore(DraftingCore):
 
     def _receive(self, index: int, data: bytes, now: float) -> list[EdgeEvent]:
         w = self.workers[index]
-        if not w.connected or w.link is None:
+        if not w.connected or w.wire is None:
             return []  # a frame that raced the drop
         self.pipe.count(Counter.DOWNLINK_BYTES, len(data))
         try:
-            msg = w.link.decode(data)
+            msg = w.wire.decode(data)
         except (ProtocolError, VerifierError) as e:
             return self._drop(w, str(e), now)
         if isinstance(msg, Progress):
@@ -337,7 +337,7 @@ class FederatedCore(DraftingCore):
         w.replied_at = now
         w.answered += 1
         for b in self.pipe.inflight:
-            if b.seqs.get(index) == msg.seq and w.link.epoch == msg.epoch:
+            if b.seqs.get(index) == msg.seq and w.wire.epoch == msg.epoch:
                 if len(msg.p_draft) != len(b.draft):
                     return self._drop(w, "replied for a different γ", now)
                 b.replies[index] = msg
@@ -483,11 +483,11 @@ class FederatedCore(DraftingCore):
         new epoch (one that holds none has nothing to undo: no frame)."""
         out: list[EdgeEvent] = []
         for w in self.workers:
-            if w.link is None or w.link.verifier_len <= keep:
+            if w.wire is None or w.wire.verifier_len <= keep:
                 continue
-            w.link.epoch += 1
-            w.link.verifier_len = keep
-            out.append(Send(Rollback(w.link.epoch, keep), w.index))
+            w.wire.epoch += 1
+            w.wire.verifier_len = keep
+            out.append(Send(Rollback(w.wire.epoch, keep), w.index))
         return out
 
     def _decide(self, b: Batch, now: float) -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 
 from edge_agent.session.events import FedCount, FedTally
 from edge_agent.session.pipeline import PREFILL_ALLOWANCE_S
-from edge_agent.session.verifier_link import VerifierLink
+from edge_agent.session.wire_state import WireState
 from shared.enums import TextEnum
 
 #: A member is dead past this multiple of its slowest recent round (or of its verifier's own
@@ -107,7 +107,7 @@ class Worker:
     params: WorkerParams
     index: int
     state: WorkerState = WorkerState.DOWN
-    link: VerifierLink | None = None
+    wire: WireState | None = None
     joins: int = 0  # times it became LIVE (more than one: it rejoined)
     #: Its Proposes not answered yet, by batch number, oldest first (see the invariants).
     outstanding: dict[int, Sent] = field(default_factory=dict)

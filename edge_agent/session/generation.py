@@ -6,6 +6,7 @@ lost connection or a restarted verifier loses nothing; a session only ever appen
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from edge_agent.session.events import (
     GenerationEvent,
     RejectionGap,
     Tally,
+    TokenLogprob,
 )
 from shared.enums import TextEnum
 from shared.wire.messages import Hedge, Logprobs, Message
@@ -32,18 +34,6 @@ class TokenSource(TextEnum):
     COGENERATED = "cogenerated"  # decoded by the verifier while no edge draft was queued
     CLOUD_DRAFT = "cloud_draft"  # the verifier's own draft token, accepted (co-generation)
     LOCAL_DRAFT = "local_draft"  # the draft's own, no verifier (link-down fallback = draft)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The target's log-probability of one generated token (log softmax of its logits, before
-    any sampling transform) and its likeliest alternatives. ``logprob`` is None for a token no
-    verifier scored: the draft's own while no verifier answered (link-down fallback), or one
-    whose Logprobs frame was lost with a connection."""
-
-    token: int
-    logprob: float | None
-    top: tuple[tuple[int, float], ...] = ()
 
 
 class LogprobBook:
@@ -177,6 +167,24 @@ class Stats:
             self.accepted_per_position[i] += 1
 
 
+@dataclass(frozen=True)
+class Summary:
+    """One generation's outcome, as :meth:`Generation.summary` snapshots it (the runtime
+    reports it: the statistics, the metrics): the generated ids, why it finished (None: it did
+    not), its counters, the spans no verifier checked and the federation's measurements."""
+
+    prompt_tokens: int
+    generated: tuple[int, ...]
+    finish_reason: str | None
+    stats: Stats
+    unverified: tuple[tuple[int, int], ...] = ()
+    federation: Any = None
+
+    @property
+    def unverified_tokens(self) -> int:
+        return sum(b - a for a, b in self.unverified)
+
+
 class Generation:
     """One request's committed ids (prompt + generated), the source of truth.
 
@@ -184,16 +192,24 @@ class Generation:
     return them, their drivers hand them on)."""
 
     def __init__(
-        self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = ()
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        eos_ids: Sequence[int] = (),
+        *,
+        scored: bool = False,
     ) -> None:
+        """``scored``: every :class:`Committed` carries its ids' log-probabilities (a session
+        that asks the verifier for them: ``PipelineConfig.logprobs``)."""
         if not prompt:
             raise ValueError("the prompt must contain at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.committed: list[int] = [int(t) for t in prompt]
         self.prompt_len = len(self.committed)
-        self.max_new_tokens = max_new_tokens
+        self.max_tokens = max_tokens
         self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.scored = scored
         self.done = False
         self.finish_reason: str | None = None
         self.stats = Stats()
@@ -203,16 +219,22 @@ class Generation:
         self.federation: Any = None
         #: The target's log-probabilities (sessions that ask for them: Hello.logprobs). Up to
         #: γ + 1 positions past the end may be scored (a batch the token limit cut short).
-        self.logprobs = LogprobBook(self.prompt_len, self.prompt_len + max_new_tokens + 129)
+        self.logprobs = LogprobBook(self.prompt_len, self.prompt_len + max_tokens + 129)
 
     @property
     def generated(self) -> list[int]:
         return self.committed[self.prompt_len :]
 
     @property
+    def end(self) -> int:
+        """The position the generation stops at, at the latest (prompt + ``max_tokens``): a
+        session's Hello names it (``cogen_end``) as the bound of co-generation."""
+        return self.prompt_len + self.max_tokens
+
+    @property
     def room(self) -> int:
         """How many more tokens may be generated."""
-        return self.max_new_tokens - (len(self.committed) - self.prompt_len)
+        return self.max_tokens - (len(self.committed) - self.prompt_len)
 
     @property
     def unverified_tokens(self) -> int:
@@ -244,7 +266,8 @@ class Generation:
                 self.unverified[-1] = (self.unverified[-1][0], end)
             else:
                 self.unverified.append((start, end))
-        out: list[GenerationEvent] = [Committed(tuple(new))] if new else []
+        scores = tuple(self.token_logprobs(start, start + len(new))) if self.scored else ()
+        out: list[GenerationEvent] = [Committed(tuple(new), scores)] if new else []
         if self.done and self.finish_reason is not None and new:
             out.append(Finished(self.finish_reason))
         return out
@@ -255,6 +278,18 @@ class Generation:
             self.logprobs.entry(self.prompt_len + j, self.committed[self.prompt_len + j])
             for j in range(start, end)
         ]
+
+    def summary(self) -> Summary:
+        """What the generation did, as a value: a snapshot its caller may keep (the driver goes
+        on mutating the generation itself)."""
+        return Summary(
+            prompt_tokens=self.prompt_len,
+            generated=tuple(self.generated),
+            finish_reason=self.finish_reason,
+            stats=copy.deepcopy(self.stats),
+            unverified=tuple(self.unverified),
+            federation=copy.deepcopy(self.federation),
+        )
 
     def finish(self, reason: str) -> Finished:
         """End the generation for ``reason``; returns the event that tells the consumer."""

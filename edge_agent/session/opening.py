@@ -63,7 +63,7 @@ class ContextExceeded(WanspecError, ValueError):
 
 def fit_context(gen: Generation, max_context: int) -> list[GenerationEvent]:
     """Bound ``gen`` by a verifier's context (its Welcome's or its connection's Ready's
-    ``max_context``): after this, prompt + ``max_new_tokens`` ≤ ``max_context``, so no
+    ``max_context``): after this, prompt + ``max_tokens`` ≤ ``max_context``, so no
     Propose, hedge or co-generated token ever passes the verifier's limit, and a generation
     that reaches it ends with ``finish_reason`` "length" and its text (never a refusal that
     would be retried). A text already at the limit (a fail-over to a smaller verifier) ends
@@ -71,7 +71,7 @@ def fit_context(gen: Generation, max_context: int) -> list[GenerationEvent]:
     :class:`ContextExceeded` when the prompt alone leaves no room."""
     if gen.prompt_len >= max_context:
         raise ContextExceeded(gen.prompt_len, max_context)
-    gen.max_new_tokens = min(gen.max_new_tokens, max_context - gen.prompt_len)
+    gen.max_tokens = min(gen.max_tokens, max_context - gen.prompt_len)
     if gen.room <= 0 and not gen.done:
         return [gen.finish("length")]
     return []
@@ -87,7 +87,7 @@ def hello_for(
     resume: Resume | None = None,
 ) -> Hello:
     """The Hello of a single-verifier session (the verifier decides: PicoSpec). ``end``: the
-    position where the generation stops at the latest (prompt + room), the bound of
+    position where the generation stops at the latest (:attr:`Generation.end`), the bound of
     co-generation (``cfg.cogen``); ``resume``: the lost session to pick up, if any. It always
     asks for Progress frames (the verdict deadline follows them)."""
     return Hello(

@@ -23,9 +23,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared.runtime.model_cache import cache_dir, file_sha256
 
-__all__ = ["converted_gguf_folder"]
+__all__ = ["conversion_folder", "converted_gguf_folder"]
 
 _COMPLETE_MARKER = "wanspec-converted.json"
+
+
+def conversion_folder(gguf: Path) -> tuple[Path, bool]:
+    """Where :func:`converted_gguf_folder` keeps the conversion of ``gguf``, and whether it is
+    there already (False: the next load converts the file first, once)."""
+    final = cache_dir() / "converted" / file_sha256(gguf)[:16]
+    return final, (final / _COMPLETE_MARKER).is_file()
 
 
 def converted_gguf_folder(gguf: Path) -> Path:

@@ -3,7 +3,7 @@
 Each end renders its page from its own declarations (:func:`settings_page` over the fields made
 by :func:`shared.service.config.setting`): name, type, bounds, default and help text come from
 there alone, so the page cannot drift from the program. ``python -m cloud_verifier.daemon.settings
-FILE`` and ``python -m edge_agent.daemon.config FILE`` rewrite the committed pages; a test holds
+FILE`` and ``python -m edge_agent.runtime.settings FILE`` rewrite the committed pages; a test holds
 them equal to what these functions generate.
 """
 

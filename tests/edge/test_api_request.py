@@ -34,7 +34,7 @@ from edge_agent.daemon.api_request import (
     parse_stops,
     parse_streaming,
 )
-from edge_agent.daemon.config import EdgeSettings
+from edge_agent.runtime.settings import EdgeSettings
 from edge_agent.session.pipeline_config import Mode, RequestOptions
 from shared.maths.rejection import CorrectionMode
 

@@ -16,10 +16,10 @@ import pytest
 
 from edge_agent.daemon.api_errors import ApiError
 from edge_agent.daemon.api_request import parse_request
-from edge_agent.daemon.chat import ChatError, ChatOptions, Event, Repl, stats_line
-from edge_agent.daemon.config import EdgeSettings
+from edge_agent.daemon.chat import ChatError, ChatOptions, Event, Repl
 from edge_agent.daemon.progress import Progress
-from edge_agent.daemon.service import Finished
+from edge_agent.runtime.events import Finished
+from edge_agent.runtime.settings import EdgeSettings
 from shared.maths.rejection import CorrectionMode
 from shared.runtime.models import LoadedModel, load_model
 from tests.edge_helpers import Servers, edge_settings
@@ -27,8 +27,9 @@ from tests.waits import POLL_S, poll
 
 TOKEN_RE = r"\bt\d+"
 STATS_RE = (
-    r"tok/s · acceptance [^\r\n]* accepted/round · [^\r\n]* B/token · first token [^\r\n]*"
-    r" · RTT [^\r\n]*"
+    r"\d+ tokens? in [\d.]+ s \([\d.]+ tok/s\) · first token [\d.]+ ms · (\d+% of the edge's "
+    r"drafts kept|no edge draft checked) · \d+ of \d+ tokens? written by the cloud"
+    r"( · round trip [\d.]+ ms)?"
 )
 
 
@@ -177,7 +178,7 @@ def test_repl_uses_a_running_daemon(
     )
 
 
-def test_options_and_stats_line() -> None:
+def test_options_change_and_refuse_by_name() -> None:
     opts = ChatOptions.from_settings(EdgeSettings())
     assert opts.with_setting("top_p", "0.5").top_p == 0.5
     assert opts.with_setting("seed", "none").seed is None
@@ -222,23 +223,6 @@ def test_the_repl_and_the_api_agree_on_bounds(key: str, value: float, ok: bool) 
     except ApiError:
         api_ok = False
     assert (repl_ok, api_ok) == (ok, ok)
-    st: dict[str, Any] = {
-        "tokens_per_s": 12.345,
-        "acceptance_rate": 0.75,
-        "mean_accepted_per_round": 3.1,
-        "bytes_per_token": 4.25,
-        "rtt_ms": 12.0,
-        "ttft_ms": 131.4,
-    }
-    line = stats_line(st)
-    assert line == (
-        "12.3 tok/s · acceptance 75% · 3.10 accepted/round · 4.2 B/token · first token 131 ms"
-        " · RTT 12.0 ms"
-    )
-    st["token_sources"] = {"edge_draft": 9, "correction": 1, "bonus": 0, "cogenerated": 0}
-    assert stats_line(st).endswith(
-        " · RTT 12.0 ms · tokens from: edge drafts 9 (90%), corrections 1 (10%)"
-    )
 
 
 def test_multi_line_reading() -> None:
@@ -299,6 +283,76 @@ def test_a_reply_cut_by_its_length_limit_is_marked(
         assert "cut at" not in out.getvalue()
     else:
         assert lines[1] == marker
+
+
+#: An answer's statistics, as the daemon's "wanspec" object gives them.
+STATS: dict[str, Any] = {
+    "tokens": 10, "wall_s": 0.8125, "tokens_per_s": 12.345, "ttft_ms": 131.4, "rtt_ms": 12.0,
+    "acceptance_rate": 0.75, "mean_accepted_per_round": 3.1, "rounds": 3, "rejections": 1,
+    "discarded_batches": 0, "draft_tokens": 12, "accepted_tokens": 9, "uplink_bytes": 60,
+    "uplink_bytes_per_round": 20.0, "downlink_bytes": 42, "downlink_bytes_per_rejection": 0.0,
+    "bytes_per_token": 10.2, "mode": "pipelined", "gamma": 4, "depth": 2, "gamma_mean": 4.0,
+    "depth_mean": 2.0, "verified": True,
+    "token_sources": {"edge_draft": 9, "correction": 1, "bonus": 0, "cogenerated": 0},
+}  # fmt: skip
+PLAIN = (
+    "10 tokens in 0.81 s (12.3 tok/s) · first token 131 ms · 75% of the edge's drafts kept"
+    " · 1 of 10 tokens written by the cloud · round trip 12 ms"
+)
+DETAIL = (
+    "pipelined γ=4 D=2 (mean 4/2) · acceptance 75%, 3.10 accepted/round over 3 rounds"
+    " · 1 rejection, 0 discarded batches · up 60 B (20 B/round), down 42 B (no correction"
+    " frame: co-generated tokens made the rejection known) · 10.2 B/token · tokens from:"
+    " edge drafts 9 (90%), corrections 1 (10%)"
+)
+
+
+class StatsBackend(FakeBackend):
+    async def chat(self, messages: list[dict[str, str]], opts: ChatOptions) -> AsyncIterator[Event]:
+        yield "an answer"
+        yield Finished("an answer", "stop", 3, 10, dict(STATS))
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_under_an_answer_plain_words_and_with_verbose_the_internals(verbose: bool) -> None:
+    out = io.StringIO()
+    opts = ChatOptions.from_settings(EdgeSettings())
+    repl = Repl(StatsBackend("stop", 10), opts, out, verbose=verbose)
+    asyncio.run(repl.answer("hi"))
+    lines = out.getvalue().splitlines()
+    assert lines == ["an answer", PLAIN, *([DETAIL] if verbose else [])]
+    # /stats shows everything: each value, both lines, and the session so far.
+    out.truncate(0)
+    out.seek(0)
+    assert repl.command("/stats")
+    shown = out.getvalue().splitlines()
+    assert "  rejections                     1" in shown
+    assert shown[-3:] == [
+        f"  {PLAIN}",
+        f"  {DETAIL}",
+        "  session: 1 answer, 10 tokens, 75% of the edge's drafts kept",
+    ]
+
+
+def test_run_chat_hands_verbose_to_the_repl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``edge-agent chat -v`` (cli.py hands it to run_chat): the REPL it runs is verbose."""
+    import edge_agent.daemon.chat as chat
+
+    async def open_backend(s: EdgeSettings, progress: Progress) -> tuple[Any, list[str]]:
+        return FakeBackend("stop", 1), []
+
+    seen: list[bool] = []
+
+    def run(self: Repl, loop: asyncio.AbstractEventLoop) -> int:
+        seen.append(self.verbose)
+        return 0
+
+    monkeypatch.setattr(chat, "open_backend", open_backend)
+    monkeypatch.setattr(Repl, "run", run)
+    for verbose in (False, True):
+        out = io.StringIO()
+        assert chat.run_chat(EdgeSettings(), out, Progress(stream=out), verbose=verbose) == 0
+    assert seen == [False, True]
 
 
 def test_a_message_that_is_not_text_is_refused_before_it_joins_the_conversation() -> None:

@@ -11,13 +11,15 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from edge_agent.daemon.cli import _UNLISTED, build_parser
-from edge_agent.daemon.config import EdgeSettings
-from edge_agent.daemon.progress import check_cuda, device_line
+from edge_agent.daemon.progress import check_cuda
+from edge_agent.runtime.loading import device_line
+from edge_agent.runtime.settings import EdgeSettings
 from shared.runtime.device import cuda_hint
 from shared.runtime.models import LoadedModel, load_model
 from shared.service.cli_args import parse_args
@@ -301,20 +303,145 @@ def test_device_line_names_the_device(tiny_draft_dir: Path) -> None:
     )
 
 
-def test_summary_with_no_rejection_says_n_a_not_none() -> None:
-    from edge_agent.daemon.cli import _summary
+#: A generation's statistics, as ``--json`` and the daemon's "wanspec" object give them.
+STATS: dict[str, Any] = {
+    "tokens": 42, "wall_s": 1.9349, "tokens_per_s": 21.707, "ttft_ms": 310.42, "rtt_ms": 101.26,
+    "acceptance_rate": 0.78, "mean_accepted_per_round": 2.75, "rounds": 12, "rejections": 1,
+    "discarded_batches": 1, "uplink_bytes": 189, "uplink_bytes_per_round": 15.75,
+    "downlink_bytes": 622, "downlink_bytes_per_rejection": 41.0, "bytes_per_token": 19.31,
+    "mode": "pipelined", "gamma": 12, "depth": 8, "gamma_mean": 8.0, "depth_mean": 6.0,
+    "verified": True, "unverified_tokens": 0, "finish_reason": "stop",
+    "token_sources": {"edge_draft": 33, "correction": 1, "bonus": 0, "cogenerated": 8,
+                      "cloud_draft": 0, "local_draft": 0},
+}  # fmt: skip
 
-    r = {
-        "acceptance_rate": 1.0, "tokens": 8, "wall_s": 1.0, "tokens_per_s": 8.0,
-        "mode": "pipelined", "gamma": 4, "depth": 4, "mean_accepted_per_round": 4.0,
-        "rounds": 2, "rejections": 0, "discarded_batches": 0, "uplink_bytes": 60,
-        "uplink_bytes_per_round": 30.0, "downlink_bytes": 20,
-        "downlink_bytes_per_rejection": None, "gamma_mean": 4.0, "depth_mean": 3.5,
-        "token_sources": {"edge_draft": 2, "correction": 0, "bonus": 0, "cogenerated": 6,
-                          "local_draft": 0},
-    }  # fmt: skip
-    line = _summary(r)
-    assert "(n/a B/rejection)" in line and "None" not in line
-    # Where the tokens came from, the largest source first; the values used, with their means.
-    assert "tokens from: co-generated 6 (75%), edge drafts 2 (25%) · " in line
-    assert "γ=4 D=4 (mean 4/3.5)" in line
+
+def test_the_stats_line_is_plain_words_and_the_internals_a_second_line() -> None:
+    from edge_agent.runtime.report import detail_line, plain_line
+
+    assert plain_line(STATS) == (
+        "42 tokens in 1.93 s (21.7 tok/s) · first token 310 ms · 78% of the edge's drafts kept"
+        " · 9 of 42 tokens written by the cloud · round trip 101 ms"
+    )
+    assert detail_line(STATS) == (
+        "pipelined γ=12 D=8 (mean 8/6) · acceptance 78%, 2.75 accepted/round over 12 rounds"
+        " · 1 rejection, 1 discarded batch · up 189 B (15.75 B/round), down 622 B"
+        " (41 B/rejection) · 19.3 B/token · tokens from: edge drafts 33 (79%),"
+        " co-generated 8 (19%), corrections 1 (2%)"
+    )
+    # Text the draft wrote alone (no verifier) says so, in capitals.
+    alone = {**STATS, "verified": False, "unverified_tokens": 1}
+    assert " · UNVERIFIED: 1 token from the edge's draft alone (no verifier) · " in plain_line(
+        alone
+    )
+
+
+def test_the_details_say_no_rejection_and_a_rejection_with_no_correction_frame() -> None:
+    """No rejection: no per-rejection figure (not "n/a", not "None"); a rejection that no
+    correction frame answered (co-generated tokens made it known): said, not "0.0 B"."""
+    from edge_agent.runtime.report import detail_line
+
+    none = {**STATS, "rejections": 0, "discarded_batches": 0, "downlink_bytes_per_rejection": None}
+    line = detail_line(none)
+    assert " · 0 rejections, 0 discarded batches · " in line
+    assert line.count("down 622 B · ") == 1 and "rejection)" not in line and "None" not in line
+    free = {**STATS, "downlink_bytes_per_rejection": 0.0}
+    line = detail_line(free)
+    assert "down 622 B (no correction frame: co-generated tokens made the rejection known)" in line
+    assert "B/rejection" not in line
+    line = detail_line({**free, "rejections": 2, "rounds": 1, "discarded_batches": 2})
+    assert "over 1 round · 2 rejections, 2 discarded batches · " in line
+    assert "(no correction frames: co-generated tokens made the rejections known)" in line
+
+
+def test_plural_counts() -> None:
+    from edge_agent.runtime.report import plural
+
+    assert [plural(n, "answer") for n in (0, 1, 2)] == ["0 answers", "1 answer", "2 answers"]
+    assert plural(1, "batch", "batches") == "1 batch" and plural(3, "batch", "batches") == (
+        "3 batches"
+    )
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_finish_prints_the_details_with_verbose(
+    verbose: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edge_agent.daemon.cli import _finish
+
+    args = build_parser().parse_args(["generate", "x", *(["-v"] if verbose else [])])
+    assert args.verbose is verbose
+    _finish(args, {**STATS, "finish_reason": "length", "tokens": 1}, max_tokens=8)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "[cut at 1 token: the context is full]"
+    assert err[1].startswith("[stats] 1 token in 1.93 s (21.7 tok/s) · first token 310 ms")
+    if verbose:
+        assert err[2].startswith("[details] pipelined γ=12 D=8 (mean 8/6) · ") and len(err) == 3
+    else:
+        assert len(err) == 2
+
+
+def test_verbose_goes_before_or_after_the_command_and_reaches_the_repl(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import edge_agent.daemon.chat as chat
+    from edge_agent.daemon.cli import _chat
+
+    parser = build_parser()
+    for argv, verbose in [
+        (["chat"], False),
+        (["-v", "chat"], True),
+        (["chat", "--verbose"], True),
+        (["demo", "-v"], True),
+    ]:
+        assert parser.parse_args(argv).verbose is verbose, argv
+    seen: list[bool] = []
+
+    def run_chat(settings: EdgeSettings, *, progress: Any, verbose: bool = False) -> int:
+        progress.stop(True)
+        seen.append(verbose)
+        return 0
+
+    monkeypatch.setattr(chat, "run_chat", run_chat)
+    for argv in (["chat"], ["chat", "-v"]):
+        assert _chat(parser.parse_args(argv), EdgeSettings()) == 0
+    assert seen == [False, True]
+
+
+def test_the_first_load_of_a_gguf_says_it_converts_it_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The first start with a GGUF (the default model is one) converts it, which takes a while:
+    the progress line says so, and where later starts find it; once converted, the usual line.
+    (A fake GGUF: the conversion fails, after the line.)"""
+    from edge_agent.runtime.loading import converting_line, load_draft_model
+    from shared.runtime.gguf import conversion_folder
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF, not really")
+    folder, cached = conversion_folder(gguf)
+    assert not cached and folder.parent == tmp_path / "cache" / "converted"
+    converting = (
+        f"converting {gguf} (m.gguf) to a Hugging Face folder, once: later starts load it from "
+        f"the cache (~/cache/converted/{folder.name})"
+    )
+    # A GGUF draft, and a self-draft sharing a GGUF's weights.
+    for settings in [
+        EdgeSettings(draft=str(gguf), device="cpu"),
+        EdgeSettings(draft="self:skip=1", draft_base=str(gguf), device="cpu"),
+    ]:
+        lines: list[str] = []
+        with pytest.raises(Exception):  # noqa: B017 - whatever the GGUF reader raises
+            load_draft_model(settings, lines.append)
+        assert lines == [converting]
+    # Converted (the folder complete, as converted_gguf_folder leaves it): the usual line.
+    folder.mkdir(parents=True)
+    (folder / "wanspec-converted.json").write_text("{}")
+    assert conversion_folder(gguf) == (folder, True) and converting_line(str(gguf)) is None
+    lines = []
+    with pytest.raises(Exception):  # noqa: B017 - the folder holds no model
+        load_draft_model(EdgeSettings(draft=str(gguf), device="cpu"), lines.append)
+    assert lines == [f"loading draft {gguf} (cpu, float32)"]
+    assert converting_line("self:skip=1") is None

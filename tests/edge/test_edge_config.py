@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from edge_agent.daemon.cli import build_parser, load_cli_settings, main
-from edge_agent.daemon.config import (
+from edge_agent.runtime.settings import (
     EdgeSettings,
     check_before_loading,
     check_link_files,

@@ -225,7 +225,7 @@ def test_stop_and_wait_with_bonus_tokens() -> None:
         (1, 2, 6, [0], [1, 2, 3]),
     ]
     assert e.gen.generated == [1, 2, 3, 5, 6, 0, 1, 2, 3]
-    assert e.gen.stats.bonus_tokens == 1  # the last bonus fell past max_new_tokens
+    assert e.gen.stats.bonus_tokens == 1  # the last bonus fell past max_tokens
     # Every generated token has one source, counted where it was committed.
     assert e.gen.stats.sources == {
         TokenSource.EDGE_DRAFT: 3 + 1 + 3,
@@ -388,7 +388,7 @@ def test_a_resumed_session_reports_the_tokens_its_verifier_kept() -> None:
     welcome = Welcome(FP, "s", 16, 1024, 1024, 1 << 20, resume="r", resumed=kept)
     core = SingleCore(gen, cfg, np.random.default_rng(0), hello_for(FP, cfg, 0), welcome)
     assert core.opened() == [Count(Counter.RESUMED_TOKENS, 2)] and core.opened() == []
-    assert core.link.verifier_len == 2 and gen.stats.resumed_tokens == 0
+    assert core.wire.verifier_len == 2 and gen.stats.resumed_tokens == 0
 
 
 def _batch_with_rivals(e: Edge, draft: list[int], rivals: list[tuple[int, float]]) -> None:

@@ -26,10 +26,11 @@ from aiohttp import web
 
 from edge_agent.daemon.api_errors import ApiError
 from edge_agent.daemon.api_request import MAX_JSON_DEPTH, decode_body, parse_sampling, parse_seed
-from edge_agent.daemon.config import EdgeSettings, load_edge_settings
-from edge_agent.daemon.monitor import EdgeMetrics, LinkMonitor, VerifierLinkState
 from edge_agent.daemon.server import STATE, ServerState, build_app, make_listener, make_runner
-from edge_agent.daemon.service import EdgeService
+from edge_agent.runtime.metrics import EdgeMetrics
+from edge_agent.runtime.monitor import LinkMonitor, VerifierLinkState
+from edge_agent.runtime.service import EdgeService
+from edge_agent.runtime.settings import EdgeSettings, load_edge_settings
 from shared.maths.sampling import MIN_TEMPERATURE, SamplingParams, sample, transform
 from shared.service.config import ConfigError
 from shared.service.status import ServiceStatus
@@ -250,7 +251,7 @@ async def test_a_known_down_link_fails_fast_with_one_line(
     async with edge_api(s) as (state, base):
         await ready(state)
         svc = state.service
-        await until(lambda: svc.link.state == VerifierLinkState.DOWN, 10.0, "link down")
+        await until(lambda: svc.monitor.state == VerifierLinkState.DOWN, 10.0, "link down")
         _, agent = svc.require()
         policy = svc.fail_fast_policy(agent)
         assert policy is not None and policy.deadline_s == 1.0
@@ -267,7 +268,7 @@ async def test_a_known_down_link_fails_fast_with_one_line(
         lines = [r for r in caplog.records if r.name == "wanspec.edge.service"]
         assert len(lines) == 1 and lines[0].levelno == logging.WARNING, lines
         # A link that is up (or unknown) keeps the full deadline.
-        svc.link.mark(url, True)
+        svc.monitor.mark(url, True)
         assert svc.fail_fast_policy(agent) is None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import socket
@@ -15,23 +16,23 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import openai
 import pytest
 import torch
+from aiohttp import ClientConnectionResetError
 
-from edge_agent.daemon.service import (
-    EdgeService,
-    FairQueue,
-    QueueFull,
-    RequestTimeout,
-    StopScanner,
-)
+from edge_agent.daemon.ollama_api import COMPLETION_TOKENS
+from edge_agent.runtime.events import Finished, Piece, RuntimeEvent
+from edge_agent.runtime.queue import FairQueue, QueueFull, RequestTimeout
+from edge_agent.runtime.service import EdgeService
+from edge_agent.runtime.settings import EdgeSettings
+from edge_agent.runtime.text import StopScanner
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.sampling import SamplingParams
 from shared.runtime.models import LoadedModel, load_model
@@ -647,6 +648,63 @@ def test_client_disconnect_cancels_its_generation_and_frees_its_place(
     assert r.usage is not None and r.usage.completion_tokens == 5
 
 
+class FakeStream:
+    """A streamed response's writes, as :class:`Writer` makes them: the ``fail_at``-th write
+    (0 first) and ``write_eof`` (``fail_eof``) fail as a write to a closed connection does."""
+
+    def __init__(self, fail_at: int | None = None, fail_eof: bool = False) -> None:
+        self.fail_at, self.fail_eof = fail_at, fail_eof
+        self.sent: list[bytes] = []
+        self.store: dict[Any, Any] = {}
+
+    async def write(self, data: bytes) -> None:
+        if len(self.sent) == self.fail_at:
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        self.sent.append(data)
+
+    async def write_eof(self) -> None:
+        if self.fail_eof:
+            raise ClientConnectionResetError("Cannot write to closing transport")
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.store[key] = value
+
+
+async def answer_events() -> AsyncIterator[RuntimeEvent]:
+    yield Piece("t1 t2")
+    yield Finished("t1 t2", "stop", 3, 2, {"tokens": 2})
+
+
+@pytest.mark.parametrize(
+    ("fail_at", "fail_eof", "dropped"),
+    [
+        (None, True, False),  # the client read [DONE] and closed (the REPL does): no drop
+        (None, False, False),
+        (1, False, True),  # gone mid-answer, at the first piece: a drop, as before
+        (3, False, True),  # gone before [DONE] (role, piece, last chunk were written)
+    ],
+)
+async def test_a_client_that_closes_after_done_dropped_nothing(
+    caplog: pytest.LogCaptureFixture, fail_at: int | None, fail_eof: bool, dropped: bool
+) -> None:
+    """A stream whose client leaves before ``data: [DONE]`` is logged as a drop (INFO); one
+    whose client closes once it has [DONE] (the chunked body's end then fails to go) is not:
+    the answer was whole."""
+    from edge_agent.daemon.http_stream import Writer
+    from edge_agent.daemon.server import _Shape, _stream_events
+
+    caplog.set_level(logging.INFO, logger="wanspec.edge")
+    resp = FakeStream(fail_at, fail_eof)
+    events = answer_events()
+    # (returns normally either way: the handler answers what it had)
+    await _stream_events(Writer(cast(Any, resp), 5.0), events, {}, _Shape(True), False, 5.0, "r1")
+    drops = [r for r in caplog.records if "client of r1 dropped" in r.getMessage()]
+    assert [r.levelno for r in drops] == ([logging.INFO] if dropped else [])
+    if not dropped:
+        assert resp.sent[-1] == b"data: [DONE]\n\n"
+        assert resp.store[COMPLETION_TOKENS] == 2  # the access log's count
+
+
 async def test_cancelling_a_generation_is_clean(
     aiohttp_server: Any, target: LoadedModel, tiny_draft_dir: Path
 ) -> None:
@@ -654,9 +712,10 @@ async def test_cancelling_a_generation_is_clean(
     draft cache still right (the next greedy generation equals a fresh agent's)."""
     from cloud_verifier.daemon.state import STATE
     from cloud_verifier.engine.targets import TorchTarget
-    from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
     from edge_agent.link.connection import LinkSettings, WebSocketTransport
     from edge_agent.model.drafter import Drafter
+    from edge_agent.runtime.agent import EdgeAgent, RetryPolicy
+    from edge_agent.session.events import Committed
     from edge_agent.session.generation import Generation
     from tests.edge_helpers import SlowTarget
     from tests.verifiers import serve_verifier, session_url
@@ -675,7 +734,12 @@ async def test_cancelling_a_generation_is_clean(
     started = asyncio.Event()
     gen = Generation(PROMPT_IDS, 300)
     before = asyncio.all_tasks()
-    task = asyncio.create_task(agent.run(gen, cfg, on_event=lambda _: started.set()))
+
+    def on_event(ev: object) -> None:
+        if isinstance(ev, Committed):  # (the first tokens: a round trip comes before them)
+            started.set()
+
+    task = asyncio.create_task(agent.run(gen, cfg, on_event=on_event))
     await asyncio.wait_for(started.wait(), 30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -689,14 +753,79 @@ async def test_cancelling_a_generation_is_clean(
     await until(lambda: not loops_left(), 2.0, "the agent's loops ended")
     sessions = server.app[STATE].sessions
     await until(lambda: not sessions, 2.0, "the WebSocket was closed")
-    again = await agent.generate(PROMPT_IDS, cfg, max_new_tokens=20)
+    again = await agent.generate(PROMPT_IDS, cfg, max_tokens=20)
     fresh = EdgeAgent(Drafter(load_model(str(tiny_draft_dir))), draft.fingerprint, connect)
     try:
-        expected = await fresh.generate(PROMPT_IDS, cfg, max_new_tokens=20)
+        expected = await fresh.generate(PROMPT_IDS, cfg, max_tokens=20)
     finally:
         fresh.close()
         agent.close()
     assert again.generated == expected.generated == target_greedy(target, PROMPT_IDS, 20)
+
+
+# ---------------------------------------------------------------------------- the access log
+
+
+def access_lines(caplog: pytest.LogCaptureFixture, path: str) -> list[logging.LogRecord]:
+    return [
+        r
+        for r in caplog.records
+        if r.name == "wanspec.edge.access" and r.getMessage().split(" ")[1] == path
+    ]
+
+
+async def test_each_request_is_one_access_line_with_its_tokens(
+    edge: tuple[str, EdgeService], caplog: pytest.LogCaptureFixture
+) -> None:
+    """One INFO line per request (method, path, status, completion tokens, seconds), from the
+    daemon's own logger; a streamed answer the REPL reads to its end is no drop."""
+    from edge_agent.daemon.chat import ChatOptions, RemoteBackend
+
+    base, _ = edge
+    caplog.set_level(logging.INFO, logger="wanspec.edge")
+    # A streamed chat answer, read as the REPL reads it: up to [DONE], then closed.
+    backend = RemoteBackend(base, None, "tiny")
+    opts = ChatOptions.from_settings(EdgeSettings(max_tokens=6, temperature=0.0))
+    try:
+        got = [ev async for ev in backend.chat([{"role": "user", "content": "t1 t2"}], opts)]
+    finally:
+        await backend.close()
+    finished = got[-1]
+    assert isinstance(finished, Finished) and finished.completion_tokens > 0
+    path = "/v1/chat/completions"
+    await until(lambda: access_lines(caplog, path), 10.0, "the access line")
+    [line] = access_lines(caplog, path)
+    assert line.levelno == logging.INFO
+    n = finished.completion_tokens
+    word = "token" if n == 1 else "tokens"
+    assert re.fullmatch(rf"POST {path} 200 {n} {word} \d+\.\d\d s", line.getMessage())
+    assert not [r for r in caplog.records if "dropped" in r.getMessage()]
+    # A request that generates nothing: no token count; a probe of /health: DEBUG, not INFO.
+    status, _ = await asyncio.to_thread(get_json, base + "/v1/models")
+    assert status == 200
+    await until(lambda: access_lines(caplog, "/v1/models"), 10.0, "the models line")
+    [models] = access_lines(caplog, "/v1/models")
+    assert re.fullmatch(r"GET /v1/models 200 \d+\.\d\d s", models.getMessage())
+    assert (await asyncio.to_thread(get_json, base + "/health"))[0] == 200
+    status, body = await asyncio.to_thread(
+        post_raw,
+        base + "/v1/completions",
+        json.dumps({"model": "tiny", "prompt": "t1", "max_tokens": 3, "ignore_eos": True}).encode(),
+    )
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+    [completion] = access_lines(caplog, "/v1/completions")  # logged before the answer went
+    assert completion.getMessage().startswith("POST /v1/completions 200 3 tokens ")
+    assert access_lines(caplog, "/health") == []
+
+
+def test_make_runner_leaves_aiohttps_own_access_log_off(
+    edge: tuple[str, EdgeService],
+) -> None:
+    """The access log is the middleware's: aiohttp's own would repeat each line."""
+    from edge_agent.daemon.server import build_app, make_runner
+
+    runner = make_runner(build_app(edge[1]))  # (not set up: nothing starts)
+    assert runner._kwargs["access_log"] is None
 
 
 # ---------------------------------------------------------------------------- no verifier

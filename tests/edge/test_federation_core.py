@@ -145,18 +145,18 @@ def frame(c: FederatedCore, f: Send) -> object:
 def reply_to(c: FederatedCore, f: Send, greedy: list[int]) -> bytes:
     """A worker's reply whose greedy token at each position is ``greedy[j]``."""
     w = c.workers[f.link]
-    assert w.link is not None
+    assert w.wire is not None
     p = frame(c, f)
     assert isinstance(p, Propose)
     dists = tuple(SparseDist(np.array([t]), np.ones(1, np.float32)) for t in greedy)
     p_draft = np.array([float(x == t) for x, t in zip(p.draft, greedy, strict=False)], np.float32)
-    return encode(FederatedReply(p.epoch, p.seq, dists, p_draft), w.link.ctx)
+    return encode(FederatedReply(p.epoch, p.seq, dists, p_draft), w.wire.ctx)
 
 
 def progress(c: FederatedCore, i: int, eta_s: float) -> bytes:
     w = c.workers[i]
-    assert w.link is not None
-    return encode(Progress(steps=1, ahead=0, eta_ms=round(eta_s * 1000)), w.link.ctx)
+    assert w.wire is not None
+    return encode(Progress(steps=1, ahead=0, eta_ms=round(eta_s * 1000)), w.wire.ctx)
 
 
 def states(c: FederatedCore) -> list[WorkerState]:
@@ -240,7 +240,7 @@ def test_error_wrong_frames_and_wrong_gamma_drop_the_worker() -> None:
         c = core(workers=1)
         up(c)
         (f,) = draft(c, [2, 3])
-        ctx = c.workers[0].link.ctx  # type: ignore[union-attr]
+        ctx = c.workers[0].wire.ctx  # type: ignore[union-attr]
         data = {
             "error": encode(Error("boom", "x")),
             "verdict": encode(Verdict(0, 0, 2), ctx),
@@ -610,7 +610,7 @@ def test_the_generation_is_bounded_by_the_smallest_members_context() -> None:
     small = Welcome(FP, "s", max_gamma=8, max_fixed=1024, max_context=8, max_frame=1 << 20)
     c.link_up(0, WELCOME, 0.0)
     c.link_up(1, small, 0.0)
-    assert c.gen.max_new_tokens == 7
+    assert c.gen.max_tokens == 7
     tight = FederatedCore(
         Generation([1] * 8, 4),
         PipelineConfig(gamma=2, depth=1, sampling=SamplingParams(0.0)),

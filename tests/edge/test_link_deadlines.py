@@ -22,16 +22,15 @@ from cloud_verifier.engine.targets import TorchTarget
 from cloud_verifier.session.core import VerifierCore
 from cloud_verifier.session.events import Send
 from cloud_verifier.session.limits import SessionLimits, TargetInfo
-from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
-from edge_agent.daemon.config import EdgeSettings
-from edge_agent.daemon.service import retry_policy
 from edge_agent.link.connection import LinkRefused, LinkSettings, WebSocketTransport
-from edge_agent.link.driver import VerdictTimeout
 from edge_agent.model.drafter import Drafter
+from edge_agent.runtime.agent import AgentEvent, EdgeAgent, RetryPolicy, SessionFailed
+from edge_agent.runtime.service import retry_policy
+from edge_agent.runtime.settings import EdgeSettings
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline import DraftPlan, Pipeline
 from edge_agent.session.pipeline_config import PipelineConfig
-from edge_agent.session.retry import GiveUp, Outage
+from edge_agent.session.retry import GiveUp, Outage, WaitCause
 from edge_agent.session.transport import LinkClosed, Transport
 from shared.maths.sampling import SamplingParams
 from shared.runtime.models import LoadedModel
@@ -131,17 +130,22 @@ async def test_a_stalled_session_is_rebuilt_and_the_text_is_unchanged(
         t = await inner()
         return Swallow(t) if calls == 1 else t
 
-    failures: list[BaseException] = []
+    failures: list[SessionFailed] = []
     a.connect = first_stalls
-    a.on_session_failed = failures.append
+
+    def on_event(ev: AgentEvent) -> None:
+        if isinstance(ev, SessionFailed):
+            failures.append(ev)
+
     try:
         t0 = time.monotonic()
-        gen = await asyncio.wait_for(a.generate(PROMPT, GREEDY, max_new_tokens=24), 30)
+        run = a.generate(PROMPT, GREEDY, max_tokens=24, on_event=on_event)
+        gen = await asyncio.wait_for(run, 30)
     finally:
         a.close()
     assert gen.generated == target_greedy(target, PROMPT, 24)
-    assert calls == 2 and len(failures) == 1 and isinstance(failures[0], VerdictTimeout)
-    assert "stalled" in str(failures[0]) and time.monotonic() - t0 < 15
+    assert calls == 2 and len(failures) == 1 and failures[0].cause == WaitCause.STALLED
+    assert "stalled" in failures[0].detail and time.monotonic() - t0 < 15
 
 
 async def test_a_verifier_that_never_verifies_fails_after_one_rebuild(
@@ -156,7 +160,7 @@ async def test_a_verifier_that_never_verifies_fails_after_one_rebuild(
     try:
         t0 = time.monotonic()
         with pytest.raises(LinkClosed, match="the verifier is stalled: 2 sessions"):
-            await asyncio.wait_for(a.generate(PROMPT, GREEDY, max_new_tokens=8), 30)
+            await asyncio.wait_for(a.generate(PROMPT, GREEDY, max_tokens=8), 30)
         assert time.monotonic() - t0 < 3  # two verdict deadlines (0.3 s) and a backoff
     finally:
         a.close()
@@ -215,7 +219,7 @@ async def test_give_up_names_the_last_cause_even_when_it_has_no_message(
     a = agent(draft, url, retry)
     try:
         with pytest.raises(LinkClosed, match=r"last: verifier at .* was not ready within 2 s"):
-            await asyncio.wait_for(a.generate(PROMPT, GREEDY, max_new_tokens=4), 30)
+            await asyncio.wait_for(a.generate(PROMPT, GREEDY, max_tokens=4), 30)
     finally:
         a.close()
 
@@ -235,7 +239,7 @@ async def test_a_full_verifier_is_reported_as_full(
     a = agent(draft, url, retry)
     try:
         with pytest.raises(LinkClosed, match=r"stayed busy .* session limit \(busy\)"):
-            await asyncio.wait_for(a.generate(PROMPT, GREEDY, max_new_tokens=4), 30)
+            await asyncio.wait_for(a.generate(PROMPT, GREEDY, max_tokens=4), 30)
     finally:
         a.close()
         await holder.close()
@@ -254,7 +258,7 @@ async def test_failures_that_waiting_cannot_clear_fail_at_once(
         try:
             t0 = time.monotonic()
             with pytest.raises(LinkRefused, match=match):
-                await asyncio.wait_for(a.generate(PROMPT, GREEDY, max_new_tokens=4), 30)
+                await asyncio.wait_for(a.generate(PROMPT, GREEDY, max_tokens=4), 30)
             assert time.monotonic() - t0 < 5, bad  # no retries
         finally:
             a.close()

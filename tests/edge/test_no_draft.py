@@ -21,13 +21,14 @@ import orjson
 import pytest
 
 from cloud_verifier.engine.targets import TorchTarget
-from edge_agent.daemon.chat import ChatOptions, LocalBackend, Repl, stats_line
-from edge_agent.daemon.cli import _summary, main
-from edge_agent.daemon.config import EdgeSettings, check_model_specs, load_edge_settings
+from edge_agent.daemon.chat import ChatOptions, LocalBackend, Repl
+from edge_agent.daemon.cli import main
 from edge_agent.daemon.server import build_app as build_edge_app
-from edge_agent.daemon.service import EdgeService
-from edge_agent.daemon.text import eos_ids
 from edge_agent.model.lm import CausalLM
+from edge_agent.runtime.report import detail_line, plain_line
+from edge_agent.runtime.service import EdgeService
+from edge_agent.runtime.settings import EdgeSettings, check_model_specs, load_edge_settings
+from edge_agent.runtime.text import eos_ids
 from shared.runtime.model_spec import ModelSpecError
 from shared.runtime.models import LoadedModel, load_model, load_tokenizer
 from shared.service.config import ConfigError
@@ -141,14 +142,17 @@ def test_cloud_only_summaries_say_so_not_zero_acceptance() -> None:
         "rtt_ms": 2.0, "uplink_bytes": 20, "downlink_bytes": 10,
         "token_sources": {"edge_draft": 0, "cloud_draft": 6, "cogenerated": 3, "bonus": 1},
     }  # fmt: skip
-    line = stats_line(st)
+    line = plain_line(st)
     assert line == (
-        "10.0 tok/s · cloud-only: no edge drafts · 3.0 B/token · RTT 2.0 ms · tokens from: "
+        "10 tokens in 1.00 s (10.0 tok/s) · no draft model here: the cloud drafted for itself"
+        " · round trip 2.0 ms"
+    )
+    details = detail_line(st)
+    assert details == (
+        "cloud-only: no edge drafts · up 20 B, down 10 B · 3.0 B/token · tokens from: "
         "cloud drafts 6 (60%), co-generated 3 (30%), bonus 1 (10%)"
     )
-    summary = _summary(st)
-    assert "cloud-only: no edge drafts" in summary and "acceptance" not in summary
-    assert "tokens from: cloud drafts 6 (60%)" in summary
+    assert "kept" not in line and "acceptance" not in details
 
 
 # ---------------------------------------------------------------------------- end to end
@@ -284,7 +288,8 @@ async def test_generate_command_with_no_draft(
     assert result["tokens"] == n or result["finish_reason"] == "stop"
     assert_cloud_written(result, result["tokens"])
     assert "[edge] no draft model (cloud-only" in out.err
-    assert "· cloud-only: no edge drafts ·" in out.err and "acceptance" not in out.err
+    assert " · no draft model here: the cloud drafted for itself" in out.err
+    assert "acceptance" not in out.err and "kept" not in out.err
 
 
 async def test_repl_with_no_draft_shows_cloud_only_stats(
@@ -306,6 +311,9 @@ async def test_repl_with_no_draft_shows_cloud_only_stats(
     text = out.getvalue()
     assert repl.last is not None
     assert_cloud_written(repl.last, repl.last["tokens"])
-    assert "cloud-only: no edge drafts · " in text and "acceptance 0%" not in text
-    assert re.search(r"^  tokens from: .*cloud drafts \d+ ", text, re.M), text
-    assert "session: 1 answers, 10 tokens, cloud-only: no edge drafts" in text
+    assert " · no draft model here: the cloud drafted for itself" in text
+    assert "acceptance 0%" not in text and "kept" not in text
+    assert re.search(
+        r"^  cloud-only: no edge drafts · .*tokens from: .*cloud drafts \d+ ", text, re.M
+    )
+    assert "session: 1 answer, 10 tokens, the cloud drafted for itself" in text

@@ -85,6 +85,25 @@ def test_out_of_bounds_options_are_refused_by_name(options: dict[str, Any], name
     assert names in error_text(refused(parse_ollama_options, {"options": options}))
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "words"),
+    [
+        ("num_predict", -2, "-1 (no limit) or an integer in 1..1048576, got -2"),
+        ("num_predict", 0, "-1 (no limit) or an integer in 1..1048576, got 0"),
+        ("num_predict", 2.5, "-1 (no limit) or an integer in 1..1048576, got 2.5"),
+        ("seed", -2, "-1 (random) or an integer in 0..18446744073709551615, got -2"),
+    ],
+)
+def test_the_refusal_of_a_number_with_a_minus_one_says_minus_one_is_allowed(
+    option: str, value: float, words: str
+) -> None:
+    """-1 is Ollama's "no limit" (num_predict) and "random" (seed): the error names it beside
+    the range, rather than hiding an accepted value."""
+    e = refused(parse_ollama_options, {"options": {option: value}})
+    assert error_text(e) == f"options.{option} must be {words}"
+    assert e.param == f"options.{option}"
+
+
 def test_unsupported_options_are_refused_naming_each_and_neutral_ones_accepted() -> None:
     e = refused(
         parse_ollama_options,

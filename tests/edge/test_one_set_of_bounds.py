@@ -11,7 +11,7 @@ import pytest
 from edge_agent.daemon.api_errors import ApiError
 from edge_agent.daemon.api_request import parse_request
 from edge_agent.daemon.chat import ChatOptions
-from edge_agent.daemon.config import ENV_PREFIX, EdgeSettings, load_edge_settings
+from edge_agent.runtime.settings import ENV_PREFIX, EdgeSettings, load_edge_settings
 from edge_agent.session.pipeline_config import Bounds, Range
 from shared.service.config import ConfigError
 

@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edge_agent.daemon.api_errors import ApiError
-from edge_agent.daemon.api_request import ContextLimit, completion_budget
-from edge_agent.daemon.config import DEFAULT_VERIFIER_WAIT, EdgeSettings, load_edge_settings
-from edge_agent.daemon.service import retry_policy
+from edge_agent.daemon.api_request import completion_budget
+from edge_agent.runtime.context import ContextLimit, retry_policy
+from edge_agent.runtime.settings import DEFAULT_VERIFIER_WAIT, EdgeSettings, load_edge_settings
 from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.opening import ContextExceeded, fit_context
 from edge_agent.session.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy, WaitCause
@@ -203,7 +203,7 @@ def test_verifier_wait_is_the_one_setting_and_the_old_name_still_works() -> None
 def test_a_generation_fits_the_verifiers_context() -> None:
     gen = Generation([1, 2, 3], 100)
     fit_context(gen, 10)
-    assert gen.max_new_tokens == 7 and gen.room == 7 and not gen.done
+    assert gen.max_tokens == 7 and gen.room == 7 and not gen.done
     gen.commit([4] * 7, TokenSource.EDGE_DRAFT)
     assert gen.done and gen.finish_reason == "length" and len(gen.committed) == 10
     small = Generation([1, 2, 3], 100)

@@ -12,7 +12,8 @@
    third-party packages its layer forbids (maths and wire: no torch, no asyncio, no aiohttp; the
    maths, below the wire, no msgpack; nothing below the runtime imports torch); ``shared`` never
    imports the edge or the verifier, and they never import each other. Each end is layered too,
-   bottom up: session rules (no I/O, no torch), the model or engine, the links (edge), the daemon.
+   bottom up: session rules (no I/O, no torch), the model or engine, the links and the runtime
+   (edge), the daemon (the edge's front doors).
 5. A module lives in the package of its only user: every ``shared`` module is used (directly or
    through other ``shared`` modules) by both ``edge_agent`` and ``cloud_verifier``.
 """
@@ -243,7 +244,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "edge.session": ("edge_agent.session",),  # the session cores and their events: no I/O
     "edge.model": ("edge_agent.model",),  # the draft model and its worker
     "edge.link": ("edge_agent.link",),  # verifier links, drivers feeding the cores
-    "edge.daemon": ("edge_agent.daemon",),  # settings, the service, its API, REPL and CLI
+    # settings, the service and its agent, the link monitor, the text: one stream of events up
+    "edge.runtime": ("edge_agent.runtime",),
+    "edge.daemon": ("edge_agent.daemon",),  # the front doors: the HTTP APIs, the REPL, the CLI
     # the model work the session core asks for and the engine answers: plain data
     "verifier.work": ("cloud_verifier.engine.work",),
     "verifier.session": ("cloud_verifier.session",),  # the session core: no I/O, no model
@@ -263,7 +266,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "edge.session": _BELOW_SERVICES,
     "edge.model": {*_BELOW_SERVICES, "edge.session"},
     "edge.link": {*_BELOW_SERVICES, "edge.session", "edge.model"},
-    "edge.daemon": {*_BELOW_SERVICES, "edge.session", "edge.model", "edge.link"},
+    "edge.runtime": {*_BELOW_SERVICES, "edge.session", "edge.model", "edge.link"},
+    "edge.daemon": {*_BELOW_SERVICES, "edge.session", "edge.model", "edge.link", "edge.runtime"},
     "verifier.work": _BELOW_SERVICES,
     "verifier.session": {*_BELOW_SERVICES, "verifier.work"},
     "verifier.engine": {*_BELOW_SERVICES, "verifier.work", "verifier.session"},
@@ -371,7 +375,7 @@ def test_imports_are_found_everywhere(tmp_path: Path) -> None:
         "if TYPE_CHECKING:\n"
         "    from shared.wire.messages import Hello\n"
         "def f():\n"
-        "    import edge_agent.daemon.agent\n"
+        "    import edge_agent.runtime.agent\n"
         "    from . import sibling\n"
         "    from ..up import thing\n"
         "    importlib.import_module('bench.run')\n"
@@ -380,7 +384,7 @@ def test_imports_are_found_everywhere(tmp_path: Path) -> None:
     assert {
         "os.path",
         "shared.wire.messages.Hello",
-        "edge_agent.daemon.agent",
+        "edge_agent.runtime.agent",
         "pkg.sub.sibling",
         "pkg.up.thing",
         "bench.run",

@@ -14,7 +14,7 @@ import pytest
 import cloud_verifier.daemon.cli as verifier_cli
 import cloud_verifier.daemon.settings as verifier_settings
 import edge_agent.daemon.cli as edge_cli
-import edge_agent.daemon.config as edge_config
+import edge_agent.runtime.settings as edge_config
 from shared.service.cli_args import flag_help
 from shared.service.config import choices, setting_help, settings_fields
 

@@ -22,9 +22,9 @@ import aiohttp
 
 from cloud_verifier.daemon.state import STATE, VerifierState
 from cloud_verifier.engine.targets import TorchTarget
-from edge_agent.daemon.agent import EdgeAgent
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
 from edge_agent.model.drafter import Drafter
+from edge_agent.runtime.agent import EdgeAgent
 from edge_agent.session.generation import Generation
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.retry import RetryPolicy
@@ -93,9 +93,7 @@ async def line_up(
     for i in range(n):
         a = edge(draft, url, lambda i=i: admitted.append(i))  # type: ignore[misc]
         agents.append(a)
-        runs.append(
-            asyncio.ensure_future(a.generate(prompt(i), CFG, max_new_tokens=tokens, seed=i))
-        )
+        runs.append(asyncio.ensure_future(a.generate(prompt(i), CFG, max_tokens=tokens, seed=i)))
         await until(lambda i=i: state.streams + len(state.line) == i + 1, 30.0, "arrived")
     try:
         gens = await asyncio.wait_for(asyncio.gather(*runs), 300)

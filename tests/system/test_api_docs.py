@@ -13,9 +13,9 @@ from cloud_verifier.daemon.app import build_app as verifier_app
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.settings import VerifierSettings
 from edge_agent.daemon.api_request import request_keys_markdown
-from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.server import build_app as edge_app
-from edge_agent.daemon.service import EdgeService
+from edge_agent.runtime.service import EdgeService
+from edge_agent.runtime.settings import EdgeSettings
 
 REPO = Path(__file__).resolve().parents[2]
 API_DOC = REPO / "docs" / "edge" / "api.md"

@@ -22,8 +22,8 @@ from bench.lib.prompts import (
 from bench.lib.traces import Trace, TraceSet, load_traces, save_traces
 from bench.studies.traces import SMOKE_LENGTH, SMOKE_PROMPTS, record
 from bench.studies.traces import main as traces_main
-from edge_agent.daemon.text import eos_ids
 from edge_agent.model.lm import CausalLM
+from edge_agent.runtime.text import eos_ids
 from shared.runtime.models import LoadedModel, load_model
 from testkit.tiny_models import build_tiny_model
 

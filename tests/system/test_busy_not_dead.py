@@ -22,7 +22,6 @@ import aiohttp
 import numpy as np
 import pytest
 
-from testkit.net.stream_ws import StreamWS
 from cloud_verifier.daemon.app import build_app
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.routes import REFUSAL_HEADER
@@ -34,9 +33,9 @@ from cloud_verifier.engine.work import FailureKind, Verify, WorkProgress
 from cloud_verifier.session.core import VerifierCore
 from cloud_verifier.session.events import Adopt, Close, CoreState, Run, Send
 from cloud_verifier.session.limits import SessionLimits, TargetInfo
-from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.link.connection import LinkSettings, VerifierBusy, WebSocketTransport, retry_after_s
 from edge_agent.model.drafter import Drafter
+from edge_agent.runtime.agent import EdgeAgent, RetryPolicy
 from edge_agent.session.events import Count
 from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.opening import DesyncError, resumed_length
@@ -63,6 +62,7 @@ from shared.wire.messages import (
     text_digest,
 )
 from testkit.harness import target_greedy
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import ProbeClient, auth_headers
 from tests.edge_helpers import SlowTarget
 
@@ -524,7 +524,7 @@ async def test_a_verifier_slower_than_the_verdict_floor_gives_the_text_without_r
     retry = RetryPolicy(verdict_timeout_s=0.5, deadline_s=5.0, stall_rebuilds=0)
     a = agent(draft, v.url, retry)
     try:
-        gen = await asyncio.wait_for(a.generate(PROMPT, CFG, max_new_tokens=6), 120)
+        gen = await asyncio.wait_for(a.generate(PROMPT, CFG, max_tokens=6), 120)
     finally:
         a.close()
     assert gen.generated == target_greedy(target, PROMPT, 6)
@@ -533,7 +533,7 @@ async def test_a_verifier_slower_than_the_verdict_floor_gives_the_text_without_r
     a = agent(draft, quiet.url, retry)
     try:
         with pytest.raises(LinkClosed, match="stalled"):
-            await asyncio.wait_for(a.generate(PROMPT, CFG, max_new_tokens=6), 60)
+            await asyncio.wait_for(a.generate(PROMPT, CFG, max_tokens=6), 60)
     finally:
         a.close()
 
@@ -576,7 +576,7 @@ async def test_the_agent_resumes_a_dropped_session_without_a_prefill(
         CutAfter.cuts = 0
         a = agent(draft, v.url, retry, wrap=lambda t: CutAfter(t, 3))
         try:
-            gen = await asyncio.wait_for(a.generate(PROMPT, CFG, max_new_tokens=12), 120)
+            gen = await asyncio.wait_for(a.generate(PROMPT, CFG, max_tokens=12), 120)
         finally:
             a.close()
         assert gen.generated == target_greedy(target, PROMPT, 12)

@@ -26,10 +26,10 @@ import torch
 
 from cloud_verifier.daemon.state import STATE, VerifierState
 from cloud_verifier.engine.targets import Target, TorchTarget
-from edge_agent.daemon.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.link.connection import LinkSettings, TokenRefused, WebSocketTransport
 from edge_agent.model.drafter import Drafter
 from edge_agent.model.lm import CausalLM
+from edge_agent.runtime.agent import EdgeAgent, HandshakeError, RetryPolicy
 from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.generation import TokenSource
 from edge_agent.session.pipeline_config import Mode, PipelineConfig
@@ -89,7 +89,7 @@ async def test_greedy_equals_target_only(
     try:
         for gamma, depth, mode in GREEDY_CASES:
             cfg = PipelineConfig(gamma=gamma, depth=depth, mode=mode, sampling=SamplingParams(0.0))
-            gen = await agent.generate(PROMPT, cfg, max_new_tokens=n, seed=1)
+            gen = await agent.generate(PROMPT, cfg, max_tokens=n, seed=1)
             assert gen.generated == expected, (gamma, depth, mode)
             st = gen.stats
             assert st.rejections > 0  # a random draft: the rollback path really ran
@@ -116,7 +116,7 @@ async def test_concurrent_edges_each_get_target_greedy_text(
                 a.generate(
                     p,
                     PipelineConfig(gamma=g, depth=d, mode=m, sampling=SamplingParams(0.0)),
-                    max_new_tokens=30,
+                    max_tokens=30,
                 )
                 for a, p, (g, d, m) in zip(agents, prompts, modes, strict=True)
             )
@@ -142,7 +142,7 @@ async def test_coalesced_verification_keeps_the_target_text(
     agent = agent_for(target if own_draft else draft, url)
     try:
         cfg = PipelineConfig(gamma=2, depth=4, sampling=SamplingParams(0.0))
-        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+        gen = await agent.generate(PROMPT, cfg, max_tokens=40)
     finally:
         agent.close()
     assert gen.generated == target_greedy(target, PROMPT, 40)
@@ -175,7 +175,7 @@ async def test_hedged_generation_keeps_the_target_text(
         cfg = PipelineConfig(
             gamma=2, depth=2, sampling=SamplingParams(0.0), hedge=3, hedge_below=1.0
         )
-        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+        gen = await agent.generate(PROMPT, cfg, max_tokens=40)
     finally:
         agent.close()
     assert gen.generated == target_greedy(target, PROMPT, 40)
@@ -197,7 +197,7 @@ async def test_predrafted_outcomes_keep_the_target_text(
         cfg = PipelineConfig(
             gamma=2, depth=2, sampling=SamplingParams(0.0), cogen=cogen, predraft=4
         )
-        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+        gen = await agent.generate(PROMPT, cfg, max_tokens=40)
     finally:
         agent.close()
     assert gen.generated == target_greedy(target, PROMPT, 40)
@@ -221,7 +221,7 @@ async def test_token_trees_keep_the_target_text(
     agent = agent_for(near_draft(tiny_model_dir), url)
     try:
         cfg = PipelineConfig(gamma=2, depth=2, sampling=SamplingParams(0.0), predraft=8, tree=True)
-        gen = await agent.generate(PROMPT, cfg, max_new_tokens=60)
+        gen = await agent.generate(PROMPT, cfg, max_tokens=60)
     finally:
         agent.close()
     assert gen.generated == target_greedy(target, PROMPT, 60)
@@ -248,9 +248,9 @@ async def test_a_conversations_next_turn_is_served_from_the_prefix_cache(
     cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0))
     agent = agent_for(draft, url)
     try:
-        turn1 = await agent.generate(PROMPT, cfg, max_new_tokens=20)
+        turn1 = await agent.generate(PROMPT, cfg, max_tokens=20)
         prompt2 = [*PROMPT, *turn1.generated, 11, 12, 13]
-        turn2 = await agent.generate(prompt2, cfg, max_new_tokens=12)
+        turn2 = await agent.generate(prompt2, cfg, max_tokens=12)
     finally:
         agent.close()
     assert turn2.generated == target_greedy(target, prompt2, 12)
@@ -260,7 +260,7 @@ async def test_a_conversations_next_turn_is_served_from_the_prefix_cache(
     assert turn1.stats.prompt_cached_tokens == 0 and turn2.stats.prompt_cached_tokens == hits
     stranger = agent_for(draft, url, token=other)
     try:
-        again = await stranger.generate(prompt2, cfg, max_new_tokens=12)
+        again = await stranger.generate(prompt2, cfg, max_tokens=12)
     finally:
         stranger.close()
     assert again.generated == turn2.generated
@@ -275,7 +275,7 @@ async def test_greedy_with_the_target_as_its_own_draft_accepts_everything(
     agent = agent_for(target, url)
     try:
         cfg = PipelineConfig(gamma=4, depth=2, sampling=SamplingParams(0.0))
-        gen = await agent.generate(PROMPT, cfg, max_new_tokens=32)
+        gen = await agent.generate(PROMPT, cfg, max_tokens=32)
     finally:
         agent.close()
     assert gen.generated == target_greedy(target, PROMPT, 32)
@@ -303,7 +303,7 @@ async def test_sampled_output_is_distributed_as_the_target(
         for i in range(4):
             prompt = [1, 5 + i, 9 + 2 * i]
             cfg = PipelineConfig(gamma=3, depth=2, sampling=params, correction=correction)
-            gen = await agent.generate(prompt, cfg, max_new_tokens=300, seed=100 + i)
+            gen = await agent.generate(prompt, cfg, max_tokens=300, seed=100 + i)
             assert gen.stats.rejections > 0
             toks += gen.generated
             rows.append(target_rows(target, prompt, gen.generated, params))
@@ -327,7 +327,7 @@ async def test_sampled_output_with_a_warm_prefix_cache_is_distributed_as_the_tar
     try:
         for i in range(4):
             cfg = PipelineConfig(gamma=3, depth=2, sampling=params)
-            gen = await agent.generate(prompt, cfg, max_new_tokens=250, seed=200 + i)
+            gen = await agent.generate(prompt, cfg, max_tokens=250, seed=200 + i)
             toks += gen.generated
             rows.append(target_rows(target, prompt, gen.generated, params))
             prompt = [*prompt, *gen.generated[:60], 7]
@@ -371,7 +371,7 @@ async def test_connection_killed_twice_text_unchanged(
     agent.connect = killer
     try:
         cfg = PipelineConfig(gamma=3, depth=3, mode=mode, sampling=SamplingParams(0.0))
-        gen = await agent.generate(PROMPT, cfg, max_new_tokens=n)
+        gen = await agent.generate(PROMPT, cfg, max_tokens=n)
     finally:
         agent.close()
     assert killer.kills == 2
@@ -397,7 +397,7 @@ async def test_verifier_restart_mid_generation(
     agent.connect = KillAfter(connect, [4])
     try:
         gen = await agent.generate(
-            PROMPT, PipelineConfig(gamma=2, sampling=SamplingParams(0.0)), max_new_tokens=40
+            PROMPT, PipelineConfig(gamma=2, sampling=SamplingParams(0.0)), max_tokens=40
         )
     finally:
         agent.close()
@@ -413,13 +413,13 @@ async def test_wrong_token_and_wrong_tokenizer_are_clear_errors(
     agent = agent_for(other, url)
     try:
         with pytest.raises(HandshakeError, match="vocabulary size differs"):
-            await agent.generate(PROMPT, cfg, max_new_tokens=4)
+            await agent.generate(PROMPT, cfg, max_tokens=4)
     finally:
         agent.close()
     bad = agent_for(target, url, token="wrong")
     try:
         with pytest.raises(TokenRefused, match="refused the token"):
-            await bad.generate(PROMPT, cfg, max_new_tokens=4)
+            await bad.generate(PROMPT, cfg, max_tokens=4)
     finally:
         bad.close()
 
@@ -428,9 +428,7 @@ async def test_unreachable_verifier_gives_up(draft: LoadedModel) -> None:
     agent = agent_for(draft, "ws://127.0.0.1:9/v1/session")
     try:
         with pytest.raises(LinkClosed, match="gave up"):
-            await agent.generate(
-                PROMPT, PipelineConfig(sampling=SamplingParams(0.0)), max_new_tokens=4
-            )
+            await agent.generate(PROMPT, PipelineConfig(sampling=SamplingParams(0.0)), max_tokens=4)
     finally:
         agent.close()
 
@@ -441,8 +439,9 @@ def test_demo_with_default_models() -> None:
     models (enough that the edge has rounds: the verifier co-generates from the prompt on while
     the edge drafts)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "edge_agent.daemon.cli", "demo", "--max-tokens", "96", "--json"]
     out = subprocess.run(
-        [sys.executable, "-m", "edge_agent.daemon.cli", "demo", "--max-tokens", "96", "--json"],
+        [*cmd, "--verbose"],
         capture_output=True,
         env=env,
         timeout=900,
@@ -470,7 +469,14 @@ def test_demo_with_default_models() -> None:
     rounds = result["uplink_bytes"] - result["branch_bytes"]
     assert rounds <= 24 * frames + id_bytes * ids, result
     assert result["branch_bytes"] <= 256 * (proposes + 1), result
-    assert "[stats]" in out.stderr.decode()
+    # The statistics in plain words, and (--verbose) the internals on a line of their own.
+    err = out.stderr.decode().splitlines()
+    n = result["tokens"]
+    assert any(line.startswith(f"[stats] {n} tokens in ") for line in err), err[-5:]
+    assert any(
+        line.startswith(f"[details] {result['mode']} γ=") and " accepted/round over " in line
+        for line in err
+    ), err[-5:]
 
 
 class Outage:
@@ -508,7 +514,7 @@ async def test_link_down_wait_policy_fails_clearly(
     try:
         with pytest.raises(LinkClosed, match="no verifier reachable"):
             await agent.generate(
-                PROMPT, PipelineConfig(sampling=SamplingParams(0.0)), max_new_tokens=60
+                PROMPT, PipelineConfig(sampling=SamplingParams(0.0)), max_tokens=60
             )
     finally:
         agent.close()
@@ -534,7 +540,7 @@ async def test_link_down_draft_only_policy_flags_and_resyncs(
         gen = await agent.generate(
             PROMPT,
             PipelineConfig(gamma=2, sampling=SamplingParams(0.0)),
-            max_new_tokens=n,
+            max_tokens=n,
             on_event=outage.on_event,
         )
     finally:
@@ -576,7 +582,7 @@ async def test_cloud_speculation_keeps_the_target_text(
         agent = EdgeAgent(None, target.fingerprint, connect)
     try:
         cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0))
-        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+        gen = await agent.generate(PROMPT, cfg, max_tokens=40)
     finally:
         agent.close()
     assert gen.generated == target_greedy(target, PROMPT, 40)
@@ -588,5 +594,5 @@ async def test_cloud_speculation_keeps_the_target_text(
         assert sources[TokenSource.EDGE_DRAFT] == 0 and sources[TokenSource.BONUS] == 1
     with pytest.raises(ValueError, match="cogen must be on"):
         await EdgeAgent(None, target.fingerprint, agent.connect).generate(
-            PROMPT, PipelineConfig(cogen=False), max_new_tokens=4
+            PROMPT, PipelineConfig(cogen=False), max_tokens=4
         )

@@ -33,11 +33,11 @@ import pytest
 from aiohttp import web
 
 from cloud_verifier.engine.targets import TorchTarget
-from edge_agent.daemon.agent import EdgeAgent
 from edge_agent.daemon.server import STATE, ServerState, build_app, make_listener, make_runner
-from edge_agent.daemon.service import EdgeService
 from edge_agent.link.connection import LinkSettings, WebSocketTransport
 from edge_agent.model.drafter import Drafter
+from edge_agent.runtime.agent import EdgeAgent
+from edge_agent.runtime.service import EdgeService
 from edge_agent.session.opening import ContextExceeded
 from edge_agent.session.pipeline_config import PipelineConfig
 from edge_agent.session.transport import Transport
@@ -390,13 +390,13 @@ async def test_the_verifiers_context_ends_a_generation_with_length_and_its_text(
     agent = EdgeAgent(Drafter(draft), draft.fingerprint, connect)
     prompt = [1, 10, 20, 30, 40]
     try:
-        gen = await asyncio.wait_for(agent.generate(prompt, GREEDY, max_new_tokens=100), 60)
+        gen = await asyncio.wait_for(agent.generate(prompt, GREEDY, max_tokens=100), 60)
         assert gen.finish_reason == "length" and len(gen.committed) == SMALL_CONTEXT
         assert gen.generated == target_greedy(target, prompt, SMALL_CONTEXT - len(prompt))
         assert sessions == 1 and gen.stats.reconnects == 0
         t0 = time.monotonic()
         with pytest.raises(ContextExceeded, match="24 tokens; the verifier's context is 24"):
-            await asyncio.wait_for(agent.generate([1] * 24, GREEDY, max_new_tokens=4), 30)
+            await asyncio.wait_for(agent.generate([1] * 24, GREEDY, max_tokens=4), 30)
         assert sessions == 2 and time.monotonic() - t0 < 5
     finally:
         agent.close()
@@ -448,7 +448,7 @@ async def test_the_daemon_answers_length_at_the_verifiers_context_and_400_past_i
                 answer = await r.json()
             assert r.status == 400 and "the verifier's 24" in answer["error"]["message"]
         # The verifier was never marked down for any of it.
-        assert svc.link.availability == "up"
+        assert svc.monitor.availability == "up"
 
 
 # ---------------------------------------------------------------------------- probe 8

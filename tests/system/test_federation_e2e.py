@@ -124,7 +124,7 @@ async def test_greedy_equals_argmax_of_the_aggregate(
             # The text is the aggregate of all three only when all three are in every round:
             # a wait long enough that a busy machine never leaves one out.
             gen, fed = await generate_federated(
-                Drafter(draft), mw, draft.fingerprint, workers, PROMPT, cfg, max_new_tokens=40,
+                Drafter(draft), mw, draft.fingerprint, workers, PROMPT, cfg, max_tokens=40,
                 deadline_s=120,
             )  # fmt: skip
             assert gen.generated == aggregate_greedy(targets, weights, 40), depth
@@ -150,7 +150,7 @@ async def test_uncompressed_sampling_matches_the_aggregate(
             cfg = PipelineConfig(gamma=3, depth=2, sampling=params)
             gen, fed = await generate_federated(
                 Drafter(draft), mw, draft.fingerprint, workers, prompt, cfg,
-                max_new_tokens=300, seed=i, deadline_s=120,
+                max_tokens=300, seed=i, deadline_s=120,
             )  # fmt: skip
             toks += gen.generated
             rows.append(aggregate_rows(targets[:2], weights, prompt, gen.generated, params))
@@ -192,7 +192,7 @@ async def test_compressed_bias_never_exceeds_bound(
                 cfg = PipelineConfig(gamma=1, depth=2, sampling=params, reconstruction=how)
                 gen, fed = await generate_federated(
                     Drafter(draft), mw, draft.fingerprint, workers, prompt, cfg,
-                    max_new_tokens=400, seed=10 + i, deadline_s=120,
+                    max_tokens=400, seed=10 + i, deadline_s=120,
                 )  # fmt: skip
                 assert fed.bound_violations == 0 and fed.rounds_with_missing_workers == 0
                 measured += fed.positions_measured
@@ -231,7 +231,7 @@ async def test_worker_dropped_mid_generation_is_resynced(
     try:
         cfg = PipelineConfig(gamma=2, depth=2, sampling=SamplingParams(0.0))
         gen, fed = await generate_federated(
-            Drafter(draft), mw, draft.fingerprint, [a, b], PROMPT, cfg, max_new_tokens=60
+            Drafter(draft), mw, draft.fingerprint, [a, b], PROMPT, cfg, max_tokens=60
         )
     finally:
         mw.close()
@@ -265,7 +265,7 @@ async def test_a_slow_member_is_left_out_and_readmitted_once_it_keeps_up(
     async def rate(workers: list[WorkerSpec], n: int) -> tuple[float, FederationStats]:
         t0 = time.perf_counter()
         gen, fed = await generate_federated(
-            Drafter(draft), mw, draft.fingerprint, workers, PROMPT, cfg, max_new_tokens=n,
+            Drafter(draft), mw, draft.fingerprint, workers, PROMPT, cfg, max_tokens=n,
             deadline_s=0.5,
         )  # fmt: skip
         assert gen.generated == expected[:n]
@@ -302,7 +302,7 @@ async def test_all_workers_down_fails_clearly(draft: LoadedModel) -> None:
         with pytest.raises(LinkClosed, match="no verifier reachable"):
             await generate_federated(
                 Drafter(draft), mw, draft.fingerprint, [w], PROMPT,
-                PipelineConfig(sampling=SamplingParams(0.0)), max_new_tokens=4,
+                PipelineConfig(sampling=SamplingParams(0.0)), max_tokens=4,
                 no_worker_timeout_s=0.5,
             )  # fmt: skip
     finally:
@@ -314,8 +314,9 @@ async def test_daemon_service_runs_the_federation(
 ) -> None:
     """`edge-agent serve` with two verifiers configured: every draft goes to both, and the
     greedy answer is the argmax of their weighted aggregate."""
-    from edge_agent.daemon.config import EdgeSettings
-    from edge_agent.daemon.service import EdgeService, Finished, GenRequest
+    from edge_agent.runtime.events import Finished
+    from edge_agent.runtime.service import EdgeService, GenRequest
+    from edge_agent.runtime.settings import EdgeSettings
 
     urls = [await serve(aiohttp_server, t) for t in targets[:2]]
     token_file = tmp_path / "token"

@@ -28,7 +28,7 @@ from cloud_verifier.daemon import cli as verifier_cli
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.tls import server_context
 from edge_agent.daemon import cli as edge_cli
-from edge_agent.daemon.config import read_secret_file
+from edge_agent.runtime.settings import read_secret_file
 from tests.tls import self_signed
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,6 @@ import aiohttp
 import numpy as np
 from aiohttp import WSCloseCode
 
-from testkit.net.stream_ws import StreamWS
 from bench.studies.load import LoadConfig, run
 from cloud_verifier.daemon.lifecycle import close_connections
 from cloud_verifier.daemon.state import STATE, _buffered
@@ -23,6 +22,7 @@ from cloud_verifier.engine.targets import NullTarget
 from shared.maths.sampling import SamplingParams
 from shared.wire.codec import encode
 from shared.wire.messages import SUBPROTOCOL, Fingerprint, Hello, Propose, ReplyMode
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import Driver, ProbeClient, auth_headers
 from tests.verifiers import ready, verifier_app
 from tests.waits import until
@@ -32,7 +32,7 @@ FP = Fingerprint("null", BIG_V, "null")
 
 
 async def test_reduced_load_run(tmp_path: Path) -> None:
-    cfg = LoadConfig(sessions=16, seconds=5.0, prompts=8, max_new_tokens=24, tokens=2)
+    cfg = LoadConfig(sessions=16, seconds=5.0, prompts=8, max_tokens=24, tokens=2)
     rep = await run(cfg, tmp_path)
     assert rep.errors == [] and rep.wrong == 0 and rep.reconnects == 0
     assert rep.generations >= cfg.sessions  # every session finished at least one text

@@ -81,7 +81,7 @@ async def test_logprobs_are_the_targets_own(
             cogen=cogen,
             logprobs=4,
         )
-        gen = await agent.generate(PROMPT, cfg, max_new_tokens=48, seed=3)
+        gen = await agent.generate(PROMPT, cfg, max_tokens=48, seed=3)
     finally:
         agent.close()
     st = gen.stats
@@ -105,7 +105,7 @@ async def test_logprobs_with_cloud_drafts(
     agent = agent_for(draft, url, TOKEN)
     try:
         cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0), logprobs=0)
-        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+        gen = await agent.generate(PROMPT, cfg, max_tokens=40)
     finally:
         agent.close()
     assert gen.stats.sources[TokenSource.CLOUD_DRAFT] > 0
@@ -120,10 +120,10 @@ async def test_without_logprobs_no_frame_is_sent(
     agent = agent_for(draft, url, TOKEN)
     try:
         cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(1.0))
-        plain = await agent.generate(PROMPT, cfg, max_new_tokens=24, seed=5)
+        plain = await agent.generate(PROMPT, cfg, max_tokens=24, seed=5)
         scored = await agent.generate(
             PROMPT, PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(1.0), logprobs=2),
-            max_new_tokens=24, seed=5,
+            max_tokens=24, seed=5,
         )  # fmt: skip
     finally:
         agent.close()

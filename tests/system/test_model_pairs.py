@@ -17,9 +17,9 @@ import pytest
 from cloud_verifier.daemon.cli import main as verifier_main
 from cloud_verifier.engine.targets import TorchTarget
 from edge_agent.daemon.cli import main
-from edge_agent.daemon.config import EdgeSettings
 from edge_agent.daemon.server import build_app as build_edge_app
-from edge_agent.daemon.service import EdgeService
+from edge_agent.runtime.service import EdgeService
+from edge_agent.runtime.settings import EdgeSettings
 from shared.runtime.models import LoadedModel
 from shared.runtime.pairing import family_of, mismatch_line
 from shared.wire.messages import Fingerprint
@@ -230,16 +230,16 @@ def test_a_verifier_that_comes_back_with_a_target_that_pairs_is_used_again(
         link = service.links[0]
         link.announced = QWEN  # (as a Ready sets it)
         service._on_link(url, None)
-        info = service.link.links[0]
+        info = service.monitor.links[0]
         assert link.refusal is not None and info.state == "down" and info.error == link.refusal
         assert 'set draft_base = "default"' not in link.refusal  # the target is Qwen3's
         assert 'set draft_base = "Qwen/Qwen3-0.6B"' in link.refusal
-        service.link.mark(url, True)  # a probe's 200, a session elsewhere: still down
-        assert info.state == "down" and service.link.missing_token(True) == link.refusal
+        service.monitor.mark(url, True)  # a probe's 200, a session elsewhere: still down
+        assert info.state == "down" and service.monitor.missing_token(True) == link.refusal
         link.announced, link.refusal = Fingerprint(SMOL.tokenizer_hash, 49152, "default"), None
         service._on_link(url, None)
         assert link.refusal is None and info.incompatible is None and info.state == "up"
-        assert service.link.missing_token(True) is None
+        assert service.monitor.missing_token(True) is None
     finally:
         service.worker.close()
 

@@ -5,6 +5,8 @@ routes through the ``openai`` client; raw HTTP where the client has no call (ver
 from __future__ import annotations
 
 import json
+import logging
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -15,7 +17,7 @@ from typing import Any
 import ollama
 import pytest
 
-from edge_agent.daemon.service import EdgeService
+from edge_agent.runtime.service import EdgeService
 from shared.runtime.models import LoadedModel
 from testkit.harness import target_greedy
 from tests.edge_helpers import Servers, edge_settings, wait_http
@@ -138,6 +140,29 @@ def test_the_last_object_carries_the_wanspec_statistics(
     # The daemon's metrics count these requests as they count the OpenAI routes'.
     _, text = get(edge[0] + "/metrics")
     assert 'wanspec_edge_requests_total{endpoint="/api/generate",code="200"}' in text
+
+
+def test_each_ollama_request_is_one_access_line_with_its_tokens(
+    edge: tuple[str, EdgeService], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The access log counts the Ollama routes' completion tokens too, streamed or not."""
+    caplog.set_level(logging.INFO, logger="wanspec.edge.access")
+    body = {"model": "tiny", "prompt": "t1 t10", "raw": True, "options": {"num_predict": 5}}
+    counts = []
+    for stream in (True, False):
+        caplog.clear()
+        last = post_lines(edge[0] + "/api/generate", {**body, "stream": stream})[-1]
+        n = last["eval_count"]
+        counts.append(n)
+
+        def lines() -> list[str]:
+            return [r.getMessage() for r in caplog.records if r.name == "wanspec.edge.access"]
+
+        poll(lambda: bool(lines()), what="the access line")
+        [line] = lines()
+        word = "token" if n == 1 else "tokens"
+        assert re.fullmatch(rf"POST /api/generate 200 {n} {word} \d+\.\d\d s", line), line
+    assert all(n > 0 for n in counts)
 
 
 def test_greedy_chat_is_the_targets_text_through_the_chat_template(

@@ -61,20 +61,20 @@ import torch
 
 from bench.lib.oracle import greedy_continuation
 from bench.lib.verifier_state import parse_metrics
-from testkit.net.stream_ws import StreamWS
 from bench.net.verifier import PaddedTarget, WrappedTarget
 from bench.studies.overload import CHAT_PROMPTS, probe_round_s
 from cloud_verifier.daemon.app import build_app
 from cloud_verifier.daemon.auth import Authenticator
 from cloud_verifier.daemon.settings import VerifierSettings
 from cloud_verifier.engine.targets import Target, TorchTarget
-from edge_agent.daemon.text import encode_prompt, eos_ids
+from edge_agent.runtime.text import encode_prompt, eos_ids
 from shared.maths.sampling import SamplingParams
 from shared.runtime.batched_lm import Row
 from shared.runtime.models import LoadedModel, load_model
 from shared.service.sdnotify import Notifier
 from shared.wire.messages import SUBPROTOCOL, Hello, Propose, Verdict
 from testkit.harness import REPO, VerifierProcess, free_port, write_tokens
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import Driver, ProbeClient, auth_headers
 from tests.edge_helpers import clean_env
 from tests.verifiers import ready, serve_verifier, session_url

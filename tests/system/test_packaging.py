@@ -34,7 +34,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from edge_agent.daemon.text import encode_prompt, eos_ids
+from edge_agent.runtime.text import encode_prompt, eos_ids
 from testkit.harness import REPO, free_port, target_greedy, tiny_pair
 
 if sys.version_info >= (3, 11):

@@ -52,7 +52,7 @@ async def _generate_all(
     try:
         return await asyncio.gather(
             *(
-                a.generate(p, cfg, max_new_tokens=n, seed=s)
+                a.generate(p, cfg, max_tokens=n, seed=s)
                 for a, p, s in zip(agents, PROMPTS, seeds, strict=True)
             )
         )

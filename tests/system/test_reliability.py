@@ -12,7 +12,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from testkit.net.wanem import LinkConfig, WanEmulator
 from bench.studies.reliability import FAULTS, ChaosConfig, run
 from cloud_verifier.daemon.app import build_app
 from cloud_verifier.daemon.auth import Authenticator
@@ -22,13 +21,14 @@ from edge_agent.link.connection import LinkSettings, WebSocketTransport
 from edge_agent.link.driver import handshake
 from edge_agent.session.transport import LinkClosed
 from shared.wire.messages import Fingerprint, Hello
+from testkit.net.wanem import LinkConfig, WanEmulator
 from tests.verifiers import serve_verifier
 
 
 async def test_chaos_every_generation_survives_with_identical_text(tmp_path: Path) -> None:
     cfg = ChaosConfig(
         generations=len(FAULTS),  # one of each fault, in order
-        max_new_tokens=32,
+        max_tokens=32,
         extra_faults=0,
         heartbeat_s=0.5,
         stall_s=1.5,
@@ -109,7 +109,7 @@ async def test_upgrade_wait_is_bounded_when_the_link_is_black_holed(aiohttp_serv
 def test_retry_policy_outlasts_a_verifier_restart() -> None:
     """The default RetryPolicy keeps trying for longer than a restart takes (measured by the
     chaos run: ~5 s for the tiny model on a 2-core machine; a real model loads in tens of s)."""
-    from edge_agent.daemon.agent import RetryPolicy
+    from edge_agent.runtime.agent import RetryPolicy
 
     p = RetryPolicy()
     deadline = getattr(p, "deadline_s", None)

@@ -35,14 +35,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from testkit.net.stream_ws import StreamWS
-from edge_agent.daemon.agent import RetryPolicy
+from edge_agent.runtime.agent import RetryPolicy
 from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.sampling import SamplingParams
 from shared.runtime.models import LoadedModel, load_model
 from shared.wire.messages import SUBPROTOCOL, Hello
 from testkit.harness import REPO, VerifierProcess, free_port, make_agent, target_greedy
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import ProbeClient, auth_headers
 from testkit.tiny_models import build_tiny_model
 from tests.tls import self_signed
@@ -200,7 +200,7 @@ async def test_an_edge_whose_replica_dies_resumes_on_another(fleet: Fleet) -> No
         # No co-generation: with it, this tiny verifier decodes the whole text on its own and
         # streams it down before the kill lands (nothing would be left to fail over).
         cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0), cogen=False)
-        gen = await agent.generate(PROMPT, cfg, max_new_tokens=n, on_event=on_event)
+        gen = await agent.generate(PROMPT, cfg, max_tokens=n, on_event=on_event)
     finally:
         agent.close()
     assert "killed_at" in state and commits_after, "the replica was not killed mid-generation"
@@ -237,7 +237,7 @@ async def test_a_draining_replica_gets_no_new_sessions(fleet: Fleet) -> None:
             agent = make_agent(fleet.draft, fleet.url, TOKEN, ssl=fleet.ca)
             try:
                 cfg = PipelineConfig(gamma=2, depth=1, sampling=SamplingParams(0.0))
-                gen = await agent.generate(PROMPT, cfg, max_new_tokens=8)
+                gen = await agent.generate(PROMPT, cfg, max_tokens=8)
             finally:
                 agent.close()
             assert gen.generated == target_greedy(fleet.target, PROMPT, 8)
@@ -259,10 +259,10 @@ async def test_a_warm_link_keeps_serving_across_a_drain_and_a_death(fleet: Fleet
     holds open for up to 20 s); the drained replica comes back; the one now holding the link
     dies mid-generation (SIGKILL): the session resumes on the other through the balancer. Every
     text is the target's."""
-    from edge_agent.daemon.agent import EdgeAgent
     from edge_agent.link.connection import LinkSettings
     from edge_agent.link.warm import WarmLink
     from edge_agent.model.drafter import Drafter
+    from edge_agent.runtime.agent import EdgeAgent
 
     warm = WarmLink(
         LinkSettings(url=fleet.url, token=TOKEN, heartbeat_s=0, ssl=fleet.ca),
@@ -281,7 +281,7 @@ async def test_a_warm_link_keeps_serving_across_a_drain_and_a_death(fleet: Fleet
 
     try:
         for _ in range(3):
-            gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+            gen = await agent.generate(PROMPT, cfg, max_tokens=40)
             assert gen.generated == expected
         assert warm.connects == 1  # three requests, one connection
         first = holder()
@@ -301,7 +301,7 @@ async def test_a_warm_link_keeps_serving_across_a_drain_and_a_death(fleet: Fleet
             first.proc.send_signal(signal.SIGTERM)  # drain_timeout 20 s
             await until(lambda: health(first.port)[0] == 503, 10.0, "draining")
             t0 = time.monotonic()
-            gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)
+            gen = await agent.generate(PROMPT, cfg, max_tokens=40)
             took = time.monotonic() - t0
             assert gen.generated == expected
             assert sessions_total(other.port) == before + 1 and warm.connects == 2
@@ -324,10 +324,10 @@ async def test_a_warm_link_keeps_serving_across_a_drain_and_a_death(fleet: Fleet
                 if state["committed"] >= 12 and other.proc is not None:
                     other.proc.send_signal(signal.SIGKILL)
 
-        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40, on_event=kill)
+        gen = await agent.generate(PROMPT, cfg, max_tokens=40, on_event=kill)
         assert not other.alive() and gen.generated == expected
         assert gen.stats.reconnects >= 1 and warm.connects >= 3
-        gen = await agent.generate(PROMPT, cfg, max_new_tokens=40)  # and after: on `first`
+        gen = await agent.generate(PROMPT, cfg, max_tokens=40)  # and after: on `first`
         assert gen.generated == expected
     finally:
         agent.close()

@@ -209,7 +209,7 @@ def test_single_sessions_under_random_events(
         for f in frames:
             if state["first"]:
                 # A new session resumes from the committed ids: all of them, as fixed tokens.
-                p = decode(f, edge().link.ctx)
+                p = decode(f, edge().wire.ctx)
                 if isinstance(p, Propose):
                     assert p.pos == 0 and p.fixed.tolist() == gen.committed
                     state["first"] = False

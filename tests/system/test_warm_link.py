@@ -21,15 +21,14 @@ import aiohttp
 import numpy as np
 import pytest
 
-from testkit.net.wanem import Crossing, LinkConfig, WanEmulator, round_trips
 from cloud_verifier.daemon.state import STATE, VerifierState
 from cloud_verifier.engine.targets import TorchTarget
-from edge_agent.daemon.agent import EdgeAgent, RetryPolicy
 from edge_agent.link.connection import Connection, LinkSettings, StreamTransport, WebSocketTransport
 from edge_agent.link.warm import WarmLink
 from edge_agent.model.batching import BatchingWorker
 from edge_agent.model.drafter import Drafter
 from edge_agent.model.tasks import ModelWorker
+from edge_agent.runtime.agent import EdgeAgent, RetryPolicy
 from edge_agent.session.events import Committed, GenerationEvent
 from edge_agent.session.opening import wire_context
 from edge_agent.session.pipeline_config import PipelineConfig
@@ -42,6 +41,7 @@ from shared.wire.codec import decode, encode
 from shared.wire.messages import PROTOCOL_VERSION, SUBPROTOCOL, Error, Hello, Propose, Welcome
 from shared.wire.mux import frame
 from testkit.harness import target_greedy
+from testkit.net.wanem import Crossing, LinkConfig, WanEmulator, round_trips
 from tests.stats import sequential_chi_square
 from tests.system.test_edge_e2e import target_rows
 from tests.verifiers import ready, serve_verifier, session_url, verifier_app
@@ -100,13 +100,13 @@ async def test_the_first_token_costs_one_round_trip_on_a_warm_link(
                 first.append(loop.time())
 
         try:
-            await agent.generate(PROMPT, GREEDY, max_new_tokens=4)  # warms the link
+            await agent.generate(PROMPT, GREEDY, max_tokens=4)  # warms the link
             assert warm.connects == 1
             conn_id = emu.crossings[0].conn
             for prompt in ([1, 5, 9], [1, 50, 51, 52]):
                 first.clear()
                 t0 = loop.time()
-                gen = await agent.generate(prompt, GREEDY, max_new_tokens=16, on_event=on_event)
+                gen = await agent.generate(prompt, GREEDY, max_tokens=16, on_event=on_event)
                 assert gen.generated == target_greedy(target, prompt, 16)
                 assert round_trips(emu.crossings, conn_id, t0, first[0]) == 1.0
             assert warm.connects == 1  # every session rode the same connection
@@ -117,7 +117,7 @@ async def test_the_first_token_costs_one_round_trip_on_a_warm_link(
             )
             first.clear()
             t0 = loop.time()
-            await cold.generate(PROMPT, GREEDY, max_new_tokens=8, on_event=on_event)
+            await cold.generate(PROMPT, GREEDY, max_tokens=8, on_event=on_event)
             cold.close()
             cold_id = max(c.conn for c in emu.crossings)
             assert cold_id != conn_id
@@ -204,10 +204,7 @@ async def test_a_flooding_session_ends_alone(
 
         results = await asyncio.gather(
             hostile(),
-            *(
-                a.generate(p, GREEDY, max_new_tokens=24)
-                for a, p in zip(honest, prompts, strict=True)
-            ),
+            *(a.generate(p, GREEDY, max_tokens=24) for a, p in zip(honest, prompts, strict=True)),
         )
         got = results[0]
         assert isinstance(got[-1], LinkClosed), got[-3:]
@@ -251,10 +248,7 @@ async def test_a_session_past_its_kv_share_is_refused_alone(
         honest = [agent_on(draft, streams_of(conn)) for _ in range(3)]
         prompts = [PROMPT, [1, 3, 5], [1, 9]]
         gens = await asyncio.gather(
-            *(
-                a.generate(p, GREEDY, max_new_tokens=24)
-                for a, p in zip(honest, prompts, strict=True)
-            )
+            *(a.generate(p, GREEDY, max_tokens=24) for a, p in zip(honest, prompts, strict=True))
         )
         replies = [decode(await asyncio.wait_for(hog.recv(), 30)) for _ in range(2)]
         assert isinstance(replies[0], Welcome)  # then its refusal (the session stays open)
@@ -290,7 +284,7 @@ async def test_a_session_that_stops_reading_holds_nobody(
         honest = [agent_on(draft, streams_of(conn)) for _ in range(2)]
         gens = await asyncio.gather(
             *(
-                a.generate(p, GREEDY, max_new_tokens=24)
+                a.generate(p, GREEDY, max_tokens=24)
                 for a, p in zip(honest, ([1, 3, 5], PROMPT), strict=True)
             )
         )
@@ -328,10 +322,7 @@ async def test_sampled_sessions_multiplexed_on_one_link_keep_the_target_law(
         for wave in (prompts[:4], prompts[4:]):
             cfg = PipelineConfig(gamma=3, depth=2, sampling=params, correction=correction)
             gens = await asyncio.gather(
-                *(
-                    agent.generate(p, cfg, max_new_tokens=150, seed=300 + i)
-                    for i, p in enumerate(wave)
-                )
+                *(agent.generate(p, cfg, max_tokens=150, seed=300 + i) for i, p in enumerate(wave))
             )
             for p, gen in zip(wave, gens, strict=True):
                 toks += gen.generated
@@ -378,7 +369,7 @@ async def test_a_dropped_connection_resumes_every_session(
             gens = await asyncio.wait_for(
                 asyncio.gather(
                     *(
-                        a.generate(p, GREEDY, max_new_tokens=n, on_event=counter(i))
+                        a.generate(p, GREEDY, max_tokens=n, on_event=counter(i))
                         for i, (a, p) in enumerate(zip(agents, prompts, strict=True))
                     )
                 ),
@@ -406,7 +397,7 @@ async def test_the_warm_link_outlasts_a_verifier_restart(
     warm.start()
     agent = agent_on(draft, warm.stream)
     try:
-        gen = await agent.generate(PROMPT, GREEDY, max_new_tokens=8)
+        gen = await agent.generate(PROMPT, GREEDY, max_tokens=8)
         assert gen.generated == target_greedy(target, PROMPT, 8)
         await server.close()
         app = verifier_app(lambda: TorchTarget(target), auth=[TOKEN])
@@ -417,7 +408,7 @@ async def test_the_warm_link_outlasts_a_verifier_restart(
                 break
             await asyncio.sleep(0.05)
         assert warm.up and warm.connects == 2  # reconnected in the background
-        gen = await agent.generate([1, 3, 5], GREEDY, max_new_tokens=16)
+        gen = await agent.generate([1, 3, 5], GREEDY, max_tokens=16)
         assert gen.generated == target_greedy(target, [1, 3, 5], 16)
         assert gen.stats.reconnects == 0
     finally:

@@ -26,7 +26,6 @@ import aiohttp
 import numpy as np
 import pytest
 
-from testkit.net.stream_ws import StreamWS
 from cloud_verifier.engine.tp import Rank, decode_rows, encode_rows, rank_from_env, torchrun_args
 from edge_agent.session.pipeline_config import PipelineConfig
 from shared.maths.rejection import CorrectionMode
@@ -36,6 +35,7 @@ from shared.runtime.kv_pool import SlotPages
 from shared.runtime.models import LoadedModel, check_tp_size, load_model
 from shared.wire.messages import SUBPROTOCOL, FederatedReply, Hello, Propose, ReplyMode, Welcome
 from testkit.harness import REPO, VerifierProcess, free_port, make_agent, target_greedy
+from testkit.net.stream_ws import StreamWS
 from testkit.probe import ProbeClient, auth_headers
 from testkit.tiny_models import build_tiny_model
 
@@ -179,7 +179,7 @@ async def _check_against_unsharded(
             # No co-generation: on a loaded machine the verifier could write the whole text
             # before the edge's first batch, and the rounds (with their rollbacks) are the point.
             cfg = PipelineConfig(gamma=3, depth=2, sampling=SamplingParams(0.0), cogen=False)
-            gen = await agent.generate(PROMPT, cfg, max_new_tokens=n)
+            gen = await agent.generate(PROMPT, cfg, max_tokens=n)
         finally:
             agent.close()
         assert gen.generated == target_greedy(target, PROMPT, n)

@@ -139,7 +139,7 @@ def test_a_token_file_others_can_read_is_warned_about(
 ) -> None:
     """Accepted (the service still starts), with a warning naming the fix; a private file is
     read in silence. The edge's token file is checked the same way."""
-    from edge_agent.daemon.config import read_secret_file
+    from edge_agent.runtime.settings import read_secret_file
 
     f = tmp_path / "tokens"
     f.write_text("secret-token\n")

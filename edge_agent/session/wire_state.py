@@ -1,4 +1,4 @@
-"""One verifier session's wire state at the edge (:class:`VerifierLink`): its epoch, the next
+"""One verifier session's wire state at the edge (:class:`WireState`): its epoch, the next
 batch number, and ``verifier_len``, the length of the verifier's cache once every Propose sent
 is processed and accepted; the next Propose starts there, carrying ``committed[verifier_len:]``
 as fixed tokens (the prompt, a recovered or a bonus token). The single-verifier core holds one,
@@ -21,7 +21,7 @@ from shared.wire.messages import SEQ_MODULUS, Error, Message, Propose
 from shared.wire.packing import WireContext
 
 
-class VerifierLink:
+class WireState:
     """One verifier session's wire state (module docstring).
 
     Its epoch is the pipeline's when the link is the session's only one (``pipe``: one

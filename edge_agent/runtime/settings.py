@@ -97,7 +97,7 @@ _warned: set[str] = set()
 class EdgeSettings:
     """Everything the daemon and the REPL need, each setting declared once (type, default,
     bounds, help): the flags, their ``--help`` and docs/reference/edge-settings.md
-    (``python -m edge_agent.daemon.config docs/reference/edge-settings.md``) are derived from
+    (``python -m edge_agent.runtime.settings docs/reference/edge-settings.md``) are derived from
     these declarations."""
 
     # --- verifier link(s)
@@ -725,7 +725,9 @@ def reference_page() -> str:
         EdgeSettings,
         title="Edge settings",
         intro=REFERENCE_INTRO,
-        regenerate=".venv/bin/python -m edge_agent.daemon.config docs/reference/edge-settings.md",
+        regenerate=(
+            ".venv/bin/python -m edge_agent.runtime.settings docs/reference/edge-settings.md"
+        ),
     )
 
 

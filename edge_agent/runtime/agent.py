@@ -4,11 +4,17 @@
 fingerprint check), runs a :class:`~edge_agent.session.core.SingleCore` over the link
 (:func:`~edge_agent.link.driver.run_single`) and, when the link drops or desynchronises, reconnects
 with the :class:`~edge_agent.session.retry.RetryPolicy` backoff and resumes from the committed ids
-(the new
-session's first Propose carries them all as fixed tokens, so the verifier re-prefills). With a
-federation it hands the generation to :func:`~edge_agent.link.federation.run_federated`, which
-reconnects each worker by the same policy. Committed text is never lost or duplicated: only the
-:class:`~edge_agent.session.generation.Generation` holds it, and a session only ever appends to it.
+(the new session's first Propose carries them all as fixed tokens, so the verifier re-prefills).
+With a federation it hands the generation to :func:`~edge_agent.link.federation.run_federated`,
+which reconnects each worker by the same policy. Committed text is never lost or duplicated: only
+the :class:`~edge_agent.session.generation.Generation` holds it, and a session only ever appends
+to it.
+
+What the run does reaches its caller as events (:data:`AgentEvent`), in order: the sessions'
+:class:`Committed` and :class:`Finished`, each session's first :class:`RoundTrip`, every failed
+session (:class:`SessionFailed`, its cause a :class:`WaitCause`), every session's own
+:class:`Welcomed`, and last, however the run ends, one :class:`Ended` with the generation's
+:class:`Summary`. :class:`Run` is a generation the caller does not hold: it can only stop it.
 """
 
 from __future__ import annotations
@@ -18,18 +24,21 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from edge_agent.link.connection import TokenRefused, VerifierBusy
-from edge_agent.link.driver import Consumer, VerdictTimeout, handshake, run_single
+from edge_agent.link.driver import VerdictTimeout, handshake, run_single
 from edge_agent.link.federation import WorkerSpec, run_federated
+from edge_agent.link.timed import TimedTransport
 from edge_agent.model.drafter import DraftModel, DraftRow
 from edge_agent.model.tasks import ModelWorker, run_within
+from edge_agent.runtime.events import RoundTrip
 from edge_agent.session.core import SingleCore
-from edge_agent.session.events import GenerationEvent
+from edge_agent.session.events import Committed, Finished, GenerationEvent
 from edge_agent.session.federation_core import ROUND_DEADLINE_S
-from edge_agent.session.generation import Generation, TokenSource
+from edge_agent.session.generation import Generation, Summary, TokenSource
 from edge_agent.session.opening import (
     ContextExceeded,
     DesyncError,
@@ -43,16 +52,21 @@ from edge_agent.session.retry import GiveUp, LinkDownPolicy, Outage, RetryPolicy
 from edge_agent.session.transport import LinkClosed, Transport, announced_welcome
 from shared.errors import FATAL_CODES, ErrorCode
 from shared.wire.codec import encode
-from shared.wire.messages import Fingerprint, Hello, Resume, Welcome
+from shared.wire.messages import Fingerprint, Hello, Resume
 from shared.wire.packing import ProtocolError
 
 __all__ = [
+    "AgentEvent",
     "Connect",
     "ContextExceeded",
     "EdgeAgent",
+    "Ended",
     "HandshakeError",
     "RetryPolicy",
+    "Run",
+    "SessionFailed",
     "VerifierWaitOver",
+    "Welcomed",
 ]
 
 #: A connection attempt made at the very end of the wait still gets this long (so the wait's
@@ -63,12 +77,57 @@ MIN_ATTEMPT_S = 0.5
 class VerifierWaitOver(LinkClosed):
     """The request waited its whole bound (``RetryPolicy.deadline_s``, the daemon's
     ``verifier_wait``) for a verifier without progress. ``retry_after``: whole seconds after
-    which a client may try again; ``waited``: the seconds waited."""
+    which a client may try again; ``waited``: the seconds waited; ``cause``: what the last
+    attempt met (busy, down, stalled); ``busy_retry_after``: a busy verifier's own Retry-After
+    (seconds), when that is what it met."""
 
-    def __init__(self, message: str, *, retry_after: int, waited: float) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: int,
+        waited: float,
+        cause: WaitCause | None = None,
+        detail: str = "",
+        busy_retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
         self.waited = waited
+        self.cause = cause
+        self.detail = detail
+        self.busy_retry_after = busy_retry_after
+
+
+@dataclass(frozen=True)
+class SessionFailed:
+    """A verifier session came to nothing and the run will try again (or give up):
+    ``cause`` what it met, ``detail`` the error's words, ``retry_after`` a busy verifier's
+    Retry-After (seconds)."""
+
+    cause: WaitCause
+    detail: str
+    retry_after: float | None = None
+
+
+@dataclass(frozen=True)
+class Welcomed:
+    """A session's own Welcome came (told once the session is over): its context bounds the
+    link's (a verifier's Ready may announce the model's limit where its sessions get less)."""
+
+    max_context: int
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The run is over, however it ended (finished, failed, cancelled): what it did."""
+
+    summary: Summary
+
+
+#: Everything a run tells its caller, in order.
+AgentEvent = Committed | Finished | RoundTrip | SessionFailed | Welcomed | Ended
+Listener = Callable[[AgentEvent], None]
 
 
 def _resume_token(core: SingleCore | None, known: str | None) -> str | None:
@@ -99,13 +158,9 @@ class EdgeAgent:
         worker: ModelWorker | None = None,
         federation: Sequence[WorkerSpec] = (),
         round_deadline_s: float = ROUND_DEADLINE_S,
-        on_session_failed: Callable[[BaseException], None] | None = None,
-        on_welcome: Callable[[Welcome], None] | None = None,
     ) -> None:
         """``federation``: two or more verifiers that all verify every draft (SpecFed mode,
-        :mod:`edge_agent.link.federation`); ``connect`` is then unused. ``on_session_failed`` hears
-        of every session that fails and is retried (a stalled or lost link); ``on_welcome`` of
-        every session's own Welcome (its limits), once the session is over."""
+        :mod:`edge_agent.link.federation`); ``connect`` is then unused."""
         if drafter is None and federation:
             raise ValueError("federated verification needs a draft model on the edge")
         self.drafter = drafter
@@ -116,8 +171,6 @@ class EdgeAgent:
         self._owns_worker = worker is None
         self.federation = list(federation)
         self.round_deadline_s = round_deadline_s
-        self.on_session_failed = on_session_failed
-        self.on_welcome = on_welcome
 
     def close(self) -> None:
         if self._owns_worker:
@@ -135,16 +188,31 @@ class EdgeAgent:
         prompt: Sequence[int],
         cfg: PipelineConfig,
         *,
-        max_new_tokens: int,
+        max_tokens: int,
         eos_ids: Sequence[int] = (),
         seed: int | None = None,
-        on_event: Consumer | None = None,
+        on_event: Listener | None = None,
     ) -> Generation:
-        """Generate until an end-of-sequence id or ``max_new_tokens``; returns the Generation.
-        ``on_event``: as :meth:`run`'s."""
-        gen = Generation(prompt, max_new_tokens, eos_ids)
+        """Generate until an end-of-sequence id or ``max_tokens``; returns the Generation
+        (the Python API's; a caller that streams uses :class:`Run`). ``on_event``: as
+        :meth:`run`'s."""
+        gen = Generation(prompt, max_tokens, eos_ids, scored=cfg.logprobs is not None)
         await self.run(gen, cfg, seed=seed, on_event=on_event)
         return gen
+
+    def start(
+        self,
+        prompt: Sequence[int],
+        cfg: PipelineConfig,
+        *,
+        max_tokens: int,
+        eos_ids: Sequence[int] = (),
+        seed: int | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> Run:
+        """A generation to run (:meth:`Run.go`) and to stop, whose state stays the agent's."""
+        gen = Generation(prompt, max_tokens, eos_ids, scored=cfg.logprobs is not None)
+        return Run(self, gen, cfg, seed, retry)
 
     async def run(
         self,
@@ -153,14 +221,14 @@ class EdgeAgent:
         *,
         seed: int | None = None,
         retry: RetryPolicy | None = None,
-        on_event: Consumer | None = None,
+        on_event: Listener | None = None,
     ) -> None:
-        """Run ``gen`` until it is done. The caller keeps ``gen``: its committed ids and stats
-        survive a cancellation, and ``gen.finish(reason)`` (e.g. from ``on_event``, on a stop
-        string) ends the run cleanly after the current verdict. ``retry``: this run's policy
-        instead of the agent's (e.g. a short deadline while the link is known to be down).
-        ``on_event`` is handed every Committed and Finished event of the generation, in order
-        (the sessions' and the draft-only fallback's)."""
+        """Run ``gen`` until it is done: its committed ids and stats survive a cancellation,
+        and ``gen.finish(reason)`` (:meth:`Run.stop`) ends the run cleanly after the current
+        verdict. ``retry``: this run's policy instead of the agent's (e.g. a short deadline
+        while the link is known to be down). ``on_event`` is handed every :data:`AgentEvent`
+        of the run but :class:`Ended` (:meth:`Run.go`'s), in order: the Committed and Finished
+        events of the sessions and of the draft-only fallback among them."""
         policy = retry or self.retry
         tell = _teller(on_event)
         rng = np.random.default_rng(seed)
@@ -180,7 +248,7 @@ class EdgeAgent:
                 drafter=self.drafter,
                 worker=self.worker,
                 fingerprint=self.fingerprint,
-                workers=self.federation,
+                workers=[_timed(spec, tell) for spec in self.federation],
                 retry=policy,
                 deadline_s=self.round_deadline_s,
                 seed=seed,
@@ -202,7 +270,7 @@ class EdgeAgent:
             transport: Transport | None = None
             core: SingleCore | None = None
             try:
-                transport = await self._connect(outage, policy)
+                transport = TimedTransport(await self._connect(outage, policy), tell.rtt)
                 resume = None
                 if resume_token is not None:
                     resume = Resume(resume_token, len(gen.committed))
@@ -215,7 +283,7 @@ class EdgeAgent:
                     tell(fit_context(gen, welcome.max_context))
                     if gen.done:
                         return
-                hello = self.hello(cfg, vseed, len(gen.committed) + gen.room, resume)
+                hello = self.hello(cfg, vseed, gen.end, resume)
                 if welcome is None:
                     timeout = policy.handshake_timeout_s
                     if policy.link_down == LinkDownPolicy.WAIT and outage.waiting:
@@ -272,8 +340,8 @@ class EdgeAgent:
             finally:
                 if transport is not None:
                     await transport.close()
-                if core is not None and core.welcome is not None and self.on_welcome is not None:
-                    self.on_welcome(core.welcome)
+                if core is not None and core.welcome is not None:
+                    tell.one(Welcomed(core.welcome.max_context))
 
     async def _connect(self, outage: Outage, policy: RetryPolicy) -> Transport:
         """A session's transport. During a wait (under ``wait``), within what is left of its
@@ -299,7 +367,7 @@ class EdgeAgent:
         err: BaseException,
         committed_before: int,
         began: float | None,
-        tell: Callable[[list[GenerationEvent]], None],
+        tell: _Teller,
     ) -> None:
         """A session failed: count it, give up by the policy, else pause before the next.
 
@@ -313,8 +381,6 @@ class EdgeAgent:
             gen.stats.reconnects += 1
         else:
             gen.stats.busy_refusals += 1
-        if self.on_session_failed is not None:
-            self.on_session_failed(err)
         progressed = len(gen.committed) > committed_before
         first = not outage.waiting or progressed
         before = outage.last
@@ -330,10 +396,19 @@ class EdgeAgent:
                 began=began,
             )
         except GiveUp as e:
-            raise VerifierWaitOver(str(e), retry_after=e.retry_after, waited=e.waited) from err
+            raise VerifierWaitOver(
+                str(e),
+                retry_after=e.retry_after,
+                waited=e.waited,
+                cause=outage.last,
+                detail=str(err),
+                busy_retry_after=None if busy is None else busy.retry_after,
+            ) from err
         policy = outage.policy
         delay = outage.pause(attempt, jitter, now)
         kind = outage.last
+        assert kind is not None  # (outage.failed set it)
+        tell.one(SessionFailed(kind, str(err), None if busy is None else busy.retry_after))
         if first:
             if policy.link_down == LinkDownPolicy.DRAFT_ONLY and self.drafter is not None:
                 log.warning(
@@ -367,7 +442,7 @@ class EdgeAgent:
         rng: np.random.Generator,
         policy: RetryPolicy,
         delay: float,
-        tell: Callable[[list[GenerationEvent]], None],
+        tell: _Teller,
     ) -> None:
         """Between reconnection attempts: wait, or (draft_only) generate with the draft alone
         (its commits are ``tell``'s, as a session's are its driver's)."""
@@ -385,15 +460,68 @@ class EdgeAgent:
                 break
 
 
-def _teller(on_event: Consumer | None) -> Callable[[list[GenerationEvent]], None]:
-    """Hands events the agent itself produces (outside a session) to ``on_event``."""
+class Run:
+    """One generation started by :meth:`EdgeAgent.start`. Its caller runs it (:meth:`go`),
+    hears of it only through the events, and may stop it (a stop string in the text); the
+    generation itself stays the agent's."""
 
-    def tell(events: list[GenerationEvent]) -> None:
+    def __init__(
+        self,
+        agent: EdgeAgent,
+        gen: Generation,
+        cfg: PipelineConfig,
+        seed: int | None,
+        retry: RetryPolicy | None,
+    ) -> None:
+        self._agent, self._gen, self._cfg = agent, gen, cfg
+        self._seed, self._retry = seed, retry
+
+    def stop(self, reason: str = "stop") -> None:
+        """End the generation after the current verdict (its text is cut where it stopped)."""
+        if not self._gen.done:
+            self._gen.finish(reason)
+
+    async def go(self, on_event: Listener) -> None:
+        """Run it to its end; ``on_event`` hears every :data:`AgentEvent`, the last an
+        :class:`Ended`, told however the run ends (before what it raises propagates)."""
+        try:
+            await self._agent.run(
+                self._gen, self._cfg, seed=self._seed, retry=self._retry, on_event=on_event
+            )
+        finally:
+            on_event(Ended(self._gen.summary()))
+
+
+class _Teller:
+    """Hands events the agent itself produces (outside a session) to its listener."""
+
+    def __init__(self, on_event: Listener | None) -> None:
+        self.on_event = on_event
+
+    def __call__(self, events: Sequence[GenerationEvent]) -> None:
         for event in events:
-            if on_event is not None:
-                on_event(event)
+            self.one(event)
 
-    return tell
+    def one(self, event: AgentEvent) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def rtt(self, seconds: float) -> None:
+        self.one(RoundTrip(seconds))
+
+
+def _teller(on_event: Listener | None) -> _Teller:
+    return _Teller(on_event)
+
+
+def _timed(spec: WorkerSpec, tell: _Teller) -> WorkerSpec:
+    """A federation member whose sessions report their first round trip to ``tell``."""
+    inner = spec.connect
+
+    async def connect() -> Transport:
+        return TimedTransport(await inner(), tell.rtt)
+
+    return replace(spec, connect=connect)
 
 
 def _now() -> float:
