@@ -237,6 +237,28 @@ async def _stream(
             await out.write(_line(reply.chunk(ev.text)))
 
 
+async def _stream_to_client(
+    hooks: ServerHooks[Any],
+    out: Writer,
+    events: AsyncIterator[RuntimeEvent],
+    reply: Reply,
+    path: str,
+) -> None:
+    """Stream ``events`` as NDJSON lines and end the body. A client that goes away (or reads
+    nothing) before the last line is a drop (INFO; leaving cancels the generation); one that
+    closes once it has the last line (done or error) dropped nothing: the failed end of the
+    chunked body is only a DEBUG line."""
+    try:
+        await _stream(hooks, out, events, reply)
+    except (ConnectionError, asyncio.TimeoutError) as e:
+        log.info("client of an Ollama %s dropped: %s", path, type(e).__name__)
+        return
+    try:
+        await out.resp.write_eof()
+    except (ConnectionError, asyncio.TimeoutError) as e:
+        log.debug("client of an Ollama %s closed at the end: %s", path, type(e).__name__)
+
+
 def gen_request(state: ServerView, prompt_ids: list[int], opts: OllamaOptions) -> GenRequest:
     """The internal request, as the OpenAI routes build it for the same values."""
     s = state.settings
@@ -330,18 +352,8 @@ async def _generate(
         )
         # The headers go at once; from here an error is the stream's last line.
         await resp.prepare(request)
-        try:
-            await _stream(hooks, Writer(resp, state.settings.write_timeout), events, reply)
-        except (ConnectionError, asyncio.TimeoutError) as e:
-            # the client is gone or reads nothing; leaving cancels the generation
-            log.info("client of an Ollama %s dropped: %s", request.path, type(e).__name__)
-            return resp
-        try:
-            await resp.write_eof()
-        except (ConnectionError, asyncio.TimeoutError) as e:
-            # a client that closes once it has the last line (done or error) dropped nothing
-            why = type(e).__name__
-            log.debug("client of an Ollama %s closed at the end: %s", request.path, why)
+        out = Writer(resp, state.settings.write_timeout)
+        await _stream_to_client(hooks, out, events, reply, request.path)
         return resp
 
 

@@ -705,6 +705,39 @@ async def test_a_client_that_closes_after_done_dropped_nothing(
         assert resp.store[COMPLETION_TOKENS] == 2  # the access log's count
 
 
+@pytest.mark.parametrize(
+    ("fail_at", "fail_eof", "dropped"),
+    [
+        (None, True, False),  # the client read the done line and closed: no drop
+        (None, False, False),
+        (0, False, True),  # gone mid-answer, at the first line: a drop
+        (1, False, True),  # gone before the done line
+    ],
+)
+async def test_an_ollama_client_that_closes_after_its_last_line_dropped_nothing(
+    caplog: pytest.LogCaptureFixture, fail_at: int | None, fail_eof: bool, dropped: bool
+) -> None:
+    """As the OpenAI stream's: Ollama's NDJSON stream is a drop (INFO) only when its client
+    left before the last line."""
+    from types import SimpleNamespace
+
+    from edge_agent.daemon.http_stream import Writer
+    from edge_agent.daemon.ollama_api import Reply, _stream_to_client
+
+    caplog.set_level(logging.DEBUG, logger="wanspec.edge")
+    resp = FakeStream(fail_at, fail_eof)
+    hooks = SimpleNamespace(state=SimpleNamespace(settings=SimpleNamespace(stream_keepalive=5.0)))
+    reply = Reply("tiny", False, 0)
+    out = Writer(cast(Any, resp), 5.0)
+    await _stream_to_client(cast(Any, hooks), out, answer_events(), reply, "/api/generate")
+    drops = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert [r.levelno for r in drops] == ([logging.INFO] if dropped else [])
+    if not dropped:
+        assert b'"done":true' in resp.sent[-1].replace(b" ", b"")
+        closed = [r for r in caplog.records if "closed at the end" in r.getMessage()]
+        assert [r.levelno for r in closed] == ([logging.DEBUG] if fail_eof else [])
+
+
 async def test_cancelling_a_generation_is_clean(
     aiohttp_server: Any, target: LoadedModel, tiny_draft_dir: Path
 ) -> None:
