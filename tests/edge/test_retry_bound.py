@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from edge_agent.daemon.api_errors import ApiError
 from edge_agent.daemon.api_request import completion_budget
-from edge_agent.runtime.context import ContextLimit, retry_policy
+from edge_agent.runtime.context import ContextLimit
+from edge_agent.runtime.service import retry_policy
 from edge_agent.runtime.settings import DEFAULT_VERIFIER_WAIT, EdgeSettings, load_edge_settings
 from edge_agent.session.generation import Generation, TokenSource
 from edge_agent.session.opening import ContextExceeded, fit_context
