@@ -32,7 +32,7 @@ FP = Fingerprint("null", BIG_V, "null")
 
 
 async def test_reduced_load_run(tmp_path: Path) -> None:
-    cfg = LoadConfig(sessions=16, seconds=5.0, prompts=8, max_tokens=24, tokens=2)
+    cfg = LoadConfig(sessions=16, seconds=5.0, prompts=8, max_new_tokens=24, tokens=2)
     rep = await run(cfg, tmp_path)
     assert rep.errors == [] and rep.wrong == 0 and rep.reconnects == 0
     assert rep.generations >= cfg.sessions  # every session finished at least one text

@@ -28,7 +28,7 @@ from tests.verifiers import serve_verifier
 async def test_chaos_every_generation_survives_with_identical_text(tmp_path: Path) -> None:
     cfg = ChaosConfig(
         generations=len(FAULTS),  # one of each fault, in order
-        max_tokens=32,
+        max_new_tokens=32,
         extra_faults=0,
         heartbeat_s=0.5,
         stall_s=1.5,
