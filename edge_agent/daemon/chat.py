@@ -424,9 +424,8 @@ class Repl:
         if self.last.get("cloud_only"):
             speculation = "the cloud drafted for itself"
         elif t["draft_tokens"]:
-            speculation = (
-                f"{t['accepted_tokens'] / t['draft_tokens']:.0%} of the edge's drafts kept"
-            )
+            share = t["accepted_tokens"] / t["draft_tokens"]
+            speculation = f"the cloud agreed with {share:.0%} of the edge's drafts"
         else:
             speculation = "no edge draft checked"
         answers, tokens = plural(t["answers"], "answer"), plural(t["tokens"], "token")

@@ -132,8 +132,10 @@ def plain_line(st: dict[str, Any]) -> str:
         parts.append("no draft model here: the cloud drafted for itself")
     else:
         acc = st.get("acceptance_rate")
-        kept = "no edge draft checked" if acc is None else f"{acc:.0%} of the edge's drafts kept"
-        parts.append(kept)
+        if acc is None:
+            parts.append("no edge draft checked")
+        else:
+            parts.append(f"the cloud agreed with {acc:.0%} of the edge's drafts")
         if sources:
             cloud = sum(int(sources.get(str(s), 0)) for s in _CLOUD_SOURCES)
             total = st.get("tokens")

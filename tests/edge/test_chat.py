@@ -27,8 +27,8 @@ from tests.waits import POLL_S, poll
 
 TOKEN_RE = r"\bt\d+"
 STATS_RE = (
-    r"\d+ tokens? in [\d.]+ s \([\d.]+ tok/s\) · first token [\d.]+ ms · (\d+% of the edge's "
-    r"drafts kept|no edge draft checked) · \d+ of \d+ tokens? written by the cloud"
+    r"\d+ tokens? in [\d.]+ s \([\d.]+ tok/s\) · first token [\d.]+ ms · (the cloud agreed with "
+    r"\d+% of the edge's drafts|no edge draft checked) · \d+ of \d+ tokens? written by the cloud"
     r"( · round trip [\d.]+ ms)?"
 )
 
@@ -296,8 +296,8 @@ STATS: dict[str, Any] = {
     "token_sources": {"edge_draft": 9, "correction": 1, "bonus": 0, "cogenerated": 0},
 }  # fmt: skip
 PLAIN = (
-    "10 tokens in 0.81 s (12.3 tok/s) · first token 131 ms · 75% of the edge's drafts kept"
-    " · 1 of 10 tokens written by the cloud · round trip 12 ms"
+    "10 tokens in 0.81 s (12.3 tok/s) · first token 131 ms · the cloud agreed with 75% of the "
+    "edge's drafts · 1 of 10 tokens written by the cloud · round trip 12 ms"
 )
 DETAIL = (
     "pipelined γ=4 D=2 (mean 4/2) · acceptance 75%, 3.10 accepted/round over 3 rounds"
@@ -330,7 +330,7 @@ def test_under_an_answer_plain_words_and_with_verbose_the_internals(verbose: boo
     assert shown[-3:] == [
         f"  {PLAIN}",
         f"  {DETAIL}",
-        "  session: 1 answer, 10 tokens, 75% of the edge's drafts kept",
+        "  session: 1 answer, 10 tokens, the cloud agreed with 75% of the edge's drafts",
     ]
 
 

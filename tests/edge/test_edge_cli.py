@@ -320,8 +320,8 @@ def test_the_stats_line_is_plain_words_and_the_internals_a_second_line() -> None
     from edge_agent.runtime.report import detail_line, plain_line
 
     assert plain_line(STATS) == (
-        "42 tokens in 1.93 s (21.7 tok/s) · first token 310 ms · 78% of the edge's drafts kept"
-        " · 9 of 42 tokens written by the cloud · round trip 101 ms"
+        "42 tokens in 1.93 s (21.7 tok/s) · first token 310 ms · the cloud agreed with 78% of the "
+        "edge's drafts · 9 of 42 tokens written by the cloud · round trip 101 ms"
     )
     assert detail_line(STATS) == (
         "pipelined γ=12 D=8 (mean 8/6) · acceptance 78%, 2.75 accepted/round over 12 rounds"
