@@ -16,6 +16,8 @@
    (edge), the daemon (the edge's front doors).
 5. A module lives in the package of its only user: every ``shared`` module is used (directly or
    through other ``shared`` modules) by both ``edge_agent`` and ``cloud_verifier``.
+6. A module's underscore names are its own: no product module imports another's (a helper that
+   is shared gets a public name where it lives).
 """
 
 from __future__ import annotations
@@ -397,6 +399,33 @@ def test_imports_are_found_everywhere(tmp_path: Path) -> None:
 def test_no_import_cycles_among_product_modules() -> None:
     cycles = find_cycles()
     assert not cycles, "import cycles among product modules:\n" + "\n".join(cycles)
+
+
+def private_imports(modules: dict[str, Path]) -> list[str]:
+    """One line per ``from <product module> import _name``: a module's underscore names are its
+    own; a helper another module needs gets a public name where it lives."""
+    bad = []
+    for path in modules.values():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+                continue
+            if node.module.split(".")[0] not in PRODUCT:
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+                    bad.append(f"{where}:{node.lineno}: {node.module}.{alias.name}")
+    return bad
+
+
+def test_no_module_imports_another_modules_private_names(tmp_path: Path) -> None:
+    seeded = tmp_path / "user.py"
+    seeded.write_text(
+        "from cloud_verifier.daemon.state import _send, public\nfrom os import _exit\n"
+    )
+    assert private_imports({"user": seeded}) == [f"{seeded}:1: cloud_verifier.daemon.state._send"]
+    bad = private_imports(product_modules())
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)
 
 
 def test_the_layer_checker_sees_a_violation(tmp_path: Path) -> None:
