@@ -4,7 +4,7 @@ engine's measured step cost).
 
 **Survival.** Slot i of a round's draft (0-based, token x_i) is worth s_i, the estimated
 probability that it is reached and accepted, which the session's core sends with its Verify
-(:class:`~cloud_verifier.session.acceptance.Acceptance`): it reads the draft's probabilities
+(:class:`~shared.maths.acceptance.Acceptance`): it reads the draft's probabilities
 of the tokens before x_i only, never q_i, and is non-increasing in i, so ranking by s cuts a
 round's tail, never its middle.
 
