@@ -1,12 +1,13 @@
 """What the edge daemon's HTTP APIs (OpenAI's and Ollama's) share to read a request and write a
-streamed answer: the JSON body within ``client_max_size``, writes each within a deadline, and
-the wait for the next event that keeps a quiet stream open."""
+streamed answer: the JSON body within ``client_max_size``, writes each within a deadline, the
+wait for the next event that keeps a quiet stream open, and the end of a streamed body."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -14,7 +15,7 @@ from aiohttp import web
 
 from edge_agent.daemon.api_request import decode_body
 
-__all__ = ["Writer", "next_event", "read_body"]
+__all__ = ["Writer", "finish_stream", "next_event", "read_body"]
 
 E = TypeVar("E")
 
@@ -53,3 +54,21 @@ async def next_event(out: Writer, events: AsyncIterator[E], keepalive: float, id
             nxt.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await nxt
+
+
+async def finish_stream(out: Writer, lines: Awaitable[None], who: str, log: logging.Logger) -> None:
+    """Write a streamed body (``lines``, ending with its last line: OpenAI's ``[DONE]``,
+        Ollama's done or error line), then end it. A client that goes away (or reads nothing)
+        before the last line is a drop (INFO; leaving cancels the generation); one that closes once
+        it has the last line, as the REPL and many clients do, dropped nothing: the failed end of
+        the chunked body is only a DEBUG line. ``who``: the stream, as the lines ``log`` writes name
+    it."""
+    try:
+        await lines
+    except (ConnectionError, asyncio.TimeoutError) as e:
+        log.info("client of %s dropped: %s", who, type(e).__name__)
+        return
+    try:
+        await out.resp.write_eof()
+    except (ConnectionError, asyncio.TimeoutError) as e:
+        log.debug("client of %s closed at the end: %s", who, type(e).__name__)

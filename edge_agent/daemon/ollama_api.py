@@ -15,7 +15,6 @@ OpenAI routes' status codes; an error after a stream began is its last line.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import logging
@@ -30,7 +29,7 @@ from aiohttp import hdrs, web
 
 from edge_agent.daemon.api_errors import ApiError, from_http
 from edge_agent.daemon.api_request import Body, build_pipeline, completion_budget
-from edge_agent.daemon.http_stream import Writer, next_event, read_body
+from edge_agent.daemon.http_stream import Writer, finish_stream, next_event, read_body
 from edge_agent.daemon.ollama_request import (
     CHAT_KEYS,
     GENERATE_KEYS,
@@ -244,19 +243,9 @@ async def _stream_to_client(
     reply: Reply,
     path: str,
 ) -> None:
-    """Stream ``events`` as NDJSON lines and end the body. A client that goes away (or reads
-    nothing) before the last line is a drop (INFO; leaving cancels the generation); one that
-    closes once it has the last line (done or error) dropped nothing: the failed end of the
-    chunked body is only a DEBUG line."""
-    try:
-        await _stream(hooks, out, events, reply)
-    except (ConnectionError, asyncio.TimeoutError) as e:
-        log.info("client of an Ollama %s dropped: %s", path, type(e).__name__)
-        return
-    try:
-        await out.resp.write_eof()
-    except (ConnectionError, asyncio.TimeoutError) as e:
-        log.debug("client of an Ollama %s closed at the end: %s", path, type(e).__name__)
+    """Stream ``events`` as NDJSON lines and end the body (:func:`finish_stream`: only a
+    client gone before the last line, done or error, dropped anything)."""
+    await finish_stream(out, _stream(hooks, out, events, reply), f"an Ollama {path}", log)
 
 
 def gen_request(state: ServerView, prompt_ids: list[int], opts: OllamaOptions) -> GenRequest:

@@ -44,7 +44,7 @@ from edge_agent.daemon.api_request import (
     parse_prompt,
     parse_request,
 )
-from edge_agent.daemon.http_stream import Writer, next_event, read_body
+from edge_agent.daemon.http_stream import Writer, finish_stream, next_event, read_body
 from edge_agent.daemon.ollama_api import COMPLETION_TOKENS, ServerHooks, add_ollama_routes
 from edge_agent.daemon.progress import Progress, quiet_hub_progress
 from edge_agent.model.tasks import cancel_all
@@ -335,19 +335,10 @@ async def _stream_events(
     keepalive: float,
     rid: str,
 ) -> None:
-    """Stream ``events`` as SSE chunks, ending with ``data: [DONE]``. A client that goes away
-    (or reads nothing) before [DONE] is a drop (INFO; leaving cancels the generation); one
-    that closes once it has [DONE], as the REPL and many clients do, dropped nothing: the
-    failed end of the chunked body is only a DEBUG line."""
-    try:
-        await _write_events(out, events, head, shape, include_usage, keepalive)
-    except (ConnectionError, asyncio.TimeoutError) as e:
-        log.info("client of %s dropped: %s", rid, type(e).__name__)
-        return
-    try:
-        await out.resp.write_eof()
-    except (ConnectionError, asyncio.TimeoutError) as e:
-        log.debug("client of %s closed after [DONE]: %s", rid, type(e).__name__)
+    """Stream ``events`` as SSE chunks, ending with ``data: [DONE]`` (:func:`finish_stream`:
+    only a client gone before [DONE] dropped anything)."""
+    lines = _write_events(out, events, head, shape, include_usage, keepalive)
+    await finish_stream(out, lines, rid, log)
 
 
 async def _write_events(

@@ -196,7 +196,7 @@ class EdgeAgent:
         """Generate until an end-of-sequence id or ``max_tokens``; returns the Generation
         (the Python API's; a caller that streams uses :class:`Run`). ``on_event``: as
         :meth:`run`'s."""
-        gen = Generation(prompt, max_tokens, eos_ids, scored=cfg.logprobs is not None)
+        gen = _generation(prompt, cfg, max_tokens, eos_ids)
         await self.run(gen, cfg, seed=seed, on_event=on_event)
         return gen
 
@@ -211,8 +211,7 @@ class EdgeAgent:
         retry: RetryPolicy | None = None,
     ) -> Run:
         """A generation to run (:meth:`Run.go`) and to stop, whose state stays the agent's."""
-        gen = Generation(prompt, max_tokens, eos_ids, scored=cfg.logprobs is not None)
-        return Run(self, gen, cfg, seed, retry)
+        return Run(self, _generation(prompt, cfg, max_tokens, eos_ids), cfg, seed, retry)
 
     async def run(
         self,
@@ -230,7 +229,7 @@ class EdgeAgent:
         of the run but :class:`Ended` (:meth:`Run.go`'s), in order: the Committed and Finished
         events of the sessions and of the draft-only fallback among them."""
         policy = retry or self.retry
-        tell = _teller(on_event)
+        tell = _Teller(on_event)
         rng = np.random.default_rng(seed)
         if self.drafter is None and not cfg.cogen:
             raise ValueError("with no draft model the verifier writes the text: cogen must be on")
@@ -510,8 +509,12 @@ class _Teller:
         self.one(RoundTrip(seconds))
 
 
-def _teller(on_event: Listener | None) -> _Teller:
-    return _Teller(on_event)
+def _generation(
+    prompt: Sequence[int], cfg: PipelineConfig, max_tokens: int, eos_ids: Sequence[int]
+) -> Generation:
+    """A new generation of ``prompt``, scored (its commits carry log-probabilities) exactly when
+    ``cfg`` asks the verifier for them."""
+    return Generation(prompt, max_tokens, eos_ids, scored=cfg.logprobs is not None)
 
 
 def _timed(spec: WorkerSpec, tell: _Teller) -> WorkerSpec:

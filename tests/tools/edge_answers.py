@@ -11,15 +11,12 @@ greedy requests and fixed seeds, so the texts are the same).
 from __future__ import annotations
 
 import json
-import tempfile
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
-from shared.runtime.models import load_model
-from testkit.tiny_models import build_tiny_model
-from tests.edge_helpers import Servers, edge_settings
+from tests.edge_helpers import edge_settings
+from tests.tools import tiny_verifier
 
 VOLATILE = {
     "id",
@@ -71,12 +68,7 @@ def call(base: str, path: str, body: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    tmp = Path(tempfile.mkdtemp())
-    target = load_model(str(build_tiny_model(tmp / "t", vocab_size=64, seed=0)))
-    draft_dir = build_tiny_model(tmp / "d", vocab_size=64, seed=1)
-    servers = Servers(tmp)
-    try:
-        url = servers.verifier(target)
+    with tiny_verifier() as (servers, url, draft_dir):
         base, _ = servers.edge(edge_settings(draft_dir, url, servers.token_file))
         nowhere = "ws://127.0.0.1:9/v1/session"  # (nothing listens on port 9)
         down_settings = edge_settings(
@@ -162,8 +154,6 @@ def main() -> None:
         ]
         for where, path, body in cases:
             print(json.dumps(call(where, path, body), sort_keys=True))
-    finally:
-        servers.close()
 
 
 if __name__ == "__main__":

@@ -11,24 +11,17 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import urllib.request
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from shared.runtime.models import load_model
-from testkit.tiny_models import build_tiny_model
-from tests.edge_helpers import Servers, edge_settings
+from tests.edge_helpers import edge_settings
+from tests.tools import tiny_verifier
 
 
 def main() -> None:
-    tmp = Path(tempfile.mkdtemp())
-    target = load_model(str(build_tiny_model(tmp / "t", vocab_size=64, seed=0)))
-    draft_dir = build_tiny_model(tmp / "d", vocab_size=64, seed=1)
-    servers = Servers(tmp)
-    try:
-        url = servers.verifier(target)
+    with tiny_verifier() as (servers, url, draft_dir):
         settings = edge_settings(draft_dir, url, servers.token_file, max_concurrent=1)
         base, service = servers.edge(settings)
         root = str(Path("edge_agent").resolve())
@@ -53,8 +46,6 @@ def main() -> None:
         )
         print(len(modules))
         print("\n".join(modules))
-    finally:
-        servers.close()
 
 
 def first_token(base: str) -> None:
